@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole suite: lint, import layering, then pytest.
+# Tests that need Redis use REDIS_URL (default redis://127.0.0.1:6379/0). When nothing
+# answers there, a private redis-server is started on a free port for the run (the Debian
+# package is installed if missing) and stopped afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=0
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+
+private_redis_pid=""
+private_redis_dir=""
+cleanup() {
+    if [[ -n "$private_redis_pid" ]]; then
+        kill "$private_redis_pid" 2>/dev/null || true
+        wait "$private_redis_pid" 2>/dev/null || true
+    fi
+    [[ -n "$private_redis_dir" ]] && rm -rf "$private_redis_dir"
+}
+trap cleanup EXIT
+
+if ! "$PY" scripts/redis_ping.py "$REDIS_URL"; then
+    if ! command -v redis-server >/dev/null; then
+        echo "redis-server is missing: installing Debian's redis-server package"
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    fi
+    port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    private_redis_dir=$(mktemp -d)
+    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no \
+        --dir "$private_redis_dir" --logfile "$private_redis_dir/redis.log" &
+    private_redis_pid=$!
+    export REDIS_URL="redis://127.0.0.1:$port/0"
+    echo "No Redis answered; started a private redis-server at $REDIS_URL"
+    "$PY" scripts/redis_ping.py "$REDIS_URL" --wait 10
+fi
+
+echo "== ruff"
+"$VENV/bin/ruff" check .
+echo "== import layering"
+"$VENV/bin/lint-imports"
+echo "== pytest (REDIS_URL=$REDIS_URL)"
+"$PY" -m pytest -q -rs "$@"
