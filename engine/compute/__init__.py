@@ -1,0 +1,1 @@
+"""Compute Flow: the units that run node operations (Python functions, models)."""

@@ -1,0 +1,169 @@
+"""The `python` role kind: runs plain Python functions named `module:function`.
+
+Input ports and node params become keyword arguments; a function that takes `ctx`
+gets the `NodeContext`. Plain functions run inline on the event loop (they are meant
+to be short: give blocking work its own role worker process); coroutine functions are
+awaited; generators stream frames. A stream-mode input arrives as an async iterator to
+a coroutine function, and as a blocking iterator to a plain function, which then runs
+in the unit's thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
+from engine.spec.graph import RoleSpec
+
+
+class OperationError(LookupError):
+    """A python node's `op` does not name an importable function."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Function:
+    fn: Callable[..., Any]
+    takes_ctx: bool
+    is_coroutine: bool
+    is_generator: bool
+    is_async_generator: bool
+
+
+def resolve_function(op: str) -> Callable[..., Any]:
+    """Import `module:qualname` and return the callable it names."""
+    module_name, sep, qualname = op.partition(":")
+    if not sep or not module_name or not qualname:
+        raise OperationError(f"operation {op!r} is not of the form 'module:function'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OperationError(f"operation {op!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in qualname.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise OperationError(f"operation {op!r}: module {module_name!r} has no {qualname!r}") from None
+    if not callable(target):
+        raise OperationError(f"operation {op!r} names a {type(target).__name__}, not a function")
+    return target
+
+
+class _BlockingIterator(Iterator[Any]):
+    """Reads an async iterator that lives on `loop` from a worker thread."""
+
+    def __init__(self, source: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._source = source
+        self._loop = loop
+
+    def __next__(self) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self._source.__anext__(), self._loop)
+        try:
+            return future.result()
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+
+_DONE = object()
+
+
+class PythonUnit(ComputeUnit):
+    def __init__(self, role: RoleSpec) -> None:
+        self.role = role
+        self._functions: dict[str, _Function] = {}
+        self._threads = ThreadPoolExecutor(
+            max_workers=int(role.params.get("capacity", 64)), thread_name_prefix=f"omniflow-{role.name}"
+        )
+
+    def _function(self, op: str | None) -> _Function:
+        if op is None:
+            raise OperationError("a python node needs an op 'module:function'")
+        found = self._functions.get(op)
+        if found is None:
+            fn = resolve_function(op)
+            try:
+                takes_ctx = "ctx" in inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                takes_ctx = False
+            found = _Function(
+                fn=fn,
+                takes_ctx=takes_ctx,
+                is_coroutine=inspect.iscoroutinefunction(fn),
+                is_generator=inspect.isgeneratorfunction(fn),
+                is_async_generator=inspect.isasyncgenfunction(fn),
+            )
+            self._functions[op] = found
+        return found
+
+    def _kwargs(self, call: NodeCall, ctx: NodeContext, func: _Function, blocking: bool) -> dict[str, Any]:
+        kwargs = dict(call.inputs)
+        if blocking:
+            loop = asyncio.get_running_loop()
+            for name, value in kwargs.items():
+                if isinstance(value, AsyncIterator):
+                    kwargs[name] = _BlockingIterator(value, loop)
+        kwargs.update(call.params)
+        if func.takes_ctx:
+            kwargs["ctx"] = ctx
+        return kwargs
+
+    async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
+        func = self._function(call.op)
+        if func.is_generator or func.is_async_generator:
+            raise OperationError(f"node {call.node_id!r}: {call.op} is a generator; mark the node stream=True")
+        has_stream_input = any(isinstance(v, AsyncIterator) for v in call.inputs.values())
+        if func.is_coroutine:
+            value = await func.fn(**self._kwargs(call, ctx, func, blocking=False))
+        elif has_stream_input:
+            kwargs = self._kwargs(call, ctx, func, blocking=True)
+            value = await asyncio.get_running_loop().run_in_executor(self._threads, lambda: func.fn(**kwargs))
+        else:
+            value = func.fn(**self._kwargs(call, ctx, func, blocking=False))
+        route = None
+        if isinstance(value, Route):
+            if not call.router:
+                raise OperationError(f"node {call.node_id!r} returned a Route but declares no routes")
+            route, value = value.to, value.value
+        elif call.router:
+            raise OperationError(f"router node {call.node_id!r} must return Route(to=..., value=...)")
+        return NodeResult(outputs=map_outputs(value, call.output_ports, call.node_id), route=route)
+
+    async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
+        func = self._function(call.op)
+        if func.is_async_generator:
+            async for item in func.fn(**self._kwargs(call, ctx, func, blocking=False)):
+                yield map_frame(item, call.output_ports, call.node_id)
+            return
+        if not func.is_generator:
+            raise OperationError(f"streaming node {call.node_id!r}: {call.op} must be a generator function")
+        loop = asyncio.get_running_loop()
+        frames: asyncio.Queue[Any] = asyncio.Queue()
+        kwargs = self._kwargs(call, ctx, func, blocking=True)
+
+        def produce() -> None:
+            try:
+                for item in func.fn(**kwargs):
+                    loop.call_soon_threadsafe(frames.put_nowait, (item, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+                loop.call_soon_threadsafe(frames.put_nowait, (_DONE, exc))
+                return
+            loop.call_soon_threadsafe(frames.put_nowait, (_DONE, None))
+
+        # A cancelled consumer leaves the thread to finish its generator on its own:
+        # Python offers no way to interrupt it.
+        loop.run_in_executor(self._threads, produce)
+        while True:
+            item, error = await frames.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                return
+            yield map_frame(item, call.output_ports, call.node_id)
+
+    async def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Control Flow: the workflow DSL, validation, planning, execution, discovery and balancing."""

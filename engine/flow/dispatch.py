@@ -1,0 +1,86 @@
+"""Dispatchers hand node executions to compute units.
+
+The executor never runs a model itself: it asks a `Dispatcher` to execute a
+`NodeCall` on a role. `InProcessDispatcher` hosts the units in this process (the
+embedded mode and tests); the worker dispatcher sends them to role worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult
+from engine.spec.graph import RoleSpec
+from engine.spec.kinds import KindRegistry
+
+
+class Dispatcher(Protocol):
+    async def execute(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> NodeResult:
+        """Run `call` on a unit of `role`; call `started()` when it leaves the queue."""
+        ...
+
+    def execute_stream(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run a streaming node: yields its frames (port -> value)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def load_runner(ref: str) -> type[ComputeUnit]:
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class InProcessDispatcher:
+    """Runs every role's unit in this process. A role runs at most
+    `replicas x capacity` node executions at once; the rest wait their turn (queued)."""
+
+    DEFAULT_CAPACITY = 64
+
+    def __init__(self, kinds: KindRegistry) -> None:
+        self._kinds = kinds
+        self._units: dict[tuple[str, str], ComputeUnit] = {}
+        self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
+
+    def _key(self, role: RoleSpec) -> tuple[str, str]:
+        # Roles of different workflows may share a name; the spec itself tells them apart.
+        return (role.name, repr(role))
+
+    def _unit(self, role: RoleSpec) -> tuple[ComputeUnit, asyncio.Semaphore]:
+        key = self._key(role)
+        unit = self._units.get(key)
+        if unit is None:
+            runner = load_runner(self._kinds.role_kind(role.kind).runner)
+            unit = self._units[key] = runner(role)
+            capacity = int(role.params.get("capacity", self.DEFAULT_CAPACITY))
+            self._slots[key] = asyncio.Semaphore(role.replicas * capacity)
+        return unit, self._slots[key]
+
+    async def execute(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> NodeResult:
+        unit, slots = self._unit(role)
+        async with slots:
+            started()
+            return await unit.execute(call, ctx)
+
+    async def execute_stream(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> AsyncIterator[dict[str, Any]]:
+        unit, slots = self._unit(role)
+        async with slots:
+            started()
+            async for frame in unit.execute_stream(call, ctx):
+                yield frame
+
+    async def close(self) -> None:
+        units, self._units = list(self._units.values()), {}
+        for unit in units:
+            await unit.close()

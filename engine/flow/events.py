@@ -1,0 +1,171 @@
+"""Run events: what the executor reports, in order, with contiguous sequence numbers.
+
+Every run's stream starts with `run_started` (seq 0) and ends with `run_finished`.
+A client that saw events up to seq k resumes with `since=k + 1` and misses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+
+class NodeState(enum.StrEnum):
+    PENDING = "pending"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL_NODE
+
+
+_TERMINAL_NODE = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.SKIPPED, NodeState.CANCELLED})
+
+
+class RunStatus(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RunStarted(msgspec.Struct, tag="run_started", kw_only=True):
+    seq: int
+    run_id: str
+    time: float
+    workflow: str
+    nodes: list[str]
+
+
+class NodeStateEvent(msgspec.Struct, tag="node_state", kw_only=True, omit_defaults=True):
+    seq: int
+    run_id: str
+    time: float
+    node: str
+    state: NodeState
+    attempt: int = 0
+    iteration: int = 0
+    error: str | None = None
+    duration_ms: float | None = None
+
+
+class NodeOutputEvent(msgspec.Struct, tag="node_output", kw_only=True, omit_defaults=True):
+    seq: int
+    run_id: str
+    time: float
+    node: str
+    port: str
+    value: Any
+    frame: int | None = None
+    """Sequence number of a streamed frame; None for a node's final output."""
+    iteration: int = 0
+
+
+class NodeProgressEvent(msgspec.Struct, tag="node_progress", kw_only=True, omit_defaults=True):
+    seq: int
+    run_id: str
+    time: float
+    node: str
+    progress: float | None = None
+    message: str = ""
+
+
+class RunFinished(msgspec.Struct, tag="run_finished", kw_only=True, omit_defaults=True):
+    seq: int
+    run_id: str
+    time: float
+    status: RunStatus
+    outputs: dict[str, Any] = {}
+    error: str | None = None
+    failed_node: str | None = None
+    duration_ms: float = 0.0
+
+
+RunEvent = RunStarted | NodeStateEvent | NodeOutputEvent | NodeProgressEvent | RunFinished
+
+_JSON = msgspec.json.Encoder()
+
+
+def event_to_dict(event: RunEvent) -> dict[str, Any]:
+    return msgspec.to_builtins(event)
+
+
+def encode_event(event: RunEvent) -> bytes:
+    return _JSON.encode(event)
+
+
+PREVIEW_CHARS = 2000
+
+
+def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
+    """A JSON-able, bounded rendering of a port value for events and UIs."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + f"… ({len(value)} chars)"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"bytes": len(value)}
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return {"tensor": {"shape": list(shape), "dtype": str(dtype)}}
+    try:
+        encoded = _JSON.encode(value)
+    except (TypeError, msgspec.EncodeError):
+        return {"repr": repr(value)[:limit]}
+    if len(encoded) <= limit:
+        return msgspec.json.decode(encoded)
+    return {"truncated": encoded[:limit].decode("utf-8", "replace"), "bytes": len(encoded)}
+
+
+class EventLog:
+    """The ordered events of one run; any number of readers, each from any seq."""
+
+    def __init__(self) -> None:
+        self._events: list[RunEvent] = []
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    @property
+    def next_seq(self) -> int:
+        return len(self._events)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def append(self, event: RunEvent) -> None:
+        assert event.seq == len(self._events), "event sequence numbers are contiguous"
+        self._events.append(event)
+        self._changed.set()
+        if isinstance(event, RunFinished):
+            self._closed = True
+
+    def snapshot(self, since: int = 0) -> list[RunEvent]:
+        return self._events[since:]
+
+    async def follow(self, since: int = 0) -> AsyncIterator[RunEvent]:
+        """Events from `since` on, as they come; ends after `run_finished`."""
+        position = max(0, since)
+        while True:
+            while position < len(self._events):
+                event = self._events[position]
+                position += 1
+                yield event
+            if self._closed:
+                return
+            self._changed.clear()
+            await self._changed.wait()

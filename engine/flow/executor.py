@@ -1,0 +1,689 @@
+"""The executor: runs plans on asyncio, many runs at once.
+
+Each run is a `Run`: a small state machine per node (`pending -> queued -> running ->
+done | failed | skipped | cancelled`) driven by deliveries along edges. All state is
+touched only from the event loop, so there are no locks. Node work goes through a
+`Dispatcher`; the executor itself only runs `input` and `output` nodes.
+
+Firing rule. A node fires when one of its trigger groups is satisfied: every member
+has delivered in this activation or is *settled* (can never deliver again), and at
+least one delivered. A node that never fired is skipped once all its groups are dead
+(every member settled without delivering). A predecessor outside any cycle is settled
+when it reaches a terminal state; one inside a cycle is settled when its whole cycle
+is quiet (nothing in it queued or running, nothing outside feeding it still active,
+and no member able to fire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.flow.dispatch import Dispatcher
+from engine.flow.events import (
+    EventLog,
+    NodeOutputEvent,
+    NodeProgressEvent,
+    NodeState,
+    NodeStateEvent,
+    RunEvent,
+    RunFinished,
+    RunStarted,
+    RunStatus,
+    preview,
+)
+from engine.flow.plan import Plan, build_plan
+from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.graph import GraphSpec, NodeSpec
+from engine.spec.kinds import KindRegistry
+
+
+class RunInputError(ValueError):
+    """Run inputs do not match the workflow's `input` nodes."""
+
+
+class NodeFailure(RuntimeError):
+    """Raised into a run's result: which node failed and why."""
+
+
+@dataclass(slots=True)
+class NodeSummary:
+    state: NodeState
+    attempts: int
+    iterations: int
+    started_ms: float | None
+    duration_ms: float | None
+    error: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": str(self.state),
+            "attempts": self.attempts,
+            "iterations": self.iterations,
+            "started_ms": self.started_ms,
+            "duration_ms": self.duration_ms,
+            "error": self.error,
+        }
+
+
+@dataclass(slots=True)
+class RunResult:
+    run_id: str
+    workflow: str
+    status: RunStatus
+    outputs: dict[str, Any]
+    error: str | None
+    failed_node: str | None
+    duration_ms: float
+    nodes: dict[str, NodeSummary]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "status": str(self.status),
+            "outputs": self.outputs,
+            "error": self.error,
+            "failed_node": self.failed_node,
+            "duration_ms": self.duration_ms,
+            "nodes": {k: v.to_dict() for k, v in self.nodes.items()},
+        }
+
+
+class StreamChannel:
+    """Frames of one stream edge, read by one consumer as an async iterator."""
+
+    __slots__ = ("_frames", "_changed", "_closed", "_position")
+
+    def __init__(self) -> None:
+        self._frames: list[Any] = []
+        self._changed = asyncio.Event()
+        self._closed = False
+        self._position = 0
+
+    def put(self, value: Any) -> None:
+        self._frames.append(value)
+        self._changed.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._changed.set()
+
+    def __aiter__(self) -> StreamChannel:
+        return self
+
+    async def __anext__(self) -> Any:
+        while self._position >= len(self._frames):
+            if self._closed:
+                raise StopAsyncIteration
+            self._changed.clear()
+            await self._changed.wait()
+        value = self._frames[self._position]
+        self._position += 1
+        return value
+
+
+@dataclass(slots=True)
+class _Node:
+    spec: NodeSpec
+    cyclic: bool
+    component: int
+    state: NodeState = NodeState.PENDING
+    fired: int = 0
+    attempt: int = 0
+    delivered: set[str] = field(default_factory=set)
+    inbox: dict[str, list[tuple[int, int, Any]]] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    started: float | None = None
+    first_started: float | None = None
+    busy_s: float = 0.0
+    error: str | None = None
+    stream_buffers: dict[int, list[Any]] = field(default_factory=dict)
+    stream_channels: dict[int, StreamChannel] = field(default_factory=dict)
+
+
+class Run:
+    """One execution of a plan. Created by `Executor.submit`; read its events with
+    `events()`, wait for the result with `wait()`, stop it with `cancel()`."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        inputs: dict[str, Any],
+        dispatcher: Dispatcher,
+        *,
+        run_id: str,
+        timeout_s: float | None,
+    ) -> None:
+        self.id = run_id
+        self.plan = plan
+        self.inputs = inputs
+        self.timeout_s = timeout_s
+        self.status = RunStatus.PENDING
+        self.outputs: dict[str, Any] = {}
+        self.error: str | None = None
+        self.failed_node: str | None = None
+        self.log = EventLog()
+        self._dispatcher = dispatcher
+        self._nodes = {
+            nid: _Node(
+                spec=plan.nodes[nid],
+                cyclic=plan.topo.is_cyclic(nid),
+                component=plan.topo.component_of[nid],
+            )
+            for nid in plan.order
+        }
+        self._active = 0
+        self._settled_components: set[int] = set()
+        self._assume_settled: int | None = None
+        self._finished = asyncio.get_running_loop().create_future()
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._result: RunResult | None = None
+
+    # ----------------------------------------------------------------- public
+    def events(self, since: int = 0) -> AsyncIterator[RunEvent]:
+        """Events from seq `since` on (those already emitted first), ending with run_finished."""
+        return self.log.follow(since)
+
+    async def wait(self) -> RunResult:
+        if self._supervisor is not None:
+            await asyncio.shield(self._supervisor)
+        assert self._result is not None
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    async def cancel(self) -> None:
+        """Stop the run: running nodes are cancelled (their units see the cancellation)."""
+        if self._result is None and not self._finished.done():
+            self._finished.set_result((RunStatus.CANCELLED, "cancelled by request", None))
+        await self.wait()
+
+    def node_state(self, node_id: str) -> NodeState:
+        return self._nodes[node_id].state
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name=f"run-{self.id}")
+
+    async def _supervise(self) -> None:
+        self.status = RunStatus.RUNNING
+        self._emit(RunStarted(seq=self.log.next_seq, run_id=self.id, time=time.time(),
+                              workflow=self.plan.name, nodes=list(self.plan.order)))
+        for nid in self.plan.order:
+            if not self.plan.topo.preds[nid]:
+                self._fire(self._nodes[nid])
+        self._check_quiet()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                status, error, failed_node = await self._finished
+        except TimeoutError:
+            status, error, failed_node = RunStatus.FAILED, f"run timed out after {self.timeout_s} s", None
+        await self._finish(status, error, failed_node)
+
+    async def _finish(self, status: RunStatus, error: str | None, failed_node: str | None) -> None:
+        tasks = [n.task for n in self._nodes.values() if n.task is not None and not n.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        now = time.perf_counter()
+        for node in self._nodes.values():
+            if node.state in (NodeState.QUEUED, NodeState.RUNNING):
+                if node.started is not None:
+                    node.busy_s += now - node.started
+                self._set_state(node, NodeState.CANCELLED)
+            elif node.state == NodeState.PENDING and status != RunStatus.DONE:
+                self._set_state(node, NodeState.CANCELLED)
+            for channel in node.stream_channels.values():
+                channel.close()
+        self.status = status
+        self.error = error
+        self.failed_node = failed_node
+        duration_ms = (now - self._t0) * 1e3
+        self._emit(RunFinished(seq=self.log.next_seq, run_id=self.id, time=time.time(), status=status,
+                               outputs={k: preview(v) for k, v in self.outputs.items()}, error=error,
+                               failed_node=failed_node, duration_ms=duration_ms))
+        self._result = RunResult(
+            run_id=self.id,
+            workflow=self.plan.name,
+            status=status,
+            outputs=dict(self.outputs),
+            error=error,
+            failed_node=failed_node,
+            duration_ms=duration_ms,
+            nodes={nid: self._summary(n) for nid, n in self._nodes.items()},
+        )
+
+    def _summary(self, node: _Node) -> NodeSummary:
+        return NodeSummary(
+            state=node.state,
+            attempts=node.attempt,
+            iterations=node.fired,
+            started_ms=None if node.first_started is None else (node.first_started - self._t0) * 1e3,
+            duration_ms=None if node.first_started is None else node.busy_s * 1e3,
+            error=node.error,
+        )
+
+    def _fail(self, node: _Node, message: str) -> None:
+        node.error = message
+        self._set_state(node, NodeState.FAILED)
+        if not self._finished.done():
+            self._finished.set_result((RunStatus.FAILED, f"node {node.spec.id!r} failed: {message}", node.spec.id))
+
+    # --------------------------------------------------------------- events
+    def _emit(self, event: RunEvent) -> None:
+        self.log.append(event)
+
+    def _set_state(self, node: _Node, state: NodeState, duration_ms: float | None = None) -> None:
+        node.state = state
+        self._emit(NodeStateEvent(seq=self.log.next_seq, run_id=self.id, time=time.time(), node=node.spec.id,
+                                  state=state, attempt=node.attempt, iteration=node.fired, error=node.error
+                                  if state == NodeState.FAILED else None, duration_ms=duration_ms))
+
+    def _progress(self, node_id: str, fraction: float | None, message: str) -> None:
+        if self._result is None:
+            self._emit(NodeProgressEvent(seq=self.log.next_seq, run_id=self.id, time=time.time(), node=node_id,
+                                         progress=fraction, message=message))
+
+    # --------------------------------------------------------------- firing
+    def _settled(self, pred: str) -> bool:
+        node = self._nodes[pred]
+        if not node.cyclic:
+            return node.state.terminal
+        return node.component in self._settled_components or node.component == self._assume_settled
+
+    def _evaluate(self, node: _Node) -> bool:
+        """Fire or skip `node` if its triggers allow; True when it fired."""
+        if node.state in (NodeState.QUEUED, NodeState.RUNNING, NodeState.FAILED, NodeState.CANCELLED,
+                          NodeState.SKIPPED):
+            return False
+        if node.state == NodeState.DONE and not node.cyclic:
+            return False
+        delivered = node.delivered
+        all_dead = True
+        for group in self.plan.triggers[node.spec.id]:
+            hit = False
+            complete = True
+            for member in group:
+                if member in delivered:
+                    hit = True
+                elif not self._settled(member):
+                    complete = False
+                    break
+            if complete and hit:
+                self._fire(node)
+                return True
+            if not complete or hit:
+                all_dead = False
+        if all_dead and node.fired == 0 and self._finished_ok():
+            self._skip(node, "no trigger group can be satisfied")
+        return False
+
+    def _finished_ok(self) -> bool:
+        return not self._finished.done()
+
+    def _skip(self, node: _Node, reason: str) -> None:
+        node.error = reason
+        self._set_state(node, NodeState.SKIPPED)
+        for edge in self.plan.out_edges[node.spec.id]:
+            channel = node.stream_channels.get(edge.index)
+            if channel is not None:
+                channel.close()
+        self._after_settle(node)
+
+    def _gather_inputs(self, node: _Node) -> dict[str, Any] | str:
+        """Input values for a firing, or a reason to skip the node."""
+        values: dict[str, Any] = {}
+        for port, pspec in node.spec.inputs.items():
+            arrivals = node.inbox.get(port, [])
+            if pspec.join is None:
+                if not arrivals:
+                    if pspec.optional:
+                        continue
+                    return f"input port {port!r} received nothing"
+                if len(arrivals) > 1:
+                    sources = ", ".join(self.plan.spec.edges[i].source for i, _, _ in arrivals)
+                    raise NodeFailure(f"input port {port!r} received {len(arrivals)} values (from {sources});"
+                                      " declare a join on it")
+                values[port] = arrivals[0][2]
+            elif pspec.join == "all":
+                values[port] = [v for _, _, v in sorted(arrivals, key=lambda a: a[0])]
+            elif pspec.join == "ordered":
+                values[port] = [v for _, _, v in sorted(arrivals, key=lambda a: (a[0], a[1]))]
+            else:
+                values[port] = [v for _, _, v in arrivals]
+        return values
+
+    def _fire(self, node: _Node) -> None:
+        if self._finished.done():
+            return
+        spec = node.spec
+        if spec.max_iterations is not None and node.fired >= spec.max_iterations:
+            self._fail(node, f"reached max_iterations={spec.max_iterations} without leaving its loop")
+            return
+        try:
+            inputs = self._gather_inputs(node)
+        except NodeFailure as exc:
+            self._fail(node, str(exc))
+            return
+        node.inbox = {}
+        node.delivered = set()
+        if isinstance(inputs, str):
+            if node.fired == 0:
+                self._skip(node, inputs)
+            return
+        node.fired += 1
+        node.attempt = 0
+        kind = spec.kind
+        if kind == "input":
+            now = time.perf_counter()
+            node.first_started = node.first_started or now
+            self._complete(node, NodeResult(outputs={"value": self.inputs[spec.id]}), now)
+            return
+        if kind == "output":
+            now = time.perf_counter()
+            node.first_started = node.first_started or now
+            self.outputs[spec.id] = inputs.get("value")
+            self._complete(node, NodeResult(outputs={}), now, output_value=inputs.get("value"))
+            return
+        self._launch(node, inputs)
+
+    def _launch(self, node: _Node, inputs: dict[str, Any]) -> None:
+        node.attempt += 1
+        self._active += 1
+        self._set_state(node, NodeState.QUEUED)
+        node.task = asyncio.get_running_loop().create_task(self._execute(node, inputs))
+
+    def _started(self, node: _Node) -> None:
+        node.started = time.perf_counter()
+        if node.first_started is None:
+            node.first_started = node.started
+        self._set_state(node, NodeState.RUNNING)
+
+    async def _execute(self, node: _Node, inputs: dict[str, Any]) -> None:
+        spec = node.spec
+        role = self.plan.roles[spec.role] if spec.role is not None else None
+        assert role is not None, "validated: dispatched nodes have a role"
+        call = NodeCall(
+            run_id=self.id,
+            node_id=spec.id,
+            op=spec.op,
+            params=spec.params,
+            inputs=inputs,
+            output_ports=tuple(spec.outputs),
+            stream=spec.stream,
+            router=spec.routes is not None,
+            iteration=node.fired,
+            attempt=node.attempt,
+        )
+        ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
+                          report_progress=lambda f, m: self._progress(spec.id, f, m))
+        try:
+            async with asyncio.timeout(spec.timeout_s):
+                if spec.stream:
+                    frames = 0
+                    async for frame in self._dispatcher.execute_stream(role, call, ctx, lambda: self._started(node)):
+                        self._on_frame(node, frames, frame)
+                        frames += 1
+                    result = NodeResult(outputs={})
+                else:
+                    result = await self._dispatcher.execute(role, call, ctx, lambda: self._started(node))
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self._attempt_failed(node, inputs, f"timed out after {spec.timeout_s} s")
+            return
+        except Exception as exc:  # noqa: BLE001 - a node's exception is its failure, reported in the run
+            self._attempt_failed(node, inputs, f"{type(exc).__name__}: {exc}")
+            return
+        node.task = None
+        self._active -= 1
+        if self._finished.done():
+            return
+        self._complete(node, result, time.perf_counter())
+        self._check_quiet()
+
+    def _attempt_failed(self, node: _Node, inputs: dict[str, Any], message: str) -> None:
+        node.task = None
+        if node.started is not None:
+            node.busy_s += time.perf_counter() - node.started
+            node.started = None
+        has_streams = bool(node.stream_channels) or any(isinstance(v, StreamChannel) for v in inputs.values())
+        if node.attempt <= node.spec.retries and not has_streams and self._finished_ok():
+            node.error = message
+            self._active -= 1
+            self._set_state(node, NodeState.FAILED)
+            self._launch(node, inputs)
+            return
+        self._active -= 1
+        self._fail(node, message)
+
+    def _on_frame(self, node: _Node, index: int, frame: dict[str, Any]) -> None:
+        nid = node.spec.id
+        now = time.time()
+        for port, value in frame.items():
+            self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=now, node=nid, port=port,
+                                       value=preview(value), frame=index, iteration=node.fired))
+        for edge in self.plan.out_edges[nid]:
+            port = edge.spec.source_port
+            if port not in frame:
+                continue
+            if edge.spec.stream:
+                channel = node.stream_channels.get(edge.index)
+                if channel is None:
+                    channel = node.stream_channels[edge.index] = StreamChannel()
+                    self._deliver(nid, edge.index, edge.spec.target, edge.spec.target_port, 0, channel)
+                    channel.put(frame[port])
+                    self._evaluate(self._nodes[edge.spec.target])
+                else:
+                    channel.put(frame[port])
+            else:
+                node.stream_buffers.setdefault(edge.index, []).append(frame[port])
+
+    def _deliver(self, source: str, edge_index: int, target: str, port: str, seq: int, value: Any) -> None:
+        tnode = self._nodes[target]
+        tnode.inbox.setdefault(port, []).append((edge_index, seq, value))
+        tnode.delivered.add(source)
+
+    def _complete(self, node: _Node, result: NodeResult, now: float, output_value: Any = None) -> None:
+        spec = node.spec
+        nid = spec.id
+        if node.started is not None:
+            node.busy_s += now - node.started
+            node.started = None
+        if result.route is not None:
+            allowed = spec.routes or []
+            wrong = [t for t in result.route if t not in allowed]
+            if wrong:
+                self._fail(node, f"chose {wrong}, which are not among its routes {allowed}")
+                return
+        node.error = None
+        self._set_state(node, NodeState.DONE, duration_ms=node.busy_s * 1e3)
+        wall = time.time()
+        if spec.kind == "output":
+            self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=wall, node=nid, port="value",
+                                       value=preview(output_value), iteration=node.fired))
+        elif not spec.stream:
+            for port, value in result.outputs.items():
+                self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=wall, node=nid, port=port,
+                                           value=preview(value), iteration=node.fired))
+        targets: dict[str, None] = {}
+        routed = set(result.route) if result.route is not None else None
+        routable = set(spec.routes or ())
+        for edge in self.plan.out_edges[nid]:
+            target = edge.spec.target
+            targets[target] = None
+            if routed is not None and target in routable and target not in routed:
+                continue
+            if spec.stream:
+                if edge.spec.stream:
+                    channel = node.stream_channels.pop(edge.index, None)
+                    if channel is None:
+                        channel = StreamChannel()
+                        self._deliver(nid, edge.index, target, edge.spec.target_port, 0, channel)
+                    channel.close()
+                else:
+                    for seq, value in enumerate(node.stream_buffers.pop(edge.index, [])):
+                        self._deliver(nid, edge.index, target, edge.spec.target_port, seq, value)
+                    self._nodes[target].delivered.add(nid)
+            else:
+                self._deliver(nid, edge.index, target, edge.spec.target_port, 0, result.outputs[edge.spec.source_port])
+        for target in targets:
+            self._evaluate(self._nodes[target])
+        self._after_settle(node)
+        # A cyclic node may have received deliveries for its next activation while it ran.
+        if node.cyclic and node.delivered:
+            self._evaluate(node)
+
+    def _after_settle(self, node: _Node) -> None:
+        if node.cyclic:
+            self._try_settle(node.component)
+        elif node.state == NodeState.SKIPPED:
+            for target in dict.fromkeys(e.spec.target for e in self.plan.out_edges[node.spec.id]):
+                self._evaluate(self._nodes[target])
+
+    def _try_settle(self, component: int) -> None:
+        """Settle a cyclic component once it is quiet; fire a member that can go on instead."""
+        if component in self._settled_components or not self._finished_ok():
+            return
+        members = self.plan.topo.components[component]
+        nodes = self._nodes
+        if any(nodes[m].state in (NodeState.QUEUED, NodeState.RUNNING) for m in members):
+            return
+        if not all(self._settled(p) for p in self.plan.external_preds[component]):
+            return
+        self._assume_settled = component
+        try:
+            for m in members:
+                if self._evaluate_hypothetically(nodes[m]):
+                    return
+        finally:
+            self._assume_settled = None
+        self._settled_components.add(component)
+        for m in members:
+            if nodes[m].fired == 0 and nodes[m].state == NodeState.PENDING:
+                nodes[m].error = "its loop ended before it was reached"
+                self._set_state(nodes[m], NodeState.SKIPPED)
+        downstream = dict.fromkeys(
+            e.spec.target for m in members for e in self.plan.out_edges[m] if nodes[e.spec.target].component != component
+        )
+        for target in downstream:
+            self._evaluate(nodes[target])
+
+    def _evaluate_hypothetically(self, node: _Node) -> bool:
+        """Like `_evaluate`, but only fires: skipping is decided once the component settles."""
+        if node.state in (NodeState.QUEUED, NodeState.RUNNING, NodeState.FAILED, NodeState.CANCELLED):
+            return False
+        for group in self.plan.triggers[node.spec.id]:
+            if any(m in node.delivered for m in group) and all(
+                m in node.delivered or self._settled(m) for m in group
+            ):
+                self._assume_settled = None
+                self._fire(node)
+                return True
+        return False
+
+    def _check_quiet(self) -> None:
+        """When nothing is queued or running, resolve what is left and finish the run."""
+        if self._active or self._finished.done():
+            return
+        for comp_index, members in enumerate(self.plan.topo.components):
+            if comp_index in self.plan.topo.cyclic:
+                self._try_settle(comp_index)
+            else:
+                self._evaluate(self._nodes[members[0]])
+            if self._active or self._finished.done():
+                return
+        leftover = [n for n in self._nodes.values() if n.state == NodeState.PENDING]
+        for node in leftover:
+            node.error = "never triggered"
+            self._set_state(node, NodeState.SKIPPED)
+        if not self._finished.done():
+            self._finished.set_result((RunStatus.DONE, None, None))
+
+
+class Executor:
+    """Runs plans; owns no compute itself (see `Dispatcher`).
+
+    `submit` validates inputs and starts the run at once; many runs proceed
+    concurrently on the same event loop.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, kinds: KindRegistry) -> None:
+        self._dispatcher = dispatcher
+        self._kinds = kinds
+        self._runs: dict[str, Run] = {}
+        self._ids = itertools.count()
+
+    def plan(self, spec: GraphSpec) -> Plan:
+        return build_plan(spec, self._kinds)
+
+    async def submit(
+        self,
+        workflow: Plan | GraphSpec,
+        inputs: dict[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Run:
+        plan = workflow if isinstance(workflow, Plan) else self.plan(workflow)
+        values = resolve_inputs(plan, inputs or {})
+        rid = run_id or uuid.uuid4().hex[:12]
+        if rid in self._runs:
+            raise ValueError(f"run id {rid!r} is already in use")
+        run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s)
+        self._runs[rid] = run
+        run.start()
+        return run
+
+    def get(self, run_id: str) -> Run:
+        return self._runs[run_id]
+
+    def forget(self, run_id: str) -> None:
+        """Drop a finished run from memory."""
+        run = self._runs.get(run_id)
+        if run is not None and run.done:
+            del self._runs[run_id]
+
+    async def cancel(self, run_id: str) -> None:
+        await self._runs[run_id].cancel()
+
+    async def aclose(self) -> None:
+        """Cancel every unfinished run and close the dispatcher."""
+        for run in list(self._runs.values()):
+            if not run.done:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run.cancel()
+        await self._dispatcher.close()
+
+
+def resolve_inputs(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:
+    """Run inputs by input node id, defaults filled in; every problem reported at once."""
+    problems = []
+    unknown = sorted(set(given) - set(plan.input_nodes))
+    if unknown:
+        problems.append(f"unknown input{'s' if len(unknown) > 1 else ''} {unknown}"
+                        f" (the workflow takes {list(plan.input_nodes) or 'none'})")
+    values: dict[str, Any] = {}
+    for nid in plan.input_nodes:
+        node = plan.nodes[nid]
+        if nid in given:
+            values[nid] = given[nid]
+        elif "default" in node.params:
+            values[nid] = node.params["default"]
+        else:
+            problems.append(f"input {nid!r} has no value and no default")
+    if problems:
+        raise RunInputError("; ".join(problems))
+    return values

@@ -1,0 +1,271 @@
+"""GraphSpec validation: every problem at once, each naming its node, edge, port or role.
+
+`parse_spec` checks a raw document against the JSON Schema and decodes it;
+`check_spec` checks the meaning of a decoded spec against the kind catalogue.
+Both report all issues they find rather than stopping at the first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+import jsonschema
+import msgspec
+
+from engine.flow.balance import POLICY_NAMES
+from engine.flow.topology import reachable_from_roots, topology
+from engine.spec.graph import GraphSpec, NodeSpec, json_schema
+from engine.spec.kinds import KindRegistry, NodeKind
+
+
+@dataclass(frozen=True, slots=True)
+class Issue:
+    """One validation problem. `code` is stable for programs; `message` is for people."""
+
+    code: str
+    message: str
+    node: str | None = None
+    edge: str | None = None
+    port: str | None = None
+    role: str | None = None
+    path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class GraphValidationError(ValueError):
+    """A GraphSpec is invalid; `issues` lists every problem found."""
+
+    def __init__(self, issues: list[Issue]) -> None:
+        self.issues = issues
+        lines = "\n".join(f"  - {i.message}" for i in issues)
+        super().__init__(f"invalid workflow ({len(issues)} problem{'s' if len(issues) != 1 else ''}):\n{lines}")
+
+
+@cache
+def _schema_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json_schema())
+
+
+def _json_path(path: Any) -> str:
+    out = "$"
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def parse_spec(document: bytes | str | dict[str, Any]) -> GraphSpec:
+    """Decode a GraphSpec document; raise GraphValidationError listing every schema error."""
+    if isinstance(document, bytes | str):
+        try:
+            data = json.loads(document)
+        except json.JSONDecodeError as exc:
+            raise GraphValidationError(
+                [Issue("malformed_json", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")]
+            ) from None
+    else:
+        data = document
+    if not isinstance(data, dict):
+        raise GraphValidationError([Issue("schema", "a GraphSpec is a JSON object", path="$")])
+    issues = []
+    for err in sorted(_schema_validator().iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
+        path = list(err.absolute_path)
+        node = None
+        if len(path) >= 2 and path[0] == "nodes" and isinstance(path[1], int):
+            nodes = data.get("nodes")
+            if isinstance(nodes, list) and isinstance(nodes[path[1]], dict):
+                node = nodes[path[1]].get("id") if isinstance(nodes[path[1]].get("id"), str) else None
+        where = f"node {node!r}: " if node else ""
+        issues.append(Issue("schema", f"{where}{_json_path(path)}: {err.message}", node=node, path=_json_path(path)))
+    if issues:
+        raise GraphValidationError(issues)
+    try:
+        return msgspec.convert(data, GraphSpec)
+    except msgspec.ValidationError as exc:
+        raise GraphValidationError([Issue("schema", str(exc))]) from None
+
+
+def _compatible(source: str, target: str) -> bool:
+    return source == target or "any" in (source, target)
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def check_spec(spec: GraphSpec, kinds: KindRegistry) -> list[Issue]:
+    """Every semantic problem of a decoded spec; an empty list when it is valid."""
+    issues: list[Issue] = []
+    add = issues.append
+
+    if not spec.nodes:
+        add(Issue("empty", "the workflow has no nodes"))
+
+    roles: dict[str, Any] = {}
+    for role in spec.roles:
+        if role.name in roles:
+            add(Issue("duplicate_id", f"role {role.name!r} is declared twice", role=role.name))
+            continue
+        roles[role.name] = role
+        if not kinds.has_role_kind(role.kind):
+            known = ", ".join(k.name for k in kinds.role_kinds)
+            add(Issue("unknown_role_kind", f"role {role.name!r} has unknown kind {role.kind!r} (known: {known})",
+                      role=role.name))
+        else:
+            for err in jsonschema.Draft202012Validator(kinds.role_kind(role.kind).params_schema).iter_errors(
+                role.params
+            ):
+                add(Issue("bad_param", f"role {role.name!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
+                          role=role.name))
+        if role.balance not in POLICY_NAMES:
+            add(Issue("unknown_policy", f"role {role.name!r} names unknown load-balancing policy {role.balance!r}"
+                      f" (known: {', '.join(POLICY_NAMES)})", role=role.name))
+
+    nodes: dict[str, NodeSpec] = {}
+    node_kinds: dict[str, NodeKind] = {}
+    for node in spec.nodes:
+        if node.id in nodes:
+            add(Issue("duplicate_id", f"node id {node.id!r} is used twice", node=node.id))
+            continue
+        nodes[node.id] = node
+        if not kinds.has_node_kind(node.kind):
+            add(Issue("unknown_kind", f"node {node.id!r} has unknown kind {node.kind!r}", node=node.id))
+            continue
+        kind = kinds.node_kind(node.kind)
+        node_kinds[node.id] = kind
+        _check_node(node, kind, roles, kinds, add)
+
+    topo = topology(spec)
+    seen_edges: set[str] = set()
+    incoming: dict[tuple[str, str], list[str]] = {}
+    for edge in spec.edges:
+        eid = edge.id
+        if eid in seen_edges:
+            add(Issue("duplicate_edge", f"edge {eid} is declared twice", edge=eid))
+            continue
+        seen_edges.add(eid)
+        src, dst = nodes.get(edge.source), nodes.get(edge.target)
+        if src is None:
+            add(Issue("unknown_node", f"edge {eid}: no node {edge.source!r}", edge=eid, node=edge.source))
+        if dst is None:
+            add(Issue("unknown_node", f"edge {eid}: no node {edge.target!r}", edge=eid, node=edge.target))
+        if src is None or dst is None:
+            continue
+        out = src.outputs.get(edge.source_port)
+        inp = dst.inputs.get(edge.target_port)
+        if out is None:
+            add(Issue("unknown_port", f"edge {eid}: node {src.id!r} has no output port {edge.source_port!r}"
+                      f" (outputs: {', '.join(src.outputs) or 'none'})", edge=eid, node=src.id, port=edge.source_port))
+        if inp is None:
+            add(Issue("unknown_port", f"edge {eid}: node {dst.id!r} has no input port {edge.target_port!r}"
+                      f" (inputs: {', '.join(dst.inputs) or 'none'})", edge=eid, node=dst.id, port=edge.target_port))
+        if out is None or inp is None:
+            continue
+        incoming.setdefault((dst.id, edge.target_port), []).append(eid)
+        if not _compatible(out.type, inp.type):
+            add(Issue("type_mismatch", f"edge {eid}: output {src.id}.{edge.source_port} is {out.type} but input"
+                      f" {dst.id}.{edge.target_port} expects {inp.type}", edge=eid, node=dst.id, port=edge.target_port))
+        if edge.stream and not src.stream:
+            add(Issue("not_a_stream", f"edge {eid} subscribes to a stream but node {src.id!r} does not stream"
+                      " (set stream=True on it, or make the edge a plain one)", edge=eid, node=src.id))
+        if edge.stream and inp.join is not None:
+            add(Issue("stream_join", f"edge {eid}: port {dst.id}.{edge.target_port} gathers with join"
+                      f" {inp.join!r}, so it cannot also subscribe in stream mode", edge=eid, node=dst.id,
+                      port=edge.target_port))
+        if src.stream and not edge.stream and inp.join not in ("ordered", "dynamic"):
+            add(Issue("stream_needs_join", f"edge {eid}: node {src.id!r} streams frames; subscribe in stream"
+                      f" mode or give port {dst.id}.{edge.target_port} join 'ordered' or 'dynamic'", edge=eid,
+                      node=dst.id, port=edge.target_port))
+
+    for node in nodes.values():
+        for port, pspec in node.inputs.items():
+            if (node.id, port) not in incoming and not pspec.optional:
+                add(Issue("dangling_port", f"input port {node.id}.{port} is not connected (connect it or mark it"
+                          " optional)", node=node.id, port=port))
+        preds = set(topo.preds.get(node.id, ()))
+        succs = set(topo.succs.get(node.id, ()))
+        for group in node.trigger or ():
+            if not group:
+                add(Issue("bad_trigger", f"node {node.id!r} has an empty trigger group", node=node.id))
+            for member in group:
+                if member not in preds:
+                    add(Issue("trigger_not_predecessor", f"node {node.id!r}: trigger names {member!r}, which has"
+                              f" no edge into {node.id!r}", node=node.id))
+        for target in node.routes or ():
+            if target not in succs:
+                add(Issue("route_not_successor", f"router {node.id!r} names {target!r}, which is not one of its"
+                          f" successors ({', '.join(sorted(succs)) or 'none'})", node=node.id))
+
+    for index in sorted(topo.cyclic):
+        members = topo.components[index]
+        if not any(nodes[m].max_iterations for m in members if m in nodes):
+            loop = " -> ".join((*members, members[0]))
+            add(Issue("unbounded_cycle", f"cycle {loop} has no bound: set max_iterations on one of its nodes",
+                      node=members[0]))
+    if nodes:
+        reached = reachable_from_roots(topo)
+        for node_id in topo.nodes:
+            if node_id not in reached:
+                add(Issue("unreachable", f"node {node_id!r} can never run: nothing outside its cycle leads to it",
+                          node=node_id))
+    return issues
+
+
+def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: KindRegistry, add) -> None:
+    if kind.role_kinds:
+        if node.role is None:
+            add(Issue("missing_role", f"node {node.id!r} of kind {kind.name!r} needs a role", node=node.id))
+        elif node.role not in roles:
+            add(Issue("unknown_role", f"node {node.id!r} names unknown role {node.role!r}", node=node.id,
+                      role=node.role))
+        elif roles[node.role].kind not in kind.role_kinds:
+            add(Issue("role_kind_mismatch", f"node {node.id!r} of kind {kind.name!r} cannot run on role"
+                      f" {node.role!r} of kind {roles[node.role].kind!r} (needs {', '.join(kind.role_kinds)})",
+                      node=node.id, role=node.role))
+    elif node.role is not None:
+        add(Issue("unexpected_role", f"node {node.id!r} of kind {kind.name!r} runs in the executor and takes no"
+                  " role", node=node.id))
+    if kind.op == "required" and not node.op:
+        add(Issue("missing_op", f"node {node.id!r} of kind {kind.name!r} needs an op", node=node.id))
+    if kind.op == "forbidden" and node.op:
+        add(Issue("unexpected_op", f"node {node.id!r} of kind {kind.name!r} takes no op", node=node.id))
+    for err in jsonschema.Draft202012Validator(kind.params_schema).iter_errors(node.params):
+        add(Issue("bad_param", f"node {node.id!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
+                  node=node.id))
+    for direction, fixed, declared in (("input", kind.inputs, node.inputs), ("output", kind.outputs, node.outputs)):
+        for port in declared:
+            if not _IDENT.match(port):
+                add(Issue("bad_port_name", f"node {node.id!r}: {direction} port name {port!r} is not an identifier",
+                          node=node.id, port=port))
+        if fixed is None:
+            continue
+        if set(fixed) != set(declared):
+            add(Issue("wrong_ports", f"node {node.id!r} of kind {kind.name!r} must have {direction} ports"
+                      f" {sorted(fixed) or 'none'}, not {sorted(declared) or 'none'}", node=node.id))
+            continue
+        for port, spec in declared.items():
+            if fixed[port].type != "any" and spec.type != fixed[port].type:
+                add(Issue("type_mismatch", f"node {node.id!r}: {direction} port {port!r} of kind {kind.name!r}"
+                          f" is {fixed[port].type}, not {spec.type}", node=node.id, port=port))
+    for port, spec in node.outputs.items():
+        if spec.join is not None:
+            add(Issue("bad_join", f"node {node.id!r}: join applies to input ports, not output {port!r}",
+                      node=node.id, port=port))
+    if kind.name == "python":
+        for name in node.params:
+            if name in node.inputs:
+                add(Issue("param_shadows_port", f"node {node.id!r}: param {name!r} has the name of an input port",
+                          node=node.id, port=name))
+    if node.routes is not None and node.stream:
+        add(Issue("stream_router", f"node {node.id!r} cannot both stream and route", node=node.id))
+
+
+def validate(spec: GraphSpec, kinds: KindRegistry) -> None:
+    """Raise GraphValidationError when `check_spec` finds anything."""
+    issues = check_spec(spec, kinds)
+    if issues:
+        raise GraphValidationError(issues)

@@ -1,0 +1,121 @@
+"""How a node execution is handed to a compute unit and what comes back.
+
+A compute unit (`engine.compute.*`) receives a `NodeCall` and either returns a
+`NodeResult` or, for a streaming node, yields `Frame`s. Input values are plain Python
+values (or, for stream-mode ports, async iterators of frames' values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A router node's decision: run the successors in `to` and skip its other routes.
+
+    `value` is the node's result, mapped to output ports as a normal return value is.
+    """
+
+    to: tuple[str, ...]
+    value: Any = None
+
+    def __init__(self, to: str | Sequence[str], value: Any = None) -> None:
+        object.__setattr__(self, "to", (to,) if isinstance(to, str) else tuple(to))
+        object.__setattr__(self, "value", value)
+
+
+@dataclass(slots=True)
+class NodeContext:
+    """What a running node may ask of the executor. Passed to functions that take `ctx`."""
+
+    run_id: str
+    node_id: str
+    iteration: int
+    attempt: int
+    report_progress: Callable[[float | None, str], None] = field(repr=False)
+
+    def progress(self, fraction: float | None = None, message: str = "") -> None:
+        """Report progress (0..1, or None when unknown) with a short message."""
+        self.report_progress(fraction, message)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCall:
+    run_id: str
+    node_id: str
+    op: str | None
+    params: dict[str, Any]
+    inputs: dict[str, Any]
+    output_ports: tuple[str, ...]
+    stream: bool
+    router: bool
+    iteration: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeResult:
+    outputs: dict[str, Any]
+    route: tuple[str, ...] | None = None
+
+
+class NodeOutputError(ValueError):
+    """A unit's result does not fit the node's declared output ports."""
+
+
+def map_outputs(value: Any, output_ports: tuple[str, ...], node_id: str) -> dict[str, Any]:
+    """Map a function's return (or yielded) value onto the node's output ports.
+
+    One port: the value is that port's value. Several: the value must be a dict with
+    exactly those keys. No ports: the value must be None.
+    """
+    if not output_ports:
+        if value is not None:
+            raise NodeOutputError(f"node {node_id!r} has no output ports but returned {type(value).__name__}")
+        return {}
+    if len(output_ports) == 1:
+        return {output_ports[0]: value}
+    if not isinstance(value, dict):
+        raise NodeOutputError(
+            f"node {node_id!r} has output ports {list(output_ports)} and must return a dict with"
+            f" those keys, not {type(value).__name__}"
+        )
+    missing = [p for p in output_ports if p not in value]
+    extra = [k for k in value if k not in output_ports]
+    if missing or extra:
+        raise NodeOutputError(
+            f"node {node_id!r} returned keys {sorted(value)}; expected {list(output_ports)}"
+            + (f" (missing {missing})" if missing else "")
+            + (f" (unknown {extra})" if extra else "")
+        )
+    return dict(value)
+
+
+def map_frame(value: Any, output_ports: tuple[str, ...], node_id: str) -> dict[str, Any]:
+    """Map one yielded frame: like `map_outputs`, but a frame may carry a subset of ports."""
+    if len(output_ports) == 1:
+        return {output_ports[0]: value}
+    if not isinstance(value, dict) or any(k not in output_ports for k in value):
+        raise NodeOutputError(
+            f"node {node_id!r} yielded {type(value).__name__}; a frame of a node with ports"
+            f" {list(output_ports)} is a dict with some of those keys"
+        )
+    return dict(value)
+
+
+class ComputeUnit:
+    """What every compute unit provides; constructed from its `RoleSpec` by the runner
+    named in its role kind. Units are owned by one dispatcher and closed by it."""
+
+    async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
+        raise NotImplementedError
+
+    def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
+        """Yield frames (port -> value dicts) of a streaming node."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None

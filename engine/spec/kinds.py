@@ -1,0 +1,188 @@
+"""The catalogue of role kinds and node kinds.
+
+A *role kind* is a compute unit a role deploys (`python`, later `llm`, `diffusion`…),
+named by a lazily imported runner (`"module:Class"`). A *node kind* is an operation a
+node performs on a role of a matching kind, with its parameter JSON schema and, where
+the kind fixes them, its ports. The flow layer validates GraphSpecs against this
+catalogue; the studio's editor shows it as its palette.
+
+There is no global catalogue: `default_kinds()` builds a fresh `KindRegistry` with the
+built-in kinds plus whatever installed packages declare under the
+`omniflow.kinds` entry-point group (each entry point names a callable that takes the
+registry and adds its kinds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from engine.spec.graph import PortSpec
+
+ENTRY_POINT_GROUP = "omniflow.kinds"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleKind:
+    name: str
+    description: str
+    runner: str
+    """`"module:Class"` of the compute unit; imported only when a role of this kind runs."""
+    params_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeKind:
+    name: str
+    description: str
+    role_kinds: tuple[str, ...]
+    """Role kinds that can host the node; empty for nodes the executor runs itself."""
+    params_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    inputs: dict[str, PortSpec] | None = None
+    """Fixed input ports (a node may narrow an `any` type); None: the node declares them."""
+    outputs: dict[str, PortSpec] | None = None
+    op: str = "forbidden"
+    """`required`: the node names an operation (for `python`, a `module:function`);
+    `forbidden`: it must not."""
+    category: str = "general"
+
+    def to_dict(self) -> dict[str, Any]:
+        def ports(p: dict[str, PortSpec] | None) -> dict[str, Any] | None:
+            if p is None:
+                return None
+            return {name: {"type": spec.type, "optional": spec.optional} for name, spec in p.items()}
+
+        return {
+            "name": self.name,
+            "description": self.description,
+            "category": self.category,
+            "role_kinds": list(self.role_kinds),
+            "params_schema": self.params_schema,
+            "inputs": ports(self.inputs),
+            "outputs": ports(self.outputs),
+            "op": self.op,
+        }
+
+
+class UnknownKindError(KeyError):
+    pass
+
+
+class KindRegistry:
+    """Role and node kinds by name. Built explicitly and passed down; never global."""
+
+    def __init__(self) -> None:
+        self._roles: dict[str, RoleKind] = {}
+        self._nodes: dict[str, NodeKind] = {}
+
+    def add_role_kind(self, kind: RoleKind) -> None:
+        if kind.name in self._roles:
+            raise ValueError(f"role kind {kind.name!r} is already registered")
+        self._roles[kind.name] = kind
+
+    def add_node_kind(self, kind: NodeKind) -> None:
+        if kind.name in self._nodes:
+            raise ValueError(f"node kind {kind.name!r} is already registered")
+        unknown = [rk for rk in kind.role_kinds if rk not in self._roles]
+        if unknown:
+            raise ValueError(f"node kind {kind.name!r} names unknown role kinds {unknown}")
+        self._nodes[kind.name] = kind
+
+    def role_kind(self, name: str) -> RoleKind:
+        try:
+            return self._roles[name]
+        except KeyError:
+            raise UnknownKindError(name) from None
+
+    def node_kind(self, name: str) -> NodeKind:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise UnknownKindError(name) from None
+
+    def has_role_kind(self, name: str) -> bool:
+        return name in self._roles
+
+    def has_node_kind(self, name: str) -> bool:
+        return name in self._nodes
+
+    @property
+    def role_kinds(self) -> list[RoleKind]:
+        return list(self._roles.values())
+
+    @property
+    def node_kinds(self) -> list[NodeKind]:
+        return list(self._nodes.values())
+
+
+_ANY = PortSpec(type="any")
+
+PYTHON_NODE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "description": "Keyword arguments passed to the function after its input ports.",
+}
+
+
+def add_builtin_kinds(registry: KindRegistry) -> None:
+    """The kinds every installation has: workflow inputs/outputs and Python functions."""
+    registry.add_role_kind(
+        RoleKind(
+            name="python",
+            description="Runs Python functions named by `module:function`.",
+            runner="engine.compute.python:PythonUnit",
+            params_schema={
+                "type": "object",
+                "properties": {
+                    "capacity": {"type": "integer", "minimum": 1, "default": 64,
+                                 "description": "node executions one replica runs at once"},
+                },
+                "additionalProperties": False,
+            },
+        )
+    )
+    registry.add_node_kind(
+        NodeKind(
+            name="input",
+            description="A workflow input; the node id is the input's name.",
+            role_kinds=(),
+            category="io",
+            inputs={},
+            outputs={"value": _ANY},
+            params_schema={
+                "type": "object",
+                "properties": {"default": {"description": "value used when the run gives none"}},
+                "additionalProperties": False,
+            },
+        )
+    )
+    registry.add_node_kind(
+        NodeKind(
+            name="output",
+            description="A workflow output; the node id is the output's name.",
+            role_kinds=(),
+            category="io",
+            inputs={"value": _ANY},
+            outputs={},
+            params_schema={"type": "object", "additionalProperties": False},
+        )
+    )
+    registry.add_node_kind(
+        NodeKind(
+            name="python",
+            description="Calls a Python function: input ports and params become keyword arguments.",
+            role_kinds=("python",),
+            op="required",
+            params_schema=PYTHON_NODE_PARAMS,
+        )
+    )
+
+
+def default_kinds(*, load_entry_points: bool = True) -> KindRegistry:
+    """A new registry with the built-in kinds and those of installed plug-ins."""
+    registry = KindRegistry()
+    add_builtin_kinds(registry)
+    if load_entry_points:
+        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            ep.load()(registry)
+    return registry

@@ -1,0 +1,1 @@
+"""Example workflows; each runs with `omniflow run workflows/NAME.py`."""
