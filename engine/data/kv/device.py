@@ -1,0 +1,101 @@
+"""Device tier: one preallocated tensor of page slots on the GPU, or on the CPU without one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engine.data.kv.errors import KVCapacityError, KVClosedError
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.tier import Tier
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceTier:
+    """Page slots in one tensor `pool` of shape `(capacity, 2, L, page, H, D)`.
+
+    The tier only stores bytes; which page to evict is the store's decision. Views
+    returned by `view` alias the pool and are valid only while the page stays in the
+    tier (the store guarantees that for locked pages).
+    """
+
+    tier = Tier.DEVICE
+
+    def __init__(self, layout: KVLayout, capacity_pages: int, device: torch.device | str | None = None) -> None:
+        self.layout = layout
+        self.capacity_pages = capacity_pages
+        self.device = torch.device(device) if device is not None else default_device()
+        self.pool: torch.Tensor | None = torch.empty(
+            (capacity_pages, *layout.page_shape), dtype=layout.torch_dtype, device=self.device
+        )
+        self._slots: dict[PageHash, int] = {}
+        # Lowest slot first, so a fresh tier fills slots 0, 1, 2... (deterministic for tests).
+        self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
+
+    def _pool(self) -> torch.Tensor:
+        if self.pool is None:
+            raise KVClosedError("device tier is closed")
+        return self.pool
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._slots) * self.layout.page_nbytes
+
+    def pages(self) -> Iterator[PageHash]:
+        return iter(list(self._slots))
+
+    def slot_of(self, page: PageHash) -> int:
+        return self._slots[page]
+
+    def view(self, page: PageHash) -> torch.Tensor:
+        return self._pool()[self._slots[page]]
+
+    def write(self, page: PageHash, src: torch.Tensor) -> int:
+        """Copy `src` (one page, any device) into a free slot; returns the slot."""
+        pool = self._pool()
+        if not self._free:
+            raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
+        slot = self._free.pop()
+        try:
+            pool[slot].copy_(src)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        self._slots[page] = slot
+        return slot
+
+    def allocate(self, page: PageHash) -> torch.Tensor:
+        """Reserve a slot for `page` and return it for the caller to fill (e.g. a disk read)."""
+        pool = self._pool()
+        if not self._free:
+            raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
+        slot = self._free.pop()
+        self._slots[page] = slot
+        return pool[slot]
+
+    def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
+        dst.copy_(self._pool()[self._slots[page]])
+        return True
+
+    def remove(self, page: PageHash) -> None:
+        self._free.append(self._slots.pop(page))
+
+    def close(self) -> None:
+        self.pool = None
+        self._slots.clear()
+        self._free.clear()
