@@ -163,6 +163,16 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+COMMAND_MODULES: tuple[str, ...] = ()
+"""Modules that add subcommands: each defines `register(subparsers)` and sets a
+`handler(args) -> int` default on the parsers it adds."""
+
+
+def _register_command_modules(sub: argparse._SubParsersAction) -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniflow", description="Omni-Flow: multimodal workflow orchestration")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run a benchmark against its anchor", add_help=False)
     p.add_argument("name", choices=available_benchmarks())
+    _register_command_modules(sub)
     return parser
 
 
@@ -200,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "run":
             return cmd_run(args)
-        return cmd_bench(args, extra)
+        if args.command == "bench":
+            return cmd_bench(args, extra)
+        return args.handler(args)
     except GraphValidationError as exc:
         _print_issues(exc, sys.stderr)
         return 1

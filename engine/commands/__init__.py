@@ -1,0 +1,1 @@
+"""Subcommands of `omniflow` beyond the workflow ones; see `engine.cli.COMMAND_MODULES`."""
