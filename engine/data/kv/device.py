@@ -26,7 +26,9 @@ class DeviceTier:
 
     tier = Tier.DEVICE
 
-    def __init__(self, layout: KVLayout, capacity_pages: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, capacity_pages: int, device: torch.device | str | None = None
+    ) -> None:
         self.layout = layout
         self.capacity_pages = capacity_pages
         self.device = torch.device(device) if device is not None else default_device()

@@ -171,7 +171,11 @@ class DiskTier:
                 continue
             magic, version, _flags, seq, digest, nbytes, crc = _RECORD.unpack_from(record)
             (record_crc,) = struct.unpack_from("<I", record, _RECORD.size)
-            if version != 1 or nbytes != self.layout.page_nbytes or zlib.crc32(record[: _RECORD.size]) != record_crc:
+            if (
+                version != 1
+                or nbytes != self.layout.page_nbytes
+                or zlib.crc32(record[: _RECORD.size]) != record_crc
+            ):
                 self.discarded_records += 1
                 continue
             page = PageHash(digest.hex())
@@ -229,7 +233,9 @@ class DiskTier:
             src = src.cpu()
         data = _byte_view(src.contiguous())
         if len(data) != self.layout.page_nbytes:
-            raise KVConfigError(f"page of {len(data)} bytes given to a disk tier of {self.layout.page_nbytes}")
+            raise KVConfigError(
+                f"page of {len(data)} bytes given to a disk tier of {self.layout.page_nbytes}"
+            )
         index = self._free.pop()
         try:
             if len(data) >= _OVERLAP_MIN_BYTES:
@@ -244,7 +250,9 @@ class DiskTier:
             head = _RECORD.pack(
                 _RECORD_MAGIC, 1, 0, self._seq, bytes.fromhex(page), self.layout.page_nbytes, crc
             )
-            _pwrite_all(fd, memoryview(head + struct.pack("<I", zlib.crc32(head))), self._record_offset(index))
+            _pwrite_all(
+                fd, memoryview(head + struct.pack("<I", zlib.crc32(head))), self._record_offset(index)
+            )
             if self.fsync:
                 os.fdatasync(fd)
         except BaseException:

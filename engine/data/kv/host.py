@@ -81,7 +81,9 @@ class HostTier:
 
     tier = Tier.HOST
 
-    def __init__(self, layout: KVLayout, capacity_pages: int, name: str | None = None, pin: bool | None = None):
+    def __init__(
+        self, layout: KVLayout, capacity_pages: int, name: str | None = None, pin: bool | None = None
+    ):
         self.layout = layout
         self.capacity_pages = capacity_pages
         self.name = name or f"omniflow-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"

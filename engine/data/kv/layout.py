@@ -82,9 +82,7 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         """A short stable name of the layout, used to keep incompatible pages apart on disk."""
-        return (
-            f"p{self.page_size}-l{self.num_layers}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}"
-        )
+        return f"p{self.page_size}-l{self.num_layers}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}"
 
     def check_page(self, page: torch.Tensor) -> torch.Tensor:
         """Return `page` if it is one page of this layout (any device), else raise `KVLayoutError`.

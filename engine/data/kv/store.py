@@ -272,9 +272,7 @@ class KVStore:
             return True
         return bool(self._levels[tier].pins.get(page))
 
-    def _transfer(
-        self, page: PageHash, src: Tier, dst: Tier, copy: Callable[[], bool]
-    ) -> bool:
+    def _transfer(self, page: PageHash, src: Tier, dst: Tier, copy: Callable[[], bool]) -> bool:
         started = time.perf_counter()
         ok = copy()
         elapsed = time.perf_counter() - started
@@ -457,7 +455,9 @@ class KVStore:
         with self._mutex:
             return tuple(tier for tier, level in self._levels.items() if page in level.tier)
 
-    def get(self, page: PageHash, out: torch.Tensor | None = None, promote: bool = True) -> torch.Tensor | None:
+    def get(
+        self, page: PageHash, out: torch.Tensor | None = None, promote: bool = True
+    ) -> torch.Tensor | None:
         """A copy of a page, or None if no tier holds it intact. Counts one lookup.
 
         With `promote` (the default) a lower-tier hit is first copied into the device
