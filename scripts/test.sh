@@ -17,7 +17,10 @@ cleanup() {
         kill "$private_redis_pid" 2>/dev/null || true
         wait "$private_redis_pid" 2>/dev/null || true
     fi
-    [[ -n "$private_redis_dir" ]] && rm -rf "$private_redis_dir"
+    if [[ -n "$private_redis_dir" ]]; then
+        rm -rf "$private_redis_dir"
+    fi
+    return 0
 }
 trap cleanup EXIT
 
