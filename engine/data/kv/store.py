@@ -230,8 +230,10 @@ class KVStore:
             self._listeners.append(listener)
 
     def remove_listener(self, listener: Callable[[KVEvent], None]) -> None:
+        """Stop sending events to `listener` (no error if it was not, or no longer is, registered)."""
         with self._mutex:
-            self._listeners.remove(listener)
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def _check_open(self) -> None:
         if self._closed:
