@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -74,7 +75,7 @@ class DeviceTier:
             raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
         slot = self._free.pop()
         try:
-            pool[slot].copy_(src)
+            copy_page(pool[slot], src)
         except BaseException:
             self._free.append(slot)
             raise
@@ -91,7 +92,7 @@ class DeviceTier:
         return pool[slot]
 
     def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
-        dst.copy_(self._pool()[self._slots[page]])
+        copy_page(dst, self._pool()[self._slots[page]])
         return True
 
     def remove(self, page: PageHash) -> None:

@@ -34,6 +34,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError, KVConfigError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -163,7 +164,7 @@ class HostTier:
         entry = table[slot : slot + 1]
         entry["version"] += 1  # odd: readers must not trust this slot now
         try:
-            pages[slot].copy_(src)
+            copy_page(pages[slot], src)
         except BaseException:
             entry["version"] += 1
             self._free.append(slot)
@@ -175,7 +176,7 @@ class HostTier:
         return slot
 
     def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
-        dst.copy_(self._live_pages()[self._slots[page]])
+        copy_page(dst, self._live_pages()[self._slots[page]])
         return True
 
     def remove(self, page: PageHash) -> None:
@@ -299,7 +300,7 @@ class HostPageReader:
             if view is None:
                 return None
             dst = out if out is not None else torch.empty_like(view.tensor)
-            dst.copy_(view.tensor)
+            copy_page(dst, view.tensor)
             if self.is_current(view):
                 return dst
         return None

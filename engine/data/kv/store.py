@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
+from engine.data.kv.copy import copy_page
 from engine.data.kv.device import DeviceTier
-from engine.data.kv.disk import DiskTier
+from engine.data.kv.disk import Checksum, DiskTier
 from engine.data.kv.errors import (
     KVCapacityError,
     KVClosedError,
@@ -62,6 +63,7 @@ class DiskTierConfig:
     path: Path | str
     capacity: Capacity
     fsync: bool = False
+    checksum: Checksum = Checksum.BLOCKSUM64
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,7 @@ class KVStore:
                     config.disk.capacity.in_pages(nbytes),
                     config.disk.path,
                     fsync=config.disk.fsync,
+                    checksum=config.disk.checksum,
                 )
                 tracker = make_tracker(config.eviction)
                 for page in disk.pages():  # oldest write first: LRU order survives a restart
@@ -506,7 +509,7 @@ class KVStore:
             staging = self._staging_page()
             ok = level.tier.read_into(page, staging)
             if ok:
-                dst.copy_(staging)
+                copy_page(dst, staging)
         else:
             ok = level.tier.read_into(page, dst)
         level.stats.read_seconds += time.perf_counter() - started

@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import StoreFactory, make_keys, make_page, same_bytes, small_layout
 
-from engine.data.kv.disk import DiskTier
+from engine.data.kv.disk import Checksum, DiskTier, page_checksum
 from engine.data.kv.errors import KVConfigError
-from engine.data.kv.store import KVStore, WritePolicy
-from engine.data.kv.tier import Tier
+from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
+from engine.data.kv.tier import Capacity, Tier
 
 LAYOUT = small_layout()
 KEYS = make_keys(5)
@@ -59,15 +60,31 @@ def test_evicted_pages_do_not_come_back_after_restart(make_store: StoreFactory, 
     assert set(second.resident_pages()) == resident - {KEYS[3]}  # the device page was never written down
 
 
-def test_corrupted_page_is_a_miss_never_data(make_store: StoreFactory, tmp_path: Path) -> None:
-    store = make_store(device=1, host=None, disk=4, write=WritePolicy.WRITE_THROUGH, disk_dir=tmp_path)
+@pytest.mark.parametrize("checksum", list(Checksum))
+@pytest.mark.parametrize("byte", [0, 301, LAYOUT.page_nbytes - 1])
+def test_corrupted_page_is_a_miss_never_data(tmp_path: Path, checksum: Checksum, byte: int) -> None:
+    store = KVStore(
+        KVStoreConfig(
+            LAYOUT,
+            device_capacity=Capacity(pages=1),
+            disk=DiskTierConfig(tmp_path, Capacity(pages=4), checksum=checksum),
+            write=WritePolicy.WRITE_THROUGH,
+        )
+    )
+    try:
+        check_corruption_is_a_miss(store, byte)
+    finally:
+        store.close()
+
+
+def check_corruption_is_a_miss(store: KVStore, byte: int) -> None:
     store.put(KEYS[0], PAGES[0])
     store.put(KEYS[1], PAGES[1])  # KEYS[0] now only on disk
     tier = disk_tier(store)
     with open(tier.path, "rb") as f:
-        f.seek(tier.payload_offset(KEYS[0]))
+        f.seek(tier.payload_offset(KEYS[0]) + byte)
         original = f.read(1)
-    damage(tier.path, tier.payload_offset(KEYS[0]), bytes([original[0] ^ 0x01]))
+    damage(tier.path, tier.payload_offset(KEYS[0]) + byte, bytes([original[0] ^ 0x10]))
     assert store.get(KEYS[0]) is None
     assert store.tiers_of(KEYS[0]) == ()
     assert store.metrics()["disk.dropped_corrupt"] == 1
@@ -115,3 +132,26 @@ def test_different_capacity_is_refused_and_other_layouts_get_their_own_file(tmp_
     other = DiskTier(small_layout("float16"), 8, tmp_path)  # its own file, named by its layout
     other.close()
     assert len(list(tmp_path.glob("kv-*.seg"))) == 2
+
+
+@pytest.mark.parametrize("nbytes", [8192, 8192 + 13])
+def test_blocksum_checksum_catches_flips_zeroed_and_swapped_blocks(nbytes: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    page = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    good = page_checksum(Checksum.BLOCKSUM64, memoryview(page.numpy()))
+
+    def differs(mutated: torch.Tensor) -> bool:
+        return page_checksum(Checksum.BLOCKSUM64, memoryview(mutated.numpy())) != good
+
+    for position in (0, 4095, 4096, nbytes - 1):
+        for bit in (0, 7):
+            flipped = page.clone()
+            flipped[position] ^= 1 << bit
+            assert differs(flipped)
+    torn = page.clone()
+    torn[4096:] = 0
+    assert differs(torn)
+    swapped = page.clone()
+    swapped[:4096], swapped[4096:8192] = page[4096:8192].clone(), page[:4096].clone()
+    assert differs(swapped)
+    assert differs(page[:-1].clone())
