@@ -1,1 +1,68 @@
-"""Paged KV cache of the Data Flow layer: layout, page keys, three tiers, one store per process."""
+"""Paged KV cache of the Data Flow layer.
+
+* `layout`: `KVLayout`, the geometry and bytes of one page (page-first, contiguous).
+* `keys`: `PageHash` and `page_hashes`, the SHA-256 page chain shared with SGLang.
+* `device`, `host`, `disk`: the three tiers (torch slots; a named shared-memory
+  segment other processes map with `HostPageReader`; a checksummed segment file).
+* `store`: `KVStore`, one per worker process, serving every role in it.
+* `index`: `RedisKVIndex` and `KVIndexPublisher`, which worker holds which pages.
+"""
+
+from engine.data.kv.errors import (
+    KVCapacityError,
+    KVClosedError,
+    KVConfigError,
+    KVError,
+    KVIndexError,
+    KVLayoutError,
+    KVLockError,
+    KVPageNotFound,
+    KVTimeoutError,
+    KVTransferError,
+)
+from engine.data.kv.keys import ExtraKeys, MMItem, PageHash, get_hash_str, page_hashes
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.policy import EvictionPolicy
+from engine.data.kv.store import (
+    DiskTierConfig,
+    KVEvent,
+    KVEventKind,
+    KVStore,
+    KVStoreConfig,
+    LookupResult,
+    PrefetchHandle,
+    PrefetchResult,
+    WritePolicy,
+)
+from engine.data.kv.tier import Capacity, Tier
+
+__all__ = [
+    "Capacity",
+    "DiskTierConfig",
+    "EvictionPolicy",
+    "ExtraKeys",
+    "KVCapacityError",
+    "KVClosedError",
+    "KVConfigError",
+    "KVError",
+    "KVEvent",
+    "KVEventKind",
+    "KVIndexError",
+    "KVLayout",
+    "KVLayoutError",
+    "KVLockError",
+    "KVPageNotFound",
+    "KVStore",
+    "KVStoreConfig",
+    "KVTimeoutError",
+    "KVTransferError",
+    "LookupResult",
+    "MMItem",
+    "PageHash",
+    "PrefetchHandle",
+    "PrefetchResult",
+    "Tier",
+    "WritePolicy",
+    "get_hash_str",
+    "page_hashes",
+]
