@@ -238,3 +238,21 @@ def test_remove_and_resident_pages(make_store: StoreFactory) -> None:
     assert events == [("dropped", "A", "host"), ("dropped", "A", "disk")]
     assert not store.contains(KEYS["A"])
     assert store.get(KEYS["A"]) is None
+
+
+def test_prefetch_and_foreground_traffic_interleave_safely(make_store: StoreFactory) -> None:
+    store = make_store(device=4, host=8, disk=32)
+    keys = make_keys(24, start=5000)
+    pages = [make_page(LAYOUT, 500 + i) for i in range(24)]
+    for key, page in zip(keys, pages, strict=True):
+        store.put(key, page)
+    handles = [store.prefetch(keys[i : i + 3]) for i in range(0, 24, 3)]
+    for key, page in zip(reversed(keys), reversed(pages), strict=True):  # foreground reads meanwhile
+        copy = store.get(key)
+        assert copy is not None and same_bytes(copy, page)
+    for handle in handles:
+        result = handle.wait(timeout=30)
+        assert result.missing == ()
+    for key, page in zip(keys, pages, strict=True):
+        copy = store.get(key, promote=False)
+        assert copy is not None and same_bytes(copy, page)
