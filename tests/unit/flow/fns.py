@@ -1,0 +1,242 @@
+"""Node operations for the Control Flow tests, named as `tests.unit.flow.fns:NAME`.
+
+Functions that must wait for the test (or for each other) take a `gate` param: the
+name of an `asyncio.Event` in `GATES`. Functions that must report what happened to
+them (cancellation, start) append to `LOG`. Both are cleared by the tests' `gates`
+fixture, so each test starts from nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from engine.spec.calls import NodeContext, Route
+
+
+class Gates:
+    """Named asyncio events shared by a test and the node functions its runs call."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def __getitem__(self, name: str) -> asyncio.Event:
+        event = self._events.get(name)
+        if event is None:
+            event = self._events[name] = asyncio.Event()
+        return event
+
+    def clear(self) -> None:
+        self._events.clear()
+
+
+GATES = Gates()
+LOG: list[str] = []
+
+
+# ------------------------------------------------------------------ plain values
+def inc(x: int) -> int:
+    return x + 1
+
+
+def double(x: int) -> int:
+    return x * 2
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def cube(x: int) -> int:
+    return x * x * x
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
+def collect(values: list[Any]) -> list[Any]:
+    return list(values)
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def maybe(x: int, y: int = 100) -> int:
+    """`y` is an optional port: missing (its source skipped) means the default."""
+    return x + y
+
+
+def shout(text: str) -> str:
+    return text.upper()
+
+
+def split(x: int) -> dict[str, int]:
+    """Two output ports, `lo` and `hi`."""
+    return {"lo": x - 1, "hi": x + 1}
+
+
+def wrong_keys(x: int) -> dict[str, int]:
+    """Declared with ports `lo` and `hi`, returns `lo` and `bogus`."""
+    return {"lo": x, "bogus": x}
+
+
+def boom(x: Any) -> Any:
+    raise ValueError(f"boom on {x!r}")
+
+
+def with_progress(x: int, ctx: NodeContext) -> int:
+    ctx.progress(0.5, "half")
+    return x
+
+
+def flaky(x: int, ctx: NodeContext, fail_times: int) -> int:
+    """Fails its first `fail_times` attempts, then returns `x` tagged with the attempt."""
+    LOG.append(f"flaky:attempt{ctx.attempt}")
+    if ctx.attempt <= fail_times:
+        raise RuntimeError(f"attempt {ctx.attempt} failed")
+    return x * 10 + ctx.attempt
+
+
+# ------------------------------------------------------------------ routers
+def route_to(x: Any, to: list[str]) -> Route:
+    """Routes to the successors named in the `to` param, passing `x` on."""
+    return Route(to, x)
+
+
+def route_by_sign(x: int) -> Route:
+    return Route(["pos" if x >= 0 else "neg"], x)
+
+
+def route_fake(x: Any) -> Route:
+    """A plain (non-router) node returning a Route."""
+    return Route(["anything"], x)
+
+
+def not_a_route(x: Any) -> Any:
+    """A router returning a plain value."""
+    return x
+
+
+# ------------------------------------------------------------------ loops
+def loop_start(value: int, target: int) -> dict[str, int]:
+    return {"value": value, "target": target, "steps": 0}
+
+
+def loop_grow(state: dict[str, int]) -> dict[str, int]:
+    return {**state, "value": state["value"] * 2, "steps": state["steps"] + 1}
+
+
+def loop_check(state: dict[str, int]) -> Route:
+    return Route(["finish"] if state["value"] >= state["target"] else ["grow"], state)
+
+
+def loop_finish(state: dict[str, int]) -> dict[str, int]:
+    return {"value": state["value"], "steps": state["steps"]}
+
+
+# ------------------------------------------------------------------ gated (async)
+async def gated(x: Any, gate: str) -> Any:
+    """Announces `started:<gate>`, then returns `x` once the test opens `gate`."""
+    LOG.append(f"started:{gate}")
+    GATES[f"started:{gate}"].set()
+    await GATES[gate].wait()
+    return x
+
+
+async def gated_square(x: int, gate: str) -> int:
+    return await gated(x * x, gate)
+
+
+async def gated_cube(x: int, gate: str) -> int:
+    return await gated(x * x * x, gate)
+
+
+async def hang(x: Any, name: str) -> Any:
+    """Never returns on its own; records whether it was cancelled."""
+    LOG.append(f"{name}:started")
+    GATES[f"started:{name}"].set()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        LOG.append(f"{name}:cancelled")
+        raise
+    return x
+
+
+async def gated_boom(x: Any, gate: str) -> Any:
+    """Raises once the test opens `gate`."""
+    await GATES[gate].wait()
+    raise ValueError(f"boom on {x!r}")
+
+
+# ------------------------------------------------------------------ streams
+async def frames(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+def sync_frames(items: list[Any]) -> Iterator[Any]:
+    yield from items
+
+
+async def no_frames(x: Any) -> AsyncIterator[Any]:
+    return
+    yield  # pragma: no cover - makes this an async generator
+
+
+async def handshake_frames(first: Any, second: Any, gate: str) -> AsyncIterator[Any]:
+    """Yields `first`, then waits until the consumer opened `gate` before yielding `second`:
+    a consumer that starts only after the stream ends would wait forever."""
+    yield first
+    await GATES[gate].wait()
+    LOG.append("producer:second")
+    yield second
+
+
+async def consume_and_open(items: AsyncIterator[Any], gate: str) -> list[Any]:
+    """A stream-mode consumer: opens `gate` as soon as it starts, then reads every frame."""
+    LOG.append("consumer:started")
+    GATES[gate].set()
+    return [item async for item in items]
+
+
+async def gated_frames(items: list[Any], gate: str) -> AsyncIterator[Any]:
+    """Yields every item after `gate` opens."""
+    await GATES[gate].wait()
+    for item in items:
+        yield item
+
+
+async def stream_upper(words: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for word in words:
+        yield word.upper()
+
+
+async def consume_all(items: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in items]
+
+
+def consume_blocking(items: Iterator[Any]) -> list[Any]:
+    """A plain function reading a stream-mode input (runs in the unit's thread pool)."""
+    return list(items)
+
+
+async def self_cancel(x: Any) -> Any:
+    """Raises CancelledError on its own, as awaiting a future someone else cancelled does."""
+    future = asyncio.get_running_loop().create_future()
+    future.cancel()
+    return await future
+
+
+def port_frames(x: Any) -> Iterator[dict[str, Any]]:
+    """A stream over ports `a` and `b`: each frame carries some of them."""
+    yield {"a": 1}
+    yield {"b": 2}
+    yield {"a": 3}
