@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StoreFactory, make_keys, make_page, same_bytes, small_layout
+from kv_factories import StoreFactory, make_keys, make_page, same_bytes, small_layout
 
 from engine.data.kv.disk import Checksum, DiskTier, page_checksum
 from engine.data.kv.errors import KVConfigError

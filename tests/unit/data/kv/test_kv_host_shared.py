@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StoreFactory, make_keys, make_page, raw, shm_segments, small_layout
+from kv_factories import StoreFactory, make_keys, make_page, raw, shm_segments, small_layout
 
 from engine.data.kv.errors import KVConfigError
 from engine.data.kv.host import HostPageReader, HostTier

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import StoreFactory, make_keys, make_page, same_bytes, small_layout
+from kv_factories import StoreFactory, make_keys, make_page, same_bytes, small_layout
 
 from engine.data.kv.errors import KVCapacityError, KVLockError, KVPageNotFound, KVTimeoutError
 from engine.data.kv.policy import EvictionPolicy
