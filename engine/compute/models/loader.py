@@ -1,0 +1,228 @@
+"""Build the built-in models, load local checkpoints, export checkpoints.
+
+Nothing here touches the network: built-in models are drawn from their seed, and a
+checkpoint is only ever read from a local directory (`local_files_only=True`, so a
+path that is not a checkpoint is an error, never a hub id; `HF_HUB_OFFLINE=1` is
+therefore always honoured).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from engine.compute.models.catalog import BUILTIN_MODELS, ModelConfig
+from engine.compute.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
+
+SUPPORTED_FAMILIES = ("llama", "qwen2")
+
+
+class ModelLoadError(Exception):
+    """A model name is unknown, or a directory is not a loadable checkpoint of a supported family."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A causal LM ready for the runner: `transformers` module in eval mode, float32, and its tokenizer.
+
+    `model_id` names the weights (it seeds the KV page hash chain, so two models never
+    share pages); `eos_token_ids` are the ids that end a generation.
+    """
+
+    name: str
+    model_id: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.model.config.num_key_value_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+
+def list_models() -> list[ModelConfig]:
+    return list(BUILTIN_MODELS.values())
+
+
+def model_config(name: str) -> ModelConfig:
+    try:
+        return BUILTIN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ModelLoadError(f"unknown model {name!r} (built-in models: {known})") from None
+
+
+def _hf_config(cfg: ModelConfig) -> LlamaConfig | Qwen2Config:
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "tie_word_embeddings": False,
+    }
+    if cfg.family == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(use_sliding_window=False, **common)
+
+
+def build_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The seeded random model of a built-in config (same seed, same weights, on any machine)."""
+    hf_config = _hf_config(cfg)
+    model_cls = LlamaForCausalLM if cfg.family == "llama" else Qwen2ForCausalLM
+    model = model_cls(hf_config)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    scales = cfg.init
+    with torch.no_grad():
+        # Sorted names: the draw order, and so the weights, do not depend on module order.
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith(".bias"):
+                param.copy_(noise * scales.bias)
+            elif "embed_tokens" in name:
+                param.copy_(noise * scales.embed)
+            elif name.startswith("lm_head"):
+                param.copy_(noise * scales.lm_head / math.sqrt(param.shape[1]))
+            else:
+                fan_in = param.shape[1]
+                if any(p in name for p in ("q_proj", "k_proj")):
+                    scale = scales.qk
+                elif any(p in name for p in ("v_proj", "o_proj")):
+                    scale = scales.vo
+                else:
+                    scale = scales.mlp
+                param.copy_(noise * scale / math.sqrt(fan_in))
+        rows = torch.full((model.lm_head.weight.shape[0], 1), scales.unprintable_rows)
+        rows[ord(" ") : ord("~") + 1] = 1.0
+        rows[BOS_ID:] = scales.special_rows
+        model.lm_head.weight.mul_(rows)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.bos_token_id = BOS_ID
+    return model.eval()
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
+                   tokenizer.eos_token_id):
+        for value in source if isinstance(source, list | tuple) else [source]:
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+    return tuple(ids)
+
+
+def load_builtin(name: str) -> LoadedModel:
+    cfg = model_config(name)
+    model = build_model(cfg)
+    tokenizer = build_byte_tokenizer()
+    return LoadedModel(
+        name=name,
+        model_id=f"builtin:{name}:seed{cfg.seed}",
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def _checkpoint_id(path: Path) -> str:
+    """Names a checkpoint by its config and the size and age of its weight files."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return f"checkpoint:{digest.hexdigest()[:24]}"
+
+
+def load_checkpoint(path: str | Path) -> LoadedModel:
+    """A local Hugging Face checkpoint directory (config, weights, tokenizer) of a supported family."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a checkpoint directory (no config.json in it)")
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{directory / 'config.json'}: unreadable config: {exc}") from exc
+    family = config.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(
+            f"{directory}: model type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    if config.get("use_sliding_window"):
+        raise ModelLoadError(f"{directory}: sliding-window attention is not supported by the paged runner")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{directory}: cannot load checkpoint: {exc}") from exc
+    return LoadedModel(
+        name=directory.name,
+        model_id=_checkpoint_id(directory),
+        model=model.eval(),
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def load_model(name: str | None = None, path: str | Path | None = None) -> LoadedModel:
+    """Exactly one of a built-in `name` or a checkpoint `path`."""
+    if (name is None) == (path is None):
+        raise ModelLoadError("give exactly one of a model name or a checkpoint path")
+    return load_builtin(name) if name is not None else load_checkpoint(path)  # type: ignore[arg-type]
+
+
+def export_model(name: str, directory: str | Path) -> Path:
+    """Write a built-in model as a standard checkpoint: config, safetensors weights, tokenizer.
+
+    `AutoModelForCausalLM.from_pretrained(directory)` and `AutoTokenizer.from_pretrained(directory)`
+    load the result unchanged.
+    """
+    loaded = load_builtin(name)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded.model.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    return out
