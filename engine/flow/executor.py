@@ -138,13 +138,14 @@ class _Node:
     fired: int = 0
     attempt: int = 0
     delivered: set[str] = field(default_factory=set)
-    inbox: dict[str, list[tuple[int, int, Any]]] = field(default_factory=dict)
+    inbox: dict[str, list[tuple[int, int, int, Any]]] = field(default_factory=dict)
+    """Per port: (edge index, frame seq, arrival number, value)."""
     task: asyncio.Task[None] | None = None
     started: float | None = None
     first_started: float | None = None
     busy_s: float = 0.0
     error: str | None = None
-    stream_buffers: dict[int, list[Any]] = field(default_factory=dict)
+    stream_buffers: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     stream_channels: dict[int, StreamChannel] = field(default_factory=dict)
 
 
@@ -180,6 +181,7 @@ class Run:
             for nid in plan.order
         }
         self._active = 0
+        self._arrivals = itertools.count()
         self._settled_components: set[int] = set()
         self._assume_settled: int | None = None
         self._finished = asyncio.get_running_loop().create_future()
@@ -288,8 +290,9 @@ class Run:
     def _set_state(self, node: _Node, state: NodeState, duration_ms: float | None = None) -> None:
         node.state = state
         self._emit(NodeStateEvent(seq=self.log.next_seq, run_id=self.id, time=time.time(), node=node.spec.id,
-                                  state=state, attempt=node.attempt, iteration=node.fired, error=node.error
-                                  if state == NodeState.FAILED else None, duration_ms=duration_ms))
+                                  state=state, attempt=node.attempt, iteration=node.fired,
+                                  error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
+                                  duration_ms=duration_ms))
 
     def _progress(self, node_id: str, fraction: float | None, message: str) -> None:
         if self._result is None:
@@ -322,7 +325,7 @@ class Run:
                     complete = False
                     break
             if complete and hit:
-                self._fire(node)
+                self._fire(node, group)
                 return True
             if not complete or hit:
                 all_dead = False
@@ -342,30 +345,34 @@ class Run:
                 channel.close()
         self._after_settle(node)
 
-    def _gather_inputs(self, node: _Node) -> dict[str, Any] | str:
-        """Input values for a firing, or a reason to skip the node."""
+    def _gather_inputs(self, node: _Node, group: frozenset[str] | None) -> dict[str, Any] | str:
+        """Input values for a firing on trigger `group` (None: roots), or a reason to
+        skip the node. Values delivered by predecessors outside the group are dropped."""
         values: dict[str, Any] = {}
+        edges = self.plan.spec.edges
         for port, pspec in node.spec.inputs.items():
             arrivals = node.inbox.get(port, [])
+            if group is not None:
+                arrivals = [a for a in arrivals if edges[a[0]].source in group]
             if pspec.join is None:
                 if not arrivals:
                     if pspec.optional:
                         continue
                     return f"input port {port!r} received nothing"
                 if len(arrivals) > 1:
-                    sources = ", ".join(self.plan.spec.edges[i].source for i, _, _ in arrivals)
+                    sources = ", ".join(edges[a[0]].source for a in arrivals)
                     raise NodeFailure(f"input port {port!r} received {len(arrivals)} values (from {sources});"
                                       " declare a join on it")
-                values[port] = arrivals[0][2]
+                values[port] = arrivals[0][3]
             elif pspec.join == "all":
-                values[port] = [v for _, _, v in sorted(arrivals, key=lambda a: a[0])]
+                values[port] = [a[3] for a in sorted(arrivals, key=lambda a: a[0])]
             elif pspec.join == "ordered":
-                values[port] = [v for _, _, v in sorted(arrivals, key=lambda a: (a[0], a[1]))]
+                values[port] = [a[3] for a in sorted(arrivals, key=lambda a: (a[0], a[1]))]
             else:
-                values[port] = [v for _, _, v in arrivals]
+                values[port] = [a[3] for a in sorted(arrivals, key=lambda a: a[2])]
         return values
 
-    def _fire(self, node: _Node) -> None:
+    def _fire(self, node: _Node, group: frozenset[str] | None = None) -> None:
         if self._finished.done():
             return
         spec = node.spec
@@ -373,7 +380,7 @@ class Run:
             self._fail(node, f"reached max_iterations={spec.max_iterations} without leaving its loop")
             return
         try:
-            inputs = self._gather_inputs(node)
+            inputs = self._gather_inputs(node, group)
         except NodeFailure as exc:
             self._fail(node, str(exc))
             return
@@ -440,7 +447,11 @@ class Run:
                 else:
                     result = await self._dispatcher.execute(role, call, ctx, lambda: self._started(node))
         except asyncio.CancelledError:
-            raise
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            self._attempt_failed(node, inputs, "CancelledError raised by the node itself")
+            return
         except TimeoutError:
             self._attempt_failed(node, inputs, f"timed out after {spec.timeout_s} s")
             return
@@ -489,11 +500,15 @@ class Run:
                 else:
                     channel.put(frame[port])
             else:
-                node.stream_buffers.setdefault(edge.index, []).append(frame[port])
+                node.stream_buffers.setdefault(edge.index, []).append((next(self._arrivals), frame[port]))
 
-    def _deliver(self, source: str, edge_index: int, target: str, port: str, seq: int, value: Any) -> None:
+    def _deliver(
+        self, source: str, edge_index: int, target: str, port: str, seq: int, value: Any, arrival: int | None = None
+    ) -> None:
+        if arrival is None:
+            arrival = next(self._arrivals)
         tnode = self._nodes[target]
-        tnode.inbox.setdefault(port, []).append((edge_index, seq, value))
+        tnode.inbox.setdefault(port, []).append((edge_index, seq, arrival, value))
         tnode.delivered.add(source)
 
     def _complete(self, node: _Node, result: NodeResult, now: float, output_value: Any = None) -> None:
@@ -534,8 +549,8 @@ class Run:
                         self._deliver(nid, edge.index, target, edge.spec.target_port, 0, channel)
                     channel.close()
                 else:
-                    for seq, value in enumerate(node.stream_buffers.pop(edge.index, [])):
-                        self._deliver(nid, edge.index, target, edge.spec.target_port, seq, value)
+                    for seq, (arrival, value) in enumerate(node.stream_buffers.pop(edge.index, [])):
+                        self._deliver(nid, edge.index, target, edge.spec.target_port, seq, value, arrival)
                     self._nodes[target].delivered.add(nid)
             else:
                 self._deliver(nid, edge.index, target, edge.spec.target_port, 0, result.outputs[edge.spec.source_port])
@@ -590,7 +605,7 @@ class Run:
                 m in node.delivered or self._settled(m) for m in group
             ):
                 self._assume_settled = None
-                self._fire(node)
+                self._fire(node, group)
                 return True
         return False
 

@@ -79,6 +79,6 @@ def build_plan(spec: GraphSpec, kinds: KindRegistry) -> Plan:
         out_edges={n: tuple(v) for n, v in out_edges.items()},
         triggers=triggers,
         external_preds=external,
-        input_nodes=tuple(n for n in order if nodes[n].kind == "input"),
-        output_nodes=tuple(n for n in order if nodes[n].kind == "output"),
+        input_nodes=tuple(n.id for n in spec.nodes if n.kind == "input"),
+        output_nodes=tuple(n.id for n in spec.nodes if n.kind == "output"),
     )

@@ -396,8 +396,6 @@ async def test_and_group_fires_when_all_members_delivered(executor, gates):
     assert result.nodes["total"].iterations == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a node firing on one trigger group also receives values that members of"
-                   " other, unsatisfied groups delivered earlier")
 async def test_or_trigger_passes_only_the_firing_groups_values(executor, gates):
     # workflows/diamond.py with n=3: if square finishes, then the memo, then cube, total
     # sums [9, 36] = 45 instead of the memo's 36.
@@ -1001,8 +999,6 @@ async def test_two_values_on_a_port_without_join(executor):
     assert result.nodes["sink"].attempts == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a CancelledError raised by the node's own code (not by the run) is"
-                   " re-raised by the executor, so the node stays running and the run hangs")
 async def test_node_raising_cancelled_error_itself_fails_promptly(executor):
     wf, py = new_workflow()
     n = wf.input("n", default=1)
