@@ -119,6 +119,7 @@ class PrefetchResult:
     resident: int  # already in the device tier
     missing: tuple[PageHash, ...]  # in no tier (or found corrupt)
     locked: int = 0
+    cancelled: bool = False  # stopped by `PrefetchHandle.cancel` before the end of the list
 
 
 class PrefetchHandle:
@@ -138,9 +139,8 @@ class PrefetchHandle:
             raise KVTimeoutError(f"prefetch did not finish within {timeout} s") from exc
 
     def cancel(self) -> None:
-        """Stop after the page being loaded now; pages already loaded stay."""
+        """Stop after the page being loaded now; pages already loaded stay and `wait` reports them."""
         self._cancelled.set()
-        self._future.cancel()
 
 
 @dataclass(slots=True)
@@ -582,10 +582,12 @@ class KVStore:
     def _prefetch_job(self, pages: list[PageHash], lock: bool, cancelled: threading.Event) -> PrefetchResult:
         loaded = resident = locked = 0
         missing: list[PageHash] = []
+        stopped = False
         for page in pages:
-            if cancelled.is_set():
-                break
             with self._mutex:
+                if cancelled.is_set():
+                    stopped = True
+                    break
                 self._check_open()
                 device = self._levels[Tier.DEVICE]
                 if page in device.tier:
@@ -598,7 +600,9 @@ class KVStore:
                 if lock:
                     self._locks[page] += 1
                     locked += 1
-        return PrefetchResult(loaded=loaded, resident=resident, missing=tuple(missing), locked=locked)
+        return PrefetchResult(
+            loaded=loaded, resident=resident, missing=tuple(missing), locked=locked, cancelled=stopped
+        )
 
     def remove(self, page: PageHash) -> None:
         """Forget a page in every tier. Refused while it is locked."""

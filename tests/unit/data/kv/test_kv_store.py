@@ -256,3 +256,14 @@ def test_prefetch_and_foreground_traffic_interleave_safely(make_store: StoreFact
     for key, page in zip(keys, pages, strict=True):
         copy = store.get(key, promote=False)
         assert copy is not None and same_bytes(copy, page)
+
+
+def test_cancelled_prefetch_reports_what_it_did(make_store: StoreFactory) -> None:
+    store = make_store(device=3, host=4, disk=None)
+    put(store, "A", "B", "C", "D", "E")  # A and B in host
+    with store._mutex:  # the job cannot start its first page before the cancel
+        handle = store.prefetch([KEYS["A"], KEYS["B"]])
+        handle.cancel()
+    result = handle.wait(timeout=10)
+    assert result.cancelled and result.loaded == 0
+    assert Tier.DEVICE not in store.tiers_of(KEYS["A"])
