@@ -1,0 +1,256 @@
+"""The runner's side of the paged KV cache: which pages each sequence holds, and its tail page.
+
+`PagedKVCache` ties three things together for the engine:
+
+* the process's `KVStore` (full pages, named by the hash chain; locked while in use so
+  they stay in the device tier at a fixed slot),
+* a small pool of *tail pages* owned by the runner, one per running sequence, holding
+  the K/V of its last, partial page (store pages are immutable and keyed by their
+  tokens, which a partial page does not have yet),
+* the prefix tree (`engine.compute.prefix.RadixCache`) mapping cache keys to pages.
+
+A page that fills is hashed (`page_hashes`, continuing the sequence's chain), put into
+the store, locked and inserted into the tree, so requests admitted later reuse it even
+while its sequence still runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.compute.llm.errors import HandoffError
+from engine.compute.llm.sequence import Sequence
+from engine.compute.llm.transfer import KVHandoff, PageSource, check_pages
+from engine.compute.prefix.radix import RadixCache, RadixNode
+from engine.data.kv.errors import KVPageNotFound, KVTransferError
+from engine.data.kv.keys import PageHash, page_hashes
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.store import KVStore
+
+
+class PagedKVCache:
+    """Page bookkeeping of one engine over a (possibly shared) `KVStore`."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        layout: KVLayout,
+        max_running: int,
+        prefix_cache: bool = True,
+        peers: Seq[PageSource] = (),
+        pull_timeout_s: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.tails = torch.zeros((max_running, *layout.page_shape), dtype=layout.torch_dtype, device=store.device)
+        self._free_tails = list(range(max_running - 1, -1, -1))
+        self.tree = RadixCache(layout.page_size) if prefix_cache else None
+        self._listener = self.tree.store_listener() if self.tree is not None else None
+        if self._listener is not None:
+            store.add_listener(self._listener)
+        self.peers = list(peers)
+        self.pull_timeout_s = pull_timeout_s
+        self.pulled_pages = 0
+
+    @property
+    def free_tail_slots(self) -> int:
+        return len(self._free_tails)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self.store.remove_listener(self._listener)
+            self._listener = None
+
+    # -- admission ------------------------------------------------------------------------
+
+    def acquire(self, seq: Sequence) -> None:
+        """Give `seq` a tail page and lock the longest cached prefix of its key (promoting pages
+        from lower tiers, pulling from peers what no tier holds). Sets `num_computed`.
+
+        At least the last token is left to compute: its logits give the next token.
+        """
+        seq.tail_slot = self._free_tails.pop()
+        try:
+            limit = (len(seq.token_ids) - 1) // self.page_size
+            if self.tree is not None and limit:
+                self._match(seq, limit)
+                if len(seq.pages) < limit and self.peers:
+                    self._pull(seq, limit)
+        except BaseException:
+            self.release(seq)
+            raise
+        seq.num_computed = len(seq.pages) * self.page_size
+
+    def _match(self, seq: Sequence, limit: int) -> None:
+        assert self.tree is not None
+        while True:
+            match = self.tree.match(seq.key_ids, seq.namespace, max_pages=limit)
+            try:
+                slots = self.store.lock(match.pages) if match.pages else []
+            except KVPageNotFound as exc:
+                # A page the tree knew is in no tier any more (e.g. found corrupt): forget it, retry.
+                self.tree.forget(exc.args[0])
+                continue
+            break
+        self.tree.lock(match.node)
+        seq.node = match.node
+        seq.pages = list(match.pages)
+        seq.slots = slots
+
+    def _pull(self, seq: Sequence, limit: int) -> None:
+        chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
+        missing = chain[len(seq.pages) :]
+        for peer in self.peers:
+            started = time.perf_counter()
+            try:
+                got = peer.fetch(missing, self.pull_timeout_s)
+                check_pages(got, self.layout.page_shape, self.layout.torch_dtype)
+            except KVTransferError:
+                self.store.record_pull(0, 0, time.perf_counter() - started, failed=True)
+                continue
+            if got:
+                self.store.record_pull(len(got), len(got) * self.layout.page_nbytes, time.perf_counter() - started)
+                self.pulled_pages += len(got)
+                self._adopt(seq, missing[: len(got)], got)
+                return
+
+    def _adopt(self, seq: Sequence, pages: Seq[PageHash], data: Seq[torch.Tensor]) -> None:
+        """Store `pages` as the next full pages of `seq`, lock them and record them in the tree."""
+        if not pages:
+            return
+        self.store.put_many(pages, data)
+        slots = self.store.lock(pages)
+        seq.pages.extend(pages)
+        seq.slots.extend(slots)
+        self._insert(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        if self.tree is None:
+            return
+        node = self.tree.insert(seq.key_ids, seq.pages, seq.namespace)
+        if node is not seq.node:
+            self.tree.lock(node)
+            if seq.node is not None:
+                self.tree.unlock(seq.node)
+            seq.node = node
+
+    def import_handoff(self, seq: Sequence, handoff: KVHandoff, source: PageSource | None) -> None:
+        """Admit a prefilled prompt: pull the pages this store lacks from `source`, lock them all,
+        restore the tail. Afterwards the whole prompt is computed."""
+        seq.tail_slot = self._free_tails.pop()
+        try:
+            pages = list(handoff.page_hashes)
+            have = 0
+            while have < len(pages) and self.store.contains(pages[have]):
+                have += 1
+            data: list[torch.Tensor] = []
+            if have < len(pages):
+                if source is None:
+                    raise HandoffError(f"handoff {handoff.handoff_id}: {len(pages) - have} pages missing and no source")
+                started = time.perf_counter()
+                try:
+                    data = source.fetch(pages[have:], self.pull_timeout_s)
+                    check_pages(data, self.layout.page_shape, self.layout.torch_dtype)
+                except KVTransferError as exc:
+                    self.store.record_pull(0, 0, time.perf_counter() - started, failed=True)
+                    raise HandoffError(f"handoff {handoff.handoff_id}: pulling pages failed: {exc}") from exc
+                if len(data) != len(pages) - have:
+                    raise HandoffError(
+                        f"handoff {handoff.handoff_id}: source sent {len(data)} of {len(pages) - have} pages"
+                    )
+                nbytes = len(data) * self.layout.page_nbytes
+                self.store.record_pull(len(data), nbytes, time.perf_counter() - started)
+                self.pulled_pages += len(data)
+            if have:
+                seq.slots = self.store.lock(pages[:have])
+                seq.pages = pages[:have]
+                self._insert(seq)
+            self._adopt(seq, pages[have:], data)
+            if handoff.tail_len:
+                assert handoff.tail is not None
+                self.tails[seq.tail_slot].copy_(handoff.tail)
+        except BaseException:
+            self.release(seq)
+            raise
+        seq.num_computed = len(pages) * self.page_size + handoff.tail_len
+
+    # -- growth ---------------------------------------------------------------------------
+
+    def tail_len(self, seq: Sequence) -> int:
+        return seq.num_computed - len(seq.pages) * self.page_size
+
+    def tail(self, seq: Sequence) -> torch.Tensor | None:
+        return self.tails[seq.tail_slot] if seq.tail_slot is not None and self.tail_len(seq) else None
+
+    def _commit(self, seq: Sequence, data: Seq[torch.Tensor] | torch.Tensor, count: int) -> None:
+        start = len(seq.pages) * self.page_size
+        key = seq.key_ids[start : start + count * self.page_size]
+        if seq.pages:
+            new = page_hashes(key, self.page_size, prior=seq.pages[-1])
+        else:
+            new = page_hashes(key, self.page_size, extra_keys=seq.extra_keys)
+        self._adopt(seq, new, data)
+
+    def commit_prefill(self, seq: Sequence, fresh: torch.Tensor, tokens: int) -> None:
+        """After a prefill chunk of `tokens` tokens: store the pages it filled, keep the rest as tail."""
+        assert seq.tail_slot is not None
+        filled = self.tail_len(seq) + tokens
+        full = filled // self.page_size
+        if full:
+            self._commit(seq, fresh[:full], full)
+        if filled % self.page_size:
+            self.tails[seq.tail_slot].copy_(fresh[full])
+        seq.num_computed += tokens
+
+    def commit_decoded(self, seq: Sequence) -> None:
+        """After a decode step wrote one token into the tail page: store the tail if it is full."""
+        assert seq.tail_slot is not None
+        seq.num_computed += 1
+        if self.tail_len(seq) == self.page_size:
+            self._commit(seq, self.tails[seq.tail_slot][None], 1)
+
+    def restore_tail(self, seq: Sequence, tail: torch.Tensor, tokens: int) -> None:
+        assert seq.tail_slot is not None and 0 < tokens < self.page_size
+        self.tails[seq.tail_slot].copy_(tail)
+        seq.num_computed = len(seq.pages) * self.page_size + tokens
+
+    def copy_tail(self, seq: Sequence) -> torch.Tensor | None:
+        tail = self.tail(seq)
+        return tail.clone() if tail is not None else None
+
+    # -- release ----------------------------------------------------------------------------
+
+    def pin(self, pages: Seq[PageHash], node: RadixNode | None) -> None:
+        """Another hold on pages a running sequence holds (a session or a handoff keeps them)."""
+        if pages:
+            self.store.lock(pages)
+        if node is not None and self.tree is not None:
+            self.tree.lock(node)
+
+    def unpin(self, pages: Seq[PageHash], node: RadixNode | None) -> None:
+        if pages:
+            self.store.unlock(pages)
+        if node is not None and self.tree is not None:
+            self.tree.unlock(node)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop every hold of `seq`: page locks, tree lock, tail page. Without a prefix cache its
+        pages are freed too (nobody will look them up)."""
+        pages, seq.pages, seq.slots = seq.pages, [], []
+        if pages:
+            self.store.unlock(pages)
+            if self.tree is None:
+                for page in pages:
+                    if not self.store.lock_count(page):
+                        self.store.remove(page)
+        if seq.node is not None and self.tree is not None:
+            self.tree.unlock(seq.node)
+        seq.node = None
+        if seq.tail_slot is not None:
+            self._free_tails.append(seq.tail_slot)
+            seq.tail_slot = None
+        seq.num_computed = 0

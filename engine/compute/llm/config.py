@@ -1,0 +1,57 @@
+"""Configuration of one LLM engine, built once by its owner and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.compute.llm.errors import LLMError
+
+
+class EngineConfigError(LLMError, ValueError):
+    """An engine setting is out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an engine batches, caches and keeps sessions.
+
+    * `page_size`: tokens per KV page (the KV layout's page size).
+    * `max_running`: sequences in the running batch at once (each holds one tail page).
+    * `max_prefill_tokens`: prompt tokens computed per step, across sequences (chunked prefill).
+    * `device_pages` / `host_pages` / `disk_path` + `disk_pages`: tier sizes of the engine's
+      own KV store (ignored when the engine is given a store).
+    * `prefix_cache`: reuse cached prefixes; off, every request computes its whole prompt and
+      its pages are freed when it ends.
+    * `session_ttl_s`: an idle session's pages stay pinned this long.
+    * `seed`: seeds the draws of requests that carry no seed of their own.
+    """
+
+    page_size: int = 16
+    max_running: int = 32
+    max_prefill_tokens: int = 2048
+    device_pages: int = 4096
+    host_pages: int | None = None
+    disk_path: str | None = None
+    disk_pages: int = 0
+    prefix_cache: bool = True
+    session_ttl_s: float = 600.0
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_running", "max_prefill_tokens", "device_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise EngineConfigError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.host_pages is not None and self.host_pages <= 0:
+            raise EngineConfigError(f"EngineConfig.host_pages must be positive, got {self.host_pages!r}")
+        if self.disk_path is not None and self.disk_pages <= 0:
+            raise EngineConfigError("EngineConfig.disk_pages must be positive when disk_path is set")
+        if self.session_ttl_s <= 0:
+            raise EngineConfigError(f"EngineConfig.session_ttl_s must be positive, got {self.session_ttl_s!r}")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> EngineConfig:
+        """From a role's params (unknown keys are the caller's business, not ours)."""
+        names = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+        return cls(**{k: v for k, v in params.items() if k in names})

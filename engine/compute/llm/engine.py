@@ -1,0 +1,575 @@
+"""`LLMEngine`: the in-process LLM runner loop (schedule -> forward -> sample -> update).
+
+Requests join the running batch as soon as there is room and leave it the step they
+finish; every step runs prefill chunks for sequences with prompt left to compute and
+one decode forward for all the others, then one sampling pass for every sequence that
+produced logits. The engine is single-threaded: one owner calls `add_request`, `abort`
+and `step` (the `llm` compute unit runs it in its own thread).
+
+Prefill/decode disaggregation: `add_request(..., prefill_only=True)` ends after the
+first token with a `KVHandoff` on its output (its pages stay locked until
+`release_handoff`); a decode engine admits it with `add_request(handoff=..., source=...)`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.compute.llm.cache import PagedKVCache
+from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.errors import (
+    HandoffError,
+    RequestError,
+    SessionBusyError,
+    SessionNotFoundError,
+    UnknownRequestError,
+)
+from engine.compute.llm.forward import DecodeBatch, PagedForward, PrefillChunk
+from engine.compute.llm.scheduler import Scheduler
+from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings, Sequence, held_back
+from engine.compute.llm.sessions import Session, SessionInfo
+from engine.compute.llm.transfer import KVHandoff, PageSource
+from engine.compute.models.loader import LoadedModel
+from engine.compute.prefix.keys import MultimodalItem, cache_key
+from engine.compute.prefix.radix import RadixNode
+from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
+from engine.data.kv.errors import KVCapacityError
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig
+from engine.data.kv.tier import Capacity
+
+Prompt = str | Seq[int]
+
+
+@dataclass(slots=True)
+class _Lease:
+    pages: list[PageHash]
+    node: RadixNode | None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching LLM runner over paged KV. See the module docstring."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        store: KVStore | None = None,
+        peers: Seq[PageSource] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, "float32")
+        device = str(next(model.model.parameters()).device)
+        self._own_store = store is None
+        if store is None:
+            store = KVStore(
+                KVStoreConfig(
+                    layout=self.layout,
+                    device_capacity=Capacity(pages=config.device_pages),
+                    host_capacity=Capacity(pages=config.host_pages) if config.host_pages else None,
+                    disk=DiskTierConfig(config.disk_path, Capacity(pages=config.disk_pages))
+                    if config.disk_path
+                    else None,
+                    device=device,
+                )
+            )
+        elif store.layout != self.layout:
+            raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
+        self.store = store
+        self.forward = PagedForward(model.model, self.layout)
+        self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)
+        capacity = int(store.metrics()["device.capacity_pages"])
+        self.scheduler = Scheduler(config.page_size, config.max_running, config.max_prefill_tokens, capacity)
+        self.sampler = Sampler(config.seed)
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._sessions: dict[str, Session] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._outbox: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._eos = frozenset(model.eos_token_ids)
+        self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.model.tokenizer(text).input_ids)
+
+    def decode_text(self, token_ids: Seq[int]) -> str:
+        return self.model.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _check_ids(self, ids: Seq[int], what: str) -> list[int]:
+        out = [int(t) for t in ids]
+        bad = [t for t in out if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise RequestError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.model.vocab_size})")
+        return out
+
+    def add_request(
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        tenant_salt: str | None = None,
+        mm_items: Seq[MultimodalItem] = (),
+        prefill_only: bool = False,
+        handoff: KVHandoff | None = None,
+        source: PageSource | None = None,
+        stream_text: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. Its outputs come from `step()`.
+
+        `prompt` is text (tokenized here) or token ids; in a session it is only the new
+        message. `mm_items` place multimodal items (positions relative to `prompt`).
+        With `handoff` (from a prefill engine) the prompt is the handoff's and `source`
+        is where the pages this engine lacks are pulled from.
+        """
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        salt = tenant_salt
+        if handoff is not None:
+            if session_id is not None or prefill_only or prompt is not None:
+                raise RequestError("a handoff request takes no prompt, session or prefill_only")
+            self._check_handoff(handoff)
+            new_ids, key_ids, items, salt = list(handoff.prompt_ids), list(handoff.key_ids), [], handoff.tenant_salt
+        else:
+            if prompt is None:
+                raise RequestError("a request needs a prompt")
+            new_ids = self.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
+            if not new_ids:
+                raise RequestError("the prompt is empty")
+            items = list(mm_items)
+            key_ids = cache_key(new_ids, items)
+        session = None
+        if session_id is not None:
+            session = self._session(session_id)
+            if session.busy:
+                raise SessionBusyError(f"session {session_id!r} already has a turn in flight")
+            offset = len(session.token_ids)
+            items = session.mm_items + [item.shifted(offset) for item in items]
+            new_ids = session.token_ids + new_ids
+            key_ids = session.key_ids + key_ids
+            salt = session.namespace[1]
+        if len(new_ids) + params.max_new_tokens > self._max_positions:
+            raise RequestError(
+                f"prompt of {len(new_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's"
+                f" {self._max_positions} positions"
+            )
+        if not self.config.prefix_cache:
+            salt = f"{salt or ''}|nocache:{request_id}"
+        seq = Sequence(
+            request_id=request_id,
+            prompt_len=len(new_ids),
+            token_ids=new_ids,
+            key_ids=key_ids,
+            params=params,
+            namespace=(self.model_id, salt),
+            mm_items=tuple(items),
+            session_id=session_id,
+            prefill_only=prefill_only,
+            stream_text=stream_text,
+            handoff=handoff,
+            source=source,
+            arrival=self.clock(),
+        )
+        if session is not None:
+            session.busy = True
+            session.last_used = seq.arrival
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(new_ids)
+        return request_id
+
+    def _check_handoff(self, handoff: KVHandoff) -> None:
+        if handoff.model_id != self.model_id:
+            raise HandoffError(f"handoff of model {handoff.model_id!r} given to an engine of {self.model_id!r}")
+        if handoff.layout != self.layout.to_dict():
+            raise HandoffError(f"handoff KV layout {handoff.layout} is not this engine's {self.layout.to_dict()}")
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its final output (reason `abort`) comes with the next step."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(request_id)
+        self._finish(seq, FinishReason.ABORT, None, self._outbox)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._outbox)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, run one forward per running sequence, sample, and report what changed."""
+        outputs, self._outbox = self._outbox, []
+        self.expire_sessions()
+        self._admit(outputs)
+        plan = self.scheduler.plan()
+        if plan.empty:
+            return outputs
+        self.stats.steps += 1
+        ready: list[Sequence] = []
+        logits: list[torch.Tensor] = []
+        for seq, tokens in plan.prefill:
+            row = self._prefill(seq, tokens, outputs)
+            if row is not None:
+                ready.append(seq)
+                logits.append(row[None])
+        decode = [seq for seq in plan.decode if seq.request_id in self._requests]
+        if decode:
+            logits.append(self._decode(decode))
+            ready.extend(decode)
+        if not ready:
+            return outputs
+        rows = [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids) for seq in ready]
+        tokens = self.sampler.sample(torch.cat(logits), rows)
+        for seq, token in zip(ready, tokens, strict=True):
+            if seq.request_id in self._requests:
+                self._append(seq, token, outputs)
+        return outputs
+
+    def _admit(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            seq = self.scheduler.next_admissible(self.cache.free_tail_slots, self._pinned_pages())
+            if seq is None:
+                return
+            self.scheduler.start(seq)
+            first = seq.admitted is None
+            try:
+                if seq.handoff is not None:
+                    self.cache.import_handoff(seq, seq.handoff, seq.source)
+                else:
+                    self.cache.acquire(seq)
+                    self._restore_session_tail(seq)
+            except KVCapacityError as exc:
+                self.scheduler.requeue(seq)
+                if not self.scheduler.running:
+                    self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
+                return
+            except HandoffError as exc:
+                self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
+                continue
+            if first:
+                seq.admitted = self.clock()
+                seq.cached_tokens = seq.num_computed if seq.handoff is None else 0
+                self.stats.cached_tokens += seq.cached_tokens
+            if seq.handoff is not None and not seq.output_ids:
+                self._append(seq, seq.handoff.first_token, outputs)
+
+    def _prefill(self, seq: Sequence, tokens: int, outputs: list[RequestOutput]) -> torch.Tensor | None:
+        start = seq.num_computed
+        chunk = PrefillChunk(
+            token_ids=seq.token_ids[start : start + tokens],
+            start=start,
+            prefix_slots=seq.slots,
+            tail=self.cache.tail(seq),
+            embeds=seq.embeds_in(start, start + tokens),
+        )
+        want = tokens == seq.pending
+        logits, fresh = self.forward.prefill(chunk, self.store.device_pool, want)
+        self.stats.computed_prompt_tokens += tokens
+        if not self._grow(seq, outputs, lambda: self.cache.commit_prefill(seq, fresh, tokens)):
+            return None
+        return logits
+
+    def _decode(self, batch: list[Sequence]) -> torch.Tensor:
+        decode = DecodeBatch(
+            token_ids=[seq.token_ids[seq.num_computed] for seq in batch],
+            positions=[seq.num_computed for seq in batch],
+            page_slots=[seq.slots for seq in batch],
+            tail_slots=[seq.tail_slot for seq in batch],  # type: ignore[misc]
+        )
+        logits = self.forward.decode(decode, self.store.device_pool, self.cache.tails)
+        for seq in batch:
+            self._grow(seq, self._outbox, lambda s=seq: self.cache.commit_decoded(s))
+        return logits
+
+    def _grow(self, seq: Sequence, outputs: list[RequestOutput], commit: Callable[[], None]) -> bool:
+        """Commit new K/V; when the device tier is full, preempt `seq` (it recomputes later)."""
+        try:
+            commit()
+            return True
+        except KVCapacityError as exc:
+            self.stats.preemptions += 1
+            self.cache.release(seq)
+            if len(self.scheduler.running) <= 1:
+                self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
+            else:
+                self.scheduler.requeue(seq)
+            return False
+
+    def _append(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> None:
+        now = self.clock()
+        seq.token_ids.append(token)
+        seq.key_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        params = seq.params
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        if not params.ignore_eos and token in self._eos:
+            reason, stop_reason = FinishReason.STOP, token
+        elif token in params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        delta = ""
+        if seq.stream_text or params.stop:
+            seq.text = self.decode_text(seq.output_ids)
+            if params.stop and reason is None:
+                window = max(0, seq.emitted_chars - max(len(s) for s in params.stop))
+                hits = [(seq.text.find(s, window), s) for s in params.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    index, stop = min(hits)
+                    seq.text = seq.text[:index]
+                    reason, stop_reason = FinishReason.STOP, stop
+        if reason is None and seq.num_output >= params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None and seq.prefill_only:
+            reason = FinishReason.PREFILLED
+        if seq.stream_text or params.stop:
+            visible = len(seq.text) if reason is not None else len(seq.text) - held_back(seq.text, params.stop)
+            if visible > seq.emitted_chars:
+                delta = seq.text[seq.emitted_chars : visible]
+                seq.emitted_chars = visible
+        if reason is None:
+            outputs.append(RequestOutput(seq.request_id, (token,), delta, session_id=seq.session_id))
+            return
+        self._finish(seq, reason, stop_reason, outputs, last=(token,), delta=delta)
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: int | str | None,
+        outputs: list[RequestOutput],
+        *,
+        last: tuple[int, ...] = (),
+        delta: str = "",
+        error: str | None = None,
+    ) -> None:
+        now = self.clock()
+        handoff = None
+        if seq.session_id is not None and seq.session_id in self._sessions:
+            self._end_turn(seq, reason, now)
+        if reason is FinishReason.PREFILLED:
+            handoff = self._make_handoff(seq)
+        if not (seq.stream_text or seq.params.stop):
+            seq.text = self.decode_text(seq.output_ids)
+        self.cache.release(seq)
+        self.scheduler.remove(seq)
+        self._requests.pop(seq.request_id, None)
+        admitted = seq.admitted if seq.admitted is not None else now
+        first = seq.first_token_at if seq.first_token_at is not None else now
+        outputs.append(
+            RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=last,
+                text_delta=delta,
+                finished=True,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                output_ids=tuple(seq.output_ids),
+                text=seq.text,
+                prompt_tokens=seq.prompt_len,
+                cached_tokens=seq.cached_tokens,
+                timings=RequestTimings(admitted - seq.arrival, first - seq.arrival, now - seq.arrival),
+                handoff=handoff,
+                error=error,
+                session_id=seq.session_id,
+            )
+        )
+
+    # -- driving helpers ---------------------------------------------------------------------------
+
+    def iter_outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come (streaming)."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(
+        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None, **kwargs
+    ) -> list[RequestOutput]:
+        """Submit `prompts` in order as one batch, run them to the end; their final outputs in order."""
+        per = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise RequestError(f"{len(per)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp, **kwargs) for p, sp in zip(prompts, per, strict=True)]
+        return self.run_until_finished(ids)
+
+    def run_until_finished(self, request_ids: Seq[str]) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        while wanted - set(final):
+            if not self.has_unfinished():
+                raise UnknownRequestError(sorted(wanted - set(final)))
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in request_ids]
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None = None, *, tenant_salt: str | None = None,
+                     ttl_s: float | None = None) -> str:
+        session_id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        if session_id in self._sessions:
+            raise RequestError(f"session {session_id!r} is already open")
+        self._sessions[session_id] = Session(
+            session_id=session_id,
+            namespace=(self.model_id, tenant_salt),
+            ttl_s=ttl_s if ttl_s is not None else self.config.session_ttl_s,
+            last_used=self.clock(),
+        )
+        return session_id
+
+    def _session(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(session_id) from None
+
+    def session_info(self, session_id: str) -> SessionInfo:
+        return SessionInfo.of(self._session(session_id))
+
+    def session_history(self, session_id: str) -> list[int]:
+        return list(self._session(session_id).token_ids)
+
+    def close_session(self, session_id: str) -> None:
+        session = self._session(session_id)
+        if session.busy:
+            raise SessionBusyError(f"session {session_id!r} has a turn in flight; abort it first")
+        self._unpin_session(session)
+        del self._sessions[session_id]
+
+    def _unpin_session(self, session: Session) -> None:
+        if session.pinned:
+            self.cache.unpin(session.pages, session.node)
+        session.pinned = False
+        session.tail = None
+
+    def expire_sessions(self, now: float | None = None) -> list[str]:
+        """Unpin sessions idle for longer than their TTL; returns their ids."""
+        now = self.clock() if now is None else now
+        expired = [s for s in self._sessions.values() if s.idle_expired(now)]
+        for session in expired:
+            self._unpin_session(session)
+        return [s.session_id for s in expired]
+
+    def _restore_session_tail(self, seq: Sequence) -> None:
+        if seq.session_id is None:
+            return
+        session = self._sessions.get(seq.session_id)
+        if session is None or not session.pinned or session.tail is None or seq.pages != session.pages:
+            return
+        tokens = session.kv_len - len(session.pages) * self.config.page_size
+        if 0 < tokens and session.kv_len < len(seq.token_ids):
+            self.cache.restore_tail(seq, session.tail, tokens)
+
+    def _end_turn(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        session = self._sessions[seq.session_id]  # type: ignore[index]
+        session.busy = False
+        session.last_used = now
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return  # an aborted or failed turn leaves the history as it was
+        if self.config.prefix_cache and seq.tail_slot is not None:
+            self.cache.pin(seq.pages, seq.node)
+            tail = self.cache.copy_tail(seq)
+            self._unpin_session(session)
+            session.pages, session.node, session.tail, session.pinned = list(seq.pages), seq.node, tail, True
+            session.kv_len = seq.num_computed
+        session.token_ids = list(seq.token_ids)
+        session.key_ids = list(seq.key_ids)
+        session.mm_items = list(seq.mm_items)
+        session.turns += 1
+
+    def _pinned_pages(self) -> int:
+        sessions = sum(len(s.pages) for s in self._sessions.values() if s.pinned)
+        return sessions + sum(len(lease.pages) for lease in self._leases.values())
+
+    # -- prefill/decode handoff -------------------------------------------------------------------------
+
+    def _make_handoff(self, seq: Sequence) -> KVHandoff:
+        self.cache.pin(seq.pages, seq.node)
+        self._leases[seq.request_id] = _Lease(list(seq.pages), seq.node)
+        tail_len = self.cache.tail_len(seq)
+        return KVHandoff(
+            handoff_id=seq.request_id,
+            model_id=self.model_id,
+            layout=self.layout.to_dict(),
+            tenant_salt=seq.namespace[1],
+            prompt_ids=tuple(seq.prompt_ids),
+            key_ids=tuple(seq.key_ids[: seq.prompt_len]),
+            page_hashes=tuple(seq.pages),
+            tail_len=tail_len,
+            tail=self.cache.copy_tail(seq),
+            first_token=seq.output_ids[0],
+        )
+
+    def release_handoff(self, handoff_id: str) -> None:
+        """The decode side has the pages: drop the hold the handoff kept on them."""
+        lease = self._leases.pop(handoff_id, None)
+        if lease is None:
+            raise UnknownRequestError(handoff_id)
+        self.cache.unpin(lease.pages, lease.node)
+
+    # -- metrics and shutdown -------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        out: dict[str, float] = {
+            "llm.steps": s.steps,
+            "llm.prompt_tokens": s.prompt_tokens,
+            "llm.cached_tokens": s.cached_tokens,
+            "llm.hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "llm.computed_prompt_tokens": s.computed_prompt_tokens,
+            "llm.generated_tokens": s.generated_tokens,
+            "llm.preemptions": s.preemptions,
+            "llm.running": len(self.scheduler.running),
+            "llm.waiting": len(self.scheduler.waiting),
+            "llm.sessions": len(self._sessions),
+            "llm.pulled_pages": self.cache.pulled_pages,
+        }
+        out.update(self.store.metrics())
+        return out
+
+    def close(self) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._outbox.clear()
+        for session_id in list(self._sessions):
+            self.close_session(session_id)
+        for handoff_id in list(self._leases):
+            self.release_handoff(handoff_id)
+        self.cache.close()
+        if self._own_store:
+            self.store.close()

@@ -1,0 +1,144 @@
+"""Per-request state of the runner and what it reports back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from engine.compute.prefix.keys import MultimodalItem
+from engine.compute.prefix.radix import Namespace, RadixNode
+from engine.compute.sampling import SamplingParams
+from engine.data.kv.keys import ExtraKeys, PageHash
+
+if TYPE_CHECKING:
+    from engine.compute.llm.transfer import KVHandoff, PageSource
+
+
+class SeqStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"  # aborted by the caller
+    PREFILLED = "prefilled"  # a prefill-only request handed off its KV
+    ERROR = "error"  # could not run (e.g. the KV cache cannot hold it)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Seconds on the engine's clock: queued (arrival to admission), to first token, total."""
+
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: its new token(s) and, when it ends, the summary.
+
+    `text_delta` is filled for requests that stream text or use stop strings; `output_ids`,
+    `text`, `timings` only on the last output of a request.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    output_ids: tuple[int, ...] = ()
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    handoff: KVHandoff | None = None
+    error: str | None = None
+    session_id: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request inside the engine. `token_ids` = prompt + output; `key_ids` is its cache key
+    (the same, with multimodal placeholders replaced by sentinels).
+
+    KV invariant while running: `num_computed == len(pages) * page_size + tail_len`, the
+    full pages are locked in the store (`slots` are their device slots) and the partial
+    last page is in tail page `tail_slot`.
+    """
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    key_ids: list[int]
+    params: SamplingParams
+    namespace: Namespace
+    mm_items: tuple[MultimodalItem, ...] = ()
+    session_id: str | None = None
+    prefill_only: bool = False
+    stream_text: bool = False
+    handoff: KVHandoff | None = None
+    source: PageSource | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    cached_tokens: int = 0
+    pages: list[PageHash] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    tail_slot: int | None = None
+    node: RadixNode | None = None
+    text: str = ""
+    emitted_chars: int = 0
+    arrival: float = 0.0
+    admitted: float | None = None
+    first_token_at: float | None = None
+    reserved_pages: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V are still to be computed (the last sampled one included)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def extra_keys(self) -> ExtraKeys:
+        return ExtraKeys(model_id=self.namespace[0], tenant_salt=self.namespace[1])
+
+    def embeds_in(self, start: int, end: int) -> list[tuple[int, object]]:
+        """Rows of item embeddings overlapping positions `[start, end)`, relative to `start`."""
+        rows = []
+        for item in self.mm_items:
+            if item.embeds is None or item.end <= start or item.start >= end:
+                continue
+            lo, hi = max(item.start, start), min(item.end, end)
+            rows.append((lo - start, item.embeds[lo - item.start : hi - item.start]))
+        return rows
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` to hold back from a stream: an incomplete UTF-8
+    character, or a suffix that may be the start of a stop string."""
+    keep = 0
+    if text.endswith("\ufffd"):
+        keep = len(text) - len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                keep = max(keep, size)
+                break
+    return keep
