@@ -163,7 +163,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("engine.commands.llm",)
 """Modules that add subcommands: each defines `register(subparsers)` and sets a
 `handler(args) -> int` default on the parsers it adds."""
 

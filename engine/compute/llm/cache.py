@@ -67,23 +67,25 @@ class PagedKVCache:
 
     # -- admission ------------------------------------------------------------------------
 
-    def acquire(self, seq: Sequence) -> None:
-        """Give `seq` a tail page and lock the longest cached prefix of its key (promoting pages
-        from lower tiers, pulling from peers what no tier holds). Sets `num_computed`.
-
-        At least the last token is left to compute: its logits give the next token.
-        """
+    def attach(self, seq: Sequence) -> None:
+        """Give an admitted `seq` its tail page."""
         seq.tail_slot = self._free_tails.pop()
-        try:
-            limit = (len(seq.token_ids) - 1) // self.page_size
-            if self.tree is not None and limit:
-                self._match(seq, limit)
-                if len(seq.pages) < limit and self.peers:
-                    self._pull(seq, limit)
-        except BaseException:
-            self.release(seq)
-            raise
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Lock the longest cached prefix of `seq`'s key (promoting pages from lower tiers, pulling
+        from peers what no tier holds) and set `num_computed` to it.
+
+        At least the last token is left to compute: its logits give the next token. Done
+        just before the sequence's first prefill, so it sees pages that sequences ahead
+        of it in the same step have just computed.
+        """
+        limit = (len(seq.token_ids) - 1) // self.page_size
+        if self.tree is not None and limit:
+            self._match(seq, limit)
+            if len(seq.pages) < limit and self.peers:
+                self._pull(seq, limit)
         seq.num_computed = len(seq.pages) * self.page_size
+        seq.matched = True
 
     def _match(self, seq: Sequence, limit: int) -> None:
         assert self.tree is not None
@@ -140,8 +142,7 @@ class PagedKVCache:
 
     def import_handoff(self, seq: Sequence, handoff: KVHandoff, source: PageSource | None) -> None:
         """Admit a prefilled prompt: pull the pages this store lacks from `source`, lock them all,
-        restore the tail. Afterwards the whole prompt is computed."""
-        seq.tail_slot = self._free_tails.pop()
+        restore the tail. Afterwards the whole prompt is computed (release `seq` on failure)."""
         try:
             pages = list(handoff.page_hashes)
             have = 0
@@ -173,9 +174,8 @@ class PagedKVCache:
             if handoff.tail_len:
                 assert handoff.tail is not None
                 self.tails[seq.tail_slot].copy_(handoff.tail)
-        except BaseException:
-            self.release(seq)
-            raise
+        finally:
+            seq.matched = True
         seq.num_computed = len(pages) * self.page_size + handoff.tail_len
 
     # -- growth ---------------------------------------------------------------------------
@@ -254,3 +254,4 @@ class PagedKVCache:
             self._free_tails.append(seq.tail_slot)
             seq.tail_slot = None
         seq.num_computed = 0
+        seq.matched = False

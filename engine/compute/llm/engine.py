@@ -239,12 +239,17 @@ class LLMEngine:
         self.stats.steps += 1
         ready: list[Sequence] = []
         logits: list[torch.Tensor] = []
-        for seq, tokens in plan.prefill:
-            row = self._prefill(seq, tokens, outputs)
+        for seq, planned in plan.prefill:
+            if not seq.matched and not self._match(seq, outputs):
+                continue
+            row = self._prefill(seq, min(planned, seq.pending), outputs)
             if row is not None:
                 ready.append(seq)
                 logits.append(row[None])
         decode = [seq for seq in plan.decode if seq.request_id in self._requests]
+        for seq in decode:
+            seq.matched = True  # one token left: nothing to match
+            seq.first_match = False
         if decode:
             logits.append(self._decode(decode))
             ready.extend(decode)
@@ -263,27 +268,47 @@ class LLMEngine:
             if seq is None:
                 return
             self.scheduler.start(seq)
-            first = seq.admitted is None
+            self.cache.attach(seq)
+            if seq.admitted is None:
+                seq.admitted = self.clock()
+            if seq.handoff is None:
+                continue
+            seq.first_match = False
             try:
-                if seq.handoff is not None:
-                    self.cache.import_handoff(seq, seq.handoff, seq.source)
-                else:
-                    self.cache.acquire(seq)
-                    self._restore_session_tail(seq)
+                self.cache.import_handoff(seq, seq.handoff, seq.source)
             except KVCapacityError as exc:
-                self.scheduler.requeue(seq)
-                if not self.scheduler.running:
-                    self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
-                return
+                if not self._preempt(seq, outputs, str(exc)):
+                    return
+                continue
             except HandoffError as exc:
                 self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
                 continue
-            if first:
-                seq.admitted = self.clock()
-                seq.cached_tokens = seq.num_computed if seq.handoff is None else 0
-                self.stats.cached_tokens += seq.cached_tokens
-            if seq.handoff is not None and not seq.output_ids:
+            if not seq.output_ids:
                 self._append(seq, seq.handoff.first_token, outputs)
+
+    def _preempt(self, seq: Sequence, outputs: list[RequestOutput], error: str) -> bool:
+        """Give up `seq`'s KV (the device tier is full) and requeue it to recompute later; when
+        nothing else runs it can never fit and fails. Returns whether it was requeued."""
+        self.stats.preemptions += 1
+        self.cache.release(seq)
+        if len(self.scheduler.running) <= 1:
+            self._finish(seq, FinishReason.ERROR, None, outputs, error=error)
+            return False
+        self.scheduler.requeue(seq)
+        return True
+
+    def _match(self, seq: Sequence, outputs: list[RequestOutput]) -> bool:
+        try:
+            self.cache.match_prefix(seq)
+        except KVCapacityError as exc:
+            self._preempt(seq, outputs, str(exc))
+            return False
+        self._restore_session_tail(seq)
+        if seq.first_match:
+            seq.first_match = False
+            seq.cached_tokens = seq.num_computed
+            self.stats.cached_tokens += seq.cached_tokens
+        return True
 
     def _prefill(self, seq: Sequence, tokens: int, outputs: list[RequestOutput]) -> torch.Tensor | None:
         start = seq.num_computed
@@ -319,12 +344,7 @@ class LLMEngine:
             commit()
             return True
         except KVCapacityError as exc:
-            self.stats.preemptions += 1
-            self.cache.release(seq)
-            if len(self.scheduler.running) <= 1:
-                self._finish(seq, FinishReason.ERROR, None, outputs, error=str(exc))
-            else:
-                self.scheduler.requeue(seq)
+            self._preempt(seq, outputs, str(exc))
             return False
 
     def _append(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> None:

@@ -86,6 +86,8 @@ class Sequence:
     source: PageSource | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
+    matched: bool = False
+    first_match: bool = True
     cached_tokens: int = 0
     pages: list[PageHash] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
