@@ -1,0 +1,421 @@
+"""A process's seat on the transfer plane: the server that lets others pull from its store,
+and `Peer`, which bundles that server, the store and a client into one object.
+
+    peer = Peer.start(PeerConfig(bind="tcp://127.0.0.1:0"))
+    ref = peer.put(output)                    # producer: keep it, hand out the ref
+    data = peer.pull(ref, timeout=5.0)        # consumer (any process): the bytes
+    tensor = data.torch()                     # or data.numpy()
+    peer.release(ref)                         # or let the lease expire
+    peer.close()
+
+`TensorServer` is a ZeroMQ ROUTER served by one thread. Each connection must open with a
+`HelloRequest` of our protocol version; any frame it cannot read (malformed, unknown type,
+oversized, out of order) gets an `ErrorReply` and the server carries on serving everyone
+else. It sweeps expired leases every `sweep_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from engine.data.channel import (
+    ClientConfig,
+    InProcessChannel,
+    RemoteError,
+    SharedMemoryChannel,
+    Transfer,
+    ZmqChannel,
+    ZmqClient,
+)
+from engine.data.codec import Limits, TensorData, WireCodec, WireError
+from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
+from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ChunkReply,
+    ChunkRequest,
+    ErrorCode,
+    ErrorReply,
+    HelloReply,
+    HelloRequest,
+    LeaseReply,
+    LeaseRequest,
+    Message,
+    PingReply,
+    PingRequest,
+    PullReply,
+    PullRequest,
+    RefId,
+    ReleaseReply,
+    ReleaseRequest,
+    StatsReply,
+    StatsRequest,
+    TensorRef,
+    Transport,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    bind: str = "tcp://127.0.0.1:0"  # port 0: any free port; see TensorServer.address
+    advertise_host: str | None = None  # host name to put in refs when bound to 0.0.0.0
+    limits: Limits = Limits()
+    sweep_interval_s: float = 0.25
+    reclaim_interval_s: float = 10.0  # reclaim dead processes' segments this often
+    idle_client_s: float = 600.0  # forget a connection's handshake after this much silence
+
+
+@dataclass(slots=True)
+class _ClientState:
+    name: str
+    host: str
+    last_seen: float
+
+
+class TensorServer:
+    """Serves pulls of `store`'s refs to other processes from a background thread."""
+
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        store_config: StoreConfig | None = None,
+        *,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        self._own_context = context is None
+        self._context = context or zmq.Context(io_threads=1)
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by what clients ask for
+        socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
+        socket.bind(self.config.bind)
+        self._socket = socket
+        self.address = self._advertised(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.store = TensorStore(self.address, store_config)
+        self._codec = WireCodec(self.config.limits.max_request_bytes)
+        self._clients: dict[bytes, _ClientState] = {}
+        self._stop_r, self._stop_w = os.pipe()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="omniflow-tensor-server", daemon=True)
+        self._thread.start()
+
+    def _advertised(self, endpoint: str) -> str:
+        host = self.config.advertise_host
+        if host is None:
+            return endpoint
+        scheme, _, rest = endpoint.partition("://")
+        return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+    def close(self) -> None:
+        """Stop serving, then free the store (unlinking its segments)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        os.write(self._stop_w, b"\0")
+        self._thread.join(timeout=5.0)
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
+        self.store.close()
+        if self._own_context:
+            self._context.term()
+
+    # --- the serving thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        interval_ms = max(1, int(self.config.sweep_interval_s * 1000))
+        next_sweep = time.monotonic()
+        next_reclaim = time.monotonic() + self.config.reclaim_interval_s
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(interval_ms))
+                if self._socket in events:
+                    self._drain()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self.store.sweep()
+                    self._forget_idle(now)
+                    next_sweep = now + self.config.sweep_interval_s
+                if now >= next_reclaim:
+                    self.store.reclaim_dead()
+                    next_reclaim = now + self.config.reclaim_interval_s
+        finally:
+            self._socket.close(linger=0)
+
+    def _drain(self) -> None:
+        for _ in range(1024):  # then sweep, even under a flood
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._serve(frames)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        request_id: int | None = None
+        try:
+            if len(frames) != 2:
+                raise _Refusal(ErrorCode.MALFORMED, f"expected one frame per request, got {len(frames) - 1}")
+            message = self._codec.decode(frames[1].buffer)
+            request_id = getattr(message, "request_id", None)
+            self._dispatch(identity, message)
+        except WireError as exc:
+            self._reply(identity, ErrorReply(request_id, exc.code, str(exc)))
+        except _Refusal as exc:
+            self._reply(identity, ErrorReply(request_id, exc.code, exc.message))
+        except RefNotFound as exc:
+            self._reply(identity, ErrorReply(request_id, ErrorCode.NOT_FOUND, str(exc)))
+        except Exception as exc:  # a bug in serving one request must not stop the server
+            log.exception("internal error serving a request")
+            self._reply(identity, ErrorReply(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, identity: bytes, message: Message) -> None:
+        if isinstance(message, HelloRequest):
+            if message.protocol_version != PROTOCOL_VERSION:
+                raise _Refusal(
+                    ErrorCode.VERSION_MISMATCH,
+                    f"server speaks protocol {PROTOCOL_VERSION}, client {message.protocol_version}",
+                )
+            self._clients[identity] = _ClientState(message.peer, message.host, time.monotonic())
+            limits = self.config.limits
+            self._reply(
+                identity,
+                HelloReply(PROTOCOL_VERSION, self.address, self.store.host, limits.max_chunk_bytes,
+                           limits.max_request_bytes),
+            )
+            return
+        client = self._clients.get(identity)
+        if client is None:
+            raise _Refusal(ErrorCode.HANDSHAKE_REQUIRED, "the first message must be a HelloRequest")
+        client.last_seen = time.monotonic()
+        match message:
+            case ChunkRequest():
+                self._serve_chunk(identity, message)
+            case PullRequest():
+                self._serve_pull(identity, message)
+            case ReleaseRequest():
+                released = self.store.release(message.ref_id)
+                self._reply(identity, ReleaseReply(message.request_id, released))
+            case LeaseRequest():
+                try:
+                    expires = self.store.extend(message.ref_id, message.seconds)
+                except ValueError as exc:
+                    raise _Refusal(ErrorCode.BAD_REQUEST, str(exc)) from exc
+                self._reply(identity, LeaseReply(message.request_id, expires))
+            case StatsRequest():
+                s = self.store.stats()
+                self._reply(
+                    identity,
+                    StatsReply(message.request_id, s.live_refs, s.live_bytes, s.segments, s.pooled_segments,
+                               s.pooled_bytes),
+                )
+            case PingRequest():
+                self._reply(identity, PingReply(message.request_id))
+            case _:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
+
+    def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
+        entry = self.store.get(request.ref_id)
+        transport = self._choose(entry, request.transports)
+        header = entry.header
+        reply = PullReply(request.request_id, request.ref_id, transport, header, entry.ref.lease_expires_at)
+        if transport is Transport.INLINE:
+            self._reply(identity, reply, entry, entry.data)
+        elif transport is Transport.SHM:
+            assert entry.segment is not None
+            segment = entry.segment
+            reply = PullReply(request.request_id, request.ref_id, transport, header, entry.ref.lease_expires_at,
+                              segment.name, segment.size)
+            self._reply(identity, reply)
+        else:
+            self._reply(identity, reply)
+
+    def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
+        small = entry.header.nbytes <= self.store.config.inline_max_bytes
+        if small and Transport.INLINE in accepted:
+            return Transport.INLINE
+        for transport in accepted:
+            if transport is Transport.SHM and entry.segment is not None:
+                return transport
+            if transport is Transport.TCP:
+                return transport
+        raise _Refusal(ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor")
+
+    def _serve_chunk(self, identity: bytes, request: ChunkRequest) -> None:
+        entry = self.store.get(request.ref_id)
+        if request.length > self.config.limits.max_chunk_bytes:
+            raise _Refusal(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
+        end = request.offset + request.length
+        if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
+            raise _Refusal(ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor")
+        reply = ChunkReply(request.request_id, request.offset, request.length)
+        self._reply(identity, reply, entry, entry.data[request.offset : end])
+
+    def _reply(self, identity: bytes, message: Message, entry: StoredTensor | None = None, data: Any = None) -> None:
+        try:
+            self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            if data is None:
+                self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
+                return
+            self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
+            if entry is not None and entry.segment is not None:
+                # Zero-copy from a segment that may be recycled once released: tell the store.
+                tracker = self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
+                self.store.note_send(entry, tracker)
+            else:
+                self._socket.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._clients.pop(identity, None)  # the client went away; nothing to answer
+
+    def _forget_idle(self, now: float) -> None:
+        limit = self.config.idle_client_s
+        for identity in [i for i, c in self._clients.items() if now - c.last_seen > limit]:
+            del self._clients[identity]
+
+
+class _Refusal(Exception):
+    """A request the server declines, answered with an ErrorReply of `code`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# --- the facade ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    default_timeout_s: float = 30.0
+
+
+class Peer:
+    """A producer and consumer in one: serves its own store and pulls from others, picking
+    the cheapest channel per ref (same process, then same host, then TCP)."""
+
+    def __init__(self, config: PeerConfig | None = None) -> None:
+        self.config = config or PeerConfig()
+        self._context = zmq.Context(io_threads=1)
+        self.server = TensorServer(self.config.server, self.config.store, context=self._context)
+        self.client = ZmqClient(self.config.client, context=self._context, host=self.server.store.host)
+        self.local = InProcessChannel(self.server.store)
+        self.shm = SharedMemoryChannel(self.client)
+        self.tcp = ZmqChannel(self.client)
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: PeerConfig | None = None) -> Peer:
+        return cls(config)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def store(self) -> TensorStore:
+        return self.server.store
+
+    @property
+    def host(self) -> str:
+        return self.server.store.host
+
+    # --- producing ---------------------------------------------------------------------------
+
+    def put(self, tensor: np.ndarray | torch.Tensor, lease_s: float | None = None) -> TensorRef:
+        return self.store.put(tensor, lease_s)
+
+    # --- consuming ---------------------------------------------------------------------------
+
+    def start_pull(self, ref: TensorRef, timeout: float | None = None) -> Transfer:
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        if ref.owner == self.address:
+            return self.local.pull(ref, timeout)
+        transports = (Transport.TCP, Transport.INLINE)
+        if ref.host == self.host:
+            transports = (Transport.SHM, Transport.TCP, Transport.INLINE)
+        return self.client.pull(ref, transports, timeout)
+
+    def pull(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
+        return self.start_pull(ref, timeout).wait()
+
+    async def pull_async(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
+        return await self.start_pull(ref, timeout).wait_async()
+
+    # --- lifetime of refs, wherever they live ---------------------------------------------------
+
+    def release(self, ref: TensorRef, timeout: float | None = None) -> bool:
+        """Free `ref` at its owner now; False if it was not live there."""
+        if ref.owner == self.address:
+            return self.store.release(ref.id)
+        reply = self._call(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), timeout)
+        assert isinstance(reply, ReleaseReply)
+        return reply.released
+
+    def extend(self, ref: TensorRef, lease_s: float, timeout: float | None = None) -> float:
+        """Extend `ref`'s lease at its owner to `lease_s` from now; returns the new UNIX expiry."""
+        if ref.owner == self.address:
+            return self.store.extend(ref.id, lease_s)
+        reply = self._call(ref.owner, lambda rid: LeaseRequest(rid, ref.id, lease_s), timeout)
+        assert isinstance(reply, LeaseReply)
+        return reply.lease_expires_at
+
+    def stats(self, address: str, timeout: float | None = None) -> StatsReply:
+        reply = self._call(address, StatsRequest, timeout)
+        assert isinstance(reply, StatsReply)
+        return reply
+
+    def ping(self, address: str, timeout: float | None = None) -> float:
+        """Round trip to `address` in seconds."""
+        start = time.perf_counter()
+        self._call(address, PingRequest, timeout)
+        return time.perf_counter() - start
+
+    def _call(self, address: str, message: Any, timeout: float | None) -> Message:
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        return self.client.call(address, message, timeout).wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.client.close()
+        self.server.close()
+        self._context.term()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "Peer",
+    "PeerConfig",
+    "RefId",
+    "RemoteError",
+    "ServerConfig",
+    "TensorServer",
+]

@@ -1,0 +1,328 @@
+"""The producer side of direct transfers: tensors kept by their producer, handed out as refs.
+
+A producer `put`s an output (or `reserve`s a buffer, fills it and `commit`s it) and gets a
+`TensorRef` to pass on; consumers pull the bytes straight from this store through a
+`engine.data.peer.TensorServer`. Every ref has a lease: `release` frees it at once,
+otherwise `sweep` frees it once the lease expires, so a consumer that dies (SIGKILL
+included) can never pin memory for longer than one lease.
+
+Tensors above `StoreConfig.inline_max_bytes` live in shared-memory segments (see
+`engine.data.shm`) so that a consumer on the same host maps them without a copy; smaller
+ones live in private memory and travel inline. The store is thread-safe: the server thread
+reads it while the producer puts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from engine.data.codec import (
+    DTYPE_SIZES,
+    TORCH_ONLY_DTYPES,
+    KiB,
+    MiB,
+    UnsupportedTensor,
+    contiguous_strides,
+    flatten_tensor,
+)
+from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, host_id, reclaim_dead_segments
+from engine.data.wire import RefId, TensorHeader, TensorRef
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RefNotFound", "Reservation", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
+
+
+class StoreError(Exception):
+    pass
+
+
+class RefNotFound(StoreError):
+    """No live tensor under this ref id: never stored, released, or its lease expired."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    default_lease_s: float = 60.0
+    max_lease_s: float = 24 * 3600.0
+    inline_max_bytes: int = 64 * KiB
+    use_shm: bool = sys.platform.startswith("linux")
+    shm_root: str = SHM_ROOT
+    pool_bytes: int = 512 * MiB
+    pool_idle_s: float = 10.0
+
+
+class SendHandle(Protocol):
+    """Something still reading a segment (a ZeroMQ zero-copy send): the segment is not
+    recycled before `done`."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+@dataclass(slots=True, eq=False)
+class StoredTensor:
+    """One live tensor. `data` is its bytes (uint8, 1-D, read-only); `segment` holds them
+    when they live in shared memory. Valid while the ref is live."""
+
+    ref: TensorRef
+    header: TensorHeader
+    data: np.ndarray
+    segment: Segment | None
+    expires: float  # monotonic
+    sends: list[SendHandle] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    live_refs: int
+    live_bytes: int
+    segments: int  # this store's segments on /dev/shm: live ones plus pooled ones
+    pooled_segments: int
+    pooled_bytes: int
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """A writable buffer in the store for a producer to fill before `TensorStore.commit`."""
+
+    header: TensorHeader
+    data: np.ndarray  # uint8, 1-D, writable
+    segment: Segment | None
+    committed: bool = False
+
+    @property
+    def array(self) -> np.ndarray:
+        if self.header.dtype in TORCH_ONLY_DTYPES:
+            raise UnsupportedTensor(f"numpy has no {self.header.dtype}; use .torch()")
+        return self.data.view(np.dtype(self.header.dtype)).reshape(self.header.shape)
+
+    def torch(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.data).view(getattr(torch, self.header.dtype)).reshape(self.header.shape)
+
+
+class TensorStore:
+    """Producer outputs by ref id, with leases. `owner` is the address stamped on refs (the
+    address of the server that serves this store)."""
+
+    def __init__(
+        self,
+        owner: str,
+        config: StoreConfig | None = None,
+        *,
+        host: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.owner = owner
+        self.config = config or StoreConfig()
+        self.host = host or host_id()
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self._entries: dict[RefId, StoredTensor] = {}
+        self._leases: list[tuple[float, RefId]] = []  # heap; stale entries skipped on pop
+        self._draining: list[tuple[Segment, list[SendHandle]]] = []
+        self._epoch = secrets.token_hex(4)  # ids never repeat across restarts at one address
+        self._serial = itertools.count()
+        self._live_bytes = 0
+        self._segments: SegmentAllocator | None = None
+        if self.config.use_shm:
+            reclaim_dead_segments(self.config.shm_root)
+            self._segments = SegmentAllocator(
+                self.config.shm_root, pool_bytes=self.config.pool_bytes, pool_idle_s=self.config.pool_idle_s
+            )
+
+    # --- producing -------------------------------------------------------------------------
+
+    def put(self, tensor: np.ndarray | torch.Tensor, lease_s: float | None = None) -> TensorRef:
+        """Keep a copy of `tensor` (one copy, into shared memory when it is large) and return
+        its ref. The caller may reuse `tensor` afterwards."""
+        flat = flatten_tensor(tensor)
+        reservation = self._reserve(flat.header)
+        reservation.data[:] = flat.data
+        return self._commit(reservation, lease_s, flat.device)
+
+    def reserve(self, shape: tuple[int, ...], dtype: str) -> Reservation:
+        """A writable buffer for a tensor of `shape` and `dtype` (wire name, e.g. "float32"),
+        for producers that compute straight into the store; then `commit` it."""
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedTensor(f"unknown dtype {dtype!r}")
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        return self._reserve(TensorHeader(dtype, shape, contiguous_strides(shape), nbytes))
+
+    def commit(self, reservation: Reservation, lease_s: float | None = None) -> TensorRef:
+        if reservation.committed:
+            raise StoreError("reservation already committed")
+        return self._commit(reservation, lease_s, "cpu")
+
+    def _reserve(self, header: TensorHeader) -> Reservation:
+        if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
+            with self._lock:
+                self._drain()
+                segment = self._segments.take(header.nbytes)
+            return Reservation(header, segment.array[: header.nbytes], segment)
+        return Reservation(header, np.empty(header.nbytes, np.uint8), None)
+
+    def _commit(self, reservation: Reservation, lease_s: float | None, device: str) -> TensorRef:
+        reservation.committed = True
+        lease = self._lease_seconds(lease_s)
+        header = reservation.header
+        ref_id = RefId(f"{self._epoch}.{next(self._serial)}")
+        ref = TensorRef(
+            owner=self.owner,
+            id=ref_id,
+            dtype=header.dtype,
+            shape=header.shape,
+            nbytes=header.nbytes,
+            lease_expires_at=self._wall() + lease,
+            host=self.host,
+            device=device,
+        )
+        data = reservation.data
+        data.flags.writeable = False
+        expires = self._clock() + lease
+        with self._lock:
+            self._entries[ref_id] = StoredTensor(ref, header, data, reservation.segment, expires)
+            heapq.heappush(self._leases, (expires, ref_id))
+            self._live_bytes += header.nbytes
+        return ref
+
+    def _lease_seconds(self, lease_s: float | None) -> float:
+        lease = self.config.default_lease_s if lease_s is None else float(lease_s)
+        if not 0 < lease <= self.config.max_lease_s:
+            raise ValueError(f"lease must be in (0, {self.config.max_lease_s}] seconds, got {lease}")
+        return lease
+
+    # --- serving ---------------------------------------------------------------------------
+
+    def get(self, ref_id: RefId) -> StoredTensor:
+        """The live tensor under `ref_id`; raises `RefNotFound` (also once its lease expired)."""
+        with self._lock:
+            entry = self._entries.get(ref_id)
+            if entry is not None and entry.expires <= self._clock():
+                self._drop(entry)
+                entry = None
+        if entry is None:
+            raise RefNotFound(f"no live tensor {ref_id!r}")
+        return entry
+
+    def note_send(self, entry: StoredTensor, handle: SendHandle) -> None:
+        """Record a zero-copy send still reading `entry`'s bytes."""
+        with self._lock:
+            entry.sends = [h for h in entry.sends if not h.done]
+            entry.sends.append(handle)
+
+    def extend(self, ref_id: RefId, lease_s: float) -> float:
+        """Extend the lease to `lease_s` from now; returns the new expiry as a UNIX time."""
+        lease = self._lease_seconds(lease_s)
+        with self._lock:
+            entry = self._entries.get(ref_id)
+            now = self._clock()
+            if entry is None or entry.expires <= now:
+                raise RefNotFound(f"no live tensor {ref_id!r}")
+            entry.expires = now + lease
+            heapq.heappush(self._leases, (entry.expires, ref_id))
+        return self._wall() + lease
+
+    def release(self, ref_id: RefId) -> bool:
+        """Free the tensor now; False if it was not live. Views that consumers mapped stay
+        readable but may be overwritten once the segment is reused."""
+        with self._lock:
+            entry = self._entries.get(ref_id)
+            if entry is None:
+                return False
+            self._drop(entry)
+            return True
+
+    def sweep(self, now: float | None = None) -> list[RefId]:
+        """Free every tensor whose lease ended by `now` (monotonic; default: the clock), let
+        go of idle pooled segments and reclaim dead processes' segments. Returns freed ids."""
+        freed: list[RefId] = []
+        with self._lock:
+            now = self._clock() if now is None else now
+            while self._leases and self._leases[0][0] <= now:
+                _expires, ref_id = heapq.heappop(self._leases)
+                entry = self._entries.get(ref_id)
+                if entry is not None and entry.expires <= now:
+                    self._drop(entry)
+                    freed.append(ref_id)
+            self._drain()
+            if self._segments is not None:
+                self._segments.trim(now)
+        return freed
+
+    def reclaim_dead(self) -> list[str]:
+        """Unlink segments of dead processes on this host (any producer may do this)."""
+        return reclaim_dead_segments(self.config.shm_root)
+
+    def _drop(self, entry: StoredTensor) -> None:
+        del self._entries[entry.ref.id]
+        self._live_bytes -= entry.header.nbytes
+        if entry.segment is not None:
+            self._draining.append((entry.segment, entry.sends))
+            self._drain()
+
+    def _drain(self) -> None:
+        """Recycle released segments that no zero-copy send still reads."""
+        if not self._draining or self._segments is None:
+            return
+        now = self._clock()
+        keep = []
+        for segment, sends in self._draining:
+            if all(h.done for h in sends):
+                self._segments.give_back(segment, now)
+            else:
+                keep.append((segment, sends))
+        self._draining = keep
+
+    # --- introspection and shutdown ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, ref_id: object) -> bool:
+        return ref_id in self._entries
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            live_segments = sum(1 for e in self._entries.values() if e.segment is not None)
+            pooled = self._segments.pooled_segments if self._segments else 0
+            pooled_bytes = self._segments.pooled_bytes if self._segments else 0
+            return StoreStats(
+                live_refs=len(self._entries),
+                live_bytes=self._live_bytes,
+                segments=live_segments + pooled + len(self._draining),
+                pooled_segments=pooled,
+                pooled_bytes=pooled_bytes,
+            )
+
+    def close(self) -> None:
+        """Free everything and unlink every segment this store created."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if entry.segment is not None:
+                    entry.segment.unlink()
+            self._entries.clear()
+            self._leases.clear()
+            for segment, _sends in self._draining:
+                segment.unlink()
+            self._draining.clear()
+            self._live_bytes = 0
+            if self._segments is not None:
+                self._segments.close()

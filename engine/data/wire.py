@@ -1,0 +1,201 @@
+"""Wire messages of the Data Flow transfer plane, and nothing else.
+
+Every message is a tagged `msgspec.Struct` (tag field `"type"`, tag value = class name)
+encoded as msgpack by `engine.data.codec`. Tensor bytes never travel inside a message:
+they follow it as raw ZeroMQ frames, described by a `TensorHeader`.
+
+A connection is a ZeroMQ DEALER (client) talking to a ROUTER (the owner of a tensor
+store). Its first message must be a `HelloRequest` carrying `PROTOCOL_VERSION`; anything
+else is answered with an `ErrorReply`. Then, per request id:
+
+    PullRequest   -> PullReply (+1 raw frame when transport is INLINE)
+                     | ErrorReply
+    ChunkRequest  -> ChunkReply + 1 raw frame (TCP transport, one per chunk)
+    LeaseRequest  -> LeaseReply        ReleaseRequest -> ReleaseReply
+    StatsRequest  -> StatsReply        PingRequest    -> PingReply
+
+Bump `PROTOCOL_VERSION` on any incompatible change to a message below.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NewType
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+RefId = NewType("RefId", str)
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1  # not msgpack, wrong frame count, bad field types
+    UNKNOWN_MESSAGE = 2  # a tag this version does not know
+    OVERSIZED = 3  # a frame or a requested range above the peer's limits
+    VERSION_MISMATCH = 4
+    HANDSHAKE_REQUIRED = 5  # a request before HelloRequest on this connection
+    NOT_FOUND = 6  # unknown ref id, or its lease expired / it was released
+    BAD_REQUEST = 7  # well-formed but invalid (range outside the tensor, ...)
+    UNSUPPORTED = 8  # no transport both sides accept (e.g. CUDA IPC)
+    INTERNAL = 9
+
+
+class Transport(enum.StrEnum):
+    INLINE = "inline"  # bytes in the reply's single raw frame (small tensors)
+    SHM = "shm"  # consumer maps the owner's shared-memory segment (same host)
+    TCP = "tcp"  # chunked raw frames over the ZeroMQ connection
+    CUDA_IPC = "cuda_ipc"  # reserved: not implemented in protocol version 1
+    LOCAL = "local"  # owner in the same process (never sent; marks in-process reads)
+
+
+class TensorHeader(msgspec.Struct, frozen=True, array_like=True):
+    """How to read raw bytes as a tensor.
+
+    `strides` are in elements (torch convention), `offset` in bytes from the start of the
+    buffer the header describes. Version 1 only ever sends C-contiguous tensors.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    nbytes: int
+    offset: int = 0
+
+
+class TensorRef(msgspec.Struct, frozen=True):
+    """A handle on a tensor kept by its producer's store; the executor passes these, never bytes.
+
+    `owner` is the store's ZeroMQ address, `host` identifies the owner's machine (same host ->
+    shared memory is tried first), `lease_expires_at` is a UNIX time after which the owner
+    may drop the tensor unless the lease is extended.
+    """
+
+    owner: str
+    id: RefId
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    lease_expires_at: float
+    host: str
+    device: str = "cpu"
+
+
+class HelloRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    protocol_version: int
+    peer: str
+    host: str
+
+
+class HelloReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    protocol_version: int
+    server: str
+    host: str
+    max_chunk_bytes: int
+    max_request_bytes: int
+
+
+class PullRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Ask for a ref's bytes; `transports` lists what the client accepts, best first."""
+
+    request_id: int
+    ref_id: RefId
+    transports: tuple[Transport, ...]
+
+
+class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """How to read the ref. SHM: map `segment` (`segment_size` bytes) and read at
+    `header.offset`; TCP: fetch `header.nbytes` with ChunkRequests; INLINE: one raw frame follows."""
+
+    request_id: int
+    ref_id: RefId
+    transport: Transport
+    header: TensorHeader
+    lease_expires_at: float
+    segment: str | None = None
+    segment_size: int = 0
+
+
+class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    ref_id: RefId
+    offset: int
+    length: int
+
+
+class ChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Followed by exactly one raw frame of `length` bytes."""
+
+    request_id: int
+    offset: int
+    length: int
+
+
+class LeaseRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    ref_id: RefId
+    seconds: float
+
+
+class LeaseReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    lease_expires_at: float
+
+
+class ReleaseRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    ref_id: RefId
+
+
+class ReleaseReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    released: bool
+
+
+class StatsRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+
+
+class StatsReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    live_refs: int
+    live_bytes: int
+    segments: int
+    pooled_segments: int
+    pooled_bytes: int
+
+
+class PingRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+
+
+class PingReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+
+
+class ErrorReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """The answer to any request that cannot be served; `request_id` is None when the
+    request was too broken to read one."""
+
+    request_id: int | None
+    code: ErrorCode
+    message: str
+
+
+Message = (
+    HelloRequest
+    | HelloReply
+    | PullRequest
+    | PullReply
+    | ChunkRequest
+    | ChunkReply
+    | LeaseRequest
+    | LeaseReply
+    | ReleaseRequest
+    | ReleaseReply
+    | StatsRequest
+    | StatsReply
+    | PingRequest
+    | PingReply
+    | ErrorReply
+)
