@@ -124,11 +124,14 @@ class PagedKVCache:
         """Store `pages` as the next full pages of `seq`, lock them and record them in the tree."""
         if not pages:
             return
-        self.store.put_many(pages, data)
-        slots = self.store.lock(pages)
-        seq.pages.extend(pages)
-        seq.slots.extend(slots)
-        self._insert(seq)
+        try:
+            for page, tensor in zip(pages, data, strict=True):
+                # Lock each page as it lands: putting the next one may evict unlocked pages.
+                self.store.put(page, tensor)
+                seq.slots.extend(self.store.lock([page]))
+                seq.pages.append(page)
+        finally:
+            self._insert(seq)
 
     def _insert(self, seq: Sequence) -> None:
         if self.tree is None:
