@@ -349,18 +349,26 @@ class Peer:
     # --- consuming ---------------------------------------------------------------------------
 
     def start_pull(self, ref: TensorRef, timeout: float | None = None) -> Transfer:
+        """Start a pull that the client's I/O thread carries; poll or wait on the handle."""
         timeout = self.config.default_timeout_s if timeout is None else timeout
         if ref.owner == self.address:
             return self.local.pull(ref, timeout)
-        transports = (Transport.TCP, Transport.INLINE)
+        return self.client.pull(ref, self._transports(ref), timeout)
+
+    def _transports(self, ref: TensorRef) -> tuple[Transport, ...]:
         if ref.host == self.host:
-            transports = (Transport.SHM, Transport.TCP, Transport.INLINE)
-        return self.client.pull(ref, transports, timeout)
+            return (Transport.SHM, Transport.TCP, Transport.INLINE)
+        return (Transport.TCP, Transport.INLINE)
 
     def pull(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
-        return self.start_pull(ref, timeout).wait()
+        """Pull in the calling thread (blocking; the lowest latency)."""
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        if ref.owner == self.address:
+            return self.local.fetch(ref, timeout)
+        return self.client.fetch(ref, self._transports(ref), timeout)
 
     async def pull_async(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
+        """Pull without blocking the event loop (carried by the client's I/O thread)."""
         return await self.start_pull(ref, timeout).wait_async()
 
     # --- lifetime of refs, wherever they live ---------------------------------------------------
@@ -394,7 +402,7 @@ class Peer:
 
     def _call(self, address: str, message: Any, timeout: float | None) -> Message:
         timeout = self.config.default_timeout_s if timeout is None else timeout
-        return self.client.call(address, message, timeout).wait()
+        return self.client.request(address, message, timeout)
 
     def close(self) -> None:
         if self._closed:

@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -248,13 +249,14 @@ class SegmentMapper:
     A mapping is reused while its name exists: names are never reused, and an owner only
     recycles a segment after the ref that pointed into it was released. A mapping keeps the
     memory of an unlinked segment alive, so names that vanished are dropped on every miss.
-    Not thread-safe."""
+    Thread-safe."""
 
     def __init__(self, root: str = SHM_ROOT, max_bytes: int = 1 << 30) -> None:
         self.root = root
         self.max_bytes = max_bytes
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -263,6 +265,10 @@ class SegmentMapper:
         """A read-only mapping of `size` bytes of segment `name`; raises `SegmentGone`."""
         if parse_segment_name(name) is None or "/" in name:
             raise SegmentError(f"not a segment name: {name!r}")
+        with self._lock:
+            return self._map(name, size)
+
+    def _map(self, name: str, size: int) -> mmap.mmap:
         cached = self._maps.get(name)
         if cached is not None and len(cached) >= size:
             self._maps.move_to_end(name)
@@ -297,5 +303,6 @@ class SegmentMapper:
             self._forget(name)
 
     def clear(self) -> None:
-        self._maps.clear()
-        self._bytes = 0
+        with self._lock:
+            self._maps.clear()
+            self._bytes = 0
