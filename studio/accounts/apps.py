@@ -1,0 +1,11 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class AccountsConfig(AppConfig):
+    """Users' API tokens and the authentication used by REST and WebSockets."""
+
+    name = "studio.accounts"
+    label = "accounts"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,216 @@
+"""The studio's configuration: every environment variable is parsed here, once.
+
+`load_config(os.environ)` returns a `StudioConfig`; `studio/settings.py` turns it into
+Django settings and nothing else reads the environment. A malformed value raises
+`ImproperlyConfigured` naming the variable, never a silent fallback.
+
+Two shapes:
+
+* **embedded** (no `DATABASE_URL`, no `REDIS_URL`): SQLite under the data directory,
+  the in-memory channel layer, runs executed in this process.
+* **distributed**: `DATABASE_URL` (PostgreSQL) and `REDIS_URL` (channels-redis layer,
+  Celery broker, worker registry, KV index). `OMNIFLOW_DISPATCH=celery` hands runs to
+  Celery workers instead of the web process.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class Dispatch(enum.StrEnum):
+    LOCAL = "local"
+    """Runs execute on the engine loop of the process that accepted them."""
+    CELERY = "celery"
+    """Runs are queued as the Celery task `execute_run`; needs REDIS_URL."""
+
+
+@dataclass(frozen=True, slots=True)
+class StudioConfig:
+    debug: bool
+    secret_key: str
+    allowed_hosts: tuple[str, ...]
+    csrf_trusted_origins: tuple[str, ...]
+    data_dir: Path
+    database: dict[str, Any]
+    """Django's `DATABASES["default"]`."""
+    redis_url: str | None
+    redis_prefix: str
+    dispatch: Dispatch
+    max_upload_bytes: int
+    run_timeout_s: float | None
+    python_op_modules: tuple[str, ...]
+    """Module prefixes a `python` node's op may import from; `*` allows any module."""
+    log_level: str
+
+    @property
+    def distributed(self) -> bool:
+        return self.redis_url is not None
+
+    @property
+    def media_root(self) -> Path:
+        return self.data_dir / "files"
+
+
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use one of 1/0, true/false, yes/no, on/off)")
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip().replace("_", ""))
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def env_float_or_none(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ImproperlyConfigured(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def parse_database_url(url: str, *, name: str = "DATABASE_URL") -> dict[str, Any]:
+    """`postgres://user:password@host:port/dbname?sslmode=...` or `sqlite:///path`."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("postgres", "postgresql", "pgsql"):
+        dbname = unquote(parts.path.lstrip("/"))
+        if not dbname:
+            raise ImproperlyConfigured(f"{name}={url!r} names no database (postgres://user@host:port/DBNAME)")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ImproperlyConfigured(f"{name}={url!r} has an invalid port") from None
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": dbname,
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(port or ""),
+            "OPTIONS": dict(parse_qsl(parts.query)),
+            "CONN_MAX_AGE": 0,
+        }
+    if scheme == "sqlite":
+        path = unquote(parts.path)
+        if parts.netloc or not path or path == "/":
+            raise ImproperlyConfigured(f"{name}={url!r}: write sqlite:////absolute/path.db or sqlite:///relative.db")
+        # sqlite:///x.db is relative, sqlite:////x.db absolute (the SQLAlchemy convention).
+        return sqlite_database(Path(path[1:]))
+    raise ImproperlyConfigured(f"{name}={url!r}: unsupported scheme {scheme!r} (use postgres:// or sqlite://)")
+
+
+def sqlite_database(path: Path) -> dict[str, Any]:
+    return {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(path),
+        # Runs write events from the engine's database thread while requests write from
+        # theirs: take the write lock up front and wait for it rather than failing.
+        "OPTIONS": {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        },
+        "TEST": {"NAME": str(path.with_name(path.stem + "-test.sqlite3"))},
+    }
+
+
+def _secret_key(env: Mapping[str, str], data_dir: Path) -> str:
+    key = env.get("OMNIFLOW_SECRET_KEY")
+    if key is not None:
+        if len(key) < 32:
+            raise ImproperlyConfigured("OMNIFLOW_SECRET_KEY must be at least 32 characters")
+        return key
+    # Embedded default: a key made once and kept beside the database.
+    path = data_dir / "secret_key"
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(48)
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key
+
+
+def load_config(env: Mapping[str, str]) -> StudioConfig:
+    """Parse the environment; raise ImproperlyConfigured on the first bad value."""
+    data_dir = Path(env.get("OMNIFLOW_DATA_DIR") or BASE_DIR / ".omniflow").expanduser().resolve()
+    debug = env_bool(env, "OMNIFLOW_DEBUG", False)
+
+    database_url = env.get("DATABASE_URL") or None
+    database = parse_database_url(database_url) if database_url else sqlite_database(data_dir / "studio.sqlite3")
+
+    redis_url = env.get("REDIS_URL") or None
+    if redis_url is not None and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ImproperlyConfigured(f"REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://")
+
+    raw_dispatch = (env.get("OMNIFLOW_DISPATCH") or "local").strip().lower()
+    try:
+        dispatch = Dispatch(raw_dispatch)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"OMNIFLOW_DISPATCH={raw_dispatch!r}: expected one of {', '.join(d.value for d in Dispatch)}"
+        ) from None
+    if dispatch is Dispatch.CELERY and redis_url is None:
+        raise ImproperlyConfigured("OMNIFLOW_DISPATCH=celery needs REDIS_URL (the Celery broker)")
+
+    log_level = (env.get("OMNIFLOW_LOG_LEVEL") or "INFO").upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ImproperlyConfigured(f"OMNIFLOW_LOG_LEVEL={log_level!r} is not a logging level")
+
+    return StudioConfig(
+        debug=debug,
+        secret_key=_secret_key(env, data_dir),
+        allowed_hosts=env_list(env, "OMNIFLOW_ALLOWED_HOSTS", ("127.0.0.1", "localhost", "[::1]", "testserver")),
+        csrf_trusted_origins=env_list(env, "OMNIFLOW_CSRF_TRUSTED_ORIGINS", ()),
+        data_dir=data_dir,
+        database=database,
+        redis_url=redis_url,
+        redis_prefix=(env.get("OMNIFLOW_REDIS_PREFIX") or "omniflow").strip(),
+        dispatch=dispatch,
+        max_upload_bytes=env_int(env, "OMNIFLOW_MAX_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=1024),
+        run_timeout_s=env_float_or_none(env, "OMNIFLOW_RUN_TIMEOUT_S"),
+        python_op_modules=env_list(env, "OMNIFLOW_PYTHON_OP_MODULES", ("workflows",)),
+        log_level=log_level,
+    )

@@ -1,0 +1,32 @@
+"""URL map.
+
+    /api/...            REST API (see studio.workflows.urls and studio.accounts.urls)
+    /api/schema/        OpenAPI 3 document; /api/docs/ Swagger UI; /api/redoc/ ReDoc
+    /ws/runs/<id>/      run events (WebSocket; see studio.workflows.routing)
+    /metrics, /healthz  Prometheus metrics, health
+    /admin/             Django admin
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from studio import health
+
+handler400 = "studio.errors.handler400"
+handler403 = "studio.errors.handler403"
+handler404 = "studio.errors.handler404"
+handler500 = "studio.errors.handler500"
+
+urlpatterns = [
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("api/", include("studio.accounts.urls")),
+    path("api/", include("studio.workflows.urls")),
+    path("healthz", health.healthz, name="healthz"),
+    path("metrics", health.metrics, name="metrics"),
+    path("admin/", admin.site.urls),
+]

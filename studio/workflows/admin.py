@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from studio.workflows.models import (
+    Deployment,
+    NodeRun,
+    Run,
+    RunEvent,
+    RunFile,
+    Session,
+    Worker,
+    Workflow,
+    WorkflowVersion,
+)
+
+
+class VersionInline(admin.TabularInline):
+    model = WorkflowVersion
+    fields = ("number", "valid", "message", "author", "created_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Workflow)
+class WorkflowAdmin(admin.ModelAdmin):
+    list_display = ("name", "owner", "updated_at", "created_at")
+    search_fields = ("name", "description", "owner__username")
+    raw_id_fields = ("owner",)
+    inlines = [VersionInline]
+
+
+@admin.register(WorkflowVersion)
+class WorkflowVersionAdmin(admin.ModelAdmin):
+    """Versions are immutable: viewable, not editable."""
+
+    list_display = ("workflow", "number", "valid", "author", "created_at")
+    list_filter = ("valid",)
+    search_fields = ("workflow__name", "message")
+    readonly_fields = ("workflow", "number", "spec", "spec_hash", "layout", "message", "author", "created_at",
+                       "valid", "issues")
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+class WorkerInline(admin.TabularInline):
+    model = Worker
+    extra = 0
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "owner", "status", "created_at")
+    list_filter = ("status",)
+    raw_id_fields = ("owner", "version")
+    inlines = [WorkerInline]
+
+
+@admin.register(Worker)
+class WorkerAdmin(admin.ModelAdmin):
+    list_display = ("worker_id", "deployment", "role", "status", "address", "last_seen_at")
+    list_filter = ("status", "role")
+
+
+class NodeRunInline(admin.TabularInline):
+    model = NodeRun
+    fields = ("node", "kind", "state", "attempts", "iterations", "duration_ms", "error")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Run)
+class RunAdmin(admin.ModelAdmin):
+    list_display = ("id", "workflow", "version", "owner", "status", "created_at", "duration_ms")
+    list_filter = ("status",)
+    search_fields = ("id", "workflow__name", "owner__username")
+    raw_id_fields = ("owner", "workflow", "version", "deployment")
+    readonly_fields = ("last_seq", "started_at", "finished_at", "duration_ms")
+    inlines = [NodeRunInline]
+
+
+@admin.register(NodeRun)
+class NodeRunAdmin(admin.ModelAdmin):
+    list_display = ("run", "node", "kind", "state", "attempts", "duration_ms")
+    list_filter = ("state", "kind")
+    raw_id_fields = ("run",)
+
+
+@admin.register(RunEvent)
+class RunEventAdmin(admin.ModelAdmin):
+    list_display = ("run", "seq", "type")
+    list_filter = ("type",)
+    raw_id_fields = ("run",)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(RunFile)
+class RunFileAdmin(admin.ModelAdmin):
+    list_display = ("filename", "run", "role", "name", "content_type", "size", "owner")
+    list_filter = ("role",)
+    raw_id_fields = ("run", "owner")
+
+
+@admin.register(Session)
+class SessionAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "owner", "deployment", "closed", "updated_at")
+    list_filter = ("closed",)
+    raw_id_fields = ("owner", "deployment")

@@ -1,0 +1,59 @@
+"""The catalogue the editor's palette shows: node kinds (ports and parameter JSON
+schemas), role kinds, and the GraphSpec JSON Schema."""
+
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from engine.spec.graph import PORT_TYPES, json_schema
+from studio.workflows.apps import engine
+
+
+class PortSerializer(serializers.Serializer):
+    type = serializers.ChoiceField(choices=PORT_TYPES)
+    optional = serializers.BooleanField()
+
+
+class NodeKindSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    description = serializers.CharField()
+    category = serializers.CharField()
+    role_kinds = serializers.ListField(child=serializers.CharField(),
+                                       help_text="role kinds that can host it; empty: the executor runs it")
+    params_schema = serializers.JSONField(help_text="JSON Schema of the node's params")
+    inputs = serializers.DictField(child=PortSerializer(), allow_null=True,
+                                   help_text="fixed input ports; null: the node declares its own")
+    outputs = serializers.DictField(child=PortSerializer(), allow_null=True)
+    op = serializers.ChoiceField(choices=["required", "forbidden"])
+
+
+class RoleKindSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    description = serializers.CharField()
+    params_schema = serializers.JSONField()
+
+
+class NodeKindsView(APIView):
+    @extend_schema(summary="The node kinds of this installation", responses=NodeKindSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response([kind.to_dict() for kind in engine().kinds.node_kinds])
+
+
+class RoleKindsView(APIView):
+    @extend_schema(summary="The role kinds of this installation", responses=RoleKindSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response([
+            {"name": k.name, "description": k.description, "params_schema": k.params_schema}
+            for k in engine().kinds.role_kinds
+        ])
+
+
+class GraphSpecSchemaView(APIView):
+    @extend_schema(summary="The GraphSpec JSON Schema", responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        return Response(json_schema())

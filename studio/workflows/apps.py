@@ -1,0 +1,59 @@
+"""The workflows app. Its AppConfig owns the process's engine objects (`StudioEngine`):
+the kind catalogue and the `RunService`. They are built once in `ready()` from
+`settings.OMNIFLOW` and reached through `engine()`; nothing else holds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from django.apps import AppConfig, apps
+from django.conf import settings
+
+if TYPE_CHECKING:
+    from engine.spec.kinds import KindRegistry
+    from studio.config import StudioConfig
+    from studio.workflows.runs.service import RunService
+
+
+@dataclass(frozen=True, slots=True)
+class StudioEngine:
+    config: StudioConfig
+    kinds: KindRegistry
+    runs: RunService
+
+
+def build_engine(config: StudioConfig) -> StudioEngine:
+    from engine.spec.kinds import default_kinds
+    from studio.workflows.runs.bus import ChannelLayerRunEventBus, LocalRunEventBus
+    from studio.workflows.runs.service import RunService
+
+    kinds = default_kinds()
+    bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
+    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus))
+
+
+class WorkflowsConfig(AppConfig):
+    name = "studio.workflows"
+    label = "workflows"
+    verbose_name = "Workflows and runs"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    engine: StudioEngine | None = None
+
+    def ready(self) -> None:
+        self.engine = build_engine(settings.OMNIFLOW)
+
+    def install(self, studio: StudioEngine) -> StudioEngine:
+        """Replace this process's engine objects (tests, embedding); returns the previous ones,
+        which the caller stops or puts back."""
+        previous, self.engine = self.engine, studio
+        assert previous is not None
+        return previous
+
+
+def engine() -> StudioEngine:
+    """This process's engine objects (built when Django starts)."""
+    config = apps.get_app_config("workflows")
+    assert isinstance(config, WorkflowsConfig) and config.engine is not None, "Django is not set up"
+    return config.engine

@@ -1,0 +1,195 @@
+"""`/ws/runs/<id>/`: a run's events, resumable from a sequence number.
+
+Protocol. Connect with `?since=N` (default 0). The server sends each event as one JSON
+text message, exactly as stored (`{"type": "node_state", "seq": 7, ...}`), in sequence
+order from N on, and closes (code 1000) after `run_finished`. A client that saw up to
+seq k reconnects with `since=k+1`. Sending `{"since": N}` restarts the stream at N on
+the same socket. Failures close the socket after one message
+`{"type": "error", "status": 4xx, "error": ...}` with close code 4000 + status
+(4400 bad request, 4401 not authenticated, 4404 no such run).
+
+No gaps, no duplicates: the consumer subscribes to the run's live events *before* it
+reads the stored ones, and the executor side stores each event before publishing it;
+so every event is either read from the database or arrives live (or both: live events
+at or below the last seq sent are dropped). A live event beyond the next expected seq
+(a dropped message) makes the consumer read the gap from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from studio.workflows.apps import engine
+from studio.workflows.models import Run, RunEvent
+from studio.workflows.runs.bus import RunEventBus
+
+log = logging.getLogger(__name__)
+
+REPLAY_PAGE = 500
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _since(raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise _Refused(400, "since must be a non-negative integer")
+    if isinstance(raw, str):
+        if not raw.isdigit():
+            raise _Refused(400, f"since must be a non-negative integer, not {raw!r}")
+        raw = int(raw)
+    if raw < 0:
+        raise _Refused(400, "since must be a non-negative integer")
+    return raw
+
+
+@database_sync_to_async
+def _visible_run(user: Any, run_id: str) -> str | None:
+    run = Run.objects.visible_to(user).filter(pk=run_id).values_list("pk", flat=True).first()
+    return None if run is None else str(run)
+
+
+@database_sync_to_async
+def _stored_events(run_id: str, first: int, last: int | None = None) -> list[dict[str, Any]]:
+    qs = RunEvent.objects.filter(run_id=run_id, seq__gte=first).order_by("seq")
+    if last is not None:
+        qs = qs.filter(seq__lte=last)
+    return [e.data for e in qs[:REPLAY_PAGE]]
+
+
+class RunEventsConsumer(AsyncWebsocketConsumer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run_id: str | None = None
+        self.bus: RunEventBus = engine().runs.bus
+        self._live: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue()
+        self._follow: asyncio.Task[None] | None = None
+        self._subscribed = False
+
+    # ------------------------------------------------------------------ connection
+    async def connect(self) -> None:
+        await self.accept()
+        try:
+            user = self.scope.get("user")
+            if user is None or not user.is_authenticated:
+                raise _Refused(401, "authentication required: send 'Authorization: Bearer <token>' or log in")
+            raw_id = self.scope["url_route"]["kwargs"]["run_id"]
+            try:
+                run_id = str(uuid.UUID(str(raw_id)))
+            except ValueError:
+                raise _Refused(404, f"no run {raw_id}") from None
+            query = parse_qs(self.scope.get("query_string", b"").decode("latin1"))
+            since = _since(query["since"][-1]) if "since" in query else 0
+            if await _visible_run(user, run_id) is None:
+                raise _Refused(404, f"no run {run_id}")
+        except _Refused as refused:
+            await self._refuse(refused)
+            return
+        self.run_id = run_id
+        await self.bus.subscribe(run_id, self)
+        self._subscribed = True
+        self._start(since)
+
+    async def _refuse(self, refused: _Refused) -> None:
+        await self.send(json.dumps({"type": "error", "status": refused.status, "error": refused.message}))
+        await self.close(code=4000 + refused.status)
+
+    async def disconnect(self, code: int) -> None:
+        await self._stop_follow()
+        if self._subscribed and self.run_id is not None:
+            self._subscribed = False
+            await self.bus.unsubscribe(self.run_id, self)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.run_id is None:
+            return
+        try:
+            message = json.loads(text_data or "")
+            if not isinstance(message, dict) or "since" not in message:
+                raise _Refused(400, 'expected {"since": N}')
+            since = _since(message["since"])
+        except json.JSONDecodeError:
+            await self._refuse(_Refused(400, "messages are JSON"))
+            return
+        except _Refused as refused:
+            await self._refuse(refused)
+            return
+        await self._stop_follow()
+        self._live = asyncio.Queue()  # live batches before the restart are read from the database again
+        self._start(since)
+
+    # ---------------------------------------------------------------- live events
+    def deliver(self, events: list[dict[str, Any]]) -> None:
+        """Called by an in-process bus, on this consumer's loop."""
+        self._live.put_nowait(events)
+
+    async def run_events(self, message: dict[str, Any]) -> None:
+        """Channel-layer bus messages (`type: run.events`)."""
+        self.deliver(message["events"])
+
+    # --------------------------------------------------------------------- follow
+    def _start(self, since: int) -> None:
+        self._follow = asyncio.get_running_loop().create_task(self._stream(since))
+
+    async def _stop_follow(self) -> None:
+        task, self._follow = self._follow, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _stream(self, since: int) -> None:
+        assert self.run_id is not None
+        # Stored events first (the subscription is already buffering live ones).
+        next_seq = await self._send_stored(since, None)
+        if next_seq is None:
+            return
+        while True:
+            batch = await self._live.get()
+            for event in batch:
+                seq = event["seq"]
+                if seq < next_seq:
+                    continue
+                if seq > next_seq:  # a live message was lost: read the gap back
+                    next_seq = await self._send_stored(next_seq, seq - 1)
+                    if next_seq is None:
+                        return
+                    if next_seq != seq:
+                        log.error("run %s: events %d..%d are missing from the store", self.run_id, next_seq, seq - 1)
+                if await self._send_event(event):
+                    return
+                next_seq = seq + 1
+
+    async def _send_stored(self, first: int, last: int | None) -> int | None:
+        """Send stored events `first..last`; the next seq to send, or None when the stream ended."""
+        assert self.run_id is not None
+        next_seq = first
+        while True:
+            page = await _stored_events(self.run_id, next_seq, last)
+            for event in page:
+                if await self._send_event(event):
+                    return None
+                next_seq = event["seq"] + 1
+            if len(page) < REPLAY_PAGE:
+                return next_seq
+
+    async def _send_event(self, event: dict[str, Any]) -> bool:
+        """Send one event; True when it ended the stream (and the socket was closed)."""
+        await self.send(json.dumps(event))
+        if event.get("type") == "run_finished":
+            await self.close(code=1000)
+            return True
+        return False

@@ -1,0 +1,306 @@
+"""The studio's records: workflows and their immutable versions, deployments and their
+workers, runs with per-node state and their event log, uploaded/produced files, and chat
+sessions.
+
+Ownership: every row a user reaches through the API hangs off `Workflow.owner` or
+`Run.owner`; querysets are filtered by `visible_to(user)` (staff see everything).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q, QuerySet
+
+
+class OwnedQuerySet(QuerySet):
+    owner_field = "owner"
+
+    def visible_to(self, user: Any) -> QuerySet:
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(**{self.owner_field: user})
+
+
+class Workflow(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="workflows")
+    name = models.CharField(max_length=100)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = OwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-updated_at"]
+        constraints = [models.UniqueConstraint(fields=["owner", "name"], name="workflow_unique_name_per_owner")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def latest_version(self) -> WorkflowVersion | None:
+        return self.versions.order_by("-number").first()
+
+
+class ImmutableError(RuntimeError):
+    """A saved workflow version was modified; save a new version instead."""
+
+
+class WorkflowVersion(models.Model):
+    """One saved GraphSpec. Never changes once saved: editing saves a new version."""
+
+    workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    spec = models.JSONField(help_text="the GraphSpec document (canonical form)")
+    spec_hash = models.CharField(max_length=64, help_text="SHA-256 of the canonical GraphSpec bytes")
+    layout = models.JSONField(default=dict, blank=True, help_text="editor layout: node positions, viewport")
+    message = models.TextField(blank=True)
+    author = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    valid = models.BooleanField(help_text="whether the spec passed validation when saved")
+    issues = models.JSONField(default=list, blank=True, help_text="validation issues (empty when valid)")
+
+    class Meta:
+        ordering = ["workflow", "-number"]
+        constraints = [models.UniqueConstraint(fields=["workflow", "number"], name="version_unique_number")]
+        indexes = [models.Index(fields=["workflow", "spec_hash"])]
+
+    def __str__(self) -> str:
+        return f"{self.workflow} v{self.number}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding:
+            raise ImmutableError(f"{self} is immutable; save a new version instead")
+        super().save(*args, **kwargs)
+
+
+class DeploymentStatus(models.TextChoices):
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Deployment(models.Model):
+    """A version deployed onto role workers: `replicas` per role (defaults from the spec)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
+    version = models.ForeignKey(WorkflowVersion, on_delete=models.PROTECT, related_name="deployments")
+    name = models.CharField(max_length=100, blank=True)
+    status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
+    replicas = models.JSONField(default=dict, blank=True, help_text="role name -> replica count")
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = OwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name or f"deployment of {self.version}"
+
+
+class WorkerStatus(models.TextChoices):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+
+class Worker(models.Model):
+    """A role worker process serving one role of a deployment (mirrors its registry record)."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="workers")
+    role = models.CharField(max_length=64)
+    worker_id = models.CharField(max_length=128, unique=True, help_text="id in the worker registry")
+    host = models.CharField(max_length=255, blank=True)
+    address = models.CharField(max_length=255, blank=True)
+    device = models.CharField(max_length=64, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.STARTING)
+    started_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["deployment", "role", "worker_id"]
+
+    def __str__(self) -> str:
+        return f"{self.role}@{self.address or self.host or self.worker_id}"
+
+
+class RunStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_RUN_STATUSES = frozenset({RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class Run(models.Model):
+    """One execution of a workflow version (through a deployment, when given).
+
+    `inputs` holds the values as submitted, an uploaded file as `{"$file": "<RunFile id>"}`;
+    `outputs` the outputs' JSON values, a produced file as `{"$file": ...}` likewise.
+    `last_seq` is the sequence number of the last event stored (-1 before the first).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
+    workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="runs")
+    version = models.ForeignKey(WorkflowVersion, on_delete=models.CASCADE, related_name="runs")
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs")
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING, db_index=True)
+    inputs = models.JSONField(default=dict, blank=True)
+    outputs = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    failed_node = models.CharField(max_length=64, blank=True)
+    timeout_s = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+    last_seq = models.IntegerField(default=-1)
+
+    objects = OwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["owner", "-created_at"]), models.Index(fields=["workflow", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"run {self.id} of {self.version} ({self.status})"
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL_RUN_STATUSES
+
+
+class NodeState(models.TextChoices):
+    PENDING = "pending"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
+
+
+class NodeRun(models.Model):
+    """The state of one node in one run, kept current from the run's events."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="nodes")
+    node = models.CharField(max_length=64)
+    kind = models.CharField(max_length=64)
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    iterations = models.PositiveIntegerField(default=0)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    progress = models.FloatField(null=True, blank=True)
+    message = models.CharField(max_length=500, blank=True)
+    outputs = models.JSONField(default=dict, blank=True, help_text="port -> preview of the latest value")
+    frames = models.PositiveIntegerField(default=0, help_text="stream frames emitted")
+
+    class Meta:
+        ordering = ["run", "id"]
+        constraints = [models.UniqueConstraint(fields=["run", "node"], name="noderun_unique_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.state})"
+
+
+class RunEvent(models.Model):
+    """A run's events exactly as the executor emitted them, in order, no gaps."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveIntegerField()
+    type = models.CharField(max_length=32)
+    data = models.JSONField()
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="runevent_unique_seq")]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.type}"
+
+
+class FileRole(models.TextChoices):
+    INPUT = "input"
+    OUTPUT = "output"
+
+
+def _run_file_path(instance: RunFile, filename: str) -> str:
+    return f"runs/{instance.owner_id}/{instance.id.hex}"
+
+
+class RunFile(models.Model):
+    """A file uploaded as a run input or produced as an output; served to its owner only."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="run_files")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="files")
+    role = models.CharField(max_length=8, choices=FileRole.choices)
+    name = models.CharField(max_length=64, help_text="the input or output it belongs to")
+    filename = models.CharField(max_length=255)
+    content_type = models.CharField(max_length=100, default="application/octet-stream")
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    file = models.FileField(upload_to=_run_file_path, max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = OwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.name}: {self.filename}"
+
+
+class Session(models.Model):
+    """A chat session bound to a deployment; the history is kept server-side so a client
+    sends only the new turn."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="chat_sessions")
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="sessions")
+    title = models.CharField(max_length=200, blank=True)
+    messages = models.JSONField(default=list, blank=True, help_text="[{role, content, ...}] in order")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    closed = models.BooleanField(default=False)
+
+    objects = OwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-updated_at"]
+
+    def __str__(self) -> str:
+        return self.title or f"session {self.id}"
+
+
+def visible_versions(user: Any) -> QuerySet[WorkflowVersion]:
+    qs = WorkflowVersion.objects.select_related("workflow")
+    if not user.is_authenticated:
+        return qs.none()
+    return qs if user.is_staff else qs.filter(Q(workflow__owner=user))

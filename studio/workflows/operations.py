@@ -1,0 +1,211 @@
+"""What the API and the management commands do to workflows and runs, in one place."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.files.uploadedfile import UploadedFile
+from django.db import IntegrityError, transaction
+from rest_framework.exceptions import NotFound
+
+from engine.flow.executor import RunInputError, resolve_inputs
+from engine.flow.plan import build_plan
+from engine.flow.validate import GraphValidationError
+from engine.spec.graph import GraphSpec
+from studio.config import Dispatch
+from studio.errors import BadRequest, Conflict, Unprocessable
+from studio.workflows.apps import engine
+from studio.workflows.models import (
+    Deployment,
+    DeploymentStatus,
+    FileRole,
+    NodeRun,
+    Run,
+    RunStatus,
+    Workflow,
+    WorkflowVersion,
+)
+from studio.workflows.runs.store import file_ref, store_file
+from studio.workflows.specs import CheckedSpec, check, parse_document, spec_from_source
+
+log = logging.getLogger(__name__)
+
+FILE_PORT_TYPES = frozenset({"image", "audio", "tensor", "any"})
+"""Input port types that accept an uploaded file (its bytes become the input value)."""
+
+
+def invalid_workflow(exc: GraphValidationError, status: type[BadRequest] | type[Unprocessable] = BadRequest):
+    count = len(exc.issues)
+    return status(f"invalid workflow: {count} problem{'s' if count != 1 else ''}", [i.to_dict() for i in exc.issues])
+
+
+def read_spec(*, spec: Any = None, source: str | None = None) -> GraphSpec:
+    """A GraphSpec from a JSON document or DSL source; BadRequest lists every schema problem."""
+    try:
+        return spec_from_source(source) if source is not None else parse_document(spec)
+    except GraphValidationError as exc:
+        raise invalid_workflow(exc) from None
+
+
+def check_spec_for_studio(spec: GraphSpec) -> CheckedSpec:
+    eng = engine()
+    return check(spec, eng.kinds, eng.config.python_op_modules)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedVersion:
+    version: WorkflowVersion
+    created: bool
+    """False when the latest version already had this spec and layout."""
+
+
+def save_version(workflow: Workflow, checked: CheckedSpec, *, layout: dict[str, Any] | None = None,
+                 message: str = "", author: Any = None, base: int | None = None) -> SavedVersion:
+    """Save `checked` as the workflow's next version (valid or not: drafts are kept with
+    their issues). `base`: the version the edit started from; Conflict if it is not the
+    latest. Saving what the latest version already holds creates nothing."""
+    layout = layout or {}
+    with transaction.atomic():
+        Workflow.objects.select_for_update().filter(pk=workflow.pk).first()
+        latest = workflow.versions.order_by("-number").first()
+        latest_number = latest.number if latest else 0
+        if base is not None and base != latest_number:
+            raise Conflict(f"version {base} is not the latest (version {latest_number} was saved since);"
+                           " reload and merge", [{"latest": latest_number}])
+        if latest is not None and latest.spec_hash == checked.spec_hash and latest.layout == layout:
+            return SavedVersion(latest, created=False)
+        version = WorkflowVersion.objects.create(
+            workflow=workflow,
+            number=latest_number + 1,
+            spec=checked.document,
+            spec_hash=checked.spec_hash,
+            layout=layout,
+            message=message,
+            author=author,
+            valid=checked.valid,
+            issues=checked.issue_dicts(),
+        )
+        workflow.save(update_fields=["updated_at"])
+    return SavedVersion(version, created=True)
+
+
+def create_workflow(owner: Any, *, name: str, description: str = "", checked: CheckedSpec | None = None,
+                    layout: dict[str, Any] | None = None, message: str = "") -> Workflow:
+    try:
+        with transaction.atomic():
+            workflow = Workflow.objects.create(owner=owner, name=name, description=description)
+            if checked is not None:
+                save_version(workflow, checked, layout=layout, message=message or "imported", author=owner)
+    except IntegrityError:
+        raise Conflict(f"you already have a workflow named {name!r}") from None
+    return workflow
+
+
+# ------------------------------------------------------------------------------- runs
+def _file_inputs(spec: GraphSpec, files: dict[str, UploadedFile]) -> None:
+    input_types = {n.id: n.outputs["value"].type for n in spec.nodes if n.kind == "input"}
+    problems = []
+    for name in files:
+        if name not in input_types:
+            problems.append({"field": name, "message": f"the workflow has no input {name!r}"
+                             f" (inputs: {sorted(input_types) or 'none'})"})
+        elif input_types[name] not in FILE_PORT_TYPES:
+            problems.append({"field": name, "message": f"input {name!r} is of type {input_types[name]};"
+                             f" files go to inputs of type {', '.join(sorted(FILE_PORT_TYPES))}"})
+    if problems:
+        raise BadRequest("invalid file upload", problems)
+
+
+def resolve_run_target(user: Any, *, workflow: Workflow | None, number: int | None,
+                       deployment: Deployment | None) -> WorkflowVersion:
+    if deployment is not None:
+        if deployment.status != DeploymentStatus.RUNNING:
+            raise Conflict(f"deployment {deployment.pk} is {deployment.status}, not running")
+        return deployment.version
+    assert workflow is not None
+    versions = workflow.versions.all()
+    version = versions.filter(number=number).first() if number is not None else versions.order_by("-number").first()
+    if version is None:
+        if number is None:
+            raise Conflict(f"workflow {workflow.name!r} has no saved version to run")
+        raise NotFound(f"workflow {workflow.name!r} has no version {number}")
+    return version
+
+
+def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
+               files: dict[str, UploadedFile] | None = None, deployment: Deployment | None = None,
+               timeout_s: float | None = None) -> Run:
+    """Check a submission against the version's spec, store the run (pending) and hand it to
+    execution once the transaction commits. Unprocessable when the version is invalid or
+    the inputs do not fit its input nodes."""
+    files = files or {}
+    try:
+        spec = read_spec(spec=version.spec)
+        plan = build_plan(spec, engine().kinds)
+    except (BadRequest, GraphValidationError) as exc:
+        details = exc.details if isinstance(exc, BadRequest) else [i.to_dict() for i in exc.issues]
+        raise Unprocessable(f"version {version.number} of {version.workflow.name!r} is not a valid workflow",
+                            details) from None
+    policy = check_spec_for_studio(spec)
+    if not policy.valid:
+        raise Unprocessable(f"version {version.number} of {version.workflow.name!r} cannot run here",
+                            policy.issue_dicts())
+    _file_inputs(spec, files)
+    overlap = sorted(set(files) & set(inputs))
+    if overlap:
+        raise BadRequest("an input is given both as a value and as a file", overlap)
+    try:
+        resolve_inputs(plan, {**inputs, **dict.fromkeys(files)})
+    except RunInputError as exc:
+        raise Unprocessable("inputs do not match the workflow", [str(exc)]) from None
+    config = engine().config
+    with transaction.atomic():
+        run = Run.objects.create(
+            owner=user,
+            workflow=version.workflow,
+            version=version,
+            deployment=deployment,
+            inputs=inputs,
+            timeout_s=timeout_s if timeout_s is not None else config.run_timeout_s,
+        )
+        NodeRun.objects.bulk_create([NodeRun(run=run, node=n.id, kind=n.kind) for n in spec.nodes])
+        if files:
+            stored = {}
+            for name, upload in files.items():
+                data = upload.read()
+                record = store_file(run, FileRole.INPUT, name, data, upload.name or name,
+                                    upload.content_type or "application/octet-stream")
+                stored[name] = file_ref(record)
+            run.inputs = {**inputs, **stored}
+            run.save(update_fields=["inputs"])
+        transaction.on_commit(lambda: dispatch_run(str(run.pk)))
+    return run
+
+
+def dispatch_run(run_id: str) -> None:
+    """Hand a committed pending run to whatever executes runs in this configuration."""
+    eng = engine()
+    if eng.config.dispatch is Dispatch.CELERY:
+        from studio.workflows.tasks import execute_run
+
+        execute_run.delay(run_id)
+    else:
+        eng.runs.submit(run_id)
+
+
+def parse_json_field(raw: Any, field: str) -> Any:
+    """Multipart forms carry JSON values as strings."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"field {field!r} is not valid JSON: {exc.msg} at column {exc.colno}") from None
+
+
+def active_runs(workflow: Workflow) -> int:
+    return workflow.runs.filter(status__in=[RunStatus.PENDING, RunStatus.RUNNING]).count()
+

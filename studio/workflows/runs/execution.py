@@ -1,0 +1,137 @@
+"""The seam between the studio and the engine: execute one stored run by id.
+
+`execute_run` claims the run (so executing it twice is harmless), submits it to an
+`Executor`, and for every batch of events the executor emits: stores them (Run, NodeRun
+and RunEvent rows, output files) and then publishes them to live followers. A follower
+that reads the database and then the bus therefore misses nothing.
+
+It runs wherever an executor lives: on the engine loop of the web process (embedded,
+`RunService`) or in a Celery worker (`execute_standalone`, distributed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.events import EventLog, RunFinished, RunStatus, event_to_dict
+from engine.flow.executor import Executor, Run, RunInputError
+from engine.flow.validate import GraphValidationError, parse_spec
+from engine.spec.kinds import KindRegistry
+from studio.workflows.runs.bus import RunEventBus
+from studio.workflows.runs.metrics import RunMetrics
+from studio.workflows.runs.store import RunTicket
+
+log = logging.getLogger(__name__)
+
+
+class RunStore(Protocol):
+    async def claim(self, run_id: str) -> RunTicket | None: ...
+
+    async def record(self, run_id: str, events: list[dict], final_outputs: dict | None = None) -> list[dict]: ...
+
+    async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *,
+                               only_pending: bool) -> list[dict] | None: ...
+
+
+async def _next_event(log_: EventLog, position: int) -> None:
+    """Return once the log holds an event at `position`."""
+    follower = log_.follow(position)
+    try:
+        await anext(follower, None)
+    finally:
+        await follower.aclose()
+
+
+async def _pump(run: Run, run_id: str, store: RunStore, bus: RunEventBus, metrics: RunMetrics,
+                node_kinds: dict[str, str], cancel: asyncio.Event) -> RunStatus:
+    position = 0
+    cancel_requested = asyncio.ensure_future(cancel.wait())
+    cancelling = False
+    try:
+        while True:
+            if cancel_requested.done() and not cancelling:
+                cancelling = True
+                if not run.done:
+                    await run.cancel()  # the run's remaining events are in its log when this returns
+            batch = run.log.snapshot(position)
+            if not batch:
+                arrival = asyncio.ensure_future(_next_event(run.log, position))
+                waiting = {arrival} if cancelling else {arrival, cancel_requested}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if not arrival.done():
+                    arrival.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await arrival
+                continue
+            final = isinstance(batch[-1], RunFinished)
+            outputs = (await run.wait()).outputs if final else None
+            stored = await store.record(run_id, [event_to_dict(e) for e in batch], outputs)
+            await bus.publish(run_id, stored)
+            metrics.observe(batch, node_kinds)
+            position += len(batch)
+            if final:
+                return batch[-1].status
+    finally:
+        cancel_requested.cancel()
+
+
+async def execute_run(run_id: str, *, executor: Executor, store: RunStore, bus: RunEventBus,
+                      metrics: RunMetrics, cancel: asyncio.Event | None = None) -> RunStatus | None:
+    """Execute the stored run `run_id` to its end; None when it was not pending.
+
+    Setting `cancel` stops it (before it starts, or while it runs). A run that cannot
+    start (its spec or inputs no longer pass, a file is gone) ends `failed` with one
+    `run_finished` event carrying the reason."""
+    cancel = cancel or asyncio.Event()
+    if cancel.is_set():
+        events = await store.finish_unstarted(run_id, RunStatus.CANCELLED, "cancelled by request", only_pending=True)
+        if events:
+            await bus.publish(run_id, events)
+        return RunStatus.CANCELLED if events else None
+    try:
+        ticket = await store.claim(run_id)
+    except LookupError as exc:
+        ticket, error = None, str(exc)
+    else:
+        error = None
+    if ticket is None and error is None:
+        return None
+    run = None
+    if ticket is not None:
+        try:
+            plan = executor.plan(parse_spec(ticket.spec))
+            run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s)
+        except GraphValidationError as exc:
+            error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
+        except RunInputError as exc:
+            error = f"invalid inputs: {exc}"
+    if run is None:
+        events = await store.finish_unstarted(run_id, RunStatus.FAILED, error or "could not start", only_pending=False)
+        if events:
+            await bus.publish(run_id, events)
+            metrics.runs_finished.labels(str(RunStatus.FAILED)).inc()
+        return RunStatus.FAILED
+    metrics.runs_submitted.inc()
+    metrics.runs_active.inc()
+    try:
+        return await _pump(run, run_id, store, bus, metrics, ticket.node_kinds, cancel)
+    finally:
+        metrics.runs_active.dec()
+        if not run.done:  # the pump failed (e.g. the database went away): stop the run too
+            log.error("run %s: its events could not be stored; cancelling it", run_id)
+            await run.cancel()
+        executor.forget(run_id)
+
+
+async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStore, bus: RunEventBus,
+                             metrics: RunMetrics) -> RunStatus | None:
+    """Execute one run with an executor of its own (a Celery worker's task)."""
+    executor = Executor(InProcessDispatcher(kinds), kinds)
+    try:
+        return await execute_run(run_id, executor=executor, store=store, bus=bus, metrics=metrics)
+    finally:
+        await executor.aclose()

@@ -1,0 +1,204 @@
+"""RunService: executes the studio's runs in this process (the embedded mode).
+
+One per process, owned by the workflows AppConfig (`studio.workflows.apps.engine()`
+reaches it); there is no module-level instance. It owns:
+
+* the **engine loop**: an asyncio loop on its own thread (`omniflow-engine`) with one
+  `Executor` and its `InProcessDispatcher`. The loop belongs to the service, not to the
+  web server, so the same code runs under daphne, uvicorn, `runserver`, Django's test
+  client and a Celery worker;
+* the **database thread** (`omniflow-db`) every event write goes through, in order.
+
+`submit(run_id)` and `cancel(run_id)` may be called from any thread (request threads
+call them). The loop starts on first use; `stop()` cancels what still runs, closes the
+dispatcher and joins both threads, after which the service can start again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.events import RunStatus
+from engine.flow.executor import Executor
+from engine.spec.kinds import KindRegistry
+from studio.workflows.models import Run
+from studio.workflows.models import RunStatus as DbRunStatus
+from studio.workflows.runs.bus import RunEventBus
+from studio.workflows.runs.execution import execute_run
+from studio.workflows.runs.metrics import RunMetrics
+from studio.workflows.runs.store import ThreadedRunStore, stale_runs
+
+log = logging.getLogger(__name__)
+
+
+class CancelOutcome(enum.StrEnum):
+    CANCELLED = "cancelled"
+    """The run was stopped (it ends `cancelled`)."""
+    FINISHED = "finished"
+    """It had already ended; nothing changed."""
+    NOT_HERE = "not_here"
+    """It is running, but not in this process."""
+
+
+class RunService:
+    def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
+                 *, start_timeout_s: float = 10.0) -> None:
+        self.kinds = kinds
+        self.bus = bus
+        self.metrics = metrics or RunMetrics()
+        self._start_timeout_s = start_timeout_s
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._db: concurrent.futures.ThreadPoolExecutor | None = None
+        self._store: ThreadedRunStore | None = None
+        self._executor: Executor | None = None
+        self._tasks: dict[str, asyncio.Task[RunStatus | None]] = {}
+        self._cancels: dict[str, asyncio.Event] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
+
+    def start(self) -> None:
+        """Start the engine loop (idempotent)."""
+        with self._lock:
+            if self._loop is not None:
+                return
+            ready = threading.Event()
+            self._db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omniflow-db")
+            self._store = ThreadedRunStore(self._db)
+            self._thread = threading.Thread(target=self._main, args=(ready,), name="omniflow-engine", daemon=True)
+            self._thread.start()
+            if not ready.wait(self._start_timeout_s):
+                raise RuntimeError("the engine loop did not start")
+
+    def _main(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._executor = Executor(InProcessDispatcher(self.kinds), self.kinds)
+        self._loop = loop
+        ready.set()
+        try:
+            loop.run_forever()
+            loop.run_until_complete(self._shutdown())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        for event in self._cancels.values():
+            event.set()
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        assert self._executor is not None and self._store is not None
+        await self._executor.aclose()
+        await self._store.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel unfinished runs, close the dispatcher and join the threads."""
+        with self._lock:
+            loop, thread, db = self._loop, self._thread, self._db
+            if loop is None or thread is None or db is None:
+                return
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise RuntimeError("the engine loop did not stop in time")
+            db.shutdown(wait=True)
+            self._loop = self._thread = self._db = self._store = self._executor = None
+            self._tasks.clear()
+            self._cancels.clear()
+
+    # ---------------------------------------------------------------------- calls
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        self.start()
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit(self, run_id: str) -> None:
+        """Execute the stored pending run `run_id`; returns at once (thread-safe)."""
+        self._call(self._start_run(str(run_id)))
+
+    def resume_stale(self) -> list[str]:
+        """On a process start: fail runs a previous process left running, re-queue pending ones.
+        Call it once, before this process accepts runs."""
+        self.start()
+        assert self._store is not None and self._db is not None
+        stale = self._db.submit(stale_runs).result()
+        for run_id in stale:
+            self._call(self._recover(run_id))
+        return stale
+
+    async def _recover(self, run_id: str) -> None:
+        assert self._store is not None
+        events = await self._store.finish_unstarted(
+            run_id, RunStatus.FAILED, "interrupted: the studio stopped before the run finished", only_pending=False
+        ) if await self._is_running(run_id) else None
+        if events:
+            await self.bus.publish(run_id, events)
+        else:
+            await self._start_run(run_id)
+
+    async def _is_running(self, run_id: str) -> bool:
+        assert self._db is not None
+        loop = asyncio.get_running_loop()
+        status = await loop.run_in_executor(
+            self._db, lambda: Run.objects.filter(pk=run_id).values_list("status", flat=True).first()
+        )
+        return status == DbRunStatus.RUNNING
+
+    async def _start_run(self, run_id: str) -> None:
+        if run_id in self._tasks:
+            return
+        assert self._executor is not None and self._store is not None
+        cancel = self._cancels[run_id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(
+            execute_run(run_id, executor=self._executor, store=self._store, bus=self.bus, metrics=self.metrics,
+                        cancel=cancel),
+            name=f"omniflow-run-{run_id}",
+        )
+        self._tasks[run_id] = task
+        task.add_done_callback(lambda t: self._finished(run_id, t))
+
+    def _finished(self, run_id: str, task: asyncio.Task[RunStatus | None]) -> None:
+        self._tasks.pop(run_id, None)
+        self._cancels.pop(run_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("run %s failed in the studio", run_id, exc_info=task.exception())
+
+    def cancel(self, run_id: str, timeout_s: float = 30.0) -> CancelOutcome:
+        """Stop a run of this process and wait until it has ended (thread-safe)."""
+        return self._call(self._cancel(str(run_id))).result(timeout_s)
+
+    async def _cancel(self, run_id: str) -> CancelOutcome:
+        assert self._store is not None
+        task = self._tasks.get(run_id)
+        if task is not None:
+            self._cancels[run_id].set()
+            status = await asyncio.shield(task)
+            return CancelOutcome.CANCELLED if status == RunStatus.CANCELLED else CancelOutcome.FINISHED
+        events = await self._store.finish_unstarted(run_id, RunStatus.CANCELLED, "cancelled by request",
+                                                    only_pending=True)
+        if events:
+            await self.bus.publish(run_id, events)
+            return CancelOutcome.CANCELLED
+        if await self._is_running(run_id):
+            return CancelOutcome.NOT_HERE
+        return CancelOutcome.FINISHED
+
+    def wait(self, run_id: str, timeout_s: float = 30.0) -> RunStatus | None:
+        """Block until the run (if it executes here) has ended; for tests and commands."""
+        return self._call(self._wait(str(run_id))).result(timeout_s)
+
+    async def _wait(self, run_id: str) -> RunStatus | None:
+        task = self._tasks.get(run_id)
+        return None if task is None else await asyncio.shield(task)

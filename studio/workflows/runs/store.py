@@ -1,0 +1,288 @@
+"""The database side of run execution. Every function here is synchronous (ORM) and is
+called from one thread at a time per run (the engine's database thread, or a Celery
+worker), so a run's events are written in order.
+
+A run's stored events are exactly the executor's events (`event_to_dict`), except that
+`run_finished` gains `files`: output name -> download URL for outputs stored as files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import logging
+import mimetypes
+from collections.abc import Callable
+from concurrent.futures import Executor as ThreadExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from asgiref.sync import sync_to_async
+from django.core.files.base import ContentFile
+from django.db import close_old_connections, connections, transaction
+from django.urls import reverse
+from django.utils import timezone
+
+from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
+from studio.workflows.models import (
+    FileRole,
+    NodeRun,
+    NodeState,
+    Run,
+    RunEvent,
+    RunFile,
+)
+from studio.workflows.models import (
+    RunStatus as DbRunStatus,
+)
+
+log = logging.getLogger(__name__)
+
+INLINE_OUTPUT_LIMIT = 1_000_000
+"""Outputs whose JSON passes this many bytes are stored as files instead of inline."""
+
+_TERMINAL_NODE_STATES = {NodeState.DONE, NodeState.FAILED, NodeState.SKIPPED, NodeState.CANCELLED}
+
+
+@dataclass(frozen=True, slots=True)
+class RunTicket:
+    """What the engine needs to start a claimed run."""
+
+    run_id: str
+    spec: dict[str, Any]
+    inputs: dict[str, Any]
+    """Input values with uploaded files read back as bytes."""
+    timeout_s: float | None
+    node_kinds: dict[str, str]
+
+
+def _when(epoch: float | None) -> dt.datetime:
+    return dt.datetime.fromtimestamp(epoch, tz=dt.UTC) if epoch is not None else timezone.now()
+
+
+def file_url(run_id: Any, file_id: Any) -> str:
+    return reverse("run-file", kwargs={"pk": run_id, "file_id": file_id})
+
+
+def file_ref(file: RunFile) -> dict[str, Any]:
+    return {"$file": str(file.id)}
+
+
+def sniff_content_type(data: bytes, declared_type: str | None = None) -> tuple[str, str]:
+    """(content type, file extension) of produced bytes, from their magic numbers."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png", ".png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg", ".jpg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "audio/wav", ".wav"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp", ".webp"
+    if data.startswith(b"fLaC"):
+        return "audio/flac", ".flac"
+    if data.startswith((b"ID3", b"\xff\xfb")):
+        return "audio/mpeg", ".mp3"
+    if data.startswith(b"OggS"):
+        return "audio/ogg", ".ogg"
+    return "application/octet-stream", ".bin"
+
+
+def store_file(run: Run, role: str, name: str, data: bytes, filename: str, content_type: str) -> RunFile:
+    record = RunFile(
+        owner_id=run.owner_id,
+        run=run,
+        role=role,
+        name=name,
+        filename=filename[:255],
+        content_type=content_type or mimetypes.guess_type(filename)[0] or "application/octet-stream",
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+    record.file.save(record.id.hex, ContentFile(data), save=False)
+    record.save()
+    return record
+
+
+# ------------------------------------------------------------------------------ claiming
+def claim(run_id: str) -> RunTicket | None:
+    """Move a pending run to running and return what it needs; None when it is not pending
+    (already claimed, cancelled or finished), which makes execution idempotent."""
+    with transaction.atomic():
+        claimed = Run.objects.filter(pk=run_id, status=DbRunStatus.PENDING).update(
+            status=DbRunStatus.RUNNING, started_at=timezone.now()
+        )
+        if not claimed:
+            return None
+        run = Run.objects.select_related("version").get(pk=run_id)
+        files = {str(f.id): f for f in run.files.filter(role=FileRole.INPUT)}
+    inputs: dict[str, Any] = {}
+    for name, value in run.inputs.items():
+        if isinstance(value, dict) and set(value) == {"$file"}:
+            record = files.get(value["$file"])
+            if record is None:
+                raise LookupError(f"input {name!r}: uploaded file {value['$file']} is missing")
+            with record.file.open("rb") as fh:
+                inputs[name] = fh.read()
+        else:
+            inputs[name] = value
+    spec = run.version.spec
+    return RunTicket(
+        run_id=str(run.pk),
+        spec=spec,
+        inputs=inputs,
+        timeout_s=run.timeout_s,
+        node_kinds={n["id"]: n["kind"] for n in spec.get("nodes", [])},
+    )
+
+
+# ------------------------------------------------------------------------------- events
+def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any:
+    """How one run output is kept: JSON inline, bytes (or oversized JSON) as a file."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        content_type, ext = sniff_content_type(data)
+        record = store_file(run, FileRole.OUTPUT, name, data, f"{name}{ext}", content_type)
+        files[name] = file_url(run.pk, record.pk)
+        return file_ref(record)
+    try:
+        encoded = msgspec.json.encode(value)
+    except (TypeError, msgspec.EncodeError):
+        return preview(value)
+    if len(encoded) > INLINE_OUTPUT_LIMIT:
+        record = store_file(run, FileRole.OUTPUT, name, encoded, f"{name}.json", "application/json")
+        files[name] = file_url(run.pk, record.pk)
+        return file_ref(record)
+    return msgspec.json.decode(encoded)
+
+
+def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None) -> list[dict]:
+    """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
+    up to date. `final_outputs` (the run's real output values) comes with `run_finished`.
+    Returns the events as stored, which is what followers are sent."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run_id)
+        expected = run.last_seq + 1
+        if events and events[0]["seq"] != expected:
+            raise ValueError(f"run {run_id}: event seq {events[0]['seq']} does not follow {run.last_seq}")
+        nodes = {n.node: n for n in run.nodes.all()}
+        touched: dict[str, NodeRun] = {}
+        run_fields: set[str] = {"last_seq"}
+        stored: list[dict[str, Any]] = []
+        for event in events:
+            kind = event["type"]
+            when = _when(event.get("time"))
+            if kind == "run_started":
+                run.status = DbRunStatus.RUNNING
+                run.started_at = run.started_at or when
+                run_fields |= {"status", "started_at"}
+            elif kind == "node_state" and event["node"] in nodes:
+                node = nodes[event["node"]]
+                state = event["state"]
+                node.state = state
+                node.attempts = event.get("attempt", node.attempts)
+                node.iterations = event.get("iteration", node.iterations)
+                if state == NodeState.RUNNING and node.started_at is None:
+                    node.started_at = when
+                if state in _TERMINAL_NODE_STATES:
+                    node.finished_at = when
+                    if state == NodeState.DONE and node.started_at is None:
+                        node.started_at = when  # input/output nodes finish without running
+                    if event.get("duration_ms") is not None:
+                        node.duration_ms = event["duration_ms"]
+                    node.error = event.get("error") or ("" if state == NodeState.DONE else node.error)
+                touched[node.node] = node
+            elif kind == "node_output" and event["node"] in nodes:
+                node = nodes[event["node"]]
+                node.outputs = {**node.outputs, event["port"]: event.get("value")}
+                if event.get("frame") is not None:
+                    node.frames += 1
+                touched[node.node] = node
+            elif kind == "node_progress" and event["node"] in nodes:
+                node = nodes[event["node"]]
+                node.progress = event.get("progress")
+                node.message = (event.get("message") or "")[:500]
+                touched[node.node] = node
+            elif kind == "run_finished":
+                files: dict[str, str] = {}
+                outputs = event.get("outputs", {}) if final_outputs is None else final_outputs
+                run.outputs = {name: _output_value(run, name, value, files) for name, value in outputs.items()}
+                run.status = event["status"]
+                run.error = event.get("error") or ""
+                run.failed_node = event.get("failed_node") or ""
+                run.finished_at = when
+                run.duration_ms = event.get("duration_ms")
+                run_fields |= {"outputs", "status", "error", "failed_node", "finished_at", "duration_ms"}
+                if files:
+                    event = {**event, "files": files}
+            run.last_seq = event["seq"]
+            stored.append(event)
+        RunEvent.objects.bulk_create(
+            [RunEvent(run=run, seq=e["seq"], type=e["type"], data=e) for e in stored]
+        )
+        if touched:
+            NodeRun.objects.bulk_update(
+                touched.values(),
+                ["state", "attempts", "iterations", "started_at", "finished_at", "duration_ms", "error",
+                 "progress", "message", "outputs", "frames"],
+            )
+        run.save(update_fields=sorted(run_fields))
+    return stored
+
+
+def _synthetic_finish(run: Run, status: RunStatus, error: str) -> dict[str, Any]:
+    return event_to_dict(RunFinished(seq=run.last_seq + 1, run_id=str(run.pk), time=timezone.now().timestamp(),
+                                     status=status, error=error))
+
+
+def finish_unstarted(run_id: str, status: RunStatus, error: str, *, only_pending: bool) -> list[dict] | None:
+    """End a run the executor never started (invalid by now, cancelled while pending, or its
+    worker died) with one `run_finished` event; None when it was already finished (or, with
+    `only_pending`, no longer pending)."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.finished or (only_pending and run.status != DbRunStatus.PENDING):
+            return None
+        NodeRun.objects.filter(run=run).exclude(state__in=_TERMINAL_NODE_STATES).update(
+            state=NodeState.CANCELLED, finished_at=timezone.now()
+        )
+        event = _synthetic_finish(run, status, error)
+    return record(run_id, [event])
+
+
+def stale_runs() -> list[str]:
+    """Runs left pending or running, e.g. by a process that stopped mid-run."""
+    return [str(pk) for pk in Run.objects.filter(status__in=[DbRunStatus.PENDING, DbRunStatus.RUNNING])
+            .values_list("pk", flat=True)]
+
+
+class ThreadedRunStore:
+    """The functions above, awaited from an event loop on one dedicated thread (so a run's
+    writes stay ordered and the loop never blocks on the database)."""
+
+    def __init__(self, executor: ThreadExecutor | None) -> None:
+        self._executor = executor
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._executor is None:
+            return await sync_to_async(fn, thread_sensitive=True)(*args, **kwargs)
+
+        def call() -> Any:
+            close_old_connections()
+            return fn(*args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def claim(self, run_id: str) -> RunTicket | None:
+        return await self._call(claim, run_id)
+
+    async def record(self, run_id: str, events: list[dict], final_outputs: dict[str, Any] | None = None) -> list:
+        return await self._call(record, run_id, events, final_outputs)
+
+    async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *, only_pending: bool):
+        return await self._call(finish_unstarted, run_id, status, error, only_pending=only_pending)
+
+    async def close(self) -> None:
+        """Close this thread's database connections."""
+        await self._call(connections.close_all)

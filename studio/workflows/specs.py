@@ -1,0 +1,221 @@
+"""GraphSpec handling at the studio's edge: parse, validate, read DSL source safely, diff.
+
+Untrusted input never runs as Python here. `spec_from_source` reads DSL source (what
+`engine.flow.pysrc.to_python` writes, and hand-written modules in the same style) by
+walking its syntax tree: it accepts `Workflow(...)` and the `role/node/input/output/edge`
+calls with literal arguments and names bound to their results, and rejects anything
+else with the line it is on. (`engine.flow.loader.load_source` would `exec` the text,
+which is fine for a user's own files on their own machine and not for a server.)
+
+The studio also enforces a policy the engine does not: a `python` node may only name a
+function in a module under `OMNIFLOW_PYTHON_OP_MODULES` (default `workflows`), since
+any other `module:function` would let an API user run arbitrary code on the server.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.flow.dsl import NodeRef, PortRef, RoleRef, Workflow
+from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec
+from engine.spec.graph import GraphSpec, encode_spec
+from engine.spec.kinds import KindRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedSpec:
+    """A decoded spec with its canonical form and every semantic/policy issue found."""
+
+    spec: GraphSpec
+    document: dict[str, Any]
+    spec_hash: str
+    issues: tuple[Issue, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.issues
+
+    def issue_dicts(self) -> list[dict[str, Any]]:
+        return [issue.to_dict() for issue in self.issues]
+
+
+def canonical(spec: GraphSpec) -> tuple[dict[str, Any], str]:
+    raw = encode_spec(spec)
+    return json.loads(raw), hashlib.sha256(raw).hexdigest()
+
+
+def op_policy_issues(spec: GraphSpec, allowed_modules: Iterable[str]) -> list[Issue]:
+    allowed = tuple(allowed_modules)
+    if "*" in allowed:
+        return []
+    issues = []
+    for node in spec.nodes:
+        if node.kind != "python" or not node.op:
+            continue
+        module = node.op.partition(":")[0]
+        if not any(module == prefix or module.startswith(prefix + ".") for prefix in allowed):
+            issues.append(Issue(
+                "op_not_allowed",
+                f"node {node.id!r}: op {node.op!r} is outside the modules this studio may run"
+                f" ({', '.join(allowed) or 'none'}; see OMNIFLOW_PYTHON_OP_MODULES)",
+                node=node.id,
+            ))
+    return issues
+
+
+def check(spec: GraphSpec, kinds: KindRegistry, allowed_modules: Iterable[str]) -> CheckedSpec:
+    document, digest = canonical(spec)
+    issues = [*check_spec(spec, kinds), *op_policy_issues(spec, allowed_modules)]
+    return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
+
+
+def parse_document(document: Any) -> GraphSpec:
+    """Decode a GraphSpec JSON value (dict, or JSON text); GraphValidationError lists every schema issue."""
+    if isinstance(document, str | bytes | dict):
+        return parse_spec(document)
+    raise GraphValidationError([Issue("schema", "a GraphSpec is a JSON object", path="$")])
+
+
+# ------------------------------------------------------------------ safe DSL source reader
+class _SourceError(Exception):
+    def __init__(self, node: ast.AST | None, message: str) -> None:
+        line = getattr(node, "lineno", None)
+        super().__init__(f"line {line}: {message}" if line else message)
+
+
+_WORKFLOW_METHODS = frozenset({"role", "node", "input", "output", "edge"})
+_REF_METHODS = frozenset({"inp", "out"})
+_ALLOWED_IMPORTS = {"engine.flow.dsl": {"Workflow", "Route"}, "__future__": {"annotations"}}
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.names: dict[str, Any] = {}
+        self.workflow: Workflow | None = None
+
+    def value(self, node: ast.expr) -> Any:
+        if isinstance(node, ast.Name):
+            if node.id in self.names:
+                return self.names[node.id]
+            if node.id in ("True", "False", "None"):
+                return ast.literal_eval(node)
+            raise _SourceError(node, f"unknown name {node.id!r}")
+        if isinstance(node, ast.Call):
+            return self.call(node)
+        try:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise _SourceError(node, f"only literals, names and DSL calls are allowed, not {ast.unparse(node)!r}") from None
+
+    def call(self, node: ast.Call) -> Any:
+        args = [self.value(a) for a in node.args if not isinstance(a, ast.Starred)]
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            raise _SourceError(node, "*args and **kwargs are not allowed")
+        kwargs = {k.arg: self.value(k.value) for k in node.keywords}
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "Workflow" and "Workflow" not in self.names:
+            if self.workflow is not None:
+                raise _SourceError(node, "only one Workflow per source")
+            self.workflow = Workflow(*args, **kwargs)
+            return self.workflow
+        if isinstance(func, ast.Attribute):
+            target = self.value(func.value)
+            if isinstance(target, Workflow) and func.attr in _WORKFLOW_METHODS:
+                return getattr(target, func.attr)(*args, **kwargs)
+            if isinstance(target, NodeRef) and func.attr in _REF_METHODS:
+                return getattr(target, func.attr)(*args, **kwargs)
+        raise _SourceError(node, f"call {ast.unparse(func)!r} is not allowed (only Workflow(...) and"
+                                 f" wf.{{{', '.join(sorted(_WORKFLOW_METHODS))}}}(...))")
+
+    def statement(self, stmt: ast.stmt, first: bool) -> None:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            if not first:
+                raise _SourceError(stmt, "a string statement is allowed only as the module docstring")
+            return
+        if isinstance(stmt, ast.ImportFrom):
+            allowed = _ALLOWED_IMPORTS.get(stmt.module or "")
+            if allowed is None or any(a.name not in allowed or a.asname for a in stmt.names):
+                raise _SourceError(stmt, f"import {ast.unparse(stmt)!r} is not allowed")
+            return
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            self.call(stmt.value)
+            return
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            name = stmt.targets[0].id
+            value = self.value(stmt.value)
+            if not isinstance(value, Workflow | NodeRef | PortRef | RoleRef):
+                raise _SourceError(stmt, f"{name} = ...: only DSL objects may be bound to names")
+            self.names[name] = value
+            return
+        raise _SourceError(stmt, f"statement {ast.unparse(stmt).splitlines()[0]!r} is not allowed")
+
+
+def spec_from_source(source: str) -> GraphSpec:
+    """The GraphSpec described by DSL source, read without executing it.
+
+    Raises GraphValidationError (code `python_source`) naming the offending line."""
+    try:
+        tree = ast.parse(source, "<workflow source>")
+    except SyntaxError as exc:
+        raise GraphValidationError([Issue("python_source", f"line {exc.lineno}: syntax error: {exc.msg}")]) from None
+    reader = _Reader()
+    try:
+        for index, stmt in enumerate(tree.body):
+            reader.statement(stmt, first=index == 0)
+        if reader.workflow is None:
+            raise _SourceError(None, "the source builds no Workflow")
+        built = reader.workflow.to_spec()
+        document = json.loads(encode_spec(built))
+    except _SourceError as exc:
+        raise GraphValidationError([Issue("python_source", str(exc))]) from None
+    except (ValueError, TypeError, KeyError, msgspec.EncodeError) as exc:
+        raise GraphValidationError([Issue("python_source", f"the DSL rejected the source: {exc}")]) from None
+    # The DSL builds structs without checking them; decoding applies the schema.
+    return parse_spec(document)
+
+
+# ----------------------------------------------------------------------------------- diff
+def _by_key(items: list[dict[str, Any]], key: Any) -> dict[str, dict[str, Any]]:
+    return {key(item): item for item in items}
+
+
+def _edge_id(edge: dict[str, Any]) -> str:
+    return f"{edge['source']}.{edge['source_port']}->{edge['target']}.{edge['target_port']}"
+
+
+def _section(old: list[dict[str, Any]], new: list[dict[str, Any]], key: Any) -> dict[str, Any]:
+    a, b = _by_key(old, key), _by_key(new, key)
+    changed = []
+    for k in a.keys() & b.keys():
+        if a[k] != b[k]:
+            fields = sorted(set(a[k]) | set(b[k]))
+            changed.append({"id": k, "fields": {f: {"from": a[k].get(f), "to": b[k].get(f)}
+                                                for f in fields if a[k].get(f) != b[k].get(f)}})
+    return {
+        "added": [k for k in b if k not in a],
+        "removed": [k for k in a if k not in b],
+        "changed": sorted(changed, key=lambda c: c["id"]),
+    }
+
+
+def diff_documents(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """What changed between two canonical GraphSpec documents, by role name, node id and edge id,
+    plus a unified diff of their pretty-printed JSON."""
+    top = sorted(k for k in set(old) | set(new) if k not in ("roles", "nodes", "edges") and old.get(k) != new.get(k))
+    old_text = json.dumps(old, indent=2, sort_keys=True).splitlines(keepends=True)
+    new_text = json.dumps(new, indent=2, sort_keys=True).splitlines(keepends=True)
+    return {
+        "fields": {k: {"from": old.get(k), "to": new.get(k)} for k in top},
+        "roles": _section(old.get("roles", []), new.get("roles", []), lambda r: r["name"]),
+        "nodes": _section(old.get("nodes", []), new.get("nodes", []), lambda n: n["id"]),
+        "edges": _section(old.get("edges", []), new.get("edges", []), _edge_id),
+        "unified": "".join(difflib.unified_diff(old_text, new_text, "a/spec.json", "b/spec.json")),
+    }

@@ -1,0 +1,95 @@
+"""Fixtures of the studio tests.
+
+Django is configured here when pytest-django was not told a settings module (until
+`DJANGO_SETTINGS_MODULE = "studio.settings"` is in pyproject). Tests read DATABASE_URL
+(PostgreSQL when set, else SQLite) and REDIS_URL (channels-redis layer when set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_DATA_DIR = None
+if "OMNIFLOW_DATA_DIR" not in os.environ and "DJANGO_SETTINGS_MODULE" not in os.environ:
+    _DATA_DIR = tempfile.mkdtemp(prefix="omniflow-studio-test-")
+    os.environ["OMNIFLOW_DATA_DIR"] = _DATA_DIR
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "studio.settings")
+
+import django  # noqa: E402
+from django.apps import apps  # noqa: E402
+
+if not apps.ready:
+    django.setup()
+
+from django.conf import settings as django_settings  # noqa: E402
+from rest_framework.test import APIClient  # noqa: E402
+
+from studio.accounts.models import ApiToken  # noqa: E402
+from studio.workflows.apps import StudioEngine, build_engine  # noqa: E402
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _DATA_DIR is not None:
+        shutil.rmtree(_DATA_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _test_settings(settings: Any, tmp_path: Path) -> None:
+    settings.MEDIA_ROOT = tmp_path / "media"
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast, tests only
+
+
+TEST_OP_MODULES = ("workflows", "tests.studio.fns")
+
+
+@pytest.fixture(autouse=True)
+def studio_engine() -> Iterator[StudioEngine]:
+    """A fresh engine per test (its own RunService, allowed to run `tests.studio.fns`),
+    stopped afterwards."""
+    app = apps.get_app_config("workflows")
+    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES))
+    previous = app.install(studio)
+    try:
+        yield studio
+    finally:
+        studio.runs.stop()
+        app.install(previous)
+
+
+@pytest.fixture
+def user(django_user_model: Any) -> Any:
+    return django_user_model.objects.create_user("alice", password="alice-password-1")
+
+
+@pytest.fixture
+def other_user(django_user_model: Any) -> Any:
+    return django_user_model.objects.create_user("bob", password="bob-password-1")
+
+
+@pytest.fixture
+def staff(django_user_model: Any) -> Any:
+    return django_user_model.objects.create_user("root", password="root-password-1", is_staff=True)
+
+
+def client_for(user: Any) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {ApiToken.objects.issue(user, 'test').secret}")
+    return client
+
+
+@pytest.fixture
+def api(user: Any) -> APIClient:
+    return client_for(user)
+
+
+@pytest.fixture
+def other_api(other_user: Any) -> APIClient:
+    return client_for(other_user)

@@ -1,0 +1,47 @@
+"""Node functions of the studio tests' workflows."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+
+
+def echo(text: str) -> str:
+    return text.upper()
+
+
+async def wait_forever(text: str) -> str:
+    await asyncio.Event().wait()
+    return text
+
+
+def fail(text: str) -> str:
+    raise RuntimeError(f"refusing {text!r}")
+
+
+def digest(image: bytes) -> str:
+    return hashlib.sha256(image).hexdigest()
+
+
+def png(text: str) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + text.encode()
+
+
+def count(n: int):
+    yield from range(n)
+
+
+GATE = threading.Event()
+"""Opened by a test to let `gated` finish; reset by the test that uses it."""
+
+
+async def gated(text: str) -> str:
+    await asyncio.to_thread(GATE.wait, 20)
+    return text.upper()
+
+
+async def slow(text: str) -> str:
+    """Takes long enough that a WebSocket client sees the run's events live."""
+    await asyncio.sleep(0.3)
+    return text.upper()

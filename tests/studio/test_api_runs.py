@@ -1,0 +1,178 @@
+"""Runs over REST: submit (JSON and multipart), execution through the engine, per-node state,
+files, cancel, filters, limits, metrics and health."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from studio.workflows.apps import engine
+from studio.workflows.models import Run, RunEvent
+from tests.studio import fns
+from tests.studio.factories import create_workflow, example_spec, spec_doc
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def submit(api, workflow_id: str, inputs: dict | None = None, **extra) -> dict:
+    response = api.post("/api/runs/", {"workflow": workflow_id, "inputs": inputs or {}, **extra}, format="json")
+    assert response.status_code == 201, response.content
+    return response.json()
+
+
+def finished(api, run: dict) -> dict:
+    engine().runs.wait(run["id"])
+    return api.get(f"/api/runs/{run['id']}/").json()
+
+
+def image_spec() -> dict:
+    spec = spec_doc(op="tests.studio.fns:digest")
+    spec["nodes"][0]["outputs"]["value"]["type"] = "image"
+    spec["nodes"][1]["inputs"] = {"image": {"type": "image"}}
+    spec["edges"][0]["target_port"] = "image"
+    return spec
+
+
+def test_example_runs_to_completion_with_node_states(api) -> None:
+    wf = create_workflow(api, example_spec("diamond"))
+    run = submit(api, wf["id"], {"n": 2})
+    assert run["status"] == "pending" and run["version"] == 1
+    assert [n["node"] for n in run["nodes"]] == ["n", "square", "cube", "memo", "total", "sum"]
+    done = finished(api, run)
+    assert done["status"] == "done" and done["outputs"] == {"sum": 12}
+    assert done["started_at"] and done["finished_at"] and done["duration_ms"] > 0
+    states = {n["node"]: n["state"] for n in done["nodes"]}
+    assert states == {"n": "done", "square": "done", "cube": "done", "memo": "done", "total": "done", "sum": "done"}
+    square = next(n for n in done["nodes"] if n["node"] == "square")
+    assert square["outputs"] == {"out": 4} and square["attempts"] == 1 and square["duration_ms"] >= 0
+    seqs = list(RunEvent.objects.filter(run_id=run["id"]).order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(len(seqs))) and done["last_seq"] == seqs[-1]
+    events = api.get(f"/api/runs/{run['id']}/events/?since=3&limit=2").json()
+    assert [e["seq"] for e in events] == [3, 4]
+    assert api.get(f"/api/runs/{run['id']}/events/").json()[-1]["type"] == "run_finished"
+
+
+def test_failing_node_fails_the_run(api) -> None:
+    wf = create_workflow(api, spec_doc(op="tests.studio.fns:fail"))
+    done = finished(api, submit(api, wf["id"], {"text": "x"}))
+    assert done["status"] == "failed" and done["failed_node"] == "step"
+    assert "refusing 'x'" in done["error"]
+    assert {n["node"]: n["state"] for n in done["nodes"]}["step"] == "failed"
+
+
+def test_bad_submissions(api, other_api) -> None:
+    wf = create_workflow(api, spec_doc())
+    cases = [
+        ({"workflow": wf["id"], "inputs": {"text": "x", "nope": 1}}, 422, "inputs do not match"),
+        ({"workflow": wf["id"], "inputs": {}}, 422, "inputs do not match"),
+        ({"workflow": wf["id"], "inputs": [1]}, 400, "invalid request"),
+        ({"workflow": wf["id"], "version": 7}, 404, "has no version 7"),
+        ({"inputs": {}}, 400, "invalid request"),
+        ({"workflow": "00000000-0000-0000-0000-000000000000"}, 404, "Not found"),
+    ]
+    for body, status, message in cases:
+        response = api.post("/api/runs/", body, format="json")
+        assert response.status_code == status, (body, response.content)
+        assert message in response.json()["error"], response.json()
+    assert other_api.post("/api/runs/", {"workflow": wf["id"]}, format="json").status_code == 404
+    empty = api.post("/api/workflows/", {"name": "empty"}, format="json").json()
+    assert api.post("/api/runs/", {"workflow": empty["id"]}, format="json").status_code == 409
+    assert Run.objects.count() == 0
+
+
+def test_invalid_or_forbidden_versions_do_not_run(api) -> None:
+    wf = create_workflow(api, spec_doc(op="os:system"))
+    response = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "ls"}}, format="json")
+    assert response.status_code == 422
+    assert response.json()["details"][0]["code"] == "op_not_allowed"
+
+
+def test_multipart_image_input_and_png_output_file(api, other_api) -> None:
+    wf = create_workflow(api, image_spec())
+    data = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+    response = api.post("/api/runs/", {"workflow": wf["id"], "inputs": "{}",
+                                       "text": SimpleUploadedFile("in.png", data, content_type="image/png")},
+                        format="multipart")
+    assert response.status_code == 201, response.content
+    run = response.json()
+    assert set(run["inputs"]["text"]) == {"$file"}
+    done = finished(api, run)
+    import hashlib
+
+    assert done["status"] == "done" and done["outputs"] == {"result": hashlib.sha256(data).hexdigest()}
+    [upload] = done["files"]
+    assert upload["role"] == "input" and upload["size"] == len(data)
+    download = api.get(upload["url"])
+    assert download.status_code == 200 and b"".join(download.streaming_content) == data
+    assert other_api.get(upload["url"]).status_code == 404
+
+    png = create_workflow(api, spec_doc(op="tests.studio.fns:png"), name="png")
+    done = finished(api, submit(api, png["id"], {"text": "pixels"}))
+    url = done["output_links"]["result"]
+    output = api.get(url)
+    assert output["Content-Type"] == "image/png"
+    assert b"".join(output.streaming_content) == fns.png("pixels")
+    assert other_api.get(url).status_code == 404
+
+
+def test_bad_uploads(api, settings) -> None:
+    wf = create_workflow(api, spec_doc())
+    text_file = api.post("/api/runs/", {"workflow": wf["id"], "text": SimpleUploadedFile("a.txt", b"x")},
+                         format="multipart")
+    assert text_file.status_code == 400 and "files go to inputs of type" in text_file.json()["details"][0]["message"]
+    bad_json = api.post("/api/runs/", {"workflow": wf["id"], "inputs": "{nope"}, format="multipart")
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
+    img = create_workflow(api, image_spec(), name="img")
+    limit = settings.OMNIFLOW.max_upload_bytes
+    big = api.post("/api/runs/", {"workflow": img["id"], "text": SimpleUploadedFile("big.png", b"x" * (limit + 1))},
+                   format="multipart")
+    assert big.status_code == 413 and "upload limit" in big.json()["error"]
+    big_json = api.post("/api/validate/", {"spec": {"description": "x" * limit}}, format="json")
+    assert big_json.status_code == 413
+    assert Run.objects.count() == 0
+
+
+def test_cancel(api, other_api) -> None:
+    wf = create_workflow(api, spec_doc(op="tests.studio.fns:wait_forever"))
+    run = submit(api, wf["id"], {"text": "x"})
+    assert other_api.post(f"/api/runs/{run['id']}/cancel/").status_code == 404
+    response = api.post(f"/api/runs/{run['id']}/cancel/")
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["status"] == "cancelled" and body["error"] == "cancelled by request"
+    assert {n["node"]: n["state"] for n in body["nodes"]}["step"] == "cancelled"
+    again = api.post(f"/api/runs/{run['id']}/cancel/")
+    assert again.status_code == 409 and "already finished" in again.json()["error"]
+    last = api.get(f"/api/runs/{run['id']}/events/").json()[-1]
+    assert last["type"] == "run_finished" and last["data"]["status"] == "cancelled"
+
+
+def test_list_filters_and_isolation(api, other_api) -> None:
+    ok = create_workflow(api, spec_doc())
+    bad = create_workflow(api, spec_doc(op="tests.studio.fns:fail"), name="bad")
+    runs = [finished(api, submit(api, ok["id"], {"text": "a"})), finished(api, submit(api, bad["id"], {"text": "b"}))]
+    ids = lambda r: {x["id"] for x in r.json()["results"]}  # noqa: E731
+    assert ids(api.get("/api/runs/")) == {r["id"] for r in runs}
+    assert ids(api.get("/api/runs/?status=failed")) == {runs[1]["id"]}
+    assert ids(api.get("/api/runs/?status=done,failed")) == {r["id"] for r in runs}
+    assert ids(api.get(f"/api/runs/?workflow={ok['id']}&version=1")) == {runs[0]["id"]}
+    assert ids(api.get("/api/runs/?created_after=2100-01-01T00:00:00Z")) == set()
+    assert ids(api.get("/api/runs/?created_before=2100-01-01T00:00:00")) == {r["id"] for r in runs}
+    for query in ("status=bogus", "workflow=12", "version=x", "created_after=yesterday"):
+        assert api.get(f"/api/runs/?{query}").status_code == 400, query
+    assert other_api.get("/api/runs/").json()["results"] == []
+    assert other_api.get(f"/api/runs/{runs[0]['id']}/").status_code == 404
+    assert other_api.get(f"/api/runs/{runs[0]['id']}/events/").status_code == 404
+    assert api.get("/api/runs/00000000-0000-0000-0000-000000000000/").status_code == 404
+
+
+def test_metrics_and_health(api, client) -> None:
+    wf = create_workflow(api, spec_doc())
+    finished(api, submit(api, wf["id"], {"text": "a"}))
+    text = client.get("/metrics").content.decode()
+    assert 'omniflow_runs_finished_total{status="done"} 1.0' in text
+    assert 'omniflow_node_latency_seconds_count{kind="python"} 1.0' in text
+    assert 'omniflow_runs{status="done"} 1.0' in text
+    assert "omniflow_runs_active 0.0" in text
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["checks"]["database"] == "ok"

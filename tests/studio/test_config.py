@@ -1,0 +1,64 @@
+"""Environment parsing: embedded defaults, distributed settings, and refusal of bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from studio.config import Dispatch, load_config, parse_database_url
+
+
+def env(tmp_path: Path, **values: str) -> dict[str, str]:
+    return {"OMNIFLOW_DATA_DIR": str(tmp_path), **values}
+
+
+def test_embedded_defaults(tmp_path: Path) -> None:
+    config = load_config(env(tmp_path))
+    assert config.database["ENGINE"] == "django.db.backends.sqlite3"
+    assert config.database["NAME"] == str(tmp_path / "studio.sqlite3")
+    assert config.redis_url is None and not config.distributed
+    assert config.dispatch is Dispatch.LOCAL
+    assert config.max_upload_bytes == 20 * 1024 * 1024
+    assert config.python_op_modules == ("workflows",)
+    # the generated secret key is kept, so sessions survive a restart
+    assert load_config(env(tmp_path)).secret_key == config.secret_key
+    assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
+
+
+def test_distributed(tmp_path: Path) -> None:
+    config = load_config(env(tmp_path, DATABASE_URL="postgres://u:p%40ss@db.example:6543/omni?sslmode=require",
+                             REDIS_URL="redis://cache:6379/1", OMNIFLOW_DISPATCH="celery",
+                             OMNIFLOW_MAX_UPLOAD_BYTES="1_048_576", OMNIFLOW_RUN_TIMEOUT_S="30"))
+    assert config.database == {
+        "ENGINE": "django.db.backends.postgresql", "NAME": "omni", "USER": "u", "PASSWORD": "p@ss",
+        "HOST": "db.example", "PORT": "6543", "OPTIONS": {"sslmode": "require"}, "CONN_MAX_AGE": 0,
+    }
+    assert config.distributed and config.dispatch is Dispatch.CELERY
+    assert config.max_upload_bytes == 1_048_576 and config.run_timeout_s == 30.0
+
+
+def test_sqlite_urls() -> None:
+    assert parse_database_url("sqlite:////var/db/x.sqlite3")["NAME"] == "/var/db/x.sqlite3"
+    assert parse_database_url("sqlite:///rel.sqlite3")["NAME"] == "rel.sqlite3"
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("OMNIFLOW_DEBUG", "maybe", "not a boolean"),
+    ("OMNIFLOW_MAX_UPLOAD_BYTES", "lots", "not an integer"),
+    ("OMNIFLOW_MAX_UPLOAD_BYTES", "10", "at least 1024"),
+    ("OMNIFLOW_RUN_TIMEOUT_S", "-1", "positive"),
+    ("OMNIFLOW_DISPATCH", "ray", "expected one of local, celery"),
+    ("OMNIFLOW_DISPATCH", "celery", "needs REDIS_URL"),
+    ("DATABASE_URL", "mysql://x/y", "unsupported scheme"),
+    ("DATABASE_URL", "postgres://host:5432/", "names no database"),
+    ("DATABASE_URL", "postgres://host:port/db", "invalid port"),
+    ("REDIS_URL", "http://cache", "expected redis://"),
+    ("OMNIFLOW_SECRET_KEY", "short", "at least 32"),
+    ("OMNIFLOW_LOG_LEVEL", "LOUD", "not a logging level"),
+])
+def test_bad_values_raise(tmp_path: Path, name: str, value: str, message: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=message) as info:
+        load_config(env(tmp_path, **{name: value}))
+    assert name in str(info.value) or name == "OMNIFLOW_DISPATCH"

@@ -1,0 +1,87 @@
+"""The safe DSL source reader, the op policy and the version diff."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.flow.pysrc import to_python
+from engine.flow.validate import GraphValidationError, parse_spec
+from engine.spec.kinds import default_kinds
+from studio.workflows.specs import check, diff_documents, spec_from_source
+from tests.studio.factories import example_spec, spec_doc
+
+EXAMPLES = ["diamond", "loop", "router", "stream"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_source_reader_round_trips_examples(name: str) -> None:
+    spec = parse_spec(example_spec(name))
+    assert spec_from_source(to_python(spec)) == spec
+
+
+def test_hand_written_source_with_names_and_refs() -> None:
+    source = '''
+from engine.flow.dsl import Workflow
+wf = Workflow("hand", description="by hand")
+py = wf.role("py", kind="python")
+x = wf.input("x", "json", default=2)
+node = wf.node("double", "python", role=py, op="workflows.diamond:square", inputs={"x": "json"},
+               outputs={"out": "json"})
+wf.edge(x, node.inp("x"))
+wf.output("y", node)
+workflow = wf
+'''
+    spec = spec_from_source(source)
+    assert [n.id for n in spec.nodes] == ["x", "double", "y"]
+    assert check(spec, default_kinds(), ["workflows"]).valid
+
+
+@pytest.mark.parametrize(("source", "needle"), [
+    ("import os\nwf = Workflow('x')", "line 1: statement 'import os' is not allowed"),
+    ("from engine.flow.dsl import Workflow\n__import__('os').system('true')", "line 2: call"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nwf.python(print, role='py')", "line 3: unknown name 'print'"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nwf.name = 'y'", "line 3: statement"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nwf.role(open('/etc/passwd'), kind='py')",
+     "line 3: call 'open'"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nclass A: pass", "line 3: statement"),
+    ("wf = (", "syntax error"),
+    ("x = 1", "only DSL objects"),
+    ('"""doc only"""', "builds no Workflow"),
+])
+def test_source_reader_refuses_anything_else(source: str, needle: str) -> None:
+    with pytest.raises(GraphValidationError) as info:
+        spec_from_source(source)
+    assert [i.code for i in info.value.issues] == ["python_source"]
+    assert needle in info.value.issues[0].message
+
+
+def test_source_is_schema_checked() -> None:
+    with pytest.raises(GraphValidationError) as info:
+        spec_from_source("from engine.flow.dsl import Workflow\nwf = Workflow('bad name!')")
+    assert info.value.issues[0].code == "schema"
+
+
+def test_op_policy() -> None:
+    spec = parse_spec(spec_doc(op="os:system"))
+    issues = check(spec, default_kinds(), ["workflows"]).issues
+    assert [(i.code, i.node) for i in issues] == [("op_not_allowed", "step")]
+    assert check(spec, default_kinds(), ["*"]).valid
+    assert not check(parse_spec(spec_doc(op="workflowsx.evil:f")), default_kinds(), ["workflows"]).valid
+
+
+def test_diff_names_what_changed() -> None:
+    old = spec_doc()
+    new = spec_doc(op="tests.studio.fns:fail")
+    new["description"] = "changed"
+    new["roles"][0]["replicas"] = 3
+    new["nodes"].append({"id": "extra", "kind": "output", "inputs": {"value": {"type": "text"}}})
+    new["edges"].append({"source": "step", "source_port": "out", "target": "extra", "target_port": "value"})
+    del new["edges"][1]
+    diff = diff_documents(old, new)
+    assert diff["fields"] == {"description": {"from": None, "to": "changed"}}
+    assert diff["roles"]["changed"] == [{"id": "py", "fields": {"replicas": {"from": None, "to": 3}}}]
+    assert diff["nodes"]["added"] == ["extra"]
+    assert diff["nodes"]["changed"][0]["id"] == "step"
+    assert diff["edges"] == {"added": ["step.out->extra.value"], "removed": ["step.out->result.value"],
+                             "changed": []}
+    assert '+  "description": "changed"' in diff["unified"]
