@@ -253,12 +253,14 @@ class TensorData:
         it in place faults, so pass `copy=True` (or clone) before mutating it."""
         import torch
 
+        dtype = getattr(torch, self.header.dtype)
+        if self.header.nbytes == 0:
+            return torch.empty(self.header.shape, dtype=dtype)
         raw = self.bytes_view()
-        if copy or raw.size == 0:
+        if copy:
             raw = raw.copy()
         with warnings.catch_warnings():
             # Read-only mappings are intentional (see the docstring); torch warns about them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             flat = torch.from_numpy(raw)
-        dtype = getattr(torch, self.header.dtype)
         return flat.view(dtype).reshape(self.header.shape)
