@@ -261,6 +261,9 @@ class SegmentMapper:
     def __len__(self) -> int:
         return len(self._maps)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._maps
+
     def map(self, name: str, size: int) -> mmap.mmap:
         """A read-only mapping of `size` bytes of segment `name`; raises `SegmentGone`."""
         if parse_segment_name(name) is None or "/" in name:
