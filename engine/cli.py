@@ -20,15 +20,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from engine.data.peer import Peer
+from engine.data.wire import TensorRef
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import NodeProgressEvent, NodeStateEvent, RunFinished
-from engine.flow.executor import Executor, RunInputError
+from engine.flow.executor import Executor, RunInputError, RunResult
 from engine.flow.loader import WorkflowLoadError, load_workflow
 from engine.flow.plan import build_plan
 from engine.flow.pysrc import to_python
+from engine.flow.remote import WorkerDispatcher
 from engine.flow.validate import GraphValidationError
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
+from engine.worker.launcher import LaunchError, LocalCluster
 
 
 def available_benchmarks() -> list[str]:
@@ -104,17 +108,40 @@ def parse_inputs(spec: GraphSpec, pairs: Sequence[str]) -> dict[str, Any]:
     return values
 
 
-async def _run(spec: GraphSpec, inputs: dict[str, Any], timeout_s: float | None, progress: TextIO | None):
+async def _execute(executor: Executor, spec: GraphSpec, inputs: dict[str, Any], timeout_s: float | None,
+                   progress: TextIO | None) -> RunResult:
+    run = await executor.submit(spec, inputs, timeout_s=timeout_s)
+    if progress is not None:
+        async for event in run.events():
+            _show_progress(event, progress)
+    return await run.wait()
+
+
+async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any], progress: TextIO | None):
     kinds = default_kinds()
-    executor = Executor(InProcessDispatcher(kinds), kinds)
-    try:
-        run = await executor.submit(spec, inputs, timeout_s=timeout_s)
-        if progress is not None:
-            async for event in run.events():
-                _show_progress(event, progress)
-        return await run.wait()
-    finally:
-        await executor.aclose()
+    if args.workers == "inproc":
+        executor = Executor(InProcessDispatcher(kinds), kinds)
+        try:
+            return await _execute(executor, spec, inputs, args.timeout, progress)
+        finally:
+            await executor.aclose()
+    build_plan(spec, kinds)  # every problem reported before anything is spawned
+    with Peer.start() as peer:
+        async with LocalCluster(spec, registry_url=args.registry) as cluster:
+            executor = Executor(WorkerDispatcher(cluster.registry, peer), kinds)
+            try:
+                result = await _execute(executor, spec, inputs, args.timeout, progress)
+            finally:
+                await executor.aclose()
+            result.outputs = {k: materialize(v, peer) for k, v in result.outputs.items()}
+            return result
+
+
+def materialize(value: Any, peer: Peer) -> Any:
+    """A run output fetched from the worker that holds it, as plain data (tensors as lists)."""
+    if isinstance(value, TensorRef):
+        return peer.pull(value).numpy(copy=True).tolist()
+    return value
 
 
 def _show_progress(event: Any, out: TextIO) -> None:
@@ -135,8 +162,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     inputs = parse_inputs(spec, args.input)
     progress = None if args.quiet else sys.stderr
     try:
-        result = asyncio.run(_run(spec, inputs, args.timeout, progress))
-    except RunInputError as exc:
+        result = asyncio.run(_run(args, spec, inputs, progress))
+    except (RunInputError, LaunchError) as exc:
         raise CliError(str(exc)) from None
     if args.json:
         print(json.dumps(result.to_dict(), default=repr))
@@ -163,7 +190,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-COMMAND_MODULES: tuple[str, ...] = ("engine.commands.llm",)
+COMMAND_MODULES: tuple[str, ...] = ("engine.commands.llm", "engine.commands.worker")
 """Modules that add subcommands: each defines `register(subparsers)` and sets a
 `handler(args) -> int` default on the parsers it adds."""
 
@@ -192,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object: outputs, node states, timings")
     p.add_argument("--timeout", type=float, default=None, help="fail the run after this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on standard error")
+    p.add_argument("--workers", choices=("local", "inproc"), default="local",
+                   help="local: each role in worker subprocesses (default); inproc: everything in this process")
+    p.add_argument("--registry", default=None,
+                   help="with --workers local: a registry URL (redis://...) the workers register in")
 
     p = sub.add_parser("bench", help="run a benchmark against its anchor", add_help=False)
     p.add_argument("name", choices=available_benchmarks())

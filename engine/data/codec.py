@@ -92,16 +92,17 @@ class _TagOnly(msgspec.Struct):
 
 
 class WireCodec:
-    """msgpack for the tagged message union. One instance per thread (encoders and
-    decoders keep internal buffers)."""
+    """msgpack for a tagged message union (`Message` of the transfer plane by default,
+    `WorkerMessage` for role workers). One instance per thread (encoders and decoders keep
+    internal buffers)."""
 
     __slots__ = ("_decoder", "_encoder", "_known_tags", "_max_bytes", "_tag_decoder")
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, union: Any = Message) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Message)
+        self._decoder = msgspec.msgpack.Decoder(union)
         self._tag_decoder = msgspec.msgpack.Decoder(_TagOnly)
-        self._known_tags = frozenset(t.__name__ for t in Message.__args__)
+        self._known_tags = frozenset(t.__name__ for t in union.__args__)
         self._max_bytes = max_message_bytes
 
     def encode(self, message: Message) -> bytes:

@@ -14,6 +14,12 @@ else is answered with an `ErrorReply`. Then, per request id:
     LeaseRequest  -> LeaseReply        ReleaseRequest -> ReleaseReply
     StatsRequest  -> StatsReply        PingRequest    -> PingReply
 
+The same framing serves role workers (`WorkerMessage`): after the hello, the executor's
+dispatcher sends `ExecuteRequest`s and the worker answers each with `ExecuteStarted`,
+any number of `ExecuteProgress`/`ExecuteFrame`, then `ExecuteResult` or `ExecuteFailed`.
+`CancelRequest` stops one; `InputFrame`/`InputEnd` feed a stream-mode input port.
+Node values travel as `PortValue`s: small msgpack-native values inline, tensors as refs.
+
 Bump `PROTOCOL_VERSION` on any incompatible change to a message below.
 """
 
@@ -39,6 +45,8 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 7  # well-formed but invalid (range outside the tensor, ...)
     UNSUPPORTED = 8  # no transport both sides accept (e.g. CUDA IPC)
     INTERNAL = 9
+    DRAINING = 10  # the worker is shutting down and takes no new work
+    WRONG_ROLE = 11  # the worker does not host the requested role
 
 
 class Transport(enum.StrEnum):
@@ -198,4 +206,101 @@ Message = (
     | PingRequest
     | PingReply
     | ErrorReply
+)
+
+
+# --- role workers ----------------------------------------------------------------------------
+
+
+class ValueKind(enum.StrEnum):
+    INLINE = "inline"  # `data` is the value itself (msgpack-native: None, bool, numbers, str, bytes, lists, maps)
+    TENSOR = "tensor"  # `ref` names a tensor in its producer's store; consumers pull it
+    BLOB = "blob"  # `ref` names a uint8 tensor holding a large bytes value
+    STREAM = "stream"  # frames follow as InputFrame messages for this port, then InputEnd
+
+
+class PortValue(msgspec.Struct, frozen=True, omit_defaults=True):
+    kind: ValueKind
+    data: object = None
+    ref: TensorRef | None = None
+
+
+class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Run one node execution of `role` on this worker."""
+
+    request_id: int
+    role: str
+    run_id: str
+    node_id: str
+    op: str | None
+    params: dict[str, object]
+    inputs: dict[str, PortValue]
+    output_ports: tuple[str, ...]
+    stream: bool
+    router: bool
+    iteration: int
+    attempt: int
+
+
+class ExecuteStarted(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    worker_id: str
+
+
+class ExecuteProgress(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    progress: float | None
+    message: str
+
+
+class ExecuteFrame(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    index: int
+    outputs: dict[str, PortValue]
+
+
+class ExecuteResult(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    outputs: dict[str, PortValue]
+    route: tuple[str, ...] | None = None
+
+
+class ExecuteFailed(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """The node's own code failed (`error` is its exception, rendered); not a transport error."""
+
+    request_id: int
+    error: str
+    retryable: bool = True
+
+
+class CancelRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+
+
+class InputFrame(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    port: str
+    value: PortValue
+
+
+class InputEnd(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    port: str
+
+
+WorkerMessage = (
+    HelloRequest
+    | HelloReply
+    | PingRequest
+    | PingReply
+    | ErrorReply
+    | ExecuteRequest
+    | ExecuteStarted
+    | ExecuteProgress
+    | ExecuteFrame
+    | ExecuteResult
+    | ExecuteFailed
+    | CancelRequest
+    | InputFrame
+    | InputEnd
 )

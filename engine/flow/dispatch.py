@@ -8,7 +8,6 @@ embedded mode and tests); the worker dispatcher sends them to role worker proces
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -33,11 +32,6 @@ class Dispatcher(Protocol):
     async def close(self) -> None: ...
 
 
-def load_runner(ref: str) -> type[ComputeUnit]:
-    module_name, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
-
-
 class InProcessDispatcher:
     """Runs every role's unit in this process. A role runs at most
     `replicas x capacity` node executions at once; the rest wait their turn (queued)."""
@@ -57,7 +51,7 @@ class InProcessDispatcher:
         key = self._key(role)
         unit = self._units.get(key)
         if unit is None:
-            runner = load_runner(self._kinds.role_kind(role.kind).runner)
+            runner = self._kinds.role_kind(role.kind).load_runner()
             unit = self._units[key] = runner(role)
             capacity = int(role.params.get("capacity", self.DEFAULT_CAPACITY))
             self._slots[key] = asyncio.Semaphore(role.replicas * capacity)

@@ -14,6 +14,7 @@ registry and adds its kinds).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -30,6 +31,11 @@ class RoleKind:
     runner: str
     """`"module:Class"` of the compute unit; imported only when a role of this kind runs."""
     params_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+
+    def load_runner(self) -> Any:
+        """Import the compute unit class named by `runner`."""
+        module_name, _, attr = self.runner.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,83 @@
+"""Node values across processes: `PortValue`s on the wire, Python values at the ends.
+
+Small msgpack-native values (None, bool, numbers, str, bytes, lists, dicts) travel
+inline; numpy arrays and torch tensors stay in the producer's tensor store and travel
+as `TensorRef`s, which the consumer pulls straight from the producer; large bytes go
+the same way as a uint8 blob. A `TensorRef` handed on unchanged is passed through, so
+a value crosses the network only to the node that reads it. Anything else is refused
+with a `ValueTransportError` naming its type: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from engine.data.wire import PortValue, TensorRef, ValueKind
+
+if TYPE_CHECKING:
+    from engine.data.peer import Peer
+
+INLINE_LIMIT = 256 * 1024
+"""Bytes of encoded msgpack above which bytes values go by reference."""
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class ValueTransportError(TypeError):
+    """A value that cannot cross a process boundary."""
+
+
+def _is_tensor(value: object) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    module = type(value).__module__
+    return module.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter")
+
+
+def encode_value(value: Any, peer: Peer, *, where: str = "value", lease_s: float | None = None) -> PortValue:
+    """A PortValue for `value`; tensors are put into `peer`'s store (not copied again)."""
+    if isinstance(value, TensorRef):
+        return PortValue(ValueKind.TENSOR, ref=value)
+    if _is_tensor(value):
+        return PortValue(ValueKind.TENSOR, ref=peer.put(value, lease_s))
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > INLINE_LIMIT:
+        return PortValue(ValueKind.BLOB, ref=peer.put(np.frombuffer(value, np.uint8), lease_s))
+    try:
+        _ENCODER.encode(value)
+    except (TypeError, OverflowError) as exc:
+        raise ValueTransportError(
+            f"{where}: a {type(value).__name__} cannot cross processes ({exc}); return JSON-like data,"
+            " bytes, numpy arrays or torch tensors"
+        ) from None
+    return PortValue(ValueKind.INLINE, data=value)
+
+
+def decode_value(value: PortValue, peer: Peer, *, timeout: float, materialize: bool = True) -> Any:
+    """The Python value of a PortValue. With `materialize`, tensors are pulled (a torch
+    tensor; read-only when mapped from shared memory: clone before writing in place)
+    and blobs become bytes; without, their `TensorRef` is returned as is."""
+    if value.kind == ValueKind.INLINE:
+        return value.data
+    if value.ref is None:
+        raise ValueTransportError(f"a {value.kind} value without a ref")
+    if not materialize:
+        return value.ref
+    data = peer.pull(value.ref, timeout)
+    if value.kind == ValueKind.BLOB:
+        return data.bytes_view().tobytes()
+    return data.torch()
+
+
+async def decode_value_async(value: PortValue, peer: Peer, *, timeout: float) -> Any:
+    """`decode_value(materialize=True)` without blocking the event loop."""
+    if value.kind == ValueKind.INLINE:
+        return value.data
+    if value.ref is None:
+        raise ValueTransportError(f"a {value.kind} value without a ref")
+    data = await peer.pull_async(value.ref, timeout)
+    if value.kind == ValueKind.BLOB:
+        return data.bytes_view().tobytes()
+    return data.torch()

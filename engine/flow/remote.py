@@ -1,0 +1,358 @@
+"""WorkerDispatcher: runs node calls on role worker processes over ZeroMQ.
+
+For each call it picks a live worker of the node's role with the role's load-balancing
+policy, sends an `ExecuteRequest` whose inputs are inline values or tensor refs (the
+worker pulls those straight from their producers), and returns the worker's outputs
+as inline values or refs: the executor never holds tensor bytes.
+
+A worker that stops answering pings for two heartbeat intervals is declared lost: its
+calls are retried on another replica, and when none is left the node fails with an
+error naming the worker and the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.data.codec import MiB, WireCodec, WireError
+from engine.data.peer import Peer
+from engine.data.values import decode_value, encode_value
+from engine.data.wire import (
+    PROTOCOL_VERSION,
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    ExecuteFailed,
+    ExecuteFrame,
+    ExecuteProgress,
+    ExecuteRequest,
+    ExecuteResult,
+    ExecuteStarted,
+    HelloReply,
+    HelloRequest,
+    InputEnd,
+    InputFrame,
+    PingReply,
+    PingRequest,
+    PortValue,
+    ValueKind,
+    WorkerMessage,
+)
+from engine.flow.balance import BalanceRequest, NoWorkerError, Policy, candidates_from, make_policy
+from engine.flow.discovery import Registry, WorkerSnapshot
+from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.graph import RoleSpec
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(RuntimeError):
+    """A worker died or stopped answering while it held a node execution."""
+
+
+class RemoteNodeError(RuntimeError):
+    """The node's own code failed on the worker."""
+
+
+class _Lost:
+    """Put into a call's inbox when its worker is lost."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Connection:
+    worker: WorkerSnapshot
+    control: zmq.asyncio.Socket
+    liveness: zmq.asyncio.Socket
+    inboxes: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
+    reader: asyncio.Task[None] | None = None
+    pinger: asyncio.Task[None] | None = None
+    lost: str | None = None
+    ready: asyncio.Future[None] | None = None
+
+
+class WorkerDispatcher:
+    """Dispatches to the workers `registry` lists. `peer` is this process's seat on the
+    transfer plane (tensors given as run inputs are served from it)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        peer: Peer,
+        *,
+        heartbeat_s: float = 0.5,
+        connect_timeout_s: float = 10.0,
+        registry_refresh_s: float = 0.5,
+        max_message_bytes: int = 64 * MiB,
+    ) -> None:
+        self._registry = registry
+        self._peer = peer
+        self._heartbeat_s = heartbeat_s
+        self._connect_timeout_s = connect_timeout_s
+        self._refresh_s = registry_refresh_s
+        self._context = zmq.asyncio.Context()
+        self._codec = WireCodec(max_message_bytes, WorkerMessage)
+        self._connections: dict[str, _Connection] = {}
+        self._policies: dict[str, Policy] = {}
+        self._outstanding: dict[str, int] = {}
+        self._workers: dict[str, tuple[float, list[WorkerSnapshot]]] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # ------------------------------------------------------------------ choosing
+    async def _snapshots(self, role: str) -> list[WorkerSnapshot]:
+        cached = self._workers.get(role)
+        now = time.monotonic()
+        if cached is None or now - cached[0] > self._refresh_s:
+            cached = (now, await self._registry.workers(role))
+            self._workers[role] = cached
+        return cached[1]
+
+    def _policy(self, role: RoleSpec) -> Policy:
+        policy = self._policies.get(role.name)
+        if policy is None:
+            policy = self._policies[role.name] = make_policy(role.balance, role=role.name, **role.balance_params)
+        return policy
+
+    async def _choose(self, role: RoleSpec, call: NodeCall, excluded: set[str]) -> WorkerSnapshot:
+        snapshots = [
+            s for s in await self._snapshots(role.name)
+            if s.info.worker_id not in excluded
+            and (s.info.worker_id not in self._connections or self._connections[s.info.worker_id].lost is None)
+        ]
+        by_id = {s.info.worker_id: s for s in snapshots}
+        candidates = candidates_from(snapshots, outstanding=self._outstanding)
+        request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
+                                 session_key=call.params.get("session_id"))
+        return by_id[self._policy(role).choose(request, candidates)]
+
+    # --------------------------------------------------------------- connections
+    async def _connection(self, worker: WorkerSnapshot) -> _Connection:
+        wid = worker.info.worker_id
+        conn = self._connections.get(wid)
+        if conn is not None and conn.lost is None and conn.worker.info.address == worker.info.address:
+            if conn.ready is not None:
+                await conn.ready
+            return conn
+        control = self._context.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 0)
+        control.connect(worker.info.address)
+        liveness = self._context.socket(zmq.DEALER)
+        liveness.setsockopt(zmq.LINGER, 0)
+        liveness.connect(str(worker.info.meta["liveness"]))
+        conn = _Connection(worker, control, liveness)
+        conn.ready = asyncio.get_running_loop().create_future()
+        self._connections[wid] = conn
+        conn.reader = asyncio.get_running_loop().create_task(self._read(conn))
+        try:
+            await control.send(self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host)))
+            inbox: asyncio.Queue[Any] = asyncio.Queue()
+            conn.inboxes[0] = inbox
+            reply = await asyncio.wait_for(inbox.get(), self._connect_timeout_s)
+        except TimeoutError:
+            self._lose(conn, f"no hello from worker {wid} at {worker.info.address} within {self._connect_timeout_s} s")
+            conn.ready.set_result(None)
+            return conn
+        finally:
+            conn.inboxes.pop(0, None)
+        if isinstance(reply, _Lost):
+            conn.ready.set_result(None)
+            return conn
+        if not isinstance(reply, HelloReply):
+            self._lose(conn, f"worker {wid} refused the hello: {reply}")
+        conn.ready.set_result(None)
+        conn.pinger = asyncio.get_running_loop().create_task(self._ping(conn))
+        return conn
+
+    async def _read(self, conn: _Connection) -> None:
+        while True:
+            payload = await conn.control.recv()
+            try:
+                message = self._codec.decode(payload)
+            except WireError as exc:
+                log.warning("unreadable message from worker %s: %s", conn.worker.info.worker_id, exc)
+                continue
+            if isinstance(message, HelloReply):
+                rid = 0
+            elif isinstance(message, ErrorReply) and message.request_id is None:
+                rid = 0 if 0 in conn.inboxes else -1
+            else:
+                rid = getattr(message, "request_id", -1)
+            inbox = conn.inboxes.get(rid)
+            if inbox is not None:
+                inbox.put_nowait(message)
+
+    async def _ping(self, conn: _Connection) -> None:
+        """While calls are in flight, a worker that misses two heartbeats is lost."""
+        ids = itertools.count(1)
+        while conn.lost is None:
+            await asyncio.sleep(self._heartbeat_s)
+            if not conn.inboxes:
+                continue
+            await conn.liveness.send(self._codec.encode(PingRequest(next(ids))))
+            try:
+                while True:
+                    answer = await asyncio.wait_for(conn.liveness.recv(), 2 * self._heartbeat_s)
+                    with contextlib.suppress(WireError):
+                        if isinstance(self._codec.decode(answer), PingReply):
+                            break
+            except TimeoutError:
+                self._lose(conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) stopped"
+                                 f" answering for {2 * self._heartbeat_s:.1f} s")
+
+    def _lose(self, conn: _Connection, reason: str) -> None:
+        if conn.lost is not None:
+            return
+        conn.lost = reason
+        log.warning("%s", reason)
+        for inbox in conn.inboxes.values():
+            inbox.put_nowait(_Lost(reason))
+        self._workers.pop(conn.worker.info.role, None)
+
+    # ----------------------------------------------------------------- execution
+    async def _open_call(
+        self, role: RoleSpec, call: NodeCall, excluded: set[str]
+    ) -> tuple[_Connection, int, asyncio.Queue[Any], list[asyncio.Task[None]]]:
+        try:
+            worker = await self._choose(role, call, excluded)
+        except NoWorkerError:
+            raise WorkerLost(f"no live worker of role {role.name!r} for node {call.node_id!r}"
+                             + (f" (lost: {', '.join(sorted(excluded))})" if excluded else "")) from None
+        conn = await self._connection(worker)
+        rid = next(self._ids)
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        conn.inboxes[rid] = inbox
+        if conn.lost is not None:
+            inbox.put_nowait(_Lost(conn.lost))
+            return conn, rid, inbox, []
+        inputs: dict[str, PortValue] = {}
+        streams: list[tuple[str, AsyncIterator[Any]]] = []
+        for port, value in call.inputs.items():
+            if isinstance(value, AsyncIterator):
+                inputs[port] = PortValue(ValueKind.STREAM)
+                streams.append((port, value))
+            else:
+                inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
+        request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
+                                 call.output_ports, call.stream, call.router, call.iteration, call.attempt)
+        await conn.control.send(self._codec.encode(request))
+        self._outstanding[worker.info.worker_id] = self._outstanding.get(worker.info.worker_id, 0) + 1
+        forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
+                      for p, s in streams]
+        return conn, rid, inbox, forwarders
+
+    async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any]):
+        async for value in source:
+            frame = InputFrame(rid, port, encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}"))
+            await conn.control.send(self._codec.encode(frame))
+        await conn.control.send(self._codec.encode(InputEnd(rid, port)))
+
+    async def _close_call(self, conn: _Connection, rid: int, forwarders: list[asyncio.Task[None]],
+                          finished: bool) -> None:
+        conn.inboxes.pop(rid, None)
+        wid = conn.worker.info.worker_id
+        self._outstanding[wid] = max(0, self._outstanding.get(wid, 1) - 1)
+        for task in forwarders:
+            task.cancel()
+        if not finished and conn.lost is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await conn.control.send(self._codec.encode(CancelRequest(rid)))
+
+    def _outputs(self, outputs: dict[str, PortValue]) -> dict[str, Any]:
+        return {port: decode_value(v, self._peer, timeout=0.0, materialize=False) for port, v in outputs.items()}
+
+    async def _messages(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> AsyncIterator[ExecuteFrame | ExecuteResult]:
+        """Frames and the final result of `call`, moving to another replica when a worker is lost
+        before it produced anything."""
+        excluded: set[str] = set()
+        produced = False
+        announced = False
+        while True:
+            conn, rid, inbox, forwarders = await self._open_call(role, call, excluded)
+            finished = False
+            try:
+                while True:
+                    message = await inbox.get()
+                    if isinstance(message, ExecuteStarted):
+                        if not announced:
+                            announced = True
+                            started()
+                    elif isinstance(message, ExecuteProgress):
+                        ctx.progress(message.progress, message.message)
+                    elif isinstance(message, ExecuteFrame):
+                        produced = True
+                        yield message
+                    elif isinstance(message, ExecuteResult):
+                        finished = True
+                        yield message
+                        return
+                    elif isinstance(message, ExecuteFailed):
+                        finished = True
+                        raise RemoteNodeError(message.error)
+                    elif isinstance(message, ErrorReply):
+                        finished = True
+                        if message.code in (ErrorCode.DRAINING,):
+                            excluded.add(conn.worker.info.worker_id)
+                            break
+                        raise RemoteNodeError(f"worker {conn.worker.info.worker_id} refused node"
+                                              f" {call.node_id!r}: {message.message}")
+                    elif isinstance(message, _Lost):
+                        finished = True
+                        wid = conn.worker.info.worker_id
+                        excluded.add(wid)
+                        if produced or any(isinstance(v, AsyncIterator) for v in call.inputs.values()):
+                            raise WorkerLost(f"{message.reason} while streaming node {call.node_id!r};"
+                                             " a stream cannot be resumed elsewhere")
+                        log.warning("retrying node %r of run %s elsewhere: %s", call.node_id, call.run_id,
+                                    message.reason)
+                        break
+            finally:
+                await self._close_call(conn, rid, forwarders, finished)
+
+    async def execute(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> NodeResult:
+        async with contextlib.aclosing(self._messages(role, call, ctx, started)) as messages:
+            async for message in messages:
+                if isinstance(message, ExecuteResult):
+                    return NodeResult(outputs=self._outputs(message.outputs), route=message.route)
+        raise WorkerLost(f"node {call.node_id!r} ended without a result")
+
+    async def execute_stream(
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+    ) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(self._messages(role, call, ctx, started)) as messages:
+            async for message in messages:
+                if isinstance(message, ExecuteFrame):
+                    yield self._outputs(message.outputs)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._connections.values():
+            for task in (conn.reader, conn.pinger):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            conn.control.close()
+            conn.liveness.close()
+        self._connections.clear()
+        self._context.term()

@@ -1,0 +1,256 @@
+"""RoleWorkerCore: executes node calls of one role on its compute unit.
+
+The pure part of a role worker: no sockets. Messages come in through `handle()` and
+answers go out through the `send(identity, message)` callback it was given, all on
+one event loop. The process wrapper (`engine.worker.process`) owns the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.data.peer import Peer
+from engine.data.values import decode_value_async, encode_value
+from engine.data.wire import (
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    ExecuteFailed,
+    ExecuteFrame,
+    ExecuteProgress,
+    ExecuteRequest,
+    ExecuteResult,
+    ExecuteStarted,
+    InputEnd,
+    InputFrame,
+    PortValue,
+    ValueKind,
+    WorkerMessage,
+)
+from engine.flow.discovery import WorkerLoad
+from engine.spec.calls import ComputeUnit, NodeCall, NodeContext
+from engine.spec.graph import RoleSpec
+
+Send = Callable[[bytes, WorkerMessage], None]
+
+
+class _InboundStream:
+    """A stream-mode input port fed by InputFrame messages; read as an async iterator
+    of values (tensor frames are pulled from their producer as they are read)."""
+
+    def __init__(self, decode: Callable[[PortValue], Awaitable[Any]]) -> None:
+        self._items: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+        self._decode = decode
+
+    def feed(self, value: PortValue) -> None:
+        self._items.put_nowait((False, value))
+
+    def end(self) -> None:
+        self._items.put_nowait((True, None))
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        done, value = await self._items.get()
+        if done:
+            self._items.put_nowait((True, None))
+            raise StopAsyncIteration
+        return await self._decode(value)
+
+
+@dataclass(slots=True)
+class _Execution:
+    task: asyncio.Task[None]
+    streams: dict[str, _InboundStream] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CoreStats:
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    busy_s: float = 0.0
+
+
+class RoleWorkerCore:
+    """Runs `ExecuteRequest`s for `role` on `unit`, at most `capacity` at once; the rest
+    wait (queue depth). Input tensors are pulled from their producers through `peer`;
+    outputs stay in `peer`'s store and go back as refs."""
+
+    def __init__(
+        self,
+        role: RoleSpec,
+        unit: ComputeUnit,
+        peer: Peer,
+        worker_id: str,
+        send: Send,
+        *,
+        capacity: int,
+        pull_timeout_s: float = 30.0,
+    ) -> None:
+        self.role = role
+        self.unit = unit
+        self.peer = peer
+        self.worker_id = worker_id
+        self._send = send
+        self._slots = asyncio.Semaphore(capacity)
+        self._pull_timeout_s = pull_timeout_s
+        self._executions: dict[tuple[bytes, int], _Execution] = {}
+        self.waiting = 0
+        self.running = 0
+        self.draining = False
+        self.stats = CoreStats()
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, identity: bytes, message: WorkerMessage) -> None:
+        if isinstance(message, ExecuteRequest):
+            self._start(identity, message)
+        elif isinstance(message, CancelRequest):
+            execution = self._executions.get((identity, message.request_id))
+            if execution is not None:
+                execution.task.cancel()
+        elif isinstance(message, InputFrame | InputEnd):
+            execution = self._executions.get((identity, message.request_id))
+            stream = None if execution is None else execution.streams.get(message.port)
+            if stream is None:
+                self._send(identity, ErrorReply(message.request_id, ErrorCode.BAD_REQUEST,
+                                                f"no stream input {message.port!r} for request {message.request_id}"))
+            elif isinstance(message, InputEnd):
+                stream.end()
+            else:
+                stream.feed(message.value)
+        else:
+            self._send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.BAD_REQUEST,
+                                            f"a worker does not serve {type(message).__name__}"))
+
+    def _start(self, identity: bytes, request: ExecuteRequest) -> None:
+        rid = request.request_id
+        if self.draining:
+            self._send(identity, ErrorReply(rid, ErrorCode.DRAINING, f"worker {self.worker_id} is draining"))
+            return
+        if request.role != self.role.name:
+            self._send(identity, ErrorReply(rid, ErrorCode.WRONG_ROLE,
+                                            f"worker {self.worker_id} hosts role {self.role.name!r},"
+                                            f" not {request.role!r}"))
+            return
+        key = (identity, rid)
+        if key in self._executions:
+            self._send(identity, ErrorReply(rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already running"))
+            return
+        streams = {p: _InboundStream(self._decode) for p, v in request.inputs.items() if v.kind == ValueKind.STREAM}
+        task = asyncio.get_running_loop().create_task(self._execute(identity, request, streams))
+        self._executions[key] = _Execution(task, streams)
+
+    # ----------------------------------------------------------------- execution
+    async def _decode(self, value: PortValue) -> Any:
+        return await decode_value_async(value, self.peer, timeout=self._pull_timeout_s)
+
+    async def _inputs(self, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for port, value in request.inputs.items():
+            if value.kind == ValueKind.STREAM:
+                values[port] = streams[port]
+            else:
+                values[port] = await decode_value_async(value, self.peer, timeout=self._pull_timeout_s)
+        return values
+
+    def _outputs(self, outputs: dict[str, Any], node_id: str) -> dict[str, PortValue]:
+        return {port: encode_value(v, self.peer, where=f"node {node_id!r} output {port!r}")
+                for port, v in outputs.items()}
+
+    async def _execute(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
+        rid = request.request_id
+        send = self._send
+        try:
+            self.waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self.waiting -= 1
+            self.running += 1
+            started = time.perf_counter()
+            try:
+                send(identity, ExecuteStarted(rid, self.worker_id))
+                await self._run(identity, request, streams)
+                self.stats.completed += 1
+            except asyncio.CancelledError:
+                self.stats.cancelled += 1
+                raise
+            except Exception as exc:  # noqa: BLE001 - the node's failure, reported back to the executor
+                self.stats.failed += 1
+                send(identity, ExecuteFailed(rid, f"{type(exc).__name__}: {exc}"))
+            finally:
+                self.running -= 1
+                self.stats.busy_s += time.perf_counter() - started
+                self._slots.release()
+        finally:
+            self._executions.pop((identity, rid), None)
+
+    async def _run(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
+        rid = request.request_id
+        inputs = await self._inputs(request, streams)
+        call = NodeCall(
+            run_id=request.run_id,
+            node_id=request.node_id,
+            op=request.op,
+            params=request.params,
+            inputs=inputs,
+            output_ports=request.output_ports,
+            stream=request.stream,
+            router=request.router,
+            iteration=request.iteration,
+            attempt=request.attempt,
+        )
+        ctx = NodeContext(
+            run_id=request.run_id,
+            node_id=request.node_id,
+            iteration=request.iteration,
+            attempt=request.attempt,
+            report_progress=lambda f, m: self._send(identity, ExecuteProgress(rid, f, m)),
+        )
+        if request.stream:
+            index = 0
+            async for frame in self.unit.execute_stream(call, ctx):
+                self._send(identity, ExecuteFrame(rid, index, self._outputs(frame, request.node_id)))
+                index += 1
+            self._send(identity, ExecuteResult(rid, {}))
+            return
+        result = await self.unit.execute(call, ctx)
+        self._send(identity, ExecuteResult(rid, self._outputs(result.outputs, request.node_id), result.route))
+
+    # ------------------------------------------------------------------ lifecycle
+    def load(self) -> WorkerLoad:
+        """A snapshot for heartbeats (read from another thread: plain ints only)."""
+        stats = self.peer.store.stats()
+        return WorkerLoad(
+            outstanding=self.waiting + self.running,
+            queue_depth=self.waiting,
+            busy=self.running > 0,
+            metrics={
+                "completed": float(self.stats.completed),
+                "failed": float(self.stats.failed),
+                "cancelled": float(self.stats.cancelled),
+                "busy_s": self.stats.busy_s,
+                "live_refs": float(stats.live_refs),
+                "live_bytes": float(stats.live_bytes),
+            },
+        )
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new work, wait up to `timeout_s` for running work, cancel the rest.
+        Returns how many executions had to be cancelled."""
+        self.draining = True
+        tasks = [e.task for e in self._executions.values()]
+        if not tasks:
+            return 0
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(pending)

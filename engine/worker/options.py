@@ -1,0 +1,56 @@
+"""Command-line options of a role worker, shared by `omniflow worker` and `python -m engine.worker`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+
+from engine.flow.loader import load_workflow
+from engine.worker.process import WorkerConfig
+
+
+class WorkerOptionError(ValueError):
+    pass
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, help="the role to host")
+    parser.add_argument("--workflow", required=True,
+                        help="the workflow (.py DSL module or .json GraphSpec) that declares the role")
+    parser.add_argument("--registry", default=None,
+                        help="registry URL (redis://HOST:PORT/DB) to register and heartbeat in")
+    parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="control endpoint (port 0: any free port)")
+    parser.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID-RANDOM")
+    parser.add_argument("--namespace", default="omniflow", help="registry key namespace")
+    parser.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    parser.add_argument("--registry-ttl", type=float, default=2.0,
+                        help="seconds without heartbeat after which the registry forgets the worker")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    parser.add_argument("--capacity", type=int, default=None, help="node executions run at once")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    spec = load_workflow(args.workflow)
+    roles = {r.name: r for r in spec.roles}
+    if args.role not in roles:
+        raise WorkerOptionError(f"--role {args.role}: workflow {spec.name!r} has roles {sorted(roles) or 'none'}")
+    if not args.listen.startswith("tcp://"):
+        raise WorkerOptionError(f"--listen {args.listen}: expected tcp://HOST:PORT")
+    if args.heartbeat <= 0 or args.registry_ttl <= args.heartbeat:
+        raise WorkerOptionError("--registry-ttl must be longer than --heartbeat, and both positive")
+    worker_id = args.worker_id or f"{args.role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return WorkerConfig(
+        role=roles[args.role],
+        worker_id=worker_id,
+        workflow=spec.name,
+        listen=args.listen,
+        registry_url=args.registry,
+        namespace=args.namespace,
+        heartbeat_s=args.heartbeat,
+        registry_ttl_s=args.registry_ttl,
+        parent_pid=args.parent_pid,
+        drain_timeout_s=args.drain_timeout,
+        capacity=args.capacity,
+    )

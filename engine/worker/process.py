@@ -1,0 +1,327 @@
+"""The role worker process: sockets, registry, signals around a `RoleWorkerCore`.
+
+Three endpoints, three threads:
+
+* control (ZeroMQ ROUTER, the main event loop): hello, `ExecuteRequest`s and their
+  answers; the core runs node executions on the same loop;
+* liveness (ROUTER, its own thread and loop): answers pings and heartbeats the
+  registry, so a worker busy in a long blocking forward pass still looks alive;
+* data (the `Peer`'s tensor server, its own thread): consumers pull outputs from it.
+
+On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters and
+exits; if spawned by a local launcher it exits when that parent dies. When it is
+ready it prints one line, `OMNIFLOW-READY {json}`, on standard output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import setproctitle
+import zmq
+import zmq.asyncio
+
+from engine.data.codec import MiB, WireCodec, WireError
+from engine.data.peer import Peer, PeerConfig, ServerConfig
+from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    HelloReply,
+    HelloRequest,
+    PingReply,
+    PingRequest,
+    WorkerMessage,
+)
+from engine.flow.discovery import (
+    Registry,
+    RegistryUnavailableError,
+    UnknownWorkerError,
+    WorkerInfo,
+    WorkerLoad,
+    make_registry,
+)
+from engine.spec.graph import RoleSpec
+from engine.spec.kinds import KindRegistry, default_kinds
+from engine.worker.core import RoleWorkerCore
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "OMNIFLOW-READY "
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: RoleSpec
+    worker_id: str
+    workflow: str = ""
+    listen: str = "tcp://127.0.0.1:0"
+    registry_url: str | None = None
+    namespace: str = "omniflow"
+    heartbeat_s: float = 0.5
+    registry_ttl_s: float = 2.0
+    parent_pid: int | None = None
+    drain_timeout_s: float = 30.0
+    pull_timeout_s: float = 30.0
+    max_message_bytes: int = 64 * MiB
+    capacity: int | None = None
+
+
+def _host_of(endpoint: str) -> str:
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return host if host not in ("*", "0.0.0.0") else socket.gethostname()
+
+
+def _bound(sock: zmq.Socket, host: str) -> str:
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
+
+
+class _Liveness(threading.Thread):
+    """Answers pings and keeps the registry entry fresh, independent of the main loop."""
+
+    def __init__(self, config: WorkerConfig, host: str, load: Callable[[], WorkerLoad],
+                 on_parent_death: Callable[[], None]) -> None:
+        super().__init__(name="omniflow-liveness", daemon=True)
+        self._config = config
+        self._host = host
+        self._load = load
+        self._on_parent_death = on_parent_death
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._info: WorkerInfo | None = None
+        self._registry: Registry | None = None
+        self.address = ""
+        self.failure: BaseException | None = None
+
+    def start_and_bind(self, timeout: float = 10.0) -> str:
+        self.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the liveness thread did not start")
+        if self.failure is not None:
+            raise self.failure
+        return self.address
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except Exception as exc:  # noqa: BLE001 - surfaced to the main thread through `failure`
+            self.failure = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        context = zmq.asyncio.Context()
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        sock.bind(f"tcp://{self._host}:0")
+        self.address = _bound(sock, self._host)
+        self._ready.set()
+        codec = WireCodec(64 * 1024, WorkerMessage)
+        beat = asyncio.create_task(self._beat())
+        try:
+            while not self._stopping.is_set():
+                if not await sock.poll(timeout=int(self._config.heartbeat_s * 1000)):
+                    continue
+                frames = await sock.recv_multipart()
+                if len(frames) != 2:
+                    continue
+                identity, payload = frames
+                try:
+                    message = codec.decode(payload)
+                except WireError as exc:
+                    reply: WorkerMessage = ErrorReply(None, exc.code, str(exc))
+                else:
+                    if isinstance(message, PingRequest):
+                        reply = PingReply(message.request_id)
+                    elif isinstance(message, HelloRequest):
+                        reply = HelloReply(PROTOCOL_VERSION, self._config.worker_id, self._host, 0, 64 * 1024)
+                    else:
+                        reply = ErrorReply(None, ErrorCode.BAD_REQUEST, "the liveness endpoint only answers pings")
+                await sock.send_multipart([identity, codec.encode(reply)])
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            if self._registry is not None and self._info is not None:
+                with contextlib.suppress(RegistryUnavailableError):
+                    await self._registry.deregister(self._info.worker_id)
+                await self._registry.close()
+            sock.close()
+            context.term()
+
+    async def _register(self, info: WorkerInfo) -> None:
+        self._info = info
+        if self._config.registry_url is not None:
+            self._registry = make_registry(self._config.registry_url, namespace=self._config.namespace,
+                                           ttl_s=self._config.registry_ttl_s)
+            await self._registry.register(info, self._load())
+
+    def register(self, info: WorkerInfo, timeout: float = 10.0) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._register(info), self._loop).result(timeout)
+
+    async def _beat(self) -> None:
+        parent = self._config.parent_pid
+        while True:
+            await asyncio.sleep(self._config.heartbeat_s)
+            if parent is not None and os.getppid() != parent:
+                log.warning("parent process %d is gone; stopping", parent)
+                self._on_parent_death()
+                parent = None
+            if self._registry is None or self._info is None:
+                continue
+            try:
+                await self._registry.heartbeat(self._info.worker_id, self._load())
+            except UnknownWorkerError:
+                # The registry forgot us (a Redis restart, or a long pause): register again.
+                log.info("registry lost worker %s; registering again", self._info.worker_id)
+                with contextlib.suppress(RegistryUnavailableError):
+                    await self._registry.register(self._info, self._load())
+            except RegistryUnavailableError as exc:
+                log.warning("registry unavailable (%s); the worker keeps serving and retries", exc)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self.join(timeout)
+
+
+def _process_metrics() -> dict[str, float]:
+    metrics = {"rss_bytes": float(psutil.Process().memory_info().rss)}
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            metrics["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated())
+            metrics["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved())
+    return metrics
+
+
+async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:
+    """Run the worker until SIGTERM/SIGINT or the parent's death; returns the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host = _host_of(config.listen)
+    peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{host}:0")))
+    context = zmq.asyncio.Context()
+    control = context.socket(zmq.ROUTER)
+    control.setsockopt(zmq.LINGER, 0)
+    control.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    control.bind(config.listen)
+    address = _bound(control, host)
+    codec = WireCodec(config.max_message_bytes, WorkerMessage)
+    outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+
+    def send(identity: bytes, message: WorkerMessage) -> None:
+        outbox.put_nowait((identity, codec.encode(message)))
+
+    unit = kinds.role_kind(config.role.kind).load_runner()(config.role)
+    capacity = config.capacity or int(config.role.params.get("capacity", 64))
+    core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
+                          pull_timeout_s=config.pull_timeout_s)
+
+    def load() -> WorkerLoad:
+        base = core.load()
+        return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
+                          metrics={**base.metrics, **_process_metrics()})
+
+    liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
+    liveness_address = liveness.start_and_bind()
+    info = WorkerInfo(
+        worker_id=config.worker_id,
+        role=config.role.name,
+        address=address,
+        capacity=capacity,
+        model=config.role.model,
+        device=config.role.device,
+        host=host,
+        pid=os.getpid(),
+        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow},
+    )
+    liveness.register(info)
+    greeted: set[bytes] = set()
+
+    async def receive() -> None:
+        while True:
+            frames = await control.recv_multipart()
+            if len(frames) != 2:
+                send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
+                continue
+            identity, payload = frames
+            try:
+                message = codec.decode(payload)
+            except WireError as exc:
+                send(identity, ErrorReply(None, exc.code, str(exc)))
+                continue
+            if isinstance(message, HelloRequest):
+                if message.protocol_version != PROTOCOL_VERSION:
+                    send(identity, ErrorReply(None, ErrorCode.VERSION_MISMATCH,
+                                              f"protocol {message.protocol_version}; this worker speaks"
+                                              f" {PROTOCOL_VERSION}"))
+                    continue
+                greeted.add(identity)
+                send(identity, HelloReply(PROTOCOL_VERSION, config.worker_id, host, 0, config.max_message_bytes))
+            elif identity not in greeted:
+                send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.HANDSHAKE_REQUIRED,
+                                          "the first message of a connection must be HelloRequest"))
+            elif isinstance(message, PingRequest):
+                send(identity, PingReply(message.request_id))
+            else:
+                core.handle(identity, message)
+
+    async def transmit() -> None:
+        while True:
+            identity, payload = await outbox.get()
+            try:
+                await control.send_multipart([identity, payload], copy=False)
+            finally:
+                outbox.task_done()
+
+    setproctitle.setproctitle(
+        f"omniflow-worker role={config.role.name} id={config.worker_id} listen={address}"
+    )
+    tasks = [loop.create_task(receive()), loop.create_task(transmit())]
+    ready({"worker_id": config.worker_id, "role": config.role.name, "address": address,
+           "liveness": liveness_address, "data": peer.address, "pid": os.getpid(), "host": host,
+           "capacity": capacity})
+    await stop.wait()
+    log.info("worker %s draining", config.worker_id)
+    cancelled = await core.drain(config.drain_timeout_s)
+    # Let the answers of drained executions leave before the sockets close.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(outbox.join(), timeout=5.0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    liveness.stop()
+    await unit.close()
+    control.close()
+    context.term()
+    peer.close()
+    return 0 if not cancelled else 3
+
+
+def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> int:
+    """Serve `config.role` until told to stop; prints the READY line on standard output."""
+
+    def ready(details: dict) -> None:
+        print(READY_PREFIX + json.dumps(details), flush=True)
+
+    return asyncio.run(serve(config, kinds or default_kinds(), ready=ready))
