@@ -19,7 +19,7 @@ the prefix is never recomputed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +67,32 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """A decoder layer's modules, bound once (the hot loop skips attribute lookups and hooks)."""
+
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    q_proj: Callable[[torch.Tensor], torch.Tensor]
+    k_proj: Callable[[torch.Tensor], torch.Tensor]
+    v_proj: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        attn = layer.self_attn
+        return cls(
+            input_norm=layer.input_layernorm.forward,
+            q_proj=attn.q_proj.forward,
+            k_proj=attn.k_proj.forward,
+            v_proj=attn.v_proj.forward,
+            o_proj=attn.o_proj.forward,
+            post_norm=layer.post_attention_layernorm.forward,
+            mlp=layer.mlp.forward,
+        )
+
+
 class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
@@ -78,14 +104,14 @@ class PagedForward:
         cfg = model.config
         self.model = model
         self.embed = inner.embed_tokens
-        self.layers = list(inner.layers)
+        self.layers = [_Layer.of(layer) for layer in inner.layers]
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.scaling = float(self.layers[0].self_attn.scaling)
+        self.scaling = float(inner.layers[0].self_attn.scaling)
         self.page_size = layout.page_size
         expected = (len(self.layers), self.num_kv_heads, self.head_dim)
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != expected:
@@ -96,17 +122,18 @@ class PagedForward:
         cos, sin = self.rotary(hidden[None], positions[None])
         return cos[0], sin[0]
 
-    def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        attn = layer.self_attn
+    def _qkv(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         tokens = hidden.shape[0]
-        q = attn.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        q = layer.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = layer.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = layer.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        # One rotary pass over queries and keys together (elementwise: same numbers).
+        qk = _rope(torch.cat((q, k), dim=1), cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
-    def _mlp_block(self, layer: torch.nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = residual + layer.self_attn.o_proj(attn_out)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    def _mlp_block(self, layer: _Layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + layer.o_proj(attn_out)
+        return hidden + layer.mlp(layer.post_norm(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
@@ -146,7 +173,7 @@ class PagedForward:
             mask = torch.arange(total, device=pool.device)[None, :] <= (flat - offset + chunk.start)[:, None]
         for index, layer in enumerate(self.layers):
             residual = hidden
-            q, k, v = self._qkv(layer, layer.input_layernorm(hidden), cos, sin)
+            q, k, v = self._qkv(layer, layer.input_norm(hidden), cos, sin)
             fresh[page_index, 0, index, token_index] = k
             fresh[page_index, 1, index, token_index] = v
             keys = fresh[:, 0, index].reshape(-1, self.num_kv_heads, self.head_dim)[: offset + n]
@@ -169,7 +196,13 @@ class PagedForward:
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-        """One token per sequence; writes its K/V into `tails[tail_slots[i]]`; returns `(B, vocab)` logits."""
+        """One token per sequence; writes its K/V into `tails[tail_slots[i]]`; returns `(B, vocab)` logits.
+
+        The step gathers every sequence's pages and tail page once, into one buffer laid out
+        `(layers, K/V, batch, pages + 1, page, heads, dim)`, so that each layer's keys and
+        values are plain views of it; the new token's K/V are written into the buffer per
+        layer and the tail pages copied back at the end.
+        """
         page = self.page_size
         size = len(batch.token_ids)
         device = pool.device
@@ -178,42 +211,58 @@ class PagedForward:
         tail_slots = torch.tensor(list(batch.tail_slots), dtype=torch.long, device=device)
         tail_pos = positions % page
         max_pages = max(len(slots) for slots in batch.page_slots)
-        pages = None
+        counts = torch.tensor([len(slots) for slots in batch.page_slots], device=device)
+        kv = torch.empty(
+            (self.layout.num_layers, 2, size, max_pages + 1, page, self.num_kv_heads, self.head_dim),
+            dtype=pool.dtype,
+            device=device,
+        )
         if max_pages:
-            index = torch.zeros((size, max_pages), dtype=torch.long)
-            counts = torch.tensor([len(slots) for slots in batch.page_slots])
-            for row, slots in enumerate(batch.page_slots):
-                index[row, : len(slots)] = torch.tensor(list(slots), dtype=torch.long)
-            page_valid = torch.arange(max_pages)[None, :] < counts[:, None]
-            pages = pool[index.to(device)]
-            # Padding slots may hold anything (even NaN); zero them so masked weights stay 0.
-            pages.masked_fill_(~page_valid.to(device)[:, :, None, None, None, None, None], 0.0)
-            token_valid = page_valid.to(device).repeat_interleave(page, dim=1)
+            # Padding points at a page some sequence holds: finite bytes, masked out below.
+            filler = next(slots[0] for slots in batch.page_slots if slots)
+            flat = [
+                slot
+                for slots in batch.page_slots
+                for slot in (*slots, *([filler] * (max_pages - len(slots))))
+            ]
+            gathered = pool.permute(2, 1, 0, 3, 4, 5).index_select(2, torch.tensor(flat, device=device))
+            kv[:, :, :, :max_pages] = gathered.view(*kv.shape[:2], size, max_pages, *kv.shape[4:])
+        kv[:, :, :, max_pages] = tails.permute(2, 1, 0, 3, 4, 5).index_select(2, tail_slots)
+        span = (max_pages + 1) * page
+        if size == 1:
+            # One sequence: its keys are a prefix of the buffer, so slice instead of masking.
+            length: int | None = max_pages * page + int(batch.positions[0]) % page + 1
+            mask = None
         else:
-            token_valid = torch.zeros((size, 0), dtype=torch.bool, device=device)
-        tail_valid = torch.arange(page, device=device)[None, :] <= tail_pos[:, None]
-        mask = torch.cat((token_valid, tail_valid), dim=1)[:, None, None, :]
+            length = None
+            key_pos = torch.arange(span, device=device)
+            valid = torch.where(
+                key_pos[None, :] < max_pages * page,
+                key_pos[None, :] < (counts * page)[:, None],
+                key_pos[None, :] - max_pages * page <= tail_pos[:, None],
+            )
+            mask = valid[:, None, None, :]
+        rows = torch.arange(size, device=device)
         hidden = self.embed(ids)
         cos, sin = self._rotary(hidden, positions)
-        for index_l, layer in enumerate(self.layers):
+        group = self.num_heads // self.num_kv_heads
+        for index, layer in enumerate(self.layers):
             residual = hidden
-            q, k, v = self._qkv(layer, layer.input_layernorm(hidden), cos, sin)
-            tails[tail_slots, 0, index_l, tail_pos] = k
-            tails[tail_slots, 1, index_l, tail_pos] = v
-            keys = tails[tail_slots, 0, index_l]
-            values = tails[tail_slots, 1, index_l]
-            if pages is not None:
-                keys = torch.cat((pages[:, :, 0, index_l].reshape(size, -1, self.num_kv_heads, self.head_dim), keys), 1)
-                values = torch.cat(
-                    (pages[:, :, 1, index_l].reshape(size, -1, self.num_kv_heads, self.head_dim), values), 1
-                )
+            q, k, v = self._qkv(layer, layer.input_norm(hidden), cos, sin)
+            kv[index, :, rows, max_pages, tail_pos] = torch.stack((k, v))
+            keys = kv[index, 0].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            values = kv[index, 1].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if length is not None:
+                keys, values = keys[:, :, :length], values[:, :, :length]
+            # One query token: the query heads sharing a KV head attend as that head's rows
+            # (grouped-query attention without expanding K/V).
             out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
+                q.reshape(size, self.num_kv_heads, group, self.head_dim),
+                keys,
+                values,
                 attn_mask=mask,
                 scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
             )
             hidden = self._mlp_block(layer, residual, out.reshape(size, -1))
+        tails[tail_slots] = kv[:, :, :, max_pages].permute(2, 1, 0, 3, 4, 5)
         return self._logits(hidden)

@@ -1,0 +1,137 @@
+"""A long multi-turn conversation: server-side session with prefix reuse vs resubmitting history.
+
+One `tiny-llama` session of `--turns` turns (each `--new-tokens` new message tokens
+in, `--out-tokens` greedy tokens out). The same conversation is timed three ways
+(medians of `--repeats` runs, after a warm-up):
+
+* `jct_s_session`: engine session; a turn sends only its new message and the
+  history's KV stays cached (pinned) between turns;
+* `jct_s_nocache`: the same engine code, prefix cache off, the whole history
+  resubmitted every turn;
+* `jct_s_hf`: `transformers` `generate` on the whole history every turn.
+
+`hit_rate` is the share of prompt tokens the session served from the cache;
+`oracle_hit_rate` the share that had been seen before (the history). Goals:
+hit_rate >= 0.95 x oracle_hit_rate; jct_s_session <= 0.5 x jct_s_nocache and <= 0.5 x jct_s_hf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.engine import LLMEngine
+from engine.compute.models.loader import LoadedModel, load_builtin
+from engine.compute.sampling import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--turns", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=40, help="new message tokens per turn (about)")
+    parser.add_argument("--out-tokens", type=int, default=20, help="generated tokens per turn")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant; medians reported")
+
+
+def _messages(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    low, high = max(1, args.new_tokens - 8), args.new_tokens + 8
+    return [[rng.randrange(32, 127) for _ in range(rng.randrange(low, high + 1))] for _ in range(args.turns)]
+
+
+def _config(args: argparse.Namespace, prefix_cache: bool) -> EngineConfig:
+    return EngineConfig(page_size=args.page_size, max_running=4, max_prefill_tokens=4096, prefix_cache=prefix_cache)
+
+
+def _session_run(model: LoadedModel, args, messages, params) -> tuple[float, list[list[int]], float]:
+    engine = LLMEngine(model, _config(args, prefix_cache=True))
+    try:
+        sid = engine.open_session()
+        outputs = []
+        started = time.perf_counter()
+        for message in messages:
+            rid = engine.add_request(message, params, session_id=sid)
+            outputs.append(list(engine.run_until_finished([rid])[0].output_ids))
+        elapsed = time.perf_counter() - started
+        hit_rate = engine.metrics()["llm.hit_rate"]
+    finally:
+        engine.close()
+    return elapsed, outputs, hit_rate
+
+
+def _nocache_run(model: LoadedModel, args, prompts, params) -> tuple[float, list[list[int]]]:
+    engine = LLMEngine(model, _config(args, prefix_cache=False))
+    try:
+        outputs = []
+        started = time.perf_counter()
+        for prompt in prompts:
+            outputs.append(list(engine.generate([prompt], params)[0].output_ids))
+        return time.perf_counter() - started, outputs
+    finally:
+        engine.close()
+
+
+def _hf_run(model: LoadedModel, prompts, out_tokens: int) -> tuple[float, list[list[int]]]:
+    outputs = []
+    started = time.perf_counter()
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_tokens,
+                                       do_sample=False)
+            outputs.append(out[0, len(prompt):].tolist())
+    return time.perf_counter() - started, outputs
+
+
+def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
+    torch.manual_seed(args.seed)
+    model = load_builtin(args.model)
+    messages = _messages(args)
+    params = SamplingParams(max_new_tokens=args.out_tokens, ignore_eos=True)
+    # Warm-up: fault in pages and let the kernels pick their paths.
+    _session_run(model, args, messages[:3], params)
+    _hf_run(model, [messages[0]], 4)
+
+    sessions = [_session_run(model, args, messages, params) for _ in range(args.repeats)]
+    outputs, hit_rate = sessions[0][1], sessions[0][2]
+    jct_session = statistics.median(run[0] for run in sessions)
+    prompts, history = [], []
+    seen = total = 0
+    for message, output in zip(messages, outputs, strict=True):
+        prompts.append(history + message)
+        seen += len(history)
+        total += len(history) + len(message)
+        history = history + message + output
+    nocache_outputs: list[list[int]] = []
+    hf_outputs: list[list[int]] = []
+    nocache_times, hf_times = [], []
+    for _ in range(args.repeats):
+        elapsed, nocache_outputs = _nocache_run(model, args, prompts, params)
+        nocache_times.append(elapsed)
+        elapsed, hf_outputs = _hf_run(model, prompts, args.out_tokens)
+        hf_times.append(elapsed)
+    jct_nocache, jct_hf = statistics.median(nocache_times), statistics.median(hf_times)
+    oracle = seen / total
+    return {
+        "turns": args.turns,
+        "prompt_tokens": total,
+        "jct_s_session": round(jct_session, 3),
+        "jct_s_nocache": round(jct_nocache, 3),
+        "jct_s_hf": round(jct_hf, 3),
+        "hit_rate": round(hit_rate, 4),
+        "oracle_hit_rate": round(oracle, 4),
+        "session_vs_nocache": round(jct_session / jct_nocache, 3),
+        "session_vs_hf": round(jct_session / jct_hf, 3),
+        "same_tokens_nocache": nocache_outputs == outputs,
+        "same_tokens_hf": hf_outputs == outputs,
+        "goal_hit_rate": hit_rate >= 0.95 * oracle,
+        "goal_vs_nocache": jct_session <= 0.5 * jct_nocache,
+        "goal_vs_hf": jct_session <= 0.5 * jct_hf,
+    }
