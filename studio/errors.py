@@ -42,6 +42,11 @@ class BadRequest(ApiError):
     status_code = status.HTTP_400_BAD_REQUEST
 
 
+class LoginFailed(ApiError):
+    status_code = status.HTTP_401_UNAUTHORIZED
+    default_detail = "invalid username or password"
+
+
 class Conflict(ApiError):
     status_code = status.HTTP_409_CONFLICT
     default_detail = "conflict"

@@ -136,12 +136,6 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    "SECURITY": [{"bearerAuth": []}, {"cookieAuth": []}],
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {
-            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "python manage.py create_token USER"},
-        }
-    },
 }
 
 LOGGING = {

@@ -7,7 +7,7 @@ from django.middleware.csrf import get_token
 from django.utils.decorators import method_decorator
 from django.views.decorators.csrf import ensure_csrf_cookie
 from drf_spectacular.utils import extend_schema
-from rest_framework import exceptions, generics, serializers, status
+from rest_framework import generics, serializers, status
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -15,6 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from studio.accounts.models import ApiToken
+from studio.errors import LoginFailed
 
 
 class UserSerializer(serializers.Serializer):
@@ -65,7 +66,7 @@ class SessionView(APIView):
         data.is_valid(raise_exception=True)
         user = authenticate(request._request, **data.validated_data)
         if user is None:
-            raise exceptions.AuthenticationFailed("invalid username or password")
+            raise LoginFailed()
         login(request._request, user)
         request.user = user
         return Response(_session(request))

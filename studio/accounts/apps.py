@@ -9,3 +9,6 @@ class AccountsConfig(AppConfig):
     name = "studio.accounts"
     label = "accounts"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from studio.accounts import schema  # noqa: F401 - registers the OpenAPI extension

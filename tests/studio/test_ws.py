@@ -136,6 +136,7 @@ async def test_refusals(finished_run: str, token: str, path: str, use_token: boo
     error = await comm.receive_json_from(timeout=5)
     assert error["type"] == "error" and error["status"] == status
     assert (await comm.receive_output(timeout=5)) == {"type": "websocket.close", "code": 4000 + status}
+    await comm.disconnect()
 
 
 async def test_another_users_run_is_not_found(finished_run: str, other_user) -> None:
@@ -143,6 +144,7 @@ async def test_another_users_run_is_not_found(finished_run: str, other_user) -> 
     comm = connect(f"/ws/runs/{finished_run}/", other_token)
     await comm.connect()
     assert (await comm.receive_json_from(timeout=5))["status"] == 404
+    await comm.disconnect()
 
 
 async def test_session_cookie_needs_same_origin(finished_run: str, user, client) -> None:

@@ -1,0 +1,137 @@
+"""Browser sessions with CSRF, API tokens, the management commands, the OpenAPI schema
+and the admin."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+from rest_framework.test import APIClient
+
+from studio.accounts.models import ApiToken
+from studio.workflows.models import Workflow
+
+pytestmark = pytest.mark.django_db
+
+
+def run_command(*args: str, **options) -> str:
+    out = io.StringIO()
+    call_command(*args, stdout=out, stderr=io.StringIO(), **options)
+    return out.getvalue()
+
+
+def test_session_login_needs_csrf_and_writes_need_csrf(user) -> None:
+    browser = APIClient(enforce_csrf_checks=True)
+    session = browser.get("/api/auth/session/").json()
+    assert session["user"] is None and session["csrf_token"]
+    no_csrf = browser.post("/api/auth/session/", {"username": "alice", "password": "alice-password-1"},
+                           format="json")
+    assert no_csrf.status_code == 403 and "CSRF" in no_csrf.json()["error"]
+    csrf = browser.cookies["csrftoken"].value
+    wrong = browser.post("/api/auth/session/", {"username": "alice", "password": "nope"}, format="json",
+                         HTTP_X_CSRFTOKEN=csrf)
+    assert wrong.status_code == 401
+    ok = browser.post("/api/auth/session/", {"username": "alice", "password": "alice-password-1"},
+                      format="json", HTTP_X_CSRFTOKEN=csrf)
+    assert ok.status_code == 200 and ok.json()["user"]["username"] == "alice"
+    assert browser.get("/api/workflows/").status_code == 200  # reads need no token
+    csrf = browser.cookies["csrftoken"].value  # rotated at login
+    blocked = browser.post("/api/workflows/", {"name": "x"}, format="json")
+    assert blocked.status_code == 403 and "CSRF" in blocked.json()["error"]
+    allowed = browser.post("/api/workflows/", {"name": "x"}, format="json", HTTP_X_CSRFTOKEN=csrf)
+    assert allowed.status_code == 201
+    assert browser.delete("/api/auth/session/", HTTP_X_CSRFTOKEN=csrf).status_code == 204
+    assert browser.get("/api/workflows/").status_code == 401
+
+
+def test_token_api(api, user) -> None:
+    created = api.post("/api/tokens/", {"name": "ci"}, format="json")
+    assert created.status_code == 201
+    secret = created.json()["token"]
+    assert ApiToken.objects.get(pk=created.json()["id"]).key_hash != secret  # only the hash is kept
+    fresh = APIClient()
+    fresh.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert fresh.get("/api/workflows/").status_code == 200
+    assert {t["name"] for t in api.get("/api/tokens/").json()} == {"test", "ci"}
+    assert api.delete(f"/api/tokens/{created.json()['id']}/").status_code == 204
+    assert fresh.get("/api/workflows/").status_code == 401
+
+
+def test_inactive_users_tokens_do_not_work(user) -> None:
+    secret = ApiToken.objects.issue(user).secret
+    user.is_active = False
+    user.save()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert client.get("/api/workflows/").status_code == 401
+
+
+def test_create_token_command(user) -> None:
+    secret = run_command("create_token", "alice").strip()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert client.get("/api/workflows/").status_code == 200
+    with pytest.raises(CommandError, match="no user 'nobody'"):
+        run_command("create_token", "nobody")
+
+
+def test_load_examples_is_idempotent(user) -> None:
+    out = run_command("load_examples", owner="alice")
+    assert out.splitlines() == ["diamond: created", "loop: created", "router: created", "stream: created"]
+    again = run_command("load_examples", owner="alice")
+    assert "diamond: version 1 (unchanged)" in again
+    assert Workflow.objects.filter(owner=user).count() == 4
+    assert all(w.latest_version().valid for w in Workflow.objects.all())
+    with pytest.raises(CommandError, match="no user"):
+        run_command("load_examples", owner="ghost")
+
+
+def test_load_examples_reports_broken_files(user, tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("raise ImportError('nope')\n")
+    with pytest.raises(CommandError, match="1 example"):
+        run_command("load_examples", owner="alice", dir=str(tmp_path))
+
+
+def test_setup_demo(django_user_model) -> None:
+    out = run_command("setup_demo", "--token", "--password", "demo-password-9")
+    assert "login: demo / demo-password-9" in out
+    demo = django_user_model.objects.get(username="demo")
+    assert demo.check_password("demo-password-9")
+    assert Workflow.objects.filter(owner=demo).count() == 4
+    secret = next(line for line in out.splitlines() if line.startswith("token: ")).split()[1]
+    assert ApiToken.objects.resolve(secret).user == demo
+    out = run_command("setup_demo", "--no-examples")
+    password = out.strip().splitlines()[-1].split(" / ")[1]
+    demo.refresh_from_db()
+    assert demo.check_password(password) and "updated user 'demo'" in out
+
+
+def test_openapi_schema_has_no_warnings(tmp_path: Path) -> None:
+    target = tmp_path / "schema.yaml"
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(target))
+    text = target.read_text()
+    for path in ("/api/workflows/{id}/export/", "/api/runs/{id}/cancel/", "/api/node-kinds/",
+                 "/api/workflows/{workflow_id}/versions/{number}/diff/", "/api/validate/"):
+        assert path in text
+
+
+def test_schema_and_docs_are_served(client) -> None:
+    assert client.get("/api/schema/").status_code == 200
+    docs = client.get("/api/docs/")
+    assert docs.status_code == 200 and b"swagger-ui" in docs.content
+
+
+def test_admin_pages_render(client, django_user_model, api) -> None:
+    from tests.studio.factories import create_workflow, spec_doc
+
+    create_workflow(api, spec_doc())
+    admin = django_user_model.objects.create_superuser("admin", password="admin-password-1")
+    client.force_login(admin)
+    for model in ("workflow", "workflowversion", "deployment", "worker", "run", "noderun", "runevent", "runfile",
+                  "session"):
+        assert client.get(f"/admin/workflows/{model}/").status_code == 200, model
+    assert client.get("/admin/accounts/apitoken/").status_code == 200
+    wf = Workflow.objects.get()
+    assert client.get(f"/admin/workflows/workflow/{wf.pk}/change/").status_code == 200
