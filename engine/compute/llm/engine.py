@@ -223,6 +223,13 @@ class LLMEngine:
             raise UnknownRequestError(request_id)
         self._finish(seq, FinishReason.ABORT, None, self._outbox)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is waiting or running."""
+        return request_id in self._requests
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._outbox)
 
@@ -405,6 +412,7 @@ class LLMEngine:
             handoff = self._make_handoff(seq)
         if not (seq.stream_text or seq.params.stop):
             seq.text = self.decode_text(seq.output_ids)
+        kv_pages = tuple(seq.pages) if self.config.prefix_cache else ()
         self.cache.release(seq)
         self.scheduler.remove(seq)
         self._requests.pop(seq.request_id, None)
@@ -426,6 +434,7 @@ class LLMEngine:
                 handoff=handoff,
                 error=error,
                 session_id=seq.session_id,
+                kv_pages=kv_pages,
             )
         )
 

@@ -43,7 +43,7 @@ class RequestOutput:
     """What one step produced for one request: its new token(s) and, when it ends, the summary.
 
     `text_delta` is filled for requests that stream text or use stop strings; `output_ids`,
-    `text`, `timings` only on the last output of a request.
+    `text`, `timings`, `kv_pages` only on the last output of a request.
     """
 
     request_id: str
@@ -60,6 +60,8 @@ class RequestOutput:
     handoff: KVHandoff | None = None
     error: str | None = None
     session_id: str | None = None
+    kv_pages: tuple[PageHash, ...] = ()
+    """Keys of the full KV pages of prompt + output (final output only); cached, not pinned."""
 
 
 @dataclass(slots=True, eq=False)

@@ -1,0 +1,118 @@
+"""The `llm` kinds and compute unit, driven by the flow executor in process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.compute.kinds import register
+from engine.compute.llm import EngineConfig, LLMEngine
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.plan import build_plan
+from engine.flow.validate import GraphValidationError
+from engine.spec.kinds import default_kinds
+from tests.unit.compute.conftest import prompt_ids
+
+LLM_IN = {"prompt": {"type": "text", "optional": True}, "tokens": {"type": "tokens", "optional": True}}
+LLM_OUT = {"text": "text", "tokens": "tokens", "kv": "kv"}
+
+
+@pytest.fixture
+def kinds():
+    registry = default_kinds(load_entry_points=False)
+    register(registry)
+    return registry
+
+
+@pytest.fixture
+async def executor(kinds):
+    ex = Executor(InProcessDispatcher(kinds), kinds)
+    yield ex
+    await ex.aclose()
+
+
+def chat_workflow(params: dict | None = None, stream: bool = False, input_port: str = "prompt") -> Workflow:
+    wf = Workflow("chat")
+    llm = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": 4})
+    source = wf.input("prompt", "text" if input_port == "prompt" else "tokens")
+    gen = wf.node("gen", "llm", role=llm, inputs=LLM_IN, outputs=LLM_OUT, stream=stream,
+                  params={"max_new_tokens": 8, **(params or {})})
+    wf.edge(source, gen.inp(input_port))
+    if stream:
+        out = wf.node("text", "output", inputs={"value": {"type": "text", "join": "ordered"}})
+        wf.edge(gen.out("text"), out.inp("value"))
+    else:
+        wf.output("text", gen.out("text"), "text")
+        wf.output("tokens", gen.out("tokens"), "tokens")
+        wf.output("kv", gen.out("kv"), "kv")
+    return wf
+
+
+def reference(tiny_llama, prompts: list[list[int]], max_new: int = 8) -> list[list[int]]:
+    from engine.compute.sampling import SamplingParams
+
+    engine = LLMEngine(tiny_llama, EngineConfig(page_size=4))
+    try:
+        outs = []
+        for prompt in prompts:
+            outs.append(list(engine.generate([prompt], SamplingParams(max_new_tokens=max_new))[0].output_ids))
+        return outs
+    finally:
+        engine.close()
+
+
+def test_kinds_register_the_llm_role_and_node(kinds):
+    assert kinds.role_kind("llm").runner == "engine.compute.llm.unit:LLMUnit"
+    node = kinds.node_kind("llm")
+    assert set(node.inputs) == {"prompt", "tokens"} and set(node.outputs) == {"text", "tokens", "kv"}
+    assert node.to_dict()["outputs"]["kv"] == {"type": "kv", "optional": False}
+    build_plan(chat_workflow().to_spec(), kinds)
+    with pytest.raises(GraphValidationError) as err:
+        build_plan(chat_workflow({"temperature": -1, "bogus": 1}).to_spec(), kinds)
+    assert {issue.code for issue in err.value.issues} == {"bad_param"}
+
+
+async def test_a_workflow_generates_with_the_llm_node(executor, tiny_llama):
+    prompt = "".join(chr(t) for t in prompt_ids(30, 12))
+    result = await (await executor.submit(chat_workflow().to_spec(), {"prompt": prompt})).wait()
+    assert result.status == "done", result.error
+    expected = reference(tiny_llama, [list(prompt.encode())])[0]
+    assert result.outputs["tokens"] == expected
+    assert result.outputs["text"] == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
+    kv = result.outputs["kv"]
+    assert kv["model_id"] == tiny_llama.model_id and kv["tokens"] == 20 and len(kv["pages"]) == 4
+
+
+async def test_concurrent_runs_are_batched_and_correct(executor, tiny_llama):
+    prompts = [prompt_ids(40 + i, 5 + 3 * i) for i in range(6)]
+    plan = executor.plan(chat_workflow(input_port="tokens").to_spec())
+    runs = [await executor.submit(plan, {"prompt": p}) for p in prompts]
+    results = await asyncio.gather(*(run.wait() for run in runs))
+    assert [r.outputs["tokens"] for r in results] == reference(tiny_llama, prompts)
+
+
+async def test_streaming_node_yields_text_as_it_goes(executor, tiny_llama):
+    prompt = "".join(chr(t) for t in prompt_ids(31, 9))
+    run = await executor.submit(chat_workflow(stream=True).to_spec(), {"prompt": prompt})
+    result = await run.wait()
+    assert result.status == "done", result.error
+    expected = reference(tiny_llama, [list(prompt.encode())])[0]
+    deltas = result.outputs["text"]
+    assert len(deltas) == 8  # one frame per token
+    assert "".join(deltas) == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+async def test_session_param_keeps_history_server_side(executor, tiny_llama):
+    plan = executor.plan(chat_workflow({"session": "s1"}, input_port="tokens").to_spec())
+    first, second = prompt_ids(32, 10), prompt_ids(33, 6)
+    out1 = (await (await executor.submit(plan, {"prompt": first})).wait()).outputs["tokens"]
+    out2 = (await (await executor.submit(plan, {"prompt": second})).wait()).outputs["tokens"]
+    assert [out1, out2] == reference(tiny_llama, [first, first + out1 + second])
+
+
+async def test_bad_inputs_fail_the_node_with_a_clear_error(executor):
+    result = await (await executor.submit(chat_workflow(input_port="tokens").to_spec(), {"prompt": [1, 99999]})).wait()
+    assert result.status == "failed" and "outside the vocabulary" in (result.error or "")
