@@ -231,20 +231,21 @@ class TensorServer:
                 raise _Refusal(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
 
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
-        entry = self.store.get(request.ref_id)
-        transport = self._choose(entry, request.transports)
-        header = entry.header
-        reply = PullReply(request.request_id, request.ref_id, transport, header, entry.ref.lease_expires_at)
-        if transport is Transport.INLINE:
-            self._reply(identity, reply, entry, entry.data)
-        elif transport is Transport.SHM:
-            assert entry.segment is not None
-            segment = entry.segment
-            reply = PullReply(request.request_id, request.ref_id, transport, header, entry.ref.lease_expires_at,
-                              segment.name, segment.size)
-            self._reply(identity, reply)
-        else:
-            self._reply(identity, reply)
+        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+            transport = self._choose(entry, request.transports)
+            segment = entry.segment if transport is Transport.SHM else None
+            reply = PullReply(
+                request.request_id,
+                request.ref_id,
+                transport,
+                entry.header,
+                entry.ref.lease_expires_at,
+                segment.name if segment is not None else None,
+                segment.size if segment is not None else 0,
+            )
+            return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
+
+        self.store.serve(request.ref_id, send)
 
     def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
         small = entry.header.nbytes <= self.store.config.inline_max_bytes
@@ -258,32 +259,33 @@ class TensorServer:
         raise _Refusal(ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor")
 
     def _serve_chunk(self, identity: bytes, request: ChunkRequest) -> None:
-        entry = self.store.get(request.ref_id)
         if request.length > self.config.limits.max_chunk_bytes:
             raise _Refusal(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
-        end = request.offset + request.length
-        if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
-            raise _Refusal(ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor")
-        reply = ChunkReply(request.request_id, request.offset, request.length)
-        self._reply(identity, reply, entry, entry.data[request.offset : end])
 
-    def _reply(self, identity: bytes, message: Message, entry: StoredTensor | None = None, data: Any = None) -> None:
+        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+            end = request.offset + request.length
+            if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor")
+            reply = ChunkReply(request.request_id, request.offset, request.length)
+            return self._reply(identity, reply, entry.data[request.offset : end])
+
+        self.store.serve(request.ref_id, send)
+
+    def _reply(self, identity: bytes, message: Message, data: Any = None) -> zmq.MessageTracker | None:
+        """Send `message` (and `data` as a raw frame, zero-copy); returns the data frame's
+        tracker, done once ZeroMQ no longer reads `data`."""
         try:
             self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             if data is None:
                 self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
-                return
+                return None
             self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            if entry is not None and entry.segment is not None:
-                # Zero-copy from a segment that may be recycled once released: tell the store.
-                tracker = self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
-                self.store.note_send(entry, tracker)
-            else:
-                self._socket.send(data, zmq.NOBLOCK, copy=False)
+            return self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self._clients.pop(identity, None)  # the client went away; nothing to answer
+            return None
 
     def _forget_idle(self, now: float) -> None:
         limit = self.config.idle_client_s

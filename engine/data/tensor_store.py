@@ -212,21 +212,31 @@ class TensorStore:
     # --- serving ---------------------------------------------------------------------------
 
     def get(self, ref_id: RefId) -> StoredTensor:
-        """The live tensor under `ref_id`; raises `RefNotFound` (also once its lease expired)."""
+        """The live tensor under `ref_id`; raises `RefNotFound` (also once its lease expired).
+        Its bytes may be recycled as soon as it is released: readers that must not see that
+        happen use `serve`."""
         with self._lock:
-            entry = self._entries.get(ref_id)
-            if entry is not None and entry.expires <= self._clock():
-                self._drop(entry)
-                entry = None
+            return self._live(ref_id)
+
+    def serve(self, ref_id: RefId, send: Callable[[StoredTensor], SendHandle | None]) -> None:
+        """Call `send(entry)` while `ref_id` cannot be released. If it returns a handle (a
+        zero-copy send still reading the bytes), the entry's segment is not recycled before the
+        handle is done, even if the ref is released meanwhile. Raises `RefNotFound`."""
+        with self._lock:
+            entry = self._live(ref_id)
+            handle = send(entry)
+            if handle is not None and entry.segment is not None:
+                entry.sends = [h for h in entry.sends if not h.done]
+                entry.sends.append(handle)
+
+    def _live(self, ref_id: RefId) -> StoredTensor:
+        entry = self._entries.get(ref_id)
+        if entry is not None and entry.expires <= self._clock():
+            self._drop(entry)
+            entry = None
         if entry is None:
             raise RefNotFound(f"no live tensor {ref_id!r}")
         return entry
-
-    def note_send(self, entry: StoredTensor, handle: SendHandle) -> None:
-        """Record a zero-copy send still reading `entry`'s bytes."""
-        with self._lock:
-            entry.sends = [h for h in entry.sends if not h.done]
-            entry.sends.append(handle)
 
     def extend(self, ref_id: RefId, lease_s: float) -> float:
         """Extend the lease to `lease_s` from now; returns the new expiry as a UNIX time."""

@@ -313,8 +313,8 @@ def test_killed_producer_is_an_error_within_the_timeout_and_its_segments_are_rec
             except (PeerUnavailable, TransferTimeout):
                 pass
             assert time.monotonic() - start < 1.5
-        # The dead producer's segments outlive it until any later store on this host starts.
-        assert len(segments_of(producer.pid)) == 5
+        # The dead producer's segments outlive it until any later store on this host starts
+        # (another process on this host may have been first: hence no count here).
         TensorStore("tcp://127.0.0.1:1").close()
         assert segments_of(producer.pid) == []
     finally:

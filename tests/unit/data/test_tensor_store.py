@@ -176,7 +176,7 @@ def test_segment_read_by_a_send_is_not_recycled_until_the_send_is_done(store: Te
     ref = store.put(big(1.0))
     entry = store.get(ref.id)
     send = FakeSend()
-    store.note_send(entry, send)
+    store.serve(ref.id, lambda e: send)
     store.release(ref.id)
     assert store.stats().pooled_segments == 0
     other = store.put(big(2.0))
@@ -266,10 +266,10 @@ def test_reclaim_unlinks_segments_of_dead_owners_only(store: TensorStore) -> Non
         with open(os.path.join(SHM_ROOT, name), "wb") as f:
             f.write(b"x")
     live = store.put(big())
-    reclaimed = reclaim_dead_segments()
-    assert dead in reclaimed and reused_pid in reclaimed
-    assert store.get(live.id).segment.name in own_segments()  # type: ignore[union-attr]
+    reclaim_dead_segments()  # another process on this host may reclaim them first: check the files
     assert not os.path.exists(os.path.join(SHM_ROOT, dead))
+    assert not os.path.exists(os.path.join(SHM_ROOT, reused_pid))
+    assert store.get(live.id).segment.name in own_segments()  # type: ignore[union-attr]
 
 
 def test_mapper_reuses_mappings_and_drops_vanished_ones() -> None:
