@@ -20,6 +20,9 @@ cleanup() {
     if [[ -n "$private_redis_dir" ]]; then
         rm -rf "$private_redis_dir"
     fi
+    if [[ -n "${OMNIFLOW_DATA_DIR:-}" ]]; then
+        rm -rf "$OMNIFLOW_DATA_DIR"
+    fi
     return 0
 }
 trap cleanup EXIT
@@ -39,9 +42,20 @@ if ! "$PY" scripts/redis_ping.py "$REDIS_URL"; then
     "$PY" scripts/redis_ping.py "$REDIS_URL" --wait 10
 fi
 
+# PostgreSQL for the studio's tests when it answers; otherwise SQLite, said out loud.
+if [[ -z "${DATABASE_URL:-}" ]]; then
+    if "$PY" scripts/pg_ping.py "postgres://postgres@127.0.0.1:5432/test"; then
+        export DATABASE_URL="postgres://postgres@127.0.0.1:5432/test"
+    else
+        echo "No PostgreSQL answered at 127.0.0.1:5432: the studio's tests run on SQLite"
+    fi
+fi
+OMNIFLOW_DATA_DIR=$(mktemp -d)
+export OMNIFLOW_DATA_DIR
+
 echo "== ruff"
 "$VENV/bin/ruff" check .
 echo "== import layering"
 "$VENV/bin/lint-imports"
-echo "== pytest (REDIS_URL=$REDIS_URL)"
+echo "== pytest (REDIS_URL=$REDIS_URL DATABASE_URL=${DATABASE_URL:-sqlite})"
 "$PY" -m pytest -q -rs "$@"
