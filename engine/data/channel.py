@@ -279,6 +279,10 @@ async def pull_async(channel: Channel, ref: TensorRef, timeout: float) -> Tensor
 # --- the ZeroMQ client -----------------------------------------------------------------------
 
 
+class _HandshakeLost(Exception):
+    """The owner answered HANDSHAKE_REQUIRED: it no longer knows this connection."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     chunk_bytes: int = 8 * MiB
@@ -417,6 +421,7 @@ class _Op:
     pull: _Pull | None = None
     message: Callable[[int], Message] | None = None
     link: _Link | None = None
+    retried: bool = False  # resent once after the owner forgot our handshake
 
 
 @dataclass(slots=True, eq=False)
@@ -496,10 +501,10 @@ class ZmqClient:
         """Pull `ref` in the calling thread; returns by `timeout` or raises a `TransferError`."""
         if Transport.CUDA_IPC in transports:
             raise TransportUnavailable("CUDA IPC is not implemented in protocol v1")
-        pull = _Pull(ref, transports, next(self._request_ids), self._mapper, self.config.window)
 
         def drive(link: _DirectLink, deadline: float) -> TensorData:
             assert link.peer is not None
+            pull = _Pull(ref, transports, next(self._request_ids), self._mapper, self.config.window)
             self._direct_send(link, pull.start(link.peer, self.host, self.config.chunk_bytes))
             while pull.result is None:
                 message, frames = self._direct_reply(link, pull.request_id, deadline)
@@ -513,9 +518,9 @@ class ZmqClient:
 
     def request(self, address: str, message: Callable[[int], Message], timeout: float) -> Message:
         """`call`, blocking in the calling thread; returns the reply."""
-        request_id = next(self._request_ids)
 
         def drive(link: _DirectLink, deadline: float) -> Message:
+            request_id = next(self._request_ids)
             self._direct_send(link, [message(request_id)])
             reply, _frames = self._direct_reply(link, request_id, deadline)
             if isinstance(reply, ErrorReply):
@@ -565,9 +570,14 @@ class ZmqClient:
         try:
             if link.socket is None:
                 link.socket = self._new_socket(address)
-            if link.peer is None:
-                self._direct_hello(link, deadline)
-            return drive(link, deadline)
+            for _attempt in range(2):
+                if link.peer is None:
+                    self._direct_hello(link, deadline)
+                try:
+                    return drive(link, deadline)
+                except _HandshakeLost:
+                    continue  # the owner forgot us (we were idle, or it restarted): greet it again, once
+            raise PeerUnavailable(f"{address} keeps refusing requests after a handshake")
         except (TransferTimeout, PeerUnavailable):
             self._reset_direct(link)  # replies may still be queued for it: start over next time
             raise
@@ -615,8 +625,8 @@ class ZmqClient:
                 continue
             got = getattr(message, "request_id", None)
             if isinstance(message, ErrorReply) and message.code == ErrorCode.HANDSHAKE_REQUIRED:
-                link.peer = None  # the owner restarted: whatever we asked for is gone
-                raise PeerUnavailable(f"{link.address} restarted")
+                link.peer = None
+                raise _HandshakeLost(link.address)
             if got == request_id or (request_id is None and isinstance(message, HelloReply | ErrorReply)):
                 return message, frames[1:]
 
@@ -752,9 +762,14 @@ class ZmqClient:
             self._on_hello(link, message)
             return
         request_id = getattr(message, "request_id", None)
+        if isinstance(message, ErrorReply) and message.code == ErrorCode.HANDSHAKE_REQUIRED:
+            lost = self._ops.get(request_id) if request_id is not None else None
+            if lost is not None and lost.link is link and not lost.retried:
+                self._retry_after_hello(link, lost)
+                return
         if isinstance(message, ErrorReply) and (
             request_id is None or message.code == ErrorCode.HANDSHAKE_REQUIRED
-        ):  # the handshake was refused, or the owner restarted and forgot us
+        ):  # the handshake was refused, or the owner keeps forgetting us
             error = remote_error(message)
             self._fail_link(link, error if isinstance(error, PeerUnavailable) else PeerUnavailable(str(error)))
             return
@@ -778,6 +793,18 @@ class ZmqClient:
         self._send(link, requests)
         if op.pull.result is not None:
             self._complete(op, op.pull.result)
+
+    def _retry_after_hello(self, link: _Link, op: _Op) -> None:
+        """The owner forgot our handshake (we were idle, or it restarted): greet it again and
+        resend `op` from scratch, once. After a restart the ref is gone and says so."""
+        op.retried = True
+        self._ops.pop(op.request_id, None)
+        if op.pull is not None:
+            op.pull = _Pull(op.pull.ref, op.pull.accepted, op.request_id, self._mapper, self.config.window)
+        link.waiting.append(op)
+        if link.peer is not None:
+            link.peer = None
+            self._send(link, [HelloRequest(PROTOCOL_VERSION, self.name, self.host)])
 
     def _on_hello(self, link: _Link, reply: HelloReply) -> None:
         if reply.protocol_version != PROTOCOL_VERSION:

@@ -198,6 +198,23 @@ def test_lease_expiry_frees_the_tensor_at_the_owner(consumer: Peer) -> None:
         producer.close()
 
 
+@pytest.mark.parametrize("mode", ["fetch", "pull"])
+def test_owner_that_forgot_an_idle_client_is_greeted_again(consumer: Peer, mode: str) -> None:
+    producer = Peer.start(PeerConfig(server=ServerConfig(sweep_interval_s=0.01, idle_client_s=0.01)))
+    try:
+        ref = producer.put(np.arange(200_000, dtype=np.float32))
+        pull = (lambda: consumer.pull(ref, 5.0)) if mode == "fetch" else (lambda: consumer.start_pull(ref, 5.0).wait())
+        assert pull().numpy()[-1] == 199_999.0
+        deadline = time.monotonic() + 5.0
+        while producer.server._clients and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the server's sweep forgets the idle connection
+        assert not producer.server._clients
+        assert pull().numpy()[-1] == 199_999.0
+        assert consumer.stats(producer.address).live_refs == 1
+    finally:
+        producer.close()
+
+
 def test_cuda_ipc_is_refused_with_a_typed_error(producer: Peer, consumer: Peer) -> None:
     ref = producer.put(np.ones(10))
     with pytest.raises(TransportUnavailable):
