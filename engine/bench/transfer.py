@@ -36,9 +36,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from engine.data.channel import ClientConfig, ZmqClient
 from engine.data.codec import MiB
-from engine.data.peer import Peer, PeerConfig
+from engine.data.peer import ClientConfig, Peer, PeerConfig, ZmqClient
 from engine.data.tensor_store import StoreConfig
 from engine.data.wire import ReleaseRequest, TensorRef, Transport
 

@@ -2,7 +2,7 @@
 
 A producer `put`s an output (or `reserve`s a buffer, fills it and `commit`s it) and gets a
 `TensorRef` to pass on; consumers pull the bytes straight from this store through a
-`engine.data.peer.TensorServer`. Every ref has a lease: `release` frees it at once,
+`engine.data.server.TensorServer`. Every ref has a lease: `release` frees it at once,
 otherwise `sweep` frees it once the lease expires, so a consumer that dies (SIGKILL
 included) can never pin memory for longer than one lease.
 

@@ -87,7 +87,7 @@ def _producer_main(lease_s: float, pool_idle_s: float, sweep_s: float) -> None:
 
 
 def _consumer_main() -> None:
-    from engine.data.channel import ZmqClient
+    from engine.data.peer import ZmqClient
     from engine.data.wire import TensorRef, Transport
 
     job = json.loads(sys.stdin.readline())
@@ -187,8 +187,8 @@ def segments_of(pid: int) -> list[str]:
 def test_every_transport_is_bit_exact_between_processes_without_pickle(monkeypatch: Any) -> None:
     import asyncio
 
-    from engine.data.channel import ClientConfig, ZmqClient
     from engine.data.codec import MiB
+    from engine.data.peer import ClientConfig, ZmqClient
     from engine.data.wire import TensorRef, Transport
 
     producer, address = start_producer()
@@ -217,7 +217,7 @@ def test_every_transport_is_bit_exact_between_processes_without_pickle(monkeypat
 
 
 def test_killed_consumers_leave_no_more_segments_than_live_refs() -> None:
-    from engine.data.channel import ZmqClient
+    from engine.data.peer import ZmqClient
     from engine.data.wire import LeaseRequest, ReleaseRequest, StatsReply, StatsRequest, TensorRef
 
     n_refs, n_consumers, elements = 1000, 4, 32 * 1024  # 128 KiB each: shared memory, not inline
@@ -281,7 +281,8 @@ def test_killed_consumers_leave_no_more_segments_than_live_refs() -> None:
 
 
 def test_killed_producer_is_an_error_within_the_timeout_and_its_segments_are_reclaimed() -> None:
-    from engine.data.channel import PeerUnavailable, TransferTimeout, ZmqClient
+    from engine.data.channel import PeerUnavailable, TransferTimeout
+    from engine.data.peer import ZmqClient
     from engine.data.tensor_store import TensorStore
     from engine.data.wire import TensorRef, Transport
 

@@ -17,7 +17,6 @@ import torch
 import zmq
 
 from engine.data.channel import (
-    ClientConfig,
     InProcessChannel,
     PeerUnavailable,
     RefGone,
@@ -26,10 +25,9 @@ from engine.data.channel import (
     TransferTimeout,
     TransportUnavailable,
     ZmqChannel,
-    ZmqClient,
 )
 from engine.data.codec import KiB, Limits, WireCodec
-from engine.data.peer import Peer, PeerConfig, ServerConfig
+from engine.data.peer import ClientConfig, Peer, PeerConfig, ServerConfig, ZmqClient
 from engine.data.shm import SegmentGone
 from engine.data.tensor_store import StoreConfig
 from engine.data.wire import (

@@ -39,7 +39,7 @@ from engine.data.wire import (
 )
 
 ENGINE_DATA = Path(__file__).resolve().parents[3] / "engine" / "data"
-WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "peer.py"]
+WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "server.py", "peer.py"]
 
 
 def make_ref(**overrides: object) -> TensorRef:

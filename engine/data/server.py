@@ -1,0 +1,282 @@
+"""The owner side of the wire: a ZeroMQ ROUTER that lets other processes pull from a store.
+
+`TensorServer` binds, creates the `TensorStore` whose refs carry its address, and serves
+from one thread. Each connection must open with a `HelloRequest` of our protocol version;
+any frame it cannot read (malformed, unknown type, oversized, out of order) gets an
+`ErrorReply` and the server carries on serving everyone else. Tensor bytes leave as
+zero-copy frames, tracked so that a released segment is not recycled while ZeroMQ still
+reads it. The thread also sweeps expired leases every `sweep_interval_s` and reclaims dead
+processes' segments every `reclaim_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from engine.data.codec import Limits, WireCodec, WireError
+from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
+from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ChunkReply,
+    ChunkRequest,
+    ErrorCode,
+    ErrorReply,
+    HelloReply,
+    HelloRequest,
+    LeaseReply,
+    LeaseRequest,
+    Message,
+    PingReply,
+    PingRequest,
+    PullReply,
+    PullRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    StatsReply,
+    StatsRequest,
+    Transport,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    bind: str = "tcp://127.0.0.1:0"  # port 0: any free port; see TensorServer.address
+    advertise_host: str | None = None  # host name to put in refs when bound to 0.0.0.0
+    limits: Limits = Limits()
+    sweep_interval_s: float = 0.25
+    reclaim_interval_s: float = 10.0  # reclaim dead processes' segments this often
+    idle_client_s: float = 600.0  # forget a connection's handshake after this much silence
+
+
+@dataclass(slots=True)
+class _ClientState:
+    name: str
+    host: str
+    last_seen: float
+
+
+class TensorServer:
+    """Serves pulls of `store`'s refs to other processes from a background thread."""
+
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        store_config: StoreConfig | None = None,
+        *,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        self._own_context = context is None
+        self._context = context or zmq.Context(io_threads=1)
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by what clients ask for
+        socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
+        socket.bind(self.config.bind)
+        self._socket = socket
+        self.address = self._advertised(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.store = TensorStore(self.address, store_config)
+        self._codec = WireCodec(self.config.limits.max_request_bytes)
+        self._clients: dict[bytes, _ClientState] = {}
+        self._stop_r, self._stop_w = os.pipe()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="omniflow-tensor-server", daemon=True)
+        self._thread.start()
+
+    def _advertised(self, endpoint: str) -> str:
+        host = self.config.advertise_host
+        if host is None:
+            return endpoint
+        scheme, _, rest = endpoint.partition("://")
+        return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+    def close(self) -> None:
+        """Stop serving, then free the store (unlinking its segments)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        os.write(self._stop_w, b"\0")
+        self._thread.join(timeout=5.0)
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
+        self.store.close()
+        if self._own_context:
+            self._context.term()
+
+    # --- the serving thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        interval_ms = max(1, int(self.config.sweep_interval_s * 1000))
+        next_sweep = time.monotonic()
+        next_reclaim = time.monotonic() + self.config.reclaim_interval_s
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(interval_ms))
+                if self._socket in events:
+                    self._drain()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self.store.sweep()
+                    self._forget_idle(now)
+                    next_sweep = now + self.config.sweep_interval_s
+                if now >= next_reclaim:
+                    self.store.reclaim_dead()
+                    next_reclaim = now + self.config.reclaim_interval_s
+        finally:
+            self._socket.close(linger=0)
+
+    def _drain(self) -> None:
+        for _ in range(1024):  # then sweep, even under a flood
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._serve(frames)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        request_id: int | None = None
+        try:
+            if len(frames) != 2:
+                raise _Refusal(ErrorCode.MALFORMED, f"expected one frame per request, got {len(frames) - 1}")
+            message = self._codec.decode(frames[1].buffer)
+            request_id = getattr(message, "request_id", None)
+            self._dispatch(identity, message)
+        except WireError as exc:
+            self._reply(identity, ErrorReply(request_id, exc.code, str(exc)))
+        except _Refusal as exc:
+            self._reply(identity, ErrorReply(request_id, exc.code, exc.message))
+        except RefNotFound as exc:
+            self._reply(identity, ErrorReply(request_id, ErrorCode.NOT_FOUND, str(exc)))
+        except Exception as exc:  # a bug in serving one request must not stop the server
+            log.exception("internal error serving a request")
+            self._reply(identity, ErrorReply(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, identity: bytes, message: Message) -> None:
+        if isinstance(message, HelloRequest):
+            if message.protocol_version != PROTOCOL_VERSION:
+                raise _Refusal(
+                    ErrorCode.VERSION_MISMATCH,
+                    f"server speaks protocol {PROTOCOL_VERSION}, client {message.protocol_version}",
+                )
+            self._clients[identity] = _ClientState(message.peer, message.host, time.monotonic())
+            limits = self.config.limits
+            self._reply(
+                identity,
+                HelloReply(PROTOCOL_VERSION, self.address, self.store.host, limits.max_chunk_bytes,
+                           limits.max_request_bytes),
+            )
+            return
+        client = self._clients.get(identity)
+        if client is None:
+            raise _Refusal(ErrorCode.HANDSHAKE_REQUIRED, "the first message must be a HelloRequest")
+        client.last_seen = time.monotonic()
+        match message:
+            case ChunkRequest():
+                self._serve_chunk(identity, message)
+            case PullRequest():
+                self._serve_pull(identity, message)
+            case ReleaseRequest():
+                released = self.store.release(message.ref_id)
+                self._reply(identity, ReleaseReply(message.request_id, released))
+            case LeaseRequest():
+                try:
+                    expires = self.store.extend(message.ref_id, message.seconds)
+                except ValueError as exc:
+                    raise _Refusal(ErrorCode.BAD_REQUEST, str(exc)) from exc
+                self._reply(identity, LeaseReply(message.request_id, expires))
+            case StatsRequest():
+                s = self.store.stats()
+                self._reply(
+                    identity,
+                    StatsReply(message.request_id, s.live_refs, s.live_bytes, s.segments, s.pooled_segments,
+                               s.pooled_bytes),
+                )
+            case PingRequest():
+                self._reply(identity, PingReply(message.request_id))
+            case _:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
+
+    def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
+        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+            transport = self._choose(entry, request.transports)
+            segment = entry.segment if transport is Transport.SHM else None
+            reply = PullReply(
+                request.request_id,
+                request.ref_id,
+                transport,
+                entry.header,
+                entry.ref.lease_expires_at,
+                segment.name if segment is not None else None,
+                segment.size if segment is not None else 0,
+            )
+            return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
+
+        self.store.serve(request.ref_id, send)
+
+    def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
+        small = entry.header.nbytes <= self.store.config.inline_max_bytes
+        if small and Transport.INLINE in accepted:
+            return Transport.INLINE
+        for transport in accepted:
+            if transport is Transport.SHM and entry.segment is not None:
+                return transport
+            if transport is Transport.TCP:
+                return transport
+        raise _Refusal(ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor")
+
+    def _serve_chunk(self, identity: bytes, request: ChunkRequest) -> None:
+        if request.length > self.config.limits.max_chunk_bytes:
+            raise _Refusal(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
+
+        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+            end = request.offset + request.length
+            if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor")
+            reply = ChunkReply(request.request_id, request.offset, request.length)
+            return self._reply(identity, reply, entry.data[request.offset : end])
+
+        self.store.serve(request.ref_id, send)
+
+    def _reply(self, identity: bytes, message: Message, data: Any = None) -> zmq.MessageTracker | None:
+        """Send `message` (and `data` as a raw frame, zero-copy); returns the data frame's
+        tracker, done once ZeroMQ no longer reads `data`."""
+        try:
+            self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            if data is None:
+                self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
+                return None
+            self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
+            return self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._clients.pop(identity, None)  # the client went away; nothing to answer
+            return None
+
+    def _forget_idle(self, now: float) -> None:
+        limit = self.config.idle_client_s
+        for identity in [i for i, c in self._clients.items() if now - c.last_seen > limit]:
+            del self._clients[identity]
+
+
+class _Refusal(Exception):
+    """A request the server declines, answered with an ErrorReply of `code`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
