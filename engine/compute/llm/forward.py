@@ -29,6 +29,10 @@ from transformers import PreTrainedModel
 from engine.data.kv.layout import KVLayout
 
 
+def q_dtype(forward: PagedForward) -> torch.dtype:
+    return forward.embed.weight.dtype
+
+
 class UnsupportedModelError(TypeError):
     """The model lacks the modules the paged forward drives (a Llama/Qwen2-style decoder)."""
 
@@ -225,9 +229,10 @@ class PagedForward:
                 for slots in batch.page_slots
                 for slot in (*slots, *([filler] * (max_pages - len(slots))))
             ]
-            gathered = pool.permute(2, 1, 0, 3, 4, 5).index_select(2, torch.tensor(flat, device=device))
-            kv[:, :, :, :max_pages] = gathered.view(*kv.shape[:2], size, max_pages, *kv.shape[4:])
-        kv[:, :, :, max_pages] = tails.permute(2, 1, 0, 3, 4, 5).index_select(2, tail_slots)
+            # Whole pages gather fastest (contiguous rows); the permuting copy follows.
+            gathered = pool.index_select(0, torch.tensor(flat, device=device))
+            kv[:, :, :, :max_pages] = gathered.view(size, max_pages, *pool.shape[1:]).permute(3, 2, 0, 1, 4, 5, 6)
+        kv[:, :, :, max_pages] = tails.index_select(0, tail_slots).permute(2, 1, 0, 3, 4, 5)
         span = (max_pages + 1) * page
         if size == 1:
             # One sequence: its keys are a prefix of the buffer, so slice instead of masking.
@@ -241,7 +246,9 @@ class PagedForward:
                 key_pos[None, :] < (counts * page)[:, None],
                 key_pos[None, :] - max_pages * page <= tail_pos[:, None],
             )
-            mask = valid[:, None, None, :]
+            # An additive float mask, built once per step (a boolean one is converted per call).
+            mask = torch.zeros(valid.shape, dtype=q_dtype(self), device=device).masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None, :]
         rows = torch.arange(size, device=device)
         hidden = self.embed(ids)
         cos, sin = self._rotary(hidden, positions)
