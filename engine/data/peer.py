@@ -45,9 +45,9 @@ from engine.data.channel import (
     ZmqChannel,
     remote_error,
 )
-from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header
+from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header, contiguous_strides
 from engine.data.server import ServerConfig, TensorServer
-from engine.data.shm import SegmentError, SegmentMapper, host_id
+from engine.data.shm import SegmentError, SegmentMapper, host_id, parse_segment_name
 from engine.data.tensor_store import StoreConfig, TensorStore
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -267,6 +267,7 @@ class ZmqClient:
         self._direct: dict[str, _DirectLink] = {}
         self._direct_lock = threading.Lock()
         self._per_thread = threading.local()
+        self._shm_refused: set[str] = set()  # owners whose segments this process cannot map
         # State below is touched by the I/O thread only.
         self._codec = WireCodec(self.config.limits.hard_max_message_bytes)
         self._links: dict[str, _Link] = {}
@@ -285,9 +286,45 @@ class ZmqClient:
         if Transport.CUDA_IPC in transports:
             transfer._finish(error=TransportUnavailable("CUDA IPC is not implemented in protocol v1"))
             return transfer
+        in_place = self._read_in_place(ref, transports)
+        if in_place is not None:
+            transfer._finish(in_place)
+            return transfer
         pull = _Pull(ref, transports, 0, self._mapper, self.config.window)
         self._submit(_Op(transfer, ref.owner, transfer.deadline, pull=pull))
         return transfer
+
+    def _read_in_place(self, ref: TensorRef, transports: tuple[Transport, ...]) -> TensorData | None:
+        """The tensor straight from the owner's segment, without a round trip, when the ref says
+        where it is, its lease runs and the segment still holds it (its generation word matches);
+        None otherwise, and the owner is asked instead."""
+        location = ref.shm
+        if (
+            location is None
+            or Transport.SHM not in transports
+            or ref.host != self.host
+            or ref.owner in self._shm_refused
+            or ref.lease_expires_at <= time.time()
+            or location.offset < 8
+            or location.offset + ref.nbytes > location.size
+        ):
+            return None
+        owner = parse_segment_name(location.segment)
+        if owner is None or not owner.alive():
+            return None  # a dead owner is an error, which the owner's silence will tell
+        try:
+            mapping = self._mapper.map(location.segment, location.size)
+        except (SegmentError, OSError):
+            self._shm_refused.add(ref.owner)  # not our /dev/shm after all: the owner decides
+            return None
+        if int.from_bytes(mapping[:8], "little") != location.generation:
+            return None  # released, maybe recycled: only the owner can tell
+        header = TensorHeader(ref.dtype, ref.shape, contiguous_strides(ref.shape), ref.nbytes, location.offset)
+        try:
+            check_header(header)
+        except WireError:
+            return None
+        return TensorData(header, mapping, Transport.SHM)
 
     def call(self, address: str, message: Callable[[int], Message], timeout: float) -> Transfer:
         """Send the control request built by `message(request_id)`; the handle's result is the
@@ -300,6 +337,9 @@ class ZmqClient:
         """Pull `ref` in the calling thread; returns by `timeout` or raises a `TransferError`."""
         if Transport.CUDA_IPC in transports:
             raise TransportUnavailable("CUDA IPC is not implemented in protocol v1")
+        in_place = self._read_in_place(ref, transports)
+        if in_place is not None:
+            return in_place
 
         def drive(link: _DirectLink, deadline: float) -> TensorData:
             assert link.peer is not None

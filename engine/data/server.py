@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine.data.codec import Limits, WireCodec, WireError
@@ -213,15 +214,18 @@ class TensorServer:
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
         def send(entry: StoredTensor) -> zmq.MessageTracker | None:
             transport = self._choose(entry, request.transports)
-            segment = entry.segment if transport is Transport.SHM else None
+            location = entry.ref.shm if transport is Transport.SHM else None
+            header = entry.header
+            if location is not None:
+                header = msgspec.structs.replace(header, offset=location.offset)
             reply = PullReply(
                 request.request_id,
                 request.ref_id,
                 transport,
-                entry.header,
+                header,
                 entry.ref.lease_expires_at,
-                segment.name if segment is not None else None,
-                segment.size if segment is not None else 0,
+                location.segment if location is not None else None,
+                location.size if location is not None else 0,
             )
             return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
 
@@ -232,7 +236,7 @@ class TensorServer:
         if small and Transport.INLINE in accepted:
             return Transport.INLINE
         for transport in accepted:
-            if transport is Transport.SHM and entry.segment is not None:
+            if transport is Transport.SHM and entry.ref.shm is not None:
                 return transport
             if transport is Transport.TCP:
                 return transport

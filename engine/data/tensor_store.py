@@ -36,8 +36,8 @@ from engine.data.codec import (
     contiguous_strides,
     flatten_tensor,
 )
-from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, host_id, reclaim_dead_segments
-from engine.data.wire import RefId, TensorHeader, TensorRef
+from engine.data.shm import PAGE, SHM_ROOT, Segment, SegmentAllocator, host_id, reclaim_dead_segments
+from engine.data.wire import RefId, ShmLocation, TensorHeader, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +51,11 @@ class StoreError(Exception):
 
 class RefNotFound(StoreError):
     """No live tensor under this ref id: never stored, released, or its lease expired."""
+
+
+# Segment layout: the generation of the ref that occupies it (uint64, little-endian, 0 when
+# free) in the first page, the tensor from the second page on (page-aligned for the reader).
+DATA_OFFSET = PAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,7 @@ class TensorStore:
         self._entries: dict[RefId, StoredTensor] = {}
         self._leases: list[tuple[float, RefId]] = []  # heap; stale entries skipped on pop
         self._draining: list[tuple[Segment, list[SendHandle]]] = []
+        self._reserved: set[Segment] = set()  # taken by reservations not yet committed
         self._epoch = secrets.token_hex(4)  # ids never repeat across restarts at one address
         self._serial = itertools.count()
         self._live_bytes = 0
@@ -168,22 +174,39 @@ class TensorStore:
 
     def commit(self, reservation: Reservation, lease_s: float | None = None) -> TensorRef:
         if reservation.committed:
-            raise StoreError("reservation already committed")
+            raise StoreError("reservation already committed or aborted")
         return self._commit(reservation, lease_s, "cpu")
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be committed."""
+        if reservation.committed:
+            raise StoreError("reservation already committed or aborted")
+        reservation.committed = True
+        if reservation.segment is not None:
+            with self._lock:
+                self._reserved.discard(reservation.segment)
+                self._draining.append((reservation.segment, []))
+                self._drain()
 
     def _reserve(self, header: TensorHeader) -> Reservation:
         if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
             with self._lock:
                 self._drain()
-                segment = self._segments.take(header.nbytes)
-            return Reservation(header, segment.array[: header.nbytes], segment)
+                segment = self._segments.take(DATA_OFFSET + header.nbytes)
+                self._reserved.add(segment)
+            return Reservation(header, segment.array[DATA_OFFSET : DATA_OFFSET + header.nbytes], segment)
         return Reservation(header, np.empty(header.nbytes, np.uint8), None)
 
     def _commit(self, reservation: Reservation, lease_s: float | None, device: str) -> TensorRef:
         reservation.committed = True
         lease = self._lease_seconds(lease_s)
         header = reservation.header
-        ref_id = RefId(f"{self._epoch}.{next(self._serial)}")
+        serial = next(self._serial)
+        ref_id = RefId(f"{self._epoch}.{serial}")
+        segment = reservation.segment
+        location = None
+        if segment is not None:
+            location = ShmLocation(segment.name, segment.size, DATA_OFFSET, generation=serial + 1)
         ref = TensorRef(
             owner=self.owner,
             id=ref_id,
@@ -193,12 +216,17 @@ class TensorStore:
             lease_expires_at=self._wall() + lease,
             host=self.host,
             device=device,
+            shm=location,
         )
         data = reservation.data
         data.flags.writeable = False
         expires = self._clock() + lease
         with self._lock:
-            self._entries[ref_id] = StoredTensor(ref, header, data, reservation.segment, expires)
+            if segment is not None and location is not None:
+                self._reserved.discard(segment)
+                # Written after the data: a reader that sees this generation sees the tensor.
+                segment.array[:8].view(np.uint64)[0] = location.generation
+            self._entries[ref_id] = StoredTensor(ref, header, data, segment, expires)
             heapq.heappush(self._leases, (expires, ref_id))
             self._live_bytes += header.nbytes
         return ref
@@ -285,6 +313,7 @@ class TensorStore:
         del self._entries[entry.ref.id]
         self._live_bytes -= entry.header.nbytes
         if entry.segment is not None:
+            entry.segment.array[:8].view(np.uint64)[0] = 0  # in-place readers must ask the owner now
             self._draining.append((entry.segment, entry.sends))
             self._drain()
 
@@ -317,7 +346,7 @@ class TensorStore:
             return StoreStats(
                 live_refs=len(self._entries),
                 live_bytes=self._live_bytes,
-                segments=live_segments + pooled + len(self._draining),
+                segments=live_segments + pooled + len(self._draining) + len(self._reserved),
                 pooled_segments=pooled,
                 pooled_bytes=pooled_bytes,
             )
@@ -333,6 +362,9 @@ class TensorStore:
             for segment, _sends in self._draining:
                 segment.unlink()
             self._draining.clear()
+            for segment in self._reserved:
+                segment.unlink()
+            self._reserved.clear()
             self._live_bytes = 0
             if self._segments is not None:
                 self._segments.close()

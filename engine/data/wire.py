@@ -71,12 +71,27 @@ class TensorHeader(msgspec.Struct, frozen=True, array_like=True):
     offset: int = 0
 
 
+class ShmLocation(msgspec.Struct, frozen=True, array_like=True):
+    """Where a tensor sits in its owner's shared-memory segment, for consumers on its host.
+
+    The segment's first 8 bytes hold the generation of the ref occupying it (0: none); a
+    consumer that maps `segment` and reads `generation` there may read the tensor at
+    `offset` without asking the owner. Any mismatch means: ask the owner (PullRequest)."""
+
+    segment: str
+    size: int
+    offset: int
+    generation: int
+
+
 class TensorRef(msgspec.Struct, frozen=True):
     """A handle on a tensor kept by its producer's store; the executor passes these, never bytes.
 
     `owner` is the store's ZeroMQ address, `host` identifies the owner's machine (same host ->
     shared memory is tried first), `lease_expires_at` is a UNIX time after which the owner
-    may drop the tensor unless the lease is extended.
+    may drop the tensor unless the lease is extended. `device` is where the producer held
+    it (a CUDA tensor is staged to host memory in protocol version 1); `shm` lets a consumer
+    on the same host read it without a round trip.
     """
 
     owner: str
@@ -87,6 +102,7 @@ class TensorRef(msgspec.Struct, frozen=True):
     lease_expires_at: float
     host: str
     device: str = "cpu"
+    shm: ShmLocation | None = None
 
 
 class HelloRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):

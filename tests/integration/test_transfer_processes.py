@@ -201,11 +201,13 @@ def test_every_transport_is_bit_exact_between_processes_without_pickle(monkeypat
                 ref = msgspec.convert(producer.recv()["ref"], TensorRef)
                 expected = make_value(kind, seed)
                 small = ref.nbytes <= 64 * 1024
-                for transports, want in [
-                    ((Transport.SHM, Transport.INLINE), Transport.SHM),
-                    ((Transport.TCP, Transport.INLINE), Transport.TCP),
+                asked = msgspec.structs.replace(ref, shm=None)  # no location: the owner hands it out
+                for target, transports, want in [
+                    (ref, (Transport.SHM, Transport.INLINE), Transport.SHM),
+                    (asked, (Transport.SHM, Transport.INLINE), Transport.SHM),
+                    (ref, (Transport.TCP, Transport.INLINE), Transport.TCP),
                 ]:
-                    data = client.fetch(ref, transports, 10.0)
+                    data = client.fetch(target, transports, 10.0)
                     assert data.transport is (Transport.INLINE if small else want), (kind, data.transport)
                     got = data.numpy()
                     assert got.dtype == expected.dtype and got.shape == expected.shape

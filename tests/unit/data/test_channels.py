@@ -105,6 +105,40 @@ def test_fetch_is_bit_exact_on_every_transport(producer: Peer, consumer: Peer, n
     assert str(back.dtype).removeprefix("torch.") == ref.dtype
 
 
+def test_same_host_ref_is_read_in_place_without_asking_the_owner(producer: Peer, consumer: Peer) -> None:
+    value = np.arange(300_000, dtype=np.float32)
+    ref = producer.put(value)
+    unreachable = msgspec.structs.replace(ref, owner=free_address())  # any request would fail
+    for data in (consumer.pull(unreachable, timeout=1.0), consumer.start_pull(unreachable, timeout=1.0).wait()):
+        assert data.transport is Transport.SHM and data.numpy().tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["fetch", "pull"])
+def test_recycled_segment_is_never_read_as_the_old_ref(producer: Peer, consumer: Peer, mode: str) -> None:
+    old = producer.put(np.zeros(300_000, np.float32))
+    assert consumer.pull(old, timeout=5.0).numpy()[0] == 0.0
+    producer.release(old)
+    new = producer.put(np.ones(300_000, np.float32))
+    assert new.shm is not None and old.shm is not None and new.shm.segment == old.shm.segment
+    with pytest.raises(RefGone):
+        consumer.pull(old, 5.0) if mode == "fetch" else consumer.start_pull(old, 5.0).wait()
+    assert consumer.pull(new, timeout=5.0).numpy()[0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"shm": None}, {"lease_expires_at": 0.0}],
+    ids=["no-location", "lease-extended-at-owner"],
+)
+def test_owner_hands_out_the_segment_when_the_ref_cannot_be_read_in_place(
+    producer: Peer, consumer: Peer, change: dict[str, object]
+) -> None:
+    value = np.random.default_rng(2).standard_normal(300_000).astype(np.float32)
+    ref = msgspec.structs.replace(producer.put(value), **change)
+    for data in (consumer.pull(ref, timeout=5.0), consumer.start_pull(ref, timeout=5.0).wait()):
+        assert data.transport is Transport.SHM and data.numpy().tobytes() == value.tobytes()
+
+
 def test_shared_memory_view_is_read_only_and_not_a_copy(producer: Peer, consumer: Peer) -> None:
     ref = producer.put(np.arange(1 << 20, dtype=np.int32))
     data = consumer.pull(ref, timeout=5.0)

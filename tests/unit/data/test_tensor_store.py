@@ -25,7 +25,7 @@ from engine.data.shm import (
     reclaim_dead_segments,
     size_class,
 )
-from engine.data.tensor_store import RefNotFound, StoreConfig, TensorStore
+from engine.data.tensor_store import DATA_OFFSET, RefNotFound, StoreConfig, StoreError, TensorStore
 
 
 @dataclass(slots=True)
@@ -138,8 +138,14 @@ def test_large_tensors_live_in_named_segments(store: TensorStore) -> None:
     owner = parse_segment_name(entry.segment.name)
     assert owner is not None and owner.pid == os.getpid() and owner.alive()
     assert own_segments() == [entry.segment.name]
+    assert ref.shm is not None and ref.shm.segment == entry.segment.name and ref.shm.offset == DATA_OFFSET
     with open(os.path.join(SHM_ROOT, entry.segment.name), "rb") as f:
-        assert np.frombuffer(f.read(ref.nbytes), np.float32).tolist() == big(3.0).tolist()
+        raw = f.read(DATA_OFFSET + ref.nbytes)
+    assert int.from_bytes(raw[:8], "little") == ref.shm.generation > 0
+    assert np.frombuffer(raw[DATA_OFFSET:], np.float32).tolist() == big(3.0).tolist()
+    store.release(ref.id)
+    with open(os.path.join(SHM_ROOT, entry.segment.name), "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 0  # in-place readers must ask the owner
 
 
 def test_released_segment_is_pooled_then_reused_by_a_similar_tensor(store: TensorStore) -> None:
@@ -147,7 +153,7 @@ def test_released_segment_is_pooled_then_reused_by_a_similar_tensor(store: Tenso
     name = store.get(first.id).segment.name  # type: ignore[union-attr]
     store.release(first.id)
     assert store.stats().pooled_segments == 1 and own_segments() == [name]
-    second = store.put(big(2.0, n=60 * 1024))  # same size class
+    second = store.put(big(2.0, n=64 * 1024 - 16))  # same size class
     assert store.get(second.id).segment.name == name  # type: ignore[union-attr]
     assert store.get(second.id).data.view(np.float32)[0] == 2.0
     third = store.put(big(3.0, n=4 * 64 * 1024))  # another size class: a new segment
@@ -155,13 +161,13 @@ def test_released_segment_is_pooled_then_reused_by_a_similar_tensor(store: Tenso
 
 
 def test_pool_is_trimmed_when_idle_and_bounded_in_bytes(clock: FakeClock) -> None:
-    store = make_store(clock, pool_bytes=600 * KiB, pool_idle_s=5.0)
+    store = make_store(clock, pool_bytes=700 * KiB, pool_idle_s=5.0)
     try:
-        refs = [store.put(big(float(i))) for i in range(3)]  # 256 KiB each
+        refs = [store.put(big(float(i))) for i in range(3)]  # 256 KiB + a page: 320 KiB segments
         for ref in refs:
             store.release(ref.id)
         stats = store.stats()
-        assert (stats.pooled_segments, stats.pooled_bytes, len(own_segments())) == (2, 512 * KiB, 2)
+        assert (stats.pooled_segments, stats.pooled_bytes, len(own_segments())) == (2, 640 * KiB, 2)
         clock.now += 4.9
         store.sweep()
         assert len(own_segments()) == 2
@@ -192,6 +198,23 @@ def test_reserve_then_commit_writes_in_place(store: TensorStore) -> None:
     ref = store.commit(reservation)
     assert store.get(ref.id).data.view(np.float32).sum() == 5.0 * 256 * 128
     assert store.get(ref.id).segment is reservation.segment is not None
+
+
+def test_aborted_reservation_gives_its_segment_back(store: TensorStore) -> None:
+    reservation = store.reserve((100_000,), "float32")
+    assert store.stats().segments == 1
+    store.abort(reservation)
+    assert store.stats().pooled_segments == 1
+    with pytest.raises(StoreError):
+        store.commit(reservation)
+
+
+def test_uncommitted_reservation_is_unlinked_on_close(clock: FakeClock) -> None:
+    store = make_store(clock)
+    store.reserve((100_000,), "float32")
+    assert len(own_segments()) == 1
+    store.close()
+    assert own_segments() == []
 
 
 def test_reserve_torch_bfloat16(store: TensorStore) -> None:

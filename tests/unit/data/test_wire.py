@@ -115,6 +115,8 @@ def test_tensor_ref_is_a_frozen_handle_that_survives_json() -> None:
         ref.id = RefId("other")  # type: ignore[misc]
     assert msgspec.json.decode(msgspec.json.encode(ref), type=TensorRef) == ref
     assert hash(ref) == hash(make_ref())
+    located = make_ref(shm=wire.ShmLocation("omniflow-1-2-3", 8192, 4096, 7))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(located), type=TensorRef) == located
 
 
 def test_not_msgpack_is_malformed() -> None:
