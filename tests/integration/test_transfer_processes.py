@@ -92,6 +92,8 @@ def _consumer_main() -> None:
 
     job = json.loads(sys.stdin.readline())
     refs = msgspec.convert(job["refs"], list[TensorRef])
+    if job["ask"]:  # no location: every pull is a request to the owner, answered with the segment
+        refs = [msgspec.structs.replace(ref, shm=None) for ref in refs]
     first = job["first"]
     held = []  # keep the last views mapped, as a consumer working on its inputs would
     with ZmqClient() as client:
@@ -234,7 +236,8 @@ def test_killed_consumers_leave_no_more_segments_than_live_refs() -> None:
         for c in range(n_consumers):
             consumer = Child("consumer")
             consumers.append(consumer)
-            consumer.send({"refs": msgspec.to_builtins(refs[c * share : (c + 1) * share]), "first": c * share})
+            mine = refs[c * share : (c + 1) * share]
+            consumer.send({"refs": msgspec.to_builtins(mine), "first": c * share, "ask": c % 2 == 1})
         for consumer in consumers:
             assert consumer.recv() == {"ready": True}
         transfers = 0

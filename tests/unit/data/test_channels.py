@@ -25,6 +25,7 @@ from engine.data.channel import (
     TransferTimeout,
     TransportUnavailable,
     ZmqChannel,
+    pull_async,
 )
 from engine.data.codec import KiB, Limits, WireCodec
 from engine.data.peer import ClientConfig, Peer, PeerConfig, ServerConfig, ZmqClient
@@ -176,7 +177,10 @@ def test_failed_transfer_reports_its_typed_error(producer: Peer, consumer: Peer)
 async def test_async_pulls_run_concurrently_and_bit_exact(producer: Peer, consumer: Peer) -> None:
     values = [np.full(50_000 + i, i, np.int32) for i in range(12)]
     refs = [producer.put(v) for v in values]
-    results = await asyncio.gather(*(consumer.pull_async(r, timeout=10.0) for r in refs))
+    tcp = ZmqChannel(consumer.client)
+    results = await asyncio.gather(
+        *(consumer.pull_async(r, timeout=10.0) if i % 2 else pull_async(tcp, r, 10.0) for i, r in enumerate(refs))
+    )
     for value, data in zip(values, results, strict=True):
         assert data.numpy().tobytes() == value.tobytes()
 
@@ -186,10 +190,13 @@ def test_pulls_from_many_threads(producer: Peer, consumer: Peer) -> None:
     refs = [producer.put(v) for v in values]
     errors: list[BaseException] = []
 
+    tcp = ZmqChannel(consumer.client)
+
     def work(i: int) -> None:
         try:
             for _ in range(5):
-                assert consumer.pull(refs[i], timeout=10.0).numpy()[0] == i
+                data = consumer.pull(refs[i], timeout=10.0) if i % 2 else tcp.fetch(refs[i], 10.0)
+                assert data.numpy()[0] == i and data.numpy()[-1] == i
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -232,14 +239,15 @@ def test_lease_expiry_frees_the_tensor_at_the_owner(consumer: Peer) -> None:
 
 @pytest.mark.parametrize("mode", ["fetch", "pull"])
 def test_owner_that_forgot_an_idle_client_is_greeted_again(consumer: Peer, mode: str) -> None:
-    producer = Peer.start(PeerConfig(server=ServerConfig(sweep_interval_s=0.01, idle_client_s=0.01)))
+    producer = Peer.start(PeerConfig(server=ServerConfig(sweep_interval_s=0.02, idle_client_s=0.2)))
     try:
-        ref = producer.put(np.arange(200_000, dtype=np.float32))
+        ref = msgspec.structs.replace(producer.put(np.arange(200_000, dtype=np.float32)), shm=None)
         pull = (lambda: consumer.pull(ref, 5.0)) if mode == "fetch" else (lambda: consumer.start_pull(ref, 5.0).wait())
         assert pull().numpy()[-1] == 199_999.0
+        assert producer.server._clients  # the pull asked the owner: it knows the connection
         deadline = time.monotonic() + 5.0
         while producer.server._clients and time.monotonic() < deadline:
-            time.sleep(0.005)  # until the server's sweep forgets the idle connection
+            time.sleep(0.01)  # until the server's sweep forgets the idle connection
         assert not producer.server._clients
         assert pull().numpy()[-1] == 199_999.0
         assert consumer.stats(producer.address).live_refs == 1
