@@ -12,7 +12,8 @@
 `ZmqClient` pulls from any number of owners: one I/O thread owning one DEALER socket per
 owner carries `Transfer`s (many at a time, what asyncio callers use), and blocking calls
 drive a connection of their own in the caller's thread (two thread hand-offs fewer per
-round trip). `Peer` bundles a `engine.data.server.TensorServer` (and its store) with a
+round trip); a same-host ref is read straight from the owner's segment while its generation
+word says the segment still holds it (no round trip). `Peer` bundles a `engine.data.server.TensorServer` (and its store) with a
 client and picks the cheapest channel per ref: same process, same host, then TCP.
 """
 
@@ -242,6 +243,8 @@ class ZmqClient:
     * `fetch` / `request` block the calling thread and drive a connection of their own, which
       saves two thread hand-offs per round trip (what a plain synchronous consumer wants).
       Blocking calls to one owner from several threads take turns.
+    Either way, a same-host ref whose segment still holds it (see `ShmLocation`) is read in
+    place with no request at all; otherwise the owner is asked.
     `close()` stops the I/O thread and fails what it still carries with `PeerUnavailable`."""
 
     def __init__(
