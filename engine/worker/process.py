@@ -92,6 +92,9 @@ def _bound(sock: zmq.Socket, host: str) -> str:
 class _Liveness(threading.Thread):
     """Answers pings and keeps the registry entry fresh, independent of the main loop."""
 
+    _STOP_BEAT_S = 3.0
+    """How long stopping waits for a heartbeat in progress (each registry call has its own timeout)."""
+
     def __init__(self, config: WorkerConfig, host: str, load: Callable[[], WorkerLoad],
                  on_parent_death: Callable[[], None]) -> None:
         super().__init__(name="omniflow-liveness", daemon=True)
@@ -155,9 +158,14 @@ class _Liveness(threading.Thread):
                         reply = ErrorReply(None, ErrorCode.BAD_REQUEST, "the liveness endpoint only answers pings")
                 await sock.send_multipart([identity, codec.encode(reply)])
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            # The beat is asked to stop, not cancelled: redis-py's asyncio client can swallow a
+            # cancellation that lands inside a command (redis/redis-py#2028, #2551), leaving the
+            # beat running and the thread unjoinable, so the worker would exit without deregistering.
+            self._stopping.set()
+            _, pending = await asyncio.wait({beat}, timeout=self._STOP_BEAT_S)
+            if pending:
+                log.warning("the heartbeat did not stop within %.1f s", self._STOP_BEAT_S)
+                beat.cancel()
             if self._registry is not None and self._info is not None:
                 with contextlib.suppress(RegistryUnavailableError):
                     await self._registry.deregister(self._info.worker_id)
@@ -176,10 +184,18 @@ class _Liveness(threading.Thread):
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(self._register(info), self._loop).result(timeout)
 
+    async def _stopped_within(self, seconds: float) -> bool:
+        assert self._stopping is not None
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
     async def _beat(self) -> None:
+        """Heartbeats until `_stopping` is set (never cancelled mid-call; see `_main`)."""
         parent = self._config.parent_pid
-        while True:
-            await asyncio.sleep(self._config.heartbeat_s)
+        while not await self._stopped_within(self._config.heartbeat_s):
             if parent is not None and os.getppid() != parent:
                 log.warning("parent process %d is gone; stopping", parent)
                 self._on_parent_death()
@@ -196,7 +212,7 @@ class _Liveness(threading.Thread):
             except RegistryUnavailableError as exc:
                 log.warning("registry unavailable (%s); the worker keeps serving and retries", exc)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         if self._loop is not None and self._stopping is not None:
             self._loop.call_soon_threadsafe(self._stopping.set)
         self.join(timeout)
