@@ -8,6 +8,11 @@ as inline values or refs: the executor never holds tensor bytes.
 A worker that stops answering pings for two heartbeat intervals is declared lost: its
 calls are retried on another replica, and when none is left the node fails with an
 error naming the worker and the node.
+
+The registry is a directory, not the source of truth on liveness: while it is unreachable
+the dispatcher keeps using the workers it last read, and when it lists no worker at all
+for a role (a restarted Redis before the workers' next heartbeats re-register them, or
+workers still starting) a call looks again for up to `no_worker_wait_s` before failing.
 """
 
 from __future__ import annotations
@@ -49,11 +54,14 @@ from engine.data.wire import (
     WorkerMessage,
 )
 from engine.flow.balance import BalanceRequest, NoWorkerError, Policy, candidates_from, make_policy
-from engine.flow.discovery import Registry, WorkerSnapshot
+from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
 from engine.spec.calls import NodeCall, NodeContext, NodeResult
 from engine.spec.graph import RoleSpec
 
 log = logging.getLogger(__name__)
+
+_NO_WORKER_POLL_S = 0.05
+"""How often a call that found no worker of its role reads the registry again."""
 
 
 class WorkerLost(RuntimeError):
@@ -97,6 +105,7 @@ class WorkerDispatcher:
         heartbeat_s: float = 0.5,
         connect_timeout_s: float = 10.0,
         registry_refresh_s: float = 0.5,
+        no_worker_wait_s: float = 2.0,
         max_message_bytes: int = 64 * MiB,
     ) -> None:
         self._registry = registry
@@ -104,6 +113,7 @@ class WorkerDispatcher:
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
         self._refresh_s = registry_refresh_s
+        self._no_worker_wait_s = no_worker_wait_s
         self._context = zmq.asyncio.Context()
         self._codec = WireCodec(max_message_bytes, WorkerMessage)
         self._connections: dict[str, _Connection] = {}
@@ -114,13 +124,24 @@ class WorkerDispatcher:
         self._closed = False
 
     # ------------------------------------------------------------------ choosing
-    async def _snapshots(self, role: str) -> list[WorkerSnapshot]:
+    async def _snapshots(self, role: str, *, fresh: bool = False) -> list[WorkerSnapshot]:
+        """The workers the registry lists for `role`, read at most every `registry_refresh_s`
+        (or now, with `fresh`). While the registry fails, the last list read stands in for it."""
         cached = self._workers.get(role)
         now = time.monotonic()
-        if cached is None or now - cached[0] > self._refresh_s:
-            cached = (now, await self._registry.workers(role))
-            self._workers[role] = cached
-        return cached[1]
+        if cached is not None and not fresh and now - cached[0] <= self._refresh_s:
+            return cached[1]
+        try:
+            listed = await self._registry.workers(role)
+        except RegistryError as exc:
+            if cached is None:
+                raise
+            log.warning("registry unavailable (%s); dispatching role %r to the %d worker(s) it last listed",
+                        exc, role, len(cached[1]))
+            self._workers[role] = (now, cached[1])
+            return cached[1]
+        self._workers[role] = (now, listed)
+        return listed
 
     def _policy(self, role: RoleSpec) -> Policy:
         policy = self._policies.get(role.name)
@@ -128,9 +149,26 @@ class WorkerDispatcher:
             policy = self._policies[role.name] = make_policy(role.balance, role=role.name, **role.balance_params)
         return policy
 
+    async def _listed(self, role: str) -> list[WorkerSnapshot]:
+        """`_snapshots(role)`, looking again for up to `no_worker_wait_s` while it lists nobody.
+        Raises WorkerLost when the registry cannot be read and nothing was read before."""
+        deadline = time.monotonic() + self._no_worker_wait_s
+        fresh = False
+        while True:
+            try:
+                listed = await self._snapshots(role, fresh=fresh)
+            except RegistryError as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerLost(f"cannot find workers of role {role!r}: {exc}") from exc
+                listed = []
+            if listed or time.monotonic() >= deadline:
+                return listed
+            await asyncio.sleep(_NO_WORKER_POLL_S)
+            fresh = True
+
     async def _choose(self, role: RoleSpec, call: NodeCall, excluded: set[str]) -> WorkerSnapshot:
         snapshots = [
-            s for s in await self._snapshots(role.name)
+            s for s in await self._listed(role.name)
             if s.info.worker_id not in excluded
             and (s.info.worker_id not in self._connections or self._connections[s.info.worker_id].lost is None)
         ]
@@ -221,7 +259,9 @@ class WorkerDispatcher:
         log.warning("%s", reason)
         for inbox in conn.inboxes.values():
             inbox.put_nowait(_Lost(reason))
-        self._workers.pop(conn.worker.info.role, None)
+        cached = self._workers.get(conn.worker.info.role)
+        if cached is not None:  # read the registry again on the next call, but keep the list as a fallback
+            self._workers[conn.worker.info.role] = (float("-inf"), cached[1])
 
     # ----------------------------------------------------------------- execution
     async def _open_call(
