@@ -1,0 +1,297 @@
+"""The role worker's wire protocol, spoken by hand to a real worker process, and the
+dispatcher against peers that never answer.
+
+One worker (`python -m engine.worker`, role `py`) serves the whole module; every test opens
+its own connections, so each starts from an unhandshaken connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from engine.data.codec import MiB, WireCodec
+from engine.data.peer import Peer
+from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    ExecuteRequest,
+    ExecuteResult,
+    ExecuteStarted,
+    HelloReply,
+    HelloRequest,
+    PingReply,
+    PingRequest,
+    PortValue,
+    ValueKind,
+    WorkerMessage,
+)
+from engine.flow.discovery import InProcessRegistry, WorkerInfo
+from engine.flow.remote import WorkerDispatcher, WorkerLost
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import RoleSpec, encode_spec
+from engine.worker.process import READY_PREFIX
+from tests.integration import workerfns
+from tests.integration.workerfns import RawClient, markers, wait_until, whoami_request, whoami_spec
+
+REPO = Path(__file__).resolve().parents[2]
+CONTROL_LIMIT = 64 * MiB
+"""The worker's default max message bytes (ZeroMQ MAXMSGSIZE on its control socket)."""
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real worker of role `py`; its READY details."""
+    spec_path = tmp_path_factory.mktemp("protocol") / "whoami.json"
+    spec_path.write_bytes(encode_spec(whoami_spec()))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.worker", "--role", "py", "--workflow", str(spec_path),
+         "--heartbeat", "0.2", "--registry-ttl", "0.8", "--drain-timeout", "5"],
+        stdout=subprocess.PIPE, cwd=REPO,
+    )
+    try:
+        assert process.stdout is not None
+        details = None
+        deadline = time.monotonic() + 30
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            while details is None:
+                assert selector.select(max(0.0, deadline - time.monotonic())), "worker not ready within 30 s"
+                line = process.stdout.readline().decode()
+                assert line, f"worker exited with status {process.wait()} before it was ready"
+                if line.startswith(READY_PREFIX):
+                    details = json.loads(line[len(READY_PREFIX):])
+        yield details
+        assert process.poll() is None, "the worker died during the protocol tests"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def client(context: zmq.asyncio.Context, worker: dict[str, Any]) -> RawClient:
+    return RawClient(context, worker["address"])
+
+
+async def execute_ok(raw: RawClient, request_id: int, worker: dict[str, Any]) -> None:
+    """A normal execution on `raw` (already greeted): started, then the result."""
+    started = await raw.call(whoami_request(request_id))
+    assert started == ExecuteStarted(request_id, worker["worker_id"])
+    result = await raw.recv()
+    assert result == ExecuteResult(request_id, {"out": PortValue(ValueKind.INLINE,
+                                                                 data={"x": request_id, "pid": worker["pid"]})})
+
+
+def refused(reply: Any, code: ErrorCode, request_id: int | None) -> None:
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.code, reply.request_id) == (code, request_id), reply
+
+
+# ------------------------------------------------------------------ handshake
+async def test_hello_then_execute(context, worker):
+    raw = client(context, worker)
+    reply = await raw.hello()
+    assert reply.protocol_version == PROTOCOL_VERSION
+    assert reply.server == worker["worker_id"]
+    assert reply.max_request_bytes == CONTROL_LIMIT
+    await execute_ok(raw, 1, worker)
+    assert await raw.call(PingRequest(7)) == PingReply(7)
+
+
+async def test_request_before_hello_is_refused(context, worker):
+    raw = client(context, worker)
+    refused(await raw.call(whoami_request(5)), ErrorCode.HANDSHAKE_REQUIRED, 5)
+    refused(await raw.call(PingRequest(6)), ErrorCode.HANDSHAKE_REQUIRED, 6)
+    await raw.hello()
+    await execute_ok(raw, 7, worker)
+
+
+async def test_wrong_protocol_version_is_refused(context, worker):
+    raw = client(context, worker)
+    refused(await raw.call(HelloRequest(PROTOCOL_VERSION + 1, "future", "127.0.0.1")),
+            ErrorCode.VERSION_MISMATCH, None)
+    # The refused hello did not open the connection.
+    refused(await raw.call(whoami_request(1)), ErrorCode.HANDSHAKE_REQUIRED, 1)
+    await raw.hello()
+    await execute_ok(raw, 2, worker)
+
+
+# ------------------------------------------------------------------ bad input
+async def test_garbage_is_malformed_and_the_connection_carries_on(context, worker):
+    raw = client(context, worker)
+    await raw.hello()
+    refused(await raw.call(b"\xc1 not msgpack \xff"), ErrorCode.MALFORMED, None)
+    refused(await raw.call(msgspec.msgpack.encode(42)), ErrorCode.MALFORMED, None)
+    refused(await raw.call(msgspec.msgpack.encode({"type": "ExecuteRequest", "request_id": "x"})),
+            ErrorCode.MALFORMED, None)
+    await raw.sock.send_multipart([b"one", b"two"])
+    refused(await raw.recv(), ErrorCode.MALFORMED, None)
+    await execute_ok(raw, 3, worker)
+
+
+async def test_unknown_message_type(context, worker):
+    raw = client(context, worker)
+    await raw.hello()
+    refused(await raw.call(msgspec.msgpack.encode({"type": "TeleportRequest", "request_id": 1})),
+            ErrorCode.UNKNOWN_MESSAGE, None)
+    await execute_ok(raw, 4, worker)
+
+
+async def test_execute_for_another_role_is_refused(context, worker):
+    raw = client(context, worker)
+    await raw.hello()
+    reply = await raw.call(whoami_request(8, role="llm"))
+    refused(reply, ErrorCode.WRONG_ROLE, 8)
+    assert "'py'" in reply.message and "'llm'" in reply.message
+    await execute_ok(raw, 9, worker)
+
+
+async def test_request_id_already_running_is_refused(context, worker, tmp_path: Path):
+    raw = client(context, worker)
+    await raw.hello()
+    hold = ExecuteRequest(11, "py", "raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
+                          {"x": PortValue(ValueKind.INLINE, data=1)}, ("out",), False, False, 1, 1)
+    assert isinstance(await raw.call(hold), ExecuteStarted)
+    refused(await raw.call(hold), ErrorCode.BAD_REQUEST, 11)
+    workerfns.mark(tmp_path, "release")
+    result = await raw.recv()
+    assert isinstance(result, ExecuteResult) and result.request_id == 11
+    assert markers(tmp_path, "started") == [worker["pid"]]
+
+
+async def test_oversized_frame_drops_that_connection_only(context, worker):
+    steady = client(context, worker)
+    await steady.hello()
+    big = client(context, worker)
+    await big.hello()
+    monitor = big.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        await big.send(bytes(CONTROL_LIMIT + 1))
+        event = await asyncio.wait_for(recv_monitor_message(monitor), 10)
+        assert event["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        big.sock.disable_monitor()
+        monitor.close()
+    # Other clients are served as before, and a new connection works.
+    await execute_ok(steady, 21, worker)
+    fresh = client(context, worker)
+    await fresh.hello()
+    await execute_ok(fresh, 22, worker)
+
+
+async def test_liveness_endpoint_answers_pings_only(context, worker):
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker["liveness"])
+    codec = WireCodec(64 * 1024, WorkerMessage)
+
+    async def call(payload: bytes) -> Any:
+        await sock.send(payload)
+        return codec.decode(await asyncio.wait_for(sock.recv(), 5))
+
+    assert await call(codec.encode(PingRequest(3))) == PingReply(3)
+    refused(await call(b"\xc1"), ErrorCode.MALFORMED, None)
+    refused(await call(codec.encode(whoami_request(4))), ErrorCode.BAD_REQUEST, None)
+    assert await call(codec.encode(PingRequest(5))) == PingReply(5)
+
+
+# ------------------------------------------------------------------ peers that never answer
+ROLE = RoleSpec(name="py", kind="python")
+HB = 0.2
+
+
+def call_for(node: str) -> tuple[NodeCall, NodeContext]:
+    call = NodeCall(run_id="r1", node_id=node, op=f"{workerfns.__name__}:noop", params={}, inputs={"x": 1},
+                    output_ports=("out",), stream=False, router=False, iteration=1, attempt=1)
+    return call, NodeContext("r1", node, 1, 1, lambda f, m: None)
+
+
+async def fake_worker(context: zmq.asyncio.Context, registry: InProcessRegistry, worker_id: str
+                      ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    """Bound ROUTERs registered as a worker of role `py`; nothing reads them unless the test does."""
+    control = context.socket(zmq.ROUTER)
+    liveness = context.socket(zmq.ROUTER)
+    for sock in (control, liveness):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:0")
+    await registry.register(WorkerInfo(
+        worker_id, "py", control.getsockopt_string(zmq.LAST_ENDPOINT),
+        meta={"liveness": liveness.getsockopt_string(zmq.LAST_ENDPOINT)},
+    ))
+    return control, liveness
+
+
+async def test_silent_peer_is_lost_within_the_connect_timeout(context):
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    await fake_worker(context, registry, "silent-1")
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=1.0, no_worker_wait_s=0.5)
+        try:
+            call, ctx = call_for("never")
+            t0 = time.monotonic()
+            with pytest.raises(WorkerLost) as caught:
+                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda: None), 10)
+            assert time.monotonic() - t0 < 1.0 + 1.0
+            assert "silent-1" in str(caught.value) and "'never'" in str(caught.value)
+        finally:
+            await dispatcher.close()
+
+
+async def test_peer_that_stops_answering_after_hello_is_lost(context):
+    """It answers the hello, then neither the execution nor pings: lost after two heartbeats."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    control, _ = await fake_worker(context, registry, "mute-1")
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    received: list[Any] = []
+
+    async def answer_hello_only() -> None:
+        while True:
+            identity, payload = await control.recv_multipart()
+            message = codec.decode(payload)
+            received.append(type(message).__name__)
+            if isinstance(message, HelloRequest):
+                await control.send_multipart([identity, codec.encode(
+                    HelloReply(PROTOCOL_VERSION, "mute-1", "127.0.0.1", 0, CONTROL_LIMIT))])
+
+    server = asyncio.create_task(answer_hello_only())
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=1.0, no_worker_wait_s=0.5)
+        try:
+            call, ctx = call_for("muted")
+            t0 = time.monotonic()
+            with pytest.raises(WorkerLost) as caught:
+                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda: None), 10)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 3 * HB + 0.5, elapsed
+            assert "mute-1" in str(caught.value) and "'muted'" in str(caught.value)
+            await wait_until(lambda: "ExecuteRequest" in received, 5, "the fake worker got the request")
+            assert received[:2] == ["HelloRequest", "ExecuteRequest"]
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+            await dispatcher.close()
