@@ -31,7 +31,7 @@ from engine.compute.llm.errors import (
     SessionNotFoundError,
     UnknownRequestError,
 )
-from engine.compute.llm.forward import DecodeBatch, PagedForward, PrefillChunk
+from engine.compute.llm.forward import DecodeBatch, DecodeBuffer, PagedForward, PrefillChunk
 from engine.compute.llm.scheduler import Scheduler
 from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings, Sequence, held_back
 from engine.compute.llm.sessions import Session, SessionInfo
@@ -108,6 +108,7 @@ class LLMEngine:
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, _Lease] = {}
         self._outbox: list[RequestOutput] = []
+        self._decode_buffer: DecodeBuffer | None = None
         self._ids = itertools.count()
         self._eos = frozenset(model.eos_token_ids)
         self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -339,8 +340,11 @@ class LLMEngine:
             positions=[seq.num_computed for seq in batch],
             page_slots=[seq.slots for seq in batch],
             tail_slots=[seq.tail_slot for seq in batch],  # type: ignore[misc]
+            keys=[seq.request_id for seq in batch],
         )
-        logits = self.forward.decode(decode, self.store.device_pool, self.cache.tails)
+        logits, self._decode_buffer = self.forward.decode(
+            decode, self.store.device_pool, self.cache.tails, self._decode_buffer
+        )
         for seq in batch:
             self._grow(seq, self._outbox, lambda s=seq: self.cache.commit_decoded(s))
         return logits

@@ -53,12 +53,42 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """One new token per sequence, at `positions[i]`, whose K/V go into tail page `tail_slots[i]`."""
+    """One new token per sequence, at `positions[i]`, whose K/V go into tail page `tail_slots[i]`.
+
+    `keys` name the sequences (request ids): a batch with the same keys in the same order
+    as the previous step's reuses that step's gathered K/V (see `DecodeBuffer`).
+    """
 
     token_ids: Sequence[int]
     positions: Sequence[int]
     page_slots: Sequence[Sequence[int]]
     tail_slots: Sequence[int]
+    keys: Sequence[str] = ()
+
+
+HEADROOM_PAGES = 2
+"""Page room a decode buffer keeps beyond its longest sequence, so it is regathered less often."""
+
+
+@dataclass(slots=True)
+class DecodeBuffer:
+    """The K/V of a decode batch gathered from its pages, carried from step to step.
+
+    `kv` is `(layers, K/V, batch, capacity + 1, page, heads, dim)`: sequence `b`'s full
+    pages at `[0, pages[b])`, its tail page at `capacity`, zeros or stale (masked) bytes
+    between. While the batch keeps its members and order, each step only appends: the new
+    token's K/V go into the tail region, and a tail that was stored as a page last step
+    moves to its page position. The pages in the KV store stay the source of truth: the
+    buffer is rebuilt from them whenever the batch changes or outgrows it.
+    """
+
+    keys: tuple[str, ...]
+    kv: torch.Tensor
+    pages: list[int]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3] - 1
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -198,14 +228,60 @@ class PagedForward:
         logits = self._logits(hidden[-1:])[0] if want_logits else None
         return logits, fresh
 
-    @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-        """One token per sequence; writes its K/V into `tails[tail_slots[i]]`; returns `(B, vocab)` logits.
+    def _gather(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor, tail_slots: torch.Tensor,
+                counts: list[int]) -> DecodeBuffer:
+        """Build a decode buffer from the pages and tail pages of `batch`."""
+        page = self.page_size
+        size = len(counts)
+        max_pages = max(counts)
+        capacity = max_pages + HEADROOM_PAGES
+        kv = torch.zeros(
+            (self.layout.num_layers, 2, size, capacity + 1, page, self.num_kv_heads, self.head_dim),
+            dtype=pool.dtype,
+            device=pool.device,
+        )
+        if max_pages:
+            # Padding points at a page some sequence holds: finite bytes, masked out.
+            filler = next(slots[0] for slots in batch.page_slots if slots)
+            flat = [
+                slot
+                for slots in batch.page_slots
+                for slot in (*slots, *([filler] * (max_pages - len(slots))))
+            ]
+            # Whole pages gather fastest (contiguous rows); the permuting copy follows.
+            gathered = pool.index_select(0, torch.tensor(flat, device=pool.device))
+            kv[:, :, :, :max_pages] = gathered.view(size, max_pages, *pool.shape[1:]).permute(3, 2, 0, 1, 4, 5, 6)
+        kv[:, :, :, capacity] = tails.index_select(0, tail_slots).permute(2, 1, 0, 3, 4, 5)
+        return DecodeBuffer(keys=tuple(batch.keys), kv=kv, pages=counts)
 
-        The step gathers every sequence's pages and tail page once, into one buffer laid out
-        `(layers, K/V, batch, pages + 1, page, heads, dim)`, so that each layer's keys and
-        values are plain views of it; the new token's K/V are written into the buffer per
-        layer and the tail pages copied back at the end.
+    def _buffer(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor, tail_slots: torch.Tensor,
+                previous: DecodeBuffer | None) -> DecodeBuffer:
+        counts = [len(slots) for slots in batch.page_slots]
+        reusable = (
+            previous is not None
+            and batch.keys
+            and previous.keys == tuple(batch.keys)
+            and max(counts) <= previous.capacity
+            and all(now in (before, before + 1) for now, before in zip(counts, previous.pages, strict=True))
+        )
+        if not reusable:
+            return self._gather(batch, pool, tails, tail_slots, counts)
+        assert previous is not None
+        capacity = previous.capacity
+        for row, (now, before) in enumerate(zip(counts, previous.pages, strict=True)):
+            if now == before + 1:  # last step filled the tail page and it was stored as page `before`
+                previous.kv[:, :, row, before] = previous.kv[:, :, row, capacity]
+        previous.pages = counts
+        return previous
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
+               previous: DecodeBuffer | None = None) -> tuple[torch.Tensor, DecodeBuffer]:
+        """One token per sequence; writes its K/V into `tails[tail_slots[i]]`; returns `(B, vocab)`
+        logits and the decode buffer to pass to the next step (see `DecodeBuffer`).
+
+        Each layer's keys and values are plain views of the buffer; the new token's K/V are
+        written into it per layer and the tail pages copied back to `tails` at the end.
         """
         page = self.page_size
         size = len(batch.token_ids)
@@ -214,41 +290,19 @@ class PagedForward:
         positions = torch.tensor(list(batch.positions), dtype=torch.long, device=device)
         tail_slots = torch.tensor(list(batch.tail_slots), dtype=torch.long, device=device)
         tail_pos = positions % page
-        max_pages = max(len(slots) for slots in batch.page_slots)
-        counts = torch.tensor([len(slots) for slots in batch.page_slots], device=device)
-        kv = torch.empty(
-            (self.layout.num_layers, 2, size, max_pages + 1, page, self.num_kv_heads, self.head_dim),
-            dtype=pool.dtype,
-            device=device,
+        buffer = self._buffer(batch, pool, tails, tail_slots, previous)
+        kv, capacity = buffer.kv, buffer.capacity
+        counts = torch.tensor(buffer.pages, device=device)
+        span = (capacity + 1) * page
+        key_pos = torch.arange(span, device=device)
+        valid = torch.where(
+            key_pos[None, :] < capacity * page,
+            key_pos[None, :] < (counts * page)[:, None],
+            key_pos[None, :] - capacity * page <= tail_pos[:, None],
         )
-        if max_pages:
-            # Padding points at a page some sequence holds: finite bytes, masked out below.
-            filler = next(slots[0] for slots in batch.page_slots if slots)
-            flat = [
-                slot
-                for slots in batch.page_slots
-                for slot in (*slots, *([filler] * (max_pages - len(slots))))
-            ]
-            # Whole pages gather fastest (contiguous rows); the permuting copy follows.
-            gathered = pool.index_select(0, torch.tensor(flat, device=device))
-            kv[:, :, :, :max_pages] = gathered.view(size, max_pages, *pool.shape[1:]).permute(3, 2, 0, 1, 4, 5, 6)
-        kv[:, :, :, max_pages] = tails.index_select(0, tail_slots).permute(2, 1, 0, 3, 4, 5)
-        span = (max_pages + 1) * page
-        if size == 1:
-            # One sequence: its keys are a prefix of the buffer, so slice instead of masking.
-            length: int | None = max_pages * page + int(batch.positions[0]) % page + 1
-            mask = None
-        else:
-            length = None
-            key_pos = torch.arange(span, device=device)
-            valid = torch.where(
-                key_pos[None, :] < max_pages * page,
-                key_pos[None, :] < (counts * page)[:, None],
-                key_pos[None, :] - max_pages * page <= tail_pos[:, None],
-            )
-            # An additive float mask, built once per step (a boolean one is converted per call).
-            mask = torch.zeros(valid.shape, dtype=q_dtype(self), device=device).masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None, :]
+        # An additive float mask, built once per step (a boolean one is converted per call).
+        mask = torch.zeros(valid.shape, dtype=q_dtype(self), device=device).masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
         rows = torch.arange(size, device=device)
         hidden = self.embed(ids)
         cos, sin = self._rotary(hidden, positions)
@@ -256,11 +310,9 @@ class PagedForward:
         for index, layer in enumerate(self.layers):
             residual = hidden
             q, k, v = self._qkv(layer, layer.input_norm(hidden), cos, sin)
-            kv[index, :, rows, max_pages, tail_pos] = torch.stack((k, v))
+            kv[index, :, rows, capacity, tail_pos] = torch.stack((k, v))
             keys = kv[index, 0].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
             values = kv[index, 1].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if length is not None:
-                keys, values = keys[:, :, :length], values[:, :, :length]
             # One query token: the query heads sharing a KV head attend as that head's rows
             # (grouped-query attention without expanding K/V).
             out = F.scaled_dot_product_attention(
@@ -271,5 +323,5 @@ class PagedForward:
                 scale=self.scaling,
             )
             hidden = self._mlp_block(layer, residual, out.reshape(size, -1))
-        tails[tail_slots] = kv[:, :, :, max_pages].permute(2, 1, 0, 3, 4, 5)
-        return self._logits(hidden)
+        tails[tail_slots] = kv[:, :, :, capacity].permute(2, 1, 0, 3, 4, 5)
+        return self._logits(hidden), buffer
