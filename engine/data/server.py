@@ -7,6 +7,10 @@ any frame it cannot read (malformed, unknown type, oversized, out of order) gets
 zero-copy frames, tracked so that a released segment is not recycled while ZeroMQ still
 reads it. The thread also sweeps expired leases every `sweep_interval_s` and reclaims dead
 processes' segments every `reclaim_interval_s`.
+
+Request types beyond the tensor protocol (e.g. `KVFetchRequest`, answered by
+`engine.data.kv.pull.KVPageServer`) are served by handlers registered with
+`TensorServer.register_handler`; without one, such a request is refused as UNSUPPORTED.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -46,6 +51,13 @@ from engine.data.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Message)  # a member of the Message union
+
+# Requests the server answers itself; no handler may take them over.
+_BUILTIN_REQUESTS: frozenset[type] = frozenset(
+    {HelloRequest, PullRequest, ChunkRequest, LeaseRequest, ReleaseRequest, StatsRequest, PingRequest}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,7 @@ class TensorServer:
         self.store = TensorStore(self.address, store_config)
         self._codec = WireCodec(self.config.limits.max_request_bytes)
         self._clients: dict[bytes, _ClientState] = {}
+        self._handlers: dict[type, Callable[[Any], Message]] = {}
         self._stop_r, self._stop_w = os.pipe()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="omniflow-tensor-server", daemon=True)
@@ -100,6 +113,25 @@ class TensorServer:
             return endpoint
         scheme, _, rest = endpoint.partition("://")
         return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+    def register_handler(self, message_type: type[R], handler: Callable[[R], Message]) -> None:
+        """Answer requests of `message_type` (a request of the `Message` union that the server
+        does not answer itself) with `handler(request)`'s reply.
+
+        The handler runs on the serving thread, so every other request waits meanwhile: keep it
+        short (copy bytes into the store and hand out a ref, never block on another process).
+        It may raise `RequestRefused` to answer an `ErrorReply` of its code; any other exception
+        is answered INTERNAL and logged. Replacing a handler is allowed; see `unregister_handler`.
+        """
+        if message_type not in Message.__args__:
+            raise ValueError(f"{message_type.__name__} is not in the Message union: the codec cannot read it")
+        if message_type in _BUILTIN_REQUESTS or not message_type.__name__.endswith("Request"):
+            raise ValueError(f"{message_type.__name__} is not a request a handler may answer")
+        self._handlers[message_type] = handler  # one dict store: safe against the serving thread
+
+    def unregister_handler(self, message_type: type[Message]) -> None:
+        """Stop answering `message_type` (refused as UNSUPPORTED from now on); no error if unknown."""
+        self._handlers.pop(message_type, None)
 
     def close(self) -> None:
         """Stop serving, then free the store (unlinking its segments)."""
@@ -152,13 +184,15 @@ class TensorServer:
         request_id: int | None = None
         try:
             if len(frames) != 2:
-                raise _Refusal(ErrorCode.MALFORMED, f"expected one frame per request, got {len(frames) - 1}")
+                raise RequestRefused(
+                    ErrorCode.MALFORMED, f"expected one frame per request, got {len(frames) - 1}"
+                )
             message = self._codec.decode(frames[1].buffer)
             request_id = getattr(message, "request_id", None)
             self._dispatch(identity, message)
         except WireError as exc:
             self._reply(identity, ErrorReply(request_id, exc.code, str(exc)))
-        except _Refusal as exc:
+        except RequestRefused as exc:
             self._reply(identity, ErrorReply(request_id, exc.code, exc.message))
         except RefNotFound as exc:
             self._reply(identity, ErrorReply(request_id, ErrorCode.NOT_FOUND, str(exc)))
@@ -169,7 +203,7 @@ class TensorServer:
     def _dispatch(self, identity: bytes, message: Message) -> None:
         if isinstance(message, HelloRequest):
             if message.protocol_version != PROTOCOL_VERSION:
-                raise _Refusal(
+                raise RequestRefused(
                     ErrorCode.VERSION_MISMATCH,
                     f"server speaks protocol {PROTOCOL_VERSION}, client {message.protocol_version}",
                 )
@@ -183,8 +217,12 @@ class TensorServer:
             return
         client = self._clients.get(identity)
         if client is None:
-            raise _Refusal(ErrorCode.HANDSHAKE_REQUIRED, "the first message must be a HelloRequest")
+            raise RequestRefused(ErrorCode.HANDSHAKE_REQUIRED, "the first message must be a HelloRequest")
         client.last_seen = time.monotonic()
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            self._reply(identity, handler(message))
+            return
         match message:
             case ChunkRequest():
                 self._serve_chunk(identity, message)
@@ -197,7 +235,7 @@ class TensorServer:
                 try:
                     expires = self.store.extend(message.ref_id, message.seconds)
                 except ValueError as exc:
-                    raise _Refusal(ErrorCode.BAD_REQUEST, str(exc)) from exc
+                    raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from exc
                 self._reply(identity, LeaseReply(message.request_id, expires))
             case StatsRequest():
                 s = self.store.stats()
@@ -208,8 +246,12 @@ class TensorServer:
                 )
             case PingRequest():
                 self._reply(identity, PingReply(message.request_id))
+            case _ if type(message).__name__.endswith("Request"):
+                raise RequestRefused(
+                    ErrorCode.UNSUPPORTED, f"this server does not answer {type(message).__name__}"
+                )
             case _:
-                raise _Refusal(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
+                raise RequestRefused(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
 
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
         def send(entry: StoredTensor) -> zmq.MessageTracker | None:
@@ -240,16 +282,20 @@ class TensorServer:
                 return transport
             if transport is Transport.TCP:
                 return transport
-        raise _Refusal(ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor")
+        raise RequestRefused(
+            ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor"
+        )
 
     def _serve_chunk(self, identity: bytes, request: ChunkRequest) -> None:
         if request.length > self.config.limits.max_chunk_bytes:
-            raise _Refusal(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
+            raise RequestRefused(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
 
         def send(entry: StoredTensor) -> zmq.MessageTracker | None:
             end = request.offset + request.length
             if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
-                raise _Refusal(ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor")
+                raise RequestRefused(
+                    ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor"
+                )
             reply = ChunkReply(request.request_id, request.offset, request.length)
             return self._reply(identity, reply, entry.data[request.offset : end])
 
@@ -277,8 +323,9 @@ class TensorServer:
             del self._clients[identity]
 
 
-class _Refusal(Exception):
-    """A request the server declines, answered with an ErrorReply of `code`."""
+class RequestRefused(Exception):
+    """A request the server (or a registered handler) declines, answered with an ErrorReply
+    of `code`."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)

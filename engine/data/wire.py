@@ -13,6 +13,8 @@ else is answered with an `ErrorReply`. Then, per request id:
     ChunkRequest  -> ChunkReply + 1 raw frame (TCP transport, one per chunk)
     LeaseRequest  -> LeaseReply        ReleaseRequest -> ReleaseReply
     StatsRequest  -> StatsReply        PingRequest    -> PingReply
+    KVFetchRequest -> KVFetchReply     (only owners that serve a KV cache; see below)
+                     | ErrorReply
 
 The same framing serves role workers (`WorkerMessage`): after the hello, the executor's
 dispatcher sends `ExecuteRequest`s and the worker answers each with `ExecuteStarted`,
@@ -197,6 +199,28 @@ class PingReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     request_id: int
 
 
+class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Ask a worker for KV cache pages, in chain order. `pages` are page keys (hex SHA-256,
+    `engine.data.kv.keys.PageHash`); `layout` is the asker's `KVLayout.fingerprint()`: a holder
+    with another layout refuses with BAD_REQUEST rather than hand out pages of another shape."""
+
+    request_id: int
+    pages: tuple[str, ...]
+    layout: str
+
+
+class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """The pages the holder hands out: always the longest leading run of the request's pages
+    that it holds intact (a page after a gap is useless to a prefix cache), so `found` is a
+    prefix of the request's `pages`. `ref` names them stacked as one tensor
+    `[len(found), *page_shape]` in the holder's tensor store, under a short lease; pull it like
+    any ref, then release it. `ref` is None when `found` is empty."""
+
+    request_id: int
+    found: tuple[str, ...]
+    ref: TensorRef | None = None
+
+
 class ErrorReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """The answer to any request that cannot be served; `request_id` is None when the
     request was too broken to read one."""
@@ -221,6 +245,8 @@ Message = (
     | StatsReply
     | PingRequest
     | PingReply
+    | KVFetchRequest
+    | KVFetchReply
     | ErrorReply
 )
 

@@ -73,6 +73,9 @@ EXAMPLES: list[wire.Message] = [
     wire.StatsReply(5, 1, 24, 1, 0, 0),
     wire.PingRequest(6),
     wire.PingReply(6),
+    wire.KVFetchRequest(7, ("ab" * 32, "cd" * 32), "p16-l2-h2-d64-bfloat16"),
+    wire.KVFetchReply(7, ("ab" * 32,), make_ref(shape=(1, 2, 2, 16, 2, 64), dtype="bfloat16", nbytes=16384)),
+    wire.KVFetchReply(8, ()),
     wire.ErrorReply(None, ErrorCode.MALFORMED, "bad"),
 ]
 

@@ -1,0 +1,330 @@
+"""Cross-worker KV page pulls: a worker fetches the pages it lacks straight from the worker
+that holds them, over the transfer plane (shared memory on one host, ZeroMQ across hosts).
+
+    KVPageServer(store, peer.server)                        # every worker: serve its pages
+    result = pull_missing(store, peer, index, pages, 2.0)   # find a holder in Redis, fetch
+    result = fetch_pages(store, peer, address, pages, 2.0)  # or fetch from a known holder
+
+One fetch is one `KVFetchRequest` -> `KVFetchReply` round trip to the holder's
+`TensorServer`, then an ordinary pull of the reply's ref. The holder answers with the
+longest leading run of the asked pages that it holds intact (a page after a gap is useless
+to a prefix cache), read where they are (`KVStore.get(promote=False)`: serving a peer does
+not reshuffle its tiers) straight into one `[n, *page_shape]` buffer of its tensor store.
+That buffer sits in shared memory once it is larger than the store's inline limit, so a
+puller on the same host maps it and copies each page once, into its own store; across hosts
+(or with `transport=Transport.TCP`) the bytes come as chunked ZeroMQ frames. The puller then
+releases the ref; its short lease frees it anyway if the puller dies first.
+
+Every fetch has a deadline and ends by it: a dead or silent holder, a refusal (another
+layout) or a reply that describes other pages raise `KVTransferError`, and the store's pull
+metrics (`KVStore.record_pull`) count pages, bytes, seconds and failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.data.channel import TransferError
+from engine.data.codec import TensorData
+from engine.data.kv.errors import KVTransferError
+from engine.data.kv.keys import PageHash
+from engine.data.kv.store import KVStore
+from engine.data.server import RequestRefused, TensorServer
+from engine.data.wire import ErrorCode, KVFetchReply, KVFetchRequest, ReleaseRequest, TensorRef, Transport
+
+if TYPE_CHECKING:
+    from engine.data.kv.index import WorkerPrefix
+    from engine.data.peer import Peer
+
+log = logging.getLogger(__name__)
+
+# Page keys per request: 256 keys are ~17 KiB of msgpack, well inside the default 64 KiB request
+# limit, and bound how long one request holds the holder's serving thread.
+MAX_PAGES_PER_REQUEST = 256
+REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
+RELEASE_TIMEOUT_S = 5.0
+
+
+# --- the holder ----------------------------------------------------------------------------------
+
+
+class KVPageServer:
+    """Answers `KVFetchRequest`s on `server` from `store`: the pages another worker lacks.
+
+    Registers itself as the server's handler on construction; `close()` unregisters it (the
+    store and the server stay open: they belong to the worker). Serving runs on the server's
+    thread and holds it for one copy of the pages (see `TensorServer.register_handler`).
+    Does not promote, lock or otherwise move pages; counts one lookup and one read per page
+    served in the store's tier metrics.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        server: TensorServer,
+        *,
+        lease_s: float = REPLY_LEASE_S,
+        max_pages: int = MAX_PAGES_PER_REQUEST,
+    ) -> None:
+        if lease_s <= 0 or max_pages <= 0:
+            raise ValueError("lease_s and max_pages must be positive")
+        self.store = store
+        self.server = server
+        self.lease_s = lease_s
+        self.max_pages = max_pages
+        self._fingerprint = store.layout.fingerprint()
+        server.register_handler(KVFetchRequest, self.serve)
+
+    def serve(self, request: KVFetchRequest) -> KVFetchReply:
+        """The leading run of `request.pages` this store holds, as one ref (None if no page)."""
+        if request.layout != self._fingerprint:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"KV layout mismatch: this worker holds {self._fingerprint} pages, asked for {request.layout}",
+            )
+        if len(request.pages) > self.max_pages:
+            raise RequestRefused(
+                ErrorCode.OVERSIZED, f"{len(request.pages)} pages asked, at most {self.max_pages} per request"
+            )
+        pages = [PageHash(page) for page in request.pages]
+        held = 0
+        while held < len(pages) and self.store.contains(pages[held]):
+            held += 1
+        if held == 0:
+            return KVFetchReply(request.request_id, ())
+        layout = self.store.layout
+        tensors = self.server.store
+        reservation = tensors.reserve((held, *layout.page_shape), layout.dtype)
+        ref: TensorRef | None = None
+        read = 0
+        try:
+            buffer = reservation.torch()
+            # The worker's compute may evict a page between `contains` and here: stop there.
+            while read < held and self.store.get(pages[read], out=buffer[read], promote=False) is not None:
+                read += 1
+            if read == held:
+                ref = tensors.commit(reservation, self.lease_s)
+            elif read:
+                ref = tensors.put(buffer[:read], self.lease_s)
+        finally:
+            if not reservation.committed:
+                tensors.abort(reservation)
+        return KVFetchReply(request.request_id, request.pages[:read], ref)
+
+    def close(self) -> None:
+        """Stop serving pages (later requests are refused as UNSUPPORTED)."""
+        self.server.unregister_handler(KVFetchRequest)
+
+
+# --- the puller ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """What a pull brought into the local store.
+
+    `pages` are the pages fetched, in order: a leading run of those asked (empty when the
+    holder had none, or nobody did). `holder` is the address they came from and `worker_id`
+    its id in the index (`pull_missing` only). `transports` holds how each request's bytes
+    came (SHM, TCP, INLINE for small replies, LOCAL from this very process). `local_pages` is
+    how many leading pages the local store held already (`pull_missing` only).
+    """
+
+    pages: tuple[PageHash, ...]
+    holder: str | None
+    nbytes: int
+    seconds: float
+    transports: tuple[Transport, ...] = ()
+    worker_id: str | None = None
+    local_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HolderChoice:
+    """The worker to pull from: the one holding the longest run, fastest tiers first."""
+
+    worker_id: str
+    address: str
+    pages: int
+
+
+class KVHolderIndex(Protocol):
+    """What `pull_missing` needs of the distributed index (`RedisKVIndex` provides it)."""
+
+    def lookup_detailed(self, pages: Sequence[PageHash]) -> Mapping[str, WorkerPrefix]: ...
+
+    def alive_workers(self) -> Mapping[str, str]: ...
+
+
+def choose_holder(
+    prefixes: Mapping[str, WorkerPrefix], addresses: Mapping[str, str], exclude: str | None = None
+) -> HolderChoice | None:
+    """The live worker with an address (other than `exclude`, this worker's own) that holds the
+    longest run; ties go to the faster tiers (device before host before disk), then to the
+    lowest worker id. None when no worker qualifies."""
+    candidates = [
+        prefix
+        for worker, prefix in prefixes.items()
+        if prefix.pages > 0 and addresses.get(worker) and addresses[worker] != exclude
+    ]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda p: (-p.pages, sum(int(t) for t in p.tiers), p.worker_id))
+    return HolderChoice(best.worker_id, addresses[best.worker_id], best.pages)
+
+
+def fetch_pages(
+    store: KVStore,
+    peer: Peer,
+    holder: str,
+    pages: Sequence[PageHash],
+    timeout: float,
+    *,
+    transport: Transport | None = None,
+    max_pages: int = MAX_PAGES_PER_REQUEST,
+) -> PullResult:
+    """Fetch `pages` (in chain order) from the worker serving them at `holder` into `store`.
+
+    Brings the longest leading run of `pages` the holder has (possibly none: not an error),
+    in requests of at most `max_pages`, and returns by `timeout` seconds or raises
+    `KVTransferError` (holder dead or silent, layout mismatch, a reply that describes other
+    pages). Pages stored before a failure stay in the store. `transport` None takes the
+    cheapest channel (this process, this host's shared memory, then TCP); `Transport.TCP`
+    forces ZeroMQ frames even on one host, `Transport.SHM` refuses anything else.
+    Local errors of the store (e.g. `KVCapacityError`: every device page locked) pass through.
+    """
+    if timeout <= 0 or max_pages <= 0:
+        raise ValueError("timeout and max_pages must be positive")
+    if transport not in (None, Transport.SHM, Transport.TCP):
+        raise ValueError(f"transport must be None, SHM or TCP, got {transport}")
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    fetched: list[PageHash] = []
+    used: list[Transport] = []
+    try:
+        for first in range(0, len(pages), max_pages):
+            batch = tuple(pages[first : first + max_pages])
+            got, how = _fetch_batch(store, peer, holder, batch, deadline, transport)
+            fetched.extend(got)
+            if how is not None:
+                used.append(how)
+            if len(got) < len(batch):
+                break  # the holder's run ends here
+    except BaseException as exc:
+        seconds = time.perf_counter() - started
+        if fetched:
+            store.record_pull(len(fetched), len(fetched) * store.layout.page_nbytes, 0.0)
+        store.record_pull(0, 0, seconds, failed=True)
+        if isinstance(exc, TransferError):
+            raise KVTransferError(f"pulling KV pages from {holder} failed: {exc}") from exc
+        raise
+    seconds = time.perf_counter() - started
+    nbytes = len(fetched) * store.layout.page_nbytes
+    store.record_pull(len(fetched), nbytes, seconds)
+    log.debug("pulled %d KV pages (%d bytes) from %s in %.4fs", len(fetched), nbytes, holder, seconds)
+    return PullResult(tuple(fetched), holder, nbytes, seconds, tuple(used))
+
+
+def pull_missing(
+    store: KVStore,
+    peer: Peer,
+    index: KVHolderIndex,
+    pages: Sequence[PageHash],
+    timeout: float,
+    *,
+    transport: Transport | None = None,
+    max_pages: int = MAX_PAGES_PER_REQUEST,
+) -> PullResult:
+    """Complete the local run of `pages` from the worker that holds most of the rest.
+
+    The pages after the local store's leading run are looked up in the index; the live worker
+    holding the longest run of them (see `choose_holder`) is asked for that run with
+    `fetch_pages`. Returns an empty result (`holder` None) when no other worker holds the next
+    page. `timeout` covers the index calls too (each also bounded by the index client's socket
+    timeout); index failures raise `KVIndexError`, transfer failures `KVTransferError`.
+    """
+    if timeout <= 0:
+        raise ValueError("timeout must be positive")
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    local = store.lookup(pages).prefix_pages
+    missing = list(pages[local:])
+    choice = None
+    if missing:
+        choice = choose_holder(index.lookup_detailed(missing), index.alive_workers(), exclude=peer.address)
+    if choice is None:
+        return PullResult((), None, 0, time.perf_counter() - started, local_pages=local)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        store.record_pull(0, 0, time.perf_counter() - started, failed=True)
+        raise KVTransferError(f"the index lookup used up the {timeout}s timeout of a KV pull")
+    result = fetch_pages(
+        store,
+        peer,
+        choice.address,
+        missing[: choice.pages],
+        remaining,
+        transport=transport,
+        max_pages=max_pages,
+    )
+    return dataclasses.replace(
+        result, worker_id=choice.worker_id, local_pages=local, seconds=time.perf_counter() - started
+    )
+
+
+def _remaining(deadline: float, holder: str) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise KVTransferError(f"KV pull from {holder} timed out")
+    return remaining
+
+
+def _fetch_batch(
+    store: KVStore,
+    peer: Peer,
+    holder: str,
+    batch: tuple[PageHash, ...],
+    deadline: float,
+    transport: Transport | None,
+) -> tuple[tuple[PageHash, ...], Transport | None]:
+    layout = store.layout
+    fingerprint = layout.fingerprint()
+    reply = peer.client.request(
+        holder, lambda rid: KVFetchRequest(rid, batch, fingerprint), _remaining(deadline, holder)
+    )
+    if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
+        raise KVTransferError(f"{holder} answered a KV fetch with other pages than a prefix of those asked")
+    found = batch[: len(reply.found)]
+    if not found:
+        return (), None
+    ref = reply.ref
+    if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
+        raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
+    try:
+        data = _pull(peer, ref, _remaining(deadline, holder), transport)
+        store.put_many(found, data.torch())  # copies: a shared-memory view is the holder's
+    finally:
+        _release(peer, ref)
+    return found, data.transport
+
+
+def _pull(peer: Peer, ref: TensorRef, timeout: float, transport: Transport | None) -> TensorData:
+    if transport is None:
+        return peer.pull(ref, timeout)
+    channel = peer.tcp if transport is Transport.TCP else peer.shm
+    return channel.fetch(ref, timeout)
+
+
+def _release(peer: Peer, ref: TensorRef) -> None:
+    """Free the reply's buffer at the holder without waiting for the answer (its lease frees it
+    anyway): requests on one connection are served in order, so a later request to the holder
+    from this client's I/O thread finds it released."""
+    if ref.owner == peer.address:
+        peer.store.release(ref.id)
+        return
+    peer.client.call(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), RELEASE_TIMEOUT_S)
