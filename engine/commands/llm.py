@@ -15,13 +15,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.compute.llm.config import EngineConfig, EngineConfigError
-from engine.compute.llm.engine import LLMEngine
-from engine.compute.llm.errors import RequestError
-from engine.compute.models.loader import ModelLoadError, export_model, list_models, load_model
-from engine.compute.sampling import SamplingParams, SamplingParamsError
+if TYPE_CHECKING:
+    from engine.compute.sampling import SamplingParams
+
+# The model stack (torch, transformers) is imported inside the handlers: every `omniflow`
+# command builds this parser, and most never touch a model.
 
 
 class _UsageError(Exception):
@@ -74,6 +74,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    from engine.compute.models.loader import list_models
+
     rows = [
         {
             "name": cfg.name,
@@ -96,6 +98,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_export(args: argparse.Namespace) -> int:
+    from engine.compute.models.loader import ModelLoadError, export_model
+
     try:
         path = export_model(args.name, args.dir)
     except ModelLoadError as exc:
@@ -119,6 +123,8 @@ def _parse_ids(raw: str) -> list[int]:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
+    from engine.compute.sampling import SamplingParams, SamplingParamsError
+
     flags = {
         "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
         "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
@@ -148,6 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from engine.compute.llm.config import EngineConfig, EngineConfigError
+    from engine.compute.llm.engine import LLMEngine
+    from engine.compute.llm.errors import RequestError
+    from engine.compute.models.loader import ModelLoadError, load_model
+
     if (args.model is None) == (args.model_path is None):
         raise _UsageError("give exactly one of --model NAME or --model-path DIR")
     if not args.inputs:
