@@ -16,14 +16,13 @@ while its sequence still runs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
 
 import torch
 
 from engine.compute.llm.errors import HandoffError
 from engine.compute.llm.sequence import Sequence
-from engine.compute.llm.transfer import KVHandoff, PageSource, check_pages
+from engine.compute.llm.transfer import KVHandoff, PageSource, resident_run
 from engine.compute.prefix.radix import RadixCache, RadixNode
 from engine.data.kv.errors import KVPageNotFound, KVTransferError
 from engine.data.kv.keys import PageHash, page_hashes
@@ -107,17 +106,14 @@ class PagedKVCache:
         chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
         missing = chain[len(seq.pages) :]
         for peer in self.peers:
-            started = time.perf_counter()
+            before = resident_run(self.store, missing)
             try:
-                got = peer.fetch(missing, self.pull_timeout_s)
-                check_pages(got, self.layout.page_shape, self.layout.torch_dtype)
+                got = peer.pull(self.store, missing, self.pull_timeout_s)
             except KVTransferError:
-                self.store.record_pull(0, 0, time.perf_counter() - started, failed=True)
-                continue
+                continue  # the source counted the failure; recomputing is always possible
             if got:
-                self.store.record_pull(len(got), len(got) * self.layout.page_nbytes, time.perf_counter() - started)
-                self.pulled_pages += len(got)
-                self._adopt(seq, missing[: len(got)], got)
+                self.pulled_pages += max(0, got - before)
+                self._take(seq, missing[:got])
                 return
 
     def _adopt(self, seq: Sequence, pages: Seq[PageHash], data: Seq[torch.Tensor]) -> None:
@@ -133,6 +129,23 @@ class PagedKVCache:
         finally:
             self._insert(seq)
 
+    def _take(self, seq: Sequence, pages: Seq[PageHash]) -> int:
+        """Lock `pages` (just brought into the store by a source) as the next full pages of `seq`
+        and record them in the tree. Stops at a page that is gone again (evicted to make room for
+        a later one of the same pull); returns how many were taken."""
+        taken = 0
+        try:
+            for page in pages:
+                try:
+                    seq.slots.extend(self.store.lock([page]))
+                except KVPageNotFound:
+                    break
+                seq.pages.append(page)
+                taken += 1
+        finally:
+            self._insert(seq)
+        return taken
+
     def _insert(self, seq: Sequence) -> None:
         if self.tree is None:
             return
@@ -144,36 +157,29 @@ class PagedKVCache:
             seq.node = node
 
     def import_handoff(self, seq: Sequence, handoff: KVHandoff, source: PageSource | None) -> None:
-        """Admit a prefilled prompt: pull the pages this store lacks from `source`, lock them all,
-        restore the tail. Afterwards the whole prompt is computed (release `seq` on failure)."""
+        """Admit a prefilled prompt: bring the pages this store lacks from `source`, lock them all,
+        restore the tail. Afterwards the whole prompt is computed (release `seq` on failure).
+
+        The caller may have brought the pages in already (the `llm` unit pulls them off the
+        engine thread); then `source` is only asked again for pages evicted meanwhile."""
         try:
             pages = list(handoff.page_hashes)
-            have = 0
-            while have < len(pages) and self.store.contains(pages[have]):
-                have += 1
-            data: list[torch.Tensor] = []
+            have = resident_run(self.store, pages)
             if have < len(pages):
                 if source is None:
                     raise HandoffError(f"handoff {handoff.handoff_id}: {len(pages) - have} pages missing and no source")
-                started = time.perf_counter()
                 try:
-                    data = source.fetch(pages[have:], self.pull_timeout_s)
-                    check_pages(data, self.layout.page_shape, self.layout.torch_dtype)
+                    got = source.pull(self.store, pages, self.pull_timeout_s)
                 except KVTransferError as exc:
-                    self.store.record_pull(0, 0, time.perf_counter() - started, failed=True)
                     raise HandoffError(f"handoff {handoff.handoff_id}: pulling pages failed: {exc}") from exc
-                if len(data) != len(pages) - have:
+                self.pulled_pages += max(0, got - have)
+                have = got
+                if have < len(pages):
                     raise HandoffError(
-                        f"handoff {handoff.handoff_id}: source sent {len(data)} of {len(pages) - have} pages"
+                        f"handoff {handoff.handoff_id}: the source holds only {have} of {len(pages)} pages"
                     )
-                nbytes = len(data) * self.layout.page_nbytes
-                self.store.record_pull(len(data), nbytes, time.perf_counter() - started)
-                self.pulled_pages += len(data)
-            if have:
-                seq.slots = self.store.lock(pages[:have])
-                seq.pages = pages[:have]
-                self._insert(seq)
-            self._adopt(seq, pages[have:], data)
+            if self._take(seq, pages) < len(pages):
+                raise HandoffError(f"handoff {handoff.handoff_id}: pages were evicted before they could be locked")
             if handoff.tail_len:
                 assert handoff.tail is not None
                 self.tails[seq.tail_slot].copy_(handoff.tail)
