@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,103 @@ log = logging.getLogger(__name__)
 _NO_WORKER_POLL_S = 0.05
 """How often a call that found no worker of its role reads the registry again."""
 
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+
+
+class LoopSocket:
+    """A ZeroMQ socket served by its event loop's reader callback instead of `zmq.asyncio`
+    futures: each message that arrives goes to `on_message(frames)` as soon as the loop sees
+    it, and sends go out at once, waiting only while ZeroMQ pushes back (high-water mark).
+    It spares the futures, callbacks and flag enums `zmq.asyncio` spends on every message,
+    and the task that would await them (`omniflow bench hops`: about 100 us less per hop).
+
+    ZeroMQ's FD is edge-triggered and a send or a receive may consume its edge, so the
+    socket's EVENTS are read again after each. Use it from the loop's thread only; it owns
+    `sock` and closes it."""
+
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None]) -> None:
+        self._sock = sock
+        self._on_message = on_message
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._blocked: deque[tuple[list[bytes], asyncio.Future[None]]] = deque()
+        self._check_pending = False
+        self._closed = False
+        self._loop.add_reader(self._fd, self._service)
+        self._schedule_check()
+
+    def _schedule_check(self) -> None:
+        if not self._check_pending and not self._closed:
+            self._check_pending = True
+            self._loop.call_soon(self._service)
+
+    def _service(self) -> None:
+        self._check_pending = False
+        sock = self._sock
+        while not self._closed:
+            events = sock.getsockopt(zmq.EVENTS)
+            if events & _POLLOUT and self._blocked:
+                self._send_blocked()
+            if not events & _POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_message(frames)
+            except Exception:  # one bad message must not stop the socket
+                log.exception("handling a message from %s failed", sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _send_blocked(self) -> None:
+        while self._blocked:
+            frames, future = self._blocked[0]
+            if future.done():  # its sender gave up (cancelled)
+                self._blocked.popleft()
+                continue
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            self._blocked.popleft()
+
+    def send_nowait(self, frames: list[bytes]) -> asyncio.Future[None] | None:
+        """Send now; None when ZeroMQ took the message, else a future done when it does."""
+        if not self._blocked:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+            else:
+                if self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                    self._schedule_check()
+                return None
+        future = self._loop.create_future()
+        self._blocked.append((frames, future))
+        self._schedule_check()
+        return future
+
+    async def send(self, frames: list[bytes]) -> None:
+        future = self.send_nowait(frames)
+        if future is not None:
+            await future
+
+    def close(self, linger: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._fd)
+        for _, future in self._blocked:
+            if not future.done():
+                future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+        self._blocked.clear()
+        self._sock.close(linger=linger)
+
 
 class WorkerLost(RuntimeError):
     """A worker died or stopped answering while it held a node execution."""
@@ -81,13 +179,37 @@ class _Lost:
         self.reason = reason
 
 
+class _Inbox:
+    """What a worker sent for one call, in order; read by that call only (a lighter
+    `asyncio.Queue`: one reader, never full)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 @dataclass(slots=True)
 class _Connection:
     worker: WorkerSnapshot
-    control: zmq.asyncio.Socket
+    control: LoopSocket | None
     liveness: zmq.asyncio.Socket
-    inboxes: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
-    reader: asyncio.Task[None] | None = None
+    inboxes: dict[int, _Inbox] = field(default_factory=dict)
     pinger: asyncio.Task[None] | None = None
     lost: str | None = None
     ready: asyncio.Future[None] | None = None
@@ -115,6 +237,7 @@ class WorkerDispatcher:
         self._refresh_s = registry_refresh_s
         self._no_worker_wait_s = no_worker_wait_s
         self._context = zmq.asyncio.Context()
+        self._control_context = zmq.Context()
         self._codec = WireCodec(max_message_bytes, WorkerMessage)
         self._connections: dict[str, _Connection] = {}
         self._policies: dict[str, Policy] = {}
@@ -186,19 +309,22 @@ class WorkerDispatcher:
             if conn.ready is not None:
                 await conn.ready
             return conn
-        control = self._context.socket(zmq.DEALER)
-        control.setsockopt(zmq.LINGER, 0)
-        control.connect(worker.info.address)
+        if conn is not None:  # lost, or the worker id now listens elsewhere: its calls go elsewhere too
+            self._lose(conn, f"worker {wid} moved from {conn.worker.info.address} to {worker.info.address}")
+            self._close_connection(conn)
+        sock = self._control_context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(worker.info.address)
         liveness = self._context.socket(zmq.DEALER)
         liveness.setsockopt(zmq.LINGER, 0)
         liveness.connect(str(worker.info.meta["liveness"]))
-        conn = _Connection(worker, control, liveness)
+        conn = _Connection(worker, None, liveness)
+        conn.control = control = LoopSocket(sock, lambda frames: self._on_control(conn, frames))
         conn.ready = asyncio.get_running_loop().create_future()
         self._connections[wid] = conn
-        conn.reader = asyncio.get_running_loop().create_task(self._read(conn))
         try:
-            await control.send(self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host)))
-            inbox: asyncio.Queue[Any] = asyncio.Queue()
+            await control.send([self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host))])
+            inbox: _Inbox = _Inbox()
             conn.inboxes[0] = inbox
             reply = await asyncio.wait_for(inbox.get(), self._connect_timeout_s)
         except TimeoutError:
@@ -216,23 +342,32 @@ class WorkerDispatcher:
         conn.pinger = asyncio.get_running_loop().create_task(self._ping(conn))
         return conn
 
-    async def _read(self, conn: _Connection) -> None:
-        while True:
-            payload = await conn.control.recv()
-            try:
-                message = self._codec.decode(payload)
-            except WireError as exc:
-                log.warning("unreadable message from worker %s: %s", conn.worker.info.worker_id, exc)
-                continue
-            if isinstance(message, HelloReply):
-                rid = 0
-            elif isinstance(message, ErrorReply) and message.request_id is None:
-                rid = 0 if 0 in conn.inboxes else -1
-            else:
-                rid = getattr(message, "request_id", -1)
-            inbox = conn.inboxes.get(rid)
-            if inbox is not None:
-                inbox.put_nowait(message)
+    def _on_control(self, conn: _Connection, frames: list[bytes]) -> None:
+        """A message from a worker's control endpoint: to the inbox of the call it answers."""
+        if len(frames) != 1:
+            log.warning("message of %d frames from worker %s", len(frames), conn.worker.info.worker_id)
+            return
+        try:
+            message = self._codec.decode(frames[0])
+        except WireError as exc:
+            log.warning("unreadable message from worker %s: %s", conn.worker.info.worker_id, exc)
+            return
+        if isinstance(message, HelloReply):
+            rid = 0
+        elif isinstance(message, ErrorReply) and message.request_id is None:
+            rid = 0 if 0 in conn.inboxes else -1
+        else:
+            rid = getattr(message, "request_id", -1)
+        inbox = conn.inboxes.get(rid)
+        if inbox is not None:
+            inbox.put_nowait(message)
+
+    def _close_connection(self, conn: _Connection) -> None:
+        if conn.pinger is not None:
+            conn.pinger.cancel()
+        if conn.control is not None:
+            conn.control.close()
+        conn.liveness.close()
 
     async def _ping(self, conn: _Connection) -> None:
         """While calls are in flight, a worker that misses two heartbeats is lost."""
@@ -266,7 +401,7 @@ class WorkerDispatcher:
     # ----------------------------------------------------------------- execution
     async def _open_call(
         self, role: RoleSpec, call: NodeCall, excluded: set[str]
-    ) -> tuple[_Connection, int, asyncio.Queue[Any], list[asyncio.Task[None]]]:
+    ) -> tuple[_Connection, int, _Inbox, list[asyncio.Task[None]]]:
         try:
             worker = await self._choose(role, call, excluded)
         except NoWorkerError:
@@ -274,7 +409,7 @@ class WorkerDispatcher:
                              + (f" (lost: {', '.join(sorted(excluded))})" if excluded else "")) from None
         conn = await self._connection(worker)
         rid = next(self._ids)
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        inbox: _Inbox = _Inbox()
         conn.inboxes[rid] = inbox
         if conn.lost is not None:
             inbox.put_nowait(_Lost(conn.lost))
@@ -289,17 +424,20 @@ class WorkerDispatcher:
                 inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
         request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
                                  call.output_ports, call.stream, call.router, call.iteration, call.attempt)
-        await conn.control.send(self._codec.encode(request))
+        assert conn.control is not None
+        await conn.control.send([self._codec.encode(request)])
         self._outstanding[worker.info.worker_id] = self._outstanding.get(worker.info.worker_id, 0) + 1
         forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
                       for p, s in streams]
         return conn, rid, inbox, forwarders
 
     async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any]):
+        control = conn.control
+        assert control is not None
         async for value in source:
             frame = InputFrame(rid, port, encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}"))
-            await conn.control.send(self._codec.encode(frame))
-        await conn.control.send(self._codec.encode(InputEnd(rid, port)))
+            await control.send([self._codec.encode(frame)])
+        await control.send([self._codec.encode(InputEnd(rid, port))])
 
     async def _close_call(self, conn: _Connection, rid: int, forwarders: list[asyncio.Task[None]],
                           finished: bool) -> None:
@@ -308,9 +446,9 @@ class WorkerDispatcher:
         self._outstanding[wid] = max(0, self._outstanding.get(wid, 1) - 1)
         for task in forwarders:
             task.cancel()
-        if not finished and conn.lost is None:
+        if not finished and conn.lost is None and conn.control is not None:
             with contextlib.suppress(zmq.ZMQError):
-                await conn.control.send(self._codec.encode(CancelRequest(rid)))
+                conn.control.send_nowait([self._codec.encode(CancelRequest(rid))])
 
     def _outputs(self, outputs: dict[str, PortValue]) -> dict[str, Any]:
         return {port: decode_value(v, self._peer, timeout=0.0, materialize=False) for port, v in outputs.items()}
@@ -386,13 +524,10 @@ class WorkerDispatcher:
         if self._closed:
             return
         self._closed = True
+        pingers = [conn.pinger for conn in self._connections.values() if conn.pinger is not None]
         for conn in self._connections.values():
-            for task in (conn.reader, conn.pinger):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            conn.control.close()
-            conn.liveness.close()
+            self._close_connection(conn)
+        await asyncio.gather(*pingers, return_exceptions=True)
         self._connections.clear()
         self._context.term()
+        self._control_context.term()

@@ -52,6 +52,7 @@ from engine.flow.discovery import (
     WorkerLoad,
     make_registry,
 )
+from engine.flow.remote import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.worker.core import RoleWorkerCore
@@ -59,6 +60,7 @@ from engine.worker.core import RoleWorkerCore
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "OMNIFLOW-READY "
+_ANSWER_LINGER_MS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,17 +238,20 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         loop.add_signal_handler(sig, stop.set)
     host = _host_of(config.listen)
     peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{host}:0")))
-    context = zmq.asyncio.Context()
-    control = context.socket(zmq.ROUTER)
-    control.setsockopt(zmq.LINGER, 0)
-    control.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
-    control.bind(config.listen)
-    address = _bound(control, host)
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    sock.bind(config.listen)
+    address = _bound(sock, host)
     codec = WireCodec(config.max_message_bytes, WorkerMessage)
-    outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+    control: LoopSocket | None = None
 
     def send(identity: bytes, message: WorkerMessage) -> None:
-        outbox.put_nowait((identity, codec.encode(message)))
+        # A ROUTER never blocks on send (without ROUTER_MANDATORY, a message to a peer that
+        # is gone or over its high-water mark is dropped), so this never waits.
+        assert control is not None
+        control.send_nowait([identity, codec.encode(message)])
 
     unit = kinds.role_kind(config.role.kind).load_runner()(config.role)
     capacity = config.capacity or int(config.role.params.get("capacity", 64))
@@ -274,61 +279,46 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     liveness.register(info)
     greeted: set[bytes] = set()
 
-    async def receive() -> None:
-        while True:
-            frames = await control.recv_multipart()
-            if len(frames) != 2:
-                send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
-                continue
-            identity, payload = frames
-            try:
-                message = codec.decode(payload)
-            except WireError as exc:
-                send(identity, ErrorReply(None, exc.code, str(exc)))
-                continue
-            if isinstance(message, HelloRequest):
-                if message.protocol_version != PROTOCOL_VERSION:
-                    send(identity, ErrorReply(None, ErrorCode.VERSION_MISMATCH,
-                                              f"protocol {message.protocol_version}; this worker speaks"
-                                              f" {PROTOCOL_VERSION}"))
-                    continue
-                greeted.add(identity)
-                send(identity, HelloReply(PROTOCOL_VERSION, config.worker_id, host, 0, config.max_message_bytes))
-            elif identity not in greeted:
-                send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.HANDSHAKE_REQUIRED,
-                                          "the first message of a connection must be HelloRequest"))
-            elif isinstance(message, PingRequest):
-                send(identity, PingReply(message.request_id))
-            else:
-                core.handle(identity, message)
-
-    async def transmit() -> None:
-        while True:
-            identity, payload = await outbox.get()
-            try:
-                await control.send_multipart([identity, payload], copy=False)
-            finally:
-                outbox.task_done()
+    def receive(frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
+            return
+        identity, payload = frames
+        try:
+            message = codec.decode(payload)
+        except WireError as exc:
+            send(identity, ErrorReply(None, exc.code, str(exc)))
+            return
+        if isinstance(message, HelloRequest):
+            if message.protocol_version != PROTOCOL_VERSION:
+                send(identity, ErrorReply(None, ErrorCode.VERSION_MISMATCH,
+                                          f"protocol {message.protocol_version}; this worker speaks"
+                                          f" {PROTOCOL_VERSION}"))
+                return
+            greeted.add(identity)
+            send(identity, HelloReply(PROTOCOL_VERSION, config.worker_id, host, 0, config.max_message_bytes))
+        elif identity not in greeted:
+            send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.HANDSHAKE_REQUIRED,
+                                      "the first message of a connection must be HelloRequest"))
+        elif isinstance(message, PingRequest):
+            send(identity, PingReply(message.request_id))
+        else:
+            core.handle(identity, message)
 
     setproctitle.setproctitle(
         f"omniflow-worker role={config.role.name} id={config.worker_id} listen={address}"
     )
-    tasks = [loop.create_task(receive()), loop.create_task(transmit())]
+    control = LoopSocket(sock, receive)
     ready({"worker_id": config.worker_id, "role": config.role.name, "address": address,
            "liveness": liveness_address, "data": peer.address, "pid": os.getpid(), "host": host,
            "capacity": capacity})
     await stop.wait()
     log.info("worker %s draining", config.worker_id)
     cancelled = await core.drain(config.drain_timeout_s)
-    # Let the answers of drained executions leave before the sockets close.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(outbox.join(), timeout=5.0)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
     liveness.stop()
     await unit.close()
-    control.close()
+    # A linger lets the answers of drained executions leave before the context ends.
+    control.close(linger=_ANSWER_LINGER_MS)
     context.term()
     peer.close()
     return 0 if not cancelled else 3
