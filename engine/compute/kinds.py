@@ -1,4 +1,4 @@
-"""The compute layer's kinds: the `llm` role kind and the `llm` node kind.
+"""The compute layer's kinds: the `llm` role kind and the `llm`, `llm.prefill`, `llm.decode` node kinds.
 
 `register(registry)` is the `omniflow.kinds` entry point named `llm`; it adds the kinds
 to a `KindRegistry` (built per process by `engine.spec.kinds.default_kinds`). The runner
@@ -27,6 +27,11 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
         "session_ttl_s": {"type": "number", "exclusiveMinimum": 0, "default": 600,
                           "description": "how long an idle session keeps its KV pinned"},
         "seed": {"type": "integer", "minimum": 0, "description": "seed of requests that carry none"},
+        "handoff_lease_s": {"type": "number", "exclusiveMinimum": 0, "default": 60,
+                            "description": "llm.prefill: how long the prompt's pages stay held for a decode"
+                            " node that never comes for them"},
+        "kv_pull_timeout_s": {"type": "number", "exclusiveMinimum": 0, "default": 10,
+                              "description": "deadline of pulling KV pages from another worker"},
     },
     "additionalProperties": False,
 }
@@ -54,6 +59,28 @@ LLM_NODE_PARAMS: dict[str, Any] = {
 }
 
 
+LLM_PREFILL_PARAMS: dict[str, Any] = {
+    **LLM_NODE_PARAMS,
+    "description": "Sampling params apply to the first token; llm.decode continues with them.",
+    "properties": {k: v for k, v in LLM_NODE_PARAMS["properties"].items() if k != "session"},
+}
+
+LLM_DECODE_PARAMS: dict[str, Any] = {
+    **LLM_NODE_PARAMS,
+    "description": "Given sampling params override those the prefill node sampled its first token with.",
+    "properties": {
+        k: {key: val for key, val in v.items() if key != "default"}
+        for k, v in LLM_NODE_PARAMS["properties"].items()
+        if k not in ("session", "tenant")
+    },
+}
+
+_PROMPT_INPUTS = {
+    "prompt": PortSpec(type="text", optional=True, description="text prompt (or the new message)"),
+    "tokens": PortSpec(type="tokens", optional=True, description="prompt as token ids"),
+}
+
+
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
@@ -72,12 +99,40 @@ def register(registry: KindRegistry) -> None:
             role_kinds=("llm",),
             category="model",
             params_schema=LLM_NODE_PARAMS,
-            inputs={
-                "prompt": PortSpec(type="text", optional=True, description="text prompt (or the new message)"),
-                "tokens": PortSpec(type="tokens", optional=True, description="prompt as token ids"),
-            },
+            inputs=dict(_PROMPT_INPUTS),
             outputs={
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
+                "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
+                "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+            },
+        )
+    )
+    # Disaggregated serving: a prefill role computes the prompt, a decode role pulls its KV
+    # pages from the prefill worker over the transfer plane and generates the rest. The unit
+    # tells the three llm kinds apart by these fixed ports (`engine.compute.llm.unit.node_mode`).
+    registry.add_node_kind(
+        NodeKind(
+            name="llm.prefill",
+            description="Compute a prompt's KV and first token and hold them for an llm.decode node; outputs"
+            " the handoff (page keys, first token, the holder's address).",
+            role_kinds=("llm",),
+            category="model",
+            params_schema=LLM_PREFILL_PARAMS,
+            inputs=dict(_PROMPT_INPUTS),
+            outputs={"kv": PortSpec(type="kv", description="the prefill handoff")},
+        )
+    )
+    registry.add_node_kind(
+        NodeKind(
+            name="llm.decode",
+            description="Continue a prefilled prompt: pull its KV pages from the prefill worker and generate;"
+            " streams text and tokens like llm.",
+            role_kinds=("llm",),
+            category="model",
+            params_schema=LLM_DECODE_PARAMS,
+            inputs={"kv": PortSpec(type="kv", description="the handoff of an llm.prefill node")},
+            outputs={
+                "text": PortSpec(type="text", description="generated text, first token included (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
                 "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
             },
