@@ -9,6 +9,13 @@
     wf.edge(n, square.inp("x"))
     wf.output("total", square)
 
+A node of a kind that fixes its ports (e.g. `llm`, `llm.prefill`, `llm.decode`) gets them
+from the kind catalogue when none are given:
+
+    llm = wf.role("llm", kind="llm", model="tiny-llama")
+    gen = wf.node("gen", "llm", role=llm, params={"max_new_tokens": 32})
+    wf.edge(prompt, gen.inp("prompt"))
+
 Everything the DSL builds is plain data: `to_spec()` returns the GraphSpec, and
 `engine.flow.pysrc.to_python` writes any GraphSpec back as DSL source.
 """
@@ -22,6 +29,7 @@ from typing import Any
 
 from engine.spec.calls import Route
 from engine.spec.graph import SPEC_VERSION, EdgeSpec, GraphSpec, NodeSpec, PortSpec, RoleSpec
+from engine.spec.kinds import KindRegistry, default_kinds
 
 __all__ = ["Workflow", "Route", "NodeRef", "PortRef", "RoleRef"]
 
@@ -97,10 +105,12 @@ class Workflow:
     """A workflow under construction. Every call checks what it can locally (unknown
     ports, duplicate ids); the whole graph is checked by `engine.flow.validate`."""
 
-    def __init__(self, name: str, *, description: str = "", meta: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, name: str, *, description: str = "", meta: Mapping[str, Any] | None = None,
+                 kinds: KindRegistry | None = None) -> None:
         self.name = name
         self.description = description
         self.meta = dict(meta or {})
+        self._kinds = kinds  # the catalogue fixed ports come from; built on first need
         self._roles: dict[str, RoleSpec] = {}
         self._nodes: dict[str, NodeSpec] = {}
         self._edges: list[EdgeSpec] = []
@@ -153,9 +163,13 @@ class Workflow:
         timeout_s: float | None = None,
         description: str = "",
     ) -> NodeRef:
-        """Add a node of any kind with explicit ports."""
+        """Add a node of any kind. Ports left out (None) are the kind's fixed ports, if it has any."""
         if id in self._nodes:
             raise ValueError(f"node id {id!r} is already used")
+        if inputs is None or outputs is None:
+            fixed = self._fixed_ports(kind)
+            inputs = fixed[0] if inputs is None else inputs
+            outputs = fixed[1] if outputs is None else outputs
         spec = NodeSpec(
             id=id,
             kind=kind,
@@ -174,6 +188,14 @@ class Workflow:
         )
         self._nodes[id] = spec
         return NodeRef(id, tuple(spec.inputs), tuple(spec.outputs))
+
+    def _fixed_ports(self, kind: str) -> tuple[dict[str, PortSpec] | None, dict[str, PortSpec] | None]:
+        if self._kinds is None:
+            self._kinds = default_kinds()
+        if not self._kinds.has_node_kind(kind):
+            return None, None  # validation names the unknown kind
+        spec = self._kinds.node_kind(kind)
+        return spec.inputs, spec.outputs
 
     def python(
         self,
