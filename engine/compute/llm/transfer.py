@@ -97,8 +97,8 @@ class KVHandoffRef(msgspec.Struct, frozen=True, tag="llm.handoff", tag_field="ty
     cached_tokens: int = 0
 
     def to_value(self) -> dict[str, Any]:
-        """Plain data (what crosses processes inline; `type` names it)."""
-        return msgspec.to_builtins(self)
+        """Plain JSON data (what crosses processes inline, lists for tuples; `type` names it)."""
+        return msgspec.json.decode(msgspec.json.encode(self))
 
     @classmethod
     def from_value(cls, value: Any) -> KVHandoffRef:

@@ -1,55 +1,120 @@
-"""The `llm` compute unit: hosts one `LLMEngine` for a role and serves `llm` nodes.
+"""The `llm` compute unit: hosts one `LLMEngine` for a role and serves the `llm` node kinds.
 
 The engine loop runs in a thread of its own (torch releases the GIL in its kernels):
-node executions on the event loop send it commands (add, abort) through a queue and
+node executions on the event loop send it commands (add, abort, hold) through a queue and
 receive the engine's outputs through per-request asyncio queues. Concurrent node
 executions are batched together by the engine (continuous batching).
 
-Node inputs: `prompt` (text) or `tokens` (token ids), either may be a stream (its frames
-are joined). Outputs: `text`, `tokens` and `kv` (a reference to the KV pages of prompt +
-output: model id, layout and page keys; the pages stay cached in this worker, unpinned).
-A streaming node yields one frame per token (`text` delta, `tokens`) and the `kv`
-reference last. Param `session` runs the call as a turn of that server-side session
-(opened on first use): only the new message is sent.
+Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_mode`):
+
+* `llm`: `prompt` (text) or `tokens` in, either possibly a stream (its frames are
+  joined); `text`, `tokens` and `kv` out (a reference to the KV pages of prompt + output:
+  model id, layout, page keys, and where they are cached; unpinned). A streaming node yields
+  one frame per token (`text` delta, `tokens`) and the `kv` reference last. Param `session`
+  runs the call as a turn of that server-side session (opened on first use).
+* `llm.prefill`: the prompt in, `kv` out: a `KVHandoffRef` (computed prompt KV held for a
+  decode node, and the first token).
+* `llm.decode`: a handoff in as `kv`; pulls the prompt's pages and its partial last page
+  from the prefill worker over the transfer plane (off the engine thread), lets the
+  prefill worker go (releases the hold token once the pages are locked here), then decodes:
+  `text`, `tokens`, `kv` out, like `llm`.
+
+The transfer plane: a worker process hands the unit its `Peer` (`bind_transfer`) and serves
+the unit's `kv_store` to other workers; a unit that was not given one (in-process dispatch)
+starts its own the first time a prefill or decode node needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMError, RequestError
 from engine.compute.llm.sequence import FinishReason, RequestOutput
+from engine.compute.llm.transfer import (
+    HolderPageSource,
+    IndexPageSource,
+    KVHandoff,
+    KVHandoffRef,
+    PageSource,
+    resident_run,
+)
 from engine.compute.models.loader import load_model
 from engine.compute.sampling import SamplingParams
+from engine.data.channel import TransferError
+from engine.data.kv.errors import KVTransferError
+from engine.data.kv.keys import PageHash
+from engine.data.kv.pull import KVHolderIndex, KVPageServer, fetch_pages
+from engine.data.kv.store import KVStore
+from engine.data.peer import Peer, PeerConfig
+from engine.data.tensor_store import RefNotFound
+from engine.data.wire import ReleaseRequest, TensorRef
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+
+log = logging.getLogger(__name__)
 
 SAMPLING_PARAMS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
+HANDOFF_LEASE_S = 60.0
+KV_PULL_TIMEOUT_S = 10.0
+_IDLE_WAIT_S = 1.0
+_HOLD_POLL_S = 0.05
+"""How often the engine thread looks whether a decode side let go of a handoff."""
+_RELEASE_TIMEOUT_S = 5.0
 
 
 class LLMUnitError(LLMError):
-    """A node call the unit cannot run (bad inputs, a failed generation)."""
+    """A node call the unit cannot run (bad inputs, a failed generation or KV pull)."""
+
+
+class NodeMode(StrEnum):
+    """The llm node kind a call comes from."""
+
+    GENERATE = "llm"
+    PREFILL = "llm.prefill"
+    DECODE = "llm.decode"
+
+
+def node_mode(call: NodeCall) -> NodeMode:
+    """Which llm node kind `call` belongs to.
+
+    A `NodeCall` does not carry its node's kind, but the llm kinds fix their ports and
+    validation holds every node to them exactly, so the port sets tell them apart: only
+    `llm.decode` has an input `kv`, only `llm.prefill` has `kv` as its only output.
+    """
+    if "kv" in call.inputs:
+        return NodeMode.DECODE
+    if tuple(call.output_ports) == ("kv",):
+        return NodeMode.PREFILL
+    return NodeMode.GENERATE
 
 
 @dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     params: SamplingParams
     session_id: str | None
     tenant_salt: str | None
     stream_text: bool
+    prefill_only: bool = False
+    handoff: KVHandoff | None = None
+    source: PageSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +122,92 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """Keep handoff `handoff_id`'s pages locked while hold token `ref_id` lives in the tensor store."""
+
+    handoff_id: str
+    ref_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    handoff_id: str
+
+
 _STOP = object()
 
 
+def _positive(role: RoleSpec, name: str, default: float) -> float:
+    value = role.params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise LLMUnitError(f"llm role {role.name!r}: {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 class LLMUnit(ComputeUnit):
-    """Constructed from a `RoleSpec` of kind `llm`: `model` is a built-in name or a checkpoint dir."""
+    """Constructed from a `RoleSpec` of kind `llm`: `model` is a built-in name or a checkpoint dir.
+
+    Worker integration (duck-typed by `engine.worker.kv`): `kv_store` is the engine's store
+    (the worker serves it to other workers and publishes it to the KV index), `kv_meta()`
+    what a router needs to hash prompts like this engine, `bind_transfer()` hands the unit
+    the worker's seat on the transfer plane.
+    """
 
     def __init__(self, role: RoleSpec) -> None:
         self.role = role
         ref = role.model
         if not ref:
             raise LLMUnitError(f"llm role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
+        self.handoff_lease_s = _positive(role, "handoff_lease_s", HANDOFF_LEASE_S)
+        self.pull_timeout_s = _positive(role, "kv_pull_timeout_s", KV_PULL_TIMEOUT_S)
         model = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
         self.engine = LLMEngine(model, EngineConfig.from_params(role.params))
+        self.engine.cache.pull_timeout_s = self.pull_timeout_s
+        self.worker_id: str | None = None
+        self._peer: Peer | None = None
+        self._own_peer = False
+        self._page_server: KVPageServer | None = None
+        self._holds: dict[str, str] = {}  # handoff id -> hold token ref id (engine thread only)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
         self._counter = 0
         self._thread = threading.Thread(target=self._loop, name=f"omniflow-llm-{role.name}", daemon=True)
         self._thread.start()
+
+    # -- worker integration ---------------------------------------------------------------------
+
+    @property
+    def kv_store(self) -> KVStore:
+        return self.engine.store
+
+    def kv_meta(self) -> dict[str, Any]:
+        """How this engine names its pages: a router hashes token ids with these to find holders."""
+        return {
+            "model_id": self.engine.model_id,
+            "page_size": self.engine.layout.page_size,
+            "layout": self.engine.layout.fingerprint(),
+            "prefix_cache": self.engine.config.prefix_cache,
+        }
+
+    def bind_transfer(self, peer: Peer, worker_id: str, index: KVHolderIndex | None = None) -> None:
+        """Use the worker's `peer` (which serves `kv_store`); with `index`, prefix matching also
+        pulls pages that other workers hold. Call once, before the first node call."""
+        if self._peer is not None:
+            raise LLMUnitError(f"llm role {self.role.name!r}: the unit is already bound to a transfer plane")
+        self._peer, self.worker_id = peer, worker_id
+        if index is not None and self.engine.config.prefix_cache:
+            self.engine.cache.peers.append(IndexPageSource(peer, index))
+
+    def _transfer(self) -> Peer:
+        """The transfer plane: the worker's, or (in-process dispatch) one of the unit's own."""
+        with self._lock:
+            if self._peer is None:
+                self._peer = Peer.start(PeerConfig())
+                self._own_peer = True
+                self._page_server = KVPageServer(self.engine.store, self._peer.server)
+            return self._peer
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -92,6 +224,12 @@ class LLMUnit(ComputeUnit):
             if engine.has_request(command.request_id):
                 engine.abort(command.request_id)
             return
+        if isinstance(command, _Hold):
+            self._holds[command.handoff_id] = command.ref_id
+            return
+        if isinstance(command, _Release):
+            self._release(command.handoff_id)
+            return
         try:
             if command.session_id is not None and not engine.has_session(command.session_id):
                 engine.open_session(command.session_id, tenant_salt=command.tenant_salt)
@@ -102,18 +240,45 @@ class LLMUnit(ComputeUnit):
                 session_id=command.session_id,
                 tenant_salt=None if command.session_id else command.tenant_salt,
                 stream_text=command.stream_text,
+                prefill_only=command.prefill_only,
+                handoff=command.handoff,
+                source=command.source,
             )
         except LLMError as exc:
             self._deliver(command.request_id, exc)
 
+    def _check_holds(self) -> None:
+        """Release every handoff whose hold token is gone (released by the decode side, or expired)."""
+        peer = self._peer
+        if not self._holds or peer is None:
+            return
+        for handoff_id, ref_id in list(self._holds.items()):
+            try:
+                peer.store.get(ref_id)  # type: ignore[arg-type]
+            except RefNotFound:
+                del self._holds[handoff_id]
+                self._release(handoff_id)
+
+    def _release(self, handoff_id: str) -> None:
+        try:
+            self.engine.release_handoff(handoff_id)
+        except LLMError as exc:  # never let a bookkeeping slip stop the engine thread
+            log.warning("releasing handoff %s: %s", handoff_id, exc)
+
     def _loop(self) -> None:
         engine = self.engine
+        checked = time.monotonic()
         while True:
             idle = not engine.has_unfinished()
+            now = time.monotonic()
+            if now - checked >= _HOLD_POLL_S:
+                self._check_holds()
+                checked = now
             try:
-                # Idle: wait for work (waking now and then to expire idle sessions). Busy: take
-                # whatever was queued, so it joins the next step, then step.
-                command = self._commands.get(timeout=1.0) if idle else self._commands.get_nowait()
+                # Idle: wait for work (waking now and then to expire idle sessions and to see
+                # handoffs let go). Busy: take whatever was queued, so it joins the next step, then step.
+                wait = _HOLD_POLL_S if self._holds else _IDLE_WAIT_S
+                command = self._commands.get(timeout=wait) if idle else self._commands.get_nowait()
             except queue.Empty:
                 if idle:
                     engine.expire_sessions()
@@ -151,35 +316,32 @@ class LLMUnit(ComputeUnit):
         return NodeCall(call.run_id, call.node_id, call.op, call.params, inputs, call.output_ports, call.stream,
                         call.router, call.iteration, call.attempt)
 
-    def _submit(self, call: NodeCall, stream: bool) -> tuple[str, asyncio.Queue[Any]]:
-        params = {k: v for k, v in call.params.items() if k in SAMPLING_PARAMS}
+    @staticmethod
+    def _sampling(node_id: str, params: dict[str, Any]) -> SamplingParams:
+        picked = {k: v for k, v in params.items() if k in SAMPLING_PARAMS}
         for key in ("stop", "stop_token_ids"):
-            if key in params:
-                params[key] = tuple(params[key])
+            if key in picked:
+                picked[key] = tuple(picked[key])
         try:
-            sampling = SamplingParams(**params)
+            return SamplingParams(**picked)
         except (TypeError, ValueError) as exc:
-            raise LLMUnitError(f"node {call.node_id!r}: {exc}") from exc
-        prompt = self._prompt(call)
+            raise LLMUnitError(f"node {node_id!r}: {exc}") from exc
+
+    def _submit(self, call: NodeCall, stream: bool, *, prompt: str | list[int] | None,
+                sampling: SamplingParams, prefill_only: bool = False, handoff: KVHandoff | None = None,
+                source: PageSource | None = None) -> tuple[str, asyncio.Queue[Any]]:
         with self._lock:
             self._counter += 1
             request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
-        self._commands.put(_Add(request_id, prompt, sampling, call.params.get("session"), call.params.get("tenant"),
-                                stream_text=stream))
+        session = None if handoff is not None else call.params.get("session")
+        self._commands.put(_Add(request_id, prompt, sampling, session, call.params.get("tenant"),
+                                stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source))
         return request_id, inbox
 
-    def _kv_ref(self, out: RequestOutput) -> dict[str, Any]:
-        return {
-            "model_id": self.engine.model_id,
-            "layout": self.engine.layout.to_dict(),
-            "pages": list(out.kv_pages),
-            "tokens": out.prompt_tokens + len(out.output_ids),
-        }
-
-    async def _outputs(self, call: NodeCall, stream: bool) -> AsyncIterator[RequestOutput]:
-        request_id, inbox = self._submit(await self._joined(call), stream)
+    async def _run(self, call: NodeCall, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one submitted request; aborts it if the caller stops early."""
         try:
             while True:
                 item = await inbox.get()
@@ -196,28 +358,192 @@ class LLMUnit(ComputeUnit):
             if done is not None:
                 self._commands.put(_Abort(request_id))  # cancelled or failed mid-way: stop it
 
+    def _kv_ref(self, out: RequestOutput) -> dict[str, Any]:
+        return {
+            "model_id": self.engine.model_id,
+            "layout": self.engine.layout.to_dict(),
+            "pages": list(out.kv_pages),
+            "tokens": out.prompt_tokens + len(out.output_ids),
+            "prompt_tokens": out.prompt_tokens,
+            "cached_tokens": out.cached_tokens,
+            "worker_id": self.worker_id,
+            "holder": self._peer.address if self._peer is not None else None,
+        }
+
+    # -- generate (`llm`) and decode (`llm.decode`) -----------------------------------------------
+
+    async def _outputs(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
+        """Engine outputs of a generating call (`llm` or `llm.decode`), each with extra `kv` fields."""
+        call = await self._joined(call)
+        if node_mode(call) is NodeMode.DECODE:
+            async for item in self._decode(call, stream):
+                yield item
+            return
+        request_id, inbox = self._submit(call, stream, prompt=self._prompt(call),
+                                         sampling=self._sampling(call.node_id, call.params))
+        async for out in self._run(call, request_id, inbox):
+            yield out, {}
+
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
-        final = None
-        async for out in self._outputs(call, stream=False):
-            final = out
-        assert final is not None
-        values = {"text": final.text, "tokens": list(final.output_ids), "kv": self._kv_ref(final)}
+        if node_mode(call) is NodeMode.PREFILL:
+            ref = await self._prefill(await self._joined(call))
+            return NodeResult(outputs=map_outputs(ref, call.output_ports, call.node_id))
+        last = None
+        async for item in self._outputs(call, stream=False):
+            last = item
+        assert last is not None
+        final, extra = last
+        values = {"text": final.text, "tokens": list(final.output_ids), "kv": {**self._kv_ref(final), **extra}}
         ports = call.output_ports
         value = values[ports[0]] if len(ports) == 1 else {p: values[p] for p in ports if p in values}
         return NodeResult(outputs=map_outputs(value, ports, call.node_id))
 
     async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
-        async for out in self._outputs(call, stream=True):
+        if node_mode(call) is NodeMode.PREFILL:
+            yield map_frame(await self._prefill(await self._joined(call)), call.output_ports, call.node_id)
+            return
+        async for out, extra in self._outputs(call, stream=True):
             frame: dict[str, Any] = {"text": out.text_delta, "tokens": list(out.new_token_ids)}
             if out.finished:
-                frame["kv"] = self._kv_ref(out)
+                frame["kv"] = {**self._kv_ref(out), **extra}
             yield map_frame({p: v for p, v in frame.items() if p in call.output_ports}, call.output_ports,
                             call.node_id)
+
+    # -- prefill/decode disaggregation --------------------------------------------------------------
+
+    async def _prefill(self, call: NodeCall) -> dict[str, Any]:
+        """Compute the prompt's KV and first token; hold the pages for a decode node (see `KVHandoffRef`)."""
+        peer = self._transfer()
+        sampling = self._sampling(call.node_id, call.params)
+        request_id, inbox = self._submit(call, False, prompt=self._prompt(call), sampling=sampling,
+                                         prefill_only=True)
+        final = None
+        async for out in self._run(call, request_id, inbox):
+            final = out
+        assert final is not None
+        engine = self.engine
+        handoff = final.handoff
+        common = {
+            "model_id": engine.model_id,
+            "layout": engine.layout.to_dict(),
+            "holder": peer.address,
+            "worker_id": self.worker_id,
+            "sampling": {k: v for k, v in call.params.items() if k in SAMPLING_PARAMS},
+            "prompt_tokens": final.prompt_tokens,
+            "cached_tokens": final.cached_tokens,
+        }
+        if handoff is None:  # the first token ended the generation: nothing to hand off
+            prompt = self._prompt(call)
+            ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ref = KVHandoffRef(handoff_id=request_id, prompt_ids=tuple(ids), key_ids=tuple(ids), page_hashes=(),
+                               tail_len=0, first_token=final.output_ids[0],
+                               finish_reason=str(final.finish_reason), **common)
+            return ref.to_value()
+        try:
+            token = handoff.tail if handoff.tail_len else torch.tensor([handoff.first_token])
+            hold = peer.put(token, self.handoff_lease_s)
+        except BaseException:
+            self._commands.put(_Release(handoff.handoff_id))
+            raise
+        self._commands.put(_Hold(handoff.handoff_id, hold.id))
+        ref = KVHandoffRef(
+            handoff_id=handoff.handoff_id, prompt_ids=handoff.prompt_ids, key_ids=handoff.key_ids,
+            page_hashes=tuple(handoff.page_hashes), tail_len=handoff.tail_len, first_token=handoff.first_token,
+            tenant_salt=handoff.tenant_salt, hold=hold, **common,
+        )
+        return ref.to_value()
+
+    def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
+        try:
+            ref = KVHandoffRef.from_value(call.inputs["kv"])
+        except ValueError as exc:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': {exc}") from None
+        engine = self.engine
+        if ref.model_id != engine.model_id:
+            raise LLMUnitError(f"node {call.node_id!r}: the handoff is of model {ref.model_id!r}, this role runs"
+                               f" {engine.model_id!r}")
+        if ref.layout != engine.layout.to_dict():
+            raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this role's"
+                               f" {engine.layout.to_dict()}")
+        return ref
+
+    def _pull_handoff(self, peer: Peer, ref: KVHandoffRef, node_id: str) -> tuple[int, torch.Tensor | None]:
+        """Blocking (run in a thread): bring the handoff's pages into the store and fetch its tail.
+        Returns (pages pulled, tail)."""
+        pages = [PageHash(p) for p in ref.page_hashes]
+        deadline = time.monotonic() + self.pull_timeout_s
+        where = f"prefill worker {ref.worker_id or '?'} at {ref.holder}"
+        try:
+            have = resident_run(self.engine.store, pages)
+            pulled = 0
+            if have < len(pages):
+                got = fetch_pages(self.engine.store, peer, ref.holder, pages[have:], self.pull_timeout_s).pages
+                pulled = len(got)
+                if have + pulled < len(pages):
+                    raise LLMUnitError(f"node {node_id!r}: {where} holds only {have + pulled} of the prompt's"
+                                       f" {len(pages)} KV pages (its hold on them ended?)")
+            tail = None
+            if ref.tail_len:
+                assert ref.hold is not None
+                remaining = max(0.001, deadline - time.monotonic())
+                tail = peer.pull(ref.hold, remaining).torch().clone()  # a shared-memory view is the holder's
+        except (KVTransferError, TransferError) as exc:
+            raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
+                               f" {self.pull_timeout_s} s: {exc}") from exc
+        return pulled, tail
+
+    def _let_go(self, peer: Peer, ref: TensorRef) -> None:
+        """Release the hold token at the prefill worker without waiting (its lease ends it anyway)."""
+        if ref.owner == peer.address:
+            peer.store.release(ref.id)
+            return
+        peer.client.call(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), _RELEASE_TIMEOUT_S)
+
+    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
+        ref = self._handoff_ref(call)
+        sampling = self._sampling(call.node_id, {**ref.sampling, **call.params})
+        extra = {"pulled_pages": 0, "prefill_worker_id": ref.worker_id}
+        if ref.finish_reason is not None:
+            yield self._finished_at_prefill(ref), extra
+            return
+        if ref.hold is None:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token")
+        peer = self._transfer()
+        released = False
+        try:
+            pulled, tail = await asyncio.to_thread(self._pull_handoff, peer, ref, call.node_id)
+            extra["pulled_pages"] = pulled
+            request_id, inbox = self._submit(call, stream, prompt=None, sampling=sampling,
+                                             handoff=ref.to_handoff(tail),
+                                             source=HolderPageSource(peer, ref.holder))
+            async for out in self._run(call, request_id, inbox):
+                if not released:  # admitted: the pages are locked here now
+                    released = True
+                    self._let_go(peer, ref.hold)
+                yield out, extra
+        finally:
+            if not released:
+                self._let_go(peer, ref.hold)
+
+    def _finished_at_prefill(self, ref: KVHandoffRef) -> RequestOutput:
+        token = ref.first_token
+        return RequestOutput(
+            request_id=ref.handoff_id, new_token_ids=(token,), text_delta=self.engine.decode_text([token]),
+            finished=True, finish_reason=FinishReason(ref.finish_reason), output_ids=(token,),
+            text=self.engine.decode_text([token]), prompt_tokens=len(ref.prompt_ids),
+            cached_tokens=ref.cached_tokens,
+        )
+
+    # -- shutdown ------------------------------------------------------------------------------------
 
     async def close(self) -> None:
         self._commands.put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self._page_server is not None:
+            self._page_server.close()
+        if self._own_peer and self._peer is not None:
+            self._peer.close()
         self.engine.close()
 
 
-__all__ = ["LLMUnit", "LLMUnitError", "RequestError"]
+__all__ = ["LLMUnit", "LLMUnitError", "NodeMode", "RequestError", "node_mode"]
