@@ -1,0 +1,41 @@
+import { describe, expect, it } from "vitest";
+import { sampleOf, type WorkerSnapshot } from "./cluster";
+
+function worker(metrics: Record<string, number>): WorkerSnapshot {
+  return {
+    info: { worker_id: "w1", role: "lm", address: "tcp://h:1", capacity: 8, model: "tiny", device: "cuda:0", host: "h", pid: 1, meta: {} },
+    load: { outstanding: 0, queue_depth: 0, busy: false, metrics },
+    last_heartbeat: 100,
+  };
+}
+
+describe("sampleOf reads the documented gauges", () => {
+  it("hit rate and occupancy per tier, GPU memory", () => {
+    const s = sampleOf(
+      worker({
+        "device.hit_rate": 0.5,
+        "host.hit_rate": 0.25,
+        "device.pages_used": 30,
+        "device.capacity_pages": 120,
+        "disk.pages_used": 5,
+        "disk.capacity_pages": 0,
+        "gpu.memory_used_bytes": 2048,
+      }),
+      10,
+    );
+    expect(s.hitRate).toEqual({ device: 0.5, host: 0.25 });
+    expect(s.occupancy).toEqual({ device: 0.25 }); // a tier without capacity has no occupancy
+    expect(s.gpuMemoryBytes).toBe(2048);
+    expect(s.tokensPerS).toBeNull();
+  });
+
+  it("tokens/s from the gauge, else from the generated-tokens counter between samples", () => {
+    expect(sampleOf(worker({ "llm.tokens_per_s": 42 }), 1).tokensPerS).toBe(42);
+    const first = sampleOf(worker({ "llm.generated_tokens": 100 }), 10);
+    expect(first.tokensPerS).toBeNull();
+    const second = sampleOf(worker({ "llm.generated_tokens": 400 }), 12, first);
+    expect(second.tokensPerS).toBe(150);
+    const restarted = sampleOf(worker({ "llm.generated_tokens": 50 }), 14, second);
+    expect(restarted.tokensPerS).toBe(0);
+  });
+});

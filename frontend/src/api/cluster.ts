@@ -1,0 +1,120 @@
+/**
+ * Deployments and workers: the interface the Cluster page and the editor's Deploy
+ * button are built against. The studio does not serve these endpoints yet; the UI asks,
+ * and on 404 (or 405) shows that they are not available rather than inventing data.
+ *
+ *   GET  /api/deployments/?workflow=<uuid>   -> Page<Deployment> (or a bare list)
+ *   POST /api/deployments/  {workflow, version, replicas?: {role: n}, name?}
+ *                                              -> 201 Deployment
+ *   POST /api/deployments/<uuid>/stop/         -> Deployment
+ *   GET  /api/workers/                         -> Page<WorkerSnapshot> (or a bare list)
+ *   WS   /ws/metrics/                          -> one JSON message per refresh:
+ *        {"type": "workers", "time": <epoch s>, "workers": [WorkerSnapshot, ...]}
+ *
+ * A WorkerSnapshot is `engine.flow.discovery.records.WorkerSnapshot.to_dict()`
+ * (`info`, `load`, `last_heartbeat`) plus the studio's `status` and `deployment`. The
+ * charts read these gauges of `load.metrics` (the names `KVStore.metrics()` and the
+ * LLM engine report): `<tier>.hit_rate`, `<tier>.pages_used`, `<tier>.capacity_pages`
+ * for tier in device/host/disk; `gpu.memory_used_bytes`, `gpu.memory_total_bytes`;
+ * `llm.tokens_per_s`, or else `llm.generated_tokens` (a counter, differentiated here).
+ */
+import { request } from "./client";
+import type { Page } from "./types";
+
+export interface Deployment {
+  id: string;
+  workflow?: string;
+  version: number;
+  name: string;
+  status: "pending" | "starting" | "running" | "stopping" | "stopped" | "failed";
+  replicas: Record<string, number>;
+  error: string;
+  created_at: string;
+}
+
+export interface WorkerSnapshot {
+  info: {
+    worker_id: string;
+    role: string;
+    address: string;
+    capacity: number;
+    model: string | null;
+    device: string;
+    host: string;
+    pid: number;
+    meta: Record<string, unknown>;
+  };
+  load: { outstanding: number; queue_depth: number; busy: boolean; metrics: Record<string, number> };
+  last_heartbeat: number;
+  status?: string;
+  deployment?: string | null;
+}
+
+export interface MetricsMessage {
+  type: "workers";
+  time: number;
+  workers: WorkerSnapshot[];
+}
+
+/** `null`: the endpoint is not there (the feature is not available on this studio). */
+export type Maybe<T> = T | null;
+
+const MISSING = [404, 405, 501];
+
+function items<T>(body: Page<T> | T[] | null): T[] | null {
+  if (body === null) return null;
+  return Array.isArray(body) ? body : body.results;
+}
+
+export const cluster = {
+  deployments: async (workflow?: string): Promise<Maybe<Deployment[]>> =>
+    items(
+      await request<Page<Deployment> | Deployment[] | null>(
+        "GET",
+        `/api/deployments/${workflow ? `?workflow=${workflow}` : ""}`,
+        { allow: MISSING },
+      ),
+    ),
+  deploy: (body: { workflow: string; version: number; replicas?: Record<string, number> }) =>
+    request<Deployment>("POST", "/api/deployments/", { json: body }),
+  stop: (id: string) => request<Deployment>("POST", `/api/deployments/${id}/stop/`),
+  workers: async (): Promise<Maybe<WorkerSnapshot[]>> =>
+    items(await request<Page<WorkerSnapshot> | WorkerSnapshot[] | null>("GET", "/api/workers/", { allow: MISSING })),
+};
+
+export const TIERS = ["device", "host", "disk"] as const;
+
+/** One chart sample of a worker, from its gauges (and its previous sample, for rates). */
+export interface WorkerSample {
+  time: number;
+  hitRate: Partial<Record<(typeof TIERS)[number], number>>;
+  occupancy: Partial<Record<(typeof TIERS)[number], number>>;
+  gpuMemoryBytes: number | null;
+  tokensPerS: number | null;
+  generatedTokens: number | null;
+}
+
+export function sampleOf(worker: WorkerSnapshot, time: number, previous?: WorkerSample): WorkerSample {
+  const m = worker.load.metrics ?? {};
+  const hitRate: WorkerSample["hitRate"] = {};
+  const occupancy: WorkerSample["occupancy"] = {};
+  for (const tier of TIERS) {
+    if (typeof m[`${tier}.hit_rate`] === "number") hitRate[tier] = m[`${tier}.hit_rate`];
+    const used = m[`${tier}.pages_used`];
+    const cap = m[`${tier}.capacity_pages`];
+    if (typeof used === "number" && typeof cap === "number" && cap > 0) occupancy[tier] = used / cap;
+  }
+  const generated = typeof m["llm.generated_tokens"] === "number" ? m["llm.generated_tokens"] : null;
+  let tokensPerS = typeof m["llm.tokens_per_s"] === "number" ? m["llm.tokens_per_s"] : null;
+  if (tokensPerS === null && generated !== null && previous?.generatedTokens != null && time > previous.time) {
+    tokensPerS = Math.max(0, (generated - previous.generatedTokens) / (time - previous.time));
+  }
+  return {
+    time,
+    hitRate,
+    occupancy,
+    gpuMemoryBytes: typeof m["gpu.memory_used_bytes"] === "number" ? m["gpu.memory_used_bytes"] : null,
+    tokensPerS,
+    generatedTokens: generated,
+  };
+}

@@ -1,0 +1,106 @@
+/** A uPlot time-series chart that follows its container's width and takes new data in place. */
+import { useEffect, useRef } from "react";
+import uPlot from "uplot";
+
+export interface ChartSeries {
+  label: string;
+  color: string;
+}
+
+export function LiveChart({
+  title,
+  series,
+  data,
+  format = (v) => String(v),
+  yRange,
+  testId,
+}: {
+  title: string;
+  series: ChartSeries[];
+  /** [times (epoch s), ...one array per series]; null where a series has no value. */
+  data: (number | null)[][];
+  format?: (v: number) => string;
+  yRange?: [number, number];
+  testId?: string;
+}) {
+  const box = useRef<HTMLDivElement>(null);
+  const plot = useRef<uPlot | null>(null);
+  const formatRef = useRef(format);
+  formatRef.current = format;
+
+  useEffect(() => {
+    const el = box.current!;
+    const opts: uPlot.Options = {
+      width: el.clientWidth || 400,
+      height: 180,
+      legend: { show: false },
+      cursor: { drag: { x: false, y: false } },
+      scales: { x: { time: true }, y: yRange ? { range: yRange } : { auto: true } },
+      axes: [
+        {
+          stroke: "#667085",
+          grid: { stroke: "#eef0f3" },
+          ticks: { stroke: "#eef0f3" },
+          space: 90,
+          values: (_u, vals) =>
+            vals.map((v) => new Date(v * 1000).toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" })),
+        },
+        {
+          stroke: "#667085",
+          grid: { stroke: "#eef0f3" },
+          ticks: { stroke: "#eef0f3" },
+          size: 70,
+          values: (_u, vals) => vals.map((v) => formatRef.current(v)),
+        },
+      ],
+      series: [
+        {},
+        ...series.map((s) => ({
+          label: s.label,
+          stroke: s.color,
+          width: 2,
+          fill: `${s.color}14`,
+          spanGaps: true,
+          points: { show: false },
+          value: (_u: uPlot, v: number | null) => (v === null || v === undefined ? "—" : formatRef.current(v)),
+        })),
+      ],
+    };
+    plot.current = new uPlot(opts, data as uPlot.AlignedData, el);
+    const resize = new ResizeObserver(() => plot.current?.setSize({ width: el.clientWidth, height: 180 }));
+    resize.observe(el);
+    return () => {
+      resize.disconnect();
+      plot.current?.destroy();
+      plot.current = null;
+    };
+    // The chart is rebuilt only when its series change; data flows in through setData.
+  }, [series.map((s) => s.label).join("|")]);
+
+  useEffect(() => {
+    plot.current?.setData(data as uPlot.AlignedData);
+  }, [data]);
+
+  const latest = series.map((_, i) => {
+    const column = data[i + 1] ?? [];
+    for (let j = column.length - 1; j >= 0; j--) if (column[j] !== null && column[j] !== undefined) return column[j];
+    return null;
+  });
+
+  return (
+    <div className="chart card" data-testid={testId}>
+      <div className="chart-head">
+        <div className="chart-title">{title}</div>
+        <div className="chart-latest">
+          {series.map((s, i) => (
+            <span key={s.label} data-testid={testId ? `${testId}-${s.label}` : undefined} data-value={latest[i] ?? ""}>
+              <span className="legend-dot" style={{ background: s.color }} />
+              {s.label} <strong>{latest[i] === null ? "—" : format(latest[i]!)}</strong>
+            </span>
+          ))}
+        </div>
+      </div>
+      <div ref={box} className="chart-box" />
+    </div>
+  );
+}

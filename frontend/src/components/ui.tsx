@@ -1,0 +1,154 @@
+/** Small building blocks shared by the pages. */
+import { type ReactNode, useEffect, useRef } from "react";
+import { Icon, type IconName } from "./icons";
+
+export function Spinner({ label }: { label?: string }) {
+  return (
+    <span className="spinner-wrap" role="status">
+      <span className="spinner" />
+      {label && <span className="muted">{label}</span>}
+    </span>
+  );
+}
+
+type ButtonProps = React.ButtonHTMLAttributes<HTMLButtonElement> & {
+  variant?: "primary" | "secondary" | "ghost" | "danger";
+  icon?: IconName;
+  small?: boolean;
+};
+
+export function Button({ variant = "secondary", icon, small, className, children, ...rest }: ButtonProps) {
+  return (
+    <button
+      type="button"
+      className={`btn btn-${variant}${small ? " btn-sm" : ""}${className ? ` ${className}` : ""}`}
+      {...rest}
+    >
+      {icon && <Icon name={icon} size={small ? 14 : 16} />}
+      {children}
+    </button>
+  );
+}
+
+export function Modal({
+  title,
+  onClose,
+  children,
+  footer,
+  wide,
+  testId,
+}: {
+  title: string;
+  onClose: () => void;
+  children: ReactNode;
+  footer?: ReactNode;
+  wide?: boolean;
+  testId?: string;
+}) {
+  const ref = useRef<HTMLDivElement>(null);
+  useEffect(() => {
+    const onKey = (e: KeyboardEvent) => e.key === "Escape" && onClose();
+    window.addEventListener("keydown", onKey);
+    ref.current?.querySelector<HTMLElement>("input, textarea, select")?.focus();
+    return () => window.removeEventListener("keydown", onKey);
+  }, [onClose]);
+  return (
+    <div className="modal-backdrop" onMouseDown={(e) => e.target === e.currentTarget && onClose()}>
+      <div className={`modal${wide ? " modal-wide" : ""}`} role="dialog" aria-label={title} ref={ref} data-testid={testId}>
+        <header className="modal-head">
+          <h2>{title}</h2>
+          <button type="button" className="icon-btn" onClick={onClose} aria-label="Close">
+            <Icon name="x" />
+          </button>
+        </header>
+        <div className="modal-body">{children}</div>
+        {footer && <footer className="modal-foot">{footer}</footer>}
+      </div>
+    </div>
+  );
+}
+
+export function EmptyState({
+  icon,
+  title,
+  children,
+  action,
+  testId,
+}: {
+  icon?: IconName;
+  title: string;
+  children?: ReactNode;
+  action?: ReactNode;
+  testId?: string;
+}) {
+  return (
+    <div className="empty" data-testid={testId}>
+      {icon && (
+        <div className="empty-icon">
+          <Icon name={icon} size={22} />
+        </div>
+      )}
+      <h3>{title}</h3>
+      {children && <div className="empty-text">{children}</div>}
+      {action}
+    </div>
+  );
+}
+
+export function StatusBadge({ status }: { status: string }) {
+  return (
+    <span className={`badge status-${status}`} data-testid="status-badge">
+      <span className="dot" />
+      {status}
+    </span>
+  );
+}
+
+export function ErrorBox({ children }: { children: ReactNode }) {
+  return (
+    <div className="error-box" role="alert">
+      <Icon name="alert" />
+      <div>{children}</div>
+    </div>
+  );
+}
+
+export function Field({ label, hint, children }: { label: string; hint?: ReactNode; children: ReactNode }) {
+  return (
+    <label className="field">
+      <span className="field-label">{label}</span>
+      {children}
+      {hint && <span className="field-hint">{hint}</span>}
+    </label>
+  );
+}
+
+export function formatMs(ms: number | null | undefined): string {
+  if (ms === null || ms === undefined) return "";
+  if (ms < 1) return `${ms.toFixed(2)} ms`;
+  if (ms < 1000) return `${ms.toFixed(ms < 10 ? 1 : 0)} ms`;
+  if (ms < 60_000) return `${(ms / 1000).toFixed(2)} s`;
+  return `${Math.floor(ms / 60_000)} min ${Math.round((ms % 60_000) / 1000)} s`;
+}
+
+export function formatTime(iso: string | null | undefined): string {
+  if (!iso) return "";
+  const d = new Date(iso);
+  const now = new Date();
+  const sameDay = d.toDateString() === now.toDateString();
+  return sameDay
+    ? d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" })
+    : d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+}
+
+export function formatBytes(n: number): string {
+  if (n < 1024) return `${n} B`;
+  const units = ["KiB", "MiB", "GiB", "TiB"];
+  let v = n / 1024;
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return `${v.toFixed(v < 10 ? 1 : 0)} ${units[i]}`;
+}

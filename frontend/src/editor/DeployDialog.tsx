@@ -1,0 +1,147 @@
+/** Deploy a saved version onto role workers (when this studio has the deployment API). */
+import { useCallback, useEffect, useState } from "react";
+import { Link } from "react-router-dom";
+import { cluster, type Deployment } from "../api/cluster";
+import { describeError } from "../api/client";
+import type { RoleSpec } from "../api/types";
+import { useToast } from "../components/toast";
+import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, formatTime } from "../components/ui";
+
+export function DeployDialog({
+  workflowId,
+  version,
+  roles,
+  dirty,
+  onClose,
+}: {
+  workflowId: string;
+  version: number | null;
+  roles: RoleSpec[];
+  dirty: boolean;
+  onClose: () => void;
+}) {
+  const [deployments, setDeployments] = useState<Deployment[] | null | undefined>(undefined);
+  const [replicas, setReplicas] = useState<Record<string, number>>(() =>
+    Object.fromEntries(roles.map((r) => [r.name, r.replicas ?? 1])),
+  );
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  const toast = useToast();
+
+  const load = useCallback(
+    () =>
+      cluster
+        .deployments(workflowId)
+        .then(setDeployments)
+        .catch((err) => {
+          setError(describeError(err));
+          setDeployments(null);
+        }),
+    [workflowId],
+  );
+  useEffect(() => {
+    load();
+  }, [load]);
+
+  const deploy = async () => {
+    if (version === null) return;
+    setBusy(true);
+    setError(null);
+    try {
+      const d = await cluster.deploy({ workflow: workflowId, version, replicas });
+      toast(`Deploying v${version} (${d.status})`, "success");
+      load();
+    } catch (err) {
+      setError(describeError(err));
+    } finally {
+      setBusy(false);
+    }
+  };
+
+  return (
+    <Modal
+      title="Deploy"
+      onClose={onClose}
+      testId="deploy-dialog"
+      footer={
+        deployments ? (
+          <>
+            <Button onClick={onClose}>Close</Button>
+            <Button variant="primary" icon="rocket" onClick={deploy} disabled={busy || version === null}>
+              Deploy v{version}
+            </Button>
+          </>
+        ) : (
+          <Button onClick={onClose}>Close</Button>
+        )
+      }
+    >
+      {deployments === undefined && <Spinner label="Asking the studio for deployments" />}
+      {deployments === null && (
+        <EmptyState icon="rocket" title="Deployments are not available on this studio yet" testId="deploy-unavailable">
+          <p>
+            This studio has no deployment API (<code>/api/deployments/</code> answered 404). Runs execute in the
+            studio's own engine without one: use <strong>Run</strong> to submit this workflow.
+          </p>
+          <p className="muted small">
+            When the API is there, this dialog deploys a saved version onto role workers with a replica count per
+            role, and the <Link to="/cluster">Cluster</Link> page shows the workers.
+          </p>
+        </EmptyState>
+      )}
+      {deployments && (
+        <div className="stack">
+          {error && <ErrorBox>{error}</ErrorBox>}
+          {version === null && <ErrorBox>Save a version first: deployments run saved versions.</ErrorBox>}
+          {dirty && version !== null && (
+            <div className="info-box">You have unsaved edits; this deploys the saved version v{version}.</div>
+          )}
+          <table className="table compact">
+            <thead>
+              <tr>
+                <th>Role</th>
+                <th>Kind</th>
+                <th>Device</th>
+                <th>Replicas</th>
+              </tr>
+            </thead>
+            <tbody>
+              {roles.map((r) => (
+                <tr key={r.name}>
+                  <td>{r.name}</td>
+                  <td>{r.kind}</td>
+                  <td>{r.device ?? "cpu"}</td>
+                  <td>
+                    <input
+                      type="number"
+                      min={1}
+                      max={1024}
+                      className="narrow"
+                      value={replicas[r.name] ?? 1}
+                      onChange={(e) => setReplicas({ ...replicas, [r.name]: Math.max(1, parseInt(e.target.value, 10) || 1) })}
+                    />
+                  </td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+          <div className="section-title">Deployments of this workflow</div>
+          {deployments.length === 0 && <p className="muted small">None yet.</p>}
+          {deployments.map((d) => (
+            <div key={d.id} className="deployment-row">
+              <span className="pill">v{d.version}</span>
+              <StatusBadge status={d.status} />
+              <span className="muted small">{formatTime(d.created_at)}</span>
+              {d.error && <span className="danger-text small">{d.error}</span>}
+              {(d.status === "running" || d.status === "starting") && (
+                <Button small variant="ghost" icon="stop" onClick={() => cluster.stop(d.id).then(load)}>
+                  Stop
+                </Button>
+              )}
+            </div>
+          ))}
+        </div>
+      )}
+    </Modal>
+  );
+}

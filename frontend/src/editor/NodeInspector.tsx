@@ -1,0 +1,418 @@
+/** The property panel of the selected node: identity, role, op, parameters, ports, control flow. */
+import { useState } from "react";
+import { IDENT, JOIN_MODES, type JoinMode, type NodeKind, type NodeSpec, PORT_TYPES, type PortSpec, type PortType } from "../api/types";
+import { CommitInput, CommitTextArea, SchemaForm } from "../components/forms";
+import { Icon } from "../components/icons";
+import { Button } from "../components/ui";
+import type { EditorDoc } from "../graph/model";
+import { predecessors, successors } from "../graph/ops";
+
+export interface NodeEdits {
+  rename: (from: string, to: string) => string | null;
+  patch: (id: string, patch: Partial<NodeSpec>) => void;
+  setPorts: (id: string, direction: "inputs" | "outputs", ports: Record<string, PortSpec>, renames?: Record<string, string>) => void;
+  addRole: (kind: string) => string;
+  remove: (id: string) => void;
+}
+
+export function NodeInspector({
+  doc,
+  spec,
+  kind,
+  edits,
+}: {
+  doc: EditorDoc;
+  spec: NodeSpec;
+  kind: NodeKind | undefined;
+  edits: NodeEdits;
+}) {
+  const id = spec.id;
+  const issues = doc.nodes.find((n) => n.id === id)?.data.issues ?? [];
+  const roles = doc.roles.filter((r) => kind?.role_kinds.includes(r.kind));
+  const [renameError, setRenameError] = useState<string | null>(null);
+
+  return (
+    <div className="inspector" data-testid="node-inspector">
+      <div className="inspector-head">
+        <div>
+          <div className="eyebrow">{spec.kind} node</div>
+          <h3>{id}</h3>
+        </div>
+        <Button small variant="ghost" icon="trash" onClick={() => edits.remove(id)} aria-label="Delete node">
+          Delete
+        </Button>
+      </div>
+      {kind && <p className="muted small">{kind.description}</p>}
+      {!kind && <p className="danger-text small">This installation has no node kind “{spec.kind}”.</p>}
+      {issues.length > 0 && (
+        <ul className="issue-list compact" data-testid="inspector-issues">
+          {issues.map((i, n) => (
+            <li key={n}>
+              <span className="code">{i.code}</span> {i.message}
+            </li>
+          ))}
+        </ul>
+      )}
+
+      <section className="section">
+        <label className="field">
+          <span className="field-label">ID</span>
+          <CommitInput
+            value={id}
+            aria-label="Node id"
+            data-testid="node-id-input"
+            check={(v) => (IDENT.test(v) ? null : "a letter or _, then letters, digits, _ or -")}
+            onCommit={(v) => setRenameError(edits.rename(id, v))}
+          />
+          {renameError && <span className="field-error">{renameError}</span>}
+          {(spec.kind === "input" || spec.kind === "output") && (
+            <span className="field-hint">The id is the name of the workflow's {spec.kind}.</span>
+          )}
+        </label>
+        {kind && kind.role_kinds.length > 0 && (
+          <label className="field">
+            <span className="field-label">Role</span>
+            <select
+              value={spec.role ?? ""}
+              aria-label="Role"
+              onChange={(e) => {
+                if (e.target.value === "__new__") edits.patch(id, { role: edits.addRole(kind.role_kinds[0]) });
+                else edits.patch(id, { role: e.target.value || null });
+              }}
+            >
+              <option value="">— none —</option>
+              {roles.map((r) => (
+                <option key={r.name} value={r.name}>
+                  {r.name} ({r.kind}
+                  {r.replicas && r.replicas > 1 ? ` ×${r.replicas}` : ""})
+                </option>
+              ))}
+              <option value="__new__">+ New {kind.role_kinds[0]} role</option>
+            </select>
+            <span className="field-hint">Runs on a role of kind {kind.role_kinds.join(" or ")}; edit roles in the Roles tab.</span>
+          </label>
+        )}
+        {kind?.op === "required" && (
+          <label className="field">
+            <span className="field-label">Operation</span>
+            <CommitInput
+              className="mono"
+              value={spec.op ?? ""}
+              placeholder="module:function"
+              aria-label="Operation"
+              data-testid="node-op-input"
+              onCommit={(v) => edits.patch(id, { op: v })}
+            />
+            <span className="field-hint">
+              A <code>module:function</code> under the studio's allowed modules, e.g.{" "}
+              <code>workflows.diamond:square</code>.
+            </span>
+          </label>
+        )}
+        <label className="field">
+          <span className="field-label">Description</span>
+          <CommitTextArea rows={2} value={spec.description ?? ""} onCommit={(v) => edits.patch(id, { description: v })} />
+        </label>
+      </section>
+
+      <section className="section">
+        <div className="section-title">Parameters</div>
+        <SchemaForm
+          schema={kind?.params_schema ?? { type: "object" }}
+          value={spec.params ?? {}}
+          onChange={(params) => edits.patch(id, { params })}
+        />
+      </section>
+
+      <section className="section">
+        <div className="section-title">Ports</div>
+        <PortTable
+          title="Inputs"
+          direction="inputs"
+          ports={spec.inputs ?? {}}
+          fixed={kind?.inputs ?? null}
+          onChange={(ports, renames) => edits.setPorts(id, "inputs", ports, renames)}
+        />
+        <PortTable
+          title="Outputs"
+          direction="outputs"
+          ports={spec.outputs ?? {}}
+          fixed={kind?.outputs ?? null}
+          onChange={(ports, renames) => edits.setPorts(id, "outputs", ports, renames)}
+        />
+      </section>
+
+      <ControlFlow doc={doc} spec={spec} patch={(p) => edits.patch(id, p)} />
+    </div>
+  );
+}
+
+function PortTable({
+  title,
+  direction,
+  ports,
+  fixed,
+  onChange,
+}: {
+  title: string;
+  direction: "inputs" | "outputs";
+  ports: Record<string, PortSpec>;
+  fixed: NodeKind["inputs"];
+  onChange: (ports: Record<string, PortSpec>, renames?: Record<string, string>) => void;
+}) {
+  const entries = Object.entries(ports);
+  const update = (name: string, next: PortSpec, newName = name) => {
+    const out: Record<string, PortSpec> = {};
+    for (const [n, p] of entries) out[n === name ? newName : n] = n === name ? next : p;
+    onChange(out, newName !== name ? { [name]: newName } : {});
+  };
+  const clean = (p: PortSpec): PortSpec => {
+    const out: PortSpec = { type: p.type };
+    if (p.optional) out.optional = true;
+    if (p.join) out.join = p.join;
+    if (p.description) out.description = p.description;
+    return out;
+  };
+  return (
+    <div className="port-table" data-testid={`ports-${direction}`}>
+      <div className="port-table-head">
+        <span>{title}</span>
+        {fixed === null && (
+          <Button
+            small
+            variant="ghost"
+            icon="plus"
+            onClick={() => {
+              let i = entries.length + 1;
+              let name = direction === "inputs" ? "x" : "out";
+              while (name in ports) name = `${direction === "inputs" ? "in" : "out"}${i++}`;
+              onChange({ ...ports, [name]: { type: "json" } });
+            }}
+          >
+            Add
+          </Button>
+        )}
+      </div>
+      {entries.length === 0 && <div className="muted small">none</div>}
+      {entries.map(([name, port]) => {
+        const locked = fixed !== null;
+        const narrowable = locked && fixed![name]?.type === "any";
+        return (
+          <div className="port-edit" key={name}>
+            {locked ? (
+              <span className="mono port-edit-name">{name}</span>
+            ) : (
+              <CommitInput
+                className="mono port-edit-name"
+                value={name}
+                aria-label={`${direction} port name`}
+                check={(v) => (!IDENT.test(v) ? "an identifier" : v !== name && v in ports ? "taken" : null)}
+                onCommit={(v) => update(name, port, v)}
+              />
+            )}
+            <select
+              value={port.type}
+              disabled={locked && !narrowable}
+              aria-label={`${name} type`}
+              title={narrowable ? "The kind accepts any type; narrow it here." : undefined}
+              onChange={(e) => update(name, clean({ ...port, type: e.target.value as PortType }))}
+            >
+              {PORT_TYPES.map((t) => (
+                <option key={t} value={t}>
+                  {t}
+                </option>
+              ))}
+            </select>
+            {direction === "inputs" && (
+              <select
+                value={port.join ?? ""}
+                aria-label={`${name} join`}
+                title="How several arrivals on this port are gathered"
+                onChange={(e) => update(name, clean({ ...port, join: (e.target.value || null) as JoinMode | null }))}
+              >
+                <option value="">single</option>
+                {JOIN_MODES.map((j) => (
+                  <option key={j} value={j}>
+                    join: {j}
+                  </option>
+                ))}
+              </select>
+            )}
+            {direction === "inputs" && (
+              <label className="check-row small" title="The node may run without this input">
+                <input
+                  type="checkbox"
+                  checked={!!port.optional}
+                  disabled={locked}
+                  onChange={(e) => update(name, clean({ ...port, optional: e.target.checked }))}
+                />
+                opt
+              </label>
+            )}
+            {!locked && (
+              <button
+                type="button"
+                className="icon-btn"
+                aria-label={`Remove port ${name}`}
+                onClick={() => {
+                  const out = { ...ports };
+                  delete out[name];
+                  onChange(out);
+                }}
+              >
+                <Icon name="x" size={14} />
+              </button>
+            )}
+          </div>
+        );
+      })}
+    </div>
+  );
+}
+
+function ControlFlow({ doc, spec, patch }: { doc: EditorDoc; spec: NodeSpec; patch: (p: Partial<NodeSpec>) => void }) {
+  const preds = predecessors(doc, spec.id);
+  const succs = successors(doc, spec.id);
+  const trigger = spec.trigger ?? null;
+  return (
+    <section className="section" data-testid="control-flow">
+      <div className="section-title">Control flow</div>
+
+      <div className="field">
+        <span className="field-label">Trigger (OR of AND groups)</span>
+        {preds.length === 0 ? (
+          <span className="field-hint">No predecessors: the node fires when the run starts.</span>
+        ) : (
+          <>
+            <label className="check-row">
+              <input
+                type="checkbox"
+                checked={trigger !== null}
+                onChange={(e) => patch({ trigger: e.target.checked ? [preds] : null })}
+              />
+              Custom trigger
+            </label>
+            {trigger === null ? (
+              <span className="field-hint">Default: fires when all of {preds.join(", ")} have delivered.</span>
+            ) : (
+              <div className="trigger-groups">
+                {trigger.map((group, gi) => (
+                  <div className="trigger-group" key={gi} data-testid={`trigger-group-${gi}`}>
+                    <span className="or-label">{gi === 0 ? "when" : "or"}</span>
+                    {preds.map((p) => (
+                      <label key={p} className={`toggle-chip${group.includes(p) ? " on" : ""}`}>
+                        <input
+                          type="checkbox"
+                          checked={group.includes(p)}
+                          onChange={(e) => {
+                            const g = e.target.checked ? preds.filter((x) => x === p || group.includes(x)) : group.filter((x) => x !== p);
+                            patch({ trigger: trigger.map((old, i) => (i === gi ? g : old)) });
+                          }}
+                        />
+                        {p}
+                      </label>
+                    ))}
+                    <button
+                      type="button"
+                      className="icon-btn"
+                      aria-label="Remove group"
+                      onClick={() => {
+                        const rest = trigger.filter((_, i) => i !== gi);
+                        patch({ trigger: rest.length ? rest : null });
+                      }}
+                    >
+                      <Icon name="x" size={14} />
+                    </button>
+                  </div>
+                ))}
+                <Button small variant="ghost" icon="plus" onClick={() => patch({ trigger: [...trigger, [preds[0]]] })}>
+                  OR group
+                </Button>
+                <span className="field-hint">Fires when every node of any one group has delivered.</span>
+              </div>
+            )}
+          </>
+        )}
+      </div>
+
+      <div className="field">
+        <label className="check-row">
+          <input
+            type="checkbox"
+            checked={spec.routes !== undefined && spec.routes !== null}
+            onChange={(e) => patch({ routes: e.target.checked ? succs : null })}
+            disabled={!!spec.stream}
+          />
+          Router
+        </label>
+        <span className="field-hint">A router's result names which successors run; the others are skipped.</span>
+        {spec.routes && (
+          <div className="chip-row">
+            {succs.length === 0 && <span className="muted small">Connect successors first.</span>}
+            {succs.map((s) => (
+              <label key={s} className={`toggle-chip${spec.routes!.includes(s) ? " on" : ""}`}>
+                <input
+                  type="checkbox"
+                  checked={spec.routes!.includes(s)}
+                  onChange={(e) =>
+                    patch({ routes: e.target.checked ? succs.filter((x) => x === s || spec.routes!.includes(x)) : spec.routes!.filter((x) => x !== s) })
+                  }
+                />
+                {s}
+              </label>
+            ))}
+          </div>
+        )}
+      </div>
+
+      <label className="check-row">
+        <input
+          type="checkbox"
+          checked={!!spec.stream}
+          disabled={!!spec.routes}
+          onChange={(e) => patch({ stream: e.target.checked })}
+        />
+        Streams frames
+      </label>
+
+      <div className="grid-3">
+        <label className="field">
+          <span className="field-label">Max iterations</span>
+          <CommitInput
+            type="number"
+            min={1}
+            value={spec.max_iterations ? String(spec.max_iterations) : ""}
+            placeholder="none"
+            check={(v) => (v === "" || /^[1-9]\d*$/.test(v) ? null : "≥ 1")}
+            onCommit={(v) => patch({ max_iterations: v ? parseInt(v, 10) : null })}
+          />
+        </label>
+        <label className="field">
+          <span className="field-label">Retries</span>
+          <CommitInput
+            type="number"
+            min={0}
+            max={100}
+            value={spec.retries ? String(spec.retries) : ""}
+            placeholder="0"
+            check={(v) => (v === "" || (/^\d+$/.test(v) && parseInt(v, 10) <= 100) ? null : "0–100")}
+            onCommit={(v) => patch({ retries: v ? parseInt(v, 10) : 0 })}
+          />
+        </label>
+        <label className="field">
+          <span className="field-label">Timeout (s)</span>
+          <CommitInput
+            type="number"
+            min={0}
+            step="any"
+            value={spec.timeout_s ? String(spec.timeout_s) : ""}
+            placeholder="none"
+            check={(v) => (v === "" || Number(v) > 0 ? null : "> 0")}
+            onCommit={(v) => patch({ timeout_s: v ? Number(v) : null })}
+          />
+        </label>
+      </div>
+      <span className="field-hint">A node on a cycle needs a bound: set max iterations on one of its nodes.</span>
+    </section>
+  );
+}

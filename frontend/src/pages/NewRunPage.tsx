@@ -1,0 +1,261 @@
+/** Submit a run: one field per workflow input, by port type (text, JSON, image or audio upload). */
+import { type FormEvent, useEffect, useMemo, useState } from "react";
+import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom";
+import { describeError } from "../api/client";
+import { workflows, runs } from "../api/studio";
+import type { NodeSpec, PortType, Version, Workflow } from "../api/types";
+import { Icon } from "../components/icons";
+import { RunGraph } from "../components/RunGraph";
+import { Button, ErrorBox, Spinner, formatBytes } from "../components/ui";
+
+interface InputField {
+  name: string;
+  type: PortType;
+  defaultValue: unknown;
+  description: string;
+}
+
+const FILE_TYPES: PortType[] = ["image", "audio", "tensor"];
+
+function inputsOf(nodes: NodeSpec[]): InputField[] {
+  return nodes
+    .filter((n) => n.kind === "input")
+    .map((n) => ({
+      name: n.id,
+      type: n.outputs?.value?.type ?? "any",
+      defaultValue: n.params?.default,
+      description: n.description ?? "",
+    }));
+}
+
+type Draft = { text: string; file: File | null; asJson: boolean };
+
+function initialDraft(field: InputField): Draft {
+  const d = field.defaultValue;
+  if (d === undefined) return { text: "", file: null, asJson: field.type !== "text" };
+  if (typeof d === "string" && (field.type === "text" || field.type === "any")) return { text: d, file: null, asJson: false };
+  return { text: JSON.stringify(d), file: null, asJson: true };
+}
+
+export function NewRunPage() {
+  const { id } = useParams<{ id: string }>();
+  const [params] = useSearchParams();
+  const navigate = useNavigate();
+  const [workflow, setWorkflow] = useState<Workflow | null>(null);
+  const [versions, setVersions] = useState<Version[]>([]);
+  const [number, setNumber] = useState<number | null>(params.get("version") ? Number(params.get("version")) : null);
+  const [version, setVersion] = useState<Version | null>(null);
+  const [drafts, setDrafts] = useState<Record<string, Draft>>({});
+  const [timeout, setTimeoutS] = useState("");
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+
+  useEffect(() => {
+    if (!id) return;
+    Promise.all([workflows.get(id), workflows.versions(id)])
+      .then(([w, page]) => {
+        setWorkflow(w);
+        setVersions(page.results);
+        setNumber((n) => n ?? page.results[0]?.number ?? null);
+      })
+      .catch((err) => setError(describeError(err)));
+  }, [id]);
+
+  useEffect(() => {
+    if (!id || number === null) return;
+    const known = versions.find((v) => v.number === number);
+    if (known) setVersion(known);
+    else workflows.version(id, number).then(setVersion).catch((err) => setError(describeError(err)));
+  }, [id, number, versions]);
+
+  const fields = useMemo(() => (version ? inputsOf(version.spec.nodes) : []), [version]);
+  useEffect(() => {
+    setDrafts(Object.fromEntries(fields.map((f) => [f.name, initialDraft(f)])));
+  }, [fields]);
+
+  const submit = async (e: FormEvent) => {
+    e.preventDefault();
+    if (!workflow || !version) return;
+    setError(null);
+    const inputs: Record<string, unknown> = {};
+    const files: Record<string, File> = {};
+    for (const f of fields) {
+      const d = drafts[f.name];
+      if (!d) continue;
+      if (FILE_TYPES.includes(f.type)) {
+        if (d.file) files[f.name] = d.file;
+        else if (f.defaultValue === undefined) {
+          setError(`Choose a file for input “${f.name}”.`);
+          return;
+        }
+        continue;
+      }
+      if (d.text.trim() === "") {
+        if (f.defaultValue !== undefined) continue; // the workflow's default applies
+        if (f.type !== "text") {
+          setError(`Input “${f.name}” has no default; give it a value.`);
+          return;
+        }
+      }
+      if (d.asJson) {
+        try {
+          inputs[f.name] = JSON.parse(d.text);
+        } catch (err) {
+          setError(`Input “${f.name}” is not valid JSON: ${(err as Error).message}`);
+          return;
+        }
+      } else inputs[f.name] = d.text;
+    }
+    setBusy(true);
+    try {
+      const run = await runs.submit({
+        workflow: workflow.id,
+        version: version.number,
+        inputs,
+        files,
+        timeout_s: timeout ? Number(timeout) : undefined,
+      });
+      navigate(`/runs/${run.id}`);
+    } catch (err) {
+      setError(describeError(err));
+      setBusy(false);
+    }
+  };
+
+  if (!workflow) {
+    return <div className="page">{error ? <ErrorBox>{error}</ErrorBox> : <Spinner label="Loading" />}</div>;
+  }
+
+  return (
+    <div className="page page-wide">
+      <header className="page-head">
+        <div>
+          <div className="crumbs">
+            <Link to="/workflows">Workflows</Link> / <Link to={`/workflows/${workflow.id}`}>{workflow.name}</Link> /
+          </div>
+          <h1>New run</h1>
+        </div>
+      </header>
+      {versions.length === 0 ? (
+        <ErrorBox>This workflow has no saved version yet. Save one in the editor first.</ErrorBox>
+      ) : (
+        <div className="split">
+          <form className="card form-card" onSubmit={submit} data-testid="run-form">
+            {error && <ErrorBox>{error}</ErrorBox>}
+            <label className="field">
+              <span className="field-label">Version</span>
+              <select value={number ?? ""} onChange={(e) => setNumber(Number(e.target.value))} data-testid="run-version">
+                {versions.map((v) => (
+                  <option key={v.number} value={v.number}>
+                    v{v.number} — {v.message || "no message"}
+                    {v.valid ? "" : " (has issues)"}
+                  </option>
+                ))}
+              </select>
+            </label>
+            {version && !version.valid && (
+              <ErrorBox>
+                Version {version.number} has validation issues and cannot run:{" "}
+                {version.issues.map((i) => i.message).join("; ")}
+              </ErrorBox>
+            )}
+            <div className="section-title">Inputs</div>
+            {fields.length === 0 && <p className="muted small">This workflow takes no inputs.</p>}
+            {fields.map((f) => (
+              <InputEditor
+                key={f.name}
+                field={f}
+                draft={drafts[f.name] ?? initialDraft(f)}
+                onChange={(d) => setDrafts((all) => ({ ...all, [f.name]: d }))}
+              />
+            ))}
+            <details className="details">
+              <summary>Options</summary>
+              <label className="field">
+                <span className="field-label">Timeout (seconds)</span>
+                <input
+                  type="number"
+                  min={0.001}
+                  step="any"
+                  value={timeout}
+                  onChange={(e) => setTimeoutS(e.target.value)}
+                  placeholder="the studio's default"
+                />
+              </label>
+            </details>
+            <div className="form-actions">
+              <Button variant="primary" icon="play" type="submit" disabled={busy || !version?.valid} data-testid="submit-run">
+                {busy ? "Submitting…" : "Run"}
+              </Button>
+            </div>
+          </form>
+          <div className="card graph-card">
+            {version ? <RunGraph spec={version.spec} layout={version.layout} /> : <Spinner />}
+          </div>
+        </div>
+      )}
+    </div>
+  );
+}
+
+function InputEditor({ field, draft, onChange }: { field: InputField; draft: Draft; onChange: (d: Draft) => void }) {
+  const [preview, setPreview] = useState<string | null>(null);
+  useEffect(() => {
+    if (!draft.file) {
+      setPreview(null);
+      return;
+    }
+    const url = URL.createObjectURL(draft.file);
+    setPreview(url);
+    return () => URL.revokeObjectURL(url);
+  }, [draft.file]);
+
+  const label = (
+    <span className="field-label">
+      {field.name} <span className={`type type-${field.type}`}>{field.type}</span>
+      {field.defaultValue !== undefined && <span className="muted small"> · has a default</span>}
+    </span>
+  );
+
+  if (FILE_TYPES.includes(field.type)) {
+    const accept = field.type === "image" ? "image/*" : field.type === "audio" ? "audio/*" : undefined;
+    return (
+      <div className="field" data-testid={`input-${field.name}`}>
+        {label}
+        <label className="file-pick">
+          <Icon name="upload" />
+          <span>{draft.file ? `${draft.file.name} (${formatBytes(draft.file.size)})` : `Choose ${field.type === "tensor" ? "a" : "an"} ${field.type} file`}</span>
+          <input type="file" accept={accept} hidden onChange={(e) => onChange({ ...draft, file: e.target.files?.[0] ?? null })} />
+        </label>
+        {preview && field.type === "image" && <img className="input-preview" src={preview} alt={`${field.name} preview`} />}
+        {preview && field.type === "audio" && <audio controls src={preview} className="audio" />}
+        {field.description && <span className="field-hint">{field.description}</span>}
+      </div>
+    );
+  }
+
+  const json = field.type !== "text" && (field.type !== "any" || draft.asJson);
+  return (
+    <div className="field" data-testid={`input-${field.name}`}>
+      {label}
+      <textarea
+        className={json ? "mono" : undefined}
+        rows={field.type === "text" ? 3 : 2}
+        value={draft.text}
+        placeholder={field.defaultValue !== undefined ? `default: ${JSON.stringify(field.defaultValue)}` : json ? "JSON value" : ""}
+        onChange={(e) => onChange({ ...draft, text: e.target.value, asJson: field.type === "any" ? draft.asJson : json })}
+        aria-label={field.name}
+      />
+      {field.type === "any" && (
+        <label className="check-row small">
+          <input type="checkbox" checked={draft.asJson} onChange={(e) => onChange({ ...draft, asJson: e.target.checked })} />
+          Parse as JSON
+        </label>
+      )}
+      <span className="field-hint">
+        {field.description ||
+          (field.type === "json" || field.type === "tokens" ? "A JSON value (numbers, lists, objects…)." : "")}
+      </span>
+    </div>
+  );
+}

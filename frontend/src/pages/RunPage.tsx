@@ -1,0 +1,398 @@
+/**
+ * One run, live: the graph coloured by node state with timings, outputs as they arrive
+ * (streamed text, images, audio), the event log, and cancel.
+ */
+import { useCallback, useEffect, useMemo, useReducer, useState } from "react";
+import { Link, useParams } from "react-router-dom";
+import { ApiError, describeError } from "../api/client";
+import { runs, workflows } from "../api/studio";
+import type { RunDetail, RunEvent, RunFile, Version } from "../api/types";
+import { Icon } from "../components/icons";
+import { RunGraph } from "../components/RunGraph";
+import { useToast } from "../components/toast";
+import { Button, ErrorBox, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
+import { useRunEvents } from "../hooks/useRunEvents";
+import { initialRunState, isTerminal, reduceRun, type RunState, streamText } from "../run/state";
+
+function reducer(state: RunState, events: RunEvent[]): RunState {
+  return events.reduce(reduceRun, state);
+}
+
+export function RunPage() {
+  const { id } = useParams<{ id: string }>();
+  const [detail, setDetail] = useState<RunDetail | null>(null);
+  const [version, setVersion] = useState<Version | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const [state, apply] = useReducer(reducer, undefined, () => initialRunState());
+  const [selected, setSelected] = useState<string | null>(null);
+  const [cancelling, setCancelling] = useState(false);
+  const [now, setNow] = useState(Date.now());
+  const toast = useToast();
+
+  const refresh = useCallback(async () => {
+    if (!id) return;
+    try {
+      setDetail(await runs.get(id));
+    } catch (err) {
+      setError(describeError(err));
+    }
+  }, [id]);
+
+  useEffect(() => {
+    refresh();
+  }, [refresh]);
+
+  const workflowId = detail?.workflow;
+  const versionNumber = detail?.version;
+  useEffect(() => {
+    if (!workflowId || !versionNumber) return;
+    workflows
+      .version(workflowId, versionNumber)
+      .then(setVersion)
+      .catch((err) => setError(describeError(err)));
+  }, [workflowId, versionNumber]);
+
+  const onEvents = useCallback(
+    (events: RunEvent[]) => {
+      apply(events);
+      if (events.some((e) => e.type === "run_finished")) refresh();
+    },
+    [refresh],
+  );
+  const stream = useRunEvents(id, onEvents);
+
+  const status = state.finished ? state.status : state.lastSeq >= 0 ? state.status : (detail?.status ?? "pending");
+  const live = !isTerminal(status);
+  useEffect(() => {
+    if (!live) return;
+    const t = window.setInterval(() => setNow(Date.now()), 250);
+    return () => window.clearInterval(t);
+  }, [live]);
+
+  const nodeStates = useMemo(() => {
+    const out: RunState["nodes"] = {};
+    for (const [node, view] of Object.entries(state.nodes)) {
+      out[node] =
+        view.state === "running" && view.since
+          ? { ...view, durationMs: Math.max(0, now - view.since * 1000) }
+          : view;
+    }
+    return out;
+  }, [state.nodes, now]);
+
+  const cancel = async () => {
+    if (!id) return;
+    setCancelling(true);
+    try {
+      await runs.cancel(id);
+      toast("Run cancelled", "success");
+      refresh();
+    } catch (err) {
+      toast(err instanceof ApiError && err.status === 409 ? err.message : describeError(err), "error");
+    } finally {
+      setCancelling(false);
+    }
+  };
+
+  if (error && !detail) {
+    return (
+      <div className="page">
+        <ErrorBox>{error}</ErrorBox>
+      </div>
+    );
+  }
+  if (!detail) {
+    return (
+      <div className="page">
+        <Spinner label="Loading the run" />
+      </div>
+    );
+  }
+
+  const startedMs = state.startedAt ? state.startedAt * 1000 : detail.started_at ? Date.parse(detail.started_at) : null;
+  const duration = state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? now - startedMs : null);
+  // The stored outputs name files by id; the event's outputs only preview them.
+  const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
+
+  return (
+    <div className="run-page" data-testid="run-page">
+      <header className="run-head">
+        <div>
+          <div className="crumbs">
+            <Link to="/runs">Runs</Link> / <Link to={`/workflows/${detail.workflow}`}>{detail.workflow_name}</Link>{" "}
+            <span className="pill">v{detail.version}</span>
+          </div>
+          <h1 className="run-title">
+            Run <span className="mono">{detail.id.slice(0, 8)}</span>
+            <span data-testid="run-status">
+              <StatusBadge status={status} />
+            </span>
+          </h1>
+          <div className="run-meta muted small">
+            <span>created {formatTime(detail.created_at)}</span>
+            {duration !== null && <span data-testid="run-duration">{live ? "running for" : "took"} {formatMs(duration)}</span>}
+            {live && (
+              <span className={`stream-state stream-${stream}`} title="Event stream">
+                {stream === "live" ? "● live" : stream}
+              </span>
+            )}
+          </div>
+        </div>
+        <div className="head-actions">
+          {live && (
+            <Button variant="danger" icon="stop" onClick={cancel} disabled={cancelling} data-testid="cancel-run">
+              {cancelling ? "Cancelling…" : "Cancel"}
+            </Button>
+          )}
+          <Link className="btn btn-secondary" to={`/workflows/${detail.workflow}/run?version=${detail.version}`}>
+            <Icon name="refresh" /> Run again
+          </Link>
+        </div>
+      </header>
+
+      {status === "cancelled" && (
+        <div className="info-box neutral" data-testid="run-cancelled">
+          <Icon name="stop" /> {state.finished?.error || detail.error || "The run was cancelled."}
+        </div>
+      )}
+      {status !== "cancelled" && (state.finished?.error || detail.error) && (
+        <ErrorBox>
+          {state.finished?.failed_node || detail.failed_node ? (
+            <strong>{state.finished?.failed_node || detail.failed_node}: </strong>
+          ) : null}
+          {state.finished?.error || detail.error}
+        </ErrorBox>
+      )}
+
+      <div className="run-body">
+        <div className="card run-graph" data-testid="run-graph">
+          {version ? (
+            <RunGraph
+              spec={version.spec}
+              layout={version.layout}
+              states={nodeStates}
+              onSelect={setSelected}
+              selected={selected}
+            />
+          ) : (
+            <Spinner />
+          )}
+          <Legend />
+        </div>
+        <aside className="run-side">
+          <section className="card pad-card" data-testid="run-outputs">
+            <div className="section-title">Outputs</div>
+            {Object.keys(outputs).length === 0 && !isTerminal(status) && <p className="muted small">Waiting for the run to finish…</p>}
+            {Object.keys(outputs).length === 0 && isTerminal(status) && <p className="muted small">No outputs.</p>}
+            {Object.entries(outputs).map(([name, value]) => (
+              <OutputValue key={name} name={name} value={value} files={detail.files} links={state.finished?.files ?? detail.output_links} />
+            ))}
+          </section>
+
+          <StreamsPanel state={state} />
+
+          <section className="card pad-card">
+            <div className="section-title">Nodes</div>
+            <table className="table compact" data-testid="node-table">
+              <thead>
+                <tr>
+                  <th>Node</th>
+                  <th>State</th>
+                  <th className="right">Time</th>
+                </tr>
+              </thead>
+              <tbody>
+                {(version?.spec.nodes ?? []).map((n) => {
+                  const v = nodeStates[n.id];
+                  return (
+                    <tr key={n.id} className={selected === n.id ? "selected-row" : undefined} onClick={() => setSelected(n.id)}>
+                      <td className="mono">{n.id}</td>
+                      <td>
+                        <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
+                        {v?.iterations && v.iterations > 1 ? <span className="muted small"> ×{v.iterations}</span> : null}
+                      </td>
+                      <td className="right mono small">{formatMs(v?.durationMs)}</td>
+                    </tr>
+                  );
+                })}
+              </tbody>
+            </table>
+          </section>
+
+          {selected && <NodeDetail node={selected} state={state} />}
+
+          <section className="card pad-card">
+            <div className="section-title">Inputs</div>
+            <InputsView detail={detail} />
+          </section>
+
+          <details className="card pad-card details" data-testid="event-log">
+            <summary>Events ({state.log.length})</summary>
+            <ol className="event-log">
+              {state.log.map((e) => (
+                <li key={e.seq}>
+                  <span className="mono muted">#{e.seq}</span> <span className="code">{e.type}</span>{" "}
+                  {"node" in e && <span className="mono">{e.node}</span>}{" "}
+                  {e.type === "node_state" && <span className={`state-chip state-${e.state}`}>{e.state}</span>}
+                  {e.type === "node_output" && <span className="muted small">{e.port}{e.frame !== undefined && e.frame !== null ? ` frame ${e.frame}` : ""}</span>}
+                  {e.type === "run_finished" && <span className={`state-chip state-${e.status}`}>{e.status}</span>}
+                </li>
+              ))}
+            </ol>
+          </details>
+        </aside>
+      </div>
+    </div>
+  );
+}
+
+function Legend() {
+  return (
+    <div className="legend">
+      {["pending", "queued", "running", "done", "failed", "skipped", "cancelled"].map((s) => (
+        <span key={s} className="legend-item">
+          <span className={`legend-dot state-${s}`} />
+          {s}
+        </span>
+      ))}
+    </div>
+  );
+}
+
+function fileFor(value: unknown, files: RunFile[]): RunFile | undefined {
+  if (value && typeof value === "object" && "$file" in (value as object)) {
+    const id = (value as { $file: string }).$file;
+    return files.find((f) => f.id === id);
+  }
+  return undefined;
+}
+
+function FileView({ file, url, name }: { file?: RunFile; url: string; name: string }) {
+  const type = file?.content_type ?? "";
+  if (type.startsWith("image/")) {
+    return (
+      <a href={url} target="_blank" rel="noreferrer">
+        <img className="output-image" src={url} alt={name} data-testid={`output-image-${name}`} />
+      </a>
+    );
+  }
+  if (type.startsWith("audio/")) return <audio controls src={url} className="audio" data-testid={`output-audio-${name}`} />;
+  return (
+    <a href={url} download className="btn btn-ghost btn-sm">
+      <Icon name="download" size={14} /> {file?.filename ?? "download"} {file && <span className="muted">({formatBytes(file.size)})</span>}
+    </a>
+  );
+}
+
+function OutputValue({
+  name,
+  value,
+  files,
+  links,
+}: {
+  name: string;
+  value: unknown;
+  files: RunFile[];
+  links: Record<string, string>;
+}) {
+  const file = fileFor(value, files) ?? files.find((f) => f.role === "output" && f.name === name);
+  const url = links[name] ?? file?.url;
+  let body: React.ReactNode;
+  if (url && file) body = <FileView file={file} url={url} name={name} />;
+  else if (url) body = <Spinner label="Loading the file" />; // its type arrives with the run's details
+  else body = <ValueView value={value} />;
+  return (
+    <div className="output" data-testid={`output-${name}`}>
+      <div className="output-name mono">{name}</div>
+      {body}
+    </div>
+  );
+}
+
+export function ValueView({ value }: { value: unknown }) {
+  if (typeof value === "string") return <div className="output-text">{value}</div>;
+  return <pre className="output-json">{JSON.stringify(value, null, 2)}</pre>;
+}
+
+function StreamsPanel({ state }: { state: RunState }) {
+  const streams = Object.entries(state.streams);
+  if (streams.length === 0) return null;
+  return (
+    <section className="card pad-card" data-testid="run-streams">
+      <div className="section-title">Streams</div>
+      {streams.map(([key, s]) => {
+        const text = streamText(s);
+        const running = state.nodes[s.node]?.state === "running";
+        return (
+          <div className="output" key={key}>
+            <div className="output-name mono">
+              {key} <span className="muted small">{s.frames.length} frame{s.frames.length === 1 ? "" : "s"}</span>
+            </div>
+            {text !== null ? (
+              <div className={`output-text stream-text${running ? " typing" : ""}`}>{text}</div>
+            ) : (
+              <pre className="output-json">{JSON.stringify(s.frames.slice(-20), null, 1)}</pre>
+            )}
+          </div>
+        );
+      })}
+    </section>
+  );
+}
+
+function NodeDetail({ node, state }: { node: string; state: RunState }) {
+  const view = state.nodes[node];
+  const values = Object.entries(state.values).filter(([k]) => k.startsWith(`${node}.`));
+  return (
+    <section className="card pad-card" data-testid="node-detail">
+      <div className="section-title">
+        Node <span className="mono">{node}</span>
+      </div>
+      <dl className="kv">
+        <dt>State</dt>
+        <dd>
+          <span className={`state-chip state-${view?.state ?? "pending"}`}>{view?.state ?? "pending"}</span>
+        </dd>
+        <dt>Time</dt>
+        <dd>{formatMs(view?.durationMs) || "—"}</dd>
+        {view?.message && (
+          <>
+            <dt>Progress</dt>
+            <dd>{view.message}</dd>
+          </>
+        )}
+        {view?.error && (
+          <>
+            <dt>Error</dt>
+            <dd className="danger-text">{view.error}</dd>
+          </>
+        )}
+      </dl>
+      {values.map(([k, v]) => (
+        <div className="output" key={k}>
+          <div className="output-name mono">{k}</div>
+          <ValueView value={v} />
+        </div>
+      ))}
+      {values.length === 0 && <p className="muted small">No output yet.</p>}
+    </section>
+  );
+}
+
+function InputsView({ detail }: { detail: RunDetail }) {
+  const entries = Object.entries(detail.inputs);
+  if (entries.length === 0) return <p className="muted small">Defaults only.</p>;
+  return (
+    <>
+      {entries.map(([name, value]) => {
+        const file = fileFor(value, detail.files);
+        return (
+          <div className="output" key={name}>
+            <div className="output-name mono">{name}</div>
+            {file ? <FileView file={file} url={file.url} name={name} /> : <ValueView value={value} />}
+          </div>
+        );
+      })}
+    </>
+  );
+}

@@ -1,0 +1,140 @@
+/** Every run of the user's workflows, newest first, with status and workflow filters. */
+import { useCallback, useEffect, useState } from "react";
+import { Link, useNavigate, useSearchParams } from "react-router-dom";
+import { describeError } from "../api/client";
+import { runs, workflows } from "../api/studio";
+import { type Page, RUN_STATUSES, type Run, type Workflow } from "../api/types";
+import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, formatTime } from "../components/ui";
+
+export function RunsPage() {
+  const [params, setParams] = useSearchParams();
+  const status = params.get("status") ?? "";
+  const workflow = params.get("workflow") ?? "";
+  const page = Number(params.get("page") ?? "1");
+  const [data, setData] = useState<Page<Run> | null>(null);
+  const [flows, setFlows] = useState<Workflow[]>([]);
+  const [error, setError] = useState<string | null>(null);
+  const navigate = useNavigate();
+
+  const load = useCallback(async () => {
+    try {
+      setData(await runs.list({ status, workflow, page }));
+      setError(null);
+    } catch (err) {
+      setError(describeError(err));
+    }
+  }, [status, workflow, page]);
+
+  useEffect(() => {
+    load();
+  }, [load]);
+  useEffect(() => {
+    workflows.list().then((p) => setFlows(p.results)).catch(() => setFlows([]));
+  }, []);
+  const active = data?.results.some((r) => r.status === "pending" || r.status === "running");
+  useEffect(() => {
+    if (!active) return;
+    const t = window.setInterval(load, 2000);
+    return () => window.clearInterval(t);
+  }, [active, load]);
+
+  const set = (key: string, value: string) => {
+    const next = new URLSearchParams(params);
+    if (value) next.set(key, value);
+    else next.delete(key);
+    if (key !== "page") next.delete("page");
+    setParams(next);
+  };
+
+  return (
+    <div className="page">
+      <header className="page-head">
+        <div>
+          <h1>Runs</h1>
+          <p className="muted">Every execution, with its status and timing. Open one to watch it or see its outputs.</p>
+        </div>
+        <Button icon="refresh" onClick={load}>
+          Refresh
+        </Button>
+      </header>
+      <div className="toolbar">
+        <label className="inline-field">
+          Status
+          <select value={status} onChange={(e) => set("status", e.target.value)} aria-label="Filter by status">
+            <option value="">any</option>
+            {RUN_STATUSES.map((s) => (
+              <option key={s} value={s}>
+                {s}
+              </option>
+            ))}
+          </select>
+        </label>
+        <label className="inline-field">
+          Workflow
+          <select value={workflow} onChange={(e) => set("workflow", e.target.value)} aria-label="Filter by workflow">
+            <option value="">any</option>
+            {flows.map((w) => (
+              <option key={w.id} value={w.id}>
+                {w.name}
+              </option>
+            ))}
+          </select>
+        </label>
+        {data && <span className="muted small">{data.count} run{data.count === 1 ? "" : "s"}</span>}
+      </div>
+      {error && <ErrorBox>{error}</ErrorBox>}
+      {!data && !error && <Spinner label="Loading runs" />}
+      {data && data.results.length === 0 && (
+        <EmptyState icon="play" title={status || workflow ? "No run matches these filters" : "No runs yet"}>
+          Open a workflow and press <strong>Run</strong>.
+        </EmptyState>
+      )}
+      {data && data.results.length > 0 && (
+        <div className="card">
+          <table className="table clickable" data-testid="runs-table">
+            <thead>
+              <tr>
+                <th>Run</th>
+                <th>Workflow</th>
+                <th>Status</th>
+                <th>Created</th>
+                <th className="right">Duration</th>
+              </tr>
+            </thead>
+            <tbody>
+              {data.results.map((r) => (
+                <tr key={r.id} onClick={() => navigate(`/runs/${r.id}`)} data-testid="run-row">
+                  <td>
+                    <Link to={`/runs/${r.id}`} className="mono row-title" onClick={(e) => e.stopPropagation()}>
+                      {r.id.slice(0, 8)}
+                    </Link>
+                  </td>
+                  <td>
+                    {r.workflow_name} <span className="pill">v{r.version}</span>
+                  </td>
+                  <td>
+                    <StatusBadge status={r.status} />
+                    {r.failed_node && <span className="muted small"> at {r.failed_node}</span>}
+                  </td>
+                  <td className="muted small nowrap">{formatTime(r.created_at)}</td>
+                  <td className="right mono small">{formatMs(r.duration_ms)}</td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+        </div>
+      )}
+      {data && (data.next || data.previous) && (
+        <div className="pager">
+          <Button small disabled={!data.previous} onClick={() => set("page", String(page - 1))}>
+            Previous
+          </Button>
+          <span className="muted small">page {page}</span>
+          <Button small disabled={!data.next} onClick={() => set("page", String(page + 1))}>
+            Next
+          </Button>
+        </div>
+      )}
+    </div>
+  );
+}

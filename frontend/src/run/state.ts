@@ -1,0 +1,101 @@
+/**
+ * A run as its events describe it: per-node state and timings, streamed frames, output
+ * previews and the final result. `reduceRun` applies events in `seq` order (the order
+ * the studio guarantees); the view renders whatever the state holds so far.
+ */
+import type { NodeState, RunEvent, RunFinishedEvent, RunStatus } from "../api/types";
+import type { NodeRunView } from "../graph/model";
+
+export interface StreamView {
+  node: string;
+  port: string;
+  frames: unknown[];
+}
+
+export interface RunState {
+  status: RunStatus;
+  lastSeq: number;
+  startedAt: number | null;
+  nodes: Record<string, NodeRunView & { since?: number }>;
+  /** `node.port` -> frames streamed so far, in frame order. */
+  streams: Record<string, StreamView>;
+  /** `node.port` -> the latest non-frame value preview (of the latest iteration). */
+  values: Record<string, unknown>;
+  finished: RunFinishedEvent | null;
+  log: RunEvent[];
+}
+
+const LOG_LIMIT = 500;
+
+export function initialRunState(nodes: string[] = []): RunState {
+  return {
+    status: "pending",
+    lastSeq: -1,
+    startedAt: null,
+    nodes: Object.fromEntries(nodes.map((n) => [n, { state: "pending" as NodeState }])),
+    streams: {},
+    values: {},
+    finished: null,
+    log: [],
+  };
+}
+
+export function reduceRun(state: RunState, event: RunEvent): RunState {
+  if (event.seq <= state.lastSeq) return state;
+  const log = state.log.length >= LOG_LIMIT ? [...state.log.slice(1), event] : [...state.log, event];
+  const next: RunState = { ...state, lastSeq: event.seq, log };
+  switch (event.type) {
+    case "run_started":
+      next.status = "running";
+      next.startedAt = event.time;
+      next.nodes = { ...Object.fromEntries(event.nodes.map((n) => [n, { state: "pending" as NodeState }])), ...state.nodes };
+      break;
+    case "node_state": {
+      const old = state.nodes[event.node] ?? { state: "pending" };
+      const view = { ...old, state: event.state };
+      if (event.state === "running") {
+        view.since = event.time;
+        view.durationMs = null;
+        view.error = null;
+      }
+      if (event.duration_ms !== undefined && event.duration_ms !== null) view.durationMs = event.duration_ms;
+      if (event.error) view.error = event.error;
+      if (event.iteration) view.iterations = event.iteration;
+      next.nodes = { ...state.nodes, [event.node]: view };
+      break;
+    }
+    case "node_progress": {
+      const old = state.nodes[event.node] ?? { state: "running" };
+      next.nodes = {
+        ...state.nodes,
+        [event.node]: { ...old, progress: event.progress ?? old.progress, message: event.message || old.message },
+      };
+      break;
+    }
+    case "node_output": {
+      const key = `${event.node}.${event.port}`;
+      if (event.frame !== undefined && event.frame !== null) {
+        const old = state.streams[key] ?? { node: event.node, port: event.port, frames: [] };
+        next.streams = { ...state.streams, [key]: { ...old, frames: [...old.frames, event.value] } };
+      } else {
+        next.values = { ...state.values, [key]: event.value };
+      }
+      break;
+    }
+    case "run_finished":
+      next.status = event.status;
+      next.finished = event;
+      break;
+  }
+  return next;
+}
+
+/**
+ * Streamed frames as one text, joined the way the engine joins text frames for a
+ * stream-mode consumer (`"".join(frames)`); null when the frames are not all strings.
+ */
+export function streamText(stream: StreamView): string | null {
+  return stream.frames.every((f) => typeof f === "string") ? (stream.frames as string[]).join("") : null;
+}
+
+export const isTerminal = (status: RunStatus): boolean => status === "done" || status === "failed" || status === "cancelled";
