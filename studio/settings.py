@@ -28,6 +28,7 @@ INSTALLED_APPS = [
     "channels",
     "studio.accounts",
     "studio.workflows",
+    "studio.spa",
 ]
 
 MIDDLEWARE = [
@@ -75,6 +76,8 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+SPA_DIST_DIR = BASE_DIR / "frontend" / "dist"
+"""The built frontend that `studio.spa` serves (`npm run build` in frontend/)."""
 STATIC_ROOT = OMNIFLOW.data_dir / "static"
 MEDIA_ROOT = OMNIFLOW.media_root
 MEDIA_URL = None  # files are served by the API, to their owner only

@@ -5,6 +5,7 @@
     /ws/runs/<id>/      run events (WebSocket; see studio.workflows.routing)
     /metrics, /healthz  Prometheus metrics, health
     /admin/             Django admin
+    /assets/..., /*     the studio frontend (studio.spa): built bundles, and index.html for any other page
 """
 
 from __future__ import annotations
@@ -29,4 +30,5 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("metrics", health.metrics, name="metrics"),
     path("admin/", admin.site.urls),
+    path("", include("studio.spa.urls")),  # last: it takes every path the others leave
 ]
