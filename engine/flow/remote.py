@@ -54,8 +54,9 @@ from engine.data.wire import (
     ValueKind,
     WorkerMessage,
 )
-from engine.flow.balance import BalanceRequest, NoWorkerError, Policy, candidates_from, make_policy
+from engine.flow.balance import BalanceRequest, KVAware, NoWorkerError, Policy, candidates_from, make_policy
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
+from engine.flow.kvroute import NO_HINT, KVRouter
 from engine.spec.calls import NodeCall, NodeContext, NodeResult
 from engine.spec.graph import RoleSpec
 
@@ -217,7 +218,9 @@ class _Connection:
 
 class WorkerDispatcher:
     """Dispatches to the workers `registry` lists. `peer` is this process's seat on the
-    transfer plane (tensors given as run inputs are served from it)."""
+    transfer plane (tensors given as run inputs are served from it). `kv_router` gives roles
+    balanced `kv_aware` the prompt's page keys and the pages each worker holds (default:
+    `KVRouter.for_registry(registry)`, see `engine.flow.kvroute`)."""
 
     def __init__(
         self,
@@ -229,9 +232,11 @@ class WorkerDispatcher:
         registry_refresh_s: float = 0.5,
         no_worker_wait_s: float = 2.0,
         max_message_bytes: int = 64 * MiB,
+        kv_router: KVRouter | None = None,
     ) -> None:
         self._registry = registry
         self._peer = peer
+        self._kv_router = kv_router if kv_router is not None else KVRouter.for_registry(registry)
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
         self._refresh_s = registry_refresh_s
@@ -296,9 +301,10 @@ class WorkerDispatcher:
             and (s.info.worker_id not in self._connections or self._connections[s.info.worker_id].lost is None)
         ]
         by_id = {s.info.worker_id: s for s in snapshots}
-        candidates = candidates_from(snapshots, outstanding=self._outstanding)
+        hint = await self._kv_router.hint(role, call, snapshots) if role.balance == KVAware.name else NO_HINT
+        candidates = candidates_from(snapshots, outstanding=self._outstanding, cached=hint.cached)
         request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
-                                 session_key=call.params.get("session_id"))
+                                 session_key=call.params.get("session_id"), prefix_pages=hint.pages)
         return by_id[self._policy(role).choose(request, candidates)]
 
     # --------------------------------------------------------------- connections
@@ -531,3 +537,4 @@ class WorkerDispatcher:
         self._connections.clear()
         self._context.term()
         self._control_context.term()
+        self._kv_router.close()
