@@ -56,6 +56,7 @@ from engine.flow.remote import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.worker.core import RoleWorkerCore
+from engine.worker.kv import KVHosting
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,9 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         control.send_nowait([identity, codec.encode(message)])
 
     unit = kinds.role_kind(config.role.kind).load_runner()(config.role)
+    # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
+    kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
+                         namespace=config.namespace, heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
     capacity = config.capacity or int(config.role.params.get("capacity", 64))
     core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
                           pull_timeout_s=config.pull_timeout_s)
@@ -261,7 +265,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     def load() -> WorkerLoad:
         base = core.load()
         return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
-                          metrics={**base.metrics, **_process_metrics()})
+                          metrics={**base.metrics, **_process_metrics(), **kv.metrics()})
 
     liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
     liveness_address = liveness.start_and_bind()
@@ -274,7 +278,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         device=config.role.device,
         host=host,
         pid=os.getpid(),
-        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow},
+        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow, **kv.meta},
     )
     liveness.register(info)
     greeted: set[bytes] = set()
@@ -316,6 +320,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     log.info("worker %s draining", config.worker_id)
     cancelled = await core.drain(config.drain_timeout_s)
     liveness.stop()
+    kv.close()
     await unit.close()
     # A linger lets the answers of drained executions leave before the context ends.
     control.close(linger=_ANSWER_LINGER_MS)
