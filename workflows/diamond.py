@@ -23,7 +23,7 @@ def cube(x: int) -> int:
 def memo(x: int) -> Route:
     """Route to `total` with the remembered sum, or nowhere on a miss."""
     if x in REMEMBERED:
-        return Route(["total"], [REMEMBERED[x]])
+        return Route(["total"], REMEMBERED[x])
     return Route([], None)
 
 

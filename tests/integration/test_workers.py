@@ -195,10 +195,6 @@ async def test_example_workflows_match_in_process_dispatcher():
     await asyncio.gather(*(remote(name) for name in names))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows/diamond.py: memo routes Route(['total'], [36]), a list, into total's `join: all` port,"
-    " which wraps arrivals in a list again: total(values=[[36]]) raises TypeError. Whenever the memo"
-    " answers before square and cube (here forced; with real workers ~1 run in 6), the run fails."))
 async def test_diamond_memo_path(tmp_path: Path):
     """The memo branch of the diamond wins the race (square and cube wait for the test)."""
     spec = load_workflow(str(REPO / "workflows" / "diamond.py"))
