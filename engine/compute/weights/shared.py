@@ -1,0 +1,228 @@
+"""Model weights shared read-only between processes of one host through one shared-memory segment.
+
+The first process to load a model *publishes* it: every parameter and buffer is copied
+into one segment (`engine.data.shm` naming and ownership, prefix `omniflowweights`), the
+module is re-pointed at the segment, and a small index file next to the segment names
+it under the model's key. Another process *attaches*: it reads the index, maps the
+segment read-only (`PROT_READ`), and builds the module as an empty skeleton (on the
+`meta` device, no memory) whose tensors are then views of the mapping. So N processes
+hold one copy. No pickle anywhere: the manifest is JSON (msgspec), the tensors raw bytes.
+
+Contract: attached tensors are read-only memory. Inference never writes weights; a write
+would fault (the mapping refuses it), which is the point. The owner unlinks its segment
+and index when it closes; mappings that other processes hold stay valid until they drop
+them (POSIX semantics), and segments of owners that died are reclaimed by
+`engine.data.shm.reclaim_dead_segments(prefix=WEIGHTS_PREFIX)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, parse_segment_name
+
+WEIGHTS_PREFIX = "omniflowweights"
+_ALIGN = 64
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+              torch.int16, torch.int8, torch.uint8, torch.bool)
+}
+
+
+class SharedWeightsError(RuntimeError):
+    """Weights that cannot be published or attached."""
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """One named tensor of a module: `kind` "param" or "buffer", bytes at `offset` of the segment."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class WeightsManifest(msgspec.Struct, frozen=True):
+    """What an attaching process needs: the segment, every tensor's place in it, and `meta`
+    (whatever the publisher records to rebuild the module's skeleton, e.g. its config)."""
+
+    key: str
+    segment: str
+    nbytes: int
+    tensors: tuple[TensorEntry, ...]
+    meta: dict[str, Any] = {}
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """Every parameter and buffer by every name it has (tied weights appear under each name)."""
+    out = [(name, "param", t) for name, t in module.named_parameters(remove_duplicate=False)]
+    out += [(name, "buffer", t) for name, t in module.named_buffers(remove_duplicate=False) if t is not None]
+    return out
+
+
+def _assign(module: torch.nn.Module, name: str, kind: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if kind == "param":
+        owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def _views(buffer: Any, manifest: WeightsManifest) -> dict[int, torch.Tensor]:
+    """Tensors viewing `buffer`, by offset (aliases share one)."""
+    views: dict[int, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # A read-only mapping: torch warns that it cannot express read-only tensors.
+        warnings.simplefilter("ignore", UserWarning)
+        base = torch.frombuffer(buffer, dtype=torch.uint8, count=manifest.nbytes) if manifest.nbytes else None
+    for entry in manifest.tensors:
+        if entry.offset in views:
+            continue
+        dtype = _DTYPES[entry.dtype]
+        numel = int(np.prod(entry.shape)) if entry.shape else 1
+        if base is None:
+            views[entry.offset] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        raw = base[entry.offset : entry.offset + numel * dtype.itemsize]
+        views[entry.offset] = raw.view(dtype).view(entry.shape)
+    return views
+
+
+@dataclass(slots=True, eq=False)
+class PublishedWeights:
+    """Weights this process published: it owns the segment and the index file (see `close`)."""
+
+    manifest: WeightsManifest
+    segment: Segment
+    index_path: str
+
+    def close(self) -> None:
+        """Unlink the segment and the index: no new process attaches. Mappings stay valid."""
+        with contextlib.suppress(FileNotFoundError):
+            if _read_index(self.index_path) == self.manifest.segment:
+                os.unlink(self.index_path)
+        self.segment.unlink()
+
+
+def _read_index(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=WeightsManifest).segment
+    except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class HostWeights:
+    """The host-local directory of published weights, by key. One per worker process (owned by
+    its `WeightStore`); every process on the host sees the same directory (`root`).
+
+    Not thread-safe by itself: the `WeightStore` serialises loads.
+    """
+
+    def __init__(self, root: str = SHM_ROOT, prefix: str = WEIGHTS_PREFIX) -> None:
+        self.root = root
+        self.prefix = prefix
+        self._allocator = SegmentAllocator(root=root, prefix=prefix, pool_bytes=0)
+        self._published: list[PublishedWeights] = []
+        self._mappings: list[mmap.mmap] = []
+
+    def index_path(self, key: str) -> str:
+        return os.path.join(self.root, f"{self.prefix}-index-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+
+    def lookup(self, key: str) -> WeightsManifest | None:
+        """The manifest published under `key` by a live process, if any."""
+        try:
+            with open(self.index_path(key), "rb") as f:
+                manifest = msgspec.json.decode(f.read(), type=WeightsManifest)
+        except FileNotFoundError:
+            return None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SharedWeightsError(f"unreadable weights index for {key!r}: {exc}") from exc
+        owner = parse_segment_name(manifest.segment, self.prefix)
+        if manifest.key != key or owner is None or not owner.alive():
+            return None
+        if not os.path.exists(os.path.join(self.root, manifest.segment)):
+            return None
+        return manifest
+
+    def publish(self, key: str, module: torch.nn.Module, meta: dict[str, Any] | None = None) -> WeightsManifest:
+        """Move `module`'s parameters and buffers into a new segment (the module now views it)
+        and name it under `key`. The module must be on the CPU."""
+        named = _named_tensors(module)
+        offsets: dict[int, int] = {}
+        entries: list[TensorEntry] = []
+        total = 0
+        for name, kind, tensor in named:
+            if tensor.device.type != "cpu":
+                raise SharedWeightsError(f"{name} is on {tensor.device}; host sharing takes CPU tensors")
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise SharedWeightsError(f"{name}: dtype {tensor.dtype} cannot be shared")
+            ident = id(tensor)
+            if ident not in offsets:
+                offsets[ident] = total
+                total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+            entries.append(TensorEntry(name, kind, dtype, tuple(tensor.shape), offsets[ident]))
+        segment = self._allocator.take(max(total, 1))
+        manifest = WeightsManifest(key=key, segment=segment.name, nbytes=total, tensors=tuple(entries),
+                                   meta=dict(meta or {}))
+        views = _views(segment.buffer, manifest)
+        with torch.no_grad():
+            for (name, kind, tensor), entry in zip(named, entries, strict=True):
+                target = views[entry.offset]
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor.detach())
+                _assign(module, name, kind, target)
+        path = self.index_path(key)
+        staging = f"{path}.{segment.name}"
+        with open(staging, "wb") as f:
+            f.write(msgspec.json.encode(manifest))
+        os.replace(staging, path)  # atomic: readers see the old index or the new one
+        self._published.append(PublishedWeights(manifest, segment, path))
+        return manifest
+
+    def attach(self, manifest: WeightsManifest, skeleton: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """Build `skeleton()` on the meta device (no memory) and point every tensor at the mapped
+        segment, read-only. Raises `SharedWeightsError` when the module does not match."""
+        path = os.path.join(self.root, manifest.segment)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise SharedWeightsError(f"weights segment {manifest.segment} is gone") from exc
+        try:
+            mapping = mmap.mmap(fd, max(manifest.nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._mappings.append(mapping)
+        with torch.device("meta"):
+            module = skeleton()
+        expected = {(name, kind) for name, kind, _ in _named_tensors(module)}
+        given = {(e.name, e.kind) for e in manifest.tensors}
+        if expected != given:
+            missing, extra = sorted(expected - given)[:4], sorted(given - expected)[:4]
+            raise SharedWeightsError(f"the skeleton does not match {manifest.key!r}: missing {missing}, extra {extra}")
+        views = _views(mapping, manifest)
+        for entry in manifest.tensors:
+            _assign(module, entry.name, entry.kind, views[entry.offset])
+        return module.eval()
+
+    def close(self) -> None:
+        """Withdraw what this process published. Attached modules keep working."""
+        for published in self._published:
+            published.close()
+        self._published.clear()
+        self._mappings.clear()

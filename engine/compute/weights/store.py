@@ -1,0 +1,213 @@
+"""`WeightStore`: the models a worker process holds, so roles that use the same weights share one copy.
+
+A worker process builds one `WeightStore` and passes it to every compute unit it hosts
+(`Unit(role, shared=store)`); there is no module-level cache. A unit asks for its
+model by key — kind of weights, model reference, device — and gets the one instance the
+process holds (`acquire`), loading it on first use; it hands it back when it closes
+(`release`), and the last release drops it. So the `llm` role and the `diffusion` role
+of one model in one process run on the same `torch.nn.Module` objects.
+
+With `host=HostWeights()` the store also shares CPU weights across the processes of
+one host: on a miss it attaches to a copy another process published (see
+`engine.compute.weights.shared`) and only loads (and publishes) when there is none.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.compute.models.loader import LoadedModel, load_model
+from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.weights.shared import HostWeights, SharedWeightsError, WeightsManifest
+
+
+@dataclass(frozen=True, slots=True)
+class WeightKey:
+    """Which weights: `kind` of model ("llm", "vision_encoder", …), `ref` (a built-in name or a
+    checkpoint path, plus whatever else fixes the weights, e.g. a projection size), device."""
+
+    kind: str
+    ref: str
+    device: str = "cpu"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.ref}@{self.device}"
+
+
+@dataclass(slots=True)
+class _Held:
+    value: Any
+    users: int = 0
+    origin: str = "loaded"  # "loaded", "published" (loaded, then shared on the host) or "attached"
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class WeightStore:
+    """See the module docstring. Thread-safe; a load runs once however many units ask at once."""
+
+    def __init__(self, host: HostWeights | None = None) -> None:
+        self.host = host
+        self._held: dict[WeightKey, _Held] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, key: WeightKey, load: Callable[[], Any]) -> Any:
+        """The instance held under `key`, loaded with `load()` if none is; counts one user."""
+        with self._lock:
+            held = self._held.get(key)
+            owner = held is None
+            if held is None:
+                held = self._held[key] = _Held(value=None)
+            held.users += 1
+        if owner:
+            try:
+                held.value = load()
+            except BaseException as exc:
+                held.error = exc
+                with self._lock:
+                    self._held.pop(key, None)
+                raise
+            finally:
+                held.ready.set()
+        else:
+            held.ready.wait()
+            if held.error is not None:
+                raise held.error
+        return held.value
+
+    def release(self, key: WeightKey) -> None:
+        """One user is done; the last one drops the instance (its memory goes with the last reference)."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                raise KeyError(str(key))
+            held.users -= 1
+            if held.users <= 0:
+                del self._held[key]
+
+    def users(self, key: WeightKey) -> int:
+        with self._lock:
+            held = self._held.get(key)
+            return held.users if held is not None else 0
+
+    def origin(self, key: WeightKey) -> str | None:
+        with self._lock:
+            held = self._held.get(key)
+            return held.origin if held is not None else None
+
+    def _set_origin(self, key: WeightKey, origin: str) -> None:
+        with self._lock:
+            if key in self._held:
+                self._held[key].origin = origin
+
+    # -- modules shared across processes -------------------------------------------------------------
+
+    def module(self, key: WeightKey, build: Callable[[], torch.nn.Module],
+               skeleton: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
+        """A `torch.nn.Module` under `key`. With a host directory and a CPU key, `skeleton` (the
+        same module class and config, built without weights) attaches to a published copy;
+        otherwise `build()` makes it, and it is published for the next process."""
+
+        def load() -> torch.nn.Module:
+            if self.host is None or key.device != "cpu" or skeleton is None:
+                return build().to(key.device)
+            manifest = self.host.lookup(str(key))
+            if manifest is not None:
+                try:
+                    module = self.host.attach(manifest, skeleton)
+                except SharedWeightsError:
+                    module = None
+                if module is not None:
+                    self._set_origin(key, "attached")
+                    return module
+            module = build()
+            self.host.publish(str(key), module)
+            self._set_origin(key, "published")
+            return module
+
+        return self.acquire(key, load)
+
+    def llm(self, ref: str, device: str = "cpu") -> LoadedModel:
+        """A causal LM (built-in name or checkpoint directory) as `load_model` gives it, shared.
+
+        Release it with `release(WeightStore.llm_key(ref, device))`."""
+        key = self.llm_key(ref, device)
+
+        def load() -> LoadedModel:
+            if self.host is None or device != "cpu":
+                return _load_llm(ref, device)
+            manifest = self.host.lookup(str(key))
+            if manifest is not None:
+                try:
+                    loaded = _attach_llm(self.host, manifest)
+                except SharedWeightsError:
+                    loaded = None
+                if loaded is not None:
+                    self._set_origin(key, "attached")
+                    return loaded
+            loaded = _load_llm(ref, device)
+            self.host.publish(str(key), loaded.model, meta=_llm_meta(loaded, ref))
+            self._set_origin(key, "published")
+            return loaded
+
+        return self.acquire(key, load)
+
+    @staticmethod
+    def llm_key(ref: str, device: str = "cpu") -> WeightKey:
+        return WeightKey("llm", ref, device)
+
+    def close(self) -> None:
+        """Drop every instance and withdraw what this process published on the host."""
+        with self._lock:
+            self._held.clear()
+        if self.host is not None:
+            self.host.close()
+
+
+def _load_llm(ref: str, device: str) -> LoadedModel:
+    from pathlib import Path
+
+    loaded = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+    if device != "cpu":
+        loaded.model.to(device)
+    return loaded
+
+
+def _llm_meta(loaded: LoadedModel, ref: str) -> dict[str, Any]:
+    return {
+        "ref": ref,
+        "name": loaded.name,
+        "model_id": loaded.model_id,
+        "eos_token_ids": list(loaded.eos_token_ids),
+        "architecture": type(loaded.model).__name__,
+        "config": loaded.model.config.to_dict(),
+        "builtin_tokenizer": loaded.model_id.startswith("builtin:"),
+    }
+
+
+def _attach_llm(host: HostWeights, manifest: WeightsManifest) -> LoadedModel:
+    import transformers
+
+    meta = manifest.meta
+    model_cls = getattr(transformers, str(meta["architecture"]), None)
+    if model_cls is None:
+        raise SharedWeightsError(f"unknown architecture {meta['architecture']!r}")
+    config_dict = dict(meta["config"])
+    config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    model = host.attach(manifest, lambda: model_cls(config))
+    if meta["builtin_tokenizer"]:
+        tokenizer = build_byte_tokenizer()
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(meta["ref"], local_files_only=True)
+    return LoadedModel(
+        name=str(meta["name"]),
+        model_id=str(meta["model_id"]),
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(int(t) for t in meta["eos_token_ids"]),
+    )
