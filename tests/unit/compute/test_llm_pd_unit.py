@@ -1,0 +1,249 @@
+"""Prefill/decode disaggregation in the `llm` unit, in process: the node kinds, the handoff value,
+the hold on the prefill side, the pull on the decode side, and the prompt keys a router computes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine.compute.kinds import register
+from engine.compute.llm import EngineConfig, LLMEngine
+from engine.compute.llm.routing import RoleTokenizers
+from engine.compute.llm.transfer import KVHandoffRef
+from engine.compute.llm.unit import LLMUnit, LLMUnitError, NodeMode, node_mode
+from engine.compute.sampling import SamplingParams
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.kvroute import prompt_pages
+from engine.flow.plan import build_plan
+from engine.flow.validate import GraphValidationError
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import RoleSpec
+from engine.spec.kinds import default_kinds
+from tests.unit.compute.conftest import prompt_ids
+
+PAGE = 4
+
+
+@pytest.fixture
+def kinds():
+    registry = default_kinds(load_entry_points=False)
+    register(registry)
+    return registry
+
+
+@pytest.fixture
+async def executor(kinds):
+    ex = Executor(InProcessDispatcher(kinds), kinds)
+    yield ex
+    await ex.aclose()
+
+
+def llm_role(name: str, **params) -> RoleSpec:
+    return RoleSpec(name=name, kind="llm", model="tiny-llama", params={"page_size": PAGE, **params})
+
+
+@pytest.fixture
+async def make_unit() -> AsyncIterator:
+    made: list[LLMUnit] = []
+
+    def factory(name: str, **params) -> LLMUnit:
+        unit = LLMUnit(llm_role(name, **params))
+        made.append(unit)
+        return unit
+
+    yield factory
+    for unit in made:
+        await unit.close()
+
+
+def call(node_id: str, inputs: dict, outputs: tuple[str, ...], params: dict | None = None,
+         stream: bool = False) -> NodeCall:
+    return NodeCall("run", node_id, None, params or {}, inputs, outputs, stream, False, 1, 1)
+
+
+CTX = NodeContext("run", "n", 1, 1, lambda f, m: None)
+DECODE_OUT = ("text", "tokens", "kv")
+
+
+def pd_workflow(max_new: int = 10, stream: bool = False) -> Workflow:
+    """The same prompt through prefill -> decode (two roles) and through one `llm` node."""
+    wf = Workflow("pd")
+    pre_role = wf.role("pre", kind="llm", model="tiny-llama", params={"page_size": PAGE})
+    dec_role = wf.role("dec", kind="llm", model="tiny-llama", params={"page_size": PAGE})
+    one_role = wf.role("one", kind="llm", model="tiny-llama", params={"page_size": PAGE})
+    tokens = wf.input("prompt", "tokens")
+    pre = wf.node("prefill", "llm.prefill", role=pre_role, params={"max_new_tokens": max_new})
+    dec = wf.node("decode", "llm.decode", role=dec_role, stream=stream)
+    one = wf.node("single", "llm", role=one_role, params={"max_new_tokens": max_new})
+    wf.edge(tokens, pre.inp("tokens"))
+    wf.edge(tokens, one.inp("tokens"))
+    wf.edge(pre, dec)
+    if stream:
+        wf.output("pd_text", dec.out("text"), {"type": "text", "join": "ordered"})
+    else:
+        wf.output("pd_tokens", dec.out("tokens"), "tokens")
+        wf.output("pd_text", dec.out("text"), "text")
+        wf.output("pd_kv", dec.out("kv"), "kv")
+        wf.output("handoff", pre, "kv")
+    wf.output("tokens", one.out("tokens"), "tokens")
+    wf.output("text", one.out("text"), "text")
+    return wf
+
+
+def reference(tiny_llama, prompt: list[int], max_new: int) -> list[int]:
+    engine = LLMEngine(tiny_llama, EngineConfig(page_size=PAGE))
+    try:
+        return list(engine.generate([prompt], SamplingParams(max_new_tokens=max_new))[0].output_ids)
+    finally:
+        engine.close()
+
+
+async def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+    return value
+
+
+def locked(unit: LLMUnit) -> int:
+    return int(unit.kv_store.metrics()["device.locked_pages"])
+
+
+# --- kinds and DSL ----------------------------------------------------------------------------------
+
+
+def test_prefill_and_decode_kinds_fix_their_ports_and_the_dsl_fills_them(kinds):
+    prefill, decode = kinds.node_kind("llm.prefill"), kinds.node_kind("llm.decode")
+    assert set(prefill.inputs) == {"prompt", "tokens"} and set(prefill.outputs) == {"kv"}
+    assert set(decode.inputs) == {"kv"} and set(decode.outputs) == {"text", "tokens", "kv"}
+    assert prefill.role_kinds == decode.role_kinds == ("llm",)
+    spec = pd_workflow().to_spec()
+    assert set(spec.node("decode").outputs) == {"text", "tokens", "kv"}
+    build_plan(spec, kinds)
+    wf = Workflow("bad", kinds=kinds)
+    role = wf.role("llm", kind="llm", model="tiny-llama")
+    pre = wf.node("pre", "llm.prefill", role=role, params={"session": "s"})  # sessions do not disaggregate
+    dec = wf.node("dec", "llm.decode", role=role, params={"tenant": "t"})  # the handoff carries the tenant
+    wf.edge(wf.input("p", "text"), pre.inp("prompt"))
+    wf.edge(pre, dec)
+    with pytest.raises(GraphValidationError) as err:
+        build_plan(wf.to_spec(), kinds)
+    assert [i.code for i in err.value.issues] == ["bad_param", "bad_param"]
+
+
+def test_node_mode_follows_the_fixed_ports():
+    assert node_mode(call("n", {"prompt": "x"}, ("text", "tokens", "kv"))) is NodeMode.GENERATE
+    assert node_mode(call("n", {"tokens": [1]}, ("kv",))) is NodeMode.PREFILL
+    assert node_mode(call("n", {"kv": {}}, DECODE_OUT)) is NodeMode.DECODE
+
+
+# --- workflows ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [3, 8, 13])  # shorter than a page, page-aligned, pages + tail
+async def test_prefill_decode_workflow_equals_one_llm_node(executor, tiny_llama, length):
+    prompt = prompt_ids(60 + length, length)
+    result = await (await executor.submit(pd_workflow().to_spec(), {"prompt": prompt})).wait()
+    assert result.status == "done", result.error
+    out = result.outputs
+    assert out["pd_tokens"] == out["tokens"] == reference(tiny_llama, prompt, 10)
+    assert out["pd_text"] == out["text"]
+    handoff = out["handoff"]
+    assert handoff["type"] == "llm.handoff" and len(handoff["page_hashes"]) == length // PAGE
+    assert handoff["tail_len"] == length % PAGE and handoff["first_token"] == out["tokens"][0]
+    kv = out["pd_kv"]
+    assert kv["pulled_pages"] == length // PAGE and kv["prompt_tokens"] == length
+    assert kv["pages"][: length // PAGE] == handoff["page_hashes"]
+
+
+async def test_streaming_decode_yields_every_token(executor, tiny_llama):
+    prompt = prompt_ids(70, 11)
+    result = await (await executor.submit(pd_workflow(max_new=8, stream=True).to_spec(), {"prompt": prompt})).wait()
+    assert result.status == "done", result.error
+    assert len(result.outputs["pd_text"]) == 8
+    assert "".join(result.outputs["pd_text"]) == result.outputs["text"]
+
+
+# --- the hold and the pull -------------------------------------------------------------------------------
+
+
+async def test_decode_pulls_exactly_the_prompt_pages_and_the_prefill_lets_go(make_unit, tiny_llama):
+    prefill, decode = make_unit("pre"), make_unit("dec")
+    prompt = prompt_ids(71, 23)
+    value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 6}), CTX)).outputs["kv"]
+    handoff = KVHandoffRef.from_value(value)
+    assert len(handoff.page_hashes) == 5 and handoff.tail_len == 3 and handoff.hold is not None
+    assert handoff.sampling == {"max_new_tokens": 6}
+    assert locked(prefill) == 5  # held for the decode side
+    result = await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
+    assert result.outputs["tokens"] == reference(tiny_llama, prompt, 6)
+    assert result.outputs["kv"]["pulled_pages"] == 5
+    assert decode.kv_store.metrics()["pull.pages"] == 5
+    assert decode.engine.stats.computed_prompt_tokens == 0
+    await wait_for(lambda: locked(prefill) == 0, 5.0, "the prefill worker to let go of the pages")
+    assert handoff.hold.id not in prefill._transfer().store
+    # The same prompt again: the decode side already holds the pages and pulls none.
+    again = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 6}), CTX)).outputs["kv"]
+    assert again["cached_tokens"] == 20
+    second = await decode.execute(call("d", {"kv": again}, DECODE_OUT), CTX)
+    assert second.outputs["kv"]["pulled_pages"] == 0 and second.outputs["tokens"] == result.outputs["tokens"]
+
+
+async def test_an_unclaimed_handoff_is_released_when_its_lease_ends(make_unit):
+    prefill = make_unit("pre", handoff_lease_s=0.2)
+    value = (await prefill.execute(call("p", {"tokens": prompt_ids(72, 17)}, ("kv",)), CTX)).outputs["kv"]
+    assert locked(prefill) == 4
+    await wait_for(lambda: locked(prefill) == 0, 5.0, "the lease to end the hold")
+    decode = make_unit("dec")
+    with pytest.raises(LLMUnitError, match="cannot pull the prompt's KV from prefill worker"):
+        await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)  # the tail went with the hold
+
+
+async def test_a_generation_that_ends_at_the_first_token_hands_nothing_off(make_unit, tiny_llama):
+    prefill, decode = make_unit("pre"), make_unit("dec")
+    prompt = prompt_ids(73, 9)
+    value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 1}), CTX)).outputs["kv"]
+    assert value["finish_reason"] == "length" and value["hold"] is None and locked(prefill) == 0
+    result = await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
+    assert result.outputs["tokens"] == reference(tiny_llama, prompt, 1)
+    assert result.outputs["kv"]["pulled_pages"] == 0
+
+
+async def test_decode_rejects_what_is_not_its_handoff(make_unit):
+    decode = make_unit("dec")
+    with pytest.raises(LLMUnitError, match="not a prefill handoff"):
+        await decode.execute(call("d", {"kv": {"model_id": "x", "pages": []}}, DECODE_OUT), CTX)
+    prefill = make_unit("pre")
+    value = (await prefill.execute(call("p", {"tokens": prompt_ids(74, 9)}, ("kv",)), CTX)).outputs["kv"]
+    with pytest.raises(LLMUnitError, match="model"):
+        await decode.execute(call("d", {"kv": {**value, "model_id": "other"}}, DECODE_OUT), CTX)
+    other_pages = make_unit("dec8", page_size=8)
+    with pytest.raises(LLMUnitError, match="layout"):
+        await other_pages.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
+
+
+# --- what a router computes -------------------------------------------------------------------------------
+
+
+async def test_router_prompt_keys_are_the_engines_page_keys(make_unit, tiny_llama):
+    unit = make_unit("llm")
+    role = llm_role("llm")
+    prompt = "a prompt long enough for a few pages"
+    ids = unit.engine.encode(prompt)
+    assert RoleTokenizers()(role, prompt) == ids
+    out = await unit.execute(call("g", {"prompt": prompt}, ("text", "tokens", "kv"), {"tenant": "t1"}), CTX)
+    cached = out.outputs["kv"]["pages"]
+    meta = unit.kv_meta()
+    by_text = prompt_pages(role, call("g", {"prompt": prompt}, (), {"tenant": "t1"}), meta, RoleTokenizers())
+    by_ids = prompt_pages(role, call("g", {"tokens": ids}, (), {"tenant": "t1"}), meta)
+    assert by_text == by_ids == tuple(cached[: (len(ids) - 1) // PAGE])
+    assert prompt_pages(role, call("g", {"tokens": ids}, ()), meta)[0] != by_ids[0]  # tenants never share
+    assert prompt_pages(role, call("g", {"prompt": prompt}, ()), meta) == ()  # text needs a tokenizer
+    assert prompt_pages(role, call("g", {"tokens": ids}, (), {"session": "s"}), meta) == ()
