@@ -352,6 +352,10 @@ try {
     await img.waitFor();
     await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 96, tid("output-image-image"));
     await waitText(tid("output-text"), "frames arrive one by one in the browser");
+    const audio = page.locator(tid("output-audio-sound"));
+    await audio.waitFor();
+    await page.waitForFunction((s) => document.querySelector(s)?.readyState >= 1, tid("output-audio-sound"));
+    expect((await audio.evaluate((a) => a.duration)) > 0.3, "the WAV output plays in an audio player");
     await shot("run-media-done");
   });
 

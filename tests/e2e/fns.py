@@ -1,12 +1,15 @@
 """Node functions of the browser tests' workflows (the studio under test allows ops in
-`tests.e2e.fns`): a pause to watch states change and to cancel, a word stream, and a
-PNG made from an uploaded image."""
+`tests.e2e.fns`): a pause to watch states change and to cancel, a word stream, a PNG
+made from an uploaded image and a WAV tone made from a caption."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
+import math
 import struct
+import wave
 import zlib
 from collections.abc import AsyncIterator
 
@@ -44,3 +47,19 @@ def swatch(picture: bytes) -> bytes:
     """A 96x64 PNG whose colour is derived from the uploaded image's bytes."""
     digest = hashlib.sha256(picture).digest()
     return png(96, 64, (64 + digest[0] % 192, 64 + digest[1] % 192, 64 + digest[2] % 192))
+
+
+def tone(caption: str) -> bytes:
+    """A short 16-bit mono WAV whose pitch follows the caption's length."""
+    rate, seconds = 8000, 0.4
+    pitch = 220.0 + 20.0 * (len(caption) % 24)
+    samples = b"".join(
+        struct.pack("<h", int(12000 * math.sin(2 * math.pi * pitch * i / rate))) for i in range(int(rate * seconds))
+    )
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(samples)
+    return out.getvalue()

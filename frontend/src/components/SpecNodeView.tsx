@@ -13,6 +13,8 @@ function iconOf(kind: string): IconName {
   return kind === "python" ? "code" : "cpu";
 }
 
+const JOIN_SHORT: Record<string, string> = { all: "all", ordered: "ord", dynamic: "dyn" };
+
 function PortLabel({ name, port, side, bad }: { name: string; port: PortSpec; side: "in" | "out"; bad: boolean }) {
   return (
     <span className={`port port-${side}${bad ? " port-issue" : ""}`} title={port.description || undefined}>
@@ -22,7 +24,11 @@ function PortLabel({ name, port, side, bad }: { name: string; port: PortSpec; si
         {port.optional ? "?" : ""}
       </span>
       {side === "in" && <span className={`type type-${port.type}`}>{port.type}</span>}
-      {side === "in" && port.join && <span className="join">{port.join}</span>}
+      {side === "in" && port.join && (
+        <span className="join" title={`join: ${port.join}`}>
+          {JOIN_SHORT[port.join]}
+        </span>
+      )}
     </span>
   );
 }

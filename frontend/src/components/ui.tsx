@@ -152,3 +152,15 @@ export function formatBytes(n: number): string {
   }
   return `${v.toFixed(v < 10 ? 1 : 0)} ${units[i]}`;
 }
+
+/** The page for an error: a 404 as "not found" with a way back, anything else as an error box. */
+export function LoadError({ error, what, back }: { error: { status?: number; message: string }; what: string; back: ReactNode }) {
+  if (error.status === 404) {
+    return (
+      <EmptyState icon="search" title={`No such ${what}`} action={back} testId="not-found">
+        It does not exist, or it belongs to someone else.
+      </EmptyState>
+    );
+  }
+  return <ErrorBox>{error.message}</ErrorBox>;
+}

@@ -377,7 +377,9 @@ function ControlFlow({ doc, spec, patch }: { doc: EditorDoc; spec: NodeSpec; pat
 
       <div className="grid-3">
         <label className="field">
-          <span className="field-label">Max iterations</span>
+          <span className="field-label" title="max_iterations: how often a node on a cycle may fire">
+            Max iter.
+          </span>
           <CommitInput
             type="number"
             min={1}

@@ -8,7 +8,7 @@ import loop from "./fixtures/loop.json";
 import router from "./fixtures/router.json";
 import stream from "./fixtures/stream.json";
 import { placeIssues, withIssues } from "./issues";
-import { docLayout, docToSpec, emptyDoc, specToDoc } from "./model";
+import { docLayout, docToSpec, emptyDoc, specNameFor, specToDoc } from "./model";
 import {
   addNode,
   checkConnection,
@@ -202,6 +202,16 @@ describe("editing", () => {
   it("names uniquely", () => {
     expect(uniqueName("python", ["python", "python_2"])).toBe("python_3");
     expect(uniqueName("x", [])).toBe("x");
+  });
+});
+
+describe("spec names", () => {
+  it("turn a workflow's name into an identifier", () => {
+    expect(specNameFor("caption-images")).toBe("caption-images");
+    expect(specNameFor("My pipeline v2!")).toBe("My_pipeline_v2_");
+    expect(specNameFor("2nd try")).toBe("_2nd_try");
+    expect(specNameFor("x".repeat(80))).toHaveLength(64);
+    expect(emptyDoc("a b").name).toBe("a_b");
   });
 });
 

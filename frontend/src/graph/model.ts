@@ -44,7 +44,13 @@ export interface EditorDoc {
 }
 
 export function emptyDoc(name: string): EditorDoc {
-  return { name, description: "", meta: {}, roles: [], nodes: [], edges: [] };
+  return { name: specNameFor(name), description: "", meta: {}, roles: [], nodes: [], edges: [] };
+}
+
+/** A GraphSpec name (an identifier of at most 64 characters) for a workflow's name. */
+export function specNameFor(name: string): string {
+  const cleaned = name.replace(/[^A-Za-z0-9_-]+/g, "_").slice(0, 64);
+  return /^[A-Za-z_]/.test(cleaned) ? cleaned : `_${cleaned}`.slice(0, 64);
 }
 
 export function flowNode(spec: NodeSpec, position: { x: number; y: number }): SpecNode {

@@ -20,13 +20,13 @@ import {
 } from "@xyflow/react";
 import { type DragEvent, useCallback, useEffect, useMemo, useRef, useState } from "react";
 import { Link, useNavigate, useParams } from "react-router-dom";
-import { describeError } from "../api/client";
+import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
 import type { GraphSpec, Issue, NodeKind, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
 import { useToast } from "../components/toast";
-import { Button, ErrorBox, Modal, Spinner } from "../components/ui";
+import { Button, ErrorBox, LoadError, Modal, Spinner } from "../components/ui";
 import { DeployDialog } from "../editor/DeployDialog";
 import { NodeInspector, type NodeEdits } from "../editor/NodeInspector";
 import { DRAG_MIME, Palette } from "../editor/Palette";
@@ -61,7 +61,7 @@ interface Loaded {
 export function EditorPage() {
   const { id } = useParams<{ id: string }>();
   const [loaded, setLoaded] = useState<Loaded | null>(null);
-  const [error, setError] = useState<string | null>(null);
+  const [error, setError] = useState<{ status?: number; message: string } | null>(null);
 
   useEffect(() => {
     if (!id) return;
@@ -78,7 +78,7 @@ export function EditorPage() {
           : null;
         setLoaded({ workflow, kinds, roleKinds, version });
       } catch (err) {
-        setError(describeError(err));
+        setError({ status: (err as ApiError).status, message: describeError(err) });
       }
     })();
   }, [id]);
@@ -86,7 +86,15 @@ export function EditorPage() {
   if (error) {
     return (
       <div className="page">
-        <ErrorBox>{error}</ErrorBox>
+        <LoadError
+          error={error}
+          what="workflow"
+          back={
+            <Link className="btn btn-secondary" to="/workflows">
+              All workflows
+            </Link>
+          }
+        />
       </div>
     );
   }

@@ -10,7 +10,7 @@ import type { RunDetail, RunEvent, RunFile, Version } from "../api/types";
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
-import { Button, ErrorBox, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
+import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
 import { useRunEvents } from "../hooks/useRunEvents";
 import { initialRunState, isTerminal, reduceRun, type RunState, streamText } from "../run/state";
 
@@ -23,6 +23,7 @@ export function RunPage() {
   const [detail, setDetail] = useState<RunDetail | null>(null);
   const [version, setVersion] = useState<Version | null>(null);
   const [error, setError] = useState<string | null>(null);
+  const [loadError, setLoadError] = useState<{ status?: number; message: string } | null>(null);
   const [state, apply] = useReducer(reducer, undefined, () => initialRunState());
   const [selected, setSelected] = useState<string | null>(null);
   const [cancelling, setCancelling] = useState(false);
@@ -34,7 +35,7 @@ export function RunPage() {
     try {
       setDetail(await runs.get(id));
     } catch (err) {
-      setError(describeError(err));
+      setLoadError({ status: (err as ApiError).status, message: describeError(err) });
     }
   }, [id]);
 
@@ -94,10 +95,18 @@ export function RunPage() {
     }
   };
 
-  if (error && !detail) {
+  if (loadError && !detail) {
     return (
       <div className="page">
-        <ErrorBox>{error}</ErrorBox>
+        <LoadError
+          error={loadError}
+          what="run"
+          back={
+            <Link className="btn btn-secondary" to="/runs">
+              All runs
+            </Link>
+          }
+        />
       </div>
     );
   }
@@ -150,6 +159,7 @@ export function RunPage() {
         </div>
       </header>
 
+      {error && <ErrorBox>{error}</ErrorBox>}
       {status === "cancelled" && (
         <div className="info-box neutral" data-testid="run-cancelled">
           <Icon name="stop" /> {state.finished?.error || detail.error || "The run was cancelled."}
@@ -184,7 +194,7 @@ export function RunPage() {
             <div className="section-title">Outputs</div>
             {Object.keys(outputs).length === 0 && !isTerminal(status) && <p className="muted small">Waiting for the run to finish…</p>}
             {Object.keys(outputs).length === 0 && isTerminal(status) && <p className="muted small">No outputs.</p>}
-            {Object.entries(outputs).map(([name, value]) => (
+            {orderedOutputs(outputs, version).map(([name, value]) => (
               <OutputValue key={name} name={name} value={value} files={detail.files} links={state.finished?.files ?? detail.output_links} />
             ))}
           </section>
@@ -244,6 +254,13 @@ export function RunPage() {
       </div>
     </div>
   );
+}
+
+/** Outputs in the order the workflow declares its output nodes. */
+function orderedOutputs(outputs: Record<string, unknown>, version: Version | null): [string, unknown][] {
+  const order = (version?.spec.nodes ?? []).filter((n) => n.kind === "output").map((n) => n.id);
+  const rank = (name: string) => (order.includes(name) ? order.indexOf(name) : order.length);
+  return Object.entries(outputs).sort((a, b) => rank(a[0]) - rank(b[0]));
 }
 
 function Legend() {
