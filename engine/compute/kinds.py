@@ -138,3 +138,115 @@ def register(registry: KindRegistry) -> None:
             },
         )
     )
+    register_multimodal(registry)
+
+
+# -- encoders, diffusion, decoders -------------------------------------------------------------------
+
+_DEVICE_NOTE = "built-in weights are seeded; roles of one model in one worker share them"
+
+ENCODER_ROLE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "llm": {"type": "string", "default": "tiny-llama",
+                "description": "built-in LLM the embeddings feed (its hidden size is the projection's)"},
+        "hidden_size": {"type": "integer", "minimum": 1, "description": "projection size (instead of llm)"},
+    },
+    "additionalProperties": False,
+}
+
+DIFFUSION_ROLE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "latent_channels": {"type": "integer", "minimum": 1, "default": 4},
+        "latent_size": {"type": "integer", "minimum": 1, "default": 16, "description": "latent height = width"},
+        "patch_size": {"type": "integer", "minimum": 1, "default": 2, "description": "latent cells per token a side"},
+        "steps": {"type": "integer", "minimum": 1, "default": 20},
+        "guidance_scale": {"type": "number", "minimum": 0, "default": 4.0},
+        "shift": {"type": "number", "exclusiveMinimum": 0, "default": 1.0, "description": "flow-matching time shift"},
+        "page_size": {"type": "integer", "minimum": 1, "default": 16,
+                      "description": "KV page size: that of the llm role whose prompt KV is reused"},
+        "head_seed": {"type": "integer", "minimum": 0, "default": 17},
+        "device_pages": {"type": "integer", "minimum": 1, "default": 256,
+                         "description": "prompt KV pages of the role's own store (when the worker gives none)"},
+    },
+    "additionalProperties": False,
+}
+
+DIFFUSION_NODE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "steps": {"type": "integer", "minimum": 1},
+        "guidance_scale": {"type": "number", "minimum": 0, "description": "1: no classifier-free guidance"},
+        "seed": {"type": "integer", "minimum": 0, "default": 0, "description": "same seed, same latents"},
+        "negative_prompt": {"type": "string", "default": ""},
+        "tenant": {"type": "string", "minLength": 1, "description": "cache salt (as the llm role's)"},
+    },
+    "additionalProperties": False,
+}
+
+_NO_PARAMS: dict[str, Any] = {"type": "object", "additionalProperties": False}
+
+
+def register_multimodal(registry: KindRegistry) -> None:
+    """Role and node kinds of the encoders, the diffusion runner and the decoders."""
+    roles = (
+        ("vision_encoder", "A ViT (`tiny-vit`) projected to an LLM's hidden size.",
+         "engine.compute.encoders.unit:VisionEncoderUnit", ENCODER_ROLE_PARAMS),
+        ("audio_encoder", "Log-mel features into a small transformer encoder (`tiny-audio-encoder`).",
+         "engine.compute.encoders.unit:AudioEncoderUnit", ENCODER_ROLE_PARAMS),
+        ("diffusion", "Denoises image latents with an LLM's own transformer (model: the LLM), attending to"
+         " the prompt's cached KV; flow-matching Euler steps, classifier-free guidance.",
+         "engine.compute.diffusion.unit:DiffusionUnit", DIFFUSION_ROLE_PARAMS),
+        ("vae_decoder", "A diffusers AutoencoderKL (`tiny-vae`) decoding latents to PNG.",
+         "engine.compute.decoders.unit:VAEDecoderUnit", _NO_PARAMS),
+        ("audio_decoder", "A convolutional decoder (`tiny-audio-decoder`) from audio codes to 16-bit WAV.",
+         "engine.compute.decoders.unit:AudioDecoderUnit", _NO_PARAMS),
+    )
+    for name, description, runner, params in roles:
+        registry.add_role_kind(RoleKind(name=name, description=f"{description} ({_DEVICE_NOTE}).",
+                                        runner=runner, params_schema=params))
+    encoded = {
+        "embeds": PortSpec(type="tensor", description="(length, hidden) embeddings for the LLM's placeholders"),
+        "item": PortSpec(type="json", description="{kind, hash, length, hidden}: where and how to splice"),
+    }
+    registry.add_node_kind(NodeKind(
+        name="vision_encode", description="Encode an image into LLM input embeddings and a content hash.",
+        role_kinds=("vision_encoder",), category="model", params_schema=_NO_PARAMS,
+        inputs={"image": PortSpec(type="image", description="PNG/JPEG bytes or an (H, W, 3) array")},
+        outputs=dict(encoded),
+    ))
+    registry.add_node_kind(NodeKind(
+        name="audio_encode", description="Encode audio into LLM input embeddings and a content hash.",
+        role_kinds=("audio_encoder",), category="model", params_schema=_NO_PARAMS,
+        inputs={"audio": PortSpec(type="audio", description="WAV bytes or mono float samples at 16 kHz")},
+        outputs=dict(encoded),
+    ))
+    registry.add_node_kind(NodeKind(
+        name="diffusion", description="Generate image latents for a prompt with the LLM's transformer, reusing"
+        " the prompt's KV at every step.",
+        role_kinds=("diffusion",), category="model", params_schema=DIFFUSION_NODE_PARAMS,
+        inputs={
+            "prompt": PortSpec(type="text", optional=True, description="text prompt"),
+            "tokens": PortSpec(type="tokens", optional=True, description="prompt as the llm role's token ids"),
+            "negative_prompt": PortSpec(type="text", optional=True, description="unconditional branch of CFG"),
+            "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output for this context"),
+        },
+        outputs={"latents": PortSpec(type="tensor", description="(C, h, w) latents for vae_decode")},
+    ))
+    registry.add_node_kind(NodeKind(
+        name="vae_decode", description="Decode latents to a PNG image.",
+        role_kinds=("vae_decoder",), category="model", params_schema=_NO_PARAMS,
+        inputs={"latents": PortSpec(type="tensor", description="(C, h, w) latents")},
+        outputs={"image": PortSpec(type="image", description="PNG bytes")},
+    ))
+    registry.add_node_kind(NodeKind(
+        name="audio_decode", description="Decode audio codes to a 16-bit PCM WAV.",
+        role_kinds=("audio_decoder",), category="model",
+        params_schema={"type": "object", "properties": {
+            "code_offset": {"type": "integer", "minimum": 0, "default": 0,
+                            "description": "subtracted from each id (audio codes above an LLM's text vocabulary)"},
+        }, "additionalProperties": False},
+        inputs={"codes": PortSpec(type="tokens", description="code ids (T,), or a (codebooks, T) tensor")},
+        outputs={"audio": PortSpec(type="audio", description="WAV bytes")},
+    ))

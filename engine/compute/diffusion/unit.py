@@ -1,0 +1,133 @@
+"""The `diffusion` compute unit: hosts a `DiffusionRunner` on an LLM's transformer.
+
+The role's `model` is the LLM (a built-in name or a checkpoint directory) whose
+transformer denoises; taken from the worker's `WeightStore`, it is the very module an
+`llm` role of the same model in the same process runs. The prompt's K/V live in a
+`KVStore` — the worker's (shared with its `llm` roles: a prompt that role already
+computed is read, not recomputed) or one of the unit's own — and pages missing there
+are pulled from `page_source` (e.g. the `llm` worker that computed them) when the
+worker gives one. Full prompt pages the unit computes stay in the store, so a repeated
+(negative) prompt is computed once.
+
+Node inputs: `prompt` (text) or `tokens` (ids; the `llm` role's model ids for the
+same context), optional `negative_prompt` (text; else the param, else empty: just BOS)
+and optional `kv` (an `llm` node's `kv` output: checked to be of this model and layout;
+its pages are found by key). Output: `latents`, a `(C, h, w)` float32 tensor for a
+`vae_decode` node.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.compute.diffusion.head import DiffusionHead
+from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
+from engine.compute.llm.transfer import PageSource
+from engine.compute.models.tokenizer import BOS_ID
+from engine.compute.threaded import ThreadedUnit, UnitInputError
+from engine.compute.weights.seeding import build_seeded
+from engine.compute.weights.store import WeightKey, WeightStore
+from engine.data.kv.store import KVStore, KVStoreConfig
+from engine.data.kv.tier import Capacity
+from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
+from engine.spec.graph import RoleSpec
+
+CONFIG_PARAMS = ("latent_channels", "latent_size", "patch_size", "steps", "guidance_scale", "shift",
+                 "page_size", "head_seed")
+
+
+class DiffusionUnit(ThreadedUnit):
+    """Constructed by the worker as `DiffusionUnit(role, shared=..., kv_store=..., page_source=...)`;
+    all three are optional (a private weight store and KV store are made when absent)."""
+
+    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None, kv_store: KVStore | None = None,
+                 page_source: PageSource | None = None) -> None:
+        super().__init__(role)
+        if not role.model:
+            raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
+        params = role.params
+        try:
+            self.config = DiffusionConfig(**{k: params[k] for k in CONFIG_PARAMS if k in params})
+        except (TypeError, ValueError) as exc:
+            raise UnitInputError(f"diffusion role {role.name!r}: {exc}") from exc
+        self._own_weights = shared is None
+        self.shared = shared if shared is not None else WeightStore()
+        self.model_ref = str(Path(role.model).resolve()) if Path(role.model).is_dir() else role.model
+        model = self.shared.llm(self.model_ref, role.device)
+        self._keys = [WeightStore.llm_key(self.model_ref, role.device)]
+        cfg = self.config
+        hidden = int(model.config.hidden_size)
+        head_key = WeightKey("diffusion_head", f"{model.model_id}:p{cfg.patch_size}c{cfg.latent_channels}"
+                             f"g{cfg.grid}s{cfg.head_seed}", role.device)
+
+        def head() -> DiffusionHead:
+            return DiffusionHead(cfg.patch_dim, hidden, (cfg.grid, cfg.grid), cfg.freq_dim)
+
+        self.runner = DiffusionRunner(model, cfg, head=self.shared.module(
+            head_key, lambda: build_seeded(head, cfg.head_seed), skeleton=head))
+        self._keys.append(head_key)
+        self._own_kv = kv_store is None
+        if kv_store is None:
+            kv_store = KVStore(KVStoreConfig(layout=self.runner.layout,
+                                             device_capacity=Capacity(pages=int(params.get("device_pages", 256))),
+                                             device=str(next(model.model.parameters()).device)))
+        self.kv_store = kv_store
+        self.page_source = page_source
+
+    def _ids(self, call: NodeCall, text: Any, tokens: Any, what: str) -> list[int]:
+        if tokens is not None:
+            if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
+                raise UnitInputError(f"node {call.node_id!r}: {what} tokens must be a list of token ids")
+            return [int(t) for t in tokens]
+        if not isinstance(text, str):
+            raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
+        return list(self.runner.model.tokenizer(text).input_ids)
+
+    def _check_kv(self, call: NodeCall, kv: Any) -> None:
+        if not isinstance(kv, dict) or "model_id" not in kv:
+            raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
+        if kv["model_id"] != self.runner.model_id:
+            raise UnitInputError(f"node {call.node_id!r}: KV of model {kv['model_id']!r}, this role runs"
+                                 f" {self.runner.model_id!r}")
+        if kv.get("layout") is not None and kv["layout"] != self.runner.layout.to_dict():
+            raise UnitInputError(f"node {call.node_id!r}: KV layout {kv['layout']} is not"
+                                 f" {self.runner.layout.to_dict()} (set the role's page_size to the llm role's)")
+
+    def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
+        params = call.params
+        prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
+        if (prompt is None) == (tokens is None):
+            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
+        ids = self._ids(call, prompt, tokens, "prompt")
+        if not ids:
+            raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
+        if inputs.get("kv") is not None:
+            self._check_kv(call, inputs["kv"])
+        guidance = float(params.get("guidance_scale", self.config.guidance_scale))
+        tenant = params.get("tenant")
+        branches = [Prompt.of(ids)]
+        if guidance != 1.0:
+            negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
+            branches.append(Prompt.of(self._ids(call, negative, None, "negative_prompt") or [BOS_ID]))
+        kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=self.page_source)
+               for p in branches]
+        latents = self.runner.denoise(kvs, seed=int(params.get("seed", 0)), steps=params.get("steps"),
+                                      guidance_scale=guidance)
+        return latents[0]
+
+    async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
+        inputs = await self.joined_inputs(call)
+        latents = await self.run_blocking(self._generate, call, inputs)
+        return NodeResult(outputs=map_outputs(latents, call.output_ports, call.node_id))
+
+    async def close(self) -> None:
+        await super().close()
+        if self._own_kv:
+            self.kv_store.close()
+        for key in self._keys:
+            self.shared.release(key)
+        if self._own_weights:
+            self.shared.close()

@@ -1,0 +1,104 @@
+"""The `vision_encoder` and `audio_encoder` compute units.
+
+A role names its encoder in `model` (a built-in: `tiny-vit`, `tiny-audio-encoder`) and
+the LLM it feeds in `params`: `llm` (a built-in LLM name; its hidden size is the
+projection's output) or `hidden_size`. Node inputs: `image` (PNG/JPEG bytes or an array)
+or `audio` (WAV bytes or float samples). Outputs: `embeds`, a `(length, hidden)` float32
+tensor, and `item`, `{"kind", "hash", "length", "hidden"}`: what an `llm` node needs to
+splice the embeddings in at `length` placeholder positions and to key its prefix cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.compute.encoders.audio import AudioEncoder, audio_config
+from engine.compute.encoders.items import EncodedItem, EncoderError
+from engine.compute.encoders.vision import VisionEncoder, vision_config
+from engine.compute.media import MediaError
+from engine.compute.models.catalog import BUILTIN_MODELS
+from engine.compute.threaded import ThreadedUnit, UnitInputError
+from engine.compute.weights.store import WeightKey, WeightStore
+from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
+from engine.spec.graph import RoleSpec
+
+
+def projection_size(role: RoleSpec) -> int:
+    """The LLM hidden size an encoder role projects to (`params.hidden_size`, or that of `params.llm`)."""
+    params = role.params
+    if "hidden_size" in params:
+        size = params["hidden_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise EncoderError(f"role {role.name!r}: hidden_size must be a positive int, got {size!r}")
+        return size
+    name = params.get("llm", "tiny-llama")
+    if name not in BUILTIN_MODELS:
+        raise EncoderError(f"role {role.name!r}: unknown llm {name!r}; give hidden_size for a checkpoint LLM")
+    return BUILTIN_MODELS[name].hidden_size
+
+
+class _EncoderUnit(ThreadedUnit):
+    kind: str
+    port: str
+
+    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None) -> None:
+        super().__init__(role)
+        self._own_store = shared is None
+        self.shared = shared if shared is not None else WeightStore()
+        self.key, self.encoder = self._load(role)
+
+    def _load(self, role: RoleSpec) -> tuple[WeightKey, Any]:
+        raise NotImplementedError
+
+    def _encode(self, call: NodeCall, value: Any) -> EncodedItem:
+        try:
+            return self.encoder.encode(value)
+        except MediaError as exc:
+            raise UnitInputError(f"node {call.node_id!r}: input {self.port!r}: {exc}") from exc
+
+    async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
+        inputs = await self.joined_inputs(call)
+        value = inputs.get(self.port)
+        if value is None:
+            raise UnitInputError(f"node {call.node_id!r}: input {self.port!r} is required")
+        item = await self.run_blocking(self._encode, call, value)
+        values = {"embeds": item.embeds, "item": item.describe()}
+        ports = call.output_ports
+        return NodeResult(outputs=map_outputs(values[ports[0]] if len(ports) == 1 else
+                                              {p: values[p] for p in ports if p in values}, ports, call.node_id))
+
+    async def close(self) -> None:
+        await super().close()
+        self.shared.release(self.key)
+        if self._own_store:
+            self.shared.close()
+
+
+class VisionEncoderUnit(_EncoderUnit):
+    """`vision_encoder` role: a ViT; serves `vision_encode` nodes."""
+
+    kind = "vision_encoder"
+    port = "image"
+
+    def _load(self, role: RoleSpec) -> tuple[WeightKey, VisionEncoder]:
+        config = vision_config(role.model or "tiny-vit")
+        size = projection_size(role)
+        key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
+        module = self.shared.module(key, lambda: VisionEncoder.build(config, size),
+                                    skeleton=lambda: VisionEncoder(config, size))
+        return key, module
+
+
+class AudioEncoderUnit(_EncoderUnit):
+    """`audio_encoder` role: log-mel + a transformer encoder; serves `audio_encode` nodes."""
+
+    kind = "audio_encoder"
+    port = "audio"
+
+    def _load(self, role: RoleSpec) -> tuple[WeightKey, AudioEncoder]:
+        config = audio_config(role.model or "tiny-audio-encoder")
+        size = projection_size(role)
+        key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
+        module = self.shared.module(key, lambda: AudioEncoder.build(config, size),
+                                    skeleton=lambda: AudioEncoder(config, size))
+        return key, module
