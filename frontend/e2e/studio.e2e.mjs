@@ -255,6 +255,10 @@ try {
     await setField(tid("node-id-input"), "result");
     await page.waitForSelector(tid("node-result"));
     await page.waitForSelector(tid("dirty"));
+    const asked = new Promise((resolve) => page.once("dialog", (d) => resolve(d.dismiss())));
+    await page.click('a[aria-label="Back to workflows"]');
+    await asked; // leaving with unsaved edits asks first; dismissed, the editor stays
+    expect(page.url().endsWith(`/workflows/${workflowIds.squares}`), "stayed in the editor");
     await page.keyboard.press("Control+s");
     await page.fill(tid("save-message"), "rename the output");
     await page.click(tid("save-submit"));

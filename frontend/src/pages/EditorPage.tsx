@@ -371,8 +371,19 @@ function Editor({ workflow, kinds, roleKinds, version }: Loaded) {
   useEffect(() => {
     if (!dirty) return;
     const warn = (e: BeforeUnloadEvent) => e.preventDefault();
+    // In-app links: ask before leaving unsaved edits (captured before the router's handler,
+    // which does not navigate when the event was cancelled). Downloads leave nothing.
+    const guard = (e: MouseEvent) => {
+      const link = (e.target as HTMLElement).closest("a[href]");
+      if (!link || link.hasAttribute("download") || link.getAttribute("target") === "_blank") return;
+      if (!window.confirm("Leave the editor? Your unsaved changes will be lost.")) e.preventDefault();
+    };
     window.addEventListener("beforeunload", warn);
-    return () => window.removeEventListener("beforeunload", warn);
+    document.addEventListener("click", guard, true);
+    return () => {
+      window.removeEventListener("beforeunload", warn);
+      document.removeEventListener("click", guard, true);
+    };
   }, [dirty]);
 
   const issueCount = issues.length;
