@@ -1,0 +1,230 @@
+"""Prefill/decode disaggregation and KV-aware routing across real worker processes.
+
+One deployment for the module (Redis registry under a private namespace): two `prefill`
+workers (balanced `kv_aware`), one `decode` worker and one `single` worker, all loading the
+same exported tiny-llama checkpoint, which Hugging Face `AutoModelForCausalLM` also loads as
+the independent reference. The decode worker gets a prompt's KV only by pulling it from the
+prefill worker that computed it. Every wait is on a condition (run results, registry
+heartbeats, index entries) with a deadline; the module stops every process it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engine.compute.models import export_model
+from engine.data.kv.index import RedisKVIndex
+from engine.data.peer import Peer
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.kvroute import KV_META_KEY, kv_index_namespace, prompt_pages
+from engine.flow.remote import RemoteNodeError, WorkerDispatcher
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import GraphSpec, RoleSpec
+from engine.spec.kinds import default_kinds
+from engine.worker.launcher import LocalCluster
+from tests.integration.workerfns import wait_until
+
+pytestmark = [pytest.mark.redis, pytest.mark.asyncio(loop_scope="module")]
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+HB = 0.2
+PAGE = 4
+NEW = 12
+PULL_TIMEOUT_S = 1.5
+"""The decode role's `kv_pull_timeout_s`: how long a pull from a dead prefill worker may take."""
+
+
+def text_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def pd_spec(checkpoint: Path) -> GraphSpec:
+    """A token prompt through prefill -> decode and, beside it, through one `llm` node."""
+    wf = Workflow("pd")
+    params = {"page_size": PAGE}
+    prefill = wf.role("prefill", kind="llm", model=str(checkpoint), replicas=2, balance="kv_aware", params=params)
+    decode = wf.role("decode", kind="llm", model=str(checkpoint), balance="kv_aware",
+                     params={**params, "kv_pull_timeout_s": PULL_TIMEOUT_S})
+    single = wf.role("single", kind="llm", model=str(checkpoint), params=params)
+    tokens = wf.input("prompt", "tokens")
+    pre = wf.node("pre", "llm.prefill", role=prefill, params={"max_new_tokens": NEW})
+    dec = wf.node("dec", "llm.decode", role=decode)
+    one = wf.node("one", "llm", role=single, params={"max_new_tokens": NEW})
+    wf.edge(tokens, pre.inp("tokens"))
+    wf.edge(tokens, one.inp("tokens"))
+    wf.edge(pre, dec)
+    wf.output("pd", dec.out("tokens"), "tokens")
+    wf.output("pd_kv", dec.out("kv"), "kv")
+    wf.output("handoff", pre, "kv")
+    wf.output("single", one.out("tokens"), "tokens")
+    return wf.to_spec()
+
+
+@dataclass
+class Deployment:
+    spec: GraphSpec
+    cluster: LocalCluster
+    dispatcher: WorkerDispatcher
+    executor: Executor
+    index: RedisKVIndex
+
+    def role(self, name: str) -> RoleSpec:
+        return self.spec.role(name)
+
+    def worker_ids(self, role: str) -> list[str]:
+        return sorted(w.worker_id for w in self.cluster.workers if w.role == role)
+
+    async def metric(self, worker_id: str, name: str) -> float:
+        for snapshot in await self.cluster.registry.workers():
+            if snapshot.info.worker_id == worker_id:
+                return snapshot.load.metrics.get(name, -1.0)
+        return -1.0
+
+    async def call(self, role: str, node_id: str, inputs: dict[str, Any], outputs: tuple[str, ...],
+                   params: dict[str, Any] | None = None, started: asyncio.Event | None = None) -> dict[str, Any]:
+        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params or {}, inputs, outputs, False, False, 1, 1)
+        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
+        result = await self.dispatcher.execute(self.role(role), call, ctx,
+                                               started.set if started is not None else lambda: None)
+        return result.outputs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return export_model("tiny-llama", tmp_path_factory.mktemp("pd") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], new: int = NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment(checkpoint: Path) -> AsyncIterator[Deployment]:
+    namespace = f"pdtest-{uuid.uuid4().hex[:10]}"
+    spec = pd_spec(checkpoint)
+    peer = Peer.start()
+    cluster = LocalCluster(spec, registry_url=REDIS_URL, namespace=namespace, heartbeat_s=HB, stop_timeout_s=10.0)
+    index = RedisKVIndex.from_url(REDIS_URL, namespace=kv_index_namespace(namespace))
+    try:
+        await cluster.start()
+        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
+        executor = Executor(dispatcher, default_kinds())
+        try:
+            yield Deployment(spec, cluster, dispatcher, executor, index)
+        finally:
+            await executor.aclose()
+    finally:
+        await cluster.stop()
+        peer.close()
+        with contextlib.suppress(Exception):
+            index.clear()
+        index.client.close()
+
+
+async def test_workers_describe_their_kv_pages_in_the_registry(deployment: Deployment):
+    snapshots = await deployment.cluster.registry.workers("decode")
+    meta = snapshots[0].info.meta[KV_META_KEY]
+    assert meta["page_size"] == PAGE and meta["model_id"].startswith("checkpoint:")
+    assert meta["index"] == deployment.index.namespace
+
+
+async def test_disaggregated_tokens_equal_hf_generate_and_one_worker(deployment: Deployment, reference):
+    decode_id = deployment.worker_ids("decode")[0]
+    before = await deployment.metric(decode_id, "kv.pull.pages")
+    prompts = [text_ids(1, 3), text_ids(2, 16), text_ids(3, 37)]
+    runs = [await deployment.executor.submit(deployment.spec, {"prompt": p}) for p in prompts]
+    results = await asyncio.wait_for(asyncio.gather(*(run.wait() for run in runs)), 60.0)
+    pulled = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.status == "done", result.error
+        expected = hf_greedy(reference, prompt)
+        assert result.outputs["pd"] == result.outputs["single"] == expected
+        handoff, kv = result.outputs["handoff"], result.outputs["pd_kv"]
+        assert handoff["worker_id"] in deployment.worker_ids("prefill")
+        assert kv["worker_id"] == decode_id and kv["prefill_worker_id"] == handoff["worker_id"]
+        assert len(handoff["page_hashes"]) == len(prompt) // PAGE
+        assert kv["pulled_pages"] == len(prompt) // PAGE  # exactly the prompt's pages, nothing else
+        assert kv["pages"][: len(prompt) // PAGE] == handoff["page_hashes"]
+        pulled += kv["pulled_pages"]
+    # The decode worker's own counters say the same, and every prefill worker let go of its holds.
+    await wait_until(lambda: _equals(deployment.metric(decode_id, "kv.pull.pages"), before + pulled), 10.0,
+                     "the decode worker's pull count in its heartbeat")
+    for prefill_id in deployment.worker_ids("prefill"):
+        await wait_until(lambda w=prefill_id: _equals(deployment.metric(w, "kv.device.locked_pages"), 0.0), 10.0,
+                         f"prefill worker {prefill_id} to release its handoffs")
+
+
+async def _equals(value, expected: float) -> bool:
+    return await value == expected
+
+
+async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(deployment: Deployment):
+    first_id, second_id = deployment.worker_ids("prefill")
+    # Keep the first prefill worker busy: a call whose streamed prompt is still arriving.
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_prompt() -> AsyncIterator[list[int]]:
+        await gate.wait()
+        yield text_ids(9, 6)
+
+    blocker = asyncio.create_task(deployment.call("prefill", "blocker", {"tokens": slow_prompt()}, ("kv",),
+                                                  started=started))
+    await asyncio.wait_for(started.wait(), 10.0)
+    shared = text_ids(10, 16)  # four pages
+    first = await deployment.call("prefill", "x", {"tokens": shared + text_ids(11, 5)}, ("kv",))
+    assert first["kv"]["worker_id"] == second_id  # the idle one: nobody holds the prefix yet
+    gate.set()
+    assert (await asyncio.wait_for(blocker, 10.0))["kv"]["worker_id"] == first_id
+    kv_meta = (await deployment.cluster.registry.workers("prefill"))[0].info.meta[KV_META_KEY]
+    again = NodeCall("r", "y", None, {}, {"tokens": shared + text_ids(12, 7)}, ("kv",), False, False, 1, 1)
+    pages = prompt_pages(deployment.role("prefill"), again, kv_meta)
+    await wait_until(lambda: deployment.index.lookup(pages).get(second_id) == 4, 10.0,
+                     "the index to show the prefix on the worker that computed it")
+    # Both idle now: load would pick the first worker, the cached prefix picks the second.
+    second = await deployment.call("prefill", "y", again.inputs, ("kv",))
+    assert second["kv"]["worker_id"] == second_id and second["kv"]["cached_tokens"] == 16
+    fresh = await deployment.call("prefill", "z", {"tokens": text_ids(13, 21)}, ("kv",))
+    assert fresh["kv"]["worker_id"] == first_id and fresh["kv"]["cached_tokens"] == 0
+    # Decoding both: the second handoff shares four pages with the first, so only its fifth moves.
+    for handoff, moved in ((first["kv"], 5), (second["kv"], 1)):
+        out = await deployment.call("decode", "d", {"kv": handoff}, ("kv",))
+        assert out["kv"]["pulled_pages"] == moved
+
+
+async def test_a_killed_prefill_worker_fails_the_decode_within_its_pull_timeout(deployment: Deployment):
+    """Runs last: it kills one of the module's prefill workers."""
+    handoff = (await deployment.call("prefill", "p", {"tokens": text_ids(20, 10)}, ("kv",)))["kv"]
+    holder = next(w for w in deployment.cluster.workers if w.worker_id == handoff["worker_id"])
+    holder.process.send_signal(signal.SIGKILL)
+    await asyncio.wait_for(holder.process.wait(), 10.0)
+    started = time.monotonic()
+    with pytest.raises(RemoteNodeError) as err:
+        await asyncio.wait_for(deployment.call("decode", "d", {"kv": handoff}, ("tokens",)), 3 * PULL_TIMEOUT_S + 5)
+    elapsed = time.monotonic() - started
+    assert f"cannot pull the prompt's KV from prefill worker {handoff['worker_id']}" in str(err.value)
+    assert PULL_TIMEOUT_S * 0.5 < elapsed < PULL_TIMEOUT_S + 3.0, elapsed
