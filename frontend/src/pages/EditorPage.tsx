@@ -539,7 +539,7 @@ function Editor({ workflow, kinds, roleKinds, version }: Loaded) {
           >
             <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#cfd5de" />
             <Controls showInteractive={false} />
-            <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor={(n) => ((n.data as SpecNode["data"]).issues?.length ? "#fca5a5" : "#c7d2fe")} />
+            {doc.nodes.length > 0 && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor={(n) => ((n.data as SpecNode["data"]).issues?.length ? "#fca5a5" : "#c7d2fe")} />}
             {hint && (
               <Panel position="top-center">
                 <div className="connect-hint" role="alert" data-testid="connect-hint">
