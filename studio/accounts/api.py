@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.contrib.auth import authenticate, login, logout
+from django.contrib.auth import authenticate, get_user, login, logout
 from django.middleware.csrf import get_token
 from django.utils.decorators import method_decorator
 from django.views.decorators.csrf import ensure_csrf_cookie
@@ -56,7 +56,9 @@ class SessionView(APIView):
 
     @extend_schema(responses=SessionSerializer, summary="Current session user and CSRF token")
     def get(self, request: Request) -> Response:
-        request.user = getattr(request._request, "user", None) or request.user
+        # With no authentication classes DRF hands the view an anonymous user; the
+        # session itself says who is logged in.
+        request.user = get_user(request._request)
         return Response(_session(request))
 
     @extend_schema(request=LoginSerializer, responses=SessionSerializer, summary="Log in (sets the session cookie)")

@@ -13,6 +13,8 @@ from rest_framework.test import APIClient
 from studio.accounts.models import ApiToken
 from studio.workflows.models import Workflow
 
+EXAMPLES = sorted(p.stem for p in (Path(__file__).parents[2] / "workflows").glob("*.py") if p.stem != "__init__")
+
 pytestmark = pytest.mark.django_db
 
 
@@ -37,6 +39,7 @@ def test_session_login_needs_csrf_and_writes_need_csrf(user) -> None:
                       format="json", HTTP_X_CSRFTOKEN=csrf)
     assert ok.status_code == 200 and ok.json()["user"]["username"] == "alice"
     assert browser.get("/api/workflows/").status_code == 200  # reads need no token
+    assert browser.get("/api/auth/session/").json()["user"]["username"] == "alice"  # a reload still knows
     csrf = browser.cookies["csrftoken"].value  # rotated at login
     blocked = browser.post("/api/workflows/", {"name": "x"}, format="json")
     assert blocked.status_code == 403 and "CSRF" in blocked.json()["error"]
@@ -79,10 +82,10 @@ def test_create_token_command(user) -> None:
 
 def test_load_examples_is_idempotent(user) -> None:
     out = run_command("load_examples", owner="alice")
-    assert out.splitlines() == ["diamond: created", "loop: created", "router: created", "stream: created"]
+    assert out.splitlines() == [f"{name}: created" for name in EXAMPLES]
     again = run_command("load_examples", owner="alice")
     assert "diamond: version 1 (unchanged)" in again
-    assert Workflow.objects.filter(owner=user).count() == 4
+    assert Workflow.objects.filter(owner=user).count() == len(EXAMPLES)
     assert all(w.latest_version().valid for w in Workflow.objects.all())
     with pytest.raises(CommandError, match="no user"):
         run_command("load_examples", owner="ghost")
@@ -99,7 +102,7 @@ def test_setup_demo(django_user_model) -> None:
     assert "login: demo / demo-password-9" in out
     demo = django_user_model.objects.get(username="demo")
     assert demo.check_password("demo-password-9")
-    assert Workflow.objects.filter(owner=demo).count() == 4
+    assert Workflow.objects.filter(owner=demo).count() == len(EXAMPLES)
     secret = next(line for line in out.splitlines() if line.startswith("token: ")).split()[1]
     assert ApiToken.objects.resolve(secret).user == demo
     out = run_command("setup_demo", "--no-examples")
