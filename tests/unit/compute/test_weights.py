@@ -1,0 +1,211 @@
+"""Weight sharing: one module per worker process (`WeightStore`), one copy per host (`HostWeights`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import msgspec
+import pytest
+import torch
+
+from engine.compute.models.catalog import ModelConfig
+from engine.compute.models.loader import build_model
+from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.weights import HostWeights, SharedWeightsError, WeightKey, WeightStore
+from engine.data.shm import list_segments
+
+
+@pytest.fixture
+def prefix(request) -> str:
+    """A segment prefix of this test alone; asserts it leaves nothing behind."""
+    name = f"omniflowweightstest{os.getpid()}{abs(hash(request.node.name)) % 10**6}"
+    yield name
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"{name}-")]
+    assert not leftovers, leftovers
+
+
+def test_acquire_loads_once_and_the_last_release_drops():
+    store = WeightStore()
+    key = WeightKey("test", "a")
+    loads: list[int] = []
+    started = threading.Barrier(4)
+    got: list[object] = []
+
+    def load() -> object:
+        loads.append(1)
+        return object()
+
+    def user() -> None:
+        started.wait()
+        got.append(store.acquire(key, load))
+
+    threads = [threading.Thread(target=user) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(loads) == 1 and len({id(value) for value in got}) == 1
+    assert store.users(key) == 4
+    for _ in range(4):
+        store.release(key)
+    assert store.users(key) == 0
+    assert store.acquire(key, load) is not got[0]  # dropped, so loaded anew
+    with pytest.raises(ValueError):
+        store.acquire(WeightKey("test", "b"), lambda: (_ for _ in ()).throw(ValueError("bad")))
+    assert store.users(WeightKey("test", "b")) == 0
+
+
+def test_host_weights_publish_and_attach_in_place(prefix: str, tiny_llama):
+    first, second = WeightStore(HostWeights(prefix=prefix)), WeightStore(HostWeights(prefix=prefix))
+    try:
+        owner = first.llm("tiny-llama")
+        attached = second.llm("tiny-llama")
+        key = WeightStore.llm_key("tiny-llama")
+        assert (first.origin(key), second.origin(key)) == ("published", "attached")
+        assert attached.model_id == tiny_llama.model_id and attached.eos_token_ids == tiny_llama.eos_token_ids
+        ids = torch.tensor([[256, 72, 105, 33, 10]])
+        with torch.inference_mode():
+            expected = tiny_llama.model(ids).logits
+            assert torch.equal(owner.model(ids).logits, expected)
+            assert torch.equal(attached.model(ids).logits, expected)
+        params = dict(attached.model.named_parameters())
+        assert not any(p.is_meta for p in params.values())
+        assert len(list_segments(prefix=prefix)) == 1  # one segment, mapped by both stores
+    finally:
+        first.close()
+        second.close()
+    assert list_segments(prefix=prefix) == []
+
+
+def test_attach_refuses_a_mismatched_module_and_ignores_dead_owners(prefix: str):
+    host = HostWeights(prefix=prefix)
+    try:
+        manifest = host.publish("k", torch.nn.Linear(4, 3))
+        with pytest.raises(SharedWeightsError):
+            host.attach(manifest, lambda: torch.nn.Linear(4, 5, bias=False))
+        linear = host.attach(manifest, lambda: torch.nn.Linear(4, 3))
+        assert linear(torch.ones(1, 4)).shape == (1, 3)
+        assert host.lookup("k") == manifest and host.lookup("other") is None
+        # An index left by a process that died names a segment nobody owns: not attached.
+        dead = msgspec.structs.replace(manifest, segment=f"{prefix}-999999999-1-0")
+        with open(host.index_path("k"), "wb") as f:
+            f.write(msgspec.json.encode(dead))
+        assert host.lookup("k") is None
+        os.unlink(host.index_path("k"))
+    finally:
+        host.close()
+
+
+_CHILD = r"""
+import gc, json, resource, sys
+import psutil, torch
+from engine.compute.weights import HostWeights, WeightStore
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+ref, prefix = sys.argv[1], sys.argv[2]
+proc = psutil.Process()
+def mem():
+    gc.collect()
+    m = proc.memory_full_info()
+    shared = sum(mp.rss for mp in proc.memory_maps() if prefix in mp.path)
+    return {"uss": m.uss, "pss": m.pss, "rss": m.rss, "segment": shared}
+def say(obj):
+    print(json.dumps(obj), flush=True)
+store = WeightStore(HostWeights(prefix=prefix))
+say({"stage": "imported"})
+sys.stdin.readline()
+before = mem()
+loaded = store.llm(ref)
+with torch.inference_mode():
+    logits = loaded.model(torch.tensor([[256, 72, 105]])).logits
+say({"before": before, "after": mem(), "origin": store.origin(WeightStore.llm_key(ref)),
+     "logits": logits.flatten()[:8].tolist()})
+for line in sys.stdin:
+    command = line.strip()
+    if command == "measure":
+        say({"now": mem()})
+    elif command == "write":
+        with torch.no_grad():
+            loaded.model.lm_head.weight.add_(1.0)  # read-only mapping: the process faults here
+        say({"wrote": True})
+    else:
+        break
+store.close()
+"""
+
+
+class _Child:
+    def __init__(self, ref: str, prefix: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, ref, prefix], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=os.getcwd(),
+        )
+
+    def ask(self, command: str | None = None) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"child exited with {self.proc.wait(timeout=30)}"
+        return json.loads(line)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(timeout=30)
+
+
+def test_two_processes_hold_one_copy(tmp_path, prefix: str):
+    """Two worker processes serving the same 52 MB model: the publisher's private copy moves into
+    the segment, the attacher maps it. Together they hold about one copy: what each holds alone
+    (USS) plus the segment, counted once. (PSS is noisier here: it also splits the pages of
+    shared libraries that the first forward faults in with every other process on the machine.)
+    The attached weights are read-only memory: a write kills the writer, not the weights."""
+    config = ModelConfig(name="mem-llama", family="llama", hidden_size=512, num_layers=4, num_heads=8,
+                         num_kv_heads=8, intermediate_size=1408, seed=1)
+    model = build_model(config)
+    model.save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    publisher, attacher = _Child(str(tmp_path), prefix), _Child(str(tmp_path), prefix)
+    try:
+        publisher.ask(), attacher.ask()
+        published = publisher.ask("load")
+        attached = attacher.ask("load")
+        assert (published["origin"], attached["origin"]) == ("published", "attached")
+        assert attached["logits"] == published["logits"]
+        a_now, b_now = publisher.ask("measure")["now"], attacher.ask("measure")["now"]
+
+        def grew(record: dict, key: str, now: dict | None = None) -> float:
+            return ((now or record["after"])[key] - record["before"][key]) / nbytes
+
+        assert grew(published, "uss") > 0.8  # a copy shows in the measure while one process maps it
+        assert grew(attached, "uss") < 0.1  # attaching takes no private copy
+        assert grew(attached, "rss") > 0.8  # yet the attacher reads every weight
+        assert a_now["segment"] / nbytes > 0.95 and b_now["segment"] / nbytes > 0.95  # both map all of it
+        together = grew(published, "uss", a_now) + grew(attached, "uss", b_now) + a_now["segment"] / nbytes
+        assert together < 1.3, f"two processes hold {together:.2f} copies"
+        assert grew(published, "pss", a_now) + grew(attached, "pss", b_now) < 1.7
+        assert attacher.proc.stdin is not None
+        attacher.proc.stdin.write("write\n")
+        attacher.proc.stdin.flush()
+        assert attacher.proc.wait(timeout=30) == -signal.SIGSEGV
+        assert publisher.ask("measure")["now"]["rss"] > 0  # the publisher lives on
+    finally:
+        codes = [child.stop() for child in (publisher, attacher)]
+    assert codes[0] == 0
