@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup frontend run example test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,22 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-run: setup
+frontend:
+	VENV=$(VENV) bash scripts/frontend.sh build
+
+# The studio on http://127.0.0.1:8000 (embedded mode: SQLite, in-process channel layer and runs).
+run: setup frontend
+	HF_HUB_OFFLINE=1 $(PY) manage.py migrate --noinput
+	HF_HUB_OFFLINE=1 $(PY) manage.py setup_demo
+	HF_HUB_OFFLINE=1 $(PY) -m daphne -b 127.0.0.1 -p 8000 studio.asgi:application
+
+# An example workflow through the command line, its roles in worker processes.
+example: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/omniflow run workflows/diamond.py
 
-test: setup
+test: setup frontend
+	VENV=$(VENV) bash scripts/frontend.sh unit
+	VENV=$(VENV) bash scripts/frontend.sh browser
 	VENV=$(VENV) bash scripts/test.sh
 
 lint: setup
@@ -27,4 +39,4 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache frontend/node_modules frontend/dist

@@ -5,6 +5,7 @@
 #   scripts/frontend.sh build     install, type-check and build frontend/dist (what Django serves)
 #   scripts/frontend.sh unit      vitest: the graph <-> GraphSpec conversion and the run/metrics readers
 #   scripts/frontend.sh e2e       build, then the browser tests (tests/e2e) against a live studio
+#   scripts/frontend.sh browser   make sure Chromium is there for the browser tests
 #   scripts/frontend.sh all       build, unit, e2e
 #
 # Needs Node >= 20.19 with npm. The browser tests use Debian's chromium (installed with
@@ -68,6 +69,7 @@ case "${1:-all}" in
     build) build ;;
     unit) unit ;;
     e2e) shift; e2e "$@" ;;
+    browser) chromium ;;
     all) build; unit; e2e ;;
     *) echo "usage: $0 {install|build|unit|e2e|all}" >&2; exit 2 ;;
 esac
