@@ -146,7 +146,9 @@ class ImageTokenForward:
         q = attn.q_proj(hidden).view(b, n, self.num_heads, self.head_dim)
         k = attn.k_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        # One rotary pass over queries and keys together (elementwise: the same numbers).
+        qk = _rope(torch.cat((q, k), dim=2), cos, sin)
+        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -162,15 +164,22 @@ class ImageTokenForward:
         hidden = residual + layer.self_attn.o_proj(attn_out)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
+    def image_rotary(self, hidden: torch.Tensor, batch: KVBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the image tokens' positions (right after each branch's prompt); the same at
+        every step, so a denoising run computes them once."""
+        n = hidden.shape[1]
+        positions = batch.starts[:, None] + torch.arange(n, device=hidden.device)[None, :]
+        return self.rotary(hidden, positions)
+
     @torch.inference_mode()
-    def image_step(self, hidden: torch.Tensor, batch: KVBatch) -> torch.Tensor:
+    def image_step(self, hidden: torch.Tensor, batch: KVBatch,
+                   rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Image-token inputs `(B, N, hidden)` -> final-normed hidden states `(B, N, hidden)`.
 
         Writes the image tokens' K/V into `batch.kv` behind the prompt (overwritten next step).
+        `rotary` is `image_rotary(hidden, batch)`, computed here when not given.
         """
-        b, n, _ = hidden.shape
-        positions = batch.starts[:, None] + torch.arange(n, device=hidden.device)[None, :]
-        cos, sin = self.rotary(hidden, positions)
+        cos, sin = rotary if rotary is not None else self.image_rotary(hidden, batch)
         start = batch.prompt_len
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(hidden), cos, sin)

@@ -249,9 +249,11 @@ class DiffusionRunner:
         batch = KVBatch.of(branches, cfg.num_tokens)
         x = self.noise(seed) if latents is None else latents.clone()
         scheduler = self.scheduler(steps)
+        rotary = None
         for t in scheduler.timesteps:
-            hidden = self.head.embed(patchify(x, cfg.patch_size), t)
-            out = self.transformer.image_step(hidden.expand(len(branches), -1, -1), batch)
+            hidden = self.head.embed(patchify(x, cfg.patch_size), t).expand(len(branches), -1, -1)
+            rotary = rotary or self.transformer.image_rotary(hidden, batch)
+            out = self.transformer.image_step(hidden, batch, rotary)
             velocity = self._guide(self.head.velocity(out), guidance)
             v = unpatchify(velocity, cfg.latent_channels, cfg.latent_size, cfg.latent_size, cfg.patch_size)
             x = scheduler.step(v, t, x, return_dict=False)[0]
