@@ -108,7 +108,7 @@ class AudioCodeDecoder(torch.nn.Module):
             raise DecoderError(f"codes are integer ids, not {c.dtype}")
         if int(c.min()) < 0 or int(c.max()) >= cfg.codebook_size:
             raise DecoderError(f"codes must be in [0, {cfg.codebook_size})")
-        return c.long()
+        return c.long().to(self.stem.weight.device)
 
     @torch.inference_mode()
     def samples(self, codes: np.ndarray | torch.Tensor | list) -> torch.Tensor:
@@ -123,4 +123,4 @@ class AudioCodeDecoder(torch.nn.Module):
 
     def decode_wav(self, codes: np.ndarray | torch.Tensor | list) -> bytes:
         """16-bit PCM mono WAV bytes at the config's sample rate."""
-        return wav_bytes(self.samples(codes), self.config.sample_rate)
+        return wav_bytes(self.samples(codes).cpu(), self.config.sample_rate)

@@ -91,6 +91,7 @@ class ImageDecoder:
 
     def _batch(self, latents: np.ndarray | torch.Tensor) -> torch.Tensor:
         z = torch.as_tensor(np.asarray(latents) if isinstance(latents, np.ndarray) else latents).float()
+        z = z.to(self.vae.device)
         if z.ndim == 3:
             z = z[None]
         if z.ndim != 4 or z.shape[1] != self.config.latent_channels:
@@ -108,7 +109,7 @@ class ImageDecoder:
         if getattr(cfg, "shift_factor", None) is not None:
             z = z + cfg.shift_factor
         sample = self.vae.decode(z).sample
-        images = (sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().numpy()
+        images = (sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
         return [(img * 255).round().astype(np.uint8) for img in images]
 
     def decode_png(self, latents: np.ndarray | torch.Tensor) -> list[bytes]:

@@ -114,12 +114,12 @@ class DiffusionRunner:
         self.prefill = PagedForward(model.model, self.layout)
         self.transformer = ImageTokenForward(model.model)
         hidden = self.transformer.hidden_size
+        self._device = next(model.model.parameters()).device
         self.head = head if head is not None else build_seeded(
             lambda: DiffusionHead(config.patch_dim, hidden, (config.grid, config.grid), config.freq_dim),
             config.head_seed,
-        ).to(dtype)
+        ).to(device=self._device, dtype=dtype)
         self.stats = DiffusionStats()
-        self._device = next(model.model.parameters()).device
         self._empty_pool = torch.zeros((0, *self.layout.page_shape), dtype=dtype, device=self._device)
 
     @property

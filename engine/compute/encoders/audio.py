@@ -144,7 +144,7 @@ class AudioEncoder(torch.nn.Module):
         return build_seeded(lambda: cls(config, out_size), config.seed)
 
     def features(self, samples: np.ndarray | torch.Tensor) -> torch.Tensor:
-        x = torch.as_tensor(samples, dtype=torch.float32)
+        x = torch.as_tensor(samples, dtype=torch.float32, device=self.proj.weight.device)
         return self.logmel(x)
 
     @torch.inference_mode()

@@ -93,7 +93,8 @@ class VisionEncoder(torch.nn.Module):
 
     def pixel_values(self, pixels: np.ndarray) -> torch.Tensor:
         """`(H, W, 3)` uint8 -> the ViT input `(1, 3, S, S)` in [-1, 1] (bilinear resize, antialiased)."""
-        x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None].float() / 255.0
+        device = self.proj.weight.device
+        x = torch.from_numpy(np.ascontiguousarray(pixels)).to(device).permute(2, 0, 1)[None].float() / 255.0
         size = self.config.image_size
         if x.shape[-2:] != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
