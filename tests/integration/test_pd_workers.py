@@ -216,6 +216,26 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
         assert out["kv"]["pulled_pages"] == moved
 
 
+async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_index(deployment: Deployment):
+    single_id, prefill_id = deployment.worker_ids("single")[0], deployment.worker_ids("prefill")[0]
+    prompt = text_ids(30, 21)
+    computed = await deployment.call("single", "one", {"tokens": prompt}, ("text", "tokens", "kv"),
+                                   {"max_new_tokens": 2})
+    assert computed["kv"]["worker_id"] == single_id
+    pages = tuple(computed["kv"]["pages"][:5])
+    await wait_until(lambda: deployment.index.lookup(pages).get(single_id) == 5, 10.0,
+                     "the index to show the prompt's pages on the single worker")
+    before = await deployment.metric(prefill_id, "kv.pull.pages")
+
+    async def streamed() -> AsyncIterator[list[int]]:  # a streamed prompt has no routing keys: load decides
+        yield prompt + text_ids(31, 3)
+
+    out = await deployment.call("prefill", "p", {"tokens": streamed()}, ("kv",))
+    assert out["kv"]["worker_id"] == prefill_id and out["kv"]["cached_tokens"] == 20  # pulled, not computed
+    await wait_until(lambda: _equals(deployment.metric(prefill_id, "kv.pull.pages"), before + 5), 10.0,
+                     "the prefill worker's pull count in its heartbeat")
+
+
 async def test_a_killed_prefill_worker_fails_the_decode_within_its_pull_timeout(deployment: Deployment):
     """Runs last: it kills one of the module's prefill workers."""
     handoff = (await deployment.call("prefill", "p", {"tokens": text_ids(20, 10)}, ("kv",)))["kv"]
