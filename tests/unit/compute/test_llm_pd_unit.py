@@ -247,3 +247,21 @@ async def test_router_prompt_keys_are_the_engines_page_keys(make_unit, tiny_llam
     assert prompt_pages(role, call("g", {"tokens": ids}, ()), meta)[0] != by_ids[0]  # tenants never share
     assert prompt_pages(role, call("g", {"prompt": prompt}, ()), meta) == ()  # text needs a tokenizer
     assert prompt_pages(role, call("g", {"tokens": ids}, (), {"session": "s"}), meta) == ()
+
+
+async def test_one_role_can_prefill_and_decode_itself(executor, tiny_llama):
+    """Both nodes on the same workers: the decode finds every page at home and pulls none."""
+    wf = Workflow("pd_one_role")
+    role = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": PAGE})
+    tokens = wf.input("prompt", "tokens")
+    pre = wf.node("prefill", "llm.prefill", role=role, params={"max_new_tokens": 7})
+    dec = wf.node("decode", "llm.decode", role=role)
+    wf.edge(tokens, pre.inp("tokens"))
+    wf.edge(pre, dec)
+    wf.output("tokens", dec.out("tokens"), "tokens")
+    wf.output("kv", dec.out("kv"), "kv")
+    prompt = prompt_ids(75, 14)
+    result = await (await executor.submit(wf.to_spec(), {"prompt": prompt})).wait()
+    assert result.status == "done", result.error
+    assert result.outputs["tokens"] == reference(tiny_llama, prompt, 7)
+    assert result.outputs["kv"]["pulled_pages"] == 0
