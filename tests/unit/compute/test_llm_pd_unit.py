@@ -4,11 +4,14 @@ the hold on the prefill side, the pull on the decode side, and the prompt keys a
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from engine.cli import main as cli_main
 from engine.compute.kinds import register
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.llm.routing import RoleTokenizers
@@ -19,6 +22,7 @@ from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
 from engine.flow.kvroute import prompt_pages
+from engine.flow.loader import load_workflow
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
 from engine.spec.calls import NodeCall, NodeContext
@@ -265,3 +269,18 @@ async def test_one_role_can_prefill_and_decode_itself(executor, tiny_llama):
     assert result.status == "done", result.error
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 7)
     assert result.outputs["kv"]["pulled_pages"] == 0
+
+
+def test_pd_chat_example_runs_and_matches_one_llm(capsys, tiny_llama):
+    path = Path(__file__).resolve().parents[3] / "workflows" / "pd_chat.py"
+    assert cli_main(["run", str(path), "--workers", "inproc", "--json", "-q"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "done"
+    prompt = load_workflow(path).node("prompt").params["default"]
+    engine = LLMEngine(tiny_llama, EngineConfig(page_size=16))
+    try:
+        expected = engine.generate([prompt], SamplingParams(max_new_tokens=32))[0]
+    finally:
+        engine.close()
+    assert doc["outputs"]["tokens"] == list(expected.output_ids)
+    assert doc["outputs"]["text"] == expected.text
