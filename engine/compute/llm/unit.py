@@ -17,7 +17,9 @@ Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_
 * `llm.decode`: a handoff in as `kv`; pulls the prompt's pages and its partial last page
   from the prefill worker over the transfer plane (off the engine thread), lets the
   prefill worker go (releases the hold token once the pages are locked here), then decodes:
-  `text`, `tokens`, `kv` out, like `llm`.
+  `text`, `tokens`, `kv` out, like `llm`. A handoff feeds one decode node: the first one
+  ends the hold, so a second one fails unless its prompt ends on a page boundary and the
+  pages are still cached (fan-out sampling belongs in one decode request).
 
 The transfer plane: a worker process hands the unit its `Peer` (`bind_transfer`) and serves
 the unit's `kv_store` to other workers; a unit that was not given one (in-process dispatch)
@@ -53,7 +55,7 @@ from engine.compute.llm.transfer import (
 )
 from engine.compute.models.loader import load_model
 from engine.compute.sampling import SamplingParams
-from engine.data.channel import TransferError
+from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.pull import KVHolderIndex, KVPageServer, fetch_pages
@@ -487,6 +489,10 @@ class LLMUnit(ComputeUnit):
                 assert ref.hold is not None
                 remaining = max(0.001, deadline - time.monotonic())
                 tail = peer.pull(ref.hold, remaining).torch().clone()  # a shared-memory view is the holder's
+        except RefGone as exc:
+            # One handoff feeds one decode node: the first to take it ends the hold.
+            raise LLMUnitError(f"node {node_id!r}: {where} no longer holds this handoff (another llm.decode"
+                               f" node took it, or its handoff_lease_s ran out): {exc}") from exc
         except (KVTransferError, TransferError) as exc:
             raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
                                f" {self.pull_timeout_s} s: {exc}") from exc

@@ -192,7 +192,8 @@ async def test_decode_pulls_exactly_the_prompt_pages_and_the_prefill_lets_go(mak
     assert decode.kv_store.metrics()["pull.pages"] == 5
     assert decode.engine.stats.computed_prompt_tokens == 0
     await wait_for(lambda: locked(prefill) == 0, 5.0, "the prefill worker to let go of the pages")
-    assert handoff.hold.id not in prefill._transfer().store
+    with pytest.raises(LLMUnitError, match="another llm.decode node took it"):
+        await make_unit("dec2").execute(call("d", {"kv": value}, DECODE_OUT), CTX)
     # The same prompt again: the decode side already holds the pages and pulls none.
     again = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 6}), CTX)).outputs["kv"]
     assert again["cached_tokens"] == 20
@@ -206,7 +207,7 @@ async def test_an_unclaimed_handoff_is_released_when_its_lease_ends(make_unit):
     assert locked(prefill) == 4
     await wait_for(lambda: locked(prefill) == 0, 5.0, "the lease to end the hold")
     decode = make_unit("dec")
-    with pytest.raises(LLMUnitError, match="cannot pull the prompt's KV from prefill worker"):
+    with pytest.raises(LLMUnitError, match="no longer holds this handoff"):
         await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)  # the tail went with the hold
 
 
