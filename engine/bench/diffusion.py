@@ -22,12 +22,16 @@ import time
 import torch
 
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.models.loader import load_builtin
-from engine.compute.models.tokenizer import BOS_ID
+from engine.compute.models.catalog import ModelConfig
+from engine.compute.models.loader import LoadedModel, build_model, load_builtin
+from engine.compute.models.tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="instead of --model: a seeded 4-layer Llama of this width (head dim 16, GQA 2:1),"
+                        " where compute rather than per-op overhead dominates")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--negative-tokens", type=int, default=256,
                         help="length of the unconditional (negative) prompt")
@@ -49,9 +53,20 @@ def _timed(fn) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - started, out
 
 
+def _model(args: argparse.Namespace) -> LoadedModel:
+    if args.hidden_size is None:
+        return load_builtin(args.model)
+    width = args.hidden_size
+    if width % 32:
+        raise SystemExit("--hidden-size must be a multiple of 32")
+    config = ModelConfig(name=f"bench-llama-{width}", family="llama", hidden_size=width, num_layers=4,
+                         num_heads=width // 16, num_kv_heads=width // 32, intermediate_size=width * 11 // 4, seed=99)
+    return LoadedModel(config.name, f"bench:{config.name}", build_model(config), build_byte_tokenizer(), (EOS_ID,))
+
+
 def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
     rng = random.Random(args.seed)
-    model = load_builtin(args.model)
+    model = _model(args)
     config = DiffusionConfig(latent_size=args.latent_size, patch_size=args.patch_size, steps=args.steps,
                              guidance_scale=args.guidance_scale)
     runner = DiffusionRunner(model, config)
@@ -78,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
     ideal = (args.prompt_tokens + latent_tokens) / latent_tokens
     max_abs = (reused - recomputed).abs().max().item()
     return {
-        "model": args.model,
+        "model": model.name,
         "prompt_tokens": args.prompt_tokens,
         "latent_tokens": latent_tokens,
         "steps": args.steps,

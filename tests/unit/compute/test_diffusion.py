@@ -157,3 +157,17 @@ def test_generation_is_seeded(runner: DiffusionRunner):
     assert torch.equal(a, runner.generate(prompt, negative, seed=3, steps=4))
     assert not torch.equal(a, runner.generate(prompt, negative, seed=4, steps=4))
     assert not torch.equal(a, runner.generate(_prompt(11, 12), negative, seed=3, steps=4))
+
+
+def test_bench_reports_its_keys():
+    import argparse
+
+    from engine.bench import diffusion as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--prompt-tokens", "24", "--negative-tokens", "8", "--steps", "2",
+                                          "--repeats", "1", "--latent-size", "8"]))
+    assert result["latent_tokens"] == 16 and result["ideal_ratio"] == (24 + 16) / 16
+    assert result["s_reuse"] > 0 and result["s_recompute"] > 0 and result["max_abs_diff"] <= 1e-5
+    assert {"speedup", "goal_speedup", "goal_max_abs_diff"} <= set(result)
