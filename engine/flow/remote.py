@@ -304,7 +304,7 @@ class WorkerDispatcher:
         hint = await self._kv_router.hint(role, call, snapshots) if role.balance == KVAware.name else NO_HINT
         candidates = candidates_from(snapshots, outstanding=self._outstanding, cached=hint.cached)
         request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
-                                 session_key=call.params.get("session_id"), prefix_pages=hint.pages)
+                                 session_key=call.params.get("session"), prefix_pages=hint.pages)
         return by_id[self._policy(role).choose(request, candidates)]
 
     # --------------------------------------------------------------- connections
