@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, parse_segment_name
+from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, parse_segment_name, reclaim_dead_segments
 
 WEIGHTS_PREFIX = "omniflowweights"
 _ALIGN = 64
@@ -240,6 +240,23 @@ class HostWeights:
         for entry in manifest.tensors:
             _assign(module, entry.name, entry.kind, views[entry.offset])
         return module.eval()
+
+    def reclaim(self) -> list[str]:
+        """Remove segments and index files of publishers that died (a worker runs this at start);
+        returns the names removed. Safe to run from many processes at once."""
+        removed = reclaim_dead_segments(self.root, self.prefix)
+        head = f"{self.prefix}-index-"
+        with os.scandir(self.root) as entries:
+            indexes = [e.path for e in entries if e.name.startswith(head)]
+        for path in indexes:
+            segment = _read_index(path)
+            owner = parse_segment_name(segment, self.prefix) if segment else None
+            if owner is not None and owner.alive():
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+        return removed
 
     def close(self) -> None:
         """Withdraw what this process published. Attached modules keep working."""

@@ -96,7 +96,8 @@ def test_attach_refuses_a_mismatched_module_and_ignores_dead_owners(prefix: str)
         with open(host.index_path("k"), "wb") as f:
             f.write(msgspec.json.encode(dead))
         assert host.lookup("k") is None
-        os.unlink(host.index_path("k"))
+        assert host.reclaim() == [os.path.basename(host.index_path("k"))]  # the live segment stays
+        assert host.lookup("other") is None and os.path.exists(f"/dev/shm/{manifest.segment}")
     finally:
         host.close()
 
