@@ -10,13 +10,16 @@ Two shapes:
   the in-memory channel layer, runs executed in this process.
 * **distributed**: `DATABASE_URL` (PostgreSQL) and `REDIS_URL` (channels-redis layer,
   Celery broker, worker registry, KV index). `OMNIFLOW_DISPATCH=celery` hands runs to
-  Celery workers instead of the web process.
+  Celery workers instead of the web process, and deployments to the Celery worker of a
+  node (queue `node.<OMNIFLOW_NODE>`), which starts that deployment's role workers there.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,20 @@ class StudioConfig:
     python_op_modules: tuple[str, ...]
     """Module prefixes a `python` node's op may import from; `*` allows any module."""
     log_level: str
+    node_name: str
+    """This process's node: its Celery worker consumes the queue `node.<node_name>`."""
+    deploy_node: str
+    """The node new deployments go to when they name none (distributed mode)."""
+    worker_listen: str
+    """Control endpoint of the role workers this process starts (`tcp://0.0.0.0:0` in containers)."""
+    max_replicas: int
+    """The most replicas of one role a deployment may ask for."""
+    worker_ready_timeout_s: float
+    """How long a starting role worker may take to register."""
+    chat_timeout_s: float
+    """How long a chat completion or session turn may take."""
+    metrics_interval_s: float
+    """Seconds between two messages of `/ws/metrics/`."""
 
     @property
     def distributed(self) -> bool:
@@ -101,6 +118,21 @@ def env_float_or_none(env: Mapping[str, str], name: str) -> float | None:
     if not value > 0:
         raise ImproperlyConfigured(f"{name}={raw!r} must be a positive number of seconds")
     return value
+
+
+def env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env_float_or_none(env, name)
+    return default if value is None else value
+
+
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def node_name(raw: str, name: str) -> str:
+    """A node name usable in a Celery queue name (`node.<name>`)."""
+    if not _NODE_NAME.match(raw):
+        raise ImproperlyConfigured(f"{name}={raw!r}: a node name is 1-63 letters, digits, '_', '.' or '-'")
+    return raw
 
 
 def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -199,6 +231,11 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ImproperlyConfigured(f"OMNIFLOW_LOG_LEVEL={log_level!r} is not a logging level")
 
+    node = node_name((env.get("OMNIFLOW_NODE") or socket.gethostname()).strip(), "OMNIFLOW_NODE")
+    worker_listen = (env.get("OMNIFLOW_WORKER_LISTEN") or "tcp://127.0.0.1:0").strip()
+    if not re.match(r"^tcp://[^:/]+:\d+$", worker_listen):
+        raise ImproperlyConfigured(f"OMNIFLOW_WORKER_LISTEN={worker_listen!r}: expected tcp://HOST:PORT")
+
     return StudioConfig(
         debug=debug,
         secret_key=_secret_key(env, data_dir),
@@ -213,4 +250,11 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         run_timeout_s=env_float_or_none(env, "OMNIFLOW_RUN_TIMEOUT_S"),
         python_op_modules=env_list(env, "OMNIFLOW_PYTHON_OP_MODULES", ("workflows",)),
         log_level=log_level,
+        node_name=node,
+        deploy_node=node_name((env.get("OMNIFLOW_DEPLOY_NODE") or node).strip(), "OMNIFLOW_DEPLOY_NODE"),
+        worker_listen=worker_listen,
+        max_replicas=env_int(env, "OMNIFLOW_MAX_REPLICAS", 16, minimum=1),
+        worker_ready_timeout_s=env_seconds(env, "OMNIFLOW_WORKER_READY_TIMEOUT_S", 120.0),
+        chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
+        metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
     )

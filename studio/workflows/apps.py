@@ -1,6 +1,6 @@
 """The workflows app. Its AppConfig owns the process's engine objects (`StudioEngine`):
-the kind catalogue and the `RunService`. They are built once in `ready()` from
-`settings.OMNIFLOW` and reached through `engine()`; nothing else holds them."""
+the kind catalogue, the `RunService` and the deployments it hosts. They are built once in
+`ready()` from `settings.OMNIFLOW` and reached through `engine()`; nothing else holds them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from django.conf import settings
 if TYPE_CHECKING:
     from engine.spec.kinds import KindRegistry
     from studio.config import StudioConfig
+    from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.runs.service import RunService
 
 
@@ -21,16 +22,21 @@ class StudioEngine:
     config: StudioConfig
     kinds: KindRegistry
     runs: RunService
+    deployments: EmbeddedDeployments
+    """Coroutines to run on `runs.call(...)`: the engine loop owns the deployments' workers."""
 
 
 def build_engine(config: StudioConfig) -> StudioEngine:
     from engine.spec.kinds import default_kinds
+    from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.runs.bus import ChannelLayerRunEventBus, LocalRunEventBus
     from studio.workflows.runs.service import RunService
 
     kinds = default_kinds()
     bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
-    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus))
+    deployments = EmbeddedDeployments(config, kinds)
+    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus, deployments=deployments),
+                        deployments=deployments)
 
 
 class WorkflowsConfig(AppConfig):

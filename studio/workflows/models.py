@@ -91,7 +91,14 @@ class DeploymentStatus(models.TextChoices):
 
 
 class Deployment(models.Model):
-    """A version deployed onto role workers: `replicas` per role (defaults from the spec)."""
+    """A version deployed onto role workers: `replicas` per role (defaults from the spec).
+
+    Its workers register in the worker registry under `namespace`, so two deployments of
+    the same workflow never share workers, and a worker started by hand on another machine
+    joins it with `omniflow worker --namespace <namespace> --registry <REDIS_URL> ...`.
+    `node` is the node whose Celery worker starts them (queue `node.<node>`); blank when
+    the studio process itself hosts them (the embedded mode).
+    """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
@@ -99,6 +106,9 @@ class Deployment(models.Model):
     name = models.CharField(max_length=100, blank=True)
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     replicas = models.JSONField(default=dict, blank=True, help_text="role name -> replica count")
+    node = models.CharField(max_length=63, blank=True,
+                            help_text="node whose Celery worker starts the role workers; blank: the studio process")
+    namespace = models.CharField(max_length=100, blank=True, help_text="worker registry namespace")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -110,6 +120,20 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name or f"deployment of {self.version}"
+
+    @property
+    def active(self) -> bool:
+        """Whether it has (or is about to have) workers."""
+        return self.status in ACTIVE_DEPLOYMENT_STATUSES
+
+
+ACTIVE_DEPLOYMENT_STATUSES = frozenset({DeploymentStatus.PENDING, DeploymentStatus.STARTING,
+                                        DeploymentStatus.RUNNING, DeploymentStatus.STOPPING})
+
+
+def deployment_namespace(prefix: str, deployment_id: uuid.UUID) -> str:
+    """The registry namespace of a deployment's workers (no ':' allowed there)."""
+    return f"{prefix}-d{deployment_id.hex}"
 
 
 class WorkerStatus(models.TextChoices):
@@ -177,6 +201,8 @@ class Run(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     duration_ms = models.FloatField(null=True, blank=True)
     last_seq = models.IntegerField(default=-1)
+    node_params = models.JSONField(default=dict, blank=True,
+                                   help_text="node id -> params laid over the spec's for this run (chat turns)")
 
     objects = OwnedQuerySet.as_manager()
 
@@ -286,6 +312,8 @@ class Session(models.Model):
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="sessions")
     title = models.CharField(max_length=200, blank=True)
     messages = models.JSONField(default=list, blank=True, help_text="[{role, content, ...}] in order")
+    turn = models.ForeignKey("Run", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+                             help_text="the run of the turn in flight, if any")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     closed = models.BooleanField(default=False)

@@ -6,7 +6,10 @@ and RunEvent rows, output files) and then publishes them to live followers. A fo
 that reads the database and then the bus therefore misses nothing.
 
 It runs wherever an executor lives: on the engine loop of the web process (embedded,
-`RunService`) or in a Celery worker (`execute_standalone`, distributed).
+`RunService`) or in a Celery worker (`execute_standalone`, distributed). Which executor
+runs a claimed run is the `ExecutorSource`'s choice: the process's own (in-process
+dispatch) for a plain run, a `WorkerDispatcher` on the deployment's role workers for a
+run submitted against a deployment (see `studio.workflows.deployments`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import EventLog, RunFinished, RunStatus, event_to_dict
@@ -26,6 +29,35 @@ from studio.workflows.runs.metrics import RunMetrics
 from studio.workflows.runs.store import RunTicket
 
 log = logging.getLogger(__name__)
+
+
+class DeploymentUnavailable(RuntimeError):
+    """The run's deployment has no workers this process can reach (stopped, or hosted elsewhere)."""
+
+
+class ExecutorSource(Protocol):
+    async def executor_for(self, ticket: RunTicket) -> Executor:
+        """The executor that runs `ticket`; raises DeploymentUnavailable."""
+        ...
+
+    async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        """The run's outputs as plain values (references to workers' tensors pulled)."""
+        ...
+
+
+class OwnExecutor:
+    """One executor for every run (in-process dispatch); runs of deployments are refused."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    async def executor_for(self, ticket: RunTicket) -> Executor:
+        if ticket.deployment_id is not None:
+            raise DeploymentUnavailable(f"deployment {ticket.deployment_id} has no workers this process can reach")
+        return self.executor
+
+    async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        return outputs
 
 
 class RunStore(Protocol):
@@ -46,8 +78,9 @@ async def _next_event(log_: EventLog, position: int) -> None:
         await follower.aclose()
 
 
-async def _pump(run: Run, run_id: str, store: RunStore, bus: RunEventBus, metrics: RunMetrics,
-                node_kinds: dict[str, str], cancel: asyncio.Event) -> RunStatus:
+async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: RunStore, bus: RunEventBus,
+                metrics: RunMetrics, cancel: asyncio.Event) -> RunStatus:
+    run_id = ticket.run_id
     position = 0
     cancel_requested = asyncio.ensure_future(cancel.wait())
     cancelling = False
@@ -68,10 +101,10 @@ async def _pump(run: Run, run_id: str, store: RunStore, bus: RunEventBus, metric
                         await arrival
                 continue
             final = isinstance(batch[-1], RunFinished)
-            outputs = (await run.wait()).outputs if final else None
+            outputs = await executors.materialize(ticket, (await run.wait()).outputs) if final else None
             stored = await store.record(run_id, [event_to_dict(e) for e in batch], outputs)
             await bus.publish(run_id, stored)
-            metrics.observe(batch, node_kinds)
+            metrics.observe(batch, ticket.node_kinds)
             position += len(batch)
             if final:
                 return batch[-1].status
@@ -79,13 +112,13 @@ async def _pump(run: Run, run_id: str, store: RunStore, bus: RunEventBus, metric
         cancel_requested.cancel()
 
 
-async def execute_run(run_id: str, *, executor: Executor, store: RunStore, bus: RunEventBus,
+async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore, bus: RunEventBus,
                       metrics: RunMetrics, cancel: asyncio.Event | None = None) -> RunStatus | None:
     """Execute the stored run `run_id` to its end; None when it was not pending.
 
     Setting `cancel` stops it (before it starts, or while it runs). A run that cannot
-    start (its spec or inputs no longer pass, a file is gone) ends `failed` with one
-    `run_finished` event carrying the reason."""
+    start (its spec or inputs no longer pass, a file is gone, its deployment is gone)
+    ends `failed` with one `run_finished` event carrying the reason."""
     cancel = cancel or asyncio.Event()
     if cancel.is_set():
         events = await store.finish_unstarted(run_id, RunStatus.CANCELLED, "cancelled by request", only_pending=True)
@@ -101,24 +134,29 @@ async def execute_run(run_id: str, *, executor: Executor, store: RunStore, bus: 
     if ticket is None and error is None:
         return None
     run = None
+    executor: Executor | None = None
     if ticket is not None:
         try:
+            executor = await executors.executor_for(ticket)
             plan = executor.plan(parse_spec(ticket.spec))
             run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s)
         except GraphValidationError as exc:
             error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
         except RunInputError as exc:
             error = f"invalid inputs: {exc}"
+        except DeploymentUnavailable as exc:
+            error = str(exc)
     if run is None:
         events = await store.finish_unstarted(run_id, RunStatus.FAILED, error or "could not start", only_pending=False)
         if events:
             await bus.publish(run_id, events)
             metrics.runs_finished.labels(str(RunStatus.FAILED)).inc()
         return RunStatus.FAILED
+    assert ticket is not None and executor is not None
     metrics.runs_submitted.inc()
     metrics.runs_active.inc()
     try:
-        return await _pump(run, run_id, store, bus, metrics, ticket.node_kinds, cancel)
+        return await _pump(run, ticket, executors, store, bus, metrics, cancel)
     finally:
         metrics.runs_active.dec()
         if not run.done:  # the pump failed (e.g. the database went away): stop the run too
@@ -128,10 +166,29 @@ async def execute_run(run_id: str, *, executor: Executor, store: RunStore, bus: 
 
 
 async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStore, bus: RunEventBus,
-                             metrics: RunMetrics) -> RunStatus | None:
-    """Execute one run with an executor of its own (a Celery worker's task)."""
+                             metrics: RunMetrics, executors: ExecutorSource | None = None) -> RunStatus | None:
+    """Execute one run with an executor of its own (a Celery worker's task). `executors`
+    (when given) serves runs of deployments; the caller closes it."""
     executor = Executor(InProcessDispatcher(kinds), kinds)
+    source = executors or OwnExecutor(executor)
     try:
-        return await execute_run(run_id, executor=executor, store=store, bus=bus, metrics=metrics)
+        return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,
+                                 metrics=metrics)
     finally:
         await executor.aclose()
+
+
+class _Fallback:
+    """Runs of deployments to `source`, every other run to `executor`."""
+
+    def __init__(self, source: ExecutorSource, executor: Executor) -> None:
+        self._source = source
+        self._executor = executor
+
+    async def executor_for(self, ticket: RunTicket) -> Executor:
+        if ticket.deployment_id is None:
+            return self._executor
+        return await self._source.executor_for(ticket)
+
+    async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        return await self._source.materialize(ticket, outputs)

@@ -7,7 +7,10 @@ reaches it); there is no module-level instance. It owns:
   `Executor` and its `InProcessDispatcher`. The loop belongs to the service, not to the
   web server, so the same code runs under daphne, uvicorn, `runserver`, Django's test
   client and a Celery worker;
-* the **database thread** (`omniflow-db`) every event write goes through, in order.
+* the **database thread** (`omniflow-db`) every event write goes through, in order;
+* the **deployments** it hosts (`EmbeddedDeployments`, given to it): their role workers'
+  clusters and executors live on the engine loop, and runs submitted against a
+  deployment execute there. `call(coro)` runs a coroutine on the loop from any thread.
 
 `submit(run_id)` and `cancel(run_id)` may be called from any thread (request threads
 call them). The loop starts on first use; `stop()` cancels what still runs, closes the
@@ -22,7 +25,7 @@ import enum
 import logging
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import RunStatus
@@ -31,9 +34,9 @@ from engine.spec.kinds import KindRegistry
 from studio.workflows.models import Run
 from studio.workflows.models import RunStatus as DbRunStatus
 from studio.workflows.runs.bus import RunEventBus
-from studio.workflows.runs.execution import execute_run
+from studio.workflows.runs.execution import ExecutorSource, OwnExecutor, execute_run
 from studio.workflows.runs.metrics import RunMetrics
-from studio.workflows.runs.store import ThreadedRunStore, stale_runs
+from studio.workflows.runs.store import RunTicket, ThreadedRunStore, stale_runs
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +50,37 @@ class CancelOutcome(enum.StrEnum):
     """It is running, but not in this process."""
 
 
+class DeploymentHost(ExecutorSource, Protocol):
+    """What the service needs of the deployments it hosts (`EmbeddedDeployments`)."""
+
+    async def aclose(self) -> None: ...
+
+
+class _Executors:
+    """Plain runs to the service's own executor, runs of deployments to the deployments."""
+
+    def __init__(self, own: Executor, deployments: DeploymentHost | None) -> None:
+        self._own = OwnExecutor(own)
+        self._deployments = deployments
+
+    async def executor_for(self, ticket: RunTicket) -> Executor:
+        if ticket.deployment_id is None or self._deployments is None:
+            return await self._own.executor_for(ticket)
+        return await self._deployments.executor_for(ticket)
+
+    async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        if ticket.deployment_id is None or self._deployments is None:
+            return outputs
+        return await self._deployments.materialize(ticket, outputs)
+
+
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
-                 *, start_timeout_s: float = 10.0) -> None:
+                 *, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0) -> None:
         self.kinds = kinds
         self.bus = bus
         self.metrics = metrics or RunMetrics()
+        self.deployments = deployments
         self._start_timeout_s = start_timeout_s
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,6 +88,7 @@ class RunService:
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ThreadedRunStore | None = None
         self._executor: Executor | None = None
+        self._executors: _Executors | None = None
         self._tasks: dict[str, asyncio.Task[RunStatus | None]] = {}
         self._cancels: dict[str, asyncio.Event] = {}
 
@@ -85,6 +114,7 @@ class RunService:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._executor = Executor(InProcessDispatcher(self.kinds), self.kinds)
+        self._executors = _Executors(self._executor, self.deployments)
         self._loop = loop
         ready.set()
         try:
@@ -101,6 +131,8 @@ class RunService:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         assert self._executor is not None and self._store is not None
         await self._executor.aclose()
+        if self.deployments is not None:
+            await self.deployments.aclose()
         await self._store.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -114,19 +146,20 @@ class RunService:
             if thread.is_alive():
                 raise RuntimeError("the engine loop did not stop in time")
             db.shutdown(wait=True)
-            self._loop = self._thread = self._db = self._store = self._executor = None
+            self._loop = self._thread = self._db = self._store = self._executor = self._executors = None
             self._tasks.clear()
             self._cancels.clear()
 
     # ---------------------------------------------------------------------- calls
-    def _call(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+    def call(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the engine loop (started if need be); from any thread but the loop's."""
         self.start()
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def submit(self, run_id: str) -> None:
         """Execute the stored pending run `run_id`; returns at once (thread-safe)."""
-        self._call(self._start_run(str(run_id)))
+        self.call(self._start_run(str(run_id)))
 
     def resume_stale(self) -> list[str]:
         """On a process start: fail runs a previous process left running, re-queue pending ones.
@@ -135,7 +168,7 @@ class RunService:
         assert self._store is not None and self._db is not None
         stale = self._db.submit(stale_runs).result()
         for run_id in stale:
-            self._call(self._recover(run_id))
+            self.call(self._recover(run_id))
         return stale
 
     async def _recover(self, run_id: str) -> None:
@@ -159,10 +192,10 @@ class RunService:
     async def _start_run(self, run_id: str) -> None:
         if run_id in self._tasks:
             return
-        assert self._executor is not None and self._store is not None
+        assert self._executors is not None and self._store is not None
         cancel = self._cancels[run_id] = asyncio.Event()
         task = asyncio.get_running_loop().create_task(
-            execute_run(run_id, executor=self._executor, store=self._store, bus=self.bus, metrics=self.metrics,
+            execute_run(run_id, executors=self._executors, store=self._store, bus=self.bus, metrics=self.metrics,
                         cancel=cancel),
             name=f"omniflow-run-{run_id}",
         )
@@ -177,7 +210,7 @@ class RunService:
 
     def cancel(self, run_id: str, timeout_s: float = 30.0) -> CancelOutcome:
         """Stop a run of this process and wait until it has ended (thread-safe)."""
-        return self._call(self._cancel(str(run_id))).result(timeout_s)
+        return self.call(self._cancel(str(run_id))).result(timeout_s)
 
     async def _cancel(self, run_id: str) -> CancelOutcome:
         assert self._store is not None
@@ -197,7 +230,7 @@ class RunService:
 
     def wait(self, run_id: str, timeout_s: float = 30.0) -> RunStatus | None:
         """Block until the run (if it executes here) has ended; for tests and commands."""
-        return self._call(self._wait(str(run_id))).result(timeout_s)
+        return self.call(self._wait(str(run_id))).result(timeout_s)
 
     async def _wait(self, run_id: str) -> RunStatus | None:
         task = self._tasks.get(run_id)

@@ -56,6 +56,20 @@ class RunTicket:
     """Input values with uploaded files read back as bytes."""
     timeout_s: float | None
     node_kinds: dict[str, str]
+    deployment_id: str | None = None
+    """Set when the run executes on a deployment's role workers."""
+    namespace: str | None = None
+    """The deployment's worker registry namespace."""
+
+
+def with_node_params(spec: dict[str, Any], node_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`spec` with each node's params updated from `node_params` (node id -> params); the
+    spec itself is not modified."""
+    if not node_params:
+        return spec
+    nodes = [{**n, "params": {**n.get("params", {}), **node_params[n["id"]]}} if n.get("id") in node_params else n
+             for n in spec.get("nodes", [])]
+    return {**spec, "nodes": nodes}
 
 
 def _when(epoch: float | None) -> dt.datetime:
@@ -115,7 +129,7 @@ def claim(run_id: str) -> RunTicket | None:
         )
         if not claimed:
             return None
-        run = Run.objects.select_related("version").get(pk=run_id)
+        run = Run.objects.select_related("version", "deployment").get(pk=run_id)
         files = {str(f.id): f for f in run.files.filter(role=FileRole.INPUT)}
     inputs: dict[str, Any] = {}
     for name, value in run.inputs.items():
@@ -127,13 +141,16 @@ def claim(run_id: str) -> RunTicket | None:
                 inputs[name] = fh.read()
         else:
             inputs[name] = value
-    spec = run.version.spec
+    spec = with_node_params(run.version.spec, run.node_params)
+    deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
         spec=spec,
         inputs=inputs,
         timeout_s=run.timeout_s,
         node_kinds={n["id"]: n["kind"] for n in spec.get("nodes", [])},
+        deployment_id=None if deployment is None else str(deployment.pk),
+        namespace=None if deployment is None else deployment.namespace,
     )
 
 

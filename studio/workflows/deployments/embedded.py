@@ -1,0 +1,231 @@
+"""Deployments hosted by the studio process itself (the embedded mode).
+
+`EmbeddedDeployments` keeps, per deployment, a `LocalCluster` of role workers spawned
+from this process (they exit with it) and an `Executor` whose `WorkerDispatcher` sends
+the deployment's runs to them. Workers register in Redis under the deployment's
+namespace when REDIS_URL is set (so their heartbeats carry metrics, other processes reach
+them, and workers on other machines can join); otherwise in an in-process registry
+filled from their READY lines (no load metrics then: nothing heartbeats into it).
+
+Every coroutine runs on the engine loop of the process's `RunService`, which owns this
+object (`RunService.call`); `deploy`/`undeploy` also write the deployment's status and
+worker rows. It is the `ExecutorSource` of runs submitted against a deployment: its own
+deployments first, then any other reachable through the shared registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import close_old_connections, connections
+
+from engine.flow.discovery import InProcessRegistry, RegistryError, WorkerSnapshot
+from engine.flow.executor import Executor
+from engine.flow.remote import WorkerDispatcher
+from engine.spec.kinds import KindRegistry
+from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
+from studio.config import StudioConfig
+from studio.workflows.deployments import records
+from studio.workflows.deployments.reach import NamespaceExecutors, pull_outputs
+from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
+from studio.workflows.models import DeploymentStatus, WorkerStatus
+from studio.workflows.runs.execution import DeploymentUnavailable
+from studio.workflows.runs.store import RunTicket
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+STOP_TIMEOUT_S = 10.0
+_ENDED = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
+
+
+@dataclass(slots=True)
+class _Hosted:
+    deployment_id: str
+    namespace: str
+    cluster: LocalCluster
+    executor: Executor
+    next_index: dict[str, int] = field(default_factory=dict)
+
+
+def _started(worker: LaunchedWorker, device: str) -> StartedWorker:
+    d = worker.details
+    return StartedWorker(worker_id=worker.worker_id, role=worker.role, address=d["address"], host=d["host"],
+                         pid=d["pid"], device=device)
+
+
+class EmbeddedDeployments:
+    def __init__(self, config: StudioConfig, kinds: KindRegistry) -> None:
+        self.config = config
+        self.kinds = kinds
+        self.reach = NamespaceExecutors(kinds, config.redis_url)
+        self._hosted: dict[str, _Hosted] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._db: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ database
+    async def _orm(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        if self._db is None:
+            self._db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omniflow-deploy-db")
+
+        def call() -> _T:
+            close_old_connections()
+            return fn(*args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._db, call)
+
+    def _lock(self, deployment_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(deployment_id, asyncio.Lock())
+
+    def hosts(self, deployment_id: str) -> bool:
+        return deployment_id in self._hosted
+
+    # ------------------------------------------------------------ lifecycle (DB)
+    async def deploy(self, deployment_id: str) -> None:
+        """Bring the deployment's workers to its replica counts (start, or scale): idempotent.
+        A stopping or stopped deployment is left alone; a failed start marks it failed."""
+        async with self._lock(deployment_id):
+            ticket = await self._orm(records.ticket, deployment_id)
+            if ticket is None or ticket.status in (*_ENDED, DeploymentStatus.FAILED):
+                return
+            scaling = deployment_id in self._hosted
+            if not scaling:
+                await self._orm(records.set_status, deployment_id, DeploymentStatus.STARTING, unless=_ENDED)
+            try:
+                started, stopped = await self._reconcile(ticket)
+            except LaunchError as exc:
+                log.warning("deployment %s: workers failed to start: %s", deployment_id, exc)
+                if scaling:  # what runs keeps serving
+                    await self._orm(records.set_status, deployment_id, DeploymentStatus.RUNNING,
+                                    f"scaling failed: {exc}", unless=_ENDED)
+                    return
+                await self._stop_hosted(deployment_id)
+                await self._orm(records.stop_all_workers, deployment_id)
+                await self._orm(records.set_status, deployment_id, DeploymentStatus.FAILED, str(exc), unless=_ENDED)
+                return
+            await self._orm(records.add_workers, deployment_id, started)
+            await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
+            if not await self._orm(records.set_status, deployment_id, DeploymentStatus.RUNNING, unless=_ENDED):
+                stopped = await self._stop_hosted(deployment_id)  # a stop came while the workers started
+                await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
+
+    async def undeploy(self, deployment_id: str) -> None:
+        """Stop the deployment's workers here and mark it stopped: idempotent."""
+        async with self._lock(deployment_id):
+            ticket = await self._orm(records.ticket, deployment_id)
+            stopped = await self._stop_hosted(deployment_id)
+            await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
+            if ticket is not None:
+                await self._orm(records.stop_all_workers, deployment_id)
+                await self.reach.forget(ticket.namespace)
+                await self._orm(records.set_status, deployment_id, DeploymentStatus.STOPPED)
+        self._locks.pop(deployment_id, None)
+
+    # ---------------------------------------------------------------- processes
+    async def _reconcile(self, ticket: DeploymentTicket) -> tuple[list[StartedWorker], list[str]]:
+        hosted = self._hosted.get(ticket.deployment_id)
+        if hosted is None:
+            cluster = LocalCluster(
+                ticket.spec,
+                registry_url=self.config.redis_url,
+                namespace=ticket.namespace,
+                ready_timeout_s=self.config.worker_ready_timeout_s,
+                stop_timeout_s=STOP_TIMEOUT_S,
+                extra_args=("--listen", self.config.worker_listen),
+            )
+            await cluster.start()  # stops what it started when one worker fails
+            dispatcher = WorkerDispatcher(cluster.registry, self.reach.peer())
+            hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, Executor(dispatcher, self.kinds),
+                             next_index={r.name: r.replicas for r in ticket.spec.roles})
+            self._hosted[ticket.deployment_id] = hosted
+            devices = {r.name: r.device for r in ticket.spec.roles}
+            return [_started(w, devices[w.role]) for w in cluster.workers], []
+        started: list[StartedWorker] = []
+        stopped: list[str] = []
+        for role in ticket.spec.roles:
+            mine = [w for w in hosted.cluster.workers if w.role == role.name]
+            for _ in range(role.replicas - len(mine)):
+                index = hosted.next_index.get(role.name, 0)
+                hosted.next_index[role.name] = index + 1
+                worker = await hosted.cluster.spawn(role.name, index)
+                started.append(_started(worker, role.device))
+            for worker in mine[role.replicas:] if len(mine) > role.replicas else []:
+                await self._retire(hosted.cluster, worker)
+                stopped.append(worker.worker_id)
+        return started, stopped
+
+    @staticmethod
+    async def _retire(cluster: LocalCluster, worker: LaunchedWorker) -> None:
+        """Stop one worker of a running cluster (scaling down): it drains and deregisters."""
+        cluster.workers.remove(worker)
+        if worker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(worker.process.wait(), cluster.stop_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.kill()
+            await worker.process.wait()
+        if worker.relay is not None:
+            worker.relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker.relay
+        if isinstance(cluster.registry, InProcessRegistry):
+            await cluster.registry.deregister(worker.worker_id)
+
+    async def _stop_hosted(self, deployment_id: str) -> list[str]:
+        hosted = self._hosted.pop(deployment_id, None)
+        if hosted is None:
+            return []
+        ids = [w.worker_id for w in hosted.cluster.workers]
+        await hosted.executor.aclose()
+        await hosted.cluster.stop()
+        return ids
+
+    # ----------------------------------------------------------- ExecutorSource
+    async def executor_for(self, ticket: RunTicket) -> Executor:
+        assert ticket.deployment_id is not None
+        hosted = self._hosted.get(ticket.deployment_id)
+        if hosted is not None:
+            return hosted.executor
+        if not self.reach.available:
+            raise DeploymentUnavailable(f"deployment {ticket.deployment_id} is not running in this process")
+        return await self.reach.executor_for(ticket)
+
+    async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        return await pull_outputs(self.reach.peer(), outputs)
+
+    # ------------------------------------------------------------------ workers
+    async def snapshots(self, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:
+        """Live workers per deployment (deployment id -> namespace given)."""
+        out: dict[str, list[WorkerSnapshot]] = {}
+        for deployment_id, namespace in namespaces.items():
+            hosted = self._hosted.get(deployment_id)
+            if hosted is not None:
+                try:
+                    out[deployment_id] = await hosted.cluster.registry.workers()
+                except RegistryError as exc:
+                    log.warning("listing the workers of deployment %s failed: %s", deployment_id, exc)
+                    out[deployment_id] = []
+            else:
+                out[deployment_id] = await self.reach.snapshots(namespace)
+        return out
+
+    async def aclose(self) -> None:
+        """Stop every hosted deployment's workers (their rows stay as they are: a restarted
+        studio re-deploys them, see `studio.workflows.deployments.service`)."""
+        for deployment_id in list(self._hosted):
+            await self._stop_hosted(deployment_id)
+        await self.reach.aclose()
+        if self._db is not None:
+            db, self._db = self._db, None
+            await asyncio.get_running_loop().run_in_executor(db, connections.close_all)
+            db.shutdown(wait=True)

@@ -1,0 +1,108 @@
+"""The database side of deployments: status changes and the worker rows that mirror the
+registry. Synchronous (ORM); the embedded service calls them from its database thread,
+the node agent from its Celery task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from django.db import transaction
+from django.utils import timezone
+
+from engine.flow.validate import parse_spec
+from engine.spec.graph import GraphSpec
+from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
+
+LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentTicket:
+    """What a process needs to start (or reconcile) a deployment's workers."""
+
+    deployment_id: str
+    status: DeploymentStatus
+    spec: GraphSpec
+    """The version's spec, named for the deployment, with its replica counts."""
+    namespace: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartedWorker:
+    """A role worker a process started, as its READY line (or registration) described it."""
+
+    worker_id: str
+    role: str
+    address: str
+    host: str
+    pid: int
+    device: str = "cpu"
+
+
+def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict[str, int]) -> GraphSpec:
+    """The spec the workers of a deployment run: roles scaled to `replicas`, and named after
+    the deployment so two deployments of one workflow never share worker ids."""
+    spec = parse_spec(document)
+    suffix = str(deployment_id).replace("-", "")[:8]
+    roles = [msgspec.structs.replace(r, replicas=int(replicas.get(r.name, r.replicas))) for r in spec.roles]
+    return msgspec.structs.replace(spec, name=f"{spec.name[:48]}-{suffix}", roles=roles)
+
+
+def ticket(deployment_id: str) -> DeploymentTicket | None:
+    deployment = Deployment.objects.select_related("version").filter(pk=deployment_id).first()
+    if deployment is None:
+        return None
+    return DeploymentTicket(
+        deployment_id=str(deployment.pk),
+        status=DeploymentStatus(deployment.status),
+        spec=deployment_spec(deployment.version.spec, deployment.pk, deployment.replicas),
+        namespace=deployment.namespace,
+        node=deployment.node,
+    )
+
+
+def set_status(deployment_id: str, status: DeploymentStatus, error: str = "", *,
+               unless: tuple[DeploymentStatus, ...] = ()) -> bool:
+    """Move the deployment to `status` unless it is in one of `unless` (e.g. a stop that came
+    first); whether it moved."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None or deployment.status in unless:
+            return False
+        deployment.status = status
+        deployment.error = error[:4000]
+        deployment.save(update_fields=["status", "error", "updated_at"])
+    return True
+
+
+def add_workers(deployment_id: str, workers: list[StartedWorker]) -> None:
+    now = timezone.now()
+    for w in workers:
+        Worker.objects.update_or_create(
+            worker_id=w.worker_id,
+            defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": w.address,
+                      "pid": w.pid, "device": w.device, "status": WorkerStatus.READY, "last_seen_at": now},
+        )
+
+
+def set_worker_status(worker_ids: list[str], status: WorkerStatus) -> None:
+    Worker.objects.filter(worker_id__in=worker_ids).update(status=status, last_seen_at=timezone.now())
+
+
+def stop_all_workers(deployment_id: str, host: str | None = None) -> None:
+    """Mark the deployment's live workers (on `host`, when given) stopped."""
+    qs = Worker.objects.filter(deployment_id=deployment_id, status__in=LIVE_WORKER_STATUSES)
+    if host is not None:
+        qs = qs.filter(host=host)
+    qs.update(status=WorkerStatus.STOPPED, last_seen_at=timezone.now())
+
+
+def live_workers(deployment_id: str, host: str | None = None) -> list[Worker]:
+    qs = Worker.objects.filter(deployment_id=deployment_id, status__in=LIVE_WORKER_STATUSES)
+    if host is not None:
+        qs = qs.filter(host=host)
+    return list(qs.order_by("role", "worker_id"))

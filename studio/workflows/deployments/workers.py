@@ -1,0 +1,96 @@
+"""Workers as the API and `/ws/metrics/` show them: registry snapshots of the deployments a
+user can see, with the gauge names the frontend's charts read (`frontend/src/api/cluster.ts`).
+
+A worker reports its KV store's metrics as `kv.<tier>.<name>` and its GPU memory as
+`gpu_memory_allocated_bytes` (`engine.worker.process`); `with_chart_gauges` adds the
+chart names beside them: `<tier>.hit_rate`, `<tier>.pages_used`, `<tier>.capacity_pages`,
+`<tier>.bytes_used` for tier in device/host/disk, `gpu.memory_used_bytes`,
+`gpu.memory_reserved_bytes`, `gpu.memory_total_bytes`. `llm.*` gauges pass through.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import QuerySet
+
+from engine.flow.discovery import WorkerSnapshot
+from studio.workflows.apps import StudioEngine
+from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, WorkerStatus
+
+TIERS = ("device", "host", "disk")
+_GPU_ALIASES = {
+    "gpu_memory_allocated_bytes": "gpu.memory_used_bytes",
+    "gpu_memory_reserved_bytes": "gpu.memory_reserved_bytes",
+    "gpu_memory_total_bytes": "gpu.memory_total_bytes",
+}
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+def with_chart_gauges(metrics: dict[str, float]) -> dict[str, float]:
+    out = dict(metrics)
+    for key, value in metrics.items():
+        if key.startswith("kv.") and key.split(".", 2)[1] in TIERS:
+            out.setdefault(key[3:], value)
+        elif key in _GPU_ALIASES:
+            out.setdefault(_GPU_ALIASES[key], value)
+    return out
+
+
+def worker_status(snapshot: WorkerSnapshot, recorded: str | None) -> str:
+    if recorded == WorkerStatus.DRAINING:
+        return recorded
+    return WorkerStatus.BUSY if snapshot.load.busy else WorkerStatus.READY
+
+
+def worker_dict(snapshot: WorkerSnapshot, deployment_id: str, recorded: str | None = None) -> dict[str, Any]:
+    """`WorkerSnapshot.to_dict()` plus the studio's `status` and `deployment`."""
+    body = snapshot.to_dict()
+    body["load"]["metrics"] = with_chart_gauges(body["load"]["metrics"])
+    body["status"] = worker_status(snapshot, recorded)
+    body["deployment"] = deployment_id
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerListing:
+    time: float
+    workers: list[dict[str, Any]]
+
+
+def active_deployments(qs: QuerySet[Deployment]) -> dict[str, str]:
+    """Deployment id -> registry namespace, for the active deployments of `qs`."""
+    return {str(pk): ns for pk, ns in qs.filter(status__in=ACTIVE_DEPLOYMENT_STATUSES)
+            .values_list("pk", "namespace")}
+
+
+def recorded_statuses(deployment_ids: list[str]) -> dict[str, str]:
+    from studio.workflows.models import Worker
+
+    return dict(Worker.objects.filter(deployment_id__in=deployment_ids).values_list("worker_id", "status"))
+
+
+async def snapshots(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:
+    """Live workers per deployment, read on the engine loop (which owns the registries)."""
+    import asyncio
+
+    if not namespaces:
+        return {}
+    future = eng.runs.call(eng.deployments.snapshots(namespaces))
+    return await asyncio.wait_for(asyncio.wrap_future(future), SNAPSHOT_TIMEOUT_S)
+
+
+def snapshots_sync(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:
+    if not namespaces:
+        return {}
+    return eng.runs.call(eng.deployments.snapshots(namespaces)).result(SNAPSHOT_TIMEOUT_S)
+
+
+def listing(live: dict[str, list[WorkerSnapshot]], recorded: dict[str, str], *,
+            role: str | None = None) -> WorkerListing:
+    workers = [worker_dict(s, deployment_id, recorded.get(s.worker_id))
+               for deployment_id, snaps in live.items() for s in snaps if role is None or s.role == role]
+    workers.sort(key=lambda w: (w["info"]["role"], w["info"]["worker_id"]))
+    return WorkerListing(time=time.time(), workers=workers)
