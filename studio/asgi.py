@@ -29,13 +29,15 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from studio.accounts.auth import websocket_auth  # noqa: E402
 from studio.config import Dispatch  # noqa: E402
 from studio.workflows.apps import StudioEngine, engine  # noqa: E402
+from studio.workflows.deployments.service import resume_embedded  # noqa: E402
 from studio.workflows.routing import websocket_urlpatterns  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
 class EngineStartup:
-    """Runs `resume_stale` once per process, before the first scope is served."""
+    """Runs `resume_stale` (runs) and `resume_embedded` (deployments this process hosts)
+    once per process, before the first scope is served."""
 
     def __init__(self, studio: StudioEngine, inner: Any, *, enabled: bool) -> None:
         self.studio = studio
@@ -48,6 +50,9 @@ class EngineStartup:
             return
         async with self._lock:
             if not self._done:
+                redeployed = await sync_to_async(resume_embedded, thread_sensitive=False)()
+                if redeployed:
+                    log.warning("deploying again %d deployment(s) a previous process hosted", len(redeployed))
                 stale = await sync_to_async(self.studio.runs.resume_stale, thread_sensitive=False)()
                 if stale:
                     log.warning("resumed or failed %d run(s) left by a previous process", len(stale))

@@ -72,6 +72,8 @@ class StudioConfig:
     """How long a chat completion or session turn may take."""
     metrics_interval_s: float
     """Seconds between two messages of `/ws/metrics/`."""
+    run_queue: str
+    """The Celery queue `execute_run` tasks are sent to (distributed mode)."""
 
     @property
     def distributed(self) -> bool:
@@ -257,4 +259,5 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         worker_ready_timeout_s=env_seconds(env, "OMNIFLOW_WORKER_READY_TIMEOUT_S", 120.0),
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
+        run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),
     )

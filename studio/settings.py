@@ -132,13 +132,20 @@ REST_FRAMEWORK = {
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "Omni-Flow Studio API",
-    "DESCRIPTION": "Workflows, versions, the node-kind catalogue and runs of Omni-Flow.",
+    "DESCRIPTION": "Workflows, versions, the node-kind catalogue, runs, deployments, workers and chat sessions"
+                   " of Omni-Flow (the OpenAI-compatible /v1/ endpoints follow OpenAI's own reference).",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "studio.workflows.models.RunStatus",
+        "DeploymentStatusEnum": "studio.workflows.models.DeploymentStatus",
+        "WorkerStatusEnum": "studio.workflows.models.WorkerStatus",
+        "NodeStateEnum": "studio.workflows.models.NodeState",
+    },
 }
 
 LOGGING = {

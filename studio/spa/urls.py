@@ -9,5 +9,5 @@ from studio.spa import views
 # answer the API's JSON 404 instead of the app.
 urlpatterns = [
     re_path(r"^assets/(?P<path>.+)$", views.asset, name="spa-asset"),
-    re_path(r"^(?!api/|ws/|admin/|static/|metrics$|healthz$)(?P<path>.*)$", views.index, name="spa"),
+    re_path(r"^(?!api/|ws/|v1/|admin/|static/|metrics$|healthz$)(?P<path>.*)$", views.index, name="spa"),
 ]

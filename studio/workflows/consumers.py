@@ -1,4 +1,6 @@
-"""`/ws/runs/<id>/`: a run's events, resumable from a sequence number.
+"""WebSocket consumers: `/ws/runs/<id>/` (a run's events) and `/ws/metrics/` (workers' metrics).
+
+`/ws/runs/<id>/`: a run's events, resumable from a sequence number.
 
 Protocol. Connect with `?since=N` (default 0). The server sends each event as one JSON
 text message, exactly as stored (`{"type": "node_state", "seq": 7, ...}`), in sequence
@@ -28,8 +30,10 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from engine.flow.discovery import RegistryError
 from studio.workflows.apps import engine
-from studio.workflows.models import Run, RunEvent
+from studio.workflows.deployments.workers import active_deployments, listing, recorded_statuses, snapshots
+from studio.workflows.models import Deployment, Run, RunEvent
 from studio.workflows.runs.bus import RunEventBus
 
 log = logging.getLogger(__name__)
@@ -193,3 +197,60 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
             await self.close(code=1000)
             return True
         return False
+
+
+class WorkerMetricsConsumer(AsyncWebsocketConsumer):
+    """`/ws/metrics/`: every `OMNIFLOW_METRICS_INTERVAL_S` (1 s), one message
+    `{"type": "workers", "time": <epoch s>, "workers": [WorkerSnapshot + status, deployment]}`
+    with the live workers of the deployments the user can see (the shape of
+    `GET /api/workers/`; see `studio.workflows.deployments.workers`). The first message
+    comes at once. Not authenticated: one error message, then close code 4401."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        await self.accept()
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self._refuse(401, "authentication required: send 'Authorization: Bearer <token>' or log in")
+            return
+        self._ticker = asyncio.get_running_loop().create_task(self._tick(user))
+
+    async def _refuse(self, status: int, message: str) -> None:
+        await self.send(json.dumps({"type": "error", "status": status, "error": message}))
+        await self.close(code=4000 + status)
+
+    async def disconnect(self, code: int) -> None:
+        task, self._ticker = self._ticker, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        return None  # nothing to ask: the stream is the same for every message
+
+    async def _tick(self, user: Any) -> None:
+        eng = engine()
+        interval = eng.config.metrics_interval_s
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                message = await _worker_message(eng, user)
+            except (TimeoutError, RegistryError) as exc:
+                log.warning("reading worker metrics failed: %s", exc)
+            else:
+                await self.send(json.dumps(message))
+            await asyncio.sleep(max(0.0, interval - (loop.time() - began)))  # the stream's own period
+
+
+async def _worker_message(eng: Any, user: Any) -> dict[str, Any]:
+    namespaces = await database_sync_to_async(
+        lambda: active_deployments(Deployment.objects.visible_to(user)))()
+    live = await snapshots(eng, namespaces)
+    recorded = await database_sync_to_async(recorded_statuses)(list(namespaces))
+    result = listing(live, recorded)
+    return {"type": "workers", "time": result.time, "workers": result.workers}

@@ -28,7 +28,7 @@ from studio.workflows.models import (
     Workflow,
     WorkflowVersion,
 )
-from studio.workflows.runs.store import file_ref, store_file
+from studio.workflows.runs.store import file_ref, store_file, with_node_params
 from studio.workflows.specs import CheckedSpec, check, parse_document, spec_from_source
 
 log = logging.getLogger(__name__)
@@ -137,13 +137,15 @@ def resolve_run_target(user: Any, *, workflow: Workflow | None, number: int | No
 
 def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
                files: dict[str, UploadedFile] | None = None, deployment: Deployment | None = None,
-               timeout_s: float | None = None) -> Run:
+               timeout_s: float | None = None, node_params: dict[str, dict[str, Any]] | None = None) -> Run:
     """Check a submission against the version's spec, store the run (pending) and hand it to
     execution once the transaction commits. Unprocessable when the version is invalid or
-    the inputs do not fit its input nodes."""
+    the inputs do not fit its input nodes. `node_params` (node id -> params) are laid over
+    the spec's for this run only (chat turns: sampling, session) and checked with it."""
     files = files or {}
+    node_params = node_params or {}
     try:
-        spec = read_spec(spec=version.spec)
+        spec = read_spec(spec=with_node_params(version.spec, node_params))
         plan = build_plan(spec, engine().kinds)
     except (BadRequest, GraphValidationError) as exc:
         details = exc.details if isinstance(exc, BadRequest) else [i.to_dict() for i in exc.issues]
@@ -170,6 +172,7 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
             deployment=deployment,
             inputs=inputs,
             timeout_s=timeout_s if timeout_s is not None else config.run_timeout_s,
+            node_params=node_params,
         )
         NodeRun.objects.bulk_create([NodeRun(run=run, node=n.id, kind=n.kind) for n in spec.nodes])
         if files:
@@ -191,7 +194,7 @@ def dispatch_run(run_id: str) -> None:
     if eng.config.dispatch is Dispatch.CELERY:
         from studio.workflows.tasks import execute_run
 
-        execute_run.delay(run_id)
+        execute_run.apply_async(args=[run_id], queue=eng.config.run_queue)
     else:
         eng.runs.submit(run_id)
 

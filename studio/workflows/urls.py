@@ -3,11 +3,14 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from studio.workflows.api import catalogue, runs, workflows
+from studio.workflows.api import catalogue, deployments, runs, workflows
+from studio.workflows.chat import views as chat
 
 router = SimpleRouter()
 router.register("workflows", workflows.WorkflowViewSet, basename="workflow")
 router.register("runs", runs.RunViewSet, basename="run")
+router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
+router.register("sessions", deployments.SessionViewSet, basename="session")
 
 urlpatterns = [
     path("workflows/<uuid:workflow_id>/versions/", workflows.VersionListView.as_view(), name="version-list"),
@@ -19,5 +22,7 @@ urlpatterns = [
     path("node-kinds/", catalogue.NodeKindsView.as_view(), name="node-kinds"),
     path("role-kinds/", catalogue.RoleKindsView.as_view(), name="role-kinds"),
     path("graphspec/schema/", catalogue.GraphSpecSchemaView.as_view(), name="graphspec-schema"),
+    path("workers/", deployments.WorkersView.as_view(), name="worker-list"),
+    path("sessions/<uuid:pk>/turns/", chat.session_turns, name="session-turns"),
     *router.urls,
 ]

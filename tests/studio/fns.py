@@ -45,3 +45,10 @@ async def slow(text: str) -> str:
     """Takes long enough that a WebSocket client sees the run's events live."""
     await asyncio.sleep(0.3)
     return text.upper()
+
+
+def whoami(text: str) -> dict:
+    """Which process ran the node (a role worker, not the test process)."""
+    import os
+
+    return {"text": text.upper(), "pid": os.getpid()}

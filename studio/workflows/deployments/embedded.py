@@ -87,6 +87,12 @@ class EmbeddedDeployments:
     def hosts(self, deployment_id: str) -> bool:
         return deployment_id in self._hosted
 
+    async def settled(self, deployment_id: str) -> None:
+        """Return once the deploy/undeploy of `deployment_id` handed to the loop before this
+        call has finished (they hold the deployment's lock throughout)."""
+        async with self._lock(deployment_id):
+            pass
+
     # ------------------------------------------------------------ lifecycle (DB)
     async def deploy(self, deployment_id: str) -> None:
         """Bring the deployment's workers to its replica counts (start, or scale): idempotent.

@@ -10,6 +10,7 @@ chart names beside them: `<tier>.hit_rate`, `<tier>.pages_used`, `<tier>.capacit
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from django.db.models import QuerySet
 
 from engine.flow.discovery import WorkerSnapshot
 from studio.workflows.apps import StudioEngine
-from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, WorkerStatus
+from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker, WorkerStatus
 
 TIERS = ("device", "host", "disk")
 _GPU_ALIASES = {
@@ -67,15 +68,11 @@ def active_deployments(qs: QuerySet[Deployment]) -> dict[str, str]:
 
 
 def recorded_statuses(deployment_ids: list[str]) -> dict[str, str]:
-    from studio.workflows.models import Worker
-
     return dict(Worker.objects.filter(deployment_id__in=deployment_ids).values_list("worker_id", "status"))
 
 
 async def snapshots(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:
     """Live workers per deployment, read on the engine loop (which owns the registries)."""
-    import asyncio
-
     if not namespaces:
         return {}
     future = eng.runs.call(eng.deployments.snapshots(namespaces))

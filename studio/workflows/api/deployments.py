@@ -1,0 +1,303 @@
+"""Deployments (create from a version, scale a role, stop; status with workers), the
+workers of the registry with their latest metrics, and chat sessions (create, history,
+close; a turn is sent through `studio.workflows.chat.views`).
+
+The shapes are those `frontend/src/api/cluster.ts` is built against: a deployment has
+`id, workflow, version (number), name, status, replicas, error, created_at`; a worker is
+a registry `WorkerSnapshot` with `status` and `deployment`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
+from django.urls import reverse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from studio.errors import BadRequest, Conflict
+from studio.workflows.api.serializers import ErrorSerializer
+from studio.workflows.api.workflows import ERRORS, get_workflow
+from studio.workflows.apps import engine
+from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
+from studio.workflows.deployments import service
+from studio.workflows.deployments.workers import (
+    active_deployments,
+    listing,
+    recorded_statuses,
+    snapshots_sync,
+)
+from studio.workflows.models import Deployment, DeploymentStatus, Session
+
+MAX_NAME = 100
+
+
+# ----------------------------------------------------------------------- serializers
+class DeploymentCreateSerializer(serializers.Serializer):
+    workflow = serializers.UUIDField()
+    version = serializers.IntegerField(required=False, min_value=1, help_text="defaults to the latest")
+    replicas = serializers.DictField(child=serializers.JSONField(), required=False,
+                                     help_text="role name -> replica count (default: the spec's)")
+    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME, default="")
+    node = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", required=False,
+                                  help_text="distributed mode: the node whose Celery worker starts the workers")
+
+
+class ScaleSerializer(serializers.Serializer):
+    role = serializers.CharField()
+    replicas = serializers.JSONField(help_text="the new replica count of the role")
+
+
+class WorkerRowSerializer(serializers.Serializer):
+    worker_id = serializers.CharField()
+    role = serializers.CharField()
+    host = serializers.CharField()
+    address = serializers.CharField()
+    device = serializers.CharField()
+    pid = serializers.IntegerField(allow_null=True)
+    status = serializers.CharField()
+    started_at = serializers.DateTimeField()
+    last_seen_at = serializers.DateTimeField(allow_null=True)
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    workflow = serializers.UUIDField(source="version.workflow_id", read_only=True)
+    workflow_name = serializers.CharField(source="version.workflow.name", read_only=True)
+    version = serializers.IntegerField(source="version.number", read_only=True)
+    roles = serializers.SerializerMethodField()
+    chat = serializers.SerializerMethodField()
+    links = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Deployment
+        fields = ["id", "workflow", "workflow_name", "version", "name", "status", "replicas", "error", "node",
+                  "namespace", "roles", "chat", "created_at", "updated_at", "links"]
+        read_only_fields = fields
+
+    def get_roles(self, obj: Deployment) -> list[dict[str, Any]]:
+        return [{"name": r["name"], "kind": r["kind"], "model": r.get("model"), "device": r.get("device", "cpu")}
+                for r in obj.version.spec.get("roles", [])]
+
+    def get_chat(self, obj: Deployment) -> bool:
+        """Whether `/v1/chat/completions` serves it (its spec is a chat workflow)."""
+        try:
+            chat_shape(obj.version.spec)
+        except NotAChatWorkflow:
+            return False
+        return True
+
+    def get_links(self, obj: Deployment) -> dict[str, str]:
+        return {"self": reverse("deployment-detail", kwargs={"pk": obj.pk}),
+                "stop": reverse("deployment-stop", kwargs={"pk": obj.pk}),
+                "scale": reverse("deployment-scale", kwargs={"pk": obj.pk})}
+
+
+class DeploymentDetailSerializer(DeploymentSerializer):
+    workers = serializers.SerializerMethodField()
+    join = serializers.SerializerMethodField()
+
+    class Meta(DeploymentSerializer.Meta):
+        fields = [*DeploymentSerializer.Meta.fields, "workers", "join"]
+        read_only_fields = fields
+
+    def get_workers(self, obj: Deployment) -> list[dict[str, Any]]:
+        """Worker rows (those this studio started), each with its live registry snapshot (or null)."""
+        live = {s.worker_id: s for s in self.context.get("live", [])}
+        rows = []
+        for row in obj.workers.all():
+            body = dict(WorkerRowSerializer(row).data)
+            snap = live.pop(row.worker_id, None)
+            body["live"] = None if snap is None else snap.to_dict()
+            rows.append(body)
+        for snap in live.values():  # joined by hand (omniflow worker --namespace ...)
+            rows.append({"worker_id": snap.worker_id, "role": snap.role, "host": snap.info.host,
+                         "address": snap.info.address, "device": snap.info.device, "pid": snap.info.pid,
+                         "status": "joined", "started_at": None, "last_seen_at": None, "live": snap.to_dict()})
+        return rows
+
+    def get_join(self, obj: Deployment) -> str:
+        """How a worker on another machine joins this deployment (the same Redis)."""
+        return (f"omniflow worker --workflow <the workflow file> --role <ROLE> --registry <REDIS_URL>"
+                f" --namespace {obj.namespace} --listen tcp://0.0.0.0:0")
+
+
+class ChatSessionSerializer(serializers.ModelSerializer):
+    deployment = serializers.UUIDField(source="deployment_id", read_only=True)
+    turns = serializers.SerializerMethodField()
+    links = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Session
+        fields = ["id", "deployment", "title", "messages", "turns", "closed", "created_at", "updated_at", "links"]
+        read_only_fields = fields
+
+    def get_turns(self, obj: Session) -> int:
+        return sum(1 for m in obj.messages if m.get("role") == "assistant")
+
+    def get_links(self, obj: Session) -> dict[str, str]:
+        return {"self": reverse("session-detail", kwargs={"pk": obj.pk}),
+                "turns": reverse("session-turns", kwargs={"pk": obj.pk}),
+                "close": reverse("session-close", kwargs={"pk": obj.pk})}
+
+
+class ChatSessionCreateSerializer(serializers.Serializer):
+    deployment = serializers.UUIDField()
+    title = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    system = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False, max_length=20000,
+                                   help_text="system prompt: the first message of the history")
+
+
+# ----------------------------------------------------------------------- deployments
+def visible_deployments(request: Request) -> QuerySet[Deployment]:
+    return Deployment.objects.visible_to(request.user).select_related("version", "version__workflow")
+
+
+@extend_schema_view(
+    list=extend_schema(summary="List deployments",
+                       parameters=[OpenApiParameter("workflow", OpenApiTypes.UUID),
+                                   OpenApiParameter("status", str, description="comma-separated statuses")],
+                       responses={200: DeploymentSerializer(many=True), **ERRORS}),
+    retrieve=extend_schema(summary="A deployment's status with its workers",
+                           responses={200: DeploymentDetailSerializer, **ERRORS}),
+)
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    def get_serializer_class(self) -> type:
+        return DeploymentSerializer if self.action == "list" else DeploymentDetailSerializer
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        qs = visible_deployments(self.request)
+        params = self.request.query_params
+        if self.action == "list":
+            if params.get("workflow"):
+                try:
+                    qs = qs.filter(version__workflow_id=serializers.UUIDField().to_internal_value(params["workflow"]))
+                except serializers.ValidationError:
+                    raise BadRequest(f"workflow must be a UUID, not {params['workflow']!r}") from None
+            if params.get("status"):
+                wanted = [s.strip() for s in params["status"].split(",") if s.strip()]
+                unknown = sorted(set(wanted) - set(DeploymentStatus.values))
+                if unknown:
+                    raise BadRequest(f"unknown status {unknown}; known: {', '.join(DeploymentStatus.values)}")
+                qs = qs.filter(status__in=wanted)
+        else:
+            qs = qs.prefetch_related("workers")
+        return qs
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        context = super().get_serializer_context()
+        if self.action != "list" and self.kwargs.get("pk"):
+            deployment = self.get_queryset().filter(pk=self.kwargs["pk"]).first()
+            if deployment is not None and deployment.active:
+                live = snapshots_sync(engine(), {str(deployment.pk): deployment.namespace})
+                context["live"] = live.get(str(deployment.pk), [])
+        return context
+
+    def _detail(self, deployment: Deployment, code: int = status.HTTP_200_OK) -> Response:
+        self.kwargs["pk"] = str(deployment.pk)
+        obj = self.get_queryset().prefetch_related("workers").get(pk=deployment.pk)
+        return Response(DeploymentDetailSerializer(obj, context=self.get_serializer_context()).data, status=code)
+
+    @extend_schema(summary="Deploy a version onto role workers", request=DeploymentCreateSerializer,
+                   responses={201: DeploymentDetailSerializer, 409: ErrorSerializer, 422: ErrorSerializer, **ERRORS})
+    def create(self, request: Request) -> Response:
+        body = DeploymentCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        attrs = body.validated_data
+        workflow = get_workflow(request, attrs["workflow"])
+        versions = workflow.versions.all()
+        if "version" in attrs:
+            version = get_object_or_404(versions, number=attrs["version"])
+        else:
+            version = versions.order_by("-number").first()
+            if version is None:
+                raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
+        deployment = service.create_deployment(request.user, version, replicas=attrs.get("replicas"),
+                                               name=attrs["name"], node=attrs.get("node"))
+        response = self._detail(deployment, status.HTTP_201_CREATED)
+        response["Location"] = response.data["links"]["self"]
+        return response
+
+    @extend_schema(summary="Stop a deployment's workers", request=None,
+                   responses={200: DeploymentDetailSerializer, **ERRORS})
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, pk: Any = None) -> Response:
+        return self._detail(service.stop_deployment(self.get_object()))
+
+    @extend_schema(summary="Set the replica count of one role", request=ScaleSerializer,
+                   responses={200: DeploymentDetailSerializer, 409: ErrorSerializer, **ERRORS})
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, pk: Any = None) -> Response:
+        deployment = self.get_object()
+        body = ScaleSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._detail(service.scale_deployment(deployment, body.validated_data["role"],
+                                                     body.validated_data["replicas"]))
+
+
+# ---------------------------------------------------------------------------- workers
+class WorkersView(APIView):
+    @extend_schema(
+        summary="Live workers of your deployments, with their latest metrics",
+        parameters=[OpenApiParameter("deployment", OpenApiTypes.UUID), OpenApiParameter("role", str)],
+        responses={200: OpenApiTypes.OBJECT, **ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        qs = Deployment.objects.visible_to(request.user)
+        if request.query_params.get("deployment"):
+            try:
+                qs = qs.filter(pk=serializers.UUIDField().to_internal_value(request.query_params["deployment"]))
+            except serializers.ValidationError:
+                raise BadRequest(f"deployment must be a UUID, not {request.query_params['deployment']!r}") from None
+        namespaces = active_deployments(qs)
+        live = snapshots_sync(engine(), namespaces)
+        recorded = recorded_statuses(list(namespaces))
+        return Response(listing(live, recorded, role=request.query_params.get("role") or None).workers)
+
+
+# --------------------------------------------------------------------------- sessions
+@extend_schema_view(
+    list=extend_schema(summary="Your chat sessions", responses={200: ChatSessionSerializer(many=True), **ERRORS}),
+    retrieve=extend_schema(summary="A chat session with its history", responses={200: ChatSessionSerializer, **ERRORS}),
+)
+class SessionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    serializer_class = ChatSessionSerializer
+
+    def get_queryset(self) -> QuerySet[Session]:
+        qs = Session.objects.visible_to(self.request.user)
+        deployment = self.request.query_params.get("deployment")
+        if self.action == "list" and deployment:
+            try:
+                qs = qs.filter(deployment_id=serializers.UUIDField().to_internal_value(deployment))
+            except serializers.ValidationError:
+                raise BadRequest(f"deployment must be a UUID, not {deployment!r}") from None
+        return qs
+
+    @extend_schema(summary="Open a chat session on a chat deployment", request=ChatSessionCreateSerializer,
+                   responses={201: ChatSessionSerializer, 409: ErrorSerializer, 422: ErrorSerializer, **ERRORS})
+    def create(self, request: Request) -> Response:
+        body = ChatSessionCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        attrs = body.validated_data
+        deployment = get_object_or_404(visible_deployments(request), pk=attrs["deployment"])
+        from studio.workflows.chat.turns import open_session
+
+        session = open_session(request.user, deployment, title=attrs["title"], system=attrs.get("system") or "")
+        data = ChatSessionSerializer(session).data
+        return Response(data, status=status.HTTP_201_CREATED, headers={"Location": data["links"]["self"]})
+
+    @extend_schema(summary="Close a chat session (no further turns)", request=None,
+                   responses={200: ChatSessionSerializer, **ERRORS})
+    @action(detail=True, methods=["post"])
+    def close(self, request: Request, pk: Any = None) -> Response:
+        session = self.get_object()
+        if not session.closed:
+            session.closed = True
+            session.save(update_fields=["closed", "updated_at"])
+        return Response(ChatSessionSerializer(session).data)

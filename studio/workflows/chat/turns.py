@@ -1,0 +1,218 @@
+"""One chat turn: a run of a chat deployment, followed to its end.
+
+`start_completion` (stateless, `/v1/chat/completions`) renders the whole conversation into
+the prompt input; the LLM's prefix cache reuses the KV of what it has seen. A session turn
+(`start_session_turn`) sends only what is new and sets the llm node's `session` param, so
+the LLM keeps the history (tokens and KV) server-side; the studio keeps the messages
+(`Session.messages`) for the history endpoint and for rendering the next turn.
+
+`follow_turn` yields the reply's text deltas as the run's events bring them (the llm
+node's `text` frames when it streams; its whole text at once when it does not), then one
+`TurnResult`: the reply (the run's reply output), token usage and finish reason.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from channels.db import database_sync_to_async
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import transaction
+from django.db.models import Q
+
+from studio.errors import BadRequest, Conflict
+from studio.workflows.chat.openai import ChatMessages
+from studio.workflows.chat.shape import ChatShape, NotAChatWorkflow, chat_shape
+from studio.workflows.chat.templates import Message, template_for
+from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, Session
+from studio.workflows.operations import create_run
+from studio.workflows.runs.bus import RunEventBus
+from studio.workflows.runs.follow import follow_run
+from studio.workflows.runs.store import with_node_params
+
+DEFAULT_MAX_NEW_TOKENS = 16
+"""The llm node kind's default (`engine.compute.kinds.LLM_NODE_PARAMS`)."""
+
+
+def engine_session_id(session: Session) -> str:
+    return f"studio-{session.pk}"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStart:
+    run_id: str
+    shape: ChatShape
+    max_new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    status: str
+    text: str
+    usage: dict[str, int] | None
+    finish_reason: str
+    error: str = ""
+
+
+# ------------------------------------------------------------------------- deployments
+def chat_deployments(user: Any) -> list[Deployment]:
+    """The running deployments of chat workflows `user` can use."""
+    out = []
+    for deployment in (Deployment.objects.visible_to(user).filter(status=DeploymentStatus.RUNNING)
+                       .select_related("version", "version__workflow").order_by("created_at")):
+        try:
+            chat_shape(deployment.version.spec)
+        except NotAChatWorkflow:
+            continue
+        out.append(deployment)
+    return out
+
+
+def model_id(deployment: Deployment) -> str:
+    """The OpenAI model id of a deployment: its name, or its id when it has none."""
+    return deployment.name or str(deployment.pk)
+
+
+def find_model(user: Any, model: str) -> Deployment | None:
+    """A running chat deployment named `model` (or with that id); the newest wins a name clash."""
+    qs = Deployment.objects.visible_to(user).filter(status=DeploymentStatus.RUNNING).select_related("version")
+    try:
+        qs = qs.filter(Q(name=model) | Q(pk=uuid.UUID(model)))
+    except ValueError:
+        qs = qs.filter(name=model)
+    return qs.order_by("-created_at").first()
+
+
+def _max_new_tokens(spec: dict[str, Any], node: str) -> int:
+    params = next((n.get("params", {}) for n in spec.get("nodes", []) if n.get("id") == node), {})
+    return int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+
+
+def _image_files(shape: ChatShape, images: list[bytes]) -> dict[str, SimpleUploadedFile]:
+    if len(images) > len(shape.image_inputs):
+        raise BadRequest(f"the workflow takes {len(shape.image_inputs)} image(s); {len(images)} were given")
+    return {name: SimpleUploadedFile(f"{name}.bin", data, "application/octet-stream")
+            for name, data in zip(shape.image_inputs, images, strict=False)}
+
+
+def _start(user: Any, deployment: Deployment, shape: ChatShape, prompt: str, images: list[bytes],
+           params: dict[str, Any], timeout_s: float) -> TurnStart:
+    node_params = {shape.llm_node: params} if params else {}
+    run = create_run(user, deployment.version, {shape.prompt_input: prompt}, files=_image_files(shape, images),
+                     deployment=deployment, timeout_s=timeout_s, node_params=node_params)
+    spec = with_node_params(deployment.version.spec, node_params)
+    return TurnStart(str(run.pk), shape, _max_new_tokens(spec, shape.llm_node))
+
+
+def start_completion(user: Any, deployment: Deployment, conversation: ChatMessages, sampling: dict[str, Any],
+                     timeout_s: float) -> TurnStart:
+    """Submit a stateless completion of `conversation` (NotAChatWorkflow, or the API errors
+    of `create_run`)."""
+    shape = chat_shape(deployment.version.spec)
+    prompt = template_for(shape.model).render(conversation.messages)
+    return _start(user, deployment, shape, prompt, conversation.images, sampling, timeout_s)
+
+
+# ---------------------------------------------------------------------------- sessions
+def open_session(user: Any, deployment: Deployment, *, title: str = "", system: str = "") -> Session:
+    if deployment.status != DeploymentStatus.RUNNING:
+        raise Conflict(f"deployment {deployment.pk} is {deployment.status}, not running")
+    try:
+        chat_shape(deployment.version.spec)
+    except NotAChatWorkflow as exc:
+        raise BadRequest(str(exc), exc.problems) from None
+    messages: list[Message] = [{"role": "system", "content": system}] if system else []
+    return Session.objects.create(owner=user, deployment=deployment, title=title, messages=messages)
+
+
+def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: dict[str, Any],
+                       timeout_s: float) -> TurnStart:
+    """Submit the next turn of a session; Conflict while it is closed, its deployment is not
+    running, or another turn is in flight."""
+    with transaction.atomic():
+        session = Session.objects.visible_to(user).select_for_update().filter(pk=session_id).first()
+        if session is None:
+            raise Session.DoesNotExist(session_id)
+        if session.closed:
+            raise Conflict(f"session {session.pk} is closed")
+        deployment = Deployment.objects.select_related("version", "version__workflow").get(pk=session.deployment_id)
+        if deployment.status != DeploymentStatus.RUNNING:
+            raise Conflict(f"the session's deployment {deployment.pk} is {deployment.status}, not running")
+        if session.turn_id is not None and Run.objects.filter(
+                pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists():
+            raise Conflict(f"session {session.pk} has a turn in flight (run {session.turn_id})")
+        shape = chat_shape(deployment.version.spec)
+        prompt = template_for(shape.model).turn(session.messages, new.messages)
+        start = _start(user, deployment, shape, prompt, new.images,
+                       {**sampling, "session": engine_session_id(session)}, timeout_s)
+        session.turn_id = start.run_id
+        session.save(update_fields=["turn", "updated_at"])
+    return start
+
+
+def finish_session_turn(session_id: Any, run_id: str, new: list[Message], result: TurnResult) -> Session:
+    """Append the turn to the history when it succeeded; the session takes turns again."""
+    with transaction.atomic():
+        session = Session.objects.select_for_update().get(pk=session_id)
+        if str(session.turn_id) == run_id:
+            if result.status == RunStatus.DONE:
+                session.messages = [*session.messages, *new, {"role": "assistant", "content": result.text}]
+            session.turn = None
+            session.save(update_fields=["messages", "turn", "updated_at"])
+    return session
+
+
+# ------------------------------------------------------------------------------ follow
+def _text(value: Any) -> str:
+    if isinstance(value, list):
+        return "".join(v for v in value if isinstance(v, str))
+    return value if isinstance(value, str) else ""
+
+
+def _usage_from_kv(kv: Any) -> dict[str, int] | None:
+    if isinstance(kv, list) and kv:
+        kv = kv[-1]
+    if not isinstance(kv, dict) or not isinstance(kv.get("prompt_tokens"), int) or not isinstance(
+            kv.get("tokens"), int):
+        return None  # absent, or cut short in the event (see `engine.flow.events.preview`)
+    prompt, total = kv["prompt_tokens"], kv["tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": total - prompt, "total_tokens": total,
+            "cached_tokens": int(kv.get("cached_tokens") or 0)}
+
+
+@database_sync_to_async
+def _stored_outputs(run_id: str) -> dict[str, Any]:
+    outputs = Run.objects.filter(pk=run_id).values_list("outputs", flat=True).first() or {}
+    return {k: v for k, v in outputs.items() if not (isinstance(v, dict) and "$file" in v)}
+
+
+async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str | TurnResult]:
+    shape = start.shape
+    deltas: list[str] = []
+    kv_usage = None
+    async for event in follow_run(start.run_id, bus):
+        kind = event.get("type")
+        if kind == "node_output" and event.get("node") == shape.llm_node:
+            if event.get("port") == "text" and (shape.streams == (event.get("frame") is not None)):
+                delta = _text(event.get("value"))
+                if delta:
+                    deltas.append(delta)
+                    yield delta
+            elif event.get("port") == "kv":
+                kv_usage = _usage_from_kv(event.get("value")) or kv_usage
+        elif kind == "run_finished":
+            # The stored outputs are whole; the event's are previews (long texts cut short).
+            outputs = {**(event.get("outputs") or {}), **await _stored_outputs(start.run_id)}
+            status = event.get("status", "failed")
+            text = _text(outputs.get(shape.reply_output)) or "".join(deltas)
+            usage = outputs.get(shape.usage_output) if shape.usage_output else None
+            if not (isinstance(usage, dict) and all(isinstance(usage.get(k), int) for k in
+                                                    ("prompt_tokens", "completion_tokens", "total_tokens"))):
+                usage = kv_usage
+            length = usage is not None and usage["completion_tokens"] >= start.max_new_tokens
+            yield TurnResult(status=status, text=text, usage=usage, finish_reason="length" if length else "stop",
+                             error=event.get("error") or "")
+            return

@@ -1,0 +1,184 @@
+"""Deployments in the embedded mode: the studio process starts a version's role workers
+(real worker processes, registered in Redis under the deployment's namespace), runs
+submitted against the deployment execute on them, roles scale up and down, and stopping
+ends the processes. Plus every kind of bad input the API refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Any
+
+import psutil
+import pytest
+from django.conf import settings
+
+from engine.flow.discovery import make_registry
+from studio.workflows.apps import StudioEngine
+from studio.workflows.models import Deployment, Worker
+from tests.studio.factories import create_workflow, spec_doc
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+
+def settle(studio: StudioEngine, deployment_id: str) -> None:
+    """Wait until the deploy/stop handed to the engine loop has finished (readiness)."""
+    studio.runs.call(studio.deployments.settled(deployment_id)).result(60)
+
+
+def whoami_spec(replicas: int = 1) -> dict[str, Any]:
+    spec = spec_doc(name="whoami", op="tests.studio.fns:whoami")
+    spec["roles"][0]["replicas"] = replicas
+    spec["nodes"][1]["outputs"] = {"out": {"type": "json"}}
+    spec["nodes"][2]["inputs"] = {"value": {"type": "json"}}
+    return spec
+
+
+def registered(namespace: str) -> list[str]:
+    async def read() -> list[str]:
+        registry = make_registry(settings.OMNIFLOW.redis_url, namespace=namespace)
+        try:
+            return [s.worker_id for s in await registry.workers()]
+        finally:
+            await registry.close()
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def whoami_wf(api: Any) -> dict[str, Any]:
+    return create_workflow(api, whoami_spec())
+
+
+def deploy(api: Any, studio: StudioEngine, body: dict[str, Any]) -> dict[str, Any]:
+    response = api.post("/api/deployments/", body, format="json")
+    assert response.status_code == 201, response.content
+    settle(studio, response.json()["id"])
+    return api.get(f"/api/deployments/{response.json()['id']}/").json()
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_deploy_run_scale_stop(api: Any, studio_engine: StudioEngine, whoami_wf: dict[str, Any]) -> None:
+    d = deploy(api, studio_engine, {"workflow": whoami_wf["id"], "version": 1, "name": "who"})
+    assert d["status"] == "running", d
+    assert (d["workflow"], d["version"], d["replicas"], d["chat"]) == (whoami_wf["id"], 1, {"py": 1}, False)
+    assert d["namespace"] == f"{settings.OMNIFLOW.redis_prefix}-d{uuid.UUID(d['id']).hex}"
+    assert [(w["role"], w["status"], w["live"] is not None) for w in d["workers"]] == [("py", "ready", True)]
+    assert registered(d["namespace"]) == [w["worker_id"] for w in d["workers"]]
+
+    # a run of the deployment executes in its worker process, not here
+    response = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "hi"}}, format="json")
+    assert response.status_code == 201, response.content
+    run_id = response.json()["id"]
+    assert studio_engine.runs.wait(run_id) == "done"
+    outputs = api.get(f"/api/runs/{run_id}/").json()["outputs"]
+    assert outputs["result"]["text"] == "HI"
+    assert outputs["result"]["pid"] == d["workers"][0]["pid"] != os.getpid()
+
+    # the workers API: registry snapshots with the studio's status and deployment
+    workers = api.get("/api/workers/").json()
+    assert [(w["info"]["role"], w["deployment"], w["status"]) for w in workers] == [("py", d["id"], "ready")]
+    assert workers[0]["load"]["metrics"]["completed"] == 1.0 or workers[0]["load"]["outstanding"] == 0
+    assert api.get("/api/workers/", {"role": "nope"}).json() == []
+
+    # scale up, then down: processes follow the count
+    scaled = api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 2}, format="json")
+    assert scaled.status_code == 200, scaled.content
+    settle(studio_engine, d["id"])
+    d2 = api.get(f"/api/deployments/{d['id']}/").json()
+    live = [w for w in d2["workers"] if w["status"] == "ready"]
+    assert len(live) == 2 and d2["replicas"] == {"py": 2}
+    assert sorted(registered(d["namespace"])) == sorted(w["worker_id"] for w in live)
+    api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json")
+    settle(studio_engine, d["id"])
+    d3 = api.get(f"/api/deployments/{d['id']}/").json()
+    assert sorted(w["status"] for w in d3["workers"]) == ["ready", "stopped"]
+    gone = next(w for w in d3["workers"] if w["status"] == "stopped")
+    assert not psutil.pid_exists(gone["pid"]) or psutil.Process(gone["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert registered(d["namespace"]) == [next(w["worker_id"] for w in d3["workers"] if w["status"] == "ready")]
+
+    metrics = api.get("/metrics").content.decode()
+    assert f'omniflow_worker_up{{deployment="{d["id"]}",role="py",' in metrics
+    assert 'omniflow_deployments{status="running"} 1.0' in metrics
+
+    # stop: the processes end, the registry forgets them, runs are refused
+    pids = [w["pid"] for w in d3["workers"] if w["status"] == "ready"]
+    stopped = api.post(f"/api/deployments/{d['id']}/stop/")
+    assert stopped.status_code == 200 and stopped.json()["status"] in ("stopping", "stopped")
+    settle(studio_engine, d["id"])
+    final = api.get(f"/api/deployments/{d['id']}/").json()
+    assert final["status"] == "stopped" and {w["status"] for w in final["workers"]} == {"stopped"}
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+    assert registered(d["namespace"]) == []
+    refused = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "x"}}, format="json")
+    assert refused.status_code == 409
+    assert api.post(f"/api/deployments/{d['id']}/stop/").json()["status"] == "stopped"  # idempotent
+    assert api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 2},
+                    format="json").status_code == 409
+    listed = api.get("/api/deployments/", {"workflow": whoami_wf["id"]}).json()
+    assert [x["id"] for x in listed["results"]] == [d["id"]]
+
+
+def test_failed_start_marks_the_deployment_failed(api: Any, studio_engine: StudioEngine) -> None:
+    spec = spec_doc(name="broken")
+    spec["roles"].append({"name": "lm", "kind": "llm", "model": "no-such-model"})
+    wf = create_workflow(api, spec)
+    d = deploy(api, studio_engine, {"workflow": wf["id"]})
+    assert d["status"] == "failed" and "exited with status" in d["error"]
+    assert Worker.objects.filter(deployment_id=d["id"]).exclude(status="stopped").count() == 0
+
+
+def test_bad_deployment_requests(api: Any, other_api: Any, studio_engine: StudioEngine,
+                                 whoami_wf: dict[str, Any]) -> None:
+    def post(body: Any) -> tuple[int, Any]:
+        response = api.post("/api/deployments/", body, format="json")
+        return response.status_code, response.json()
+
+    wid = whoami_wf["id"]
+    assert post({})[0] == 400
+    assert post({"workflow": "not-a-uuid"})[0] == 400
+    assert post({"workflow": str(uuid.uuid4())})[0] == 404
+    assert post({"workflow": wid, "version": 9})[0] == 404
+    status, body = post({"workflow": wid, "replicas": {"nope": 1, "py": 0}})
+    assert status == 400 and {d["field"] for d in body["details"]} == {"replicas.nope", "replicas.py"}
+    for bad in ("2", True, 1.5, -1, 10_000):
+        assert post({"workflow": wid, "replicas": {"py": bad}})[0] == 400, bad
+    assert post({"workflow": wid, "replicas": ["py"]})[0] == 400
+    assert post({"workflow": wid, "node": "gpu-0"})[0] == 400  # embedded: the studio hosts them
+    assert post({"workflow": wid, "node": "../etc"})[0] == 400
+    invalid = create_workflow(api, {**spec_doc(name="invalid"), "edges": []})
+    status, body = post({"workflow": invalid["id"]})
+    assert status == 422, body
+    assert other_api.post("/api/deployments/", {"workflow": wid}, format="json").status_code == 404
+    assert Deployment.objects.count() == 0
+
+    assert api.get("/api/deployments/", {"status": "bogus"}).status_code == 400
+    assert api.get("/api/deployments/", {"workflow": "x"}).status_code == 400
+    assert api.get(f"/api/deployments/{uuid.uuid4()}/").status_code == 404
+    assert api.post(f"/api/deployments/{uuid.uuid4()}/stop/").status_code == 404
+    assert api.get("/api/workers/", {"deployment": "x"}).status_code == 400
+    assert api.get("/api/workers/").json() == []
+    from rest_framework.test import APIClient
+
+    anonymous = APIClient()
+    assert anonymous.get("/api/deployments/").status_code == 401
+    assert anonymous.get("/api/workers/").status_code == 401
+    assert anonymous.get("/api/sessions/").status_code == 401
+
+
+def test_scale_and_visibility_errors(api: Any, other_api: Any, studio_engine: StudioEngine,
+                                     whoami_wf: dict[str, Any]) -> None:
+    d = deploy(api, studio_engine, {"workflow": whoami_wf["id"]})
+    assert d["status"] == "running"
+    url = f"/api/deployments/{d['id']}/scale/"
+    assert api.post(url, {"role": "nope", "replicas": 1}, format="json").status_code == 400
+    assert api.post(url, {"role": "py", "replicas": 0}, format="json").status_code == 400
+    assert api.post(url, {"replicas": 1}, format="json").status_code == 400
+    assert other_api.post(url, {"role": "py", "replicas": 2}, format="json").status_code == 404
+    assert other_api.get(f"/api/deployments/{d['id']}/").status_code == 404
+    assert other_api.get("/api/workers/").json() == []
+    assert len(api.get("/api/workers/").json()) == 1
+    # a session needs a chat workflow
+    response = api.post("/api/sessions/", {"deployment": d["id"]}, format="json")
+    assert response.status_code == 400 and "not a chat workflow" in response.json()["error"]
