@@ -1,0 +1,196 @@
+"""Chat against a live studio (daphne in a subprocess) hosting a deployment of
+`workflows/chat.py` on real role workers: the `openai` package's client on
+`/v1/chat/completions` (streaming and not) and `/v1/models`, server-side sessions,
+`/ws/metrics/`, and bad input. Greedy replies are checked against Hugging Face
+`generate` on the same tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from django.conf import settings
+from websockets.asyncio.client import connect as ws_connect
+
+from engine.compute.models import load_builtin
+from studio.accounts.models import ApiToken
+from tests.studio.factories import example_spec
+from tests.studio.test_live_server import Server, database_url, free_port, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
+              pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (worker metrics)")]
+MODEL = "tiny-chat"
+NEW = 8
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    port = free_port()
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
+           "OMNIFLOW_DATA_DIR": str(settings.OMNIFLOW.data_dir), "PYTHONPATH": str(ROOT),
+           "OMNIFLOW_METRICS_INTERVAL_S": "0.2", "HF_HUB_OFFLINE": "1"}
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                             "studio.asgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/healthz")
+        yield Server(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()  # its role workers exit with it (they watch their parent)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def wait_running(server: Server, deployment_id: str, token: str, deadline_s: float = 60.0) -> dict[str, Any]:
+    """Poll the deployment until its workers are up (readiness); the pause is the server's."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        status, body = server.request("GET", f"/api/deployments/{deployment_id}/", token=token)
+        assert status == 200, body
+        if body["status"] not in ("pending", "starting"):
+            return body
+        try:
+            server.proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+        raise RuntimeError("the server exited")
+    raise TimeoutError(f"deployment {deployment_id} did not start in {deadline_s} s")
+
+
+def hf_reply(prompt: str, new: int) -> str:
+    """The greedy reply of Hugging Face `generate` on the built-in model (the reference)."""
+    loaded = load_builtin("tiny-llama")
+    ids = torch.tensor([loaded.tokenizer(prompt).input_ids])
+    with torch.no_grad():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                    eos_token_id=list(loaded.eos_token_ids), pad_token_id=loaded.eos_token_ids[0])
+    return loaded.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def raw(server: Server, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, Any]:
+    request = urllib.request.Request(server.base + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def first_metrics(url: str, token: str) -> dict[str, Any]:
+    async with ws_connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10) as ws:
+        while True:  # the first messages may predate the first heartbeat with KV metrics
+            message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            if message["workers"] and all("device.hit_rate" in w["load"]["metrics"]
+                                          for w in message["workers"] if w["info"]["role"] == "llm"):
+                return message
+
+
+def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(server: Server, user: Any) -> None:
+    token = ApiToken.objects.issue(user, "live-chat").secret
+    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("chat")}, token)
+    assert status == 201, wf
+    status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": MODEL}, token)
+    assert status == 201, d
+    d = wait_running(server, d["id"], token)
+    assert d["status"] == "running" and d["chat"] is True, d
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=token, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+    messages = [{"role": "user", "content": "Hello"}]
+    reference = hf_reply("### User:\nHello\n\n### Assistant:\n", NEW)
+    done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
+    assert done.object == "chat.completion" and done.model == MODEL
+    assert done.choices[0].message.content == reference
+    assert done.usage.prompt_tokens == len(b"### User:\nHello\n\n### Assistant:\n")  # one token a byte
+    assert done.usage.completion_tokens == NEW and done.choices[0].finish_reason == "length"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == reference  # token by token
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
+
+    # bad input, as the client sees it
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=messages)
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    for bad in (dict(messages=[]), dict(messages=[{"role": "robot", "content": "x"}]),
+                dict(messages=messages, temperature=5), dict(messages=messages, n=2),
+                dict(messages=messages, max_tokens=0), dict(messages=messages, stop=[""]),
+                dict(messages=messages, tools=[{"type": "function", "function": {"name": "f"}}]),
+                dict(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                             "image_url": {"url": "http://x/a.png"}}]}]),
+                dict(messages=[{"role": "user", "content": [{"type": "text", "text": "see"},
+                                                            {"type": "image_url", "image_url": {"url": png}}]}])):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, **bad)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert raw(server, "POST", "/v1/chat/completions", b"{", {"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {token}"})[0] == 400
+    assert raw(server, "GET", "/v1/chat/completions", None, {"Authorization": f"Bearer {token}"})[0] == 405
+    status, body = raw(server, "POST", "/v1/chat/completions", b"{}", {"Content-Type": "application/json"})
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+
+    # a session keeps the history server-side: turn 2 sends only the new message, and its
+    # reply equals the stateless completion of the whole conversation
+    status, session = server.request("POST", "/api/sessions/", {"deployment": d["id"], "title": "t"}, token)
+    assert status == 201, session
+    turns_url = session["links"]["turns"]
+    status, first = server.request("POST", turns_url, {"content": "Hello", "max_tokens": NEW}, token)
+    assert status == 201, first
+    assert first["message"]["content"] == reference
+    status, second = server.request("POST", turns_url, {"content": "And?", "max_tokens": NEW}, token)
+    assert status == 201, second
+    history = [*messages, {"role": "assistant", "content": reference}, {"role": "user", "content": "And?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=history, max_tokens=NEW, temperature=0)
+    assert second["message"]["content"] == whole.choices[0].message.content
+    assert second["usage"]["prompt_tokens"] == whole.usage.prompt_tokens  # the session's history counts
+    status, got = server.request("GET", session["links"]["self"], token=token)
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"] and got["turns"] == 2
+    assert server.request("POST", turns_url, {"content": ""}, token)[0] == 201  # an empty turn is a turn
+    assert server.request("POST", turns_url, {"text": "x"}, token)[0] == 400
+    assert server.request("POST", turns_url, {"content": 5}, token)[0] == 400
+    assert server.request("POST", turns_url, {"content": "x", "temperature": -1}, token)[0] == 400
+    assert server.request("POST", turns_url, {"content": "x"}, None)[0] == 401
+    assert server.request("POST", session["links"]["close"], None, token)[1]["closed"] is True
+    assert server.request("POST", turns_url, {"content": "x"}, token)[0] == 409
+    assert server.request("POST", "/api/sessions/", {"deployment": "x"}, token)[0] == 400
+
+    # live worker metrics, with the gauge names the Cluster page charts
+    message = asyncio.run(first_metrics(server.base.replace("http://", "ws://") + "/ws/metrics/", token))
+    assert message["type"] == "workers"
+    roles = {w["info"]["role"]: w for w in message["workers"]}
+    assert set(roles) == {"llm", "py"} and {w["deployment"] for w in message["workers"]} == {d["id"]}
+    gauges = roles["llm"]["load"]["metrics"]
+    assert 0.0 <= gauges["device.hit_rate"] <= 1.0 and gauges["device.pages_used"] > 0
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert f'omniflow_kv_hit_rate{{deployment="{d["id"]}",role="llm",' in text
+    assert 'omniflow_node_latency_seconds_count{kind="llm"}' in text
+
+    status, stopped = server.request("POST", f"/api/deployments/{d['id']}/stop/", None, token)
+    assert status == 200
+    assert wait_running(server, d["id"], token)["status"] in ("stopping", "stopped")
+    assert [m.id for m in client.models.list()] == []
