@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.tier import Tier
+from engine.data.kv.tier import SlotTable, Tier
 
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class DeviceTier:
+class DeviceTier(SlotTable):
     """Page slots in one tensor `pool` of shape `(capacity, 2, L, page, H, D)`.
 
     The tier only stores bytes; which page to evict is the store's decision. Views
@@ -45,22 +43,6 @@ class DeviceTier:
             raise KVClosedError("device tier is closed")
         return self.pool
 
-    def __contains__(self, page: object) -> bool:
-        return page in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def bytes_used(self) -> int:
-        return len(self._slots) * self.layout.page_nbytes
-
-    def pages(self) -> Iterator[PageHash]:
-        return iter(list(self._slots))
 
     def slot_of(self, page: PageHash) -> int:
         return self._slots[page]

@@ -37,7 +37,6 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 from engine.data.kv.errors import KVCapacityError, KVClosedError, KVConfigError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.tier import Tier
+from engine.data.kv.tier import SlotTable, Tier
 
 MAGIC = b"OFKVDSK1"
 FORMAT_VERSION = 1
@@ -119,7 +118,7 @@ class _Slot:
     kind: Checksum
 
 
-class DiskTier:
+class DiskTier(SlotTable):
     """Owner of one segment file. Not thread-safe: the store serializes calls.
 
     `write` and `read_into` take CPU tensors (the store stages GPU pages through host
@@ -242,23 +241,6 @@ class DiskTier:
             raise KVClosedError(f"disk tier {self.path} is closed")
         return self._fd
 
-    def __contains__(self, page: object) -> bool:
-        return page in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def bytes_used(self) -> int:
-        return len(self._slots) * self.layout.page_nbytes
-
-    def pages(self) -> Iterator[PageHash]:
-        """Resident pages, oldest write first (the order a restart recovers them in)."""
-        return iter(list(self._slots))
 
     def _payload_offset(self, index: int) -> int:
         return self._data_offset + index * self.layout.page_nbytes

@@ -27,7 +27,7 @@ import os
 import struct
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -38,7 +38,7 @@ from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError, KVConfigError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.tier import Tier
+from engine.data.kv.tier import SlotTable, Tier
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _views(
     return table, pages
 
 
-class HostTier:
+class HostTier(SlotTable):
     """Owner side of the host tier. Not thread-safe: the store serializes calls."""
 
     tier = Tier.HOST
@@ -132,22 +132,6 @@ class HostTier:
             raise KVClosedError(f"host tier {self.name} is closed")
         return self._table
 
-    def __contains__(self, page: object) -> bool:
-        return page in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def bytes_used(self) -> int:
-        return len(self._slots) * self.layout.page_nbytes
-
-    def pages(self) -> Iterator[PageHash]:
-        return iter(list(self._slots))
 
     def slot_of(self, page: PageHash) -> int:
         return self._slots[page]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from engine.data.kv.errors import KVConfigError
+
+if TYPE_CHECKING:
+    from engine.data.kv.keys import PageHash
+    from engine.data.kv.layout import KVLayout
 
 
 class Tier(IntEnum):
@@ -78,3 +84,31 @@ class TierStats:
             f"{prefix}.transfer_seconds": seconds,
             f"{prefix}.transfer_latency_ms": 1000.0 * seconds / transfers if transfers else 0.0,
         }
+
+
+class SlotTable:
+    """Residency bookkeeping shared by the tiers: which page sits in which slot, and
+    the free slots. A subclass sets `layout`, `_slots` (page -> slot) and `_free` in
+    its constructor."""
+
+    layout: KVLayout
+    _slots: dict[PageHash, object]
+    _free: list[int]
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._slots) * self.layout.page_nbytes
+
+    def pages(self) -> Iterator[PageHash]:
+        """Resident pages, in the order they were written."""
+        return iter(list(self._slots))
