@@ -80,6 +80,14 @@ _PROMPT_INPUTS = {
     "tokens": PortSpec(type="tokens", optional=True, description="prompt as token ids"),
 }
 
+_MEDIA_INPUTS = {
+    "items": PortSpec(type="json", optional=True,
+                      description="encoder items {kind, hash, length, hidden} (one, or a list: join all), spliced"
+                      " at the prompt's <|image|>/<|audio|> markers in order (no markers: in front)"),
+    "embeds": PortSpec(type="tensor", optional=True,
+                       description="the items' (length, hidden) embeddings, aligned with items"),
+}
+
 
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
@@ -99,7 +107,7 @@ def register(registry: KindRegistry) -> None:
             role_kinds=("llm",),
             category="model",
             params_schema=LLM_NODE_PARAMS,
-            inputs=dict(_PROMPT_INPUTS),
+            inputs={**_PROMPT_INPUTS, **_MEDIA_INPUTS},
             outputs={
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),

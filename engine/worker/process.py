@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import setproctitle
@@ -231,8 +233,33 @@ def _process_metrics() -> dict[str, float]:
     return metrics
 
 
-async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:
-    """Run the worker until SIGTERM/SIGINT or the parent's death; returns the exit status."""
+def accepted_kwargs(runner: Callable[..., Any]) -> set[str]:
+    """The keyword arguments `runner` (a unit class) takes: its `accepts` attribute if it has
+    one, else the keyword-only or keyword parameters of its constructor."""
+    declared = getattr(runner, "accepts", None)
+    if declared is not None:
+        return set(declared)
+    try:
+        params = inspect.signature(runner).parameters
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {"shared", "kv_store"}
+    return {name for name, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def build_unit(runner: Callable[..., Any], role: RoleSpec, **shared: Any) -> Any:
+    """`runner(role, **shared)`, passing only what the unit accepts (and nothing that is None)."""
+    accepted = accepted_kwargs(runner)
+    return runner(role, **{k: v for k, v in shared.items() if v is not None and k in accepted})
+
+
+async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],
+                kv_store: Any = None) -> int:
+    """Run the worker until SIGTERM/SIGINT or the parent's death; returns the exit status.
+
+    Units are built with the process's `WeightStore` (`shared=`) and `kv_store` (the worker's
+    KV store, when it has one) if their constructor takes them; else as `Unit(role)`."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -254,7 +281,15 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         assert control is not None
         control.send_nowait([identity, codec.encode(message)])
 
-    unit = kinds.role_kind(config.role.kind).load_runner()(config.role)
+    # One weight store per process (roles of one model share weights; segments of dead
+    # publishers are reclaimed first) and, when given, one KV store for the units that take them.
+    from engine.compute.weights.shared import HostWeights  # torch: imported by the worker only
+    from engine.compute.weights.store import WeightStore
+
+    HostWeights().reclaim()
+    weights = WeightStore(HostWeights())
+    unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), config.role, shared=weights,
+                      kv_store=kv_store)
     # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
     kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
                          namespace=config.namespace, heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
@@ -322,6 +357,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     liveness.stop()
     kv.close()
     await unit.close()
+    weights.close()
     # A linger lets the answers of drained executions leave before the context ends.
     control.close(linger=_ANSWER_LINGER_MS)
     context.term()

@@ -25,13 +25,15 @@ import torch
 
 from engine.compute.diffusion.head import DiffusionHead
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.llm.transfer import PageSource
+from engine.compute.llm.transfer import HolderPageSource, IndexPageSource, PageSource
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
+from engine.data.kv.pull import KVHolderIndex
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
+from engine.data.peer import Peer
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
 
@@ -76,6 +78,29 @@ class DiffusionUnit(ThreadedUnit):
                                              device=str(next(model.model.parameters()).device)))
         self.kv_store = kv_store
         self.page_source = page_source
+        self._peer: Peer | None = None
+        self.worker_id: str | None = None
+
+    # -- worker integration (`engine.worker.kv.KVHostUnit`) ------------------------------------------
+
+    def kv_meta(self) -> dict[str, Any]:
+        return {"model_id": self.runner.model_id, "page_size": self.runner.layout.page_size,
+                "layout": self.runner.layout.fingerprint(), "prefix_cache": True}
+
+    def bind_transfer(self, peer: Peer, worker_id: str, index: KVHolderIndex | None = None) -> None:
+        """Pull prompt pages over the worker's `peer`: from the holder an input `kv` names, else
+        (with `index`) from whichever worker the KV index says holds them."""
+        self._peer, self.worker_id = peer, worker_id
+        if self.page_source is None and index is not None:
+            self.page_source = IndexPageSource(peer, index)
+
+    def _source(self, kv: Any) -> PageSource | None:
+        """Where missing prompt pages come from: the worker that computed `kv` (its `holder`), if
+        the unit is on the transfer plane and that is another worker; else `page_source`."""
+        holder = kv.get("holder") if isinstance(kv, dict) else None
+        if self._peer is not None and isinstance(holder, str) and holder != self._peer.address:
+            return HolderPageSource(self._peer, holder)
+        return self.page_source
 
     def _ids(self, call: NodeCall, text: Any, tokens: Any, what: str) -> list[int]:
         if tokens is not None:
@@ -112,7 +137,8 @@ class DiffusionUnit(ThreadedUnit):
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
             branches.append(Prompt.of(self._ids(call, negative, None, "negative_prompt") or [BOS_ID]))
-        kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=self.page_source)
+        source = self._source(inputs.get("kv"))
+        kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
                for p in branches]
         latents = self.runner.denoise(kvs, seed=int(params.get("seed", 0)), steps=params.get("steps"),
                                       guidance_scale=guidance)

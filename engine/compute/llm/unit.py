@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from engine.compute.encoders.items import PLACEHOLDER_IDS, EncodedItem, SplicedPrompt, splice_prompt
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMError, RequestError
@@ -54,7 +55,9 @@ from engine.compute.llm.transfer import (
     resident_run,
 )
 from engine.compute.models.loader import load_model
+from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
+from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.keys import PageHash
@@ -117,6 +120,7 @@ class _Add:
     prefill_only: bool = False
     handoff: KVHandoff | None = None
     source: PageSource | None = None
+    mm_items: tuple[MultimodalItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +160,23 @@ class LLMUnit(ComputeUnit):
     the worker's seat on the transfer plane.
     """
 
-    def __init__(self, role: RoleSpec) -> None:
+    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None,
+                 kv_store: KVStore | None = None) -> None:
         self.role = role
         ref = role.model
         if not ref:
             raise LLMUnitError(f"llm role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
         self.handoff_lease_s = _positive(role, "handoff_lease_s", HANDOFF_LEASE_S)
         self.pull_timeout_s = _positive(role, "kv_pull_timeout_s", KV_PULL_TIMEOUT_S)
-        model = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
-        self.engine = LLMEngine(model, EngineConfig.from_params(role.params))
+        self.shared = shared
+        self._weight_key: WeightKey | None = None
+        if shared is not None:  # the worker's per-process store: roles of one model share its weights
+            model_ref = str(Path(ref).resolve()) if Path(ref).is_dir() else ref
+            model = shared.llm(model_ref, role.device)
+            self._weight_key = WeightStore.llm_key(model_ref, role.device)
+        else:
+            model = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+        self.engine = LLMEngine(model, EngineConfig.from_params(role.params), store=kv_store)
         self.engine.cache.pull_timeout_s = self.pull_timeout_s
         self.worker_id: str | None = None
         self._peer: Peer | None = None
@@ -245,6 +257,7 @@ class LLMUnit(ComputeUnit):
                 prefill_only=command.prefill_only,
                 handoff=command.handoff,
                 source=command.source,
+                mm_items=command.mm_items,
             )
         except LLMError as exc:
             self._deliver(command.request_id, exc)
@@ -306,6 +319,19 @@ class LLMUnit(ComputeUnit):
             raise LLMUnitError(f"node {call.node_id!r}: input 'tokens' must be a list of token ids")
         return list(tokens)
 
+    def _multimodal(self, call: NodeCall, prompt: str | list[int]) -> tuple[str | list[int],
+                                                                           tuple[MultimodalItem, ...]]:
+        """Splice the optional `items`/`embeds` inputs into the prompt (see `encoded_items`)."""
+        encoded = encoded_items(call.node_id, call.inputs.get("items"), call.inputs.get("embeds"))
+        if not encoded:
+            return prompt, ()
+        ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:
+            spliced = splice_marked(ids, encoded, self.engine.encode)
+        except ValueError as exc:
+            raise LLMUnitError(f"node {call.node_id!r}: {exc}") from None
+        return spliced.token_ids, tuple(spliced.items)
+
     async def _joined(self, call: NodeCall) -> NodeCall:
         """Stream-mode inputs arrive as async iterators: join their frames into one value."""
         inputs = dict(call.inputs)
@@ -331,7 +357,8 @@ class LLMUnit(ComputeUnit):
 
     def _submit(self, call: NodeCall, stream: bool, *, prompt: str | list[int] | None,
                 sampling: SamplingParams, prefill_only: bool = False, handoff: KVHandoff | None = None,
-                source: PageSource | None = None) -> tuple[str, asyncio.Queue[Any]]:
+                source: PageSource | None = None,
+                mm_items: tuple[MultimodalItem, ...] = ()) -> tuple[str, asyncio.Queue[Any]]:
         with self._lock:
             self._counter += 1
             request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
@@ -339,7 +366,8 @@ class LLMUnit(ComputeUnit):
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         session = None if handoff is not None else call.params.get("session")
         self._commands.put(_Add(request_id, prompt, sampling, session, call.params.get("tenant"),
-                                stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source))
+                                stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source,
+                                mm_items=mm_items))
         return request_id, inbox
 
     async def _run(self, call: NodeCall, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
@@ -381,7 +409,8 @@ class LLMUnit(ComputeUnit):
             async for item in self._decode(call, stream):
                 yield item
             return
-        request_id, inbox = self._submit(call, stream, prompt=self._prompt(call),
+        prompt, items = self._multimodal(call, self._prompt(call))
+        request_id, inbox = self._submit(call, stream, prompt=prompt, mm_items=items,
                                          sampling=self._sampling(call.node_id, call.params))
         async for out in self._run(call, request_id, inbox):
             yield out, {}
@@ -550,6 +579,65 @@ class LLMUnit(ComputeUnit):
         if self._own_peer and self._peer is not None:
             self._peer.close()
         self.engine.close()
+        if self.shared is not None and self._weight_key is not None:
+            self.shared.release(self._weight_key)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def encoded_items(node_id: str, items: Any, embeds: Any) -> list[EncodedItem]:
+    """The `items` (json: one `{kind, hash, length, hidden}` or a list, e.g. a join of encoder
+    nodes) and `embeds` (a `(rows, hidden)` tensor or a list, aligned with `items`; one tensor
+    for several items holds their rows in order) inputs of an `llm` node as `EncodedItem`s."""
+    descs, tensors = _as_list(items), [t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+                                       for t in _as_list(embeds)]
+    if not descs and not tensors:
+        return []
+    if not descs or not tensors:
+        raise LLMUnitError(f"node {node_id!r}: the inputs 'items' and 'embeds' go together")
+    for desc in descs:
+        if not isinstance(desc, dict) or desc.get("kind") not in PLACEHOLDER_IDS or "hash" not in desc \
+                or not isinstance(desc.get("length"), int):
+            raise LLMUnitError(f"node {node_id!r}: input 'items': expected encoder items"
+                               f" {{kind, hash, length, hidden}}, got {desc!r}")
+    if len(tensors) == 1 and len(descs) > 1:
+        tensors = list(torch.split(tensors[0], [d["length"] for d in descs]))
+    if len(tensors) != len(descs):
+        raise LLMUnitError(f"node {node_id!r}: {len(descs)} items but {len(tensors)} embeddings tensors")
+    out = []
+    for desc, rows in zip(descs, tensors, strict=True):
+        if rows.ndim != 2 or rows.shape[0] != desc["length"]:
+            raise LLMUnitError(f"node {node_id!r}: a {desc['kind']} item of length {desc['length']} needs"
+                               f" ({desc['length']}, hidden) embeddings, got {tuple(rows.shape)}")
+        out.append(EncodedItem(desc["kind"], str(desc["hash"]), rows.to(torch.float32)))
+    return out
+
+
+def splice_marked(ids: list[int], items: list[EncodedItem], encode: Any) -> SplicedPrompt:
+    """Replace each `<|image|>`/`<|audio|>` marker in `ids` with the next item of its kind (in
+    order); a prompt with no markers gets the items in front of it."""
+    kinds = {v: k for k, v in PLACEHOLDER_IDS.items()}
+    markers = [i for i, t in enumerate(ids) if t in kinds]
+    if not markers:
+        return splice_prompt([*items, ids], encode)
+    if len(markers) != len(items):
+        raise ValueError(f"the prompt has {len(markers)} media markers for {len(items)} items")
+    queues = {kind: [it for it in items if it.kind == kind] for kind in PLACEHOLDER_IDS}
+    parts: list[Any] = []
+    last = 0
+    for pos in markers:
+        kind = kinds[ids[pos]]
+        if not queues[kind]:
+            raise ValueError(f"the prompt has more <|{kind}|> markers than {kind} items")
+        parts.append(ids[last:pos])
+        parts.append(queues[kind].pop(0))
+        last = pos + 1
+    parts.append(ids[last:])
+    return splice_prompt(parts, encode)
 
 
 __all__ = ["LLMUnit", "LLMUnitError", "NodeMode", "RequestError", "node_mode"]

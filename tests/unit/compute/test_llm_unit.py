@@ -67,7 +67,7 @@ def reference(tiny_llama, prompts: list[list[int]], max_new: int = 8) -> list[li
 def test_kinds_register_the_llm_role_and_node(kinds):
     assert kinds.role_kind("llm").runner == "engine.compute.llm.unit:LLMUnit"
     node = kinds.node_kind("llm")
-    assert set(node.inputs) == {"prompt", "tokens"} and set(node.outputs) == {"text", "tokens", "kv"}
+    assert set(node.inputs) == {"prompt", "tokens", "items", "embeds"} and set(node.outputs) == {"text", "tokens", "kv"}
     assert node.to_dict()["outputs"]["kv"] == {"type": "kv", "optional": False}
     build_plan(chat_workflow().to_spec(), kinds)
     with pytest.raises(GraphValidationError) as err:

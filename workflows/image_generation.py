@@ -1,0 +1,51 @@
+"""Image generation: the LLM rewrites the prompt and emits image-size tokens -> a diffusion role
+reusing the LLM's prompt KV, pulled across roles -> VAE decode -> PNG.
+
+The `llm` and `diffusion` roles run the same model (`tiny-llama`, page size 16): the diffusion
+role denoises with the LLM's own transformer and attends to the LLM's context (its prompt and
+rewrite, as token ids). It does not recompute that context: the `kv` edge names the llm worker
+holding the pages, and the diffusion worker pulls them from it over the transfer plane (with a
+Redis registry, the KV index finds them too), reusing them at every denoising step. The size
+token (`<|size:WxH|>`, default 256x256) sizes the saved PNG; `save` writes it under
+`./omniflow-out/<run_id>/` and outputs the path.
+"""
+
+from __future__ import annotations
+
+from engine.flow.dsl import Workflow
+from workflows.ops.common import context_tokens, image_size, rewrite_prompt, save_outputs
+
+MODEL = "tiny-llama"
+PAGE_SIZE = 16
+
+wf = Workflow("image_generation", description="LLM prompt rewrite -> diffusion on the LLM's KV -> VAE -> PNG")
+py = wf.role("py", kind="python")
+llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": PAGE_SIZE})
+diffusion = wf.role("diffusion", kind="diffusion", model=MODEL, params={"page_size": PAGE_SIZE, "steps": 12})
+vae = wf.role("vae", kind="vae_decoder", model="tiny-vae")
+
+request = wf.input("request", "text", default="a lighthouse on a cliff at dusk, oil painting")
+instruct = wf.python(rewrite_prompt, role=py, outputs={"out": "text"})
+rewrite = wf.node("rewrite", "llm", role=llm, params={"max_new_tokens": 24, "seed": 7})
+context = wf.python(context_tokens, role=py, inputs={"prompt": "text", "tokens": "tokens"},
+                    outputs={"out": "tokens"})
+denoise = wf.node("denoise", "diffusion", role=diffusion, params={"seed": 0})
+decode = wf.node("decode", "vae_decode", role=vae)
+size = wf.python(image_size, role=py)
+save = wf.python(save_outputs, role=py, inputs={"text": "text", "image": "image", "size": "json"})
+
+wf.edge(request, instruct)
+wf.edge(instruct, rewrite.inp("prompt"))
+wf.edge(instruct, context.inp("prompt"))
+wf.edge(rewrite.out("tokens"), context.inp("tokens"))
+wf.edge(context, denoise.inp("tokens"))
+wf.edge(rewrite.out("kv"), denoise.inp("kv"))
+wf.edge(denoise.out("latents"), decode.inp("latents"))
+wf.edge(rewrite.out("text"), size.inp("text"))
+wf.edge(rewrite.out("text"), save.inp("text"))
+wf.edge(decode.out("image"), save.inp("image"))
+wf.edge(size, save.inp("size"))
+wf.output("saved", save, "json")
+wf.output("prompt_rewrite", rewrite.out("text"), "text")
+
+workflow = wf
