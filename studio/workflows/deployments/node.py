@@ -64,7 +64,8 @@ def _process_of(row: Worker) -> psutil.Process | None:
         return None
     try:
         process = psutil.Process(row.pid)
-        if process.status() == psutil.STATUS_ZOMBIE or row.worker_id not in process.cmdline():
+        # The worker retitles itself (`omniflow-worker ... id=<worker id> ...`); its id is in there either way.
+        if process.status() == psutil.STATUS_ZOMBIE or row.worker_id not in " ".join(process.cmdline()):
             return None
         return process
     except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -1,0 +1,133 @@
+"""The distributed path with a real Celery worker (a subprocess, solo pool) acting as a node:
+it consumes the node's queue `node.<name>` (deploy, stop_deployment) and a private run
+queue (execute_run). Its role workers register in Redis; a run of the deployment executes
+in the Celery worker and reaches them through the deployment's namespace."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from django.apps import apps
+from django.conf import settings
+
+from studio.config import Dispatch
+from studio.workflows.apps import build_engine
+from studio.workflows.models import Deployment, Run, Worker
+from studio.workflows.tasks import deploy as deploy_task
+from tests.studio.conftest import TEST_OP_MODULES
+from tests.studio.factories import create_workflow
+from tests.studio.test_deployments import whoami_spec
+from tests.studio.test_live_server import database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
+              pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (the Celery broker)")]
+
+
+@dataclasses.dataclass
+class CeleryNode:
+    node: str
+    run_queue: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_for(self, what: str, check: Callable[[], bool], deadline_s: float = 60.0) -> None:
+        """Poll `check` (the database) until true; the pause doubles as a check that the worker lives."""
+        deadline = time.monotonic() + deadline_s
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not within {deadline_s} s; worker log:\n{self.log.read_text()[-3000:]}")
+            try:
+                self.proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                continue
+            raise RuntimeError(f"the Celery worker exited:\n{self.log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
+    tag = uuid.uuid4().hex[:8]
+    node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
+           "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
+           "OMNIFLOW_PYTHON_OP_MODULES": ",".join(TEST_OP_MODULES), "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
+           "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "celery.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "studio", "worker", "-P", "solo", "-Q", f"{run_queue},node.{node}",
+             "-n", f"{node}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    worker = CeleryNode(node, run_queue, proc, log)
+    config = dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES, dispatch=Dispatch.CELERY,
+                                 node_name=node, deploy_node=node, run_queue=run_queue)
+    app = apps.get_app_config("workflows")
+    studio = build_engine(config)
+    previous = app.install(studio)
+    try:
+        worker.wait_for("the Celery worker ready", lambda: b" ready." in log.read_bytes())
+        yield worker
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        for row in Worker.objects.filter(host=node):  # whatever a failed test left running
+            if row.pid and psutil.pid_exists(row.pid) and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):
+                psutil.Process(row.pid).kill()
+        studio.runs.stop()
+        app.install(previous)
+
+
+def live_rows(deployment_id: str) -> list[Worker]:
+    return list(Worker.objects.filter(deployment_id=deployment_id, status="ready").order_by("worker_id"))
+
+
+def test_deploy_run_scale_stop_through_a_celery_node(celery_node: CeleryNode, api: Any) -> None:
+    wf = create_workflow(api, whoami_spec())
+    response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert response.status_code == 201, response.content
+    d = response.json()
+    assert d["node"] == celery_node.node and d["status"] == "pending"
+    celery_node.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running")
+    rows = live_rows(d["id"])
+    assert [(r.role, r.host) for r in rows] == [("py", celery_node.node)]
+    assert os.getsid(rows[0].pid) == rows[0].pid  # a session of its own: it outlives the task
+
+    # the run executes in the Celery worker, its node on the deployment's role worker
+    run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "far"}}, format="json").json()
+    celery_node.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished)
+    done = Run.objects.get(pk=run["id"])
+    assert done.status == "done", done.error
+    assert done.outputs["result"] == {"text": "FAR", "pid": rows[0].pid}
+
+    # a redelivered deploy finds the workers alive and starts nothing
+    assert deploy_task.apply(args=[d["id"]]).get() == {"started": [], "stopped": [], "lost": []}
+    assert [r.worker_id for r in live_rows(d["id"])] == [rows[0].worker_id]
+
+    assert api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 2},
+                    format="json").status_code == 200
+    celery_node.wait_for("two workers", lambda: len(live_rows(d["id"])) == 2)
+    workers = api.get("/api/workers/").json()
+    assert sorted(w["info"]["worker_id"] for w in workers) == [r.worker_id for r in live_rows(d["id"])]
+
+    pids = [r.pid for r in live_rows(d["id"])]
+    assert api.post(f"/api/deployments/{d['id']}/stop/").json()["status"] == "stopping"
+    celery_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
+    assert not live_rows(d["id"])
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+    assert api.get("/api/workers/").json() == []
+    assert deploy_task.apply(args=[d["id"]]).get() is None  # a stopped deployment stays stopped
