@@ -65,3 +65,76 @@ def save_outputs(ctx: NodeContext, text: str | None = None, image: Any = None, a
         (folder / "speech.wav").write_bytes(bytes(audio))
         files["audio"] = str(folder / "speech.wav")
     return {"dir": str(folder.resolve()), "files": {k: str(Path(v).resolve()) for k, v in files.items()}}
+
+
+# -- omni dialogue ------------------------------------------------------------------------------------
+
+SAMPLE = "sample"
+"""An `image`/`audio` input of this value means the built-in test picture / sound (`engine.compute.media`)."""
+SPEECH_WORDS = re.compile(r"\b(say|speak|aloud|read out|voice)\b", re.IGNORECASE)
+DRAW_WORDS = re.compile(r"\b(draw|paint|sketch|picture of|image of)\b", re.IGNORECASE)
+SPEECH_TOKEN, IMAGE_TOKEN = "<|speech|>", "<|image_gen|>"
+
+
+def parse_request(message: str, image: Any = None, audio: Any = None) -> Any:
+    """Route to the encoders of the media present (and always to the prompt); the value is the request."""
+    from engine.spec.calls import Route
+
+    request = {"message": message, "image": image, "audio": audio}
+    return Route([*(["picture"] if image else []), *(["sound"] if audio else []), "prompt_text"], request)
+
+
+def picture(request: dict) -> bytes:
+    """The request's picture as PNG bytes (`"sample"`: the built-in test picture)."""
+    from engine.compute.media import png_bytes, sample_picture
+
+    image = request["image"]
+    return png_bytes(sample_picture()) if image == SAMPLE else bytes(image)
+
+
+def sound(request: dict) -> bytes:
+    """The request's audio as WAV bytes (`"sample"`: the built-in test sound)."""
+    from engine.compute.media import sample_sound, wav_bytes
+
+    audio = request["audio"]
+    return wav_bytes(sample_sound()) if audio == SAMPLE else bytes(audio)
+
+
+def prompt_text(request: dict) -> str:
+    """The thinker's message: one `<|image|>`/`<|audio|>` marker per medium, then the text."""
+    markers = ("<|image|>" if request.get("image") else "") + ("<|audio|>" if request.get("audio") else "")
+    return f"{markers}User: {request['message'].strip()}\nAssistant:"
+
+
+def combine_media(image_item: Any = None, image_embeds: Any = None, audio_item: Any = None,
+                  audio_embeds: Any = None) -> dict[str, Any]:
+    """The encoders' items and embeddings in marker order (image, then audio), rows concatenated."""
+    import torch
+
+    items, rows = [], []
+    for item, embeds in ((image_item, image_embeds), (audio_item, audio_embeds)):
+        if item is not None and embeds is not None:
+            items.append(item)
+            rows.append(torch.as_tensor(embeds))
+    return {"items": items, "embeds": torch.cat(rows).contiguous()}
+
+
+def route_reply(message: str, text: str, tokens: list[int]) -> Any:
+    """Router on the thinker's special tokens (or the request's wording): speech, image, text."""
+    from engine.spec.calls import Route
+
+    routes = []
+    if SPEECH_TOKEN in text or SPEECH_WORDS.search(message):
+        routes.append("speech_codes")
+    if IMAGE_TOKEN in text or DRAW_WORDS.search(message):
+        routes.append("draw_prompt")
+    return Route(routes, tokens) if routes else Route([], tokens)
+
+
+def speech_codes(tokens: list[int]) -> list[int]:
+    """The thinker's tokens as audio codes (a real omni model emits codes above its text vocabulary)."""
+    return [int(t) % 1024 for t in tokens] or [0]
+
+
+def draw_prompt(tokens: list[int]) -> str:
+    return "a variation of the picture the user sent, bright colours"
