@@ -6,17 +6,20 @@ ends the processes. Plus every kind of bad input the API refuses."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import uuid
 from typing import Any
 
 import psutil
 import pytest
+from django.apps import apps
 from django.conf import settings
 
 from engine.flow.discovery import make_registry
-from studio.workflows.apps import StudioEngine
+from studio.workflows.apps import StudioEngine, build_engine
 from studio.workflows.models import Deployment, Worker
+from tests.studio.conftest import TEST_OP_MODULES
 from tests.studio.factories import create_workflow, spec_doc
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -120,12 +123,19 @@ def test_deploy_run_scale_stop(api: Any, studio_engine: StudioEngine, whoami_wf:
     assert [x["id"] for x in listed["results"]] == [d["id"]]
 
 
-def test_failed_start_marks_the_deployment_failed(api: Any, studio_engine: StudioEngine) -> None:
-    spec = spec_doc(name="broken")
-    spec["roles"].append({"name": "lm", "kind": "llm", "model": "no-such-model"})
-    wf = create_workflow(api, spec)
-    d = deploy(api, studio_engine, {"workflow": wf["id"]})
-    assert d["status"] == "failed" and "exited with status" in d["error"]
+def test_failed_start_marks_the_deployment_failed(api: Any) -> None:
+    # workers told to listen on an address this machine does not have exit at once
+    app = apps.get_app_config("workflows")
+    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES,
+                                              worker_listen="tcp://192.0.2.1:0"))
+    previous = app.install(studio)
+    try:
+        wf = create_workflow(api, whoami_spec())
+        d = deploy(api, studio, {"workflow": wf["id"]})
+    finally:
+        studio.runs.stop()
+        app.install(previous)
+    assert d["status"] == "failed" and "exited with status" in d["error"], d
     assert Worker.objects.filter(deployment_id=d["id"]).exclude(status="stopped").count() == 0
 
 
