@@ -1,0 +1,43 @@
+"""Tensor parallelism shared by the LLM and diffusion runners.
+
+A role with `tp_size = N` runs N rank processes. Each rank holds a Megatron-style shard of
+the decoder (`shard.py`: q/k/v and MLP gate/up split by columns — whole attention heads,
+GQA KV heads included — o_proj and down_proj split by rows and summed with `all_reduce`;
+embeddings, norms and the LM head replicated) and runs the *unchanged* paged forward
+(`engine.compute.llm.forward.PagedForward`) and diffusion transformer
+(`engine.compute.diffusion.forward.ImageTokenForward`) over it: they read the head counts
+from the model's config, which the shard rewrites to the rank's own.
+
+* `group.py` — the process group (gloo on the CPU, NCCL on GPUs) with a collective timeout.
+* `kv.py` — which KV heads a rank holds, and re-sharding pages by head between TP sizes.
+* `engine.py` — `TPEngine`, the `LLMEngine` of one rank: its KV pages hold only its heads,
+  under the same page keys, and a prefix hit is agreed by all ranks (the smallest wins).
+* `role.py` — `TPRole`: spawns the ranks; rank 0 is the single endpoint and broadcasts
+  each command, the others follow; a dead rank fails the call with `TPRankError`.
+"""
+
+from engine.compute.tp.group import TPError, TPGroup, TPRankError
+from engine.compute.tp.kv import (
+    kv_head_owner,
+    kv_heads_of,
+    merge_pages,
+    reshard_pages,
+    shard_layout,
+    split_page,
+)
+from engine.compute.tp.shard import ColumnParallelLinear, RowParallelLinear, shard_model
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPError",
+    "TPGroup",
+    "TPRankError",
+    "kv_head_owner",
+    "kv_heads_of",
+    "merge_pages",
+    "reshard_pages",
+    "shard_layout",
+    "shard_model",
+    "split_page",
+]

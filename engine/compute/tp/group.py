@@ -1,0 +1,89 @@
+"""One role's tensor-parallel process group."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel setup is invalid (sizes that do not divide, a bad rank)."""
+
+
+class TPRankError(TPError):
+    """A rank of the role died or stopped answering: the role's in-flight calls fail with this."""
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    """This process's seat in its role's group: `rank` of `size`. `size == 1` needs no
+    `torch.distributed` at all (every collective is the identity)."""
+
+    rank: int
+    size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def init(cls, rank: int, size: int, address: str, *, timeout_s: float = 10.0,
+             backend: str | None = None) -> TPGroup:
+        """Join the group at `address` (`tcp://127.0.0.1:PORT`). A collective that a dead peer
+        never joins raises after `timeout_s` (gloo's timeout) instead of hanging."""
+        if not 0 <= rank < size:
+            raise TPError(f"rank {rank} is not in a group of {size}")
+        if size > 1:
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(rank, size)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place."""
+        if self.size > 1:
+            try:
+                dist.all_reduce(tensor)
+            except RuntimeError as exc:
+                raise TPRankError(f"rank {self.rank}: all_reduce failed (a peer rank is gone?): {exc}") from exc
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' `value`s (every rank gets the same answer)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        except RuntimeError as exc:
+            raise TPRankError(f"rank {self.rank}: all_reduce(MIN) failed (a peer rank is gone?): {exc}") from exc
+        return int(tensor.item())
+
+    def broadcast(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as exc:
+            raise TPRankError(f"rank {self.rank}: broadcast failed (a peer rank is gone?): {exc}") from exc
+        return box[0]
+
+    def gather(self, obj: object) -> list[object] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out: list[object] | None = [None] * self.size if self.is_leader else None
+        try:
+            dist.gather_object(obj, out, dst=0)
+        except RuntimeError as exc:
+            raise TPRankError(f"rank {self.rank}: gather failed (a peer rank is gone?): {exc}") from exc
+        return out
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

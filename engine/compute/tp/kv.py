@@ -1,0 +1,79 @@
+"""The KV cache sharded with the attention heads.
+
+A page is `(2, layers, page_size, kv_heads, head_dim)` (`engine.data.kv.layout`); a rank's
+page holds only its own KV heads, `(2, layers, page_size, kv_heads_of(...), head_dim)`,
+under the same page key as the whole page (keys hash tokens, model and tenant, never
+heads). With fewer KV heads than ranks (GQA, e.g. 4 query heads over 1 KV head on 2
+ranks) a KV head is replicated on every rank whose query heads read it.
+
+Re-sharding between TP sizes (a TP-2 prefill role feeding a TP-1 decode role) only copies
+head slices: `merge_pages` of the ranks' shards is bit-identical to the pages they came
+from, and `split_page` is its inverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.compute.tp.group import TPError
+from engine.data.kv.layout import KVLayout
+
+
+def kv_heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The (global) KV heads rank `rank` of `tp_size` holds, in order."""
+    if not 0 <= rank < tp_size:
+        raise TPError(f"rank {rank} is not in a group of {tp_size}")
+    if num_kv_heads % tp_size == 0:
+        per = num_kv_heads // tp_size
+        return range(rank * per, (rank + 1) * per)
+    if tp_size % num_kv_heads == 0:
+        head = rank // (tp_size // num_kv_heads)
+        return range(head, head + 1)
+    raise TPError(f"{num_kv_heads} KV heads cannot be split over {tp_size} ranks")
+
+
+def kv_head_owner(num_kv_heads: int, tp_size: int, head: int) -> tuple[int, int]:
+    """`(rank, local index)` of the first rank holding global KV head `head`."""
+    for rank in range(tp_size):
+        heads = kv_heads_of(num_kv_heads, tp_size, rank)
+        if head in heads:
+            return rank, head - heads.start
+    raise TPError(f"KV head {head} is not one of {num_kv_heads}")
+
+
+def shard_layout(layout: KVLayout, tp_size: int, rank: int) -> KVLayout:
+    """The layout of rank `rank`'s pages when `layout` (the whole model's) is split `tp_size` ways."""
+    heads = kv_heads_of(layout.num_kv_heads, tp_size, rank)
+    return KVLayout(layout.page_size, layout.num_layers, len(heads), layout.head_dim, layout.dtype)
+
+
+def split_page(pages: torch.Tensor, num_kv_heads: int, tp_size: int) -> list[torch.Tensor]:
+    """Whole pages (`(..., kv_heads, head_dim)`: one page or a stack) -> each rank's head shard."""
+    if pages.shape[-2] != num_kv_heads:
+        raise TPError(f"pages with {pages.shape[-2]} KV heads are not whole pages of {num_kv_heads}")
+    out = []
+    for rank in range(tp_size):
+        heads = kv_heads_of(num_kv_heads, tp_size, rank)
+        out.append(pages[..., heads.start : heads.stop, :].contiguous())
+    return out
+
+
+def merge_pages(shards: Sequence[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
+    """Each rank's head shard of the same pages (rank order) -> the whole pages."""
+    tp_size = len(shards)
+    parts = []
+    for head in range(num_kv_heads):
+        rank, local = kv_head_owner(num_kv_heads, tp_size, head)
+        want = len(kv_heads_of(num_kv_heads, tp_size, rank))
+        if shards[rank].shape[-2] != want:
+            raise TPError(f"rank {rank}'s shard has {shards[rank].shape[-2]} KV heads, expected {want}")
+        parts.append(shards[rank][..., local : local + 1, :])
+    return torch.cat(parts, dim=-2).contiguous()
+
+
+def reshard_pages(shards: Sequence[torch.Tensor], num_kv_heads: int, tp_size: int) -> list[torch.Tensor]:
+    """Pages sharded over `len(shards)` ranks -> the same pages sharded over `tp_size` ranks."""
+    whole = merge_pages(shards, num_kv_heads)
+    return [whole] if tp_size == 1 else split_page(whole, num_kv_heads, tp_size)
