@@ -147,7 +147,7 @@ try {
   await step("workflows list and search", async () => {
     for (const name of ["diamond", "loop", "router", "stream"]) await page.waitForSelector(tid(`workflow-row-${name}`));
     await shot("workflows");
-    await page.fill('input[aria-label="Search workflows"]', "dia");
+    await page.fill('input[aria-label="Search workflows"]', "diamo");
     await page.waitForFunction(() => document.querySelectorAll('[data-testid^="workflow-row-"]').length === 1);
     expect(await page.locator(tid("workflow-row-diamond")).count(), "search hides diamond");
     await page.fill('input[aria-label="Search workflows"]', "");
