@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup frontend run example test lint clean
+.PHONY: setup frontend run example test test-sglang lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,16 @@ test: setup frontend
 	VENV=$(VENV) bash scripts/frontend.sh unit
 	VENV=$(VENV) bash scripts/frontend.sh browser
 	VENV=$(VENV) bash scripts/test.sh
+	$(MAKE) test-sglang
+
+# The SGLang integration against the real sglang==0.5.23, in its own venv (.venv-sglang):
+# SGLang needs torch 2.14.1 and torchvision, the rest of the project torch 2.13.0.
+test-sglang:
+	bash scripts/sglang_env.sh test
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache frontend/node_modules frontend/dist
+	rm -rf $(VENV) .venv-sglang .pytest_cache .ruff_cache frontend/node_modules frontend/dist

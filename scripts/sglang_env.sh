@@ -7,7 +7,7 @@
 # The main .venv pins torch==2.13.0 and is never touched here. sglang==0.5.23 pins
 # torch==2.14.1 and CUDA-only kernels, so it is installed with --no-deps next to the
 # light dependencies that make its CPU-side components import (see
-# /work/shared/SGLANG-NOTES.md). torch/torchvision come from this machine's local disk.
+# the SGLang notes of the design docs). pip takes torch/torchvision from its configured local wheels.
 # SGLang's get_hash_str JIT-compiles a C++ helper on first use: it needs g++, ninja and
 # libssl-dev; the Debian packages are installed when missing.
 set -euo pipefail

@@ -58,4 +58,5 @@ echo "== ruff"
 echo "== import layering"
 "$VENV/bin/lint-imports"
 echo "== pytest (REDIS_URL=$REDIS_URL DATABASE_URL=${DATABASE_URL:-sqlite})"
-"$PY" -m pytest -q -rs "$@"
+# tests/sglang need SGLang's own torch; they run in .venv-sglang (make test-sglang).
+"$PY" -m pytest -q -rs --ignore=tests/sglang "$@"
