@@ -117,5 +117,10 @@ class ComputeUnit:
         """Yield frames (port -> value dicts) of a streaming node."""
         raise NotImplementedError
 
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for the worker's heartbeats (plain numbers). Called from
+        the worker's liveness thread: read, never block."""
+        return {}
+
     async def close(self) -> None:
         return None

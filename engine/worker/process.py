@@ -230,6 +230,9 @@ def _process_metrics() -> dict[str, float]:
         if torch.cuda.is_available():
             metrics["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated())
             metrics["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved())
+            free, total = torch.cuda.mem_get_info()
+            metrics["gpu_memory_total_bytes"] = float(total)
+            metrics["gpu_memory_free_bytes"] = float(free)
     return metrics
 
 
@@ -300,7 +303,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     def load() -> WorkerLoad:
         base = core.load()
         return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
-                          metrics={**base.metrics, **_process_metrics(), **kv.metrics()})
+                          metrics={**base.metrics, **_process_metrics(), **kv.metrics(), **unit.metrics()})
 
     liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
     liveness_address = liveness.start_and_bind()

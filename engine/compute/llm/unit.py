@@ -569,6 +569,11 @@ class LLMUnit(ComputeUnit):
             cached_tokens=ref.cached_tokens,
         )
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's `llm.*` counters (generated tokens, hit rate, queue sizes); the KV
+        store's tier metrics are reported by the worker's KV hosting."""
+        return {k: float(v) for k, v in self.engine.metrics().items() if k.startswith("llm.")}
+
     # -- shutdown ------------------------------------------------------------------------------------
 
     async def close(self) -> None:

@@ -86,6 +86,27 @@ async def test_a_workflow_generates_with_the_llm_node(executor, tiny_llama):
     assert kv["model_id"] == tiny_llama.model_id and kv["tokens"] == 20 and len(kv["pages"]) == 4
 
 
+async def test_the_unit_reports_llm_counters_for_heartbeats(tiny_llama):
+    from engine.compute.llm.unit import LLMUnit
+    from engine.spec.calls import NodeCall, NodeContext
+
+    role = chat_workflow().to_spec().role("llm")
+    unit = LLMUnit(role)
+    try:
+        assert unit.metrics()["llm.generated_tokens"] == 0.0
+        call = NodeCall(run_id="r", node_id="gen", op=None, params={"max_new_tokens": 5},
+                        inputs={"tokens": prompt_ids(7, 9)}, output_ports=("text", "tokens", "kv"),
+                        stream=False, router=False, iteration=1, attempt=1)
+        ctx = NodeContext(run_id="r", node_id="gen", iteration=1, attempt=1, report_progress=lambda f, m: None)
+        result = await unit.execute(call, ctx)
+        assert len(result.outputs["tokens"]) == 5
+        metrics = unit.metrics()
+        assert metrics["llm.generated_tokens"] == 5.0 and metrics["llm.prompt_tokens"] == 9.0
+        assert all(k.startswith("llm.") and isinstance(v, float) for k, v in metrics.items())
+    finally:
+        await unit.close()
+
+
 async def test_concurrent_runs_are_batched_and_correct(executor, tiny_llama):
     prompts = [prompt_ids(40 + i, 5 + 3 * i) for i in range(6)]
     plan = executor.plan(chat_workflow(input_port="tokens").to_spec())
