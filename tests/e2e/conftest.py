@@ -5,17 +5,15 @@ among the modules python nodes may name."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.liveserver import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = "demo"
@@ -33,11 +31,6 @@ class LiveStudio:
     log: Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def studio_env(data_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED}
@@ -50,22 +43,6 @@ def studio_env(data_dir: Path) -> dict[str, str]:
     return env
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, deadline_s: float = 60.0) -> None:
-    """Poll /healthz until it answers 200; fail early if the server exits."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        try:  # doubles as the pause between polls
-            proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        raise RuntimeError(f"the studio exited with status {proc.returncode}")
-    raise TimeoutError(f"{url} did not become ready in {deadline_s} s")
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,9 @@ from websockets.asyncio.client import connect as ws_connect
 
 from engine.compute.models import load_builtin
 from studio.accounts.models import ApiToken
+from tests.liveserver import free_port, wait_ready
 from tests.studio.factories import example_spec
-from tests.studio.test_live_server import Server, database_url, free_port, wait_ready
+from tests.studio.test_live_server import Server, database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,

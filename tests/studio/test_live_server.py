@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,16 +21,12 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError
 
 from studio.accounts.models import ApiToken
+from tests.liveserver import free_port, wait_ready
 from tests.studio.factories import spec_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def database_url() -> str:
@@ -62,22 +56,6 @@ class Server:
             return exc.code, json.loads(exc.read() or b"null")
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, deadline_s: float = 30.0) -> None:
-    """Poll /healthz until it answers 200; fail early if the server exits."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        try:  # doubles as the pause between polls
-            proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        raise RuntimeError(f"the server exited with status {proc.returncode}")
-    raise TimeoutError(f"{url} did not become ready in {deadline_s} s")
 
 
 @pytest.fixture
