@@ -42,6 +42,13 @@ export function DeployDialog({
   useEffect(() => {
     load();
   }, [load]);
+  // Follow deployments that are still changing state.
+  const settling = deployments?.some((d) => ["pending", "starting", "stopping"].includes(d.status)) ?? false;
+  useEffect(() => {
+    if (!settling) return;
+    const timer = window.setInterval(load, 1000);
+    return () => window.clearInterval(timer);
+  }, [settling, load]);
 
   const deploy = async () => {
     if (version === null) return;
@@ -67,7 +74,13 @@ export function DeployDialog({
         deployments ? (
           <>
             <Button onClick={onClose}>Close</Button>
-            <Button variant="primary" icon="rocket" onClick={deploy} disabled={busy || version === null}>
+            <Button
+              variant="primary"
+              icon="rocket"
+              onClick={deploy}
+              disabled={busy || version === null}
+              data-testid="deploy-submit"
+            >
               Deploy v{version}
             </Button>
           </>
@@ -128,13 +141,19 @@ export function DeployDialog({
           <div className="section-title">Deployments of this workflow</div>
           {deployments.length === 0 && <p className="muted small">None yet.</p>}
           {deployments.map((d) => (
-            <div key={d.id} className="deployment-row">
+            <div key={d.id} className="deployment-row" data-testid="deployment-row" data-status={d.status}>
               <span className="pill">v{d.version}</span>
               <StatusBadge status={d.status} />
               <span className="muted small">{formatTime(d.created_at)}</span>
               {d.error && <span className="danger-text small">{d.error}</span>}
               {(d.status === "running" || d.status === "starting") && (
-                <Button small variant="ghost" icon="stop" onClick={() => cluster.stop(d.id).then(load)}>
+                <Button
+                  small
+                  variant="ghost"
+                  icon="stop"
+                  onClick={() => cluster.stop(d.id).then(load)}
+                  data-testid="deployment-stop"
+                >
                   Stop
                 </Button>
               )}
