@@ -330,11 +330,27 @@ class InputEnd(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     port: str
 
 
+class LoadRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Asked of a worker's liveness endpoint: its current load, as a heartbeat carries it."""
+
+    request_id: int
+
+
+class LoadReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    request_id: int
+    outstanding: int
+    queue_depth: int
+    busy: bool
+    metrics: dict[str, float]
+
+
 WorkerMessage = (
     HelloRequest
     | HelloReply
     | PingRequest
     | PingReply
+    | LoadRequest
+    | LoadReply
     | ErrorReply
     | ExecuteRequest
     | ExecuteStarted

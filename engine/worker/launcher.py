@@ -5,14 +5,17 @@ this process as their parent (they exit if it dies). `start()` waits until every
 worker has printed its READY line — readiness, not a sleep — and `stop()` sends
 SIGTERM (then SIGKILL after a grace period) and reaps them.
 
-Without a registry URL the cluster fills an in-process registry from the READY lines;
-with one, workers register themselves there and the cluster reads it back.
+Without a registry URL the cluster fills an in-process registry from the READY lines
+and keeps their loads fresh by asking each worker's liveness endpoint every heartbeat
+(workers cannot heartbeat into another process's memory); with one, workers register
+and heartbeat there themselves and the cluster reads it back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -21,7 +24,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.flow.discovery import InProcessRegistry, Registry, WorkerInfo, make_registry
+import zmq
+import zmq.asyncio
+
+from engine.data.codec import WireCodec, WireError
+from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
+from engine.flow.discovery import (
+    InProcessRegistry,
+    Registry,
+    UnknownWorkerError,
+    WorkerInfo,
+    WorkerLoad,
+    make_registry,
+)
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.worker.process import READY_PREFIX
 
@@ -72,6 +87,7 @@ class LocalCluster:
             make_registry(registry_url, namespace=namespace) if registry_url else InProcessRegistry(ttl_s=float("inf"))
         )
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._poller: asyncio.Task[None] | None = None
 
     def _env(self) -> dict[str, str]:
         # Workers import the same workflow modules (python ops) as this process.
@@ -131,8 +147,49 @@ class LocalCluster:
         except BaseException:
             await self.stop()
             raise
+        if isinstance(self.registry, InProcessRegistry):
+            self._poller = asyncio.get_running_loop().create_task(self._poll_loads(self.registry))
+
+    async def _poll_loads(self, registry: InProcessRegistry) -> None:
+        """Heartbeat the in-process registry on the workers' behalf with the load each
+        reports on its liveness endpoint; a worker that does not answer keeps its last load."""
+        context = zmq.asyncio.Context()
+        codec = WireCodec(16 * 1024 * 1024, WorkerMessage)
+        sockets: dict[str, zmq.asyncio.Socket] = {}
+        ids = itertools.count(1)
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat_s)
+                for worker in list(self.workers):
+                    sock = sockets.get(worker.worker_id)
+                    if sock is None:
+                        sock = sockets[worker.worker_id] = context.socket(zmq.DEALER)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.connect(worker.details["liveness"])
+                    rid = next(ids)
+                    await sock.send(codec.encode(LoadRequest(rid)))
+                    try:
+                        while True:
+                            reply = codec.decode(await asyncio.wait_for(sock.recv(), self.heartbeat_s))
+                            if isinstance(reply, LoadReply) and reply.request_id == rid:
+                                break
+                    except (TimeoutError, WireError):
+                        continue
+                    load = WorkerLoad(outstanding=reply.outstanding, queue_depth=reply.queue_depth,
+                                      busy=reply.busy, metrics=reply.metrics)
+                    with contextlib.suppress(UnknownWorkerError):
+                        await registry.heartbeat(worker.worker_id, load)
+        finally:
+            for sock in sockets.values():
+                sock.close()
+            context.term()
 
     async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
         workers, self.workers = self.workers, []
         for worker in workers:
             if worker.process.returncode is None:

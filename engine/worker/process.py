@@ -42,6 +42,8 @@ from engine.data.wire import (
     ErrorReply,
     HelloReply,
     HelloRequest,
+    LoadReply,
+    LoadRequest,
     PingReply,
     PingRequest,
     WorkerMessage,
@@ -157,10 +159,15 @@ class _Liveness(threading.Thread):
                 else:
                     if isinstance(message, PingRequest):
                         reply = PingReply(message.request_id)
+                    elif isinstance(message, LoadRequest):
+                        load = self._load()
+                        reply = LoadReply(message.request_id, load.outstanding, load.queue_depth, load.busy,
+                                          load.metrics)
                     elif isinstance(message, HelloRequest):
                         reply = HelloReply(PROTOCOL_VERSION, self._config.worker_id, self._host, 0, 64 * 1024)
                     else:
-                        reply = ErrorReply(None, ErrorCode.BAD_REQUEST, "the liveness endpoint only answers pings")
+                        reply = ErrorReply(None, ErrorCode.BAD_REQUEST,
+                                           "the liveness endpoint only answers pings and load requests")
                 await sock.send_multipart([identity, codec.encode(reply)])
         finally:
             # The beat is asked to stop, not cancelled: redis-py's asyncio client can swallow a

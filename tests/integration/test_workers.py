@@ -542,3 +542,24 @@ async def test_omniflow_worker_command_registers_and_has_a_readable_title(redis_
             process.kill()
             await process.wait()
         await registry.close()
+
+
+async def test_an_in_process_registry_gets_each_workers_load(tmp_path: Path):
+    """Without a registry URL the cluster asks each worker's liveness endpoint for its load,
+    so the embedded studio shows live worker metrics too."""
+    spec = load_workflow(str(REPO / "workflows" / "diamond.py"))
+    async with deployed(spec, tmp_path) as d:
+        registry = d.cluster.registry
+
+        async def loads_with_metrics():
+            snapshots = await registry.workers("py")
+            return len(snapshots) == 2 and all(s.load.metrics.get("rss_bytes", 0) > 0 for s in snapshots)
+
+        await wait_until(loads_with_metrics, 10, "every worker's load reaches the in-process registry")
+        result = await d.run(spec, {"n": 4})
+        assert result.outputs == {"sum": 4**2 + 4**3}
+
+        async def completed_counted():
+            return sum(s.load.metrics.get("completed", 0) for s in await registry.workers("py")) >= 4
+
+        await wait_until(completed_counted, 10, "completed node executions show up in the loads")

@@ -84,6 +84,41 @@ def test_examples_cover_every_message_type() -> None:
     assert {type(m) for m in EXAMPLES} == set(Message.__args__)
 
 
+_INLINE = wire.PortValue(wire.ValueKind.INLINE, data={"x": [1, 2.5, "three", None, b"raw"]})
+WORKER_EXAMPLES: list[wire.WorkerMessage] = [
+    wire.HelloRequest(PROTOCOL_VERSION, "executor", "h/boot"),
+    wire.HelloReply(PROTOCOL_VERSION, "py-0", "h/boot", 0, 65536),
+    wire.PingRequest(1),
+    wire.PingReply(1),
+    wire.LoadRequest(2),
+    wire.LoadReply(2, 3, 1, True, {"rss_bytes": 1.5e8, "llm.generated_tokens": 12.0}),
+    wire.ErrorReply(3, ErrorCode.DRAINING, "draining"),
+    wire.ExecuteRequest(4, "py", "run-1", "square", "workflows.diamond:square", {"k": 1},
+                        {"x": _INLINE, "t": wire.PortValue(wire.ValueKind.TENSOR, ref=make_ref()),
+                         "s": wire.PortValue(wire.ValueKind.STREAM)}, ("out",), False, False, 1, 1),
+    wire.ExecuteStarted(4, "py-0"),
+    wire.ExecuteProgress(4, 0.5, "half"),
+    wire.ExecuteFrame(4, 0, {"out": _INLINE}),
+    wire.ExecuteResult(4, {"out": _INLINE}, ("total",)),
+    wire.ExecuteFailed(4, "ValueError: no", retryable=False),
+    wire.CancelRequest(4),
+    wire.InputFrame(4, "s", _INLINE),
+    wire.InputEnd(4, "s"),
+]
+
+
+def test_worker_examples_cover_every_worker_message_type() -> None:
+    assert {type(m) for m in WORKER_EXAMPLES} == set(wire.WorkerMessage.__args__)
+
+
+@pytest.mark.parametrize("message", WORKER_EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_worker_message_round_trips(message: wire.WorkerMessage) -> None:
+    codec = WireCodec(1 << 20, wire.WorkerMessage)
+    data = codec.encode(message)
+    assert codec.decode(data) == message
+    assert msgspec.msgpack.decode(data)["type"] == type(message).__name__
+
+
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips_with_its_tag(message: wire.Message) -> None:
     codec = WireCodec(Limits().max_request_bytes)
