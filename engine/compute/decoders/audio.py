@@ -16,6 +16,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from engine.compute.catalog import catalog, lookup
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import wav_bytes
 from engine.compute.weights.seeding import build_seeded
@@ -40,24 +41,16 @@ class AudioDecoderConfig:
         return math.prod(self.rates)
 
 
-AUDIO_DECODERS: MappingProxyType[str, AudioDecoderConfig] = MappingProxyType(
-    {
-        cfg.name: cfg
-        for cfg in (
-            AudioDecoderConfig(
-                name="tiny-audio-decoder",
-                description="1024-code codebook, upsampling 8x5x4: 100 codes per second of 16 kHz audio",
-            ),
-        )
-    }
+AUDIO_DECODERS: MappingProxyType[str, AudioDecoderConfig] = catalog(
+    AudioDecoderConfig(
+        name="tiny-audio-decoder",
+        description="1024-code codebook, upsampling 8x5x4: 100 codes per second of 16 kHz audio",
+    ),
 )
 
 
 def audio_decoder_config(name: str) -> AudioDecoderConfig:
-    try:
-        return AUDIO_DECODERS[name]
-    except KeyError:
-        raise DecoderError(f"unknown audio decoder {name!r} (built-in: {', '.join(sorted(AUDIO_DECODERS))})") from None
+    return lookup(AUDIO_DECODERS, name, "audio decoder", DecoderError)
 
 
 class AudioCodeDecoder(torch.nn.Module):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
+from engine.compute.catalog import catalog, lookup
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import png_bytes
 from engine.compute.weights.seeding import build_seeded
@@ -40,24 +41,16 @@ class ImageDecoderConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
 
-IMAGE_DECODERS: MappingProxyType[str, ImageDecoderConfig] = MappingProxyType(
-    {
-        cfg.name: cfg
-        for cfg in (
-            ImageDecoderConfig(
-                name="tiny-vae",
-                description="AutoencoderKL, 4 latent channels, 3 blocks (16, 32, 32): 16x16 latents -> 64x64 RGB",
-            ),
-        )
-    }
+IMAGE_DECODERS: MappingProxyType[str, ImageDecoderConfig] = catalog(
+    ImageDecoderConfig(
+        name="tiny-vae",
+        description="AutoencoderKL, 4 latent channels, 3 blocks (16, 32, 32): 16x16 latents -> 64x64 RGB",
+    ),
 )
 
 
 def image_decoder_config(name: str) -> ImageDecoderConfig:
-    try:
-        return IMAGE_DECODERS[name]
-    except KeyError:
-        raise DecoderError(f"unknown image decoder {name!r} (built-in: {', '.join(sorted(IMAGE_DECODERS))})") from None
+    return lookup(IMAGE_DECODERS, name, "image decoder", DecoderError)
 
 
 def vae_module(config: ImageDecoderConfig) -> AutoencoderKL:

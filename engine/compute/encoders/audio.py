@@ -20,6 +20,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from engine.compute.catalog import catalog, lookup
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_audio
 from engine.compute.prefix.keys import content_hash
@@ -46,24 +47,16 @@ class AudioEncoderConfig:
         return (strided + 1) // 2 if strided > 1 else 1  # average pooling by 2, ceil
 
 
-AUDIO_ENCODERS: MappingProxyType[str, AudioEncoderConfig] = MappingProxyType(
-    {
-        cfg.name: cfg
-        for cfg in (
-            AudioEncoderConfig(
-                name="tiny-audio-encoder",
-                description="40-bin log-mel at 16 kHz into a 2-layer transformer, hidden 32: 25 rows per second",
-            ),
-        )
-    }
+AUDIO_ENCODERS: MappingProxyType[str, AudioEncoderConfig] = catalog(
+    AudioEncoderConfig(
+        name="tiny-audio-encoder",
+        description="40-bin log-mel at 16 kHz into a 2-layer transformer, hidden 32: 25 rows per second",
+    ),
 )
 
 
 def audio_config(name: str) -> AudioEncoderConfig:
-    try:
-        return AUDIO_ENCODERS[name]
-    except KeyError:
-        raise EncoderError(f"unknown audio encoder {name!r} (built-in: {', '.join(sorted(AUDIO_ENCODERS))})") from None
+    return lookup(AUDIO_ENCODERS, name, "audio encoder", EncoderError)
 
 
 def hz_to_mel(hz: torch.Tensor) -> torch.Tensor:

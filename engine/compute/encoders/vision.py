@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
+from engine.compute.catalog import catalog, lookup
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_image
 from engine.compute.prefix.keys import content_hash
@@ -41,24 +42,16 @@ class VisionEncoderConfig:
         return (self.image_size // self.patch_size) ** 2
 
 
-VISION_ENCODERS: MappingProxyType[str, VisionEncoderConfig] = MappingProxyType(
-    {
-        cfg.name: cfg
-        for cfg in (
-            VisionEncoderConfig(
-                name="tiny-vit",
-                description="2-layer ViT, hidden 32, 32x32 input in 8x8 patches: 16 rows per image",
-            ),
-        )
-    }
+VISION_ENCODERS: MappingProxyType[str, VisionEncoderConfig] = catalog(
+    VisionEncoderConfig(
+        name="tiny-vit",
+        description="2-layer ViT, hidden 32, 32x32 input in 8x8 patches: 16 rows per image",
+    ),
 )
 
 
 def vision_config(name: str) -> VisionEncoderConfig:
-    try:
-        return VISION_ENCODERS[name]
-    except KeyError:
-        raise EncoderError(f"unknown vision encoder {name!r} (built-in: {', '.join(sorted(VISION_ENCODERS))})") from None
+    return lookup(VISION_ENCODERS, name, "vision encoder", EncoderError)
 
 
 class VisionEncoder(torch.nn.Module):
