@@ -7,6 +7,8 @@ is named lazily, so the catalogue costs no model import.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from engine.spec.graph import PortSpec
@@ -89,6 +91,45 @@ _MEDIA_INPUTS = {
 }
 
 
+def llm_tp_problems(model: str | None, tp_size: int) -> list[str]:
+    """Why `model` (a built-in name or a checkpoint directory) cannot be split over `tp_size`
+    ranks Megatron-style (`engine.compute.tp.shard`): query heads and MLP width must divide,
+    and KV heads must divide or be divided by `tp_size`. A model that cannot be read here
+    (no such directory yet) has no known problem; loading it will tell."""
+    shape = _model_shape(model)
+    if shape is None:
+        return []
+    heads, kv_heads, inter = shape
+    problems = []
+    if heads % tp_size:
+        problems.append(f"model {model!r} has {heads} attention heads, not divisible by {tp_size}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        problems.append(f"model {model!r} has {kv_heads} KV heads: neither a multiple nor a divisor of {tp_size}")
+    if inter % tp_size:
+        problems.append(f"model {model!r} has MLP width {inter}, not divisible by {tp_size}")
+    return problems
+
+
+def _model_shape(model: str | None) -> tuple[int, int, int] | None:
+    """(attention heads, KV heads, MLP width) of a built-in model or a checkpoint's config.json."""
+    from engine.compute.models.catalog import BUILTIN_MODELS
+
+    if model is None:
+        return None
+    if model in BUILTIN_MODELS:
+        cfg = BUILTIN_MODELS[model]
+        return cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        heads = int(config["num_attention_heads"])
+        return heads, int(config.get("num_key_value_heads", heads)), int(config["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable here: the worker's loader reports it with its own error
+
+
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
@@ -97,6 +138,7 @@ def register(registry: KindRegistry) -> None:
             " paged KV, prefix caching and sessions.",
             runner="engine.compute.llm.unit:LLMUnit",
             params_schema=LLM_ROLE_PARAMS,
+            tensor_parallel="engine.compute.kinds:llm_tp_problems",
         )
     )
     registry.add_node_kind(

@@ -46,7 +46,7 @@ def _call(func: str, args: list[str], kwargs: list[tuple[str, str]]) -> str:
 def _role(role: RoleSpec) -> str:
     default = RoleSpec(name=role.name, kind=role.kind)
     kwargs = [("kind", _lit(role.kind))]
-    for field in ("model", "replicas", "device", "balance", "balance_params", "resources", "params"):
+    for field in ("model", "replicas", "tp_size", "device", "balance", "balance_params", "resources", "params"):
         value = getattr(role, field)
         if value != getattr(default, field):
             kwargs.append((field, _lit(value)))

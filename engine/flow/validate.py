@@ -121,6 +121,15 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry) -> list[Issue]:
             ):
                 add(Issue("bad_param", f"role {role.name!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
                           role=role.name))
+        if role.tp_size > 1 and kinds.has_role_kind(role.kind):
+            role_kind = kinds.role_kind(role.kind)
+            if role_kind.tensor_parallel is None:
+                add(Issue("tp_unsupported", f"role {role.name!r}: tp_size {role.tp_size}, but role kind"
+                          f" {role.kind!r} cannot shard over tensor-parallel ranks (use tp_size 1)", role=role.name))
+            else:
+                for problem in role_kind.tp_problems(role.model, role.tp_size):
+                    add(Issue("tp_indivisible", f"role {role.name!r}: tp_size {role.tp_size}: {problem}",
+                              role=role.name))
         if role.balance not in POLICY_NAMES:
             add(Issue("unknown_policy", f"role {role.name!r} names unknown load-balancing policy {role.balance!r}"
                       f" (known: {', '.join(POLICY_NAMES)})", role=role.name))

@@ -44,12 +44,15 @@ class PortSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_f
 
 
 class RoleSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
-    """A deployable unit: `replicas` copies of one compute unit of `kind`."""
+    """A deployable unit: `replicas` copies of one compute unit of `kind`. With `tp_size` N > 1
+    each replica is N tensor-parallel rank processes (a kind that can shard: see
+    `engine.spec.kinds.RoleKind.tensor_parallel`); rank 0 is the replica's one endpoint."""
 
     name: Ident
     kind: str
     model: str | None = None
     replicas: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=64, description="tensor-parallel ranks per replica")] = 1
     device: str = "cpu"
     balance: str = "round_robin"
     balance_params: dict[str, Any] = {}

@@ -31,11 +31,25 @@ class RoleKind:
     runner: str
     """`"module:Class"` of the compute unit; imported only when a role of this kind runs."""
     params_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    tensor_parallel: str | None = None
+    """`"module:function"` of the kind's tensor-parallel check, `check(model, tp_size) -> list[str]`
+    (the problems that make `model` unsplittable over `tp_size` ranks, where they can be known
+    without loading it); None: the kind cannot shard (`tp_size` must be 1)."""
 
     def load_runner(self) -> Any:
         """Import the compute unit class named by `runner`."""
-        module_name, _, attr = self.runner.partition(":")
-        return getattr(importlib.import_module(module_name), attr)
+        return _import_ref(self.runner)
+
+    def tp_problems(self, model: str | None, tp_size: int) -> list[str]:
+        """Why `model` cannot run over `tp_size` ranks (empty: it can, or it cannot be known yet)."""
+        if self.tensor_parallel is None:
+            return [f"role kind {self.name!r} cannot shard over tensor-parallel ranks"] if tp_size > 1 else []
+        return list(_import_ref(self.tensor_parallel)(model, tp_size))
+
+
+def _import_ref(ref: str) -> Any:
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 @dataclass(frozen=True, slots=True)

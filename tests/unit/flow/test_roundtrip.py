@@ -40,3 +40,21 @@ def test_json_document_has_the_contract_keys(path: Path):
     assert {"version", "name", "roles", "nodes", "edges"} <= set(doc)
     assert doc["version"] == 1
     assert all("id" in node for node in doc["nodes"])
+
+
+def test_tp_size_survives_dsl_json_python_json():
+    from engine.flow.dsl import Workflow
+
+    wf = Workflow("tp_chat")
+    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, replicas=2)
+    prompt = wf.input("prompt", "text")
+    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": 4})
+    wf.edge(prompt, gen.inp("prompt"))
+    wf.output("text", gen.out("text"))
+    spec = wf.to_spec()
+    assert check_spec(spec, default_kinds()) == []
+    as_json = encode_spec(spec)
+    assert json.loads(as_json)["roles"][0]["tp_size"] == 2
+    source = to_python(parse_spec(as_json))
+    assert "tp_size=2" in source
+    assert encode_spec(load_source(source, "<tp_chat as python>")) == as_json

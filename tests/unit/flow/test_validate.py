@@ -438,6 +438,65 @@ def test_param_shadowing_an_input_port(kinds):
     ]
 
 
+# ------------------------------------------------------------------ tensor parallelism
+def test_tp_size_on_a_kind_that_cannot_shard(kinds):
+    wf = chain()
+    wf.role("wide", tp_size=2)
+    assert check_spec(wf.to_spec(), kinds) == [
+        Issue("tp_unsupported", "role 'wide': tp_size 2, but role kind 'python' cannot shard over"
+              " tensor-parallel ranks (use tp_size 1)", role="wide"),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["python", "vision_encoder", "audio_encoder", "vae_decoder", "audio_decoder"])
+def test_tp_size_is_refused_on_every_kind_that_cannot_shard(kind):
+    wf = chain()
+    wf.role("wide", kind=kind, tp_size=4)
+    assert codes(check_spec(wf.to_spec(), default_kinds())) == ["tp_unsupported"]
+
+
+def test_tp_size_one_is_fine_on_any_kind(kinds):
+    wf = chain()
+    wf.role("narrow", tp_size=1)
+    assert check_spec(wf.to_spec(), kinds) == []
+
+
+@pytest.mark.parametrize(("model", "tp_size", "problems"), [
+    ("tiny-llama", 2, []),                                     # 4 heads, 2 KV heads, MLP 176
+    ("tiny-qwen2", 4, []),                                     # 4 heads, 1 KV head (replicated), MLP 128
+    ("tiny-llama", 3, ["model 'tiny-llama' has 4 attention heads, not divisible by 3",
+                       "model 'tiny-llama' has 2 KV heads: neither a multiple nor a divisor of 3",
+                       "model 'tiny-llama' has MLP width 176, not divisible by 3"]),
+    ("tiny-llama", 8, ["model 'tiny-llama' has 4 attention heads, not divisible by 8"]),
+])
+def test_llm_heads_must_split_over_tp_size(model, tp_size, problems):
+    wf = chain()
+    wf.role("lm", kind="llm", model=model, tp_size=tp_size)
+    assert check_spec(wf.to_spec(), default_kinds()) == [
+        Issue("tp_indivisible", f"role 'lm': tp_size {tp_size}: {p}", role="lm") for p in problems
+    ]
+
+
+def test_llm_checkpoint_heads_are_read_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 96}))
+    wf = chain()
+    wf.role("lm", kind="llm", model=str(tmp_path), tp_size=4)
+    assert codes(check_spec(wf.to_spec(), default_kinds())) == ["tp_indivisible", "tp_indivisible"]
+    wf2 = chain()
+    wf2.role("lm", kind="llm", model=str(tmp_path), tp_size=3)
+    assert check_spec(wf2.to_spec(), default_kinds()) == []
+
+
+@pytest.mark.parametrize("tp_size", [0, 65, "2", 1.5])
+def test_tp_size_out_of_bounds_is_a_schema_error(tp_size):
+    doc = spec_to_dict(chain().to_spec())
+    doc["roles"][0]["tp_size"] = tp_size
+    with pytest.raises(GraphValidationError) as caught:
+        parse_spec(doc)
+    assert [(i.code, i.path) for i in caught.value.issues] == [("schema", "$.roles[0].tp_size")]
+
+
 # ------------------------------------------------------------------ everything at once
 def test_every_error_is_reported_at_once(kinds):
     wf = chain()
