@@ -91,12 +91,14 @@ class PagedKVCache:
         while True:
             match = self.tree.match(seq.key_ids, seq.namespace, max_pages=limit)
             try:
-                slots = self.store.lock(match.pages) if match.pages else []
+                slots = self.store.lock(match.pages, lookup=True) if match.pages else []
             except KVPageNotFound as exc:
                 # A page the tree knew is in no tier any more (e.g. found corrupt): forget it, retry.
                 self.tree.forget(exc.args[0])
                 continue
             break
+        if len(match.pages) < limit:
+            self.store.record_miss()  # the search for the next page of the prompt found nothing
         self.tree.lock(match.node)
         seq.node = match.node
         seq.pages = list(match.pages)

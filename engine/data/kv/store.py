@@ -518,14 +518,21 @@ class KVStore:
             level.stats.bytes_read += self.layout.page_nbytes
         return ok
 
-    def lock(self, pages: Sequence[PageHash]) -> list[int]:
+    def lock(self, pages: Sequence[PageHash], *, lookup: bool = False) -> list[int]:
         """Pin pages in the device tier (promoting them first); returns their device slots.
 
         All or nothing: if a page is in no tier (`KVPageNotFound`) or the device tier
         cannot take it (`KVCapacityError`), the locks taken by this call are released.
         Locks nest; each `lock` needs one `unlock`.
+
+        With `lookup`, a successful call also counts as a cache lookup of `pages`, as
+        `lookup()` counts one: a lookup in each tier the search reached for a page, a hit
+        in the tier that held it. The LLM's prefix matching reads its cached prefix this
+        way (with `record_miss` for the page that ended it), so the tier hit rates show
+        prefix reuse, not only pages served to peers.
         """
         taken: list[PageHash] = []
+        held: list[Tier] = []
         with self._mutex:
             self._check_open()
             device = self._levels[Tier.DEVICE]
@@ -533,15 +540,33 @@ class KVStore:
                 for page in pages:
                     if page in device.tier:
                         device.tracker.touch(page)
-                    elif not self._promote(page):
-                        raise KVPageNotFound(page)
+                        held.append(Tier.DEVICE)
+                    else:
+                        source = self._best(page)
+                        if source is None or not self._promote(page):
+                            raise KVPageNotFound(page)
+                        held.append(source)
                     self._locks[page] += 1
                     taken.append(page)
             except BaseException:
                 self._release(taken)
                 raise
+            if lookup:
+                for source in held:
+                    for tier, level in self._levels.items():
+                        level.stats.lookups += 1
+                        if tier is source:
+                            level.stats.hit_pages += 1
+                            break
             assert isinstance(device.tier, DeviceTier)
             return [device.tier.slot_of(page) for page in pages]
+
+    def record_miss(self) -> None:
+        """Count a lookup of a page no tier holds (a lookup in every tier, no hit): how a
+        prefix search that stopped short of what it wanted ends (see `lock`)."""
+        with self._mutex:
+            for level in self._levels.values():
+                level.stats.lookups += 1
 
     def _release(self, pages: Iterable[PageHash]) -> None:
         for page in pages:

@@ -65,6 +65,18 @@ def test_prefill_reuses_the_cached_prefix_and_computes_only_the_rest(make_engine
     assert list(second.output_ids) == run_alone(make_engine, prompt + [65, 66])
 
 
+def test_prefix_matches_count_as_lookups_in_the_tier_hit_rates(make_engine):
+    engine = make_engine(page_size=4)
+    prompt = prompt_ids(3, 22)  # 5 full pages before the last token
+    engine.generate([prompt], GREEDY)
+    m = engine.store.metrics()
+    assert (m["device.lookups"], m["device.hit_pages"], m["device.hit_rate"]) == (1, 0, 0.0)  # the first page missed
+    engine.generate([prompt], GREEDY)
+    m = engine.store.metrics()
+    assert (m["device.lookups"], m["device.hit_pages"]) == (6, 5)  # the whole prefix was held on the device
+    assert m["device.hit_rate"] == 5 / 6
+
+
 def test_eight_mixed_prompts_batched_equal_each_alone(make_engine):
     prompts = [prompt_ids(10 + i, n) for i, n in enumerate([1, 3, 4, 5, 17, 30, 9, 2])]
     together = make_engine(max_prefill_tokens=16).generate(prompts, GREEDY)

@@ -229,6 +229,23 @@ def test_metrics_count_lookups_hits_and_bytes(make_store: StoreFactory) -> None:
     assert all(isinstance(v, int | float) for v in m.values())
 
 
+def test_lock_as_a_lookup_counts_hits_in_the_tier_that_held_each_page(make_store: StoreFactory) -> None:
+    store = make_store(device=2, host=2, disk=4)
+    put(store, "A", "B", "C", "D")  # A, B in host; C, D on device
+    store.lock([KEYS["C"], KEYS["D"]])  # a plain lock counts nothing
+    assert store.metrics()["device.lookups"] == 0
+    store.unlock([KEYS["C"], KEYS["D"]])
+    store.lock([KEYS["D"], KEYS["A"]], lookup=True)  # D held by the device tier, A promoted from host
+    store.record_miss()  # the prefix search then found no further page
+    m = store.metrics()
+    assert (m["device.lookups"], m["device.hit_pages"]) == (3, 1)
+    assert (m["host.lookups"], m["host.hit_pages"]) == (2, 1)
+    assert (m["disk.lookups"], m["disk.hit_pages"]) == (1, 0)
+    with pytest.raises(KVPageNotFound):  # a failed lock counts nothing
+        store.lock([KEYS["J"]], lookup=True)
+    assert store.metrics()["device.lookups"] == 3
+
+
 def test_remove_and_resident_pages(make_store: StoreFactory) -> None:
     store = make_store(device=1, host=2, disk=4, write=WritePolicy.WRITE_THROUGH)
     put(store, "A", "B")
