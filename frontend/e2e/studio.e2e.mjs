@@ -127,6 +127,43 @@ async function waitRunStatus(status, timeout = 30_000) {
 }
 
 const workflowIds = {};
+/** The run shown on the run page, as the API returns it. */
+async function runDetail() {
+  const id = page.url().split("/").pop();
+  return page.evaluate(async (runId) => (await fetch(`/api/runs/${runId}/`)).json(), id);
+}
+/** When the run on the run page finished, in epoch seconds. */
+async function finishedAt() {
+  const run = await runDetail();
+  expect(run.finished_at, `run ${run.id} has not finished`);
+  return Date.parse(run.finished_at) / 1000;
+}
+/** Submit a run of the workflow's defaults on its (one) running deployment; wait for it to end done. */
+async function runOnDeployment(workflowId) {
+  await page.goto(`${BASE}/workflows/${workflowId}/run`);
+  await page.waitForSelector(tid("run-form"));
+  await page.waitForSelector(`${tid("run-target")} option:nth-child(2)`, { state: "attached" });
+  await page.selectOption(tid("run-target"), { index: 1 });
+  await page.waitForSelector(`${tid("run-version")}:disabled`);
+  await page.click(tid("submit-run"));
+  await page.waitForSelector(tid("run-page"));
+  await page.waitForFunction((s) => /done|failed|cancelled/.test(document.querySelector(s)?.textContent ?? ""),
+    tid("run-status"), { timeout: 60_000 });
+  const run = await runDetail();
+  expect(run.status === "done", `the run ended ${run.status}: ${run.error}`);
+  return run;
+}
+/** The cluster page's device hit rate once the llm worker's metrics postdate `after` (epoch s). */
+async function hitRateAfter(after) {
+  await page.goto(`${BASE}/cluster`);
+  await page.waitForFunction(
+    (t) => [...document.querySelectorAll('[data-testid="worker-row"][data-role="llm"]')]
+      .some((row) => Number(row.dataset.heartbeat) > t),
+    after,
+  );
+  return Number(await page.getAttribute(tid("chart-hit-rate-device"), "data-value"));
+}
+
 
 try {
   await step("login", async () => {
@@ -421,41 +458,47 @@ try {
     await shot("cluster");
   });
 
-  await step("cluster charts against the documented workers interface (stubbed here)", async () => {
-    // Embedded without Redis, workers carry no live metrics: this step serves the interface
-    // documented in src/api/cluster.ts from the test itself, to check the page draws what it gets.
-    const snapshot = (i) => ({
-      info: { worker_id: "lm-0", role: "lm", address: "tcp://10.0.0.5:7100", capacity: 32, model: "tiny-llama",
-              device: "cuda:0", host: "gpu-node-1", pid: 4242, meta: {} },
-      load: {
-        outstanding: 2, queue_depth: 0, busy: true,
-        metrics: {
-          "device.hit_rate": 0.1 + 0.15 * i, "host.hit_rate": 0.05 * i, "disk.hit_rate": 0.02 * i,
-          "device.pages_used": 200 + 150 * i, "device.capacity_pages": 4096,
-          "host.pages_used": 100 * i, "host.capacity_pages": 16384,
-          "gpu.memory_used_bytes": (6 + i) * 2 ** 30, "llm.generated_tokens": 1000 * i,
-        },
-      },
-      last_heartbeat: Date.now() / 1000,
-      status: "ready",
+  await step("run the image-generation workflow on role workers and see its PNG", async () => {
+    await openWorkflow("image_generation");
+    workflowIds.imageGeneration = page.url().split("/").pop();
+    await page.click(tid("deploy"));
+    await page.click(tid("deploy-submit"));
+    await page.waitForSelector('[data-testid="deployment-row"][data-status="running"]', { timeout: 120_000 });
+    await page.keyboard.press("Escape");
+    const run = await runOnDeployment(workflowIds.imageGeneration);
+    expect(run.deployment, "the run went to the deployment's workers");
+    const img = page.locator(tid("output-image-image"));
+    await img.waitFor();
+    await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth > 0, tid("output-image-image"));
+    const shown = await img.evaluate((el) => ({ width: el.naturalWidth, height: el.naturalHeight }));
+    // The bytes the <img> was served: a PNG whose header gives the size the browser decoded.
+    const head = await img.evaluate(async (el) => {
+      const response = await fetch(el.src);
+      return { status: response.status, type: response.headers.get("content-type"),
+               bytes: Array.from(new Uint8Array(await response.arrayBuffer()).slice(0, 24)) };
     });
-    await page.route("**/api/workers/", (route) => route.fulfill({ json: [snapshot(0)] }));
-    await page.routeWebSocket(/\/ws\/metrics\/$/, (ws) => {
-      let i = 1;
-      const timer = setInterval(() => {
-        ws.send(JSON.stringify({ type: "workers", time: Date.now() / 1000, workers: [snapshot(i)] }));
-        if (++i > 5) clearInterval(timer);
-      }, 250);
-    });
-    await page.goto(`${BASE}/cluster`);
-    await page.waitForSelector(tid("workers-table"));
-    await waitText(tid("workers-table"), "tiny-llama");
-    const hitRate = async () => Number(await page.getAttribute(tid("chart-hit-rate-device"), "data-value"));
-    const first = await hitRate();
-    await page.waitForFunction((s) => Number(document.querySelector(s)?.dataset.value) > 0.8, tid("chart-hit-rate-device"));
-    expect((await hitRate()) > first, "the device hit rate rose");
-    await shot("cluster-stubbed-interface");
-    await page.unroute("**/api/workers/");
+    expect(head.status === 200 && head.type === "image/png", `the image is served as ${head.status} ${head.type}`);
+    expect(head.bytes.slice(0, 8).join(",") === "137,80,78,71,13,10,26,10", "the output starts with the PNG signature");
+    const be32 = (at) => ((head.bytes[at] << 24) | (head.bytes[at + 1] << 16) | (head.bytes[at + 2] << 8) | head.bytes[at + 3]) >>> 0;
+    expect(be32(16) === shown.width && be32(20) === shown.height && shown.width >= 64,
+      `IHDR ${be32(16)}x${be32(20)}, decoded ${shown.width}x${shown.height}`);
+    await shot("run-image-generation-done");
+  });
+
+  await step("open the cluster view and see the KV hit rate rise after a second run of the same prompt", async () => {
+    // The deployment's llm worker has served the first run's prompt once; the same request again
+    // finds the prompt's pages in its device tier. Each reading waits for a heartbeat that
+    // postdates the run, so it carries the worker's counters after that run.
+    const first = await hitRateAfter(await finishedAt());
+    await runOnDeployment(workflowIds.imageGeneration);
+    const second = await hitRateAfter(await finishedAt());
+    expect(second > first, `the device hit rate went from ${first} to ${second}`);
+    await shot("cluster-kv-hit-rate-rise");
+    await openWorkflow("image_generation");
+    await page.click(tid("deploy"));
+    await page.click(tid("deployment-stop"));
+    await page.waitForSelector('[data-testid="deployment-row"][data-status="stopped"]', { timeout: 60_000 });
+    await page.keyboard.press("Escape");
   });
 
   await step("sign out", async () => {

@@ -38,6 +38,7 @@ def studio_env(data_dir: Path) -> dict[str, str]:
         DJANGO_SETTINGS_MODULE="studio.settings",
         OMNIFLOW_DATA_DIR=str(data_dir),
         OMNIFLOW_PYTHON_OP_MODULES="workflows,tests.e2e.fns",
+        OMNIFLOW_METRICS_INTERVAL_S="0.25",  # the cluster page's readings follow the workers closely
         PYTHONPATH=str(ROOT),
     )
     return env
@@ -58,7 +59,9 @@ def live_studio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStudio
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "studio.asgi:application"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            # In the data directory: what nodes write relative to the working directory (the example
+            # workflows' `omniflow-out/`, on the studio's role workers too) stays out of the checkout.
+            cwd=data_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         try:
             wait_ready(proc, f"http://127.0.0.1:{port}/healthz")

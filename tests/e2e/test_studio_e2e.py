@@ -2,7 +2,10 @@
 against a live studio: `frontend/e2e/studio.e2e.mjs` logs in, builds a workflow by
 dragging and connecting nodes, sees and fixes a validation error, saves versions, diffs
 them, exports, runs workflows (inputs, an image upload, streamed text, a PNG output),
-watches node states live, cancels a run, imports and deletes, and visits every page.
+watches node states live, cancels a run, imports and deletes, deploys
+`workflows/image_generation.py` onto role workers and runs it there (its PNG on the run
+page), sees the cluster page's KV hit rate rise after a second run of the same prompt, and
+visits every page.
 Screenshots of each page land in tests/e2e/artifacts/.
 
 Needs `node`, the frontend's packages and build (`bash scripts/frontend.sh build`) and
@@ -63,5 +66,6 @@ def test_studio_in_chromium(live_studio: LiveStudio, tmp_path: Path) -> None:
                     f"{result.stderr[-3000:]}\n--- studio log ---\n{server_log}")
     shots = sorted(p.name for p in ARTIFACTS.glob("*.png"))
     for page in ("login", "workflows", "editor-validation-error", "history-diff", "run-diamond-done",
-                 "run-media-done", "run-live-running", "run-cancelled", "runs", "cluster"):
+                 "run-media-done", "run-live-running", "run-cancelled", "runs", "cluster",
+                 "run-image-generation-done", "cluster-kv-hit-rate-rise"):
         assert any(name.endswith(f"-{page}.png") for name in shots), f"no screenshot of {page}: {shots}"

@@ -29,6 +29,11 @@ describe("sampleOf reads the documented gauges", () => {
     expect(s.tokensPerS).toBeNull();
   });
 
+  it("a tier nothing was looked up in yet has no hit rate", () => {
+    const s = sampleOf(worker({ "device.hit_rate": 0, "device.lookups": 0, "host.hit_rate": 0, "host.lookups": 3 }), 1);
+    expect(s.hitRate).toEqual({ host: 0 });
+  });
+
   it("tokens/s from the gauge, else from the generated-tokens counter between samples", () => {
     expect(sampleOf(worker({ "llm.tokens_per_s": 42 }), 1).tokensPerS).toBe(42);
     const first = sampleOf(worker({ "llm.generated_tokens": 100 }), 10);

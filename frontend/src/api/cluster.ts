@@ -15,7 +15,8 @@
  * (`info`, `load`, `last_heartbeat`) plus the studio's `status` and `deployment`. The
  * charts read these gauges of `load.metrics` (the names `KVStore.metrics()` and the
  * LLM engine report): `<tier>.hit_rate`, `<tier>.pages_used`, `<tier>.capacity_pages`
- * for tier in device/host/disk; `gpu.memory_used_bytes`, `gpu.memory_total_bytes`;
+ * for tier in device/host/disk (a tier whose `<tier>.lookups` is 0 has no hit rate yet: its
+ * 0 is left out of the averages); `gpu.memory_used_bytes`, `gpu.memory_total_bytes`;
  * `llm.tokens_per_s`, or else `llm.generated_tokens` (a counter, differentiated here).
  */
 import { request } from "./client";
@@ -99,7 +100,8 @@ export function sampleOf(worker: WorkerSnapshot, time: number, previous?: Worker
   const hitRate: WorkerSample["hitRate"] = {};
   const occupancy: WorkerSample["occupancy"] = {};
   for (const tier of TIERS) {
-    if (typeof m[`${tier}.hit_rate`] === "number") hitRate[tier] = m[`${tier}.hit_rate`];
+    const lookedUp = m[`${tier}.lookups`] !== 0; // absent (an older worker) counts as looked up
+    if (typeof m[`${tier}.hit_rate`] === "number" && lookedUp) hitRate[tier] = m[`${tier}.hit_rate`];
     const used = m[`${tier}.pages_used`];
     const cap = m[`${tier}.capacity_pages`];
     if (typeof used === "number" && typeof cap === "number" && cap > 0) occupancy[tier] = used / cap;

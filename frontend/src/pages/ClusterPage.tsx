@@ -176,19 +176,25 @@ export function ClusterPage() {
                   <th>Device</th>
                   <th>State</th>
                   <th className="right">Load</th>
+                  <th className="right">KV hits (device)</th>
                   <th className="right">Heartbeat</th>
                 </tr>
               </thead>
               <tbody>
                 {workers.length === 0 && (
                   <tr>
-                    <td colSpan={7} className="muted center">
+                    <td colSpan={8} className="muted center">
                       No worker is registered. Deploy a workflow to start some.
                     </td>
                   </tr>
                 )}
                 {workers.map((w) => (
-                  <tr key={w.info.worker_id}>
+                  <tr
+                    key={w.info.worker_id}
+                    data-testid="worker-row"
+                    data-role={w.info.role}
+                    data-heartbeat={w.last_heartbeat}
+                  >
                     <td className="mono small">
                       {w.info.worker_id}
                       <div className="muted">{w.info.host || w.info.address}</div>
@@ -202,6 +208,9 @@ export function ClusterPage() {
                     <td className="right small">
                       {w.load.outstanding}/{w.info.capacity}
                       {w.load.queue_depth ? <span className="muted"> ({w.load.queue_depth} queued)</span> : null}
+                    </td>
+                    <td className="right small">
+                      <KvHits worker={w} />
                     </td>
                     <td className="right muted small">{Math.max(0, Math.round(Date.now() / 1000 - w.last_heartbeat))} s ago</td>
                   </tr>
@@ -248,5 +257,18 @@ export function ClusterPage() {
         </>
       )}
     </div>
+  );
+}
+
+/** A worker's device-tier hits over its lookups (prefix matches and pages served), when it has a KV cache. */
+function KvHits({ worker }: { worker: WorkerSnapshot }) {
+  const m = worker.load.metrics ?? {};
+  const lookups = m["device.lookups"];
+  const hits = m["device.hit_pages"];
+  if (typeof lookups !== "number" || typeof hits !== "number") return <span className="muted">—</span>;
+  return (
+    <span data-testid={`worker-kv-${worker.info.worker_id}`} data-lookups={lookups} data-hits={hits}>
+      {hits}/{lookups} pages{lookups > 0 ? <span className="muted"> ({Math.round((100 * hits) / lookups)}%)</span> : null}
+    </span>
   );
 }

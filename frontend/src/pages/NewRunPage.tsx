@@ -1,6 +1,11 @@
-/** Submit a run: one field per workflow input, by port type (text, JSON, image or audio upload). */
+/**
+ * Submit a run: one field per workflow input, by port type (text, JSON, image or audio upload),
+ * executed by the studio's own engine or on the role workers of one of the workflow's running
+ * deployments (which runs the version it was deployed with).
+ */
 import { type FormEvent, useEffect, useMemo, useState } from "react";
 import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom";
+import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { workflows, runs } from "../api/studio";
 import type { NodeSpec, PortType, Version, Workflow } from "../api/types";
@@ -47,6 +52,10 @@ export function NewRunPage() {
   const [version, setVersion] = useState<Version | null>(null);
   const [drafts, setDrafts] = useState<Record<string, Draft>>({});
   const [timeout, setTimeoutS] = useState("");
+  /** Running deployments of this workflow (null: this studio has no deployment API). */
+  const [deployments, setDeployments] = useState<Deployment[] | null>(null);
+  /** "" runs in the studio's own engine; otherwise the id of the deployment to run on. */
+  const [target, setTarget] = useState(params.get("deployment") ?? "");
   const [error, setError] = useState<string | null>(null);
   const [busy, setBusy] = useState(false);
 
@@ -59,7 +68,16 @@ export function NewRunPage() {
         setNumber((n) => n ?? page.results[0]?.number ?? null);
       })
       .catch((err) => setError(describeError(err)));
+    cluster
+      .deployments(id)
+      .then((list) => setDeployments(list === null ? null : list.filter((d) => d.status === "running")))
+      .catch((err) => setError(describeError(err)));
   }, [id]);
+
+  const deployment = deployments?.find((d) => d.id === target) ?? null;
+  useEffect(() => {
+    if (deployment) setNumber(deployment.version); // a deployment runs the version it was deployed with
+  }, [deployment]);
 
   useEffect(() => {
     if (!id || number === null) return;
@@ -108,9 +126,9 @@ export function NewRunPage() {
     }
     setBusy(true);
     try {
+      const on = deployment ? { deployment: deployment.id } : { workflow: workflow.id, version: version.number };
       const run = await runs.submit({
-        workflow: workflow.id,
-        version: version.number,
+        ...on,
         inputs,
         files,
         timeout_s: timeout ? Number(timeout) : undefined,
@@ -144,7 +162,12 @@ export function NewRunPage() {
             {error && <ErrorBox>{error}</ErrorBox>}
             <label className="field">
               <span className="field-label">Version</span>
-              <select value={number ?? ""} onChange={(e) => setNumber(Number(e.target.value))} data-testid="run-version">
+              <select
+                value={number ?? ""}
+                onChange={(e) => setNumber(Number(e.target.value))}
+                disabled={deployment !== null}
+                data-testid="run-version"
+              >
                 {versions.map((v) => (
                   <option key={v.number} value={v.number}>
                     v{v.number} — {v.message || "no message"}
@@ -153,6 +176,19 @@ export function NewRunPage() {
                 ))}
               </select>
             </label>
+            {deployments !== null && deployments.length > 0 && (
+              <label className="field">
+                <span className="field-label">Run on</span>
+                <select value={target} onChange={(e) => setTarget(e.target.value)} data-testid="run-target">
+                  <option value="">The studio's own engine</option>
+                  {deployments.map((d) => (
+                    <option key={d.id} value={d.id}>
+                      Deployment {d.name || d.id.slice(0, 8)} (v{d.version}) — its role workers
+                    </option>
+                  ))}
+                </select>
+              </label>
+            )}
             {version && !version.valid && (
               <ErrorBox>
                 Version {version.number} has validation issues and cannot run:{" "}
