@@ -34,6 +34,9 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
                             " node that never comes for them"},
         "kv_pull_timeout_s": {"type": "number", "exclusiveMinimum": 0, "default": 10,
                               "description": "deadline of pulling KV pages from another worker"},
+        "tp_timeout_s": {"type": "number", "exclusiveMinimum": 0, "default": 10,
+                         "description": "tp_size > 1: deadline of one collective between the ranks (a stuck"
+                         " rank fails the replica's calls after it; a dead one at once)"},
     },
     "additionalProperties": False,
 }
@@ -139,6 +142,7 @@ def register(registry: KindRegistry) -> None:
             runner="engine.compute.llm.unit:LLMUnit",
             params_schema=LLM_ROLE_PARAMS,
             tensor_parallel="engine.compute.kinds:llm_tp_problems",
+            tp_runner="engine.compute.tp.unit:TPLLMUnit",
         )
     )
     registry.add_node_kind(

@@ -35,10 +35,21 @@ class RoleKind:
     """`"module:function"` of the kind's tensor-parallel check, `check(model, tp_size) -> list[str]`
     (the problems that make `model` unsplittable over `tp_size` ranks, where they can be known
     without loading it); None: the kind cannot shard (`tp_size` must be 1)."""
+    tp_runner: str | None = None
+    """`"module:Class"` of the unit rank 0 of a `tp_size > 1` replica hosts, built as
+    `Class(role, tp=seat)`; its module's `follow(role, seat, ready=..., parent_pid=...)` runs
+    ranks 1.. (see `engine.compute.tp.unit`)."""
 
     def load_runner(self) -> Any:
         """Import the compute unit class named by `runner`."""
         return _import_ref(self.runner)
+
+    def load_tp_runner(self) -> tuple[Any, Any]:
+        """The rank-0 unit class and the follower entry point of a tensor-parallel replica."""
+        if self.tp_runner is None:
+            raise UnknownKindError(f"role kind {self.name!r} has no tensor-parallel runner")
+        unit = _import_ref(self.tp_runner)
+        return unit, _import_ref(f"{unit.__module__}:follow")
 
     def tp_problems(self, model: str | None, tp_size: int) -> list[str]:
         """Why `model` cannot run over `tp_size` ranks (empty: it can, or it cannot be known yet)."""

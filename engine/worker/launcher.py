@@ -5,6 +5,12 @@ this process as their parent (they exit if it dies). `start()` waits until every
 worker has printed its READY line — readiness, not a sleep — and `stop()` sends
 SIGTERM (then SIGKILL after a grace period) and reaps them.
 
+A role with `tp_size` N > 1 gets N processes per replica, its tensor-parallel ranks
+(`engine.compute.tp.unit`): rank 0 is the replica's worker (the one endpoint registered
+for the executor), ranks 1.. follow it and are listed in its `LaunchedWorker.ranks`, with
+worker ids `rank_worker_id(rank 0's id, rank)`. A replica is ready when all its ranks are;
+stopping it stops rank 0 first (it drains, then tells the others to stop) and then the rest.
+
 Without a registry URL the cluster fills an in-process registry from the READY lines
 and keeps their loads fresh by asking each worker's liveness endpoint every heartbeat
 (workers cannot heartbeat into another process's memory); with one, workers register
@@ -19,9 +25,10 @@ import itertools
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -52,10 +59,32 @@ class LaunchedWorker:
     process: asyncio.subprocess.Process
     details: dict
     relay: asyncio.Task[None] | None = None
+    tp_rank: int = 0
+    ranks: list[LaunchedWorker] = field(default_factory=list)
+    """Rank 0 of a tensor-parallel replica: its follower ranks 1.. (empty otherwise)."""
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def processes(self) -> list[LaunchedWorker]:
+        """This worker and its follower ranks, rank order."""
+        return [self, *self.ranks]
+
+
+TP_RANK_SUFFIX = ".tp"
+
+
+def rank_worker_id(worker_id: str, rank: int) -> str:
+    """The worker id of rank `rank` of the tensor-parallel replica whose rank 0 is `worker_id`."""
+    return worker_id if rank == 0 else f"{worker_id}{TP_RANK_SUFFIX}{rank}"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 async def _relay(stream: asyncio.StreamReader, worker_id: str) -> None:
@@ -97,15 +126,45 @@ class LocalCluster:
         return env
 
     async def spawn(self, role: str, index: int) -> LaunchedWorker:
+        """Start replica `index` of `role`: one worker, or `tp_size` rank processes (returned as
+        rank 0 with the others in `.ranks`); only rank 0 is registered and in `workers`."""
+        worker_id = f"{self.spec.name}-{role}-{index}-{os.getpid()}"
+        tp_size = self.spec.role(role).tp_size
+        if tp_size == 1:
+            worker = await self._spawn_rank(role, worker_id)
+        else:
+            address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+            spawned = await asyncio.gather(
+                *(self._spawn_rank(role, rank_worker_id(worker_id, rank), ("--tp-rank", str(rank), "--tp-address",
+                                                                           address)) for rank in range(tp_size)),
+                return_exceptions=True,
+            )
+            started = [w for w in spawned if isinstance(w, LaunchedWorker)]
+            failed = [e for e in spawned if isinstance(e, BaseException)]
+            if failed:
+                await self._end(started)
+                raise failed[0]
+            worker, worker.ranks = started[0], started[1:]
+        self.workers.append(worker)
+        if isinstance(self.registry, InProcessRegistry):
+            details = worker.details
+            await self.registry.register(WorkerInfo(
+                worker_id=worker.worker_id, role=role, address=details["address"], capacity=details["capacity"],
+                host=details["host"], pid=details["pid"],
+                meta={"liveness": details["liveness"], "data": details["data"]},
+            ))
+        return worker
+
+    async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = ()) -> LaunchedWorker:
+        """One worker process, once it has printed its READY line."""
         assert self._tmp is not None
         spec_path = Path(self._tmp.name) / "workflow.json"
-        worker_id = f"{self.spec.name}-{role}-{index}-{os.getpid()}"
         args = [
             sys.executable, "-m", "engine.worker",
             "--role", role, "--workflow", str(spec_path), "--worker-id", worker_id,
             "--parent-pid", str(os.getpid()), "--namespace", self.namespace,
             "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s),
-            *self.extra_args,
+            *tp_args, *self.extra_args,
         ]
         if self.registry_url:
             args += ["--registry", self.registry_url]
@@ -127,16 +186,9 @@ class LocalCluster:
             await process.wait()
             raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
                               f" {self.ready_timeout_s} s") from None
-        worker = LaunchedWorker(role, worker_id, process, details)
+        worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
         # Keep reading what the worker prints (node code may print), so its pipe never fills.
         worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))
-        self.workers.append(worker)
-        if isinstance(self.registry, InProcessRegistry):
-            await self.registry.register(WorkerInfo(
-                worker_id=worker_id, role=role, address=details["address"], capacity=details["capacity"],
-                host=details["host"], pid=details["pid"],
-                meta={"liveness": details["liveness"], "data": details["data"]},
-            ))
         return worker
 
     async def start(self) -> None:
@@ -191,6 +243,16 @@ class LocalCluster:
                 await self._poller
             self._poller = None
         workers, self.workers = self.workers, []
+        # Rank 0 of a tensor-parallel replica first: it drains, then stops its followers.
+        await self._end(workers)
+        await self._end([rank for worker in workers for rank in worker.ranks])
+        await self.registry.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def _end(self, workers: list[LaunchedWorker]) -> None:
+        """SIGTERM `workers` (each drains), SIGKILL those still alive after `stop_timeout_s`, reap them."""
         for worker in workers:
             if worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -206,10 +268,15 @@ class LocalCluster:
                 worker.relay.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await worker.relay
-        await self.registry.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+
+    async def retire(self, worker: LaunchedWorker) -> None:
+        """Stop one replica of a running cluster (scaling down): rank 0 drains and deregisters,
+        then its follower ranks stop."""
+        self.workers.remove(worker)
+        await self._end([worker])
+        await self._end(worker.ranks)
+        if isinstance(self.registry, InProcessRegistry):
+            await self.registry.deregister(worker.worker_id)
 
     async def __aenter__(self) -> LocalCluster:
         await self.start()

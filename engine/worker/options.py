@@ -29,6 +29,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     parser.add_argument("--capacity", type=int, default=None, help="node executions run at once")
+    parser.add_argument("--tp-rank", type=int, default=0,
+                        help="a role with tp_size N > 1: this process's rank (0: the endpoint, 1..N-1 follow it)")
+    parser.add_argument("--tp-address", default=None,
+                        help="a role with tp_size > 1: tcp://HOST:PORT where the replica's ranks meet (rank 0 hosts it)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -40,6 +44,15 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         raise WorkerOptionError(f"--listen {args.listen}: expected tcp://HOST:PORT")
     if args.heartbeat <= 0 or args.registry_ttl <= args.heartbeat:
         raise WorkerOptionError("--registry-ttl must be longer than --heartbeat, and both positive")
+    role = roles[args.role]
+    if role.tp_size > 1:
+        if args.tp_address is None or not args.tp_address.startswith("tcp://"):
+            raise WorkerOptionError(f"role {args.role!r} has tp_size {role.tp_size}: give --tp-address tcp://HOST:PORT"
+                                    " (the same for every rank of the replica)")
+        if not 0 <= args.tp_rank < role.tp_size:
+            raise WorkerOptionError(f"--tp-rank {args.tp_rank}: role {args.role!r} has ranks 0..{role.tp_size - 1}")
+    elif args.tp_rank != 0 or args.tp_address is not None:
+        raise WorkerOptionError(f"--tp-rank/--tp-address: role {args.role!r} has tp_size 1")
     worker_id = args.worker_id or f"{args.role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     return WorkerConfig(
         role=roles[args.role],
@@ -53,4 +66,6 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         parent_pid=args.parent_pid,
         drain_timeout_s=args.drain_timeout,
         capacity=args.capacity,
+        tp_rank=args.tp_rank,
+        tp_address=args.tp_address,
     )

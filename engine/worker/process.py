@@ -83,6 +83,9 @@ class WorkerConfig:
     pull_timeout_s: float = 30.0
     max_message_bytes: int = 64 * MiB
     capacity: int | None = None
+    tp_rank: int = 0
+    tp_address: str | None = None
+    """A role with `tp_size > 1`: where this replica's ranks meet (see `engine.compute.tp.unit`)."""
 
 
 def _host_of(endpoint: str) -> str:
@@ -298,11 +301,19 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
 
     HostWeights().reclaim()
     weights = WeightStore(HostWeights())
-    unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), config.role, shared=weights,
-                      kv_store=kv_store)
-    # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
-    kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
-                         namespace=config.namespace, heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
+    if config.role.tp_size > 1:
+        # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
+        # serve them to other workers as if they were whole (`engine.compute.tp.unit`).
+        tp_unit, _ = kinds.role_kind(config.role.kind).load_tp_runner()
+        unit = tp_unit(config.role, tp=tp_seat(config))
+        kv = KVHosting()
+    else:
+        unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), config.role, shared=weights,
+                          kv_store=kv_store)
+        # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
+        kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
+                             namespace=config.namespace, heartbeat_s=config.heartbeat_s,
+                             ttl_s=config.registry_ttl_s)
     capacity = config.capacity or int(config.role.params.get("capacity", 64))
     core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
                           pull_timeout_s=config.pull_timeout_s)
@@ -375,10 +386,34 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     return 0 if not cancelled else 3
 
 
+def tp_seat(config: WorkerConfig) -> Any:
+    """This process's seat in its tensor-parallel replica (`config.role.tp_size > 1`)."""
+    from engine.compute.tp.unit import TPSeat  # torch: imported by the worker only
+
+    if config.tp_address is None:
+        raise ValueError(f"role {config.role.name!r} has tp_size {config.role.tp_size} but no tp_address")
+    return TPSeat(config.tp_rank, config.role.tp_size, config.tp_address, heartbeat_s=config.heartbeat_s)
+
+
+def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:
+    """Run rank `config.tp_rank` >= 1 of a tensor-parallel replica: no endpoint of its own, it
+    applies rank 0's operations to its shard until rank 0 (or the parent) is gone or stops it."""
+    _, follow = kinds.role_kind(config.role.kind).load_tp_runner()
+    setproctitle.setproctitle(f"omniflow-worker role={config.role.name} id={config.worker_id}"
+                              f" tp_rank={config.tp_rank}")
+
+    def announce(details: dict) -> None:
+        ready({"worker_id": config.worker_id, "host": _host_of(config.listen), **details})
+
+    return int(follow(config.role, tp_seat(config), ready=announce, parent_pid=config.parent_pid))
+
+
 def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> int:
     """Serve `config.role` until told to stop; prints the READY line on standard output."""
 
     def ready(details: dict) -> None:
         print(READY_PREFIX + json.dumps(details), flush=True)
 
+    if config.tp_rank > 0:
+        return follow_rank(config, kinds or default_kinds(), ready=ready)
     return asyncio.run(serve(config, kinds or default_kinds(), ready=ready))

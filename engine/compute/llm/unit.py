@@ -54,7 +54,7 @@ from engine.compute.llm.transfer import (
     PageSource,
     resident_run,
 )
-from engine.compute.models.loader import load_model
+from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.weights.store import WeightKey, WeightStore
@@ -176,7 +176,7 @@ class LLMUnit(ComputeUnit):
             self._weight_key = WeightStore.llm_key(model_ref, role.device)
         else:
             model = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
-        self.engine = LLMEngine(model, EngineConfig.from_params(role.params), store=kv_store)
+        self.engine = self._build_engine(model, EngineConfig.from_params(role.params), kv_store)
         self.engine.cache.pull_timeout_s = self.pull_timeout_s
         self.worker_id: str | None = None
         self._peer: Peer | None = None
@@ -189,6 +189,10 @@ class LLMUnit(ComputeUnit):
         self._counter = 0
         self._thread = threading.Thread(target=self._loop, name=f"omniflow-llm-{role.name}", daemon=True)
         self._thread.start()
+
+    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
+        """The engine the unit drives (a tensor-parallel unit builds its rank's engine here)."""
+        return LLMEngine(model, config, store=kv_store)
 
     # -- worker integration ---------------------------------------------------------------------
 

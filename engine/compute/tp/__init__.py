@@ -14,6 +14,11 @@ from the model's config, which the shard rewrites to the rank's own.
   under the same page keys, and a prefix hit is agreed by all ranks (the smallest wins).
 * `role.py` — `TPRole`: spawns the ranks; rank 0 is the single endpoint and broadcasts
   each command, the others follow; a dead rank fails the call with `TPRankError`.
+* `unit.py` — the same as role workers: a GraphSpec role with `tp_size = N` runs N worker
+  processes per replica (`engine.worker.launcher`); rank 0 hosts `TPLLMUnit` (the `llm`
+  unit over its shard, sending each engine operation to the followers first, as
+  `messages.py` types over ZeroMQ), ranks 1.. run `follow()`. Its ranks pull a prefill
+  handoff's whole pages from another role and keep their own heads.
 """
 
 from engine.compute.tp.group import TPError, TPGroup, TPRankError

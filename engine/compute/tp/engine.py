@@ -7,8 +7,9 @@ chain). Every rank runs the same schedule — rank 0 hands each command to all r
 forwards in the same order and meet in the same collectives. The one input that can
 differ per rank is what its own KV tiers hold; `AgreedPrefixCache` therefore agrees on a
 prefix hit with `all_reduce(MIN)` before locking it, so no rank computes fewer tokens than
-another. Pulling pages from peers is a per-rank affair and is not done here (a rank whose
-tiers lost a page makes every rank recompute it).
+another. Prefix matching does not pull pages from peers (a rank whose tiers lost a page makes
+every rank recompute it); a decode's handoff is pulled by every rank, each keeping its own
+heads (`engine.compute.tp.unit`), before the engine admits it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,13 @@ class TPRankError(TPError):
 @dataclass(frozen=True, slots=True)
 class TPGroup:
     """This process's seat in its role's group: `rank` of `size`. `size == 1` needs no
-    `torch.distributed` at all (every collective is the identity)."""
+    `torch.distributed` at all (every collective is the identity). `store` is the group's
+    rendezvous key-value store (rank 0 hosts it), for the little the ranks must tell each
+    other outside collectives (`publish`/`lookup`)."""
 
     rank: int
     size: int
+    store: Any = None
 
     @property
     def is_leader(self) -> bool:
@@ -31,16 +35,42 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, address: str, *, timeout_s: float = 10.0,
-             backend: str | None = None) -> TPGroup:
+             rendezvous_timeout_s: float | None = None, backend: str | None = None) -> TPGroup:
         """Join the group at `address` (`tcp://127.0.0.1:PORT`). A collective that a dead peer
-        never joins raises after `timeout_s` (gloo's timeout) instead of hanging."""
+        never joins raises after `timeout_s` (gloo's timeout) instead of hanging; meeting the
+        other ranks (and `lookup`) may take `rendezvous_timeout_s` (default: `timeout_s`)."""
         if not 0 <= rank < size:
             raise TPError(f"rank {rank} is not in a group of {size}")
-        if size > 1:
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+        if size == 1:
+            return cls(rank, size)
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if not host or not port.isdigit():
+            raise TPError(f"group address {address!r} is not tcp://HOST:PORT")
+        meet_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
+        try:
+            store = dist.TCPStore(host, int(port), size, rank == 0, timeout=datetime.timedelta(seconds=meet_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank, size)
+        except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+            raise TPRankError(f"rank {rank} of {size} could not join the group at {address}"
+                              f" within {meet_s:.1f}s: {exc}") from exc
+        return cls(rank, size, store)
+
+    def publish(self, key: str, value: bytes) -> None:
+        """Put `value` under `key` in the group's store (every rank may `lookup` it)."""
+        if self.store is None:
+            raise TPError("a group of one has no store")
+        self.store.set(f"omniflow/{key}", value)
+
+    def lookup(self, key: str) -> bytes:
+        """The value another rank `publish`ed under `key`, waiting for it up to the store's timeout."""
+        if self.store is None:
+            raise TPError("a group of one has no store")
+        try:
+            return bytes(self.store.get(f"omniflow/{key}"))
+        except RuntimeError as exc:
+            raise TPRankError(f"rank {self.rank}: no {key!r} in the group's store (rank 0 gone?): {exc}") from exc
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place."""

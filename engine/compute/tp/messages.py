@@ -1,0 +1,76 @@
+"""Messages between a tensor-parallel role's rank 0 and its follower ranks (msgspec, msgpack).
+
+Rank 0 sends every operation it applies to its engine, in order, and each follower applies
+the same one to its own engine; `now` is rank 0's clock at that moment, which the followers'
+engines read as theirs, so time-dependent decisions (session expiry) agree too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class TPHello(msgspec.Struct, tag=True, frozen=True):
+    """Follower -> rank 0, once its shard is built: it is ready to follow."""
+
+    rank: int
+    pid: int
+
+
+class TPSetup(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 -> follower: the sampler seed every rank's engine uses (unseeded requests then
+    draw the same tokens on every rank) and rank 0's pid (a follower exits when it is gone)."""
+
+    seed: int
+    leader_pid: int
+
+
+class TPAdd(msgspec.Struct, tag=True, frozen=True):
+    now: float
+    request_id: str
+    prompt: str | list[int] | None
+    params: dict[str, Any]
+    """`SamplingParams` fields (no logits processors: they cannot travel)."""
+    session_id: str | None = None
+    tenant_salt: str | None = None
+    stream_text: bool = False
+    handoff_id: str | None = None
+    """Admit the handoff the last `TPPullHandoff` of this id brought in (the prompt is its)."""
+
+
+class TPAbort(msgspec.Struct, tag=True, frozen=True):
+    now: float
+    request_id: str
+
+
+class TPOpenSession(msgspec.Struct, tag=True, frozen=True):
+    now: float
+    session_id: str
+    tenant_salt: str | None = None
+
+
+class TPStep(msgspec.Struct, tag=True, frozen=True):
+    now: float
+
+
+class TPExpire(msgspec.Struct, tag=True, frozen=True):
+    now: float
+
+
+class TPPullHandoff(msgspec.Struct, tag=True, frozen=True):
+    """Every rank pulls a prefill handoff's whole KV pages (and partial last page) from its
+    holder and keeps its own KV heads; then the ranks agree that each of them has all of it."""
+
+    now: float
+    ref: bytes
+    """The handoff: a msgpack-encoded `engine.compute.llm.transfer.KVHandoffRef`."""
+    timeout_s: float
+
+
+class TPStop(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+TPMessage = TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPStop

@@ -1,0 +1,555 @@
+"""The `llm` compute unit of a role with `tp_size > 1`, as rank processes of a role worker.
+
+A replica of such a role is `tp_size` worker processes. Rank 0 is an ordinary role worker
+(the one endpoint the executor knows) hosting `TPLLMUnit`: the `llm` unit (continuous
+batching, sessions, streaming, stop strings: everything of `engine.compute.llm.unit`) over
+a `TPEngine` of its model shard. Ranks 1.. run `follow()`: no endpoint of their own, only
+their shard and engine. The group meets at `TPSeat.address` (rank 0 hosts the rendezvous
+store); rank 0 then publishes a ZeroMQ address in the store, each follower connects,
+says `TPHello`, and gets `TPSetup` (the sampler seed all ranks use).
+
+Lockstep: every call rank 0's engine thread makes that changes its engine (add, abort,
+open a session, step, expire sessions, pull a handoff) is first sent to every follower as a
+`TPMessage`, which applies it to its own engine in the same order; the engines are
+deterministic and agree on prefix hits (`AgreedPrefixCache`), so the ranks run the same
+forwards and meet in the same collectives. Followers answer nothing: rank 0's results are
+the role's.
+
+Failure: a follower that dies breaks the group: rank 0's next send fails (the peer is gone)
+or its next collective does (gloo notices the closed connection, or the group's timeout
+`tp_timeout_s` runs out), and every in-flight node of the replica fails with `TPRankError`'s
+message; so does every later call, at once. A follower exits when rank 0 or its launcher is
+gone, or when an operation fails on it (which fails the group the same way).
+
+Not on tensor-parallel roles: `llm.prefill` (a handoff's pages would be one rank's heads),
+multimodal items, logits processors. `llm.decode` is supported: every rank pulls the
+handoff's whole pages from the prefill worker and keeps its own KV heads
+(`engine.compute.tp.kv.split_page`), so a TP-1 prefill role feeds a TP-N decode role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.engine import LLMEngine
+from engine.compute.llm.errors import HandoffError, LLMError
+from engine.compute.llm.sequence import RequestOutput
+from engine.compute.llm.transfer import KVHandoff, KVHandoffRef, resident_run
+from engine.compute.llm.unit import _STOP, LLMUnit, LLMUnitError, _Add
+from engine.compute.models.loader import LoadedModel, load_model
+from engine.compute.prefix.keys import MultimodalItem
+from engine.compute.sampling import SamplingParams
+from engine.compute.tp.engine import TPEngine
+from engine.compute.tp.group import TPError, TPGroup, TPRankError
+from engine.compute.tp.kv import split_page
+from engine.compute.tp.messages import (
+    TPAbort,
+    TPAdd,
+    TPExpire,
+    TPHello,
+    TPMessage,
+    TPOpenSession,
+    TPPullHandoff,
+    TPSetup,
+    TPStep,
+    TPStop,
+)
+from engine.compute.tp.shard import shard_model
+from engine.data.channel import RefGone, TransferError
+from engine.data.kv.errors import KVTransferError
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.pull import fetch_pages
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
+from engine.data.peer import Peer, PeerConfig
+from engine.spec.calls import NodeCall
+from engine.spec.graph import RoleSpec
+
+log = logging.getLogger(__name__)
+
+TP_TIMEOUT_S = 10.0
+"""Default deadline of one collective (role param `tp_timeout_s`): a stuck rank fails the role after it."""
+SETUP_TIMEOUT_S = 120.0
+"""How long rank 0 waits for every follower to load its shard and say hello."""
+_LEADER_KEY = "tp/leader"
+_SEND_TIMEOUT_MS = 5000
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(TPMessage)
+
+
+@dataclass(frozen=True, slots=True)
+class TPSeat:
+    """Which rank of which group a process is: `rank` of `size`, meeting at `address`
+    (`tcp://HOST:PORT`, where rank 0 hosts the rendezvous store)."""
+
+    rank: int
+    size: int
+    address: str
+    heartbeat_s: float = 0.5
+
+
+def tp_timeout_s(role: RoleSpec) -> float:
+    value = role.params.get("tp_timeout_s", TP_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise LLMUnitError(f"llm role {role.name!r}: tp_timeout_s must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _load(role: RoleSpec) -> LoadedModel:
+    ref = role.model
+    if not ref:
+        raise LLMUnitError(f"llm role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
+    return load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+
+
+def _whole_layout(model: LoadedModel, config: EngineConfig) -> KVLayout:
+    return KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, "float32")
+
+
+def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    if params.logits_processors:
+        raise LLMUnitError("logits processors cannot run on a tensor-parallel role (they do not travel to its ranks)")
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "logits_processors"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+
+
+def _sampling_of(fields: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+# -- pulling a handoff's pages, by head ---------------------------------------------------------------
+
+
+class _HandoffPuller:
+    """One rank's side of `TPPullHandoff`: pull a handoff's whole pages and tail from its holder,
+    keep this rank's KV heads under the same page keys, then agree with the other ranks."""
+
+    def __init__(self, engine: TPEngine, whole: KVLayout, peer: Callable[[], Peer]) -> None:
+        self.engine = engine
+        self.whole = whole
+        self._peer = peer
+
+    def pull(self, ref: KVHandoffRef, timeout_s: float) -> KVHandoff:
+        """Every rank calls this for the same handoff, in the same order (it ends in a collective)."""
+        group, engine = self.engine.group, self.engine
+        problem = ""
+        tail = None
+        try:
+            tail = self._pull(ref, timeout_s)
+        except (KVTransferError, TransferError, RefGone, HandoffError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if group.min_int(0 if problem else 1) == 0:
+            raise HandoffError(f"rank {group.rank}: pulling handoff {ref.handoff_id} from {ref.holder} failed: "
+                               + (problem or "another rank could not pull it"))
+        return KVHandoff(
+            handoff_id=ref.handoff_id, model_id=ref.model_id, layout=engine.layout.to_dict(),
+            tenant_salt=ref.tenant_salt, prompt_ids=tuple(ref.prompt_ids), key_ids=tuple(ref.key_ids),
+            page_hashes=tuple(PageHash(p) for p in ref.page_hashes), tail_len=ref.tail_len, tail=tail,
+            first_token=ref.first_token,
+        )
+
+    def _mine(self, whole: torch.Tensor) -> torch.Tensor:
+        group = self.engine.group
+        return split_page(whole, self.whole.num_kv_heads, group.size)[group.rank]
+
+    def _pull(self, ref: KVHandoffRef, timeout_s: float) -> torch.Tensor | None:
+        deadline = time.monotonic() + timeout_s
+        store = self.engine.store
+        pages = [PageHash(p) for p in ref.page_hashes]
+        have = resident_run(store, pages)
+        if have < len(pages):
+            whole = KVStore(KVStoreConfig(layout=self.whole, device_capacity=Capacity(pages=len(pages) - have),
+                                          device="cpu"))
+            try:
+                got = fetch_pages(whole, self._peer(), ref.holder, pages[have:], timeout_s).pages
+                if len(got) < len(pages) - have:
+                    raise HandoffError(f"the holder has only {have + len(got)} of the {len(pages)} pages")
+                for page in got:
+                    data = whole.get(page)
+                    if data is None:
+                        raise HandoffError(f"page {page} vanished from the pull's scratch store")
+                    store.put(page, self._mine(data))
+            finally:
+                whole.close()
+        if not ref.tail_len:
+            return None
+        if ref.hold is None:
+            raise HandoffError("a handoff with a partial last page but no hold token")
+        left = max(0.001, deadline - time.monotonic())
+        return self._mine(self._peer().pull(ref.hold, left).torch().clone())
+
+
+# -- rank 0 ---------------------------------------------------------------------------------------------
+
+
+class _Broadcasting:
+    """Rank 0's engine as the `llm` unit drives it: each state-changing call is sent to the
+    followers before it runs here. Reads (`has_request`, `store`, `layout`, ...) go straight
+    to the engine. Used only from the unit's engine thread."""
+
+    def __init__(self, engine: TPEngine, send: Callable[[TPMessage], None], puller: _HandoffPuller,
+                 pull_timeout_s: float) -> None:
+        self._engine = engine
+        self._send = send
+        self._puller = puller
+        self._pull_timeout_s = pull_timeout_s
+        self.now = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _tick(self) -> float:
+        self.now = time.monotonic()
+        return self.now
+
+    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, session_id: str | None = None, tenant_salt: str | None = None,
+                    mm_items: tuple[MultimodalItem, ...] = (), prefill_only: bool = False,
+                    handoff: KVHandoff | None = None, source: object = None, stream_text: bool = False) -> str:
+        if mm_items or prefill_only or source is not None or request_id is None:
+            raise LLMUnitError("a tensor-parallel role runs neither multimodal items nor llm.prefill")
+        params = params or SamplingParams()
+        fields = _sampling_fields(params)
+        if handoff is not None:
+            raise LLMUnitError("a tensor-parallel role admits handoffs through add_handoff")
+        self._send(TPAdd(self._tick(), request_id, prompt, fields, session_id, tenant_salt, stream_text))
+        return self._engine.add_request(prompt, params, request_id=request_id, session_id=session_id,
+                                        tenant_salt=tenant_salt, stream_text=stream_text)
+
+    def add_handoff(self, ref: KVHandoffRef, params: SamplingParams, request_id: str, stream_text: bool) -> str:
+        """Every rank pulls `ref`'s pages (its own heads), then admits it as `request_id`."""
+        fields = _sampling_fields(params)
+        self._send(TPPullHandoff(self._tick(), _encoder.encode(ref), self._pull_timeout_s))
+        handoff = self._puller.pull(ref, self._pull_timeout_s)
+        self._send(TPAdd(self._tick(), request_id, None, fields, stream_text=stream_text,
+                         handoff_id=ref.handoff_id))
+        return self._engine.add_request(None, params, request_id=request_id, handoff=handoff,
+                                        stream_text=stream_text)
+
+    def abort(self, request_id: str) -> None:
+        self._send(TPAbort(self._tick(), request_id))
+        self._engine.abort(request_id)
+
+    def open_session(self, session_id: str | None = None, *, tenant_salt: str | None = None) -> str:
+        if session_id is None:
+            raise LLMUnitError("a tensor-parallel role opens sessions by id")
+        self._send(TPOpenSession(self._tick(), session_id, tenant_salt))
+        return self._engine.open_session(session_id, tenant_salt=tenant_salt)
+
+    def step(self) -> list[RequestOutput]:
+        self._send(TPStep(self._tick()))
+        return self._engine.step()
+
+    def expire_sessions(self, now: float | None = None) -> list[str]:
+        self._send(TPExpire(self._tick()))
+        return self._engine.expire_sessions()
+
+
+@dataclass(frozen=True, slots=True)
+class _AddHandoff:
+    request_id: str
+    ref: KVHandoffRef
+    params: SamplingParams
+    stream_text: bool
+
+
+class TPLLMUnit(LLMUnit):
+    """Rank 0 of a tensor-parallel `llm` role (see the module docstring)."""
+
+    def __init__(self, role: RoleSpec, *, tp: TPSeat) -> None:
+        if tp.rank != 0 or tp.size < 2:
+            raise TPError(f"TPLLMUnit is rank 0 of a group of 2 or more, not rank {tp.rank} of {tp.size}")
+        self.seat = tp
+        self.failed: str | None = None
+        self.group: TPGroup | None = None
+        self._context = zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._followers: list[bytes] = []
+        try:
+            super().__init__(role)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
+
+    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
+        role, seat = self.role, self.seat
+        group = self.group = TPGroup.init(0, seat.size, seat.address, timeout_s=tp_timeout_s(role),
+                                          rendezvous_timeout_s=SETUP_TIMEOUT_S)
+        shard = shard_model(model, group)
+        sock = self._socket = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
+        sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        host = seat.address.removeprefix("tcp://").rpartition(":")[0]
+        sock.bind(f"tcp://{host}:0")
+        group.publish(_LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
+        seed = config.seed if config.seed is not None else secrets.randbits(62)
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while len(self._followers) < seat.size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                raise TPRankError(f"llm role {role.name!r}: only {len(self._followers)} of {seat.size - 1} follower"
+                                  f" ranks said hello within {SETUP_TIMEOUT_S:.0f}s")
+            identity, payload = sock.recv_multipart()
+            hello = _decoder.decode(payload)
+            if not isinstance(hello, TPHello):
+                raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
+            self._followers.append(identity)
+        for identity in self._followers:
+            sock.send_multipart([identity, _encoder.encode(TPSetup(seed, os.getpid()))])
+        engine = TPEngine(shard, group, dataclasses.replace(config, seed=seed), clock=lambda: broadcast.now)
+        puller = _HandoffPuller(engine, _whole_layout(model, config), self._transfer)
+        broadcast = _Broadcasting(engine, self._broadcast, puller, self.pull_timeout_s)
+        self.whole_layout = puller.whole
+        return broadcast  # type: ignore[return-value]  # an LLMEngine in all the unit uses
+
+    def _broadcast(self, message: TPMessage) -> None:
+        assert self._socket is not None
+        payload = _encoder.encode(message)
+        for index, identity in enumerate(self._followers, start=1):
+            try:
+                self._socket.send_multipart([identity, payload])
+            except zmq.ZMQError as exc:
+                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, _AddHandoff):
+            try:
+                self.engine.add_handoff(command.ref, command.params, command.request_id, command.stream_text)
+            except LLMError as exc:
+                self._deliver(command.request_id, exc)
+            return
+        super()._apply(command)
+
+    def _loop(self) -> None:
+        try:
+            super()._loop()
+        except TPError as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # any other engine failure also breaks the lockstep
+            log.exception("tensor-parallel engine thread failed")
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str) -> None:
+        """The group is broken: fail every in-flight request and, until stopped, every new one."""
+        self.failed = f"llm role {self.role.name!r}: the tensor-parallel group failed: {message}"
+        log.error("%s", self.failed)
+        error = LLMUnitError(self.failed)
+        with self._lock:
+            pending = list(self._subscribers)
+        for request_id in pending:
+            self._deliver(request_id, error)
+        while True:
+            command = self._commands.get()
+            if command is _STOP:
+                return
+            if isinstance(command, _Add | _AddHandoff):
+                self._deliver(command.request_id, error)
+
+    # -- node calls -----------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise LLMUnitError(self.failed)
+
+    def _multimodal(self, call: NodeCall, prompt: str | list[int]) -> tuple[str | list[int],
+                                                                           tuple[MultimodalItem, ...]]:
+        self._check_alive()
+        if call.inputs.get("items") is not None or call.inputs.get("embeds") is not None:
+            raise LLMUnitError(f"node {call.node_id!r}: multimodal items do not run on a tensor-parallel role")
+        return prompt, ()
+
+    async def _prefill(self, call: NodeCall) -> dict[str, Any]:
+        raise LLMUnitError(f"node {call.node_id!r}: llm.prefill does not run on a tensor-parallel role (its KV"
+                           " pages are split by head over the ranks); prefill on a role with tp_size 1")
+
+    def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
+        try:
+            ref = KVHandoffRef.from_value(call.inputs["kv"])
+        except ValueError as exc:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': {exc}") from None
+        if ref.model_id != self.engine.model_id:
+            raise LLMUnitError(f"node {call.node_id!r}: the handoff is of model {ref.model_id!r}, this role runs"
+                               f" {self.engine.model_id!r}")
+        if ref.layout != self.whole_layout.to_dict():
+            raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this model's"
+                               f" {self.whole_layout.to_dict()}")
+        return ref
+
+    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
+        self._check_alive()
+        ref = self._handoff_ref(call)
+        sampling = self._sampling(call.node_id, {**ref.sampling, **call.params})
+        extra = {"pulled_pages": len(ref.page_hashes), "prefill_worker_id": ref.worker_id}
+        if ref.finish_reason is not None:
+            yield self._finished_at_prefill(ref), extra
+            return
+        if ref.hold is None:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token")
+        peer = self._transfer()
+        with self._lock:
+            self._counter += 1
+            request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
+            inbox: asyncio.Queue[Any] = asyncio.Queue()
+            self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
+        self._commands.put(_AddHandoff(request_id, ref, sampling, stream))
+        try:
+            async for out in self._run(call, request_id, inbox):
+                yield out, extra
+        finally:
+            self._let_go(peer, ref.hold)
+
+    # -- shutdown -------------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        await super().close()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._socket is not None:
+            if self.failed is None:
+                try:
+                    self._broadcast(TPStop())
+                except TPRankError as exc:
+                    log.warning("telling the followers to stop: %s", exc)
+            self._socket.close(linger=1000)
+            self._socket = None
+        self._context.term()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+# -- ranks 1.. ------------------------------------------------------------------------------------------
+
+
+class _Follower:
+    """A follower rank's engine and the loop applying rank 0's operations to it."""
+
+    def __init__(self, role: RoleSpec, seat: TPSeat, parent_pid: int | None) -> None:
+        self.role, self.seat, self.parent_pid = role, seat, parent_pid
+        self.now = time.monotonic()
+        self.handoffs: dict[str, KVHandoff] = {}
+        self._peer: Peer | None = None
+
+    def peer(self) -> Peer:
+        if self._peer is None:
+            self._peer = Peer.start(PeerConfig())
+        return self._peer
+
+    def run(self, ready: Callable[[dict[str, Any]], None]) -> int:
+        seat = self.seat
+        group = TPGroup.init(seat.rank, seat.size, seat.address, timeout_s=tp_timeout_s(self.role),
+                             rendezvous_timeout_s=SETUP_TIMEOUT_S)
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        engine: TPEngine | None = None
+        try:
+            model = _load(self.role)
+            shard = shard_model(model, group)
+            sock.connect(group.lookup(_LEADER_KEY).decode())
+            sock.send(_encoder.encode(TPHello(seat.rank, os.getpid())))
+            if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
+                raise TPRankError(f"rank {seat.rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
+            setup = _decoder.decode(sock.recv())
+            if not isinstance(setup, TPSetup):
+                raise TPRankError(f"rank {seat.rank}: expected TPSetup, got {type(setup).__name__}")
+            config = dataclasses.replace(EngineConfig.from_params(self.role.params), seed=setup.seed)
+            engine = TPEngine(shard, group, config, clock=lambda: self.now)
+            puller = _HandoffPuller(engine, _whole_layout(model, config), self.peer)
+            ready({"role": self.role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
+                   "leader_pid": setup.leader_pid})
+            return self._follow(sock, engine, puller, setup.leader_pid)
+        finally:
+            if engine is not None:
+                engine.close()
+            if self._peer is not None:
+                self._peer.close()
+            sock.close()
+            context.term()
+            group.close()
+
+    def _gone(self, leader_pid: int) -> str | None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            return f"its launcher (pid {self.parent_pid}) is gone"
+        try:
+            os.kill(leader_pid, 0)
+        except ProcessLookupError:
+            return f"rank 0 (pid {leader_pid}) is gone"
+        except PermissionError:
+            return None
+        return None
+
+    def _follow(self, sock: zmq.Socket, engine: TPEngine, puller: _HandoffPuller, leader_pid: int) -> int:
+        rank = self.seat.rank
+        while True:
+            if not sock.poll(int(self.seat.heartbeat_s * 1000)):
+                why = self._gone(leader_pid)
+                if why is not None:
+                    log.warning("rank %d stops: %s", rank, why)
+                    return 2
+                continue
+            message = _decoder.decode(sock.recv())
+            if isinstance(message, TPStop):
+                return 0
+            try:
+                self._apply(message, engine, puller)
+            except LLMError as exc:
+                # Rank 0 met the same error on its identical engine and reported it to the caller.
+                log.info("rank %d: %s", rank, exc)
+            except Exception:  # a follower that cannot follow exits; the group fails at rank 0
+                log.exception("rank %d cannot apply %s; exiting", rank, type(message).__name__)
+                return 3
+
+    def _apply(self, message: TPMessage, engine: TPEngine, puller: _HandoffPuller) -> None:
+        self.now = getattr(message, "now", self.now)
+        if isinstance(message, TPStep):
+            engine.step()
+        elif isinstance(message, TPAdd):
+            handoff = self.handoffs.pop(message.handoff_id) if message.handoff_id is not None else None
+            engine.add_request(message.prompt, _sampling_of(message.params), request_id=message.request_id,
+                               session_id=message.session_id, tenant_salt=message.tenant_salt,
+                               stream_text=message.stream_text, handoff=handoff)
+        elif isinstance(message, TPAbort):
+            engine.abort(message.request_id)
+        elif isinstance(message, TPOpenSession):
+            engine.open_session(message.session_id, tenant_salt=message.tenant_salt)
+        elif isinstance(message, TPExpire):
+            engine.expire_sessions()
+        elif isinstance(message, TPPullHandoff):
+            ref = msgspec.msgpack.decode(message.ref, type=KVHandoffRef)
+            self.handoffs[ref.handoff_id] = puller.pull(ref, message.timeout_s)
+        else:
+            raise TPError(f"a follower does not apply {type(message).__name__}")
+
+
+def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], None],
+           parent_pid: int | None = None) -> int:
+    """Run follower rank `seat.rank` of `role` until rank 0 stops it or is gone; the exit status.
+    `ready(details)` is called once the rank is in the group with its shard built."""
+    if seat.rank < 1:
+        raise TPError(f"follow() runs ranks 1.., not rank {seat.rank}")
+    return _Follower(role, seat, parent_pid).run(ready)
+
+
+__all__ = ["TPLLMUnit", "TPSeat", "follow", "tp_timeout_s"]

@@ -1,0 +1,251 @@
+"""A GraphSpec role with `tp_size = 2` on real worker processes (`LocalCluster`, gloo on the CPU).
+
+One cluster for the module, in-process registry: role `one` (tiny-llama, TP-1, also the prefill
+role) and role `two` (the same model, TP-2: two rank processes per replica, rank 0 the one
+endpoint). Greedy tokens of TP-2 equal those of TP-1 and of Hugging Face `generate`; a TP-1
+prefill's pages are pulled by the TP-2 role's ranks, each keeping its KV heads (checked
+bit-exact against the bytes the prefill worker serves); a killed follower rank fails the
+replica's in-flight node with a clear error. The killed-rank test runs last; every process
+the module starts is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+from transformers import PreTrainedModel
+
+from engine.compute.llm.transfer import KVHandoffRef
+from engine.compute.models.loader import load_builtin
+from engine.compute.tp.kv import merge_pages, shard_layout
+from engine.compute.tp.unit import _HandoffPuller
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.pull import fetch_pages
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
+from engine.data.peer import Peer
+from engine.data.wire import ReleaseRequest
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.remote import RemoteNodeError, WorkerDispatcher
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import GraphSpec
+from engine.spec.kinds import default_kinds
+from engine.worker.launcher import LaunchedWorker, LocalCluster, rank_worker_id
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny-llama"  # 4 query heads over 2 KV heads: one KV head per rank at TP-2
+PAGE = 4
+NEW = 10
+HB = 0.25
+TP_TIMEOUT_S = 3.0
+
+
+def text_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def tp_spec() -> GraphSpec:
+    """A token prompt through `llm` on TP-1 and on TP-2, and through TP-1 prefill -> TP-2 decode."""
+    wf = Workflow("tp")
+    params = {"page_size": PAGE, "tp_timeout_s": TP_TIMEOUT_S}
+    one = wf.role("one", kind="llm", model=MODEL, params={"page_size": PAGE})
+    two = wf.role("two", kind="llm", model=MODEL, tp_size=2, params=params)
+    tokens = wf.input("prompt", "tokens")
+    gen1 = wf.node("gen1", "llm", role=one, params={"max_new_tokens": NEW})
+    gen2 = wf.node("gen2", "llm", role=two, params={"max_new_tokens": NEW})
+    pre = wf.node("pre", "llm.prefill", role=one, params={"max_new_tokens": NEW})
+    dec = wf.node("dec", "llm.decode", role=two)
+    for node in (gen1, gen2, pre):
+        wf.edge(tokens, node.inp("tokens"))
+    wf.edge(pre, dec)
+    wf.output("tp1", gen1.out("tokens"), "tokens")
+    wf.output("tp2", gen2.out("tokens"), "tokens")
+    wf.output("pd", dec.out("tokens"), "tokens")
+    wf.output("pd_kv", dec.out("kv"), "kv")
+    return wf.to_spec()
+
+
+@dataclass
+class Deployment:
+    spec: GraphSpec
+    cluster: LocalCluster
+    dispatcher: WorkerDispatcher
+    executor: Executor
+    peer: Peer
+
+    def replica(self, role: str) -> LaunchedWorker:
+        (worker,) = [w for w in self.cluster.workers if w.role == role]
+        return worker
+
+    async def call(self, role: str, inputs: dict[str, Any], outputs: tuple[str, ...], params: dict[str, Any],
+                   started: asyncio.Event | None = None) -> dict[str, Any]:
+        node_id = f"n{uuid.uuid4().hex[:6]}"
+        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params, inputs, outputs, False, False, 1, 1)
+        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
+        result = await self.dispatcher.execute(self.spec.role(role), call, ctx,
+                                               started.set if started is not None else lambda: None)
+        return result.outputs
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment() -> AsyncIterator[Deployment]:
+    spec = tp_spec()
+    peer = Peer.start()
+    cluster = LocalCluster(spec, heartbeat_s=HB, ready_timeout_s=120.0, stop_timeout_s=10.0)
+    try:
+        await cluster.start()
+        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
+        executor = Executor(dispatcher, default_kinds())
+        try:
+            yield Deployment(spec, cluster, dispatcher, executor, peer)
+        finally:
+            await executor.aclose()
+    finally:
+        pids = [w.pid for w in cluster.workers for w in w.processes]
+        await cluster.stop()
+        peer.close()
+        assert not [pid for pid in pids if psutil.pid_exists(pid) and
+                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a rank process outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def reference() -> PreTrainedModel:
+    return load_builtin(MODEL).model
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], new: int = NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+async def test_a_tp2_replica_is_two_rank_processes_behind_one_endpoint(deployment: Deployment):
+    two = deployment.replica("two")
+    assert [r.tp_rank for r in two.processes] == [0, 1]
+    assert two.ranks[0].worker_id == rank_worker_id(two.worker_id, 1)
+    assert two.ranks[0].details["leader_pid"] == two.pid
+    registered = await deployment.cluster.registry.workers("two")
+    assert [s.info.worker_id for s in registered] == [two.worker_id]  # followers are not endpoints
+    assert all(psutil.pid_exists(w.pid) for w in two.processes)
+
+
+async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deployment, reference):
+    prompts = [text_ids(1, 3), text_ids(2, 16), text_ids(3, 29)]
+    runs = [await deployment.executor.submit(deployment.spec, {"prompt": p}) for p in prompts]
+    results = await asyncio.wait_for(asyncio.gather(*(run.wait() for run in runs)), 120.0)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.status == "done", result.error
+        expected = hf_greedy(reference, prompt)
+        assert result.outputs["tp1"] == expected
+        assert result.outputs["tp2"] == expected
+        # TP-1 prefill -> TP-2 decode: the ranks pulled every full page of the prompt.
+        assert result.outputs["pd"] == expected
+        assert result.outputs["pd_kv"]["pulled_pages"] == len(prompt) // PAGE
+
+
+async def test_tp2_text_prompt_streams_like_tp1(deployment: Deployment):
+    params = {"max_new_tokens": 6, "temperature": 0.8, "seed": 7}
+    one = await deployment.call("one", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
+    two = await deployment.call("two", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
+    assert two == one
+
+
+class _SoloGroup:
+    """The collective of a puller run for one rank at a time in this process: agreement is its own."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def min_int(self, value: int) -> int:
+        return value
+
+
+@dataclass
+class _RankEngine:
+    group: _SoloGroup
+    store: KVStore
+    layout: KVLayout
+
+
+async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment):
+    """What every rank of the TP-2 role does with a handoff (`_HandoffPuller`), for ranks 0 and 1,
+    against the real TP-1 prefill worker: merged, the ranks' pages are the holder's bytes."""
+    prompt = text_ids(5, 4 * PAGE + 3)
+    out = await deployment.call("one", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
+    ref = KVHandoffRef.from_value(out["kv"])
+    whole = KVLayout(**ref.layout)
+    pages = [PageHash(p) for p in ref.page_hashes]
+    assert len(pages) == 4 and ref.tail_len == 3
+
+    def pull_all() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        holder = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=8), device="cpu"))
+        stores = [KVStore(KVStoreConfig(layout=shard_layout(whole, 2, r), device_capacity=Capacity(pages=8),
+                                        device="cpu")) for r in range(2)]
+        try:
+            assert len(fetch_pages(holder, deployment.peer, ref.holder, pages, 10.0).pages) == 4
+            served = torch.stack([holder.get(p) for p in pages])
+            tails = []
+            for rank, store in enumerate(stores):
+                engine = _RankEngine(_SoloGroup(rank, 2), store, store.layout)
+                handoff = _HandoffPuller(engine, whole, lambda: deployment.peer).pull(ref, 10.0)  # type: ignore[arg-type]
+                assert handoff.layout == store.layout.to_dict() and handoff.page_hashes == tuple(pages)
+                tails.append(handoff.tail)
+            shards = [torch.stack([s.get(p) for p in pages]) for s in stores]
+            tail = deployment.peer.pull(ref.hold, 10.0).torch().clone()
+            return served, shards, tail, tails
+        finally:
+            holder.close()
+            for store in stores:
+                store.close()
+
+    try:
+        served, shards, tail, tails = await asyncio.to_thread(pull_all)
+    finally:
+        # Let the prefill worker go of the handoff (nobody decodes it).
+        await asyncio.to_thread(deployment.peer.client.call, ref.hold.owner,
+                                lambda rid: ReleaseRequest(rid, ref.hold.id), 5.0)
+    assert [s.shape[-2] for s in shards] == [1, 1]
+    assert torch.equal(merge_pages(shards, whole.num_kv_heads), served)
+    assert torch.equal(merge_pages(tails, whole.num_kv_heads), tail)
+
+
+async def test_prefill_on_a_tp_role_is_refused(deployment: Deployment):
+    with pytest.raises(RemoteNodeError, match="llm.prefill does not run on a tensor-parallel role"):
+        await deployment.call("two", {"tokens": text_ids(6, 5)}, ("kv",), {"max_new_tokens": 2})
+
+
+async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment: Deployment):
+    two = deployment.replica("two")
+    follower = two.ranks[0]
+    started = asyncio.Event()
+    long_call = asyncio.create_task(deployment.call(
+        "two", {"tokens": text_ids(7, 8)}, ("tokens",), {"max_new_tokens": 4000, "ignore_eos": True},
+        started=started))
+    await asyncio.wait_for(started.wait(), 30.0)
+    killed_at = time.monotonic()
+    os.kill(follower.pid, signal.SIGKILL)
+    with pytest.raises(RemoteNodeError, match="tensor-parallel group failed") as caught:
+        await asyncio.wait_for(long_call, TP_TIMEOUT_S + 4 * HB + 5.0)
+    failed_after = time.monotonic() - killed_at
+    assert failed_after < TP_TIMEOUT_S + 4 * HB, f"the node failed only {failed_after:.1f}s after the kill"
+    assert "rank" in str(caught.value)
+    # Every later call to the replica fails at once, with the same cause.
+    with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
+        await asyncio.wait_for(deployment.call("two", {"tokens": text_ids(8, 3)}, ("tokens",),
+                                               {"max_new_tokens": 2}), 5.0)
