@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+import numpy as np
+
 from engine.data.peer import Peer
 from engine.data.wire import TensorRef
 from engine.flow.dispatch import InProcessDispatcher
@@ -138,10 +140,19 @@ async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any]
 
 
 def materialize(value: Any, peer: Peer) -> Any:
-    """A run output fetched from the worker that holds it, as plain data (tensors as lists)."""
+    """A run output fetched from the worker that holds it, as plain data: a byte blob (1-D
+    uint8: a PNG, a WAV) as bytes, any other tensor as nested lists."""
     if isinstance(value, TensorRef):
-        return peer.pull(value).numpy(copy=True).tolist()
+        array = peer.pull(value).numpy(copy=True)
+        return array.tobytes() if array.dtype == np.uint8 and array.ndim == 1 else array.tolist()
     return value
+
+
+def _printable(value: Any) -> Any:
+    """What `json` cannot write: byte blobs as their size (the media themselves are for files), else repr."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"bytes": len(value)}
+    return repr(value)
 
 
 def _show_progress(event: Any, out: TextIO) -> None:
@@ -166,10 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (RunInputError, LaunchError) as exc:
         raise CliError(str(exc)) from None
     if args.json:
-        print(json.dumps(result.to_dict(), default=repr))
+        print(json.dumps(result.to_dict(), default=_printable))
     else:
         for name, value in result.outputs.items():
-            print(f"{name}: {value if isinstance(value, str) else json.dumps(value, default=repr)}")
+            print(f"{name}: {value if isinstance(value, str) else json.dumps(value, default=_printable)}")
         if result.error:
             print(f"error: {result.error}", file=sys.stderr)
     return 0 if result.status == "done" else 1

@@ -7,7 +7,8 @@ rewrite, as token ids). It does not recompute that context: the `kv` edge names 
 holding the pages, and the diffusion worker pulls them from it over the transfer plane (with a
 Redis registry, the KV index finds them too), reusing them at every denoising step. The size
 token (`<|size:WxH|>`, default 256x256) sizes the saved PNG; `save` writes it under
-`./omniflow-out/<run_id>/` and outputs the path.
+`./omniflow-out/<run_id>/` and outputs the path; the `image` output is the decoded PNG itself
+(what the studio's run page shows).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ wf.edge(rewrite.out("text"), save.inp("text"))
 wf.edge(decode.out("image"), save.inp("image"))
 wf.edge(size, save.inp("size"))
 wf.output("saved", save, "json")
+wf.output("image", decode.out("image"), "image")
 wf.output("prompt_rewrite", rewrite.out("text"), "text")
 
 workflow = wf

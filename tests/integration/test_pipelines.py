@@ -32,6 +32,7 @@ def test_image_generation_writes_a_png(capsys, tmp_path, monkeypatch):
     saved = result["outputs"]["saved"]
     with Image.open(saved["files"]["image"]) as img:
         assert img.format == "PNG" and img.size == (256, 256)
+    assert result["outputs"]["image"]["bytes"] > 0  # the decoded PNG, pulled from the vae worker as bytes
 
 
 def test_pd_chat_runs(capsys, tmp_path, monkeypatch):
