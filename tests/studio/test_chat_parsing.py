@@ -4,11 +4,13 @@ checkpoint's Jinja template), session turns that send only the new text, chat sh
 from __future__ import annotations
 
 import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from studio.workflows.chat.openai import OpenAIError, parse_chat_request
 from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
@@ -22,13 +24,22 @@ def request(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": USER, **fields}
 
 
+def png_bytes(size: tuple[int, int] = (6, 4)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, (200, 40, 90)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_part(data: bytes, media_type: str = "image/png") -> dict[str, Any]:
+    url = f"data:{media_type};base64," + base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def test_a_full_request_maps_to_llm_params() -> None:
-    png = b"\x89PNG\r\n\x1a\nxyz"
+    png = png_bytes()
     chat = parse_chat_request(request(
         messages=[{"role": "system", "content": "be brief"},
-                  {"role": "user", "content": [{"type": "text", "text": "look: "},
-                                               {"type": "image_url", "image_url": {
-                                                   "url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+                  {"role": "user", "content": [{"type": "text", "text": "look: "}, image_part(png),
                                                {"type": "text", "text": "ok?"}]}],
         max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop="\n", presence_penalty=1,
         frequency_penalty=-1, stream=True, stream_options={"include_usage": True}, user="u", n=1))
@@ -57,6 +68,11 @@ def test_a_full_request_maps_to_llm_params() -> None:
      "messages[0].content[0]"),
     (request(messages=[{"role": "assistant", "content": [{"type": "image_url", "image_url": "data:,x"}]}, *USER]),
      "messages[0].content[0]"),
+    (request(messages=[{"role": "user", "content": [image_part(b"hello", "text/plain")]}]), "messages[0].content[0]"),
+    (request(messages=[{"role": "user", "content": [image_part(b"hello")]}]), "messages[0].content[0]"),
+    (request(messages=[{"role": "user", "content": [image_part(png_bytes()[:-20])]}]), "messages[0].content[0]"),
+    (request(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    image_part(png_bytes()[:40])]}]), "messages[0].content[1]"),
     (request(max_tokens=0), "max_tokens"),
     (request(max_tokens=True), "max_tokens"),
     (request(max_tokens=10**9), "max_tokens"),
@@ -119,6 +135,9 @@ def test_chat_shapes() -> None:
     assert (shape.prompt_input, shape.llm_node, shape.reply_output, shape.usage_output, shape.streams) == (
         "prompt", "reply", "text", "usage", True)
     assert shape.model == "tiny-llama" and shape.image_inputs == ()
+    vision = chat_shape(example_spec("vision_chat"))
+    assert (vision.prompt_input, vision.image_inputs, vision.llm_node, vision.reply_output) == (
+        "prompt", ("image",), "reply", "text")
     with pytest.raises(NotAChatWorkflow) as caught:
         chat_shape(spec_doc())
     assert caught.value.problems == ["it needs exactly one node of kind 'llm' (it has 0)"]

@@ -2,7 +2,8 @@
 
 What is accepted: `model` (a deployment's name or id), `messages` with roles system,
 developer, user and assistant, whose content is text or a list of parts (`text`, and
-`image_url` with a `data:` URL: the studio fetches nothing), `stream` with
+`image_url` with a base64 `data:` URL of an image that Pillow reads whole, e.g. PNG or JPEG:
+the studio fetches nothing), `stream` with
 `stream_options.include_usage`, `max_tokens`/`max_completion_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`, `n` = 1. Tools,
 function calls, logprobs and non-text response formats are refused with 400; other
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from PIL import Image, UnidentifiedImageError
 
 from studio.workflows.chat.templates import Message
 
@@ -78,10 +82,29 @@ def _image(url: Any, param: str) -> bytes:
         raise invalid("only data: URLs are accepted for images (the studio fetches nothing)", param)
     if not match.group("b64"):
         raise invalid("image data URLs must be base64 (data:image/png;base64,...)", param)
+    if not (match.group("type") or "").startswith("image/"):
+        raise invalid(f"the data URL holds {match.group('type') or 'text/plain'}, not an image"
+                      " (data:image/png;base64,...)", param)
     try:
-        return base64.b64decode(url[match.end():], validate=True)
+        data = base64.b64decode(url[match.end():], validate=True)
     except (binascii.Error, ValueError):
         raise invalid("the image data URL is not valid base64", param) from None
+    _check_picture(data, param)
+    return data
+
+
+def _check_picture(data: bytes, param: str) -> None:
+    """400 unless Pillow reads `data` as a whole image (the vision encoder decodes it with Pillow,
+    so a broken picture is refused here rather than failing the run on a worker)."""
+    try:
+        with Image.open(io.BytesIO(data)) as picture:
+            picture.verify()
+    except UnidentifiedImageError:
+        raise invalid("the image is not in a format this studio reads (PNG, JPEG, WebP, ...)", param) from None
+    except Image.DecompressionBombError as exc:
+        raise invalid(f"the image is too large: {exc}", param) from None
+    except (OSError, SyntaxError, ValueError) as exc:  # how Pillow reports truncated or corrupt files
+        raise invalid(f"the image is broken: {exc}", param) from None
 
 
 def parse_messages(raw: Any, param: str = "messages", *, roles: tuple[str, ...] = ROLES) -> ChatMessages:
