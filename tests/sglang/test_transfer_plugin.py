@@ -149,6 +149,10 @@ def test_pages_between_two_processes_bit_exact(bootstrap: transfer.OmniFlowKVBoo
     manager = decode_manager(kv, aux, bootstrap.port, timeout)
     try:
         assert prefill.line(timeout) == "READY"
+        # What SGLang's decode scheduler asks before it creates receivers for an address.
+        assert manager.try_ensure_parallel_info(f"127.0.0.1:{bootstrap.port}")
+        info = manager.prefill_info_table[f"127.0.0.1:{bootstrap.port}"]
+        assert (info.attn_tp_size, info.dp_size, info.page_size, info.kv_cache_dtype) == (1, 1, peer.PAGE, "bfloat16")
         receiver = kv_class("receiver")(manager, f"127.0.0.1:{bootstrap.port}", room)
         assert receiver.poll() == KVPoll.Bootstrapping
         receiver.init(0)
