@@ -2,12 +2,15 @@
 `workflows/chat.py` on real role workers: the `openai` package's client on
 `/v1/chat/completions` (streaming and not) and `/v1/models`, server-side sessions,
 `/ws/metrics/`, and bad input. Greedy replies are checked against Hugging Face
-`generate` on the same tiny model."""
+`generate` on the same tiny model. A deployment of `workflows/vision_chat.py` answers messages
+with an `image_url` part; its replies are checked against the same pipeline run in process."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import copy
+import io
 import json
 import os
 import subprocess
@@ -23,9 +26,14 @@ import openai
 import pytest
 import torch
 from django.conf import settings
+from PIL import Image
 from websockets.asyncio.client import connect as ws_connect
 
 from engine.compute.models import load_builtin
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.executor import Executor
+from engine.flow.validate import parse_spec
+from engine.spec.kinds import default_kinds
 from studio.accounts.models import ApiToken
 from tests.liveserver import free_port, wait_ready
 from tests.studio.factories import example_spec
@@ -195,3 +203,94 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     assert status == 200
     assert wait_running(server, d["id"], token)["status"] in ("stopping", "stopped")
     assert [m.id for m in client.models.list()] == []
+
+
+def picture_png(width: int = 40, height: int = 28) -> bytes:
+    """A PNG made here: a red-to-blue gradient with a green square."""
+    img = Image.new("RGB", (width, height))
+    img.putdata([(255 * x // (width - 1), 60, 255 - 255 * x // (width - 1)) for _ in range(height) for x in range(width)])
+    img.paste((20, 220, 40), (8, 6, 20, 18))
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+def pipeline_reply(spec: dict[str, Any], prompt: str, image: bytes, new: int) -> dict[str, Any]:
+    """The vision chat pipeline run directly through the engine, in this process (the reference):
+    the same prompt and picture, greedy, `new` tokens."""
+    spec = copy.deepcopy(spec)
+    reply = next(n for n in spec["nodes"] if n["id"] == "reply")
+    reply["params"] = {**reply.get("params", {}), "max_new_tokens": new, "temperature": 0.0}
+    kinds = default_kinds()
+
+    async def run() -> dict[str, Any]:
+        executor = Executor(InProcessDispatcher(kinds), kinds)
+        try:
+            result = await (await executor.submit(parse_spec(spec), {"prompt": prompt, "image": image})).wait()
+        finally:
+            await executor.aclose()
+        assert result.status == "done", result.error
+        return result.outputs
+
+    return asyncio.run(run())
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def test_openai_client_sends_an_image_part_to_a_live_vision_chat_deployment(server: Server, user: Any) -> None:
+    token = ApiToken.objects.issue(user, "live-vision").secret
+    spec = example_spec("vision_chat")
+    status, wf = server.request("POST", "/api/workflows/", {"spec": spec}, token)
+    assert status == 201, wf
+    status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": "tiny-vision"}, token)
+    assert status == 201, d
+    picture = picture_png()
+    question = [{"type": "text", "text": "What is in the picture?"},
+                {"type": "image_url", "image_url": {"url": data_url(picture)}}]
+    prompt = "### User:\nWhat is in the picture?\n\n### Assistant:\n"  # the simple template, written out
+    reference = pipeline_reply(spec, prompt, picture, NEW)  # while the deployment's workers start
+    d = wait_running(server, d["id"], token)
+    assert d["status"] == "running" and d["chat"] is True, d
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=token, max_retries=0, timeout=60)
+    done = client.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": question}],
+                                          max_tokens=NEW, temperature=0)
+    assert done.choices[0].message.content == reference["text"] and reference["text"]
+    assert done.usage.completion_tokens == NEW
+    assert done.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
+    assert done.usage.prompt_tokens > len(prompt.encode())  # the picture's placeholders count: it was spliced in
+    chunks = list(client.chat.completions.create(model="tiny-vision", max_tokens=NEW, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": question}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["text"]
+
+    # bad images: the documented OpenAI-shaped JSON error, naming the part, before any run starts
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    bad_parts = {
+        "data:image/png;base64,@@not-base64@@": "not valid base64",
+        "data:image/png,rawbytes": "must be base64",
+        data_url(b"just some text, not a picture"): "not in a format",
+        data_url(b"hello", "text/plain"): "not an image",
+        data_url(picture[: len(picture) // 2]): "broken",
+        "https://example.com/cat.png": "only data: URLs",
+    }
+    for url, why in bad_parts.items():
+        body = {"model": "tiny-vision", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+        status, error = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), headers)
+        assert status == 400, (url, error)
+        assert error["error"]["type"] == "invalid_request_error" and error["error"]["param"] == (
+            "messages[0].content[1]"), error
+        assert why in error["error"]["message"], (why, error)
+    with pytest.raises(openai.BadRequestError, match="takes 1 image"):
+        client.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
+            *question, {"type": "image_url", "image_url": {"url": data_url(picture)}}]}])
+    with pytest.raises(openai.UnprocessableEntityError):  # the picture is a required input
+        client.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": "hi"}])
+    status, runs = server.request("GET", f"/api/runs/?deployment={d['id']}", token=token)
+    assert status == 200 and runs["count"] == 2, runs  # only the two good completions ran
+
+    status, _ = server.request("POST", f"/api/deployments/{d['id']}/stop/", None, token)
+    assert status == 200
+    assert wait_running(server, d["id"], token)["status"] in ("stopping", "stopped")
