@@ -81,6 +81,17 @@ def rank_worker_id(worker_id: str, rank: int) -> str:
     return worker_id if rank == 0 else f"{worker_id}{TP_RANK_SUFFIX}{rank}"
 
 
+def leader_worker_id(worker_id: str) -> str | None:
+    """Rank 0's worker id when `worker_id` is a follower rank's (`rank_worker_id`), else None."""
+    head, sep, rank = worker_id.rpartition(TP_RANK_SUFFIX)
+    return head if sep and rank.isdigit() and int(rank) > 0 else None
+
+
+def tp_address(host: str = "127.0.0.1") -> str:
+    """A fresh address where the ranks of one tensor-parallel replica on this host meet."""
+    return f"tcp://{host}:{_free_port(host)}"
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -133,7 +144,7 @@ class LocalCluster:
         if tp_size == 1:
             worker = await self._spawn_rank(role, worker_id)
         else:
-            address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+            address = tp_address()
             spawned = await asyncio.gather(
                 *(self._spawn_rank(role, rank_worker_id(worker_id, rank), ("--tp-rank", str(rank), "--tp-address",
                                                                            address)) for rank in range(tp_size)),

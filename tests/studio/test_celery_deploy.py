@@ -131,3 +131,40 @@ def test_deploy_run_scale_stop_through_a_celery_node(celery_node: CeleryNode, ap
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
     assert api.get("/api/workers/").json() == []
     assert deploy_task.apply(args=[d["id"]]).get() is None  # a stopped deployment stays stopped
+
+
+def test_a_tp_role_through_a_celery_node_runs_its_ranks_and_loses_them_together(celery_node: CeleryNode,
+                                                                                   api: Any) -> None:
+    from engine.worker.launcher import rank_worker_id
+    from tests.studio.test_deployments import tp_chat_spec
+
+    wf = create_workflow(api, tp_chat_spec())
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    celery_node.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running", 120.0)
+    leader, follower = live_rows(d["id"])
+    assert follower.worker_id == rank_worker_id(leader.worker_id, 1) and follower.address == ""
+    assert leader.address and psutil.pid_exists(follower.pid)
+
+    run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"prompt": "split heads"}}, format="json").json()
+    celery_node.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished, 120.0)
+    done = Run.objects.get(pk=run["id"])
+    assert done.status == "done", done.error
+    assert len(done.outputs["tokens"]) == 6
+
+    # A rank that dies loses the whole replica: the next deploy ends the rest and starts a fresh one.
+    psutil.Process(follower.pid).kill()
+    celery_node.wait_for("the killed rank gone", lambda: not psutil.pid_exists(follower.pid)
+                         or psutil.Process(follower.pid).status() == psutil.STATUS_ZOMBIE)
+    assert api.post(f"/api/deployments/{d['id']}/scale/", {"role": "lm", "replicas": 1},
+                    format="json").status_code == 200  # the same count: the node reconciles
+    old = {leader.worker_id, follower.worker_id}
+    celery_node.wait_for("a fresh replica", lambda: {r.worker_id for r in live_rows(d["id"])}.isdisjoint(old)
+                         and len(live_rows(d["id"])) == 2, 120.0)
+    assert {r.worker_id: r.status for r in Worker.objects.filter(worker_id__in=old)} == dict.fromkeys(old, "lost")
+    fresh = live_rows(d["id"])
+    assert not psutil.pid_exists(leader.pid) or psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE
+
+    pids = [r.pid for r in fresh]
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    celery_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)

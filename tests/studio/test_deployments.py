@@ -192,3 +192,61 @@ def test_scale_and_visibility_errors(api: Any, other_api: Any, studio_engine: St
     # a session needs a chat workflow
     response = api.post("/api/sessions/", {"deployment": d["id"]}, format="json")
     assert response.status_code == 400 and "not a chat workflow" in response.json()["error"]
+
+
+def tp_chat_spec() -> dict[str, Any]:
+    """A text prompt through one `llm` node on a tiny-llama role split over two tensor-parallel ranks."""
+    return {
+        "version": 1,
+        "name": "tpchat",
+        "roles": [{"name": "lm", "kind": "llm", "model": "tiny-llama", "tp_size": 2, "params": {"page_size": 4}}],
+        "nodes": [
+            {"id": "prompt", "kind": "input", "outputs": {"value": {"type": "text"}}},
+            {"id": "gen", "kind": "llm", "role": "lm", "params": {"max_new_tokens": 6},
+             "inputs": {"prompt": {"type": "text"}},
+             "outputs": {"text": {"type": "text"}, "tokens": {"type": "tokens"}, "kv": {"type": "kv"}}},
+            {"id": "tokens", "kind": "output", "inputs": {"value": {"type": "tokens"}}},
+        ],
+        "edges": [
+            {"source": "prompt", "source_port": "value", "target": "gen", "target_port": "prompt"},
+            {"source": "gen", "source_port": "tokens", "target": "tokens", "target_port": "value"},
+        ],
+    }
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_deploying_a_tp_role_starts_and_lists_its_ranks(api: Any, studio_engine: StudioEngine) -> None:
+    from engine.compute.llm.engine import LLMEngine
+    from engine.compute.models.loader import load_builtin
+    from engine.compute.sampling import SamplingParams
+    from engine.worker.launcher import rank_worker_id
+
+    wf = create_workflow(api, tp_chat_spec())
+    d = deploy(api, studio_engine, {"workflow": wf["id"], "version": 1, "name": "tp"})
+    assert d["status"] == "running", d
+    rows = sorted(d["workers"], key=lambda w: w["worker_id"])
+    assert [(w["role"], w["status"]) for w in rows] == [("lm", "ready"), ("lm", "ready")]
+    leader, follower = rows
+    assert follower["worker_id"] == rank_worker_id(leader["worker_id"], 1)
+    assert leader["address"] and leader["live"] is not None   # rank 0: the replica's endpoint
+    assert follower["address"] == "" and follower["live"] is None
+    assert registered(d["namespace"]) == [leader["worker_id"]]
+    pids = [w["pid"] for w in rows]
+    assert len(set(pids)) == 2 and all(psutil.pid_exists(p) for p in pids)
+
+    response = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"prompt": "split heads"}}, format="json")
+    assert response.status_code == 201, response.content
+    assert studio_engine.runs.wait(response.json()["id"]) == "done"
+    tokens = api.get(f"/api/runs/{response.json()['id']}/").json()["outputs"]["tokens"]
+    engine = LLMEngine(load_builtin("tiny-llama"))
+    try:
+        (expected,) = engine.generate(["split heads"], SamplingParams(max_new_tokens=6))
+    finally:
+        engine.close()
+    assert tokens == list(expected.output_ids)
+
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    settle(studio_engine, d["id"])
+    final = api.get(f"/api/deployments/{d['id']}/").json()
+    assert final["status"] == "stopped" and {w["status"] for w in final["workers"]} == {"stopped"}
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)

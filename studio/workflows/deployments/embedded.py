@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from django.db import close_old_connections, connections
 
-from engine.flow.discovery import InProcessRegistry, RegistryError, WorkerSnapshot
+from engine.flow.discovery import RegistryError, WorkerSnapshot
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import KindRegistry
@@ -55,10 +53,12 @@ class _Hosted:
     next_index: dict[str, int] = field(default_factory=dict)
 
 
-def _started(worker: LaunchedWorker, device: str) -> StartedWorker:
-    d = worker.details
-    return StartedWorker(worker_id=worker.worker_id, role=worker.role, address=d["address"], host=d["host"],
-                         pid=d["pid"], device=device)
+def _started(worker: LaunchedWorker, device: str) -> list[StartedWorker]:
+    """The rows of one replica: its worker and, for a tensor-parallel role, its follower ranks
+    (which have no endpoint: the executor reaches the replica through rank 0)."""
+    return [StartedWorker(worker_id=w.worker_id, role=w.role, address=w.details["address"] if w.tp_rank == 0 else "",
+                          host=w.details["host"], pid=w.details["pid"], device=device)
+            for w in worker.processes]
 
 
 class EmbeddedDeployments:
@@ -152,7 +152,7 @@ class EmbeddedDeployments:
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
             self._hosted[ticket.deployment_id] = hosted
             devices = {r.name: r.device for r in ticket.spec.roles}
-            return [_started(w, devices[w.role]) for w in cluster.workers], []
+            return [row for w in cluster.workers for row in _started(w, devices[w.role])], []
         started: list[StartedWorker] = []
         stopped: list[str] = []
         for role in ticket.spec.roles:
@@ -161,37 +161,17 @@ class EmbeddedDeployments:
                 index = hosted.next_index.get(role.name, 0)
                 hosted.next_index[role.name] = index + 1
                 worker = await hosted.cluster.spawn(role.name, index)
-                started.append(_started(worker, role.device))
+                started += _started(worker, role.device)
             for worker in mine[role.replicas:] if len(mine) > role.replicas else []:
-                await self._retire(hosted.cluster, worker)
-                stopped.append(worker.worker_id)
+                await hosted.cluster.retire(worker)  # it drains and deregisters; then its ranks stop
+                stopped += [w.worker_id for w in worker.processes]
         return started, stopped
-
-    @staticmethod
-    async def _retire(cluster: LocalCluster, worker: LaunchedWorker) -> None:
-        """Stop one worker of a running cluster (scaling down): it drains and deregisters."""
-        cluster.workers.remove(worker)
-        if worker.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                worker.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(worker.process.wait(), cluster.stop_timeout_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                worker.process.kill()
-            await worker.process.wait()
-        if worker.relay is not None:
-            worker.relay.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker.relay
-        if isinstance(cluster.registry, InProcessRegistry):
-            await cluster.registry.deregister(worker.worker_id)
 
     async def _stop_hosted(self, deployment_id: str) -> list[str]:
         hosted = self._hosted.pop(deployment_id, None)
         if hosted is None:
             return []
-        ids = [w.worker_id for w in hosted.cluster.workers]
+        ids = [w.worker_id for worker in hosted.cluster.workers for w in worker.processes]
         await hosted.executor.aclose()
         await hosted.cluster.stop()
         return ids

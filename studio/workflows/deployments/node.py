@@ -11,6 +11,11 @@ seen in Redis, never a sleep.
 
 Both operations are idempotent: `reconcile` starts what is missing and stops what is
 beyond the replica counts; `stop` ends whatever is left.
+
+A replica of a role with `tp_size` N > 1 is N processes, its tensor-parallel ranks: rank 0
+registers (it does so only once every other rank has joined it), ranks 1.. are rows whose
+ids are `rank_worker_id(rank 0's id, rank)`. A replica with a rank gone is lost as a whole
+(what is left of it is stopped, and reconcile starts a fresh one).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from pathlib import Path
 import psutil
 
 from engine.flow.discovery import RegistryError, make_registry
-from engine.spec.graph import encode_spec
-from engine.worker.launcher import LaunchError
+from engine.spec.graph import GraphSpec, encode_spec
+from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id, tp_address
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
@@ -49,6 +54,13 @@ _READY_POLL_S = 0.05
 def node_queue(node: str) -> str:
     """The Celery queue a node's worker consumes for its deployments."""
     return f"node.{node}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Replica:
+    """One replica's live rows and processes: rank 0 first, then its follower ranks."""
+
+    members: list[tuple[Worker, psutil.Process]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,20 +120,46 @@ class NodeAgent:
             records.set_worker_status(lost, WorkerStatus.LOST)
         return live, lost
 
+    def _replicas(self, deployment_id: str, spec: GraphSpec) -> tuple[dict[str, list[_Replica]], list[str]]:
+        """The live replicas per role (rank 0 first in each), and the ids of lost rows: a
+        tensor-parallel replica missing a rank is lost whole (its remaining ranks are ended)."""
+        live, lost = self._live(deployment_id)
+        ranks: dict[str, list[tuple[Worker, psutil.Process]]] = {}
+        for row, process in live:
+            ranks.setdefault(leader_worker_id(row.worker_id) or row.worker_id, []).append((row, process))
+        sizes = {r.name: r.tp_size for r in spec.roles}
+        replicas: dict[str, list[_Replica]] = {}
+        broken: list[tuple[Worker, psutil.Process]] = []
+        for leader, members in ranks.items():
+            members.sort(key=lambda m: m[0].worker_id != leader)
+            role = members[0][0].role
+            if members[0][0].worker_id != leader or len(members) != sizes.get(role, 1):
+                broken += members
+                continue
+            replicas.setdefault(role, []).append(_Replica(members))
+        if broken:
+            _terminate([p for _, p in broken])
+            ids = [row.worker_id for row, _ in broken]
+            records.set_worker_status(ids, WorkerStatus.LOST)
+            lost += ids
+        return replicas, lost
+
     def reconcile(self, ticket: DeploymentTicket) -> Reconciled:
         """Run exactly the replicas `ticket.spec` asks for on this node; raises LaunchError
         (after stopping what it started) when a worker does not come up."""
-        live, lost = self._live(ticket.deployment_id)
-        stop: list[tuple[Worker, psutil.Process]] = []
-        wanted: list[tuple[str, str]] = []  # (role, worker id)
+        replicas, lost = self._replicas(ticket.deployment_id, ticket.spec)
+        stop: list[_Replica] = []
+        wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
         for role in ticket.spec.roles:
-            mine = [(row, p) for row, p in live if row.role == role.name]
+            mine = replicas.get(role.name, [])
             stop += mine[role.replicas:]
             wanted += [(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}")
                        for _ in range(role.replicas - len(mine))]
-        stopped = [row.worker_id for row, _ in stop]
+        stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
-            _terminate([p for _, p in stop])
+            # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.
+            _terminate([replica.members[0][1] for replica in stop])
+            _terminate([p for replica in stop for _, p in replica.members[1:]])
             records.set_worker_status(stopped, WorkerStatus.STOPPED)
         if wanted:
             records.add_workers(ticket.deployment_id, self._start(ticket, wanted))
@@ -130,7 +168,8 @@ class NodeAgent:
     def stop(self, deployment_id: str) -> list[str]:
         """End every worker of the deployment on this node; their ids."""
         live, _ = self._live(deployment_id)
-        _terminate([p for _, p in live])
+        _terminate([p for row, p in live if leader_worker_id(row.worker_id) is None])
+        _terminate([p for row, p in live if leader_worker_id(row.worker_id) is not None])
         ids = [row.worker_id for row, _ in live]
         records.set_worker_status(ids, WorkerStatus.STOPPED)
         shutil.rmtree(self._dir(deployment_id), ignore_errors=True)
@@ -144,28 +183,45 @@ class NodeAgent:
         spec_path.write_bytes(encode_spec(ticket.spec))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
         processes: dict[str, subprocess.Popen[bytes]] = {}
+        followers: dict[str, str] = {}  # follower rank's worker id -> role
         try:
             for role, worker_id in wanted:
-                with (folder / f"{worker_id}.log").open("ab") as out:
-                    processes[worker_id] = subprocess.Popen(
-                        [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
-                         "--worker-id", worker_id, "--registry", str(self.config.redis_url),
-                         "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
-                         "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S)],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                        start_new_session=True,
-                    )
-            registered = asyncio.run(self._registered(ticket.namespace, processes, folder))
+                tp_size = ticket.spec.role(role).tp_size
+                # One process per tensor-parallel rank, all meeting at one address on this node.
+                ranks = [(worker_id, ())] if tp_size == 1 else [
+                    (rank_worker_id(worker_id, rank), ("--tp-rank", str(rank), "--tp-address", address))
+                    for address in (tp_address(),) for rank in range(tp_size)]
+                for rank_id, tp_args in ranks:
+                    if rank_id != worker_id:
+                        followers[rank_id] = role
+                    with (folder / f"{rank_id}.log").open("ab") as out:
+                        processes[rank_id] = subprocess.Popen(
+                            [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
+                             "--worker-id", rank_id, "--registry", str(self.config.redis_url),
+                             "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
+                             "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S), *tp_args],
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True,
+                        )
+            registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
+                                                      [w for _, w in wanted]))
         except BaseException:
             _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None])
             raise
         devices = {r.name: r.device for r in ticket.spec.roles}
-        return [StartedWorker(worker_id=s.info.worker_id, role=s.info.role, address=s.info.address, host=self.node,
+        rows = [StartedWorker(worker_id=s.info.worker_id, role=s.info.role, address=s.info.address, host=self.node,
                               pid=s.info.pid, device=devices.get(s.info.role, s.info.device))
                 for s in registered]
+        # Follower ranks have no endpoint; rank 0 registered only once they had all joined it.
+        rows += [StartedWorker(worker_id=rank_id, role=role, address="", host=self.node,
+                               pid=processes[rank_id].pid, device=devices[role])
+                 for rank_id, role in followers.items()]
+        return rows
 
-    async def _registered(self, namespace: str, processes: dict[str, subprocess.Popen[bytes]], folder: Path):
-        """Wait until every process has registered (readiness) or one has exited (failure)."""
+    async def _registered(self, namespace: str, processes: dict[str, subprocess.Popen[bytes]], folder: Path,
+                          endpoints: list[str]):
+        """Wait until every worker of `endpoints` has registered (readiness) or one of `processes`
+        has exited (failure)."""
         registry = make_registry(self.config.redis_url, namespace=namespace)
         deadline = time.monotonic() + self.config.worker_ready_timeout_s
         try:
@@ -180,10 +236,10 @@ class NodeAgent:
                 except RegistryError as exc:
                     log.warning("reading the registry while workers start: %s", exc)
                     listed = {}
-                if all(w in listed for w in processes):
-                    return [listed[w] for w in processes]
+                if all(w in listed for w in endpoints):
+                    return [listed[w] for w in endpoints]
                 if time.monotonic() > deadline:
-                    missing = sorted(set(processes) - set(listed))
+                    missing = sorted(set(endpoints) - set(listed))
                     raise LaunchError(f"workers {missing} did not register within"
                                       f" {self.config.worker_ready_timeout_s} s")
                 await asyncio.sleep(_READY_POLL_S)  # polling Redis for the registrations
