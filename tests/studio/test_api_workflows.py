@@ -164,7 +164,10 @@ def test_catalogue(api) -> None:
     assert by_name["input"]["outputs"] == {"value": {"type": "any", "optional": False}}
     assert by_name["python"]["op"] == "required" and by_name["python"]["inputs"] is None
     assert by_name["input"]["params_schema"]["properties"]["default"]
-    assert "python" in [k["name"] for k in api.get("/api/role-kinds/").json()]
+    role_kinds = {k["name"]: k for k in api.get("/api/role-kinds/").json()}
+    assert "python" in role_kinds
+    # Which role kinds may set tp_size > 1 (the editor's tensor-parallel field follows it).
+    assert role_kinds["llm"]["tensor_parallel"] is True and role_kinds["python"]["tensor_parallel"] is False
     assert api.get("/api/graphspec/schema/").json()["title"] == "Omni-Flow GraphSpec"
 
 

@@ -39,6 +39,8 @@ export interface RoleSpec {
   kind: string;
   model?: string | null;
   replicas?: number;
+  /** Tensor-parallel rank processes per replica (default 1); only kinds with `tensor_parallel`. */
+  tp_size?: number;
   device?: string;
   balance?: string;
   balance_params?: Record<string, unknown>;
@@ -130,6 +132,8 @@ export interface RoleKind {
   name: string;
   description: string;
   params_schema: JsonSchema;
+  /** Whether a role of this kind may set `tp_size` > 1. */
+  tensor_parallel?: boolean;
 }
 
 export interface User {

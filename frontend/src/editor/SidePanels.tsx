@@ -140,7 +140,14 @@ function RoleCard({
         </label>
         <label className="field">
           <span className="field-label">Kind</span>
-          <select value={role.kind} onChange={(e) => set({ kind: e.target.value, params: {} })}>
+          <select
+            value={role.kind}
+            onChange={(e) => {
+              const next = kinds.find((k) => k.name === e.target.value);
+              // A kind that cannot shard runs one rank per replica.
+              set({ kind: e.target.value, params: {}, ...(next?.tensor_parallel ? {} : { tp_size: undefined }) });
+            }}
+          >
             {!kind && <option value={role.kind}>{role.kind} (unknown)</option>}
             {kinds.map((k) => (
               <option key={k.name} value={k.name}>
@@ -166,6 +173,26 @@ function RoleCard({
             value={String(role.replicas ?? 1)}
             check={(v) => (/^\d+$/.test(v) && +v >= 1 && +v <= 1024 ? null : "1–1024")}
             onCommit={(v) => set({ replicas: parseInt(v, 10) })}
+          />
+        </label>
+        <label
+          className="field"
+          title={
+            kind && !kind.tensor_parallel
+              ? `${kind.name} roles cannot shard: one rank per replica`
+              : "tensor-parallel ranks per replica: each holds a slice of every layer's heads"
+          }
+        >
+          <span className="field-label">Tensor-parallel ranks</span>
+          <CommitInput
+            type="number"
+            min={1}
+            max={64}
+            data-testid={`role-${role.name}-tp-size`}
+            disabled={!!kind && !kind.tensor_parallel && (role.tp_size ?? 1) === 1}
+            value={String(role.tp_size ?? 1)}
+            check={(v) => (/^\d+$/.test(v) && +v >= 1 && +v <= 64 ? null : "1–64")}
+            onCommit={(v) => set({ tp_size: parseInt(v, 10) })}
           />
         </label>
         <label className="field">

@@ -46,6 +46,7 @@ export function canonicalRole(role: RoleSpec): RoleSpec {
     ["kind", undefined],
     ["model", null],
     ["replicas", 1],
+    ["tp_size", 1],
     ["device", "cpu"],
     ["balance", "round_robin"],
     ["balance_params", EMPTY],

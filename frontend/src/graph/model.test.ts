@@ -199,6 +199,18 @@ describe("editing", () => {
     expect(spec.nodes.filter((n) => n.kind === "python").every((n) => n.role === "workers")).toBe(true);
   });
 
+  it("keeps a role's tp_size through doc <-> spec and drops the default", () => {
+    const spec: GraphSpec = {
+      version: 1, name: "tp", roles: [{ name: "lm", kind: "llm", model: "tiny-llama", tp_size: 2 }], nodes: [], edges: [],
+    };
+    const back = docToSpec(specToDoc(spec));
+    expect(back.roles).toEqual([{ name: "lm", kind: "llm", model: "tiny-llama", tp_size: 2 }]);
+    const single = updateRole(specToDoc(spec), "lm", { ...spec.roles[0], tp_size: 1 });
+    expect(docToSpec(single).roles).toEqual([{ name: "lm", kind: "llm", model: "tiny-llama" }]);
+    const four = updateRole(specToDoc(spec), "lm", { ...spec.roles[0], tp_size: 4 });
+    expect(docToSpec(four).roles[0].tp_size).toBe(4);
+  });
+
   it("names uniquely", () => {
     expect(uniqueName("python", ["python", "python_2"])).toBe("python_3");
     expect(uniqueName("x", [])).toBe("x");

@@ -36,6 +36,7 @@ class RoleKindSerializer(serializers.Serializer):
     name = serializers.CharField()
     description = serializers.CharField()
     params_schema = serializers.JSONField()
+    tensor_parallel = serializers.BooleanField(help_text="whether a role of this kind may set tp_size > 1")
 
 
 class NodeKindsView(APIView):
@@ -48,7 +49,8 @@ class RoleKindsView(APIView):
     @extend_schema(summary="The role kinds of this installation", responses=RoleKindSerializer(many=True))
     def get(self, request: Request) -> Response:
         return Response([
-            {"name": k.name, "description": k.description, "params_schema": k.params_schema}
+            {"name": k.name, "description": k.description, "params_schema": k.params_schema,
+             "tensor_parallel": k.tensor_parallel is not None and k.tp_runner is not None}
             for k in engine().kinds.role_kinds
         ])
 
