@@ -1,4 +1,4 @@
-"""Wire messages of the SGLang KV transfer plug-in (`transfer.py`), and nothing else.
+"""Wire messages of the SGLang KV transfer plug-in (`engine.compute.sglang.transfer`), and nothing else.
 
 Every message is a tagged `msgspec.Struct` (tag field `"type"`) encoded as msgpack with
 `engine.data.codec.WireCodec` over the unions below. KV bytes never travel inside these
