@@ -34,7 +34,9 @@ class Dispatcher(Protocol):
 
 class InProcessDispatcher:
     """Runs every role's unit in this process. A role runs at most
-    `replicas x capacity` node executions at once; the rest wait their turn (queued)."""
+    `replicas x capacity` node executions at once; the rest wait their turn (queued).
+    A role's `tp_size` takes no processes here: its whole model runs in this one (the same
+    tokens; tensor parallelism decides where the heads are computed, not what)."""
 
     DEFAULT_CAPACITY = 64
 

@@ -1,0 +1,58 @@
+"""A role worker's tensor-parallel options, and the worker ids of a replica's ranks."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from engine.flow.dsl import Workflow
+from engine.spec.graph import encode_spec
+from engine.worker.launcher import leader_worker_id, rank_worker_id
+from engine.worker.options import WorkerOptionError, add_worker_arguments, worker_config
+
+
+@pytest.fixture
+def workflow(tmp_path: Path) -> Path:
+    wf = Workflow("tp")
+    wf.role("one", kind="llm", model="tiny-llama")
+    wf.role("two", kind="llm", model="tiny-llama", tp_size=2)
+    wf.input("x", "json")
+    path = tmp_path / "tp.json"
+    path.write_bytes(encode_spec(wf.to_spec()))
+    return path
+
+
+def parse(workflow: Path, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    return parser.parse_args(["--workflow", str(workflow), *argv])
+
+
+def test_ranks_of_a_tp_role_get_their_seat(workflow: Path):
+    config = worker_config(parse(workflow, "--role", "two", "--tp-rank", "1", "--tp-address", "tcp://127.0.0.1:5"))
+    assert (config.role.tp_size, config.tp_rank, config.tp_address) == (2, 1, "tcp://127.0.0.1:5")
+    assert worker_config(parse(workflow, "--role", "one")).tp_address is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--role", "two"), "give --tp-address"),
+    (("--role", "two", "--tp-address", "127.0.0.1:5"), "give --tp-address"),
+    (("--role", "two", "--tp-rank", "2", "--tp-address", "tcp://127.0.0.1:5"), "has ranks 0..1"),
+    (("--role", "two", "--tp-rank", "-1", "--tp-address", "tcp://127.0.0.1:5"), "has ranks 0..1"),
+    (("--role", "one", "--tp-rank", "1"), "has tp_size 1"),
+    (("--role", "one", "--tp-address", "tcp://127.0.0.1:5"), "has tp_size 1"),
+])
+def test_bad_tp_options_are_refused(workflow: Path, argv: tuple[str, ...], message: str):
+    with pytest.raises(WorkerOptionError, match=message):
+        worker_config(parse(workflow, *argv))
+
+
+def test_rank_worker_ids_name_their_leader():
+    assert rank_worker_id("tp-two-0-99", 0) == "tp-two-0-99"
+    assert rank_worker_id("tp-two-0-99", 3) == "tp-two-0-99.tp3"
+    assert leader_worker_id("tp-two-0-99.tp3") == "tp-two-0-99"
+    assert leader_worker_id("tp-two-0-99") is None
+    assert leader_worker_id("tp-two-0-99.tp0") is None
+    assert leader_worker_id("a.tpx") is None
