@@ -45,7 +45,9 @@ from engine.flow.discovery import (
     make_registry,
 )
 from engine.spec.graph import GraphSpec, encode_spec
+from engine.spec.kinds import default_kinds
 from engine.worker.process import READY_PREFIX
+from engine.worker.zygote import ForkedProcess, Zygote
 
 
 class LaunchError(RuntimeError):
@@ -56,7 +58,7 @@ class LaunchError(RuntimeError):
 class LaunchedWorker:
     role: str
     worker_id: str
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedProcess
     details: dict
     relay: asyncio.Task[None] | None = None
     tp_rank: int = 0
@@ -114,6 +116,7 @@ class LocalCluster:
         stop_timeout_s: float = 10.0,
         heartbeat_s: float = 0.5,
         extra_args: tuple[str, ...] = (),
+        fork_server: bool = True,
     ) -> None:
         self.spec = spec
         self.registry_url = registry_url
@@ -122,12 +125,14 @@ class LocalCluster:
         self.stop_timeout_s = stop_timeout_s
         self.heartbeat_s = heartbeat_s
         self.extra_args = extra_args
+        self.fork_server = fork_server
         self.workers: list[LaunchedWorker] = []
         self.registry: Registry = (
             make_registry(registry_url, namespace=namespace) if registry_url else InProcessRegistry(ttl_s=float("inf"))
         )
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._zygote: Zygote | None = None
 
     def _env(self) -> dict[str, str]:
         # Workers import the same workflow modules (python ops) as this process.
@@ -159,27 +164,44 @@ class LocalCluster:
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
             details = worker.details
+            spec = self.spec.role(role)  # what a worker registering itself reports too
             await self.registry.register(WorkerInfo(
                 worker_id=worker.worker_id, role=role, address=details["address"], capacity=details["capacity"],
-                host=details["host"], pid=details["pid"],
+                model=spec.model, device=spec.device, host=details["host"], pid=details["pid"],
                 meta={"liveness": details["liveness"], "data": details["data"]},
             ))
         return worker
+
+    def _preload(self) -> list[str]:
+        """What the zygote imports before forking: the worker and the spec's compute units."""
+        kinds = default_kinds()
+        modules = ["engine.worker.__main__", "engine.compute.weights.store"]
+        for role in self.spec.roles:
+            kind = kinds.role_kind(role.kind)
+            runners = [kind.runner] + ([kind.tp_runner] if role.tp_size > 1 and kind.tp_runner else [])
+            modules += [runner.partition(":")[0] for runner in runners]
+        return list(dict.fromkeys(modules))
 
     async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = ()) -> LaunchedWorker:
         """One worker process, once it has printed its READY line."""
         assert self._tmp is not None
         spec_path = Path(self._tmp.name) / "workflow.json"
+        # A forked worker's parent is the zygote: it exits with it (and the zygote with us).
+        parent = self._zygote.pid if self._zygote is not None else os.getpid()
         args = [
-            sys.executable, "-m", "engine.worker",
             "--role", role, "--workflow", str(spec_path), "--worker-id", worker_id,
-            "--parent-pid", str(os.getpid()), "--namespace", self.namespace,
+            "--parent-pid", str(parent), "--namespace", self.namespace,
             "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s),
             *tp_args, *self.extra_args,
         ]
         if self.registry_url:
             args += ["--registry", self.registry_url]
-        process = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, env=self._env())
+        process: asyncio.subprocess.Process | ForkedProcess
+        if self._zygote is not None:
+            process = await self._zygote.spawn(args, title=f"omniflow-worker role={role} id={worker_id} (starting)")
+        else:
+            process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
+                                                           stdout=asyncio.subprocess.PIPE, env=self._env())
         assert process.stdout is not None
         try:
             while True:
@@ -206,6 +228,9 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="omniflow-cluster-")
         (Path(self._tmp.name) / "workflow.json").write_bytes(encode_spec(self.spec))
         try:
+            if self.fork_server:
+                self._zygote = await Zygote.start(self._preload(), env=self._env(),
+                                                  ready_timeout_s=self.ready_timeout_s)
             await asyncio.gather(*(self.spawn(role.name, i) for role in self.spec.roles for i in range(role.replicas)))
         except BaseException:
             await self.stop()
@@ -257,6 +282,9 @@ class LocalCluster:
         # Rank 0 of a tensor-parallel replica first: it drains, then stops its followers.
         await self._end(workers)
         await self._end([rank for worker in workers for rank in worker.ranks])
+        if self._zygote is not None:
+            await self._zygote.close(self.stop_timeout_s)
+            self._zygote = None
         await self.registry.close()
         if self._tmp is not None:
             self._tmp.cleanup()

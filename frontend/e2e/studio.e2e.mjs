@@ -493,6 +493,7 @@ try {
     await runOnDeployment(workflowIds.imageGeneration);
     const second = await hitRateAfter(await finishedAt());
     expect(second > first, `the device hit rate went from ${first} to ${second}`);
+    await waitText('[data-testid="worker-row"][data-role="llm"]', "tiny-llama"); // the role's model
     await shot("cluster-kv-hit-rate-rise");
     await openWorkflow("image_generation");
     await page.click(tid("deploy"));
