@@ -243,7 +243,9 @@ async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment:
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed") as caught:
         await asyncio.wait_for(long_call, TP_TIMEOUT_S + 4 * HB + 5.0)
     failed_after = time.monotonic() - killed_at
-    assert failed_after < TP_TIMEOUT_S + 4 * HB, f"the node failed only {failed_after:.1f}s after the kill"
+    # Within the heartbeat timeout (the registry TTL the launcher gives workers): gloo sees the closed
+    # connection at the next collective, long before the group's own timeout.
+    assert failed_after < 4 * HB, f"the node failed only {failed_after:.2f}s after the kill"
     assert "rank" in str(caught.value)
     # Every later call to the replica fails at once, with the same cause.
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):

@@ -110,6 +110,34 @@ def tp_timeout_s(role: RoleSpec) -> float:
     return float(value)
 
 
+def rank_device(role: RoleSpec, rank: int) -> str:
+    """Where rank `rank` of `role` runs: every rank on the CPU (`cpu`: gloo), or one GPU per rank
+    counting from the role's (`cuda` = `cuda:0`, `cuda:N`: NCCL)."""
+    device = role.device
+    if device == "cpu":
+        return "cpu"
+    head, _, index = device.partition(":")
+    if head == "cuda" and (not index or index.isdigit()):
+        return f"cuda:{int(index or 0) + rank}"
+    raise LLMUnitError(f"llm role {role.name!r}: device {device!r}; a tensor-parallel role runs on cpu or cuda[:N]")
+
+
+def _join(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
+    """Join the replica's group on this rank's device; the group and the device."""
+    device = rank_device(role, seat.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    group = TPGroup.init(seat.rank, seat.size, seat.address, timeout_s=tp_timeout_s(role),
+                         rendezvous_timeout_s=SETUP_TIMEOUT_S, backend="gloo" if device == "cpu" else "nccl")
+    return group, device
+
+
+def _shard(model: LoadedModel, group: TPGroup, device: str) -> LoadedModel:
+    shard = shard_model(model, group)
+    shard.model.to(device)
+    return shard
+
+
 def _load(role: RoleSpec) -> LoadedModel:
     ref = role.model
     if not ref:
@@ -290,9 +318,9 @@ class TPLLMUnit(LLMUnit):
 
     def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
         role, seat = self.role, self.seat
-        group = self.group = TPGroup.init(0, seat.size, seat.address, timeout_s=tp_timeout_s(role),
-                                          rendezvous_timeout_s=SETUP_TIMEOUT_S)
-        shard = shard_model(model, group)
+        group, device = _join(role, seat)
+        self.group = group
+        shard = _shard(model, group, device)
         sock = self._socket = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
@@ -458,15 +486,14 @@ class _Follower:
 
     def run(self, ready: Callable[[dict[str, Any]], None]) -> int:
         seat = self.seat
-        group = TPGroup.init(seat.rank, seat.size, seat.address, timeout_s=tp_timeout_s(self.role),
-                             rendezvous_timeout_s=SETUP_TIMEOUT_S)
+        group, device = _join(self.role, seat)
         context = zmq.Context()
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         engine: TPEngine | None = None
         try:
             model = _load(self.role)
-            shard = shard_model(model, group)
+            shard = _shard(model, group, device)
             sock.connect(group.lookup(_LEADER_KEY).decode())
             sock.send(_encoder.encode(TPHello(seat.rank, os.getpid())))
             if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):

@@ -1,0 +1,49 @@
+"""The pure parts of a tensor-parallel role's ranks: devices, and what travels to the followers."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.compute.llm.unit import LLMUnitError
+from engine.compute.sampling import SamplingParams
+from engine.compute.tp.messages import TPAdd, TPMessage, TPPullHandoff, TPStep, TPStop
+from engine.compute.tp.unit import _sampling_fields, _sampling_of, rank_device
+from engine.spec.graph import RoleSpec
+
+
+def role(device: str) -> RoleSpec:
+    return RoleSpec(name="lm", kind="llm", model="tiny-llama", tp_size=2, device=device)
+
+
+@pytest.mark.parametrize(("device", "ranks"), [
+    ("cpu", ["cpu", "cpu"]),
+    ("cuda", ["cuda:0", "cuda:1"]),
+    ("cuda:2", ["cuda:2", "cuda:3"]),
+])
+def test_each_rank_gets_its_own_gpu_or_the_cpu(device, ranks):
+    assert [rank_device(role(device), r) for r in range(2)] == ranks
+
+
+@pytest.mark.parametrize("device", ["mps", "cuda:x", "tpu:0"])
+def test_other_devices_are_refused(device):
+    with pytest.raises(LLMUnitError, match="runs on cpu or cuda"):
+        rank_device(role(device), 0)
+
+
+def test_sampling_params_travel_without_pickle():
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, seed=11, stop=("\n",), stop_token_ids=(2, 3))
+    message = TPAdd(1.5, "r1", [1, 2, 3], _sampling_fields(params), session_id="s", stream_text=True)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage)
+    assert decoded == message
+    assert _sampling_of(decoded.params) == params
+
+
+def test_logits_processors_cannot_travel():
+    with pytest.raises(LLMUnitError, match="logits processors"):
+        _sampling_fields(SamplingParams(logits_processors=(lambda ids, logits: logits,)))
+
+
+@pytest.mark.parametrize("message", [TPStep(2.0), TPStop(), TPPullHandoff(3.0, b"\x80", 5.0)])
+def test_every_message_round_trips(message):
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage) == message
