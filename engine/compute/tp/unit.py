@@ -454,11 +454,14 @@ class TPLLMUnit(LLMUnit):
 
     def _shutdown(self) -> None:
         if self._socket is not None:
-            if self.failed is None:
+            # Every follower that is still there stops now (one that is not stops when it sees
+            # rank 0 gone).
+            payload = _encoder.encode(TPStop())
+            for rank, identity in enumerate(self._followers, start=1):
                 try:
-                    self._broadcast(TPStop())
-                except TPRankError as exc:
-                    log.warning("telling the followers to stop: %s", exc)
+                    self._socket.send_multipart([identity, payload])
+                except zmq.ZMQError as exc:
+                    log.warning("telling follower rank %d to stop: %s", rank, exc)
             self._socket.close(linger=1000)
             self._socket = None
         self._context.term()
