@@ -44,6 +44,7 @@ from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchedWorker, LocalCluster, rank_worker_id
+from tests.integration.workerfns import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -157,6 +158,18 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         # TP-1 prefill -> TP-2 decode: the ranks pulled every full page of the prompt.
         assert result.outputs["pd"] == expected
         assert result.outputs["pd_kv"]["pulled_pages"] == len(prompt) // PAGE
+    # The TP-2 decodes let go of every handoff: the prefill worker holds no page locked.
+    one = deployment.replica("one").worker_id
+
+    async def locked() -> float:
+        (snapshot,) = [s for s in await deployment.cluster.registry.workers("one") if s.info.worker_id == one]
+        return snapshot.load.metrics.get("kv.device.locked_pages", -1.0)
+
+    await wait_until(lambda: _is(locked(), 0.0), 10.0, "the prefill worker to release its handoffs")
+
+
+async def _is(value, expected: float) -> bool:
+    return await value == expected
 
 
 async def test_tp2_text_prompt_streams_like_tp1(deployment: Deployment):

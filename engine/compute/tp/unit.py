@@ -440,11 +440,16 @@ class TPLLMUnit(LLMUnit):
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         self._commands.put(_AddHandoff(request_id, ref, sampling, stream))
+        released = False
         try:
             async for out in self._run(call, request_id, inbox):
+                if not released:  # admitted: every rank has its heads of the pages locked now
+                    released = True
+                    self._let_go(peer, ref.hold)
                 yield out, extra
         finally:
-            self._let_go(peer, ref.hold)
+            if not released:
+                self._let_go(peer, ref.hold)
 
     # -- shutdown -------------------------------------------------------------------------------------
 
