@@ -1,0 +1,158 @@
+"""Workers forked by the zygote (`engine.worker.zygote`), LocalCluster's default way to start them.
+
+The forked workers run nodes, carry their own process titles, are the zygote's children
+and stop with the cluster; a SIGKILLed zygote or a SIGKILLed launcher leaves no process
+behind. Every wait is on readiness (READY lines, process exits with deadlines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+
+from engine.data.peer import Peer
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.remote import WorkerDispatcher
+from engine.spec.graph import GraphSpec
+from engine.spec.kinds import default_kinds
+from engine.worker.launcher import LocalCluster
+from engine.worker.zygote import ForkedProcess
+from tests.integration.workerfns import wait_until, whoami
+
+REPO = Path(__file__).resolve().parents[2]
+HB = 0.2
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def title(pid: int) -> str:
+    return " ".join(psutil.Process(pid).cmdline())
+
+
+def two_replicas_spec() -> GraphSpec:
+    wf = Workflow("zygote")
+    py = wf.role("py", kind="python", replicas=2)
+    x = wf.input("x", default=0)
+    node = wf.python(whoami, role=py)
+    wf.edge(x, node)
+    wf.output("out", node)
+    return wf.to_spec()
+
+
+def cluster_of(spec: GraphSpec) -> LocalCluster:
+    return LocalCluster(spec, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+
+
+async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
+    spec = two_replicas_spec()
+    cluster = cluster_of(spec)
+    peer = Peer.start()
+    try:
+        await cluster.start()
+        assert cluster._zygote is not None
+        zygote = cluster._zygote.pid
+        assert title(zygote).startswith("omniflow-zygote")
+        pids = [w.pid for w in cluster.workers]
+        assert len(set(pids)) == 2
+        for worker in cluster.workers:
+            assert isinstance(worker.process, ForkedProcess)
+            assert worker.details["pid"] == worker.pid
+            assert psutil.Process(worker.pid).ppid() == zygote
+            assert title(worker.pid).startswith(f"omniflow-worker role=py id={worker.worker_id} listen=tcp://")
+        executor = Executor(WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0),
+                            default_kinds())
+        try:
+            seen = set()
+            for i in range(6):
+                result = await asyncio.wait_for((await executor.submit(spec, {"x": i})).wait(), 20)
+                assert result.status == "done", result.error
+                assert result.outputs["out"]["x"] == i
+                seen.add(result.outputs["out"]["pid"])
+            assert seen <= set(pids) and seen
+        finally:
+            await executor.aclose()
+        workers = list(cluster.workers)
+    finally:
+        await cluster.stop()
+        peer.close()
+    assert [w.process.returncode for w in workers] == [0, 0]
+    assert not any(alive(pid) for pid in [*pids, zygote])
+
+
+async def test_a_worker_killed_by_signal_reports_it():
+    cluster = cluster_of(two_replicas_spec())
+    try:
+        await cluster.start()
+        victim = cluster.workers[0]
+        victim.process.send_signal(signal.SIGKILL)
+        assert await asyncio.wait_for(victim.process.wait(), 10) == -signal.SIGKILL
+        assert alive(cluster.workers[1].pid)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_sigkilled_zygote_leaves_no_orphans():
+    cluster = cluster_of(two_replicas_spec())
+    try:
+        await cluster.start()
+        assert cluster._zygote is not None
+        zygote = cluster._zygote.pid
+        workers = list(cluster.workers)
+        os.kill(zygote, signal.SIGKILL)
+        for worker in workers:
+            # The zygote cannot report the status any more; the pidfd still says when it ended.
+            assert await asyncio.wait_for(worker.process.wait(), 10) is None
+            assert not alive(worker.pid)
+    finally:
+        await asyncio.wait_for(cluster.stop(), 20)
+
+
+LAUNCHER = """
+import asyncio, json, sys
+from engine.worker.launcher import LocalCluster
+from tests.integration.test_zygote import two_replicas_spec
+
+async def main():
+    cluster = LocalCluster(two_replicas_spec(), heartbeat_s=0.2)
+    await cluster.start()
+    print(json.dumps({"zygote": cluster._zygote.pid, "workers": [w.pid for w in cluster.workers]}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_sigkilled_launcher_leaves_no_orphans():
+    launcher = await asyncio.create_subprocess_exec(sys.executable, "-c", LAUNCHER, stdout=asyncio.subprocess.PIPE,
+                                                    cwd=REPO)
+    pids: list[int] = []
+    try:
+        assert launcher.stdout is not None
+        line = await asyncio.wait_for(launcher.stdout.readline(), 60)
+        assert line, "the launcher exited before its workers were ready"
+        started = json.loads(line)
+        pids = [started["zygote"], *started["workers"]]
+        assert all(psutil.Process(pid).ppid() == started["zygote"] for pid in started["workers"])
+        launcher.kill()
+        await launcher.wait()
+        await wait_until(lambda: not any(alive(pid) for pid in pids), 15,
+                         "the zygote and its workers exit after the launcher was killed")
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()
+            await launcher.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
