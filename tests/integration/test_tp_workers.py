@@ -1,12 +1,14 @@
 """A GraphSpec role with `tp_size = 2` on real worker processes (`LocalCluster`, gloo on the CPU).
 
-One cluster for the module, in-process registry: role `one` (tiny-llama, TP-1, also the prefill
-role) and role `two` (the same model, TP-2: two rank processes per replica, rank 0 the one
-endpoint). Greedy tokens of TP-2 equal those of TP-1 and of Hugging Face `generate`; a TP-1
-prefill's pages are pulled by the TP-2 role's ranks, each keeping its KV heads (checked
-bit-exact against the bytes the prefill worker serves); a killed follower rank fails the
-replica's in-flight node with a clear error. The killed-rank test runs last; every process
-the module starts is stopped.
+One cluster for the module, in-process registry: role `one` (tiny-llama, TP-1, also a prefill
+role), role `two` (the same model, TP-2: two rank processes per replica, rank 0 the one
+endpoint) and role `decode` (TP-1, decoding TP-2 prefills). Greedy tokens of TP-2 equal those
+of TP-1 and of Hugging Face `generate`, and so do prefill -> decode across TP sizes: a TP-1
+prefill's pages pulled by the TP-2 ranks, each keeping its KV heads (checked bit-exact against
+the bytes the prefill worker serves), and a TP-2 prefill's pages merged on its rank 0 and pulled
+by a TP-1 decode (checked against a TP-1 engine's pages). A killed follower rank fails the
+replica's in-flight node with a clear error. The killed-rank test runs last; every process the
+module starts is stopped.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import pytest_asyncio
 import torch
 from transformers import PreTrainedModel
 
+from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.transfer import KVHandoffRef
 from engine.compute.models.loader import load_builtin
+from engine.compute.sampling import SamplingParams
 from engine.compute.tp.kv import merge_pages, shard_layout
 from engine.compute.tp.unit import _HandoffPuller
 from engine.data.kv.keys import PageHash
@@ -61,23 +66,34 @@ def text_ids(seed: int, n: int) -> list[int]:
 
 
 def tp_spec() -> GraphSpec:
-    """A token prompt through `llm` on TP-1 and on TP-2, and through TP-1 prefill -> TP-2 decode."""
+    """A token prompt through `llm` on TP-1 and on TP-2, and through prefill -> decode from TP-1 to TP-2,
+TP-2 to TP-1 (a decode role of its own, so that it has none of the prompt's pages) and TP-2 to TP-2."""
     wf = Workflow("tp")
     params = {"page_size": PAGE, "tp_timeout_s": TP_TIMEOUT_S}
     one = wf.role("one", kind="llm", model=MODEL, params={"page_size": PAGE})
     two = wf.role("two", kind="llm", model=MODEL, tp_size=2, params=params)
+    decode = wf.role("decode", kind="llm", model=MODEL, params={"page_size": PAGE})  # TP-1, computes no prompt
     tokens = wf.input("prompt", "tokens")
     gen1 = wf.node("gen1", "llm", role=one, params={"max_new_tokens": NEW})
     gen2 = wf.node("gen2", "llm", role=two, params={"max_new_tokens": NEW})
     pre = wf.node("pre", "llm.prefill", role=one, params={"max_new_tokens": NEW})
     dec = wf.node("dec", "llm.decode", role=two)
-    for node in (gen1, gen2, pre):
+    pre2 = wf.node("pre2", "llm.prefill", role=two, params={"max_new_tokens": NEW})
+    dec21 = wf.node("dec21", "llm.decode", role=decode)
+    pre22 = wf.node("pre22", "llm.prefill", role=two, params={"max_new_tokens": NEW})
+    dec22 = wf.node("dec22", "llm.decode", role=two)
+    for node in (gen1, gen2, pre, pre2, pre22):
         wf.edge(tokens, node.inp("tokens"))
     wf.edge(pre, dec)
+    wf.edge(pre2, dec21)
+    wf.edge(pre22, dec22)
     wf.output("tp1", gen1.out("tokens"), "tokens")
     wf.output("tp2", gen2.out("tokens"), "tokens")
     wf.output("pd", dec.out("tokens"), "tokens")
     wf.output("pd_kv", dec.out("kv"), "kv")
+    wf.output("pd21", dec21.out("tokens"), "tokens")
+    wf.output("pd21_kv", dec21.out("kv"), "kv")
+    wf.output("pd22", dec22.out("tokens"), "tokens")
     return wf.to_spec()
 
 
@@ -158,6 +174,10 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         # TP-1 prefill -> TP-2 decode: the ranks pulled every full page of the prompt.
         assert result.outputs["pd"] == expected
         assert result.outputs["pd_kv"]["pulled_pages"] == len(prompt) // PAGE
+        # TP-2 prefill -> TP-1 decode: the TP-1 worker pulled rank 0's merged pages; and TP-2 -> TP-2.
+        assert result.outputs["pd21"] == expected
+        assert result.outputs["pd21_kv"]["pulled_pages"] == len(prompt) // PAGE
+        assert result.outputs["pd22"] == expected
     # The TP-2 decodes let go of every handoff: the prefill worker holds no page locked.
     one = deployment.replica("one").worker_id
 
@@ -166,6 +186,14 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         return snapshot.load.metrics.get("kv.device.locked_pages", -1.0)
 
     await wait_until(lambda: _is(locked(), 0.0), 10.0, "the prefill worker to release its handoffs")
+    # And the TP-2 prefill let its ranks' holds and its whole copies go.
+    two = deployment.replica("two").worker_id
+
+    async def exported() -> float:
+        (snapshot,) = [s for s in await deployment.cluster.registry.workers("two") if s.info.worker_id == two]
+        return snapshot.load.metrics.get("llm.exported_pages", -1.0)
+
+    await wait_until(lambda: _is(exported(), 0.0), 10.0, "the TP-2 prefill to drop its exported pages")
 
 
 async def _is(value, expected: float) -> bool:
@@ -238,9 +266,41 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
     assert torch.equal(merge_pages(tails, whole.num_kv_heads), tail)
 
 
-async def test_prefill_on_a_tp_role_is_refused(deployment: Deployment):
-    with pytest.raises(RemoteNodeError, match="llm.prefill does not run on a tensor-parallel role"):
-        await deployment.call("two", {"tokens": text_ids(6, 5)}, ("kv",), {"max_new_tokens": 2})
+async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deployment):
+    """The pages a TP-2 prefill serves are its ranks' heads merged: the whole model's KV, as a TP-1
+    engine computes it (up to float summation order) and in the layout a TP-1 decode reads."""
+    prompt = text_ids(9, 3 * PAGE + 2)
+    out = await deployment.call("two", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
+    ref = KVHandoffRef.from_value(out["kv"])
+    whole = KVLayout(**ref.layout)
+    assert whole.num_kv_heads == 2 and len(ref.page_hashes) == 3 and ref.tail_len == 2
+    pages = [PageHash(p) for p in ref.page_hashes]
+
+    def fetch() -> tuple[torch.Tensor, torch.Tensor]:
+        store = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=4), device="cpu"))
+        try:
+            assert len(fetch_pages(store, deployment.peer, ref.holder, pages, 10.0).pages) == 3
+            return torch.stack([store.get(p) for p in pages]), deployment.peer.pull(ref.hold, 10.0).torch().clone()
+        finally:
+            store.close()
+
+    try:
+        served, tail = await asyncio.to_thread(fetch)
+    finally:
+        await asyncio.to_thread(deployment.peer.client.call, ref.hold.owner,
+                                lambda rid: ReleaseRequest(rid, ref.hold.id), 5.0)
+    engine = LLMEngine(load_builtin(MODEL), EngineConfig(page_size=PAGE))
+    try:
+        (local,) = engine.generate([prompt], SamplingParams(max_new_tokens=NEW), prefill_only=True)
+        handoff = local.handoff
+        assert handoff is not None and list(handoff.page_hashes) == pages
+        expected = torch.stack([engine.store.get(p) for p in pages])
+        torch.testing.assert_close(served, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(tail[..., : ref.tail_len, :, :], handoff.tail[..., : ref.tail_len, :, :],
+                                   rtol=0, atol=1e-5)
+        engine.release_handoff(handoff.handoff_id)
+    finally:
+        engine.close()
 
 
 async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment: Deployment):

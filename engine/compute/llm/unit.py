@@ -460,7 +460,7 @@ class LLMUnit(ComputeUnit):
         handoff = final.handoff
         common = {
             "model_id": engine.model_id,
-            "layout": engine.layout.to_dict(),
+            "layout": self._handoff_layout(),
             "holder": peer.address,
             "worker_id": self.worker_id,
             "sampling": {k: v for k, v in call.params.items() if k in SAMPLING_PARAMS},
@@ -475,7 +475,8 @@ class LLMUnit(ComputeUnit):
                                finish_reason=str(final.finish_reason), **common)
             return ref.to_value()
         try:
-            token = handoff.tail if handoff.tail_len else torch.tensor([handoff.first_token])
+            tail = await self._handoff_tail(handoff)
+            token = tail if handoff.tail_len else torch.tensor([handoff.first_token])
             hold = peer.put(token, self.handoff_lease_s)
         except BaseException:
             self._commands.put(_Release(handoff.handoff_id))
@@ -487,6 +488,15 @@ class LLMUnit(ComputeUnit):
             tenant_salt=handoff.tenant_salt, hold=hold, **common,
         )
         return ref.to_value()
+
+    def _handoff_layout(self) -> dict[str, Any]:
+        """The KV layout a handoff's pages are served in (a tensor-parallel unit: the whole model's)."""
+        return self.engine.layout.to_dict()
+
+    async def _handoff_tail(self, handoff: KVHandoff) -> torch.Tensor | None:
+        """The partial last page as the decode side pulls it (a tensor-parallel unit gathers it and
+        the pages from its ranks first); if it raises, the handoff is released."""
+        return handoff.tail
 
     def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
         try:

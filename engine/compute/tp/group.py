@@ -114,6 +114,18 @@ class TPGroup:
             raise TPRankError(f"rank {self.rank}: gather failed (a peer rank is gone?): {exc}") from exc
         return out
 
+    def gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape and dtype on all), in rank order, on rank 0 (None
+        elsewhere). Raw tensors: nothing is pickled."""
+        if self.size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_leader else None
+        try:
+            dist.gather(tensor.contiguous(), out, dst=0)
+        except RuntimeError as exc:
+            raise TPRankError(f"rank {self.rank}: gather failed (a peer rank is gone?): {exc}") from exc
+        return out
+
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

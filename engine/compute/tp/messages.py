@@ -36,6 +36,7 @@ class TPAdd(msgspec.Struct, tag=True, frozen=True):
     session_id: str | None = None
     tenant_salt: str | None = None
     stream_text: bool = False
+    prefill_only: bool = False
     handoff_id: str | None = None
     """Admit the handoff the last `TPPullHandoff` of this id brought in (the prompt is its)."""
 
@@ -69,8 +70,24 @@ class TPPullHandoff(msgspec.Struct, tag=True, frozen=True):
     timeout_s: float
 
 
+class TPExport(msgspec.Struct, tag=True, frozen=True):
+    """Every rank hands its KV heads of prefill handoff `handoff_id` (pages and partial last page)
+    to rank 0, which serves them whole to a decode role of any TP size."""
+
+    now: float
+    handoff_id: str
+
+
+class TPRelease(msgspec.Struct, tag=True, frozen=True):
+    """The decode side has the pages: every rank drops its hold on handoff `handoff_id`."""
+
+    now: float
+    handoff_id: str
+
+
 class TPStop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-TPMessage = TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPStop
+TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPExport
+             | TPRelease | TPStop)

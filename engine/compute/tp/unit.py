@@ -21,10 +21,18 @@ or its next collective does (gloo notices the closed connection, or the group's 
 message; so does every later call, at once. A follower exits when rank 0 or its launcher is
 gone, or when an operation fails on it (which fails the group the same way).
 
-Not on tensor-parallel roles: `llm.prefill` (a handoff's pages would be one rank's heads),
-multimodal items, logits processors. `llm.decode` is supported: every rank pulls the
-handoff's whole pages from the prefill worker and keeps its own KV heads
-(`engine.compute.tp.kv.split_page`), so a TP-1 prefill role feeds a TP-N decode role.
+KV across TP sizes, both ways, bit-exact (pages only change hands by head slices):
+
+* `llm.decode` on a TP role: every rank pulls the handoff's whole pages (and partial last
+  page) from the prefill worker and keeps its own KV heads (`split_page`), so a prefill role
+  of any TP size feeds it;
+* `llm.prefill` on a TP role: after the prefill every rank sends its heads of the handoff's
+  pages to rank 0 (`TPGroup.gather_tensor`), which keeps them whole (`merge_pages`) in a
+  store of the whole model's layout that its page server serves, until the decode side
+  lets go; so it feeds a decode role of any TP size, TP-1 included.
+
+Not on tensor-parallel roles: multimodal items, logits processors; rank 0 does not serve
+its own (sharded) pages to other workers, and prefix matching does not pull from peers.
 """
 
 from __future__ import annotations
@@ -55,25 +63,27 @@ from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.engine import TPEngine
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
-from engine.compute.tp.kv import split_page
+from engine.compute.tp.kv import merge_pages, split_page
 from engine.compute.tp.messages import (
     TPAbort,
     TPAdd,
     TPExpire,
+    TPExport,
     TPHello,
     TPMessage,
     TPOpenSession,
     TPPullHandoff,
+    TPRelease,
     TPSetup,
     TPStep,
     TPStop,
 )
 from engine.compute.tp.shard import shard_model
 from engine.data.channel import RefGone, TransferError
-from engine.data.kv.errors import KVTransferError
+from engine.data.kv.errors import KVError, KVTransferError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.pull import fetch_pages
+from engine.data.kv.pull import KVPageServer, fetch_pages
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall
@@ -222,6 +232,29 @@ class _HandoffPuller:
         return self._mine(self._peer().pull(ref.hold, left).torch().clone())
 
 
+def _gather_handoff(engine: TPEngine, handoff: KVHandoff,
+                    num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Every rank calls this for the same prefill handoff, in the same order (collectives): rank 0
+    gets its whole pages (stacked, None without full pages) and whole partial last page (None
+    without one); the other ranks get (None, None). The rank's pages are pinned by the handoff."""
+    group = engine.group
+    pages = tail = None
+    if handoff.page_hashes:
+        mine = []
+        for page in handoff.page_hashes:
+            data = engine.store.get(page, promote=False)
+            if data is None:
+                raise TPError(f"rank {group.rank}: page {page} of handoff {handoff.handoff_id} is gone")
+            mine.append(data)
+        shards = group.gather_tensor(torch.stack(mine))
+        pages = merge_pages(shards, num_kv_heads) if shards is not None else None
+    if handoff.tail_len:
+        assert handoff.tail is not None
+        shards = group.gather_tensor(handoff.tail)
+        tail = merge_pages(shards, num_kv_heads) if shards is not None else None
+    return pages, tail
+
+
 # -- rank 0 ---------------------------------------------------------------------------------------------
 
 
@@ -249,15 +282,16 @@ class _Broadcasting:
                     request_id: str | None = None, session_id: str | None = None, tenant_salt: str | None = None,
                     mm_items: tuple[MultimodalItem, ...] = (), prefill_only: bool = False,
                     handoff: KVHandoff | None = None, source: object = None, stream_text: bool = False) -> str:
-        if mm_items or prefill_only or source is not None or request_id is None:
-            raise LLMUnitError("a tensor-parallel role runs neither multimodal items nor llm.prefill")
+        if mm_items or source is not None or request_id is None:
+            raise LLMUnitError("a tensor-parallel role runs no multimodal items")
         params = params or SamplingParams()
         fields = _sampling_fields(params)
         if handoff is not None:
             raise LLMUnitError("a tensor-parallel role admits handoffs through add_handoff")
-        self._send(TPAdd(self._tick(), request_id, prompt, fields, session_id, tenant_salt, stream_text))
+        self._send(TPAdd(self._tick(), request_id, prompt, fields, session_id, tenant_salt, stream_text,
+                         prefill_only=prefill_only))
         return self._engine.add_request(prompt, params, request_id=request_id, session_id=session_id,
-                                        tenant_salt=tenant_salt, stream_text=stream_text)
+                                        tenant_salt=tenant_salt, stream_text=stream_text, prefill_only=prefill_only)
 
     def add_handoff(self, ref: KVHandoffRef, params: SamplingParams, request_id: str, stream_text: bool) -> str:
         """Every rank pulls `ref`'s pages (its own heads), then admits it as `request_id`."""
@@ -268,6 +302,15 @@ class _Broadcasting:
                          handoff_id=ref.handoff_id))
         return self._engine.add_request(None, params, request_id=request_id, handoff=handoff,
                                         stream_text=stream_text)
+
+    def export_handoff(self, handoff: KVHandoff) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's whole pages and partial last page of a prefill handoff (see `_gather_handoff`)."""
+        self._send(TPExport(self._tick(), handoff.handoff_id))
+        return _gather_handoff(self._engine, handoff, self._puller.whole.num_kv_heads)
+
+    def release_handoff(self, handoff_id: str) -> None:
+        self._send(TPRelease(self._tick(), handoff_id))
+        self._engine.release_handoff(handoff_id)
 
     def abort(self, request_id: str) -> None:
         self._send(TPAbort(self._tick(), request_id))
@@ -294,6 +337,23 @@ class _AddHandoff:
     ref: KVHandoffRef
     params: SamplingParams
     stream_text: bool
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    """Event loop side: `future`'s result (an exception fails it), unless its caller gave up."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+@dataclass(frozen=True, slots=True)
+class _Export:
+    handoff: KVHandoff
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[torch.Tensor | None]
 
 
 class TPLLMUnit(LLMUnit):
@@ -346,7 +406,22 @@ class TPLLMUnit(LLMUnit):
         puller = _HandoffPuller(engine, _whole_layout(model, config), self._transfer)
         broadcast = _Broadcasting(engine, self._broadcast, puller, self.pull_timeout_s)
         self.whole_layout = puller.whole
+        # Prefill handoffs' pages, whole, while their decode sides have not taken them.
+        self._exports = KVStore(KVStoreConfig(layout=puller.whole, device_capacity=Capacity(pages=config.device_pages),
+                                              device="cpu"))
+        self._exported: dict[str, list[PageHash]] = {}
+        self._exported_pages = 0  # an int: read by the heartbeat thread
         return broadcast  # type: ignore[return-value]  # an LLMEngine in all the unit uses
+
+    def _transfer(self) -> Peer:
+        """The unit's seat on the transfer plane: pulls, hold tokens, and serving the exported
+        (whole) pages of its prefill handoffs."""
+        with self._lock:
+            if self._peer is None:
+                self._peer = Peer.start(PeerConfig())
+                self._own_peer = True
+                self._page_server = KVPageServer(self._exports, self._peer.server)
+            return self._peer
 
     def _broadcast(self, message: TPMessage) -> None:
         assert self._socket is not None
@@ -360,6 +435,9 @@ class TPLLMUnit(LLMUnit):
     # -- the engine thread ----------------------------------------------------------------------------
 
     def _apply(self, command: Any) -> None:
+        if isinstance(command, _Export):
+            self._export(command)
+            return
         if isinstance(command, _AddHandoff):
             try:
                 self.engine.add_handoff(command.ref, command.params, command.request_id, command.stream_text)
@@ -367,6 +445,38 @@ class TPLLMUnit(LLMUnit):
                 self._deliver(command.request_id, exc)
             return
         super()._apply(command)
+
+    def _export(self, command: _Export) -> None:
+        """Engine thread: gather a prefill handoff from the ranks and keep its pages whole, locked,
+        for the decode side; resolve `command.done` with the whole partial last page."""
+        handoff = command.handoff
+        done = command.done
+        try:
+            pages, tail = self.engine.export_handoff(handoff)
+            if pages is not None:
+                keys = list(handoff.page_hashes)
+                self._exports.put_many(keys, pages)
+                self._exports.lock(keys)
+                self._exported[handoff.handoff_id] = keys
+                self._exported_pages += len(keys)
+        except KVError as exc:
+            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(
+                f"keeping handoff {handoff.handoff_id}'s pages for the decode side: {exc}"))
+            return
+        except BaseException as exc:  # the group broke: the caller fails with it, then the unit does
+            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(f"{type(exc).__name__}: {exc}"))
+            raise
+        command.loop.call_soon_threadsafe(_settle, done, tail)
+
+    def _release(self, handoff_id: str) -> None:
+        super()._release(handoff_id)
+        keys = self._exported.pop(handoff_id, None)
+        if keys is not None:
+            self._exported_pages -= len(keys)
+            self._exports.unlock(keys)
+            for page in keys:
+                if not self._exports.lock_count(page):
+                    self._exports.remove(page)
 
     def _loop(self) -> None:
         try:
@@ -392,6 +502,14 @@ class TPLLMUnit(LLMUnit):
                 return
             if isinstance(command, _Add | _AddHandoff):
                 self._deliver(command.request_id, error)
+            elif isinstance(command, _Export):
+                command.loop.call_soon_threadsafe(_settle, command.done, error)
+
+    def metrics(self) -> dict[str, float]:
+        """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the
+        group: its size and whether it failed."""
+        return {**super().metrics(), "llm.exported_pages": float(self._exported_pages),
+                "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None)}
 
     # -- node calls -----------------------------------------------------------------------------------
 
@@ -406,9 +524,14 @@ class TPLLMUnit(LLMUnit):
             raise LLMUnitError(f"node {call.node_id!r}: multimodal items do not run on a tensor-parallel role")
         return prompt, ()
 
-    async def _prefill(self, call: NodeCall) -> dict[str, Any]:
-        raise LLMUnitError(f"node {call.node_id!r}: llm.prefill does not run on a tensor-parallel role (its KV"
-                           " pages are split by head over the ranks); prefill on a role with tp_size 1")
+    def _handoff_layout(self) -> dict[str, Any]:
+        return self.whole_layout.to_dict()
+
+    async def _handoff_tail(self, handoff: KVHandoff) -> torch.Tensor | None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[torch.Tensor | None] = loop.create_future()
+        self._commands.put(_Export(handoff, loop, done))
+        return await done
 
     def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
         try:
@@ -456,6 +579,7 @@ class TPLLMUnit(LLMUnit):
     async def close(self) -> None:
         await super().close()
         self._shutdown()
+        self._exports.close()
 
     def _shutdown(self) -> None:
         if self._socket is not None:
@@ -485,6 +609,9 @@ class _Follower:
         self.role, self.seat, self.parent_pid = role, seat, parent_pid
         self.now = time.monotonic()
         self.handoffs: dict[str, KVHandoff] = {}
+        """Decode handoffs pulled by `TPPullHandoff`, until their `TPAdd`."""
+        self.prefilled: dict[str, KVHandoff] = {}
+        """Prefill handoffs this rank's engine made, until their `TPExport`."""
         self._peer: Peer | None = None
 
     def peer(self) -> Peer:
@@ -559,12 +686,19 @@ class _Follower:
     def _apply(self, message: TPMessage, engine: TPEngine, puller: _HandoffPuller) -> None:
         self.now = getattr(message, "now", self.now)
         if isinstance(message, TPStep):
-            engine.step()
+            for out in engine.step():
+                if out.handoff is not None:
+                    self.prefilled[out.handoff.handoff_id] = out.handoff
         elif isinstance(message, TPAdd):
             handoff = self.handoffs.pop(message.handoff_id) if message.handoff_id is not None else None
             engine.add_request(message.prompt, _sampling_of(message.params), request_id=message.request_id,
                                session_id=message.session_id, tenant_salt=message.tenant_salt,
-                               stream_text=message.stream_text, handoff=handoff)
+                               stream_text=message.stream_text, prefill_only=message.prefill_only,
+                               handoff=handoff)
+        elif isinstance(message, TPExport):
+            _gather_handoff(engine, self.prefilled.pop(message.handoff_id), puller.whole.num_kv_heads)
+        elif isinstance(message, TPRelease):
+            engine.release_handoff(message.handoff_id)
         elif isinstance(message, TPAbort):
             engine.abort(message.request_id)
         elif isinstance(message, TPOpenSession):
