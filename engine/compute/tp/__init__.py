@@ -17,8 +17,9 @@ from the model's config, which the shard rewrites to the rank's own.
 * `unit.py` — the same as role workers: a GraphSpec role with `tp_size = N` runs N worker
   processes per replica (`engine.worker.launcher`); rank 0 hosts `TPLLMUnit` (the `llm`
   unit over its shard, sending each engine operation to the followers first, as
-  `messages.py` types over ZeroMQ), ranks 1.. run `follow()`. Its ranks pull a prefill
-  handoff's whole pages from another role and keep their own heads.
+  `messages.py` types over ZeroMQ), ranks 1.. run `follow()`. For prefill/decode across TP
+  sizes its ranks pull a handoff's whole pages and keep their own heads, and gather their
+  heads of their own prefill's pages on rank 0, which serves them whole.
 """
 
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
