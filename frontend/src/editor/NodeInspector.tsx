@@ -84,7 +84,8 @@ export function NodeInspector({
               {roles.map((r) => (
                 <option key={r.name} value={r.name}>
                   {r.name} ({r.kind}
-                  {r.replicas && r.replicas > 1 ? ` ×${r.replicas}` : ""})
+                  {r.replicas && r.replicas > 1 ? ` ×${r.replicas}` : ""}
+                  {r.tp_size && r.tp_size > 1 ? `, TP ${r.tp_size}` : ""})
                 </option>
               ))}
               <option value="__new__">+ New {kind.role_kinds[0]} role</option>
