@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 _NO_WORKER_POLL_S = 0.05
 """How often a call that found no worker of its role reads the registry again."""
 
+_ANSWERS = (ExecuteStarted, ExecuteProgress, ExecuteFrame, ExecuteResult, ExecuteFailed)
+"""What a worker sends about a call it runs; the first of them marks the node running."""
+
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -473,11 +476,12 @@ class WorkerDispatcher:
             try:
                 while True:
                     message = await inbox.get()
-                    if isinstance(message, ExecuteStarted):
-                        if not announced:
-                            announced = True
-                            started()
-                    elif isinstance(message, ExecuteProgress):
+                    # A worker may skip ExecuteStarted when an answer is ready at once: any
+                    # answer from the node says it started.
+                    if not announced and isinstance(message, _ANSWERS):
+                        announced = True
+                        started()
+                    if isinstance(message, ExecuteProgress):
                         ctx.progress(message.progress, message.message)
                     elif isinstance(message, ExecuteFrame):
                         produced = True

@@ -64,6 +64,20 @@ class _InboundStream:
 
 
 @dataclass(slots=True)
+class _Reply:
+    """Sends one execution's answers to its caller; the first one withdraws the pending
+    ExecuteStarted (`announce`), which every other answer implies."""
+
+    identity: bytes
+    send: Send
+    announce: asyncio.Handle
+
+    def __call__(self, message: WorkerMessage) -> None:
+        self.announce.cancel()
+        self.send(self.identity, message)
+
+
+@dataclass(slots=True)
 class _Execution:
     task: asyncio.Task[None]
     streams: dict[str, _InboundStream] = field(default_factory=dict)
@@ -174,16 +188,20 @@ class RoleWorkerCore:
                 self.waiting -= 1
             self.running += 1
             started = time.perf_counter()
+            # ExecuteStarted goes out on the loop's next turn, unless an answer went first: a node
+            # that finishes without suspending (a no-op, a quick python op) costs one message, not two.
+            reply = _Reply(identity, send, asyncio.get_running_loop().call_soon(
+                send, identity, ExecuteStarted(rid, self.worker_id)))
             try:
-                send(identity, ExecuteStarted(rid, self.worker_id))
-                await self._run(identity, request, streams)
+                await self._run(reply, request, streams)
                 self.stats.completed += 1
             except asyncio.CancelledError:
                 self.stats.cancelled += 1
+                reply.announce.cancel()
                 raise
             except Exception as exc:  # noqa: BLE001 - the node's failure, reported back to the executor
                 self.stats.failed += 1
-                send(identity, ExecuteFailed(rid, f"{type(exc).__name__}: {exc}"))
+                reply(ExecuteFailed(rid, f"{type(exc).__name__}: {exc}"))
             finally:
                 self.running -= 1
                 self.stats.busy_s += time.perf_counter() - started
@@ -191,7 +209,7 @@ class RoleWorkerCore:
         finally:
             self._executions.pop((identity, rid), None)
 
-    async def _run(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
+    async def _run(self, reply: _Reply, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
         rid = request.request_id
         inputs = await self._inputs(request, streams)
         call = NodeCall(
@@ -211,17 +229,17 @@ class RoleWorkerCore:
             node_id=request.node_id,
             iteration=request.iteration,
             attempt=request.attempt,
-            report_progress=lambda f, m: self._send(identity, ExecuteProgress(rid, f, m)),
+            report_progress=lambda f, m: reply(ExecuteProgress(rid, f, m)),
         )
         if request.stream:
             index = 0
             async for frame in self.unit.execute_stream(call, ctx):
-                self._send(identity, ExecuteFrame(rid, index, self._outputs(frame, request.node_id)))
+                reply(ExecuteFrame(rid, index, self._outputs(frame, request.node_id)))
                 index += 1
-            self._send(identity, ExecuteResult(rid, {}))
+            reply(ExecuteResult(rid, {}))
             return
         result = await self.unit.execute(call, ctx)
-        self._send(identity, ExecuteResult(rid, self._outputs(result.outputs, request.node_id), result.route))
+        reply(ExecuteResult(rid, self._outputs(result.outputs, request.node_id), result.route))
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> WorkerLoad:
