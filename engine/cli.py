@@ -12,7 +12,6 @@ invalid input (every problem printed), 2 on usage errors.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import pkgutil
@@ -21,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import numpy as np
+import uvloop
 
 from engine.data.peer import Peer
 from engine.data.wire import TensorRef
@@ -173,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     inputs = parse_inputs(spec, args.input)
     progress = None if args.quiet else sys.stderr
     try:
-        result = asyncio.run(_run(args, spec, inputs, progress))
+        result = uvloop.run(_run(args, spec, inputs, progress))
     except (RunInputError, LaunchError) as exc:
         raise CliError(str(exc)) from None
     if args.json:

