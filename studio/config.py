@@ -144,8 +144,12 @@ def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tup
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
-def parse_database_url(url: str, *, name: str = "DATABASE_URL") -> dict[str, Any]:
-    """`postgres://user:password@host:port/dbname?sslmode=...` or `sqlite:///path`."""
+def parse_database_url(url: str, *, name: str = "DATABASE_URL", pool_size: int = 0) -> dict[str, Any]:
+    """`postgres://user:password@host:port/dbname?sslmode=...` or `sqlite:///path`.
+
+    With `pool_size`, PostgreSQL connections come from a psycopg pool of at most that many
+    per process instead of a new connection per request (ASGI requests and consumers run
+    on many threads: Django's persistent connections do not suit them, a pool does)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme in ("postgres", "postgresql", "pgsql"):
@@ -156,6 +160,9 @@ def parse_database_url(url: str, *, name: str = "DATABASE_URL") -> dict[str, Any
             port = parts.port
         except ValueError:
             raise ImproperlyConfigured(f"{name}={url!r} has an invalid port") from None
+        options: dict[str, Any] = dict(parse_qsl(parts.query))
+        if pool_size:
+            options["pool"] = {"min_size": 1, "max_size": pool_size, "timeout": 10}
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": dbname,
@@ -163,7 +170,7 @@ def parse_database_url(url: str, *, name: str = "DATABASE_URL") -> dict[str, Any
             "PASSWORD": unquote(parts.password or ""),
             "HOST": parts.hostname or "",
             "PORT": str(port or ""),
-            "OPTIONS": dict(parse_qsl(parts.query)),
+            "OPTIONS": options,
             "CONN_MAX_AGE": 0,
         }
     if scheme == "sqlite":
@@ -213,7 +220,9 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
     debug = env_bool(env, "OMNIFLOW_DEBUG", False)
 
     database_url = env.get("DATABASE_URL") or None
-    database = parse_database_url(database_url) if database_url else sqlite_database(data_dir / "studio.sqlite3")
+    pool_size = env_int(env, "OMNIFLOW_DB_POOL", 16)
+    database = (parse_database_url(database_url, pool_size=pool_size) if database_url
+                else sqlite_database(data_dir / "studio.sqlite3"))
 
     redis_url = env.get("REDIS_URL") or None
     if redis_url is not None and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):

@@ -67,7 +67,8 @@ def workflow_spec() -> dict[str, Any]:
         previous = (name, "out")
     nodes.append({"id": "y", "kind": "output", "inputs": {"value": {"type": "json"}}})
     edges.append({"source": previous[0], "source_port": previous[1], "target": "y", "target_port": "value"})
-    return {"version": 1, "name": "bench_studio", "roles": [{"name": "py", "kind": "python"}], "nodes": nodes,
+    # A name of its own per bench: a shared database may hold an earlier bench's workflow.
+    return {"version": 1, "name": f"bench_studio_{secrets.token_hex(4)}", "roles": [{"name": "py", "kind": "python"}], "nodes": nodes,
             "edges": edges}
 
 
@@ -260,7 +261,11 @@ def _healthz(http_: _Http, n: int) -> list[float]:
     return times
 
 
-async def _load(studio: _Studio, workflow_id: str, n: int, submitters: int) -> tuple[list[_Followed | None], float]:
+async def _load(
+    studio: _Studio, workflow_id: str, n: int, submitters: int
+) -> tuple[list[_Followed | None], float, list[str]]:
+    """`n` runs submitted at once, each stream followed; also the distinct errors of the
+    runs whose submission or stream failed."""
     loop = asyncio.get_running_loop()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=submitters, thread_name_prefix="bench-submit")
     local: dict[int, _Http] = {}
@@ -286,7 +291,8 @@ async def _load(studio: _Studio, workflow_id: str, n: int, submitters: int) -> t
         for conn in local.values():
             conn.close()
     wall = time.perf_counter() - t0
-    return [r if isinstance(r, _Followed) else None for r in results], wall
+    errors = sorted({f"{type(r).__name__}: {r}"[:300] for r in results if isinstance(r, BaseException)})
+    return [r if isinstance(r, _Followed) else None for r in results], wall, errors
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -316,7 +322,7 @@ async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
         lost += block_lost
         healthz += await loop.run_in_executor(None, _healthz, http_, max(share, 1))
     http_.close()
-    followed, wall = await asyncio.wait_for(_load(studio, wf["id"], args.concurrent, args.submitters), args.timeout)
+    followed, wall, errors = await asyncio.wait_for(_load(studio, wf["id"], args.concurrent, args.submitters), args.timeout)
     completed = sum(1 for f in followed if f is not None and _completed(f))
     events_lost = sum(_lost(f) for f in followed if f is not None)
     p50 = statistics.median(latencies)
@@ -331,6 +337,7 @@ async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
         "runs_completed": completed,
         "events_lost": events_lost,
         "streams_failed": sum(1 for f in followed if f is None),
+        "stream_errors": errors[:5],
         "load_wall_s": wall,
         "load_runs_per_s": completed / wall,
         "goal_first_event_ms": GOAL_FIRST_EVENT_MS,

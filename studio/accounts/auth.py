@@ -94,7 +94,9 @@ class _BearerOrSameOriginSession:
         headers = dict(scope.get("headers", []))
         secret = bearer_token(headers.get(b"authorization"))
         if secret is not None:
-            user = await database_sync_to_async(user_for_token)(secret)
+            # Read-only and independent of the request thread: off the one thread sync views share,
+            # so a burst of REST writes does not hold WebSocket handshakes past their timeout.
+            user = await database_sync_to_async(user_for_token, thread_sensitive=False)(secret)
             scope = {**scope, "user": user or AnonymousUser(), "auth": "token" if user else "invalid-token"}
         elif getattr(scope.get("user"), "is_authenticated", False):
             if origin_allowed(headers.get(b"origin")):

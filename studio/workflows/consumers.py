@@ -60,18 +60,22 @@ def _since(raw: Any) -> int:
     return raw
 
 
-@database_sync_to_async
-def _visible_run(user: Any, run_id: str) -> str | None:
+def _visible_run_sync(user: Any, run_id: str) -> str | None:
     run = Run.objects.visible_to(user).filter(pk=run_id).values_list("pk", flat=True).first()
     return None if run is None else str(run)
 
 
-@database_sync_to_async
-def _stored_events(run_id: str, first: int, last: int | None = None) -> list[dict[str, Any]]:
+def _stored_events_sync(run_id: str, first: int, last: int | None = None) -> list[dict[str, Any]]:
     qs = RunEvent.objects.filter(run_id=run_id, seq__gte=first).order_by("seq")
     if last is not None:
         qs = qs.filter(seq__lte=last)
     return [e.data for e in qs[:REPLAY_PAGE]]
+
+
+# Read-only lookups, run off the one thread that sync views share (thread_sensitive=False): a
+# burst of REST writes must not hold WebSocket handshakes and replays past their timeouts.
+_visible_run = database_sync_to_async(_visible_run_sync, thread_sensitive=False)
+_stored_events = database_sync_to_async(_stored_events_sync, thread_sensitive=False)
 
 
 class RunEventsConsumer(AsyncWebsocketConsumer):

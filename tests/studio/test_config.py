@@ -33,8 +33,11 @@ def test_distributed(tmp_path: Path) -> None:
                              OMNIFLOW_MAX_UPLOAD_BYTES="1_048_576", OMNIFLOW_RUN_TIMEOUT_S="30"))
     assert config.database == {
         "ENGINE": "django.db.backends.postgresql", "NAME": "omni", "USER": "u", "PASSWORD": "p@ss",
-        "HOST": "db.example", "PORT": "6543", "OPTIONS": {"sslmode": "require"}, "CONN_MAX_AGE": 0,
+        "HOST": "db.example", "PORT": "6543", "CONN_MAX_AGE": 0,
+        "OPTIONS": {"sslmode": "require", "pool": {"min_size": 1, "max_size": 16, "timeout": 10}},
     }
+    unpooled = load_config(env(tmp_path, DATABASE_URL="postgres://u@db/omni", OMNIFLOW_DB_POOL="0"))
+    assert unpooled.database["OPTIONS"] == {}
     assert config.distributed and config.dispatch is Dispatch.CELERY
     assert config.max_upload_bytes == 1_048_576 and config.run_timeout_s == 30.0
 
@@ -48,6 +51,7 @@ def test_sqlite_urls() -> None:
     ("OMNIFLOW_DEBUG", "maybe", "not a boolean"),
     ("OMNIFLOW_MAX_UPLOAD_BYTES", "lots", "not an integer"),
     ("OMNIFLOW_MAX_UPLOAD_BYTES", "10", "at least 1024"),
+    ("OMNIFLOW_DB_POOL", "many", "not an integer"),
     ("OMNIFLOW_RUN_TIMEOUT_S", "-1", "positive"),
     ("OMNIFLOW_DISPATCH", "ray", "expected one of local, celery"),
     ("OMNIFLOW_DISPATCH", "celery", "needs REDIS_URL"),

@@ -21,12 +21,14 @@ from studio.workflows.runs.bus import ChannelLayerRunEventBus, RunEventBus
 PAGE = 500
 
 
-@database_sync_to_async
-def _stored(run_id: str, first: int, last: int | None) -> list[dict[str, Any]]:
+def _stored_sync(run_id: str, first: int, last: int | None) -> list[dict[str, Any]]:
     qs = RunEvent.objects.filter(run_id=run_id, seq__gte=first).order_by("seq")
     if last is not None:
         qs = qs.filter(seq__lte=last)
     return [e.data for e in qs[:PAGE]]
+
+
+_stored = database_sync_to_async(_stored_sync, thread_sensitive=False)  # read-only: any thread
 
 
 class _Subscriber:
