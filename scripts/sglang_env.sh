@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SGLANG_VENV:-.venv-sglang}
 PY="$VENV/bin/python"
-STAMP="$VENV/.omniflow-sglang-env-v1"
+STAMP="$VENV/.omniflow-sglang-env-v2"
 
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 SGLANG_PIN=sglang==0.5.23
