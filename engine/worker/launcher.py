@@ -150,16 +150,26 @@ class LocalCluster:
             worker = await self._spawn_rank(role, worker_id)
         else:
             address = tp_address()
-            spawned = await asyncio.gather(
-                *(self._spawn_rank(role, rank_worker_id(worker_id, rank), ("--tp-rank", str(rank), "--tp-address",
-                                                                           address)) for rank in range(tp_size)),
-                return_exceptions=True,
-            )
+            tasks = [asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
+                                                          ("--tp-rank", str(rank), "--tp-address", address)))
+                     for rank in range(tp_size)]
+            # A rank that fails to start dooms its replica: the others would only wait for it.
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                spawned = await asyncio.gather(*tasks, return_exceptions=True)
+                await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
+                raise
+            for task in tasks:
+                task.cancel()  # no-op for the finished ones
+            spawned = await asyncio.gather(*tasks, return_exceptions=True)
             started = [w for w in spawned if isinstance(w, LaunchedWorker)]
-            failed = [e for e in spawned if isinstance(e, BaseException)]
-            if failed:
+            failed = [e for e in spawned if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+            if failed or len(started) < tp_size:
                 await self._end(started)
-                raise failed[0]
+                raise failed[0] if failed else LaunchError(f"a rank of role {role!r} was cancelled while starting")
             worker, worker.ranks = started[0], started[1:]
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
@@ -219,6 +229,10 @@ class LocalCluster:
             await process.wait()
             raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
                               f" {self.ready_timeout_s} s") from None
+        except asyncio.CancelledError:  # e.g. another rank of its replica failed: never leave it running
+            process.kill()
+            await process.wait()
+            raise
         worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
         # Keep reading what the worker prints (node code may print), so its pipe never fills.
         worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))

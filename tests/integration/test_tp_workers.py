@@ -48,7 +48,7 @@ from engine.flow.remote import RemoteNodeError, WorkerDispatcher
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LaunchedWorker, LocalCluster, rank_worker_id
+from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster, rank_worker_id
 from tests.integration.workerfns import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -324,3 +324,15 @@ async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment:
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
         await asyncio.wait_for(deployment.call("two", {"tokens": text_ids(8, 3)}, ("tokens",),
                                                {"max_new_tokens": 2}), 5.0)
+
+
+async def test_a_tp_replica_whose_ranks_cannot_start_fails_and_leaves_nothing_running():
+    wf = Workflow("tpbad")
+    wf.role("bad", kind="llm", model="no-such-model", tp_size=2)
+    wf.input("x", "json")
+    cluster = LocalCluster(wf.to_spec(), heartbeat_s=HB, ready_timeout_s=60.0)
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="before it was ready"):
+        await cluster.start()
+    assert time.monotonic() - started < 30.0  # not the ready timeout: the first failure ends the replica
+    assert cluster.workers == []
