@@ -133,6 +133,22 @@ def _model_shape(model: str | None) -> tuple[int, int, int] | None:
         return None  # unreadable here: the worker's loader reports it with its own error
 
 
+SGLANG_ROLE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "page_size": {"type": "integer", "minimum": 1, "default": 16},
+        "mem_fraction_static": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5},
+        "hicache_ratio": {"type": "number", "exclusiveMinimum": 0, "default": 2.0},
+        "hicache_mem_layout": {"type": "string", "default": "page_first"},
+        "seed": {"type": "integer"},
+        "hicache": {"type": "object", "description": "extra config of Omni-Flow's HiCache backend"},
+        "sglang": {"type": "object", "description": "further sglang ServerArgs fields, passed as they are"},
+    },
+}
+"""Role params of `sglang_llm` (`engine.compute.sglang.runner.SGLangRunnerConfig`)."""
+
+
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
@@ -145,12 +161,21 @@ def register(registry: KindRegistry) -> None:
             tp_runner="engine.compute.tp.unit:TPLLMUnit",
         )
     )
+    registry.add_role_kind(
+        RoleKind(
+            name="sglang_llm",
+            description="A causal LLM on sglang.Engine (CUDA GPUs only; `model` a local checkpoint dir) with"
+            " Omni-Flow's host/disk tiers as its HiCache storage; serves `llm` nodes (no sessions, PD or media).",
+            runner="engine.compute.sglang.runner:SGLangLLMUnit",
+            params_schema=SGLANG_ROLE_PARAMS,
+        )
+    )
     registry.add_node_kind(
         NodeKind(
             name="llm",
             description="Generate from a text prompt or token ids; streams text and tokens, ends with a"
             " reference to the KV pages.",
-            role_kinds=("llm",),
+            role_kinds=("llm", "sglang_llm"),
             category="model",
             params_schema=LLM_NODE_PARAMS,
             inputs={**_PROMPT_INPUTS, **_MEDIA_INPUTS},
