@@ -18,12 +18,14 @@ to the image, image rows see everything), written independently of the paged pre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from engine.compute.prefix.keys import MultimodalItem
 from engine.data.kv.layout import KVLayout
@@ -119,6 +121,42 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRotary:
+    """The image tokens' rotary factors, prepared once per denoising run: `cos` and `signed_sin`
+    are `(B, tokens, 1, dim)`, `signed_sin` with its first half negated, so that rotating is
+    `x * cos + roll(x, dim / 2) * signed_sin` (= `x * cos + rotate_half(x) * sin`, in 3 ops, not 7)."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> ImageRotary:
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cls(cos[:, :, None, :].contiguous(), signed[:, :, None, :].contiguous())
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, dims=-1), self.signed_sin)
+
+
+def _rms_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`norm` (a Llama/Qwen2 RMSNorm: float32 statistics, then `weight *`) as one fused
+    `F.rms_norm` over the same weight and epsilon when its input is float32, where the two
+    are the same computation; the module itself otherwise."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(norm, LlamaRMSNorm | Qwen2RMSNorm) or weight is None or eps is None:
+        return norm
+    shape = (int(weight.shape[0]),)
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return norm(x)
+        return F.rms_norm(x, shape, weight, float(eps))
+
+    return fused
+
+
 class ImageTokenForward:
     """The LLM's decoder layers over image tokens (see the module docstring). Holds no state
     between calls besides the bound modules."""
@@ -139,13 +177,21 @@ class ImageTokenForward:
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.scaling = float(inner.layers[0].self_attn.scaling)
+        # The image steps' norms, fused (the same weights; see `_rms_norm`).
+        self._input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
+        self._post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
+        self._final_norm = _rms_norm(self.norm)
 
-    def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _project(self, layer: torch.nn.Module, hidden: torch.Tensor):
         attn = layer.self_attn
         b, n, _ = hidden.shape
         q = attn.q_proj(hidden).view(b, n, self.num_heads, self.head_dim)
         k = attn.k_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self._project(layer, hidden)
         # One rotary pass over queries and keys together (elementwise: the same numbers).
         qk = _rope(torch.cat((q, k), dim=2), cos, sin)
         return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
@@ -164,30 +210,42 @@ class ImageTokenForward:
         hidden = residual + layer.self_attn.o_proj(attn_out)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def image_rotary(self, hidden: torch.Tensor, batch: KVBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the image tokens' positions (right after each branch's prompt); the same at
-        every step, so a denoising run computes them once."""
+    def image_rotary(self, hidden: torch.Tensor, batch: KVBatch) -> ImageRotary:
+        """The rotary factors of the image tokens' positions (right after each branch's prompt);
+        the same at every step, so a denoising run prepares them once."""
         n = hidden.shape[1]
         positions = batch.starts[:, None] + torch.arange(n, device=hidden.device)[None, :]
-        return self.rotary(hidden, positions)
+        return ImageRotary.of(*self.rotary(hidden, positions))
 
     @torch.inference_mode()
-    def image_step(self, hidden: torch.Tensor, batch: KVBatch,
-                   rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def image_step(self, hidden: torch.Tensor, batch: KVBatch, rotary: ImageRotary | None = None) -> torch.Tensor:
         """Image-token inputs `(B, N, hidden)` -> final-normed hidden states `(B, N, hidden)`.
 
         Writes the image tokens' K/V into `batch.kv` behind the prompt (overwritten next step).
-        `rotary` is `image_rotary(hidden, batch)`, computed here when not given.
+        `rotary` is `image_rotary(hidden, batch)`, computed here when not given. When `hidden`
+        is one row broadcast to the B branches (`expand`, as classifier-free guidance gives
+        it), the first layer's norm and projections run once for all of them.
         """
-        cos, sin = rotary if rotary is not None else self.image_rotary(hidden, batch)
+        rope = rotary if rotary is not None else self.image_rotary(hidden, batch)
+        b, n, _ = hidden.shape
         start = batch.prompt_len
+        shared = b > 1 and hidden.stride(0) == 0
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(hidden), cos, sin)
+            if shared:
+                q, k, v = (t.expand(b, -1, -1, -1) for t in self._project(layer, self._input_norms[index](hidden[:1])))
+                shared = False
+            else:
+                q, k, v = self._project(layer, self._input_norms[index](hidden))
+            # One rotary pass over queries and keys together (elementwise: the same numbers).
+            qk = rope.apply(torch.cat((q, k), dim=2))
+            q = qk[:, :, : self.num_heads]
             layer_kv = batch.kv[index]
-            layer_kv[0, :, :, start:] = k.transpose(1, 2)
+            layer_kv[0, :, :, start:] = qk[:, :, self.num_heads :].transpose(1, 2)
             layer_kv[1, :, :, start:] = v.transpose(1, 2)
-            hidden = self._mlp_block(layer, hidden, self._attend(q, layer_kv[0], layer_kv[1], batch.mask))
-        return self.norm(hidden)
+            attn_out = self._attend(q, layer_kv[0], layer_kv[1], batch.mask)
+            hidden = hidden + layer.self_attn.o_proj(attn_out)
+            hidden = hidden + layer.mlp(self._post_norms[index](hidden))
+        return self._final_norm(hidden)
 
     @torch.inference_mode()
     def joint_forward(self, prompts: Sequence[Sequence[int]], image_hidden: torch.Tensor,

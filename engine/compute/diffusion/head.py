@@ -76,10 +76,17 @@ class DiffusionHead(torch.nn.Module):
                 torch.nn.init.normal_(module.weight, std=init_std)
                 torch.nn.init.zeros_(module.bias)
 
-    def embed(self, patches: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-        """`(B, N, patch_dim)` patches at one timestep -> `(B, N, hidden)` transformer inputs."""
-        t = self.time_mlp(timestep_embedding(timestep.reshape(1), self.freq_dim).to(patches.dtype))
-        return self.patch_in(patches) + self.positions.to(patches.dtype) + t[:, None, :]
+    def time_embeds(self, timesteps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`(S,)` timesteps -> `(S, hidden)`: the timestep MLP of every step of a run, in one batch."""
+        return self.time_mlp(timestep_embedding(timesteps.reshape(-1), self.freq_dim).to(dtype))
+
+    def embed(self, patches: torch.Tensor, timestep: torch.Tensor, time_embed: torch.Tensor | None = None,
+              ) -> torch.Tensor:
+        """`(B, N, patch_dim)` patches at one timestep -> `(B, N, hidden)` transformer inputs.
+        `time_embed` is that timestep's row of `time_embeds` (computed here when not given)."""
+        if time_embed is None:
+            time_embed = self.time_embeds(timestep, patches.dtype)[0]
+        return self.patch_in(patches) + self.positions.to(patches.dtype) + time_embed
 
     def velocity(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out(hidden)

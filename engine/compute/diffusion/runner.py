@@ -249,10 +249,13 @@ class DiffusionRunner:
         batch = KVBatch.of(branches, cfg.num_tokens)
         x = self.noise(seed) if latents is None else latents.clone()
         scheduler = self.scheduler(steps)
+        times = self.head.time_embeds(scheduler.timesteps, x.dtype)
         rotary = None
-        for t in scheduler.timesteps:
-            hidden = self.head.embed(patchify(x, cfg.patch_size), t).expand(len(branches), -1, -1)
-            rotary = rotary or self.transformer.image_rotary(hidden, batch)
+        for i, t in enumerate(scheduler.timesteps):
+            # One row broadcast to the branches: `image_step` runs what they share once.
+            hidden = self.head.embed(patchify(x, cfg.patch_size), t, times[i]).expand(len(branches), -1, -1)
+            if rotary is None:
+                rotary = self.transformer.image_rotary(hidden, batch)
             out = self.transformer.image_step(hidden, batch, rotary)
             velocity = self._guide(self.head.velocity(out), guidance)
             v = unpatchify(velocity, cfg.latent_channels, cfg.latent_size, cfg.latent_size, cfg.patch_size)
@@ -272,8 +275,9 @@ class DiffusionRunner:
         items = [list(p.items) for p in branches]
         x = self.noise(seed) if latents is None else latents.clone()
         scheduler = self.scheduler(steps)
-        for t in scheduler.timesteps:
-            hidden = self.head.embed(patchify(x, cfg.patch_size), t)
+        times = self.head.time_embeds(scheduler.timesteps, x.dtype)
+        for i, t in enumerate(scheduler.timesteps):
+            hidden = self.head.embed(patchify(x, cfg.patch_size), t, times[i])
             out = self.transformer.joint_forward(ids, hidden.expand(len(branches), -1, -1), items)
             velocity = self._guide(self.head.velocity(out), guidance)
             v = unpatchify(velocity, cfg.latent_channels, cfg.latent_size, cfg.latent_size, cfg.patch_size)
