@@ -149,6 +149,16 @@ class DiffusionUnit(ThreadedUnit):
         latents = await self.run_blocking(self._generate, call, inputs)
         return NodeResult(outputs=map_outputs(latents, call.output_ports, call.node_id))
 
+    def metrics(self) -> dict[str, float]:
+        """The runner's `diffusion.*` counters: prompt tokens computed here and reused (read from
+        pages this worker held or pulled from another, never recomputed), steps, images. The KV
+        store's metrics, pulls included (`kv.pull.pages`, `kv.pull.bytes`), come from the
+        worker's KV hosting."""
+        stats = self.runner.stats
+        return {"diffusion.prompt_tokens_computed": float(stats.prompt_tokens_computed),
+                "diffusion.prompt_tokens_reused": float(stats.prompt_tokens_reused),
+                "diffusion.steps": float(stats.steps), "diffusion.images": float(stats.images)}
+
     async def close(self) -> None:
         await super().close()
         if self._own_kv:
