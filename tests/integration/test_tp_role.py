@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo: a TP-2 role (two rank processes) against TP-1 in this
 process — greedy tokens, agreed prefix hits, a TP-2 -> TP-1 KV pull, diffusion over reused
-prompt KV — and a killed rank failing the role's call instead of hanging it.
+prompt KV — a driver that never pickles, and a killed rank failing the role's call instead
+of hanging it.
 
 One TP-2 role serves the whole module (starting ranks costs seconds); the killed-rank test
 runs last and ends it.
@@ -8,8 +9,14 @@ runs last and ends it.
 
 from __future__ import annotations
 
+import json
+import multiprocessing.reduction
 import os
+import pickle
+import select
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -103,6 +110,66 @@ def test_tp2_diffusion_with_reused_prompt_kv_matches_tp1(role, loaded) -> None:
     want = DiffusionRunner(loaded, DIFFUSION).generate(Prompt.of(prompt), Prompt.of(negative), seed=7)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_the_driver_never_pickles(monkeypatch, loaded) -> None:
+    """A whole TP-2 role's life (start, tensors and a KV handoff back, close) with every pickle
+    entry point of the driver's process raising."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used on the TP driver path")
+
+    for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(multiprocessing.reduction.ForkingPickler, "dumps", refuse)
+    monkeypatch.setattr(multiprocessing.reduction.ForkingPickler, "loads", refuse)
+    monkeypatch.setattr(multiprocessing.reduction, "dump", refuse)
+    spec = RankSpec(model=MODEL, engine=ENGINE, diffusion=DIFFUSION, timeout_s=5.0)
+    with TPRole(spec, 2) as tp:
+        assert tp.call(("generate", PROMPTS[:1], 4)) == _tp1_tokens(loaded, PROMPTS[:1], 4)
+        got = tp.call(("prefill", list(range(3, 14))))
+        assert isinstance(got["handoff"], KVHandoff) and got["handoff"].tail_len == 3
+        assert [p.shape for p in got["pages"]] == [got["pages"][0].shape] * 2
+        image = tp.call(("diffuse", [5, 6, 7], None, 1, 1))
+        assert isinstance(image, torch.Tensor) and image.dtype == torch.float32
+    assert not any(p.is_alive() for p in tp.procs)
+
+
+DRIVER = """
+import json, sys
+from engine.compute.tp.role import RankSpec, TPRole
+role = TPRole(RankSpec(model="tiny-llama", timeout_s=5.0), 2)
+print(json.dumps(role.pids), flush=True)
+sys.stdin.read()
+"""
+
+
+def _exit_watch(pid: int) -> int | None:
+    """A pidfd that turns readable when `pid` exits (None: it is gone already)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_ranks_exit_when_their_driver_is_killed() -> None:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        pids = json.loads(driver.stdout.readline())  # the ranks are up
+        watches = [_exit_watch(pid) for pid in pids]
+        assert len(pids) == 2 and None not in watches
+        driver.kill()
+        driver.wait(10)
+        try:
+            for pid, fd in zip(pids, watches, strict=True):
+                assert select.select([fd], [], [], 10.0)[0], f"rank {pid} outlived its driver"
+        finally:
+            for fd in watches:
+                os.close(fd)
+    finally:
+        driver.kill()
+        driver.wait(10)
 
 
 def test_a_killed_rank_fails_the_call_within_the_timeout(role) -> None:

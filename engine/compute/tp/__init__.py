@@ -12,8 +12,9 @@ from the model's config, which the shard rewrites to the rank's own.
 * `kv.py` — which KV heads a rank holds, and re-sharding pages by head between TP sizes.
 * `engine.py` — `TPEngine`, the `LLMEngine` of one rank: its KV pages hold only its heads,
   under the same page keys, and a prefix hit is agreed by all ranks (the smallest wins).
-* `role.py` — `TPRole`: spawns the ranks; rank 0 is the single endpoint and broadcasts
-  each command, the others follow; a dead rank fails the call with `TPRankError`.
+* `role.py` — `TPRole`: the ranks as subprocesses of the caller's process, sent every
+  command over their stdin as msgspec frames (nothing pickled); rank 0's result is the
+  answer; a dead rank fails the call with `TPRankError`.
 * `unit.py` — the same as role workers: a GraphSpec role with `tp_size = N` runs N worker
   processes per replica (`engine.worker.launcher`); rank 0 hosts `TPLLMUnit` (the `llm`
   unit over its shard, sending each engine operation to the followers first, as

@@ -92,27 +92,22 @@ class TPGroup:
             raise TPRankError(f"rank {self.rank}: all_reduce(MIN) failed (a peer rank is gone?): {exc}") from exc
         return int(tensor.item())
 
-    def broadcast(self, obj: object) -> object:
-        """Rank 0's `obj` on every rank."""
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's `data`, in rank order, on rank 0 (None elsewhere): raw bytes, padded to
+        the longest over the ranks for the collective, so callers encode with msgspec (never
+        pickle, which `torch.distributed`'s object collectives use)."""
         if self.size == 1:
-            return obj
-        box = [obj]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except RuntimeError as exc:
-            raise TPRankError(f"rank {self.rank}: broadcast failed (a peer rank is gone?): {exc}") from exc
-        return box[0]
-
-    def gather(self, obj: object) -> list[object] | None:
-        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
-        if self.size == 1:
-            return [obj]
-        out: list[object] | None = [None] * self.size if self.is_leader else None
-        try:
-            dist.gather_object(obj, out, dst=0)
-        except RuntimeError as exc:
-            raise TPRankError(f"rank {self.rank}: gather failed (a peer rank is gone?): {exc}") from exc
-        return out
+            return [data]
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = self.gather_tensor(length)
+        longest = -self.min_int(-len(data))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        shards = self.gather_tensor(padded)
+        if shards is None or lengths is None:
+            return None
+        return [bytes(shard[: int(n.item())].numpy()) for shard, n in zip(shards, lengths, strict=True)]
 
     def gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape and dtype on all), in rank order, on rank 0 (None

@@ -1,8 +1,14 @@
-"""Messages between a tensor-parallel role's rank 0 and its follower ranks (msgspec, msgpack).
+"""Messages of a tensor-parallel role's ranks (msgspec, msgpack; nothing is pickled).
 
-Rank 0 sends every operation it applies to its engine, in order, and each follower applies
-the same one to its own engine; `now` is rank 0's clock at that moment, which the followers'
-engines read as theirs, so time-dependent decisions (session expiry) agree too.
+Role workers (`unit.py`): rank 0 sends every operation it applies to its engine, in order,
+and each follower applies the same one to its own engine; `now` is rank 0's clock at that
+moment, which the followers' engines read as theirs, so time-dependent decisions (session
+expiry) agree too.
+
+`TPRole` (`role.py`): the driver sends every rank the same `TPRoleCall`s (and `TPStop`);
+each rank says `TPHello` once its shard is built, and rank 0 answers each call with a
+`TPRoleResult` or a `TPRoleFailure`. Tensors in results travel as `TPTensor`: a header and
+their raw bytes.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from typing import Any
 
 import msgspec
 
+from engine.data.wire import TensorHeader
+
 
 class TPHello(msgspec.Struct, tag=True, frozen=True):
-    """Follower -> rank 0, once its shard is built: it is ready to follow."""
+    """Follower -> rank 0 (every rank -> the driver, for `TPRole`), once its shard is built:
+    it is ready to follow."""
 
     rank: int
     pid: int
@@ -89,5 +98,37 @@ class TPStop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
+class TPRoleCall(msgspec.Struct, tag=True, frozen=True):
+    """Driver -> every rank of a `TPRole`: run `RankState.cmd_<name>(*args)` (msgpack-native args)."""
+
+    name: str
+    args: list[Any]
+
+
+class TPRoleResult(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 -> driver: the call's result, encoded as the command's return annotation says."""
+
+    value: msgspec.Raw
+
+
+class TPRoleFailure(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 -> driver: the call raised; `broken` when the group itself failed (`TPRankError`)."""
+
+    message: str
+    broken: bool
+
+
+class TPTensor(msgspec.Struct, frozen=True, array_like=True):
+    """A CPU tensor in a `TPRoleResult`: C-contiguous bytes under their header."""
+
+    header: TensorHeader
+    data: bytes
+
+
 TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPExport
              | TPRelease | TPStop)
+
+TPRoleRequest = TPRoleCall | TPStop
+"""What a `TPRole` rank reads from its driver."""
+TPRoleReply = TPHello | TPRoleResult | TPRoleFailure
+"""What a `TPRole` driver reads from a rank."""

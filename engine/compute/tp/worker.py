@@ -1,17 +1,21 @@
 """What one rank runs: its model shard, its LLM engine and diffusion runner, and the commands.
 
 Commands are tuples `(name, *args)`; every rank runs the same ones in the same order
-(`engine.compute.tp.role`). Results that are per-rank (KV pages) are gathered on rank 0.
+(`engine.compute.tp.role`). Results that are per-rank (KV pages) are gathered on rank 0,
+as raw tensors or msgpack bytes (nothing is pickled). A command's return annotation is the
+type its result travels to the driver as (msgspec, tensors as `TPTensor`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypedDict
 
+import msgspec
 import torch
 
 from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.models.catalog import ModelConfig
 from engine.compute.models.loader import LoadedModel, _eos_ids, build_model, load_builtin
 from engine.compute.models.tokenizer import build_byte_tokenizer
@@ -29,6 +33,15 @@ def load_spec_model(model: str | ModelConfig) -> LoadedModel:
     tokenizer = build_byte_tokenizer()
     return LoadedModel(name=model.name, model_id=f"seeded:{model.name}:seed{model.seed}", model=hf,
                        tokenizer=tokenizer, eos_token_ids=_eos_ids(hf, tokenizer))
+
+
+class PrefillShards(TypedDict):
+    """`cmd_prefill`'s result: the handoff (its layout and tail are rank 0's) and every rank's
+    head shard of its full pages (None without full pages) and partial last page (None without one)."""
+
+    handoff: KVHandoff
+    pages: list[torch.Tensor | None]
+    tails: list[torch.Tensor | None]
 
 
 class RankState:
@@ -60,9 +73,10 @@ class RankState:
     # -- commands ------------------------------------------------------------------------------
 
     def cmd_info(self) -> dict[str, Any]:
-        infos = self.group.gather({"rank": self.group.rank, "layout": self.engine.layout.to_dict(),
-                                   "threads": torch.get_num_threads()})
-        return {"size": self.group.size, "ranks": infos}
+        mine = msgspec.msgpack.encode({"rank": self.group.rank, "layout": self.engine.layout.to_dict(),
+                                       "threads": torch.get_num_threads()})
+        infos = self.group.gather_bytes(mine)
+        return {"size": self.group.size, "ranks": [msgspec.msgpack.decode(i) for i in infos or ()]}
 
     def cmd_generate(self, prompts: list, max_new_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -73,7 +87,7 @@ class RankState:
         outs = self.engine.generate(prompts, params)
         return {"tokens": [list(o.output_ids) for o in outs], "cached": [o.cached_tokens for o in outs]}
 
-    def cmd_prefill(self, prompt: list[int]) -> dict[str, Any] | None:
+    def cmd_prefill(self, prompt: list[int]) -> PrefillShards | None:
         """Prefill `prompt` (prefill-only request); every rank's head shard of its full pages and
         tail, gathered on rank 0 with the handoff's fields. The hold is released at once."""
         out = self.engine.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), prefill_only=True)[0]
@@ -81,11 +95,13 @@ class RankState:
         assert handoff is not None
         pages = [self.engine.store.get(page) for page in handoff.page_hashes]
         self.engine.release_handoff(handoff.handoff_id)
-        mine = {"pages": torch.stack(pages) if pages else None, "tail": handoff.tail}
-        shards = self.group.gather(mine)
-        if shards is None:
+        # Every rank prefilled the same prompt: all have full pages, or none, and a tail, or none.
+        size = self.group.size
+        shards = self.group.gather_tensor(torch.stack(pages)) if pages else [None] * size
+        tails = self.group.gather_tensor(handoff.tail) if handoff.tail is not None else [None] * size
+        if not self.group.is_leader or shards is None or tails is None:
             return None
-        return {"handoff": handoff, "pages": [s["pages"] for s in shards], "tails": [s["tail"] for s in shards]}
+        return {"handoff": handoff, "pages": list(shards), "tails": list(tails)}
 
     def cmd_diffuse(self, prompt: list[int], negative: list[int] | None, seed: int, steps: int) -> torch.Tensor:
         from engine.compute.diffusion import Prompt
@@ -103,8 +119,8 @@ class RankState:
                 if not store.lock_count(page):
                     store.remove(page)
                     dropped += 1
-        counts = self.group.gather(dropped)  # every rank joins the collective
-        return int(counts[rank]) if counts is not None else 0  # type: ignore[arg-type]
+        counts = self.group.gather_tensor(torch.tensor([dropped], dtype=torch.int64))  # every rank joins
+        return int(counts[rank].item()) if counts is not None else 0
 
     def cmd_crash(self, rank: int) -> None:
         """Tests: rank `rank` exits abruptly (as a killed process would)."""
