@@ -74,7 +74,9 @@ class SpawnedEvent(msgspec.Struct, tag="spawned", frozen=True):
 
 
 class SpawnFailedEvent(msgspec.Struct, tag="spawn_failed", frozen=True):
-    request_id: int
+    """`request_id` None: a request too malformed to name one."""
+
+    request_id: int | None
     error: str
 
 
@@ -264,6 +266,9 @@ class Zygote:
                 return
             future.set_result((event.pid, fds[0]))
         elif isinstance(event, SpawnFailedEvent):
+            if event.request_id is None:  # we sent something it could not read: a protocol error
+                self._fail(ZygoteError(f"the fork server refused a request: {event.error}"))
+                return
             future = self._pending.get(event.request_id)
             if future is not None and not future.done():
                 future.set_exception(ZygoteError(f"the fork server could not fork: {event.error}"))
@@ -366,7 +371,7 @@ class _Server:
         except msgspec.DecodeError as exc:
             for fd in fds:
                 os.close(fd)
-            self.send(SpawnFailedEvent(-1, f"malformed request: {exc}"))
+            self.send(SpawnFailedEvent(None, f"malformed request: {exc}"))
             return
         if len(fds) != 1:
             for fd in fds:
@@ -375,7 +380,12 @@ class _Server:
             return
         stdout_fd = fds[0]
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: this request fails, the zygote serves on
+            os.close(stdout_fd)
+            self.send(SpawnFailedEvent(request.request_id, f"fork: {exc}"))
+            return
         if pid == 0:
             code = 1
             try:
@@ -385,7 +395,7 @@ class _Server:
             except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
                 traceback.print_exc()
             finally:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)

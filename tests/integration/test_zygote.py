@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from engine.data.peer import Peer
 from engine.flow.dsl import Workflow
@@ -22,7 +23,7 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LocalCluster
+from engine.worker.launcher import LaunchError, LocalCluster
 from engine.worker.zygote import ForkedProcess
 from tests.integration.workerfns import wait_until, whoami
 
@@ -91,6 +92,19 @@ async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
     assert not any(alive(pid) for pid in [*pids, zygote])
 
 
+async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leaves_nothing_running():
+    wf = Workflow("zygotebad")
+    wf.role("py", kind="python")
+    wf.role("bad", kind="llm", model="no-such-model")
+    wf.input("x", "json")
+    cluster = cluster_of(wf.to_spec())
+    with pytest.raises(LaunchError, match=r"exited with status 1 before it was ready"):
+        await cluster.start()
+    assert cluster.workers == []
+    # The zygote and the worker that did start are stopped and reaped: this process has no child left.
+    assert [c.pid for c in psutil.Process().children(recursive=True) if alive(c.pid)] == []
+
+
 async def test_a_worker_killed_by_signal_reports_it():
     cluster = cluster_of(two_replicas_spec())
     try:
@@ -121,7 +135,7 @@ async def test_a_sigkilled_zygote_leaves_no_orphans():
 
 LAUNCHER = """
 import asyncio, json, sys
-from engine.worker.launcher import LocalCluster
+from engine.worker.launcher import LaunchError, LocalCluster
 from tests.integration.test_zygote import two_replicas_spec
 
 async def main():
