@@ -248,6 +248,9 @@ DIFFUSION_ROLE_PARAMS: dict[str, Any] = {
         "head_seed": {"type": "integer", "minimum": 0, "default": 17},
         "device_pages": {"type": "integer", "minimum": 1, "default": 256,
                          "description": "prompt KV pages of the role's own store (when the worker gives none)"},
+        "tp_timeout_s": {"type": "number", "exclusiveMinimum": 0, "default": 10,
+                         "description": "tp_size > 1: deadline of one collective between the ranks (a stuck"
+                         " rank fails the replica's calls after it; a dead one at once)"},
     },
     "additionalProperties": False,
 }
@@ -282,9 +285,14 @@ def register_multimodal(registry: KindRegistry) -> None:
         ("audio_decoder", "A convolutional decoder (`tiny-audio-decoder`) from audio codes to 16-bit WAV.",
          "engine.compute.decoders.unit:AudioDecoderUnit", _NO_PARAMS),
     )
+    # The diffusion runner shards the LLM's transformer as an `llm` role does (same divisibility).
+    tensor_parallel = {"diffusion": ("engine.compute.kinds:llm_tp_problems",
+                                     "engine.compute.tp.diffusion_unit:TPDiffusionUnit")}
     for name, description, runner, params in roles:
+        check, tp_runner = tensor_parallel.get(name, (None, None))
         registry.add_role_kind(RoleKind(name=name, description=f"{description} ({_DEVICE_NOTE}).",
-                                        runner=runner, params_schema=params))
+                                        runner=runner, params_schema=params, tensor_parallel=check,
+                                        tp_runner=tp_runner))
     encoded = {
         "embeds": PortSpec(type="tensor", description="(length, hidden) embeddings for the LLM's placeholders"),
         "item": PortSpec(type="json", description="{kind, hash, length, hidden}: where and how to splice"),

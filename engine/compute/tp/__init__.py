@@ -21,6 +21,9 @@ from the model's config, which the shard rewrites to the rank's own.
   `messages.py` types over ZeroMQ), ranks 1.. run `follow()`. For prefill/decode across TP
   sizes its ranks pull a handoff's whole pages and keep their own heads, and gather their
   heads of their own prefill's pages on rank 0, which serves them whole.
+* `diffusion_unit.py` — the same for a `diffusion` role: rank 0 hosts `TPDiffusionUnit`
+  and sends each node's prompts to the followers (`TPDiffuse`); every rank denoises over
+  its shard.
 """
 
 from engine.compute.tp.group import TPError, TPGroup, TPRankError

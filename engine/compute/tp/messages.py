@@ -98,6 +98,16 @@ class TPStop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
+class TPDiffuse(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 of a `diffusion` role -> follower: encode `prompts` (model token ids: the conditional
+    branch, then the unconditional one under guidance) and denoise them, as rank 0 does."""
+
+    prompts: list[list[int]]
+    seed: int
+    steps: int | None
+    guidance_scale: float
+
+
 class TPRoleCall(msgspec.Struct, tag=True, frozen=True):
     """Driver -> every rank of a `TPRole`: run `RankState.cmd_<name>(*args)` (msgpack-native args)."""
 
@@ -126,7 +136,7 @@ class TPTensor(msgspec.Struct, frozen=True, array_like=True):
 
 
 TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPExport
-             | TPRelease | TPStop)
+             | TPRelease | TPStop | TPDiffuse)
 
 TPRoleRequest = TPRoleCall | TPStop
 """What a `TPRole` rank reads from its driver."""

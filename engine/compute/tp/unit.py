@@ -95,8 +95,8 @@ TP_TIMEOUT_S = 10.0
 """Default deadline of one collective (role param `tp_timeout_s`): a stuck rank fails the role after it."""
 SETUP_TIMEOUT_S = 120.0
 """How long rank 0 waits for every follower to load its shard and say hello."""
-_LEADER_KEY = "tp/leader"
-_SEND_TIMEOUT_MS = 5000
+LEADER_KEY = "tp/leader"
+SEND_TIMEOUT_MS = 5000
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TPMessage)
@@ -116,7 +116,7 @@ class TPSeat:
 def tp_timeout_s(role: RoleSpec) -> float:
     value = role.params.get("tp_timeout_s", TP_TIMEOUT_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise LLMUnitError(f"llm role {role.name!r}: tp_timeout_s must be a positive number, got {value!r}")
+        raise LLMUnitError(f"{role.kind} role {role.name!r}: tp_timeout_s must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -129,10 +129,10 @@ def rank_device(role: RoleSpec, rank: int) -> str:
     head, _, index = device.partition(":")
     if head == "cuda" and (not index or index.isdigit()):
         return f"cuda:{int(index or 0) + rank}"
-    raise LLMUnitError(f"llm role {role.name!r}: device {device!r}; a tensor-parallel role runs on cpu or cuda[:N]")
+    raise LLMUnitError(f"{role.kind} role {role.name!r}: device {device!r}; a tensor-parallel role runs on cpu or cuda[:N]")
 
 
-def _join(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
+def join_group(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
     """Join the replica's group on this rank's device; the group and the device."""
     device = rank_device(role, seat.rank)
     if device.startswith("cuda"):
@@ -142,16 +142,16 @@ def _join(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
     return group, device
 
 
-def _shard(model: LoadedModel, group: TPGroup, device: str) -> LoadedModel:
+def shard_to_device(model: LoadedModel, group: TPGroup, device: str) -> LoadedModel:
     shard = shard_model(model, group)
     shard.model.to(device)
     return shard
 
 
-def _load(role: RoleSpec) -> LoadedModel:
+def load_role_model(role: RoleSpec) -> LoadedModel:
     ref = role.model
     if not ref:
-        raise LLMUnitError(f"llm role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
+        raise LLMUnitError(f"{role.kind} role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
     return load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
 
 
@@ -378,16 +378,16 @@ class TPLLMUnit(LLMUnit):
 
     def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
         role, seat = self.role, self.seat
-        group, device = _join(role, seat)
+        group, device = join_group(role, seat)
         self.group = group
-        shard = _shard(model, group, device)
+        shard = shard_to_device(model, group, device)
         sock = self._socket = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
-        sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         host = seat.address.removeprefix("tcp://").rpartition(":")[0]
         sock.bind(f"tcp://{host}:0")
-        group.publish(_LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
+        group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
         seed = config.seed if config.seed is not None else secrets.randbits(62)
         deadline = time.monotonic() + SETUP_TIMEOUT_S
         while len(self._followers) < seat.size - 1:
@@ -602,6 +602,19 @@ class TPLLMUnit(LLMUnit):
 # -- ranks 1.. ------------------------------------------------------------------------------------------
 
 
+def leader_gone(parent_pid: int | None, leader_pid: int) -> str | None:
+    """Why a follower rank should stop (its launcher or rank 0 is gone), or None."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return f"its launcher (pid {parent_pid}) is gone"
+    try:
+        os.kill(leader_pid, 0)
+    except ProcessLookupError:
+        return f"rank 0 (pid {leader_pid}) is gone"
+    except PermissionError:
+        return None
+    return None
+
+
 class _Follower:
     """A follower rank's engine and the loop applying rank 0's operations to it."""
 
@@ -621,15 +634,15 @@ class _Follower:
 
     def run(self, ready: Callable[[dict[str, Any]], None]) -> int:
         seat = self.seat
-        group, device = _join(self.role, seat)
+        group, device = join_group(self.role, seat)
         context = zmq.Context()
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         engine: TPEngine | None = None
         try:
-            model = _load(self.role)
-            shard = _shard(model, group, device)
-            sock.connect(group.lookup(_LEADER_KEY).decode())
+            model = load_role_model(self.role)
+            shard = shard_to_device(model, group, device)
+            sock.connect(group.lookup(LEADER_KEY).decode())
             sock.send(_encoder.encode(TPHello(seat.rank, os.getpid())))
             if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
                 raise TPRankError(f"rank {seat.rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
@@ -651,22 +664,11 @@ class _Follower:
             context.term()
             group.close()
 
-    def _gone(self, leader_pid: int) -> str | None:
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            return f"its launcher (pid {self.parent_pid}) is gone"
-        try:
-            os.kill(leader_pid, 0)
-        except ProcessLookupError:
-            return f"rank 0 (pid {leader_pid}) is gone"
-        except PermissionError:
-            return None
-        return None
-
     def _follow(self, sock: zmq.Socket, engine: TPEngine, puller: _HandoffPuller, leader_pid: int) -> int:
         rank = self.seat.rank
         while True:
             if not sock.poll(int(self.seat.heartbeat_s * 1000)):
-                why = self._gone(leader_pid)
+                why = leader_gone(self.parent_pid, leader_pid)
                 if why is not None:
                     log.warning("rank %d stops: %s", rank, why)
                     return 2

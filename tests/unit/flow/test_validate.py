@@ -477,6 +477,13 @@ def test_llm_heads_must_split_over_tp_size(model, tp_size, problems):
     ]
 
 
+@pytest.mark.parametrize(("tp_size", "issues"), [(2, []), (3, ["tp_indivisible"] * 3)])
+def test_diffusion_shards_the_llms_transformer_like_llm(tp_size, issues):
+    wf = chain()
+    wf.role("dit", kind="diffusion", model="tiny-llama", tp_size=tp_size, params={"tp_timeout_s": 5})
+    assert codes(check_spec(wf.to_spec(), default_kinds())) == issues
+
+
 def test_llm_checkpoint_heads_are_read_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 96}))

@@ -1,0 +1,270 @@
+"""The `diffusion` compute unit of a role with `tp_size > 1`, as rank processes of a role worker.
+
+A replica is `tp_size` worker processes, as for `llm` (`unit.py`): rank 0 is the role worker
+the executor knows and hosts `TPDiffusionUnit`; ranks 1.. run `follow()`. Every rank holds a
+shard of the LLM's transformer (`shard.py`) and a `DiffusionRunner` over it (the seeded head
+replicated); the group meets at `TPSeat.address` and rank 0 publishes a ZeroMQ address in its
+store, where each follower says `TPHello` and gets `TPSetup`.
+
+A node call: rank 0 checks the inputs and tokenizes, sends every follower a `TPDiffuse` (the
+branches' token ids, seed, steps, guidance; msgpack), then every rank prefills the prompts
+over its own KV heads and denoises; the collectives inside keep them in step and rank 0's
+latents are the output (float32 on the CPU: the same as TP-1 within rounding).
+
+The prompt's KV is computed on the ranks for each call: an input `kv` (another role's pages)
+is refused, since the ranks hold only their heads and pull nothing (a TP `llm` role does).
+
+Failure: as for `llm`: a dead follower fails the node in flight (rank 0's send finds it gone,
+or its next collective fails within `tp_timeout_s`), and every later call fails at once; a
+follower exits when rank 0 or its launcher is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from engine.compute.diffusion.forward import DiffusionModelError
+from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
+from engine.compute.diffusion.unit import CONFIG_PARAMS
+from engine.compute.models.tokenizer import BOS_ID
+from engine.compute.threaded import ThreadedUnit, UnitInputError
+from engine.compute.tp.group import TPError, TPGroup, TPRankError
+from engine.compute.tp.messages import TPDiffuse, TPHello, TPMessage, TPSetup, TPStop
+from engine.compute.tp.unit import (
+    LEADER_KEY,
+    SEND_TIMEOUT_MS,
+    SETUP_TIMEOUT_S,
+    TPSeat,
+    join_group,
+    leader_gone,
+    load_role_model,
+    shard_to_device,
+)
+from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
+from engine.spec.graph import RoleSpec
+
+log = logging.getLogger(__name__)
+
+
+def _config(role: RoleSpec) -> DiffusionConfig:
+    try:
+        return DiffusionConfig(**{k: role.params[k] for k in CONFIG_PARAMS if k in role.params})
+    except (TypeError, ValueError) as exc:
+        raise UnitInputError(f"diffusion role {role.name!r}: {exc}") from exc
+
+
+def _runner(role: RoleSpec, group: TPGroup, device: str) -> DiffusionRunner:
+    config = _config(role)
+    return DiffusionRunner(shard_to_device(load_role_model(role), group, device), config)
+
+
+@torch.inference_mode()
+def _diffuse(runner: DiffusionRunner, message: TPDiffuse) -> torch.Tensor:
+    """What every rank runs for a node: the same prompts, seed and schedule (collectives inside)."""
+    branches = [runner.encode_prompt(Prompt.of(ids)) for ids in message.prompts]
+    return runner.denoise(branches, seed=message.seed, steps=message.steps, guidance_scale=message.guidance_scale)
+
+
+class TPDiffusionUnit(ThreadedUnit):
+    """Rank 0 of a tensor-parallel `diffusion` role (see the module docstring); built by the worker
+    as `TPDiffusionUnit(role, tp=seat)`."""
+
+    def __init__(self, role: RoleSpec, *, tp: TPSeat) -> None:
+        if tp.rank != 0 or tp.size < 2:
+            raise TPError(f"TPDiffusionUnit is rank 0 of a group of 2 or more, not rank {tp.rank} of {tp.size}")
+        super().__init__(role)
+        self.seat = tp
+        self.failed: str | None = None
+        self.group: TPGroup | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(TPMessage)
+        self._context = zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._followers: list[bytes] = []
+        try:
+            if not role.model:
+                raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
+            group, device = join_group(role, tp)
+            self.group = group
+            self.runner = _runner(role, group, device)
+            self._meet_followers(group)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _meet_followers(self, group: TPGroup) -> None:
+        seat = self.seat
+        sock = self._socket = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        host = seat.address.removeprefix("tcp://").rpartition(":")[0]
+        sock.bind(f"tcp://{host}:0")
+        group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while len(self._followers) < seat.size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                raise TPRankError(f"diffusion role {self.role.name!r}: only {len(self._followers)} of"
+                                  f" {seat.size - 1} follower ranks said hello within {SETUP_TIMEOUT_S:.0f}s")
+            identity, payload = sock.recv_multipart()
+            hello = self._decoder.decode(payload)
+            if not isinstance(hello, TPHello):
+                raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
+            self._followers.append(identity)
+        for identity in self._followers:
+            sock.send_multipart([identity, self._encoder.encode(TPSetup(0, os.getpid()))])
+
+    def _broadcast(self, message: TPMessage) -> None:
+        assert self._socket is not None
+        payload = self._encoder.encode(message)
+        for index, identity in enumerate(self._followers, start=1):
+            try:
+                self._socket.send_multipart([identity, payload])
+            except zmq.ZMQError as exc:
+                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+
+    # -- node calls (the unit's thread) ---------------------------------------------------------------
+
+    def _ids(self, call: NodeCall, text: Any, tokens: Any, what: str) -> list[int]:
+        if tokens is not None:
+            if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
+                raise UnitInputError(f"node {call.node_id!r}: {what} tokens must be a list of token ids")
+            return [int(t) for t in tokens]
+        if not isinstance(text, str):
+            raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
+        return list(self.runner.model.tokenizer(text).input_ids)
+
+    def _message(self, call: NodeCall, inputs: dict[str, Any]) -> TPDiffuse:
+        """The call as every rank runs it; all input errors are found here, before any rank starts."""
+        params = call.params
+        if inputs.get("kv") is not None:
+            raise UnitInputError(f"node {call.node_id!r}: a tensor-parallel diffusion role computes its prompt's KV"
+                                 " on its ranks; input 'kv' (another role's pages) is not supported")
+        prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
+        if (prompt is None) == (tokens is None):
+            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
+        prompts = [self._ids(call, prompt, tokens, "prompt")]
+        if not prompts[0]:
+            raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
+        guidance = float(params.get("guidance_scale", self.runner.config.guidance_scale))
+        if guidance != 1.0:
+            negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
+            prompts.append(self._ids(call, negative, None, "negative_prompt") or [BOS_ID])
+        steps = params.get("steps")
+        return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance)
+
+    def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.failed is not None:
+            raise TPRankError(self.failed)
+        message = self._message(call, inputs)
+        try:
+            self._broadcast(message)
+            latents = _diffuse(self.runner, message)
+        except DiffusionModelError as exc:  # every rank met it on the same input; the group is intact
+            raise UnitInputError(f"node {call.node_id!r}: {exc}") from exc
+        except Exception as exc:  # the group broke (or this rank did): the lockstep is lost
+            self.failed = (f"diffusion role {self.role.name!r}: the tensor-parallel group failed:"
+                           f" {type(exc).__name__}: {exc}")
+            log.error("%s", self.failed)
+            raise TPRankError(self.failed) from exc
+        return latents[0]
+
+    async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
+        inputs = await self.joined_inputs(call)
+        latents = await self.run_blocking(self._generate, call, inputs)
+        return NodeResult(outputs=map_outputs(latents, call.output_ports, call.node_id))
+
+    def metrics(self) -> dict[str, float]:
+        """Rank 0's `diffusion.*` counters (every prompt token is computed on the ranks) and the
+        group: its size and whether it failed."""
+        stats = self.runner.stats
+        return {"diffusion.prompt_tokens_computed": float(stats.prompt_tokens_computed),
+                "diffusion.prompt_tokens_reused": float(stats.prompt_tokens_reused),
+                "diffusion.steps": float(stats.steps), "diffusion.images": float(stats.images),
+                "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None)}
+
+    # -- shutdown -------------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        await super().close()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._socket is not None:
+            payload = self._encoder.encode(TPStop())
+            for rank, identity in enumerate(self._followers, start=1):
+                try:
+                    self._socket.send_multipart([identity, payload])
+                except zmq.ZMQError as exc:
+                    log.warning("telling follower rank %d to stop: %s", rank, exc)
+            self._socket.close(linger=1000)
+            self._socket = None
+        self._context.term()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+# -- ranks 1.. ------------------------------------------------------------------------------------------
+
+
+def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], None],
+           parent_pid: int | None = None) -> int:
+    """Run follower rank `seat.rank` of `role` until rank 0 stops it or is gone; the exit status.
+    `ready(details)` is called once the rank is in the group with its shard built."""
+    if seat.rank < 1:
+        raise TPError(f"follow() runs ranks 1.., not rank {seat.rank}")
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(TPMessage)
+    group, device = join_group(role, seat)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        runner = _runner(role, group, device)
+        sock.connect(group.lookup(LEADER_KEY).decode())
+        sock.send(encoder.encode(TPHello(seat.rank, os.getpid())))
+        if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
+            raise TPRankError(f"rank {seat.rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
+        setup = decoder.decode(sock.recv())
+        if not isinstance(setup, TPSetup):
+            raise TPRankError(f"rank {seat.rank}: expected TPSetup, got {type(setup).__name__}")
+        ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
+               "leader_pid": setup.leader_pid})
+        while True:
+            if not sock.poll(int(seat.heartbeat_s * 1000)):
+                why = leader_gone(parent_pid, setup.leader_pid)
+                if why is not None:
+                    log.warning("rank %d stops: %s", seat.rank, why)
+                    return 2
+                continue
+            message = decoder.decode(sock.recv())
+            if isinstance(message, TPStop):
+                return 0
+            if not isinstance(message, TPDiffuse):
+                log.error("rank %d: a diffusion follower does not apply %s; exiting", seat.rank,
+                          type(message).__name__)
+                return 3
+            try:
+                _diffuse(runner, message)
+            except DiffusionModelError as exc:  # rank 0 met the same error and reported it
+                log.info("rank %d: %s", seat.rank, exc)
+            except Exception:  # a follower that cannot follow exits; the group fails at rank 0
+                log.exception("rank %d cannot diffuse; exiting", seat.rank)
+                return 3
+    finally:
+        sock.close()
+        context.term()
+        group.close()
+
+
+__all__ = ["TPDiffusionUnit", "follow"]

@@ -1,0 +1,143 @@
+"""A `diffusion` role with `tp_size = 2` on real worker processes (`LocalCluster`, gloo on the CPU).
+
+Role `one` (tiny-llama's transformer, TP-1) and role `two` (the same, TP-2: two rank processes,
+rank 0 the one endpoint) denoise the same prompts: float32 latents agree within 1e-5, and both
+equal an independent reference denoised in this process. A bad input fails its node and leaves
+the group intact; a killed follower rank fails the next node with a clear error, and every later
+one at once. The killed-rank test runs last; every process the module starts is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+
+from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
+from engine.compute.models.loader import load_builtin
+from engine.compute.models.tokenizer import BOS_ID
+from engine.data.peer import Peer
+from engine.data.wire import TensorRef
+from engine.flow.dsl import Workflow
+from engine.flow.remote import RemoteNodeError, WorkerDispatcher
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import GraphSpec
+from engine.worker.launcher import LaunchedWorker, LocalCluster
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny-llama"  # 4 query heads over 2 KV heads: one KV head per rank at TP-2
+HB = 0.25
+TP_TIMEOUT_S = 3.0
+PARAMS = {"page_size": 4, "latent_size": 8, "steps": 3, "guidance_scale": 3.0}
+"""The diffusion roles' params (also `DiffusionConfig` fields: the in-process reference's)."""
+
+
+def spec() -> GraphSpec:
+    wf = Workflow("tp-diffusion")
+    wf.role("one", kind="diffusion", model=MODEL, params=PARAMS)
+    wf.role("two", kind="diffusion", model=MODEL, tp_size=2, params={**PARAMS, "tp_timeout_s": TP_TIMEOUT_S})
+    return wf.to_spec()
+
+
+@dataclass
+class Deployment:
+    spec: GraphSpec
+    cluster: LocalCluster
+    dispatcher: WorkerDispatcher
+    peer: Peer
+
+    def replica(self, role: str) -> LaunchedWorker:
+        (worker,) = [w for w in self.cluster.workers if w.role == role]
+        return worker
+
+    async def latents(self, role: str, inputs: dict[str, Any], params: dict[str, Any]) -> torch.Tensor:
+        node_id = f"n{uuid.uuid4().hex[:6]}"
+        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params, inputs, ("latents",), False, False, 1, 1)
+        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
+        result = await self.dispatcher.execute(self.spec.role(role), call, ctx, lambda: None)
+        ref = result.outputs["latents"]
+        assert isinstance(ref, TensorRef)
+        return self.peer.pull(ref, timeout=10.0).torch(copy=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment() -> AsyncIterator[Deployment]:
+    graph = spec()
+    peer = Peer.start()
+    cluster = LocalCluster(graph, heartbeat_s=HB, ready_timeout_s=120.0, stop_timeout_s=10.0)
+    try:
+        await cluster.start()
+        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
+        try:
+            yield Deployment(graph, cluster, dispatcher, peer)
+        finally:
+            await dispatcher.close()
+    finally:
+        pids = [w.pid for w in cluster.workers for w in w.processes]
+        await cluster.stop()
+        peer.close()
+        assert not [pid for pid in pids if psutil.pid_exists(pid) and
+                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a rank process outlived stop()"
+
+
+def reference(prompt: str, negative: str, seed: int, steps: int) -> torch.Tensor:
+    """The same denoising in this process, on the whole model, with the prompts recomputed at every step."""
+    loaded = load_builtin(MODEL)
+    runner = DiffusionRunner(loaded, DiffusionConfig(**PARAMS))
+    ids = [list(loaded.tokenizer(text).input_ids) or [BOS_ID] for text in (prompt, negative)]
+    return runner.denoise_recompute([Prompt.of(i) for i in ids], seed=seed, steps=steps)[0]
+
+
+async def test_a_tp2_diffusion_replica_is_two_rank_processes(deployment: Deployment):
+    two = deployment.replica("two")
+    assert [r.tp_rank for r in two.processes] == [0, 1]
+    assert two.ranks[0].details["leader_pid"] == two.pid
+    registered = await deployment.cluster.registry.workers("two")
+    assert [s.info.worker_id for s in registered] == [two.worker_id]
+
+
+@pytest.mark.parametrize(("prompt", "negative", "seed", "steps"), [
+    ("a lighthouse on a cliff at dusk, oil on canvas", "blurry, low quality", 7, 3),
+    ("cat", "", 0, 2),
+])
+async def test_tp2_latents_equal_tp1_within_1e_5(deployment: Deployment, prompt, negative, seed, steps):
+    inputs = {"prompt": prompt, "negative_prompt": negative}
+    params = {"seed": seed, "steps": steps}
+    one = await deployment.latents("one", inputs, params)
+    two = await deployment.latents("two", inputs, params)
+    assert one.dtype == two.dtype == torch.float32 and one.shape == two.shape == (4, 8, 8)
+    assert (one - two).abs().max().item() <= 1e-5
+    assert (two - reference(prompt, negative, seed, steps)).abs().max().item() <= 1e-5
+
+
+async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment: Deployment):
+    with pytest.raises(RemoteNodeError, match="input 'kv'"):
+        await deployment.latents("two", {"prompt": "x", "kv": {"model_id": "m"}}, {})
+    with pytest.raises(RemoteNodeError, match="exactly one of the inputs"):
+        await deployment.latents("two", {"prompt": "x", "tokens": [5, 6]}, {})
+    again = await deployment.latents("two", {"tokens": [40, 41, 42, 43, 44]}, {"steps": 1, "guidance_scale": 1.0})
+    assert torch.isfinite(again).all()
+
+
+async def test_a_killed_follower_fails_the_node_then_every_later_one_at_once(deployment: Deployment):
+    two = deployment.replica("two")
+    follower = two.processes[1].pid
+    os.kill(follower, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
+        await deployment.latents("two", {"prompt": "after the kill"}, {"steps": 2})
+    assert time.monotonic() - started < TP_TIMEOUT_S + 10.0
+    started = time.monotonic()
+    with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
+        await deployment.latents("two", {"prompt": "and again"}, {"steps": 2})
+    assert time.monotonic() - started < 2.0
