@@ -160,7 +160,9 @@ def _rank_main(rank: int, size: int, address: str, spec: RankSpec, parent_pid: i
     encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
     decoder = msgspec.msgpack.Decoder(TPRoleRequest)
     torch.set_num_threads(spec.threads)
-    group = TPGroup.init(rank, size, address, timeout_s=spec.timeout_s, rendezvous_timeout_s=start_timeout_s)
+    # The shard lives on the CPU (`RankState`), so the collectives are gloo's even where CUDA is.
+    group = TPGroup.init(rank, size, address, timeout_s=spec.timeout_s, rendezvous_timeout_s=start_timeout_s,
+                         backend="gloo")
     state = RankState(spec, group)
     reader = _FrameReader(0)
     try:
