@@ -54,6 +54,20 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def local_namespace() -> str | None:
+    """Identity of the namespace Linux abstract Unix sockets live in (`ipc://@name`): this
+    machine's boot and this process's network namespace; None off Linux. Processes that
+    agree on it reach each other's abstract sockets; containers with networks of their own
+    do not agree."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    return f"{host_id()}/net:{netns}"
+
+
 def process_start_token(pid: int) -> str | None:
     """The start time of process `pid` as a hex token, or None when no such process exists."""
     if sys.platform.startswith("linux"):

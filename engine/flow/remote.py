@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from engine.data.codec import MiB, WireCodec, WireError
 from engine.data.peer import Peer
+from engine.data.shm import local_namespace
 from engine.data.values import decode_value, encode_value
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -252,6 +253,7 @@ class WorkerDispatcher:
         self._outstanding: dict[str, int] = {}
         self._workers: dict[str, tuple[float, list[WorkerSnapshot]]] = {}
         self._ids = itertools.count(1)
+        self._local_ns = local_namespace()
         self._closed = False
 
     # ------------------------------------------------------------------ choosing
@@ -311,6 +313,14 @@ class WorkerDispatcher:
         return by_id[self._policy(role).choose(request, candidates)]
 
     # --------------------------------------------------------------- connections
+    def _control_address(self, worker: WorkerSnapshot) -> str:
+        """The worker's abstract Unix socket when it shares this process's network namespace
+        (`engine.data.shm.local_namespace`), else its TCP address."""
+        meta = worker.info.meta
+        if self._local_ns is not None and meta.get("local_ns") == self._local_ns and meta.get("local"):
+            return str(meta["local"])
+        return worker.info.address
+
     async def _connection(self, worker: WorkerSnapshot) -> _Connection:
         wid = worker.info.worker_id
         conn = self._connections.get(wid)
@@ -323,7 +333,7 @@ class WorkerDispatcher:
             self._close_connection(conn)
         sock = self._control_context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(worker.info.address)
+        sock.connect(self._control_address(worker))
         liveness = self._context.socket(zmq.DEALER)
         liveness.setsockopt(zmq.LINGER, 0)
         liveness.connect(str(worker.info.meta["liveness"]))

@@ -178,7 +178,8 @@ class LocalCluster:
             await self.registry.register(WorkerInfo(
                 worker_id=worker.worker_id, role=role, address=details["address"], capacity=details["capacity"],
                 model=spec.model, device=spec.device, host=details["host"], pid=details["pid"],
-                meta={"liveness": details["liveness"], "data": details["data"]},
+                meta={"liveness": details["liveness"], "data": details["data"],
+                      **{k: details[k] for k in ("local", "local_ns") if k in details}},
             ))
         return worker
 

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.data.codec import MiB, WireCodec
 from engine.data.peer import Peer
+from engine.data.shm import local_namespace
 from engine.data.wire import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -294,3 +295,47 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
             await dispatcher.close()
+
+
+@pytest.mark.skipif(local_namespace() is None, reason="abstract Unix sockets are Linux-only")
+@pytest.mark.parametrize("same_namespace", [True, False])
+async def test_dispatcher_uses_the_local_socket_only_within_one_network_namespace(context, same_namespace: bool):
+    """A worker advertises an abstract Unix socket with its namespace: an executor in the same
+    namespace connects there, any other over TCP (seen by which endpoint gets the hello)."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    tcp, liveness, local = (context.socket(zmq.ROUTER) for _ in range(3))
+    for sock in (tcp, liveness):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:0")
+    local.setsockopt(zmq.LINGER, 0)
+    local_address = f"ipc://@omniflow-test-{time.monotonic_ns()}"
+    local.bind(local_address)
+    namespace = local_namespace() if same_namespace else "another-host/net:1"
+    await registry.register(WorkerInfo(
+        "ns-1", "py", tcp.getsockopt_string(zmq.LAST_ENDPOINT),
+        meta={"liveness": liveness.getsockopt_string(zmq.LAST_ENDPOINT), "local": local_address,
+              "local_ns": namespace},
+    ))
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=5.0, no_worker_wait_s=0.5)
+        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda: None))
+        try:
+            expected, other = (local, tcp) if same_namespace else (tcp, local)
+            _, payload = await asyncio.wait_for(expected.recv_multipart(), 5)
+            assert isinstance(codec.decode(payload), HelloRequest)
+            assert not await other.poll(timeout=0)
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await dispatcher.close()
+            for sock in (tcp, liveness, local):
+                sock.close()
+
+
+@pytest.mark.skipif(local_namespace() is None, reason="abstract Unix sockets are Linux-only")
+async def test_a_worker_also_serves_its_control_socket_on_an_abstract_unix_socket(context, worker):
+    assert worker["local_ns"] == local_namespace() and worker["local"].startswith("ipc://@")
+    raw = RawClient(context, worker["local"])
+    await raw.hello()
+    await execute_ok(raw, 31, worker)
