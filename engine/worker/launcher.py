@@ -226,12 +226,16 @@ class LocalCluster:
                     details = json.loads(text[len(READY_PREFIX):])
                     break
         except TimeoutError:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                process.kill()
             await process.wait()
             raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
                               f" {self.ready_timeout_s} s") from None
         except asyncio.CancelledError:  # e.g. another rank of its replica failed: never leave it running
-            process.kill()
+            # A rank that failed the same way may have exited already: kill() raising
+            # ProcessLookupError would replace the cancellation (and the replica's real error).
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             await process.wait()
             raise
         worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
