@@ -157,6 +157,8 @@ class Zygote:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, int]]] = {}
         self._children: dict[int, ForkedProcess] = {}
+        self._unclaimed: set[int] = set()
+        """Pids forked for a waiting `spawn` that has not registered them yet."""
         self._early_exits: dict[int, int] = {}
         self._ready: asyncio.Future[ZygoteReadyEvent] = asyncio.get_running_loop().create_future()
         self._lost: ZygoteError | None = None
@@ -216,12 +218,22 @@ class Zygote:
                 raise ZygoteError(f"the fork server did not fork within {timeout_s} s") from None
         except BaseException:
             os.close(read_end)
+            if forked.done() and not forked.cancelled() and forked.exception() is None:
+                # Forked just as this spawn gave up (timeout, cancellation): nobody will read
+                # its output or hold its pidfd, so it must not run.
+                pid, pidfd = forked.result()
+                self._unclaimed.discard(pid)
+                self._early_exits.pop(pid, None)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
             raise
         finally:
             self._pending.pop(request_id, None)
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", 0))
         child = ForkedProcess(pid, pidfd, reader)
+        self._unclaimed.discard(pid)
         if pid in self._early_exits:
             child._exited(self._early_exits.pop(pid))
         elif self._lost is not None:
@@ -264,6 +276,7 @@ class Zygote:
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
                     os.close(fd)
                 return
+            self._unclaimed.add(event.pid)
             future.set_result((event.pid, fds[0]))
         elif isinstance(event, SpawnFailedEvent):
             if event.request_id is None:  # we sent something it could not read: a protocol error
@@ -276,8 +289,10 @@ class Zygote:
             child = self._children.pop(event.pid, None)
             if child is not None:
                 child._exited(event.returncode)
-            else:  # reaped before `spawn` got to register it
+            elif event.pid in self._unclaimed:  # reaped before `spawn` got to register it
                 self._early_exits[event.pid] = event.returncode
+            # Otherwise a child whose spawn gave up (and killed it): remembering its exit would
+            # mark a later child that reuses the pid as exited.
 
     def _fail(self, error: ZygoteError) -> None:
         if self._lost is not None:
