@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import json
 import logging
@@ -292,7 +293,10 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     local: dict[str, str] = {}
     namespace = local_namespace()
     if namespace is not None:
-        local = {"local": f"ipc://@omniflow-{config.worker_id}-{os.getpid()}", "local_ns": namespace}
+        # Named by pid and a digest of the worker id: a worker id of a long workflow and role
+        # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
+        digest = hashlib.blake2b(config.worker_id.encode(), digest_size=8).hexdigest()
+        local = {"local": f"ipc://@omniflow-{os.getpid()}-{digest}", "local_ns": namespace}
         sock.bind(local["local"])
     codec = WireCodec(config.max_message_bytes, WorkerMessage)
     control: LoopSocket | None = None
