@@ -9,6 +9,7 @@ runs last and ends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing.reduction
 import os
@@ -154,6 +155,7 @@ def _exit_watch(pid: int) -> int | None:
 
 def test_ranks_exit_when_their_driver_is_killed() -> None:
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    watches: list[int | None] = []
     try:
         assert driver.stdout is not None
         pids = json.loads(driver.stdout.readline())  # the ranks are up
@@ -161,15 +163,21 @@ def test_ranks_exit_when_their_driver_is_killed() -> None:
         assert len(pids) == 2 and None not in watches
         driver.kill()
         driver.wait(10)
-        try:
-            for pid, fd in zip(pids, watches, strict=True):
-                assert select.select([fd], [], [], 10.0)[0], f"rank {pid} outlived its driver"
-        finally:
-            for fd in watches:
-                os.close(fd)
+        for pid, fd in zip(pids, watches, strict=True):
+            assert select.select([fd], [], [], 10.0)[0], f"rank {pid} outlived its driver"
     finally:
         driver.kill()
         driver.wait(10)
+        for fd in watches:
+            if fd is None:
+                continue
+            if not select.select([fd], [], [], 0)[0]:  # a rank that outlived its driver: end it
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
+        for pipe in (driver.stdin, driver.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_a_killed_rank_fails_the_call_within_the_timeout(role) -> None:
