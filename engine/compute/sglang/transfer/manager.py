@@ -125,7 +125,11 @@ class OmniFlowKVManager(BaseKVManager):
         self.aux = KVBuffers.of(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, torch.device("cpu"))
         self.peer = Peer(PeerConfig(server=ServerConfig(bind=f"tcp://{self.config.host}:0"),
                                     default_timeout_s=self.config.timeout_s))
-        self.loop = IOLoop(f"omniflow-kv-{self.mode.value}-{self.engine_rank}")
+        try:
+            self.loop = IOLoop(f"omniflow-kv-{self.mode.value}-{self.engine_rank}")
+        except BaseException:
+            self.peer.close()
+            raise
         self.prefill_info_table: dict[str, Any] = {}
         self.address: str | None = None
         self.registered = threading.Event()
@@ -139,10 +143,15 @@ class OmniFlowKVManager(BaseKVManager):
         self._closed = False
         ready = threading.Event()
         self.loop.call(lambda: self._open(ready))
-        if not ready.wait(self.config.timeout_s):
-            raise KVTransferError("the KV transfer I/O thread did not start")
-        if self.mode == DisaggregationMode.PREFILL:
-            self.register_to_bootstrap()
+        try:
+            if not ready.wait(self.config.timeout_s):
+                raise KVTransferError("the KV transfer I/O thread did not start"
+                                      + (f": {self.loop.failure!r}" if self.loop.failure is not None else ""))
+            if self.mode == DisaggregationMode.PREFILL:
+                self.register_to_bootstrap()
+        except BaseException:
+            self.close()  # SGLang drops a manager that failed to build: its thread and sockets end here
+            raise
 
     # -- loop-thread setup ---------------------------------------------------------------
 
