@@ -80,7 +80,7 @@ from engine.compute.tp.messages import (
 )
 from engine.compute.tp.shard import shard_model
 from engine.data.channel import RefGone, TransferError
-from engine.data.kv.errors import KVError, KVTransferError
+from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVPageServer, fetch_pages
@@ -189,7 +189,9 @@ class _HandoffPuller:
         tail = None
         try:
             tail = self._pull(ref, timeout_s)
-        except (KVTransferError, TransferError, RefGone, HandoffError) as exc:
+        except (KVError, TransferError, RefGone, HandoffError) as exc:
+            # KVError: the pull failed, or this rank's store had no room for the pages (every rank
+            # then fails this request alike, in the collective below, and the group stays whole).
             problem = f"{type(exc).__name__}: {exc}"
         if group.min_int(0 if problem else 1) == 0:
             raise HandoffError(f"rank {group.rank}: pulling handoff {ref.handoff_id} from {ref.holder} failed: "
