@@ -702,6 +702,8 @@ class _Follower:
         elif isinstance(message, TPExport):
             _gather_handoff(engine, self.prefilled.pop(message.handoff_id), puller.whole.num_kv_heads)
         elif isinstance(message, TPRelease):
+            # A prefill released before its TPExport (cancelled, or its export failed) is done too.
+            self.prefilled.pop(message.handoff_id, None)
             engine.release_handoff(message.handoff_id)
         elif isinstance(message, TPAbort):
             engine.abort(message.request_id)
