@@ -123,7 +123,7 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry) -> list[Issue]:
                           role=role.name))
         if role.tp_size > 1 and kinds.has_role_kind(role.kind):
             role_kind = kinds.role_kind(role.kind)
-            if role_kind.tensor_parallel is None:
+            if role_kind.tensor_parallel is None or role_kind.tp_runner is None:  # as the catalogue says
                 add(Issue("tp_unsupported", f"role {role.name!r}: tp_size {role.tp_size}, but role kind"
                           f" {role.kind!r} cannot shard over tensor-parallel ranks (use tp_size 1)", role=role.name))
             else:

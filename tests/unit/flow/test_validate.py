@@ -448,6 +448,15 @@ def test_tp_size_on_a_kind_that_cannot_shard(kinds):
     ]
 
 
+def test_tp_size_is_refused_on_a_kind_with_a_check_but_no_tp_runner(kinds):
+    """Without a unit for rank 0 no worker could run it (the catalogue says the kind cannot shard)."""
+    kinds.add_role_kind(RoleKind(name="half", description="test-only", runner="tests.unit.flow.fns:no_such_unit",
+                                 tensor_parallel="engine.compute.kinds:llm_tp_problems"))
+    wf = chain()
+    wf.role("wide", kind="half", tp_size=2)
+    assert codes(check_spec(wf.to_spec(), kinds)) == ["tp_unsupported"]
+
+
 @pytest.mark.parametrize("kind", ["python", "vision_encoder", "audio_encoder", "vae_decoder", "audio_decoder"])
 def test_tp_size_is_refused_on_every_kind_that_cannot_shard(kind):
     wf = chain()
