@@ -98,11 +98,13 @@ async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leave
     wf.role("bad", kind="llm", model="no-such-model")
     wf.input("x", "json")
     cluster = cluster_of(wf.to_spec())
+    # Other tests' long-lived helpers (a live studio, say) may be children of this process too.
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     with pytest.raises(LaunchError, match=r"exited with status 1 before it was ready"):
         await cluster.start()
     assert cluster.workers == []
-    # The zygote and the worker that did start are stopped and reaped: this process has no child left.
-    assert [c.pid for c in psutil.Process().children(recursive=True) if alive(c.pid)] == []
+    # The zygote and the worker that did start are stopped and reaped: no child of this start is left.
+    assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c.pid)] == []
 
 
 async def test_a_worker_killed_by_signal_reports_it():
