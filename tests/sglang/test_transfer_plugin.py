@@ -216,6 +216,27 @@ def test_no_bootstrap_server_fails_within_the_timeout(selected: None) -> None:
         manager.close()
 
 
+def test_an_unconnectable_bootstrap_address_fails_its_request_not_the_manager(selected: None) -> None:
+    """A host ZeroMQ cannot parse (it comes with the request) fails that receiver at once; the
+    manager's I/O thread lives on and serves the next request."""
+    kv, aux = peer.empty_like_buffers(*peer.prefill_buffers(seed=4))
+    manager = decode_manager(kv, aux, free_port(), 5.0)
+    try:
+        assert manager.try_ensure_parallel_info("no such host:5") is False
+        receiver = kv_class("receiver")(manager, "no such host:5", 6)
+        receiver.init(0)
+        assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed), 5.0) == KVPoll.Failed
+        with pytest.raises(transfer.KVTransferError, match="cannot connect to tcp://no such host:5"):
+            receiver.failure_exception()
+        assert manager.check_alive() is None
+        other = kv_class("receiver")(manager, f"127.0.0.1:{free_port()}", 7)
+        other.init(0)
+        assert other.poll() == KVPoll.Bootstrapping  # still served: it waits for its bootstrap server
+        assert manager.check_alive() is None
+    finally:
+        manager.close()
+
+
 def test_sender_without_a_decode_fails_within_the_timeout(bootstrap: transfer.OmniFlowKVBootstrapServer) -> None:
     timeout = 1.0
     kv, aux = peer.prefill_buffers(seed=3)

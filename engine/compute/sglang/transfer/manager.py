@@ -170,11 +170,17 @@ class OmniFlowKVManager(BaseKVManager):
         ready.set()
 
     def _dealer(self, table: dict[str, zmq.Socket], endpoint: str) -> zmq.Socket:
+        """The DEALER connected to `endpoint`; KVTransferConfigError if ZeroMQ refuses the endpoint
+        (a host it cannot parse: raised out of a loop callback, it would end the I/O thread)."""
         socket = table.get(endpoint)
         if socket is None:
             socket = self.loop.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(endpoint)
+            try:
+                socket.connect(endpoint)
+            except zmq.ZMQError as exc:
+                socket.close(linger=0)
+                raise KVTransferConfigError(f"cannot connect to {endpoint}: {exc}") from exc
             table[endpoint] = socket
             self.loop.add_reader(socket, self.loop.on_reply)
         return socket
@@ -207,7 +213,13 @@ class OmniFlowKVManager(BaseKVManager):
                 self.loop.next_id(), TRANSFER_PROTOCOL_VERSION, self.dp_rank, self.engine_rank,
                 str(self.address), self.topology(),
             )
-            self.loop.request(self._dealer(self._bootstraps, endpoint), request, min(remaining, 1.0), on_reply)
+            try:
+                socket = self._dealer(self._bootstraps, endpoint)
+            except KVTransferConfigError as exc:
+                self.registration_error = f"registering at the bootstrap server: {exc}"
+                log.error("%s", self.registration_error)
+                return
+            self.loop.request(socket, request, min(remaining, 1.0), on_reply)
 
         def on_reply(reply: TransferMessage | None) -> None:
             if isinstance(reply, BootstrapRegisterReply) and reply.accepted:
@@ -370,8 +382,8 @@ class OmniFlowKVManager(BaseKVManager):
             self._found(incoming, self._addresses[key])
             return
         try:
-            endpoint = split_bootstrap_addr(incoming.bootstrap_addr)
-        except KVTransferConfigError as exc:
+            socket = self._dealer(self._bootstraps, split_bootstrap_addr(incoming.bootstrap_addr))
+        except KVTransferConfigError as exc:  # this request's address: it fails, the manager serves on
             incoming.progress.fail(str(exc))
             return
 
@@ -384,7 +396,7 @@ class OmniFlowKVManager(BaseKVManager):
 
         request = BootstrapLookupRequest(self.loop.next_id(), incoming.dp_rank, self.engine_rank)
         remaining = max(incoming.progress.deadline - time.monotonic(), 0.0)
-        self.loop.request(self._dealer(self._bootstraps, endpoint), request, min(remaining, 1.0), on_reply)
+        self.loop.request(socket, request, min(remaining, 1.0), on_reply)
 
     def _found(self, incoming: Incoming, address: str) -> None:
         incoming.prefill = address
@@ -496,16 +508,28 @@ class OmniFlowKVManager(BaseKVManager):
         one lookup of the prefill topology, at most `timeout_s` long."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        answer: list[TransferMessage | None] = []
+        # As SGLang's own managers do, a failed attempt is logged and answers False: the decode
+        # scheduler retries, then aborts the address's requests.
+        answer: list[TransferMessage | KVTransferConfigError | None] = []
         done = threading.Event()
 
         def ask() -> None:
             request = BootstrapLookupRequest(self.loop.next_id(), 0, -1)
-            socket = self._dealer(self._bootstraps, split_bootstrap_addr(bootstrap_addr))
+            try:
+                socket = self._dealer(self._bootstraps, split_bootstrap_addr(bootstrap_addr))
+            except KVTransferConfigError as exc:  # reported by the caller, never out of the I/O thread
+                answer.append(exc)
+                done.set()
+                return
             self.loop.request(socket, request, self.config.timeout_s, lambda r: (answer.append(r), done.set()))
 
         self.loop.call(ask)
-        if not done.wait(self.config.timeout_s + 1.0) or not isinstance(answer[0], BootstrapLookupReply):
+        if not done.wait(self.config.timeout_s + 1.0):
+            return False
+        if isinstance(answer[0], KVTransferConfigError):
+            log.error("prefill topology of %s: %s", bootstrap_addr, answer[0])
+            return False
+        if not isinstance(answer[0], BootstrapLookupReply):
             return False
         topology = answer[0].topology
         if topology is None:
