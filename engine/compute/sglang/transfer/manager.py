@@ -42,8 +42,9 @@ from engine.compute.sglang.transfer.messages import (
     PrefillTopology,
     TransferMessage,
 )
-from engine.data.channel import Transfer
+from engine.data.channel import Transfer, TransferError
 from engine.data.peer import Peer, PeerConfig, ServerConfig
+from engine.data.tensor_store import StoreError
 from engine.data.wire import TensorRef
 
 log = logging.getLogger(__name__)
@@ -322,8 +323,15 @@ class OmniFlowKVManager(BaseKVManager):
             return
         if not request.aux and outgoing.aux_index is not None:
             payload = payload[: self.kv.nbytes(outgoing.pages_sent)]
-        outgoing.ref = self.peer.put(payload, lease_s=self.config.timeout_s)
-        outgoing.payload = None
+        try:
+            outgoing.ref = self.peer.put(payload, lease_s=self.config.timeout_s)
+        except (StoreError, OSError, MemoryError) as exc:  # e.g. no room in shared memory: this room fails
+            reason = f"keeping the pages for the decode side failed: {type(exc).__name__}: {exc}"
+            outgoing.progress.fail(reason)
+            self._reply(waiter.identity, KVFailedEvent(request.request_id, outgoing.room, reason))
+            return
+        finally:
+            outgoing.payload = None
         self._reply(waiter.identity, KVReadyEvent(request.request_id, outgoing.room, outgoing.pages_sent, outgoing.ref))
 
     def _on_done(self, message: KVDoneRequest) -> None:
@@ -429,7 +437,11 @@ class OmniFlowKVManager(BaseKVManager):
             incoming.nbytes = reply.ref.nbytes
             incoming.started = time.monotonic()
             incoming.progress.advance(KVPoll.Transferring, self.config.timeout_s)
-            incoming.transfer = self.peer.start_pull(reply.ref, self.config.timeout_s)
+            try:
+                incoming.transfer = self.peer.start_pull(reply.ref, self.config.timeout_s)
+            except TransferError as exc:  # this room fails; the I/O thread serves on
+                incoming.progress.fail(f"pulling the pages failed: {exc}")
+                self._done(incoming, False, f"pulling the pages failed: {exc}")
         elif isinstance(reply, KVFailedEvent):
             incoming.progress.fail(f"prefill side: {reply.reason}")
         else:
