@@ -219,19 +219,17 @@ class Zygote:
         except BaseException:
             os.close(read_end)
             if forked.done() and not forked.cancelled() and forked.exception() is None:
-                # Forked just as this spawn gave up (timeout, cancellation): nobody will read
-                # its output or hold its pidfd, so it must not run.
-                pid, pidfd = forked.result()
-                self._unclaimed.discard(pid)
-                self._early_exits.pop(pid, None)
-                with contextlib.suppress(ProcessLookupError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                os.close(pidfd)
+                # Forked just as this spawn gave up (timeout, cancellation).
+                self._abandon(*forked.result())
             raise
         finally:
             self._pending.pop(request_id, None)
         reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", 0))
+        try:
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", 0))
+        except BaseException:
+            self._abandon(pid, pidfd)
+            raise
         child = ForkedProcess(pid, pidfd, reader)
         self._unclaimed.discard(pid)
         if pid in self._early_exits:
@@ -241,6 +239,15 @@ class Zygote:
         else:
             self._children[pid] = child
         return child
+
+    def _abandon(self, pid: int, pidfd: int) -> None:
+        """A child whose `spawn` gave up: nobody will read its output or hold its pidfd, so it
+        must not run (its exit, when the zygote reports it, is ignored)."""
+        self._unclaimed.discard(pid)
+        self._early_exits.pop(pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
 
     def _readable(self) -> None:
         while True:
