@@ -246,12 +246,20 @@ class LocalCluster:
     async def start(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="omniflow-cluster-")
         (Path(self._tmp.name) / "workflow.json").write_bytes(encode_spec(self.spec))
+        spawns: list[asyncio.Task[LaunchedWorker]] = []
         try:
             if self.fork_server:
                 self._zygote = await Zygote.start(self._preload(), env=self._env(),
                                                   ready_timeout_s=self.ready_timeout_s)
-            await asyncio.gather(*(self.spawn(role.name, i) for role in self.spec.roles for i in range(role.replicas)))
+            spawns = [asyncio.ensure_future(self.spawn(role.name, i))
+                      for role in self.spec.roles for i in range(role.replicas)]
+            await asyncio.gather(*spawns)
         except BaseException:
+            # One worker failed: the others still starting are ended (a cancelled start kills its
+            # process) before stop(), which only knows the workers that finished starting.
+            for task in spawns:
+                task.cancel()
+            await asyncio.gather(*spawns, return_exceptions=True)
             await self.stop()
             raise
         if isinstance(self.registry, InProcessRegistry):

@@ -92,12 +92,15 @@ async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
     assert not any(alive(pid) for pid in [*pids, zygote])
 
 
-async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leaves_nothing_running():
+@pytest.mark.parametrize("fork_server", [True, False])
+async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leaves_nothing_running(fork_server):
+    """Forked or spawned: the workers still starting when one fails are ended too."""
     wf = Workflow("zygotebad")
-    wf.role("py", kind="python")
+    wf.role("py", kind="python", replicas=2)
     wf.role("bad", kind="llm", model="no-such-model")
     wf.input("x", "json")
-    cluster = cluster_of(wf.to_spec())
+    cluster = LocalCluster(wf.to_spec(), heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
+                           fork_server=fork_server)
     # Other tests' long-lived helpers (a live studio, say) may be children of this process too.
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     with pytest.raises(LaunchError, match=r"exited with status 1 before it was ready"):
