@@ -223,7 +223,11 @@ class LocalCluster:
                                       " before it was ready (its error is on standard error above)")
                 text = line.decode("utf-8", "replace")
                 if text.startswith(READY_PREFIX):
-                    details = json.loads(text[len(READY_PREFIX):])
+                    try:
+                        details = json.loads(text[len(READY_PREFIX):])
+                    except json.JSONDecodeError as exc:
+                        raise LaunchError(f"worker {worker_id} of role {role!r} printed a malformed READY line:"
+                                          f" {exc}") from None
                     break
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
@@ -231,7 +235,7 @@ class LocalCluster:
             await process.wait()
             raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
                               f" {self.ready_timeout_s} s") from None
-        except asyncio.CancelledError:  # e.g. another rank of its replica failed: never leave it running
+        except BaseException:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
             # A rank that failed the same way may have exited already: kill() raising
             # ProcessLookupError would replace the cancellation (and the replica's real error).
             with contextlib.suppress(ProcessLookupError):
