@@ -41,6 +41,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_DATA_DIR, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _close_connection_pools(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    """PostgreSQL pools keep their connections open: close them before the test database is
+    dropped (else PostgreSQL refuses, the database being in use)."""
+    yield
+    from django.db import connections
+
+    with django_db_blocker.unblock():
+        for connection in connections.all(initialized_only=True):
+            if connection.vendor == "postgresql":
+                connection.close()  # back to the pool, which closes every idle connection
+                connection.close_pool()
+
+
 @pytest.fixture(autouse=True)
 def _test_settings(settings: Any, tmp_path: Path) -> None:
     settings.MEDIA_ROOT = tmp_path / "media"
