@@ -42,9 +42,9 @@ from engine.compute.tp.unit import (
     LEADER_KEY,
     SEND_TIMEOUT_MS,
     SETUP_TIMEOUT_S,
+    LeaderWatch,
     TPSeat,
     join_group,
-    leader_gone,
     load_role_model,
     shard_to_device,
 )
@@ -229,6 +229,7 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    watch: LeaderWatch | None = None
     try:
         runner = _runner(role, group, device)
         sock.connect(group.lookup(LEADER_KEY).decode())
@@ -240,9 +241,10 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
             raise TPRankError(f"rank {seat.rank}: expected TPSetup, got {type(setup).__name__}")
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
+        watch = LeaderWatch(parent_pid, setup.leader_pid)
         while True:
             if not sock.poll(int(seat.heartbeat_s * 1000)):
-                why = leader_gone(parent_pid, setup.leader_pid)
+                why = watch.gone()
                 if why is not None:
                     log.warning("rank %d stops: %s", seat.rank, why)
                     return 2
@@ -262,6 +264,8 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
                 log.exception("rank %d cannot diffuse; exiting", seat.rank)
                 return 3
     finally:
+        if watch is not None:
+            watch.close()
         sock.close()
         context.term()
         group.close()

@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import select
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -604,17 +605,30 @@ class TPLLMUnit(LLMUnit):
 # -- ranks 1.. ------------------------------------------------------------------------------------------
 
 
-def leader_gone(parent_pid: int | None, leader_pid: int) -> str | None:
-    """Why a follower rank should stop (its launcher or rank 0 is gone), or None."""
-    if parent_pid is not None and os.getppid() != parent_pid:
-        return f"its launcher (pid {parent_pid}) is gone"
-    try:
-        os.kill(leader_pid, 0)
-    except ProcessLookupError:
-        return f"rank 0 (pid {leader_pid}) is gone"
-    except PermissionError:
+class LeaderWatch:
+    """Whether a follower rank should stop: its launcher or rank 0 is gone. Rank 0 is watched
+    through a pidfd (a recycled pid cannot pass for it); `close()` it."""
+
+    def __init__(self, parent_pid: int | None, leader_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.leader_pid = leader_pid
+        try:
+            self._pidfd: int | None = os.pidfd_open(leader_pid)
+        except ProcessLookupError:
+            self._pidfd = None
+
+    def gone(self) -> str | None:
+        """Why the follower should stop, or None."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            return f"its launcher (pid {self.parent_pid}) is gone"
+        if self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]:  # readable: it exited
+            return f"rank 0 (pid {self.leader_pid}) is gone"
         return None
-    return None
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class _Follower:
@@ -667,10 +681,18 @@ class _Follower:
             group.close()
 
     def _follow(self, sock: zmq.Socket, engine: TPEngine, puller: _HandoffPuller, leader_pid: int) -> int:
+        watch = LeaderWatch(self.parent_pid, leader_pid)
+        try:
+            return self._follow_until_stopped(sock, engine, puller, watch)
+        finally:
+            watch.close()
+
+    def _follow_until_stopped(self, sock: zmq.Socket, engine: TPEngine, puller: _HandoffPuller,
+                              watch: LeaderWatch) -> int:
         rank = self.seat.rank
         while True:
             if not sock.poll(int(self.seat.heartbeat_s * 1000)):
-                why = leader_gone(self.parent_pid, leader_pid)
+                why = watch.gone()
                 if why is not None:
                     log.warning("rank %d stops: %s", rank, why)
                     return 2

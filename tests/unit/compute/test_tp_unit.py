@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import select
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
 from engine.compute.llm.unit import LLMUnitError
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.messages import TPAdd, TPMessage, TPPullHandoff, TPStep, TPStop
-from engine.compute.tp.unit import _sampling_fields, _sampling_of, rank_device
+from engine.compute.tp.unit import LeaderWatch, _sampling_fields, _sampling_of, rank_device
 from engine.spec.graph import RoleSpec
 
 
@@ -47,3 +52,32 @@ def test_logits_processors_cannot_travel():
 @pytest.mark.parametrize("message", [TPStep(2.0), TPStop(), TPPullHandoff(3.0, b"\x80", 5.0)])
 def test_every_message_round_trips(message):
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage) == message
+
+
+def test_a_follower_sees_rank_0_gone_even_before_it_is_reaped():
+    """Rank 0 dead but not yet reaped by its parent (a zombie still answers kill(pid, 0)) is gone."""
+    leader = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    watch = LeaderWatch(None, leader.pid)
+    try:
+        assert watch.gone() is None
+        exited = os.pidfd_open(leader.pid)
+        try:
+            leader.stdin.close()  # it exits; nobody reaps it yet
+            assert select.select([exited], [], [], 30.0)[0], "the stand-in for rank 0 did not exit"
+        finally:
+            os.close(exited)
+        assert watch.gone() == f"rank 0 (pid {leader.pid}) is gone"
+    finally:
+        watch.close()
+        leader.kill()
+        leader.wait(10)
+
+
+def test_a_follower_of_a_vanished_rank_0_stops():
+    leader = subprocess.Popen([sys.executable, "-c", "pass"])
+    leader.wait(30)
+    watch = LeaderWatch(None, leader.pid)
+    try:
+        assert watch.gone() == f"rank 0 (pid {leader.pid}) is gone"
+    finally:
+        watch.close()
