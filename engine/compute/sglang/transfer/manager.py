@@ -143,11 +143,14 @@ class OmniFlowKVManager(BaseKVManager):
         self._addresses: dict[tuple[str, int], str] = {}
         self._closed = False
         ready = threading.Event()
-        self.loop.call(lambda: self._open(ready))
+        failed: list[zmq.ZMQError] = []
+        self.loop.call(lambda: self._open(ready, failed))
         try:
             if not ready.wait(self.config.timeout_s):
                 raise KVTransferError("the KV transfer I/O thread did not start"
                                       + (f": {self.loop.failure!r}" if self.loop.failure is not None else ""))
+            if failed:
+                raise KVTransferConfigError(f"cannot open the control endpoint on {self.config.host}: {failed[0]}")
             if self.mode == DisaggregationMode.PREFILL:
                 self.register_to_bootstrap()
         except BaseException:
@@ -156,12 +159,20 @@ class OmniFlowKVManager(BaseKVManager):
 
     # -- loop-thread setup ---------------------------------------------------------------
 
-    def _open(self, ready: threading.Event) -> None:
+    def _open(self, ready: threading.Event, failed: list[zmq.ZMQError]) -> None:
+        """Loop thread: the prefill's control endpoint; a bind ZeroMQ refuses is put in `failed`
+        (with its socket closed, or the context could never end) and `ready` set either way."""
         if self.mode == DisaggregationMode.PREFILL:
             socket = self.loop.context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            socket.bind(f"tcp://{self.config.host}:0")
+            try:
+                socket.bind(f"tcp://{self.config.host}:0")
+            except zmq.ZMQError as exc:
+                socket.close(linger=0)
+                failed.append(exc)
+                ready.set()
+                return
             self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self._control = socket
             self.loop.add_reader(socket, self._on_control)
