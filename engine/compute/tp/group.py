@@ -23,11 +23,13 @@ class TPGroup:
     """This process's seat in its role's group: `rank` of `size`. `size == 1` needs no
     `torch.distributed` at all (every collective is the identity). `store` is the group's
     rendezvous key-value store (rank 0 hosts it), for the little the ranks must tell each
-    other outside collectives (`publish`/`lookup`)."""
+    other outside collectives (`publish`/`lookup`). `device` is where the group's own small
+    tensors (`min_int`, `gather_bytes`) live: NCCL takes CUDA tensors only."""
 
     rank: int
     size: int
     store: Any = None
+    device: str = "cpu"
 
     @property
     def is_leader(self) -> bool:
@@ -35,14 +37,16 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, address: str, *, timeout_s: float = 10.0,
-             rendezvous_timeout_s: float | None = None, backend: str | None = None) -> TPGroup:
+             rendezvous_timeout_s: float | None = None, backend: str | None = None,
+             device: str = "cpu") -> TPGroup:
         """Join the group at `address` (`tcp://127.0.0.1:PORT`). A collective that a dead peer
         never joins raises after `timeout_s` (gloo's timeout) instead of hanging; meeting the
-        other ranks (and `lookup`) may take `rendezvous_timeout_s` (default: `timeout_s`)."""
+        other ranks (and `lookup`) may take `rendezvous_timeout_s` (default: `timeout_s`).
+        `device`: this rank's (`cuda:N` with NCCL)."""
         if not 0 <= rank < size:
             raise TPError(f"rank {rank} is not in a group of {size}")
         if size == 1:
-            return cls(rank, size)
+            return cls(rank, size, device=device)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
@@ -55,7 +59,7 @@ class TPGroup:
         except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
             raise TPRankError(f"rank {rank} of {size} could not join the group at {address}"
                               f" within {meet_s:.1f}s: {exc}") from exc
-        return cls(rank, size, store)
+        return cls(rank, size, store, device)
 
     def publish(self, key: str, value: bytes) -> None:
         """Put `value` under `key` in the group's store (every rank may `lookup` it)."""
@@ -85,7 +89,7 @@ class TPGroup:
         """The smallest of the ranks' `value`s (every rank gets the same answer)."""
         if self.size == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.int64)
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         except RuntimeError as exc:
@@ -98,16 +102,16 @@ class TPGroup:
         pickle, which `torch.distributed`'s object collectives use)."""
         if self.size == 1:
             return [data]
-        length = torch.tensor([len(data)], dtype=torch.int64)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         lengths = self.gather_tensor(length)
         longest = -self.min_int(-len(data))
         padded = torch.zeros(longest, dtype=torch.uint8)
         if data:
             padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        shards = self.gather_tensor(padded)
+        shards = self.gather_tensor(padded.to(self.device))
         if shards is None or lengths is None:
             return None
-        return [bytes(shard[: int(n.item())].numpy()) for shard, n in zip(shards, lengths, strict=True)]
+        return [bytes(shard[: int(n.item())].cpu().numpy()) for shard, n in zip(shards, lengths, strict=True)]
 
     def gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape and dtype on all), in rank order, on rank 0 (None

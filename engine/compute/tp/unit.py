@@ -139,7 +139,8 @@ def join_group(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     group = TPGroup.init(seat.rank, seat.size, seat.address, timeout_s=tp_timeout_s(role),
-                         rendezvous_timeout_s=SETUP_TIMEOUT_S, backend="gloo" if device == "cpu" else "nccl")
+                         rendezvous_timeout_s=SETUP_TIMEOUT_S, backend="gloo" if device == "cpu" else "nccl",
+                         device=device)
     return group, device
 
 
