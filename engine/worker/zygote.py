@@ -276,6 +276,8 @@ class Zygote:
                 self._ready.set_result(event)
         elif isinstance(event, SpawnedEvent):
             future = self._pending.get(event.request_id)
+            if not fds and future is not None and not future.done():
+                future.set_exception(ZygoteError(f"the fork server forked pid {event.pid} but sent no pidfd of it"))
             if not fds or future is None or future.done():
                 # Forked after its `spawn` gave up: nobody reads its output, so it must not run.
                 for fd in fds:
