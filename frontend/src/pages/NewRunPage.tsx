@@ -95,6 +95,10 @@ export function NewRunPage() {
     e.preventDefault();
     if (!workflow || !version) return;
     setError(null);
+    if (target && !deployment) {
+      setError(`Deployment ${target} is not running for this workflow: pick where to run.`);
+      return;
+    }
     const inputs: Record<string, unknown> = {};
     const files: Record<string, File> = {};
     for (const f of fields) {
@@ -176,7 +180,7 @@ export function NewRunPage() {
                 ))}
               </select>
             </label>
-            {deployments !== null && deployments.length > 0 && (
+            {deployments !== null && (deployments.length > 0 || target !== "") && (
               <label className="field">
                 <span className="field-label">Run on</span>
                 <select value={target} onChange={(e) => setTarget(e.target.value)} data-testid="run-target">
@@ -188,6 +192,11 @@ export function NewRunPage() {
                   ))}
                 </select>
               </label>
+            )}
+            {target && deployments !== null && !deployment && (
+              <ErrorBox>
+                Deployment {target} is not running for this workflow: choose where to run.
+              </ErrorBox>
             )}
             {version && !version.valid && (
               <ErrorBox>
