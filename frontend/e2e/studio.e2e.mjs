@@ -359,6 +359,19 @@ try {
     await waitText(tid("output-result"), "49");
   });
 
+  await step("a run aimed at a deployment that is not running is refused, not run elsewhere", async () => {
+    const { workflow } = await runDetail();
+    const before = (await page.evaluate(async () => (await fetch("/api/runs/")).json())).count;
+    await page.goto(`${BASE}/workflows/${workflow}/run?deployment=00000000-0000-0000-0000-000000000000`);
+    await page.waitForSelector(tid("run-form"));
+    await waitText('[role="alert"]', "is not running for this workflow");
+    await page.click(tid("submit-run"));
+    await page.waitForSelector(tid("run-form"));
+    const after = (await page.evaluate(async () => (await fetch("/api/runs/")).json())).count;
+    expect(after === before, `a run was submitted anyway (${before} -> ${after})`);
+    await shot("run-form-deployment-not-running");
+  });
+
   await step("run diamond.py with inputs", async () => {
     await openWorkflow("diamond");
     await shot("editor-diamond");
