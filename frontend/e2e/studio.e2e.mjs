@@ -365,11 +365,12 @@ try {
     await page.goto(`${BASE}/workflows/${workflow}/run?deployment=00000000-0000-0000-0000-000000000000`);
     await page.waitForSelector(tid("run-form"));
     await waitText('[role="alert"]', "is not running for this workflow");
-    await page.click(tid("submit-run"));
-    await page.waitForSelector(tid("run-form"));
+    await page.waitForSelector(`${tid("submit-run")}:disabled`);
+    await shot("run-form-deployment-not-running");
+    await page.selectOption(tid("run-target"), "");
+    await page.waitForSelector(`${tid("submit-run")}:enabled`);
     const after = (await page.evaluate(async () => (await fetch("/api/runs/")).json())).count;
     expect(after === before, `a run was submitted anyway (${before} -> ${after})`);
-    await shot("run-form-deployment-not-running");
   });
 
   await step("run diamond.py with inputs", async () => {

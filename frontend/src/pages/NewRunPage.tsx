@@ -95,10 +95,7 @@ export function NewRunPage() {
     e.preventDefault();
     if (!workflow || !version) return;
     setError(null);
-    if (target && !deployment) {
-      setError(`Deployment ${target} is not running for this workflow: pick where to run.`);
-      return;
-    }
+    if (target && !deployment) return; // said beside the form: a deployment that is not running
     const inputs: Record<string, unknown> = {};
     const files: Record<string, File> = {};
     for (const f of fields) {
@@ -185,6 +182,7 @@ export function NewRunPage() {
                 <span className="field-label">Run on</span>
                 <select value={target} onChange={(e) => setTarget(e.target.value)} data-testid="run-target">
                   <option value="">The studio's own engine</option>
+                  {target !== "" && !deployment && <option value={target}>Deployment {target.slice(0, 8)} (not running)</option>}
                   {deployments.map((d) => (
                     <option key={d.id} value={d.id}>
                       Deployment {d.name || d.id.slice(0, 8)} (v{d.version}) — its role workers
@@ -229,7 +227,7 @@ export function NewRunPage() {
               </label>
             </details>
             <div className="form-actions">
-              <Button variant="primary" icon="play" type="submit" disabled={busy || !version?.valid} data-testid="submit-run">
+              <Button variant="primary" icon="play" type="submit" disabled={busy || !version?.valid || (target !== "" && deployments !== null && !deployment)} data-testid="submit-run">
                 {busy ? "Submitting…" : "Run"}
               </Button>
             </div>
