@@ -24,6 +24,8 @@ from the model's config, which the shard rewrites to the rank's own.
 * `diffusion_unit.py` — the same for a `diffusion` role: rank 0 hosts `TPDiffusionUnit`
   and sends each node's prompts to the followers (`TPDiffuse`); every rank denoises over
   its shard.
+* `link.py` — the control link both units use: rank 0's `FollowerLink` (meet the followers'
+  hellos, send them the setup, broadcast, stop them) and a follower's `greet_leader`.
 """
 
 from engine.compute.tp.group import TPError, TPGroup, TPRankError

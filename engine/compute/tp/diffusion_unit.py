@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +36,9 @@ from engine.compute.diffusion.unit import CONFIG_PARAMS
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
-from engine.compute.tp.messages import TPDiffuse, TPHello, TPMessage, TPSetup, TPStop
+from engine.compute.tp.link import FollowerLink, greet_leader
+from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
 from engine.compute.tp.unit import (
-    LEADER_KEY,
-    SEND_TIMEOUT_MS,
-    SETUP_TIMEOUT_S,
     LeaderWatch,
     TPSeat,
     join_group,
@@ -84,53 +81,22 @@ class TPDiffusionUnit(ThreadedUnit):
         self.seat = tp
         self.failed: str | None = None
         self.group: TPGroup | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(TPMessage)
-        self._context = zmq.Context()
-        self._socket: zmq.Socket | None = None
-        self._followers: list[bytes] = []
+        self._link: FollowerLink | None = None
         try:
             if not role.model:
                 raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
             group, device = join_group(role, tp)
             self.group = group
             self.runner = _runner(role, group, device)
-            self._meet_followers(group)
+            self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}")
+            self._link.meet(0)
         except BaseException:
             self._shutdown()
             raise
 
-    def _meet_followers(self, group: TPGroup) -> None:
-        seat = self.seat
-        sock = self._socket = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        host = seat.address.removeprefix("tcp://").rpartition(":")[0]
-        sock.bind(f"tcp://{host}:0")
-        group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
-        deadline = time.monotonic() + SETUP_TIMEOUT_S
-        while len(self._followers) < seat.size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000)):
-                raise TPRankError(f"diffusion role {self.role.name!r}: only {len(self._followers)} of"
-                                  f" {seat.size - 1} follower ranks said hello within {SETUP_TIMEOUT_S:.0f}s")
-            identity, payload = sock.recv_multipart()
-            hello = self._decoder.decode(payload)
-            if not isinstance(hello, TPHello):
-                raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
-            self._followers.append(identity)
-        for identity in self._followers:
-            sock.send_multipart([identity, self._encoder.encode(TPSetup(0, os.getpid()))])
-
     def _broadcast(self, message: TPMessage) -> None:
-        assert self._socket is not None
-        payload = self._encoder.encode(message)
-        for index, identity in enumerate(self._followers, start=1):
-            try:
-                self._socket.send_multipart([identity, payload])
-            except zmq.ZMQError as exc:
-                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+        assert self._link is not None
+        self._link.broadcast(message)
 
     # -- node calls (the unit's thread) ---------------------------------------------------------------
 
@@ -199,16 +165,9 @@ class TPDiffusionUnit(ThreadedUnit):
         self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._socket is not None:
-            payload = self._encoder.encode(TPStop())
-            for rank, identity in enumerate(self._followers, start=1):
-                try:
-                    self._socket.send_multipart([identity, payload])
-                except zmq.ZMQError as exc:
-                    log.warning("telling follower rank %d to stop: %s", rank, exc)
-            self._socket.close(linger=1000)
-            self._socket = None
-        self._context.term()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -223,7 +182,6 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     `ready(details)` is called once the rank is in the group with its shard built."""
     if seat.rank < 1:
         raise TPError(f"follow() runs ranks 1.., not rank {seat.rank}")
-    encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(TPMessage)
     group, device = join_group(role, seat)
     context = zmq.Context()
@@ -232,13 +190,7 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     watch: LeaderWatch | None = None
     try:
         runner = _runner(role, group, device)
-        sock.connect(group.lookup(LEADER_KEY).decode())
-        sock.send(encoder.encode(TPHello(seat.rank, os.getpid())))
-        if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
-            raise TPRankError(f"rank {seat.rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
-        setup = decoder.decode(sock.recv())
-        if not isinstance(setup, TPSetup):
-            raise TPRankError(f"rank {seat.rank}: expected TPSetup, got {type(setup).__name__}")
+        setup = greet_leader(sock, group, seat.rank)
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)

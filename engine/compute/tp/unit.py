@@ -63,19 +63,18 @@ from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.engine import TPEngine
-from engine.compute.tp.group import TPError, TPGroup, TPRankError
+from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.kv import merge_pages, split_page
+from engine.compute.tp.link import SETUP_TIMEOUT_S, FollowerLink, greet_leader
 from engine.compute.tp.messages import (
     TPAbort,
     TPAdd,
     TPExpire,
     TPExport,
-    TPHello,
     TPMessage,
     TPOpenSession,
     TPPullHandoff,
     TPRelease,
-    TPSetup,
     TPStep,
     TPStop,
 )
@@ -94,11 +93,6 @@ log = logging.getLogger(__name__)
 
 TP_TIMEOUT_S = 10.0
 """Default deadline of one collective (role param `tp_timeout_s`): a stuck rank fails the role after it."""
-SETUP_TIMEOUT_S = 120.0
-"""How long rank 0 waits for every follower to load its shard and say hello."""
-LEADER_KEY = "tp/leader"
-SEND_TIMEOUT_MS = 5000
-
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TPMessage)
 
@@ -369,9 +363,7 @@ class TPLLMUnit(LLMUnit):
         self.seat = tp
         self.failed: str | None = None
         self.group: TPGroup | None = None
-        self._context = zmq.Context()
-        self._socket: zmq.Socket | None = None
-        self._followers: list[bytes] = []
+        self._link: FollowerLink | None = None
         try:
             super().__init__(role)
         except BaseException:
@@ -385,27 +377,9 @@ class TPLLMUnit(LLMUnit):
         group, device = join_group(role, seat)
         self.group = group
         shard = shard_to_device(model, group, device)
-        sock = self._socket = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        host = seat.address.removeprefix("tcp://").rpartition(":")[0]
-        sock.bind(f"tcp://{host}:0")
-        group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
+        self._link = FollowerLink(group, seat.address, seat.size, what=f"llm role {role.name!r}")
         seed = config.seed if config.seed is not None else secrets.randbits(62)
-        deadline = time.monotonic() + SETUP_TIMEOUT_S
-        while len(self._followers) < seat.size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000)):
-                raise TPRankError(f"llm role {role.name!r}: only {len(self._followers)} of {seat.size - 1} follower"
-                                  f" ranks said hello within {SETUP_TIMEOUT_S:.0f}s")
-            identity, payload = sock.recv_multipart()
-            hello = _decoder.decode(payload)
-            if not isinstance(hello, TPHello):
-                raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
-            self._followers.append(identity)
-        for identity in self._followers:
-            sock.send_multipart([identity, _encoder.encode(TPSetup(seed, os.getpid()))])
+        self._link.meet(seed)
         engine = TPEngine(shard, group, dataclasses.replace(config, seed=seed), clock=lambda: broadcast.now)
         puller = _HandoffPuller(engine, _whole_layout(model, config), self._transfer)
         broadcast = _Broadcasting(engine, self._broadcast, puller, self.pull_timeout_s)
@@ -428,13 +402,8 @@ class TPLLMUnit(LLMUnit):
             return self._peer
 
     def _broadcast(self, message: TPMessage) -> None:
-        assert self._socket is not None
-        payload = _encoder.encode(message)
-        for index, identity in enumerate(self._followers, start=1):
-            try:
-                self._socket.send_multipart([identity, payload])
-            except zmq.ZMQError as exc:
-                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+        assert self._link is not None
+        self._link.broadcast(message)
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -586,18 +555,9 @@ class TPLLMUnit(LLMUnit):
         self._exports.close()
 
     def _shutdown(self) -> None:
-        if self._socket is not None:
-            # Every follower that is still there stops now (one that is not stops when it sees
-            # rank 0 gone).
-            payload = _encoder.encode(TPStop())
-            for rank, identity in enumerate(self._followers, start=1):
-                try:
-                    self._socket.send_multipart([identity, payload])
-                except zmq.ZMQError as exc:
-                    log.warning("telling follower rank %d to stop: %s", rank, exc)
-            self._socket.close(linger=1000)
-            self._socket = None
-        self._context.term()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -659,13 +619,7 @@ class _Follower:
         try:
             model = load_role_model(self.role)
             shard = shard_to_device(model, group, device)
-            sock.connect(group.lookup(LEADER_KEY).decode())
-            sock.send(_encoder.encode(TPHello(seat.rank, os.getpid())))
-            if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
-                raise TPRankError(f"rank {seat.rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
-            setup = _decoder.decode(sock.recv())
-            if not isinstance(setup, TPSetup):
-                raise TPRankError(f"rank {seat.rank}: expected TPSetup, got {type(setup).__name__}")
+            setup = greet_leader(sock, group, seat.rank)
             config = dataclasses.replace(EngineConfig.from_params(self.role.params), seed=setup.seed)
             engine = TPEngine(shard, group, config, clock=lambda: self.now)
             puller = _HandoffPuller(engine, _whole_layout(model, config), self.peer)

@@ -1,0 +1,109 @@
+"""The control link between rank 0 of a tensor-parallel replica and its follower ranks.
+
+Rank 0 binds a ROUTER next to the group's address and publishes it in the group's store
+(`LEADER_KEY`); each follower connects a DEALER, says `TPHello`, and waits for `TPSetup`
+(the sampler seed and rank 0's pid). Then rank 0 sends every operation to every follower,
+in order (`broadcast`), and `TPStop` when it stops. Messages are msgpack (`TPMessage`);
+a send to a follower that is gone raises (ROUTER_MANDATORY, a send timeout), which breaks
+the group. Shared by the `llm` and `diffusion` tensor-parallel units.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+
+from engine.compute.tp.group import TPGroup, TPRankError
+from engine.compute.tp.messages import TPHello, TPMessage, TPSetup, TPStop
+
+log = logging.getLogger(__name__)
+
+SETUP_TIMEOUT_S = 120.0
+"""How long rank 0 waits for its followers' hellos, and a follower for rank 0's setup."""
+LEADER_KEY = "tp/leader"
+SEND_TIMEOUT_MS = 5000
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(TPMessage)
+
+
+class FollowerLink:
+    """Rank 0's side: the followers of a replica of `size` ranks, met over the group `group`
+    (whose store lives at `address`, `tcp://host:port`). `what` names the role in errors."""
+
+    def __init__(self, group: TPGroup, address: str, size: int, *, what: str) -> None:
+        self._context = zmq.Context()
+        self._socket: zmq.Socket | None = self._context.socket(zmq.ROUTER)
+        self.followers: list[bytes] = []
+        self._size = size
+        self._what = what
+        sock = self._socket
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            host = address.removeprefix("tcp://").rpartition(":")[0]
+            sock.bind(f"tcp://{host}:0")
+            group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
+        except BaseException:
+            self.close()
+            raise
+
+    def meet(self, seed: int) -> None:
+        """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup."""
+        sock = self._socket
+        assert sock is not None
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while len(self.followers) < self._size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                raise TPRankError(f"{self._what}: only {len(self.followers)} of {self._size - 1} follower"
+                                  f" ranks said hello within {SETUP_TIMEOUT_S:.0f}s")
+            identity, payload = sock.recv_multipart()
+            hello = _decoder.decode(payload)
+            if not isinstance(hello, TPHello):
+                raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
+            self.followers.append(identity)
+        for identity in self.followers:
+            sock.send_multipart([identity, _encoder.encode(TPSetup(seed, os.getpid()))])
+
+    def broadcast(self, message: TPMessage) -> None:
+        """Send `message` to every follower; TPRankError when one is unreachable."""
+        assert self._socket is not None
+        payload = _encoder.encode(message)
+        for index, identity in enumerate(self.followers, start=1):
+            try:
+                self._socket.send_multipart([identity, payload])
+            except zmq.ZMQError as exc:
+                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+
+    def close(self) -> None:
+        """Tell every follower still there to stop (one that is not stops when it sees rank 0
+        gone), then close the socket. Idempotent."""
+        if self._socket is not None:
+            payload = _encoder.encode(TPStop())
+            for rank, identity in enumerate(self.followers, start=1):
+                try:
+                    self._socket.send_multipart([identity, payload])
+                except zmq.ZMQError as exc:
+                    log.warning("telling follower rank %d to stop: %s", rank, exc)
+            self._socket.close(linger=1000)
+            self._socket = None
+            self._context.term()
+
+
+def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int) -> TPSetup:
+    """A follower's handshake on its DEALER `sock`: connect to rank 0 (its address from the
+    group's store), say hello, and return rank 0's setup (TPRankError after SETUP_TIMEOUT_S)."""
+    sock.connect(group.lookup(LEADER_KEY).decode())
+    sock.send(_encoder.encode(TPHello(rank, os.getpid())))
+    if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
+        raise TPRankError(f"rank {rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
+    setup = _decoder.decode(sock.recv())
+    if not isinstance(setup, TPSetup):
+        raise TPRankError(f"rank {rank}: expected TPSetup, got {type(setup).__name__}")
+    return setup
