@@ -184,7 +184,8 @@ class _CeleryAnchor:
 
     async def _line(self, timeout: float) -> str:
         assert self._client is not None and self._client.stdout is not None
-        line = await asyncio.wait_for(self._client.stdout.readline(), timeout)
+        async with asyncio.timeout(timeout):
+            line = await self._client.stdout.readline()
         if not line:
             raise RuntimeError(f"the Celery client exited with status {await self._client.wait()}"
                                f" (worker: {await self._worker_error()})")
@@ -207,14 +208,16 @@ class _CeleryAnchor:
         if self._client is not None and self._client.stdin is not None:
             self._client.stdin.close()
             try:
-                await asyncio.wait_for(self._client.wait(), 30)
+                async with asyncio.timeout(30):
+                    await self._client.wait()
             except TimeoutError:
                 self._client.kill()
                 await self._client.wait()
         if self._worker is not None and self._worker.returncode is None:
             self._worker.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self._worker.wait(), 15)
+                async with asyncio.timeout(15):
+                    await self._worker.wait()
             except TimeoutError:
                 self._worker.kill()
                 await self._worker.wait()

@@ -322,7 +322,8 @@ async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
         lost += block_lost
         healthz += await loop.run_in_executor(None, _healthz, http_, max(share, 1))
     http_.close()
-    followed, wall, errors = await asyncio.wait_for(_load(studio, wf["id"], args.concurrent, args.submitters), args.timeout)
+    async with asyncio.timeout(args.timeout):
+        followed, wall, errors = await _load(studio, wf["id"], args.concurrent, args.submitters)
     completed = sum(1 for f in followed if f is not None and _completed(f))
     events_lost = sum(_lost(f) for f in followed if f is not None)
     p50 = statistics.median(latencies)

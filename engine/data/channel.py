@@ -132,7 +132,8 @@ class Transfer:
             self._add_callback(lambda: loop.call_soon_threadsafe(settle))
             remaining = self.deadline - time.monotonic() + 1.0
             try:
-                await asyncio.wait_for(future, max(remaining, 0.0))
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    await future
             except TimeoutError as exc:
                 raise TransferTimeout("transfer not done by its deadline") from exc
         return self._outcome()

@@ -160,9 +160,8 @@ class KVRouter:
     async def hint(self, role: RoleSpec, call: NodeCall, snapshots: Sequence[WorkerSnapshot]) -> PrefixHint:
         """The hint for dispatching `call` to one of `snapshots` (workers of `role`)."""
         try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(self._hint, role, call, role_kv_meta(snapshots)), self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.to_thread(self._hint, role, call, role_kv_meta(snapshots))
         except TimeoutError:
             log.warning("KV-aware hint for role %r took over %.2f s; balancing on load alone", role.name,
                         self.timeout_s)

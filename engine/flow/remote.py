@@ -345,7 +345,8 @@ class WorkerDispatcher:
             await control.send([self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host))])
             inbox: _Inbox = _Inbox()
             conn.inboxes[0] = inbox
-            reply = await asyncio.wait_for(inbox.get(), self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                reply = await inbox.get()
         except TimeoutError:
             self._lose(conn, f"no hello from worker {wid} at {worker.info.address} within {self._connect_timeout_s} s")
             conn.ready.set_result(None)
@@ -398,7 +399,8 @@ class WorkerDispatcher:
             await conn.liveness.send(self._codec.encode(PingRequest(next(ids))))
             try:
                 while True:
-                    answer = await asyncio.wait_for(conn.liveness.recv(), 2 * self._heartbeat_s)
+                    async with asyncio.timeout(2 * self._heartbeat_s):
+                        answer = await conn.liveness.recv()
                     with contextlib.suppress(WireError):
                         if isinstance(self._codec.decode(answer), PingReply):
                             break

@@ -216,7 +216,8 @@ class LocalCluster:
         assert process.stdout is not None
         try:
             while True:
-                line = await asyncio.wait_for(process.stdout.readline(), self.ready_timeout_s)
+                async with asyncio.timeout(self.ready_timeout_s):
+                    line = await process.stdout.readline()
                 if not line:
                     code = await process.wait()
                     raise LaunchError(f"worker {worker_id} of role {role!r} exited with status {code}"
@@ -289,7 +290,8 @@ class LocalCluster:
                     await sock.send(codec.encode(LoadRequest(rid)))
                     try:
                         while True:
-                            reply = codec.decode(await asyncio.wait_for(sock.recv(), self.heartbeat_s))
+                            async with asyncio.timeout(self.heartbeat_s):
+                                reply = codec.decode(await sock.recv())
                             if isinstance(reply, LoadReply) and reply.request_id == rid:
                                 break
                     except (TimeoutError, WireError):
@@ -329,7 +331,8 @@ class LocalCluster:
                     worker.process.send_signal(signal.SIGTERM)
         for worker in workers:
             try:
-                await asyncio.wait_for(worker.process.wait(), self.stop_timeout_s)
+                async with asyncio.timeout(self.stop_timeout_s):
+                    await worker.process.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.kill()

@@ -205,7 +205,8 @@ class _Liveness(threading.Thread):
     async def _stopped_within(self, seconds: float) -> bool:
         assert self._stopping is not None
         try:
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
         except TimeoutError:
             return False
         return True

@@ -189,7 +189,8 @@ class Zygote:
         zygote = cls(process, ours)
         asyncio.get_running_loop().add_reader(ours, zygote._readable)
         try:
-            await asyncio.wait_for(asyncio.shield(zygote._ready), ready_timeout_s)
+            async with asyncio.timeout(ready_timeout_s):
+                await asyncio.shield(zygote._ready)
         except BaseException as exc:
             await zygote.close(timeout_s=5.0)
             if isinstance(exc, TimeoutError):
@@ -213,7 +214,8 @@ class Zygote:
             finally:
                 os.close(write_end)
             try:
-                pid, pidfd = await asyncio.wait_for(asyncio.shield(forked), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    pid, pidfd = await asyncio.shield(forked)
             except TimeoutError:
                 raise ZygoteError(f"the fork server did not fork within {timeout_s} s") from None
         except BaseException:
@@ -327,7 +329,8 @@ class Zygote:
         if self._sock.fileno() >= 0:
             self._sock.close()
         try:
-            await asyncio.wait_for(self.process.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.process.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()

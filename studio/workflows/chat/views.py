@@ -156,7 +156,8 @@ async def _last(stream: AsyncIterator[str | turns.TurnResult], timeout_s: float)
         raise RuntimeError("the run's events ended without run_finished")
 
     try:
-        return await asyncio.wait_for(drain(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await drain()
     except TimeoutError:
         raise OpenAIError(504, f"no answer within {timeout_s} s", type="server_error") from None
 

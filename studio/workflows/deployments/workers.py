@@ -76,7 +76,8 @@ async def snapshots(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, 
     if not namespaces:
         return {}
     future = eng.runs.call(eng.deployments.snapshots(namespaces))
-    return await asyncio.wait_for(asyncio.wrap_future(future), SNAPSHOT_TIMEOUT_S)
+    async with asyncio.timeout(SNAPSHOT_TIMEOUT_S):
+        return await asyncio.wrap_future(future)
 
 
 def snapshots_sync(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:
