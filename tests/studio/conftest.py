@@ -43,16 +43,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_connection_pools(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
-    """PostgreSQL pools keep their connections open: close them before the test database is
-    dropped (else PostgreSQL refuses, the database being in use)."""
+    """PostgreSQL pools keep their connections open, and a pooled connection another thread
+    still holds outlives the pool's close: end them all before the test database is dropped
+    (else PostgreSQL refuses, the database being in use)."""
     yield
+    import psycopg
     from django.db import connections
 
     with django_db_blocker.unblock():
         for connection in connections.all(initialized_only=True):
-            if connection.vendor == "postgresql":
-                connection.close()  # back to the pool, which closes every idle connection
-                connection.close_pool()
+            if connection.vendor != "postgresql":
+                continue
+            connection.close()  # back to the pool, which closes every idle connection
+            connection.close_pool()
+            params = connection.get_connection_params()
+            with psycopg.connect(**params, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                              " WHERE datname = current_database() AND pid <> pg_backend_pid()")
 
 
 @pytest.fixture(autouse=True)
