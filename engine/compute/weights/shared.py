@@ -249,7 +249,11 @@ class HostWeights:
         with os.scandir(self.root) as entries:
             indexes = [e.path for e in entries if e.name.startswith(head)]
         for path in indexes:
-            segment = _read_index(path)
+            # `<index>.<segment>` is an index being written (see `publish`): its owner is named by
+            # its suffix, as its content may not be there yet.
+            _, staged, segment = os.path.basename(path).partition(".")
+            if not staged:
+                segment = _read_index(path)
             owner = parse_segment_name(segment, self.prefix) if segment else None
             if owner is not None and owner.alive():
                 continue

@@ -102,6 +102,23 @@ def test_attach_refuses_a_mismatched_module_and_ignores_dead_owners(prefix: str)
         host.close()
 
 
+def test_reclaim_leaves_an_index_being_written_by_a_live_publisher(prefix: str):
+    """Another worker's start-up reclaim must not take the staging file of an index this
+    process is writing (it was read as a partial index and removed: a publish then failed)."""
+    host = HostWeights(prefix=prefix)
+    try:
+        manifest = host.publish("k", torch.nn.Linear(4, 3))
+        live = f"{host.index_path('w')}.{manifest.segment}"
+        dead = f"{host.index_path('x')}.{prefix}-999999999-1-0"
+        for staging in (live, dead):
+            open(staging, "wb").close()  # created, nothing written yet
+        assert host.reclaim() == [os.path.basename(dead)]
+        assert os.path.exists(live)
+        os.unlink(live)
+    finally:
+        host.close()
+
+
 _CHILD = r"""
 import gc, json, resource, sys
 import psutil, torch
