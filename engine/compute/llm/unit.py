@@ -29,6 +29,7 @@ starts its own the first time a prefill or decode node needs it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -474,13 +475,12 @@ class LLMUnit(ComputeUnit):
                                tail_len=0, first_token=final.output_ids[0],
                                finish_reason=str(final.finish_reason), **common)
             return ref.to_value()
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._commands.put, _Release(handoff.handoff_id))  # no hold token: free the pages
             tail = await self._handoff_tail(handoff)
             token = tail if handoff.tail_len else torch.tensor([handoff.first_token])
             hold = peer.put(token, self.handoff_lease_s)
-        except BaseException:
-            self._commands.put(_Release(handoff.handoff_id))
-            raise
+            undo.pop_all()
         self._commands.put(_Hold(handoff.handoff_id, hold.id))
         ref = KVHandoffRef(
             handoff_id=handoff.handoff_id, prompt_ids=handoff.prompt_ids, key_ids=handoff.key_ids,

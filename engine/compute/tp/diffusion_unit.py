@@ -21,6 +21,7 @@ follower exits when rank 0 or its launcher is gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -82,7 +83,8 @@ class TPDiffusionUnit(ThreadedUnit):
         self.failed: str | None = None
         self.group: TPGroup | None = None
         self._link: FollowerLink | None = None
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._shutdown)  # a half-built rank 0 ends its link and group
             if not role.model:
                 raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
             group, device = join_group(role, tp)
@@ -90,9 +92,7 @@ class TPDiffusionUnit(ThreadedUnit):
             self.runner = _runner(role, group, device)
             self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}")
             self._link.meet(0)
-        except BaseException:
-            self._shutdown()
-            raise
+            undo.pop_all()
 
     def _broadcast(self, message: TPMessage) -> None:
         assert self._link is not None

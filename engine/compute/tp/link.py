@@ -10,6 +10,7 @@ the group. Shared by the `llm` and `diffusion` tensor-parallel units.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -42,16 +43,15 @@ class FollowerLink:
         self._size = size
         self._what = what
         sock = self._socket
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.close)  # a link that cannot bind and publish leaves nothing open
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             host = address.removeprefix("tcp://").rpartition(":")[0]
             sock.bind(f"tcp://{host}:0")
             group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
 
     def meet(self, seed: int) -> None:
         """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup."""

@@ -38,6 +38,7 @@ its own (sharded) pages to other workers, and prefix matching does not pull from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -364,11 +365,10 @@ class TPLLMUnit(LLMUnit):
         self.failed: str | None = None
         self.group: TPGroup | None = None
         self._link: FollowerLink | None = None
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._shutdown)  # a half-built rank 0 ends its link and group
             super().__init__(role)
-        except BaseException:
-            self._shutdown()
-            raise
+            undo.pop_all()
 
     # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
 

@@ -184,7 +184,9 @@ class NodeAgent:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
         processes: dict[str, subprocess.Popen[bytes]] = {}
         followers: dict[str, str] = {}  # follower rank's worker id -> role
-        try:
+        with contextlib.ExitStack() as undo:
+            # A start that fails (or is cancelled) leaves none of its processes running.
+            undo.callback(lambda: _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None]))
             for role, worker_id in wanted:
                 tp_size = ticket.spec.role(role).tp_size
                 # One process per tensor-parallel rank, all meeting at one address on this node.
@@ -205,9 +207,7 @@ class NodeAgent:
                         )
             registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
                                                       [w for _, w in wanted]))
-        except BaseException:
-            _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None])
-            raise
+            undo.pop_all()
         devices = {r.name: r.device for r in ticket.spec.roles}
         rows = [StartedWorker(worker_id=s.info.worker_id, role=s.info.role, address=s.info.address, host=self.node,
                               pid=s.info.pid, device=devices.get(s.info.role, s.info.device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -126,11 +127,10 @@ class OmniFlowKVManager(BaseKVManager):
         self.aux = KVBuffers.of(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, torch.device("cpu"))
         self.peer = Peer(PeerConfig(server=ServerConfig(bind=f"tcp://{self.config.host}:0"),
                                     default_timeout_s=self.config.timeout_s))
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.peer.close)
             self.loop = IOLoop(f"omniflow-kv-{self.mode.value}-{self.engine_rank}")
-        except BaseException:
-            self.peer.close()
-            raise
+            undo.pop_all()
         self.prefill_info_table: dict[str, Any] = {}
         self.address: str | None = None
         self.registered = threading.Event()
@@ -145,7 +145,8 @@ class OmniFlowKVManager(BaseKVManager):
         ready = threading.Event()
         failed: list[zmq.ZMQError] = []
         self.loop.call(lambda: self._open(ready, failed))
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.close)  # SGLang drops a manager that failed to build: its thread and sockets end here
             if not ready.wait(self.config.timeout_s):
                 raise KVTransferError("the KV transfer I/O thread did not start"
                                       + (f": {self.loop.failure!r}" if self.loop.failure is not None else ""))
@@ -153,9 +154,7 @@ class OmniFlowKVManager(BaseKVManager):
                 raise KVTransferConfigError(f"cannot open the control endpoint on {self.config.host}: {failed[0]}")
             if self.mode == DisaggregationMode.PREFILL:
                 self.register_to_bootstrap()
-        except BaseException:
-            self.close()  # SGLang drops a manager that failed to build: its thread and sockets end here
-            raise
+            undo.pop_all()
 
     # -- loop-thread setup ---------------------------------------------------------------
 
