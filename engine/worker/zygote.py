@@ -173,16 +173,16 @@ class Zygote:
         """Start the fork server and wait until it has imported `preload` (module names)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            args = [sys.executable, "-m", "engine.worker.zygote", "--control-fd", str(theirs.fileno()),
-                    "--parent-pid", str(os.getpid())]
-            for module in preload:
-                args += ["--preload", module]
-            process = await asyncio.create_subprocess_exec(
-                *args, pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, env=env)
-        except BaseException:
-            ours.close()
-            raise
+            with contextlib.ExitStack() as undo:
+                undo.callback(ours.close)  # no fork server: our end of its socket goes too
+                args = [sys.executable, "-m", "engine.worker.zygote", "--control-fd", str(theirs.fileno()),
+                        "--parent-pid", str(os.getpid())]
+                for module in preload:
+                    args += ["--preload", module]
+                process = await asyncio.create_subprocess_exec(
+                    *args, pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL, env=env)
+                undo.pop_all()
         finally:
             theirs.close()
         ours.setblocking(False)
@@ -227,11 +227,10 @@ class Zygote:
         finally:
             self._pending.pop(request_id, None)
         reader = asyncio.StreamReader()
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._abandon, pid, pidfd)  # a child whose output cannot be read is not kept
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", 0))
-        except BaseException:
-            self._abandon(pid, pidfd)
-            raise
+            undo.pop_all()
         child = ForkedProcess(pid, pidfd, reader)
         self._unclaimed.discard(pid)
         if pid in self._early_exits:

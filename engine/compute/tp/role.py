@@ -267,7 +267,8 @@ class TPRole:
         address = f"tcp://127.0.0.1:{_free_port()}"
         payload = msgspec.json.encode(spec).decode()
         self.procs: list[RankProcess] = []
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.close)  # ranks of a role that did not come up are stopped
             for rank in range(size):
                 argv = [sys.executable, "-m", "engine.compute.tp.role", "--rank", str(rank), "--size", str(size),
                         "--address", address, "--parent-pid", str(os.getpid()),
@@ -277,9 +278,7 @@ class TPRole:
             for proc in self.procs:
                 os.set_blocking(proc.stdin_fd, False)
             self._wait_hello(start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
 
     @property
     def pids(self) -> list[int]:
