@@ -25,11 +25,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
+from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
 from engine.data.peer import Peer
 from engine.data.shm import local_namespace
@@ -167,6 +168,34 @@ class LoopSocket:
         self._sock.close(linger=linger)
 
 
+class _ControlLink(Protocol):
+    """A connection to a worker's control endpoint, one message per payload."""
+
+    def send_nowait(self, payload: bytes) -> asyncio.Future[None] | None: ...
+
+    async def send(self, payload: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _DealerLink:
+    """The TCP control path: a DEALER `LoopSocket`, one frame per message."""
+
+    __slots__ = ("_socket",)
+
+    def __init__(self, socket: LoopSocket) -> None:
+        self._socket = socket
+
+    def send_nowait(self, payload: bytes) -> asyncio.Future[None] | None:
+        return self._socket.send_nowait([payload])
+
+    async def send(self, payload: bytes) -> None:
+        await self._socket.send([payload])
+
+    def close(self) -> None:
+        self._socket.close()
+
+
 class WorkerLost(RuntimeError):
     """A worker died or stopped answering while it held a node execution."""
 
@@ -212,7 +241,7 @@ class _Inbox:
 @dataclass(slots=True)
 class _Connection:
     worker: WorkerSnapshot
-    control: LoopSocket | None
+    control: _ControlLink | None
     liveness: zmq.asyncio.Socket
     inboxes: dict[int, _Inbox] = field(default_factory=dict)
     pinger: asyncio.Task[None] | None = None
@@ -237,6 +266,7 @@ class WorkerDispatcher:
         no_worker_wait_s: float = 2.0,
         max_message_bytes: int = 64 * MiB,
         kv_router: KVRouter | None = None,
+        poll_after_send_s: float = 200e-6,
     ) -> None:
         self._registry = registry
         self._peer = peer
@@ -248,6 +278,7 @@ class WorkerDispatcher:
         self._context = zmq.asyncio.Context()
         self._control_context = zmq.Context()
         self._codec = WireCodec(max_message_bytes, WorkerMessage)
+        self._max_message_bytes = max_message_bytes
         self._connections: dict[str, _Connection] = {}
         self._policies: dict[str, Policy] = {}
         self._outstanding: dict[str, int] = {}
@@ -255,6 +286,11 @@ class WorkerDispatcher:
         self._ids = itertools.count(1)
         self._local_ns = local_namespace()
         self._closed = False
+        self._poll_after_send_s = poll_after_send_s
+        self._polling_until = 0.0
+        self._polling = False
+        self._awaiting = 0
+        """Calls sent whose worker has not answered yet."""
 
     # ------------------------------------------------------------------ choosing
     async def _snapshots(self, role: str, *, fresh: bool = False) -> list[WorkerSnapshot]:
@@ -331,24 +367,25 @@ class WorkerDispatcher:
         if conn is not None:  # lost, or the worker id now listens elsewhere: its calls go elsewhere too
             self._lose(conn, f"worker {wid} moved from {conn.worker.info.address} to {worker.info.address}")
             self._close_connection(conn)
-        sock = self._control_context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._control_address(worker))
         liveness = self._context.socket(zmq.DEALER)
         liveness.setsockopt(zmq.LINGER, 0)
         liveness.connect(str(worker.info.meta["liveness"]))
         conn = _Connection(worker, None, liveness)
-        conn.control = control = LoopSocket(sock, lambda frames: self._on_control(conn, frames))
         conn.ready = asyncio.get_running_loop().create_future()
         self._connections[wid] = conn
+        inbox: _Inbox = _Inbox()
+        conn.inboxes[0] = inbox
         try:
-            await control.send([self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host))])
-            inbox: _Inbox = _Inbox()
-            conn.inboxes[0] = inbox
             async with asyncio.timeout(self._connect_timeout_s):
+                conn.control = await self._open_control(conn)
+                await conn.control.send(self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host)))
                 reply = await inbox.get()
         except TimeoutError:
             self._lose(conn, f"no hello from worker {wid} at {worker.info.address} within {self._connect_timeout_s} s")
+            conn.ready.set_result(None)
+            return conn
+        except OSError as exc:
+            self._lose(conn, f"cannot reach worker {wid} at {self._control_address(worker)}: {exc}")
             conn.ready.set_result(None)
             return conn
         finally:
@@ -362,13 +399,34 @@ class WorkerDispatcher:
         conn.pinger = asyncio.get_running_loop().create_task(self._ping(conn))
         return conn
 
-    def _on_control(self, conn: _Connection, frames: list[bytes]) -> None:
-        """A message from a worker's control endpoint: to the inbox of the call it answers."""
+    async def _open_control(self, conn: _Connection) -> _ControlLink:
+        """A stream on the worker's local socket when it has one this process can reach, else a
+        ZeroMQ DEALER on its TCP endpoint."""
+        address = self._control_address(conn.worker)
+        if address.startswith(framed.SCHEME):
+            stream = framed.FramedStream(
+                lambda payload: self._on_control(conn, payload),
+                max_message_bytes=self._max_message_bytes,
+                on_closed=lambda reason: self._lose(
+                    conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) closed its control"
+                          f" connection ({reason})"),
+            )
+            return await framed.connect(address, stream, timeout_s=self._connect_timeout_s)
+        sock = self._control_context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return _DealerLink(LoopSocket(sock, lambda frames: self._on_control_frames(conn, frames)))
+
+    def _on_control_frames(self, conn: _Connection, frames: list[bytes]) -> None:
         if len(frames) != 1:
             log.warning("message of %d frames from worker %s", len(frames), conn.worker.info.worker_id)
             return
+        self._on_control(conn, frames[0])
+
+    def _on_control(self, conn: _Connection, payload: bytes) -> None:
+        """A message from a worker's control endpoint: to the inbox of the call it answers."""
         try:
-            message = self._codec.decode(frames[0])
+            message = self._codec.decode(payload)
         except WireError as exc:
             log.warning("unreadable message from worker %s: %s", conn.worker.info.worker_id, exc)
             return
@@ -446,19 +504,52 @@ class WorkerDispatcher:
         request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
                                  call.output_ports, call.stream, call.router, call.iteration, call.attempt)
         assert conn.control is not None
-        await conn.control.send([self._codec.encode(request)])
+        try:
+            await conn.control.send(self._codec.encode(request))
+        except framed.StreamClosedError as exc:  # it ended before its end was seen: lost as the worker
+            self._lose(conn, f"worker {worker.info.worker_id} (pid {worker.info.pid}) closed its control"
+                             f" connection ({exc})")
+            return conn, rid, inbox, []
         self._outstanding[worker.info.worker_id] = self._outstanding.get(worker.info.worker_id, 0) + 1
         forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
                       for p, s in streams]
         return conn, rid, inbox, forwarders
 
+    def _await_answer(self) -> bool:
+        """Count a call that waits for its worker's first answer, and keep the event loop polling
+        rather than sleeping for `poll_after_send_s` after it went out (True: counted).
+
+        A quick node answers within tens of microseconds, but a process asleep in epoll pays
+        for its wake-up: on a virtual machine whose idle CPUs halt, 20-40 us per wake-up, as
+        much as the rest of the hop. A callback that reschedules itself keeps the loop's epoll
+        at a zero timeout, so the answer is read as it lands. The cost is this process's CPU
+        for at most the window per call, and none once every call in flight was answered."""
+        if self._poll_after_send_s <= 0:
+            return False
+        self._awaiting += 1
+        self._polling_until = time.perf_counter() + self._poll_after_send_s
+        if not self._polling:
+            self._polling = True
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._poll, loop)
+        return True
+
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._awaiting and not self._closed and time.perf_counter() < self._polling_until:
+            loop.call_soon(self._poll, loop)
+        else:
+            self._polling = False
+
     async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any]):
         control = conn.control
         assert control is not None
-        async for value in source:
-            frame = InputFrame(rid, port, encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}"))
-            await control.send([self._codec.encode(frame)])
-        await control.send([self._codec.encode(InputEnd(rid, port))])
+        # A connection that ends is the call's loss, reported through its inbox (`_lose`).
+        with contextlib.suppress(framed.StreamClosedError):
+            async for value in source:
+                frame = InputFrame(rid, port, encode_value(value, self._peer,
+                                                           where=f"node {call.node_id!r} input {port!r}"))
+                await control.send(self._codec.encode(frame))
+            await control.send(self._codec.encode(InputEnd(rid, port)))
 
     async def _close_call(self, conn: _Connection, rid: int, forwarders: list[asyncio.Task[None]],
                           finished: bool) -> None:
@@ -468,8 +559,8 @@ class WorkerDispatcher:
         for task in forwarders:
             task.cancel()
         if not finished and conn.lost is None and conn.control is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                conn.control.send_nowait([self._codec.encode(CancelRequest(rid))])
+            with contextlib.suppress(zmq.ZMQError, framed.StreamClosedError):
+                conn.control.send_nowait(self._codec.encode(CancelRequest(rid)))
 
     def _outputs(self, outputs: dict[str, PortValue]) -> dict[str, Any]:
         return {port: decode_value(v, self._peer, timeout=0.0, materialize=False) for port, v in outputs.items()}
@@ -485,9 +576,13 @@ class WorkerDispatcher:
         while True:
             conn, rid, inbox, forwarders = await self._open_call(role, call, excluded)
             finished = False
+            awaiting = self._await_answer()
             try:
                 while True:
                     message = await inbox.get()
+                    if awaiting:
+                        awaiting = False
+                        self._awaiting -= 1
                     # A worker may skip ExecuteStarted when an answer is ready at once: any
                     # answer from the node says it started.
                     if not announced and isinstance(message, _ANSWERS):
@@ -523,6 +618,8 @@ class WorkerDispatcher:
                                     message.reason)
                         break
             finally:
+                if awaiting:
+                    self._awaiting -= 1
                 await self._close_call(conn, rid, forwarders, finished)
 
     async def execute(

@@ -142,6 +142,13 @@ class RoleWorkerCore:
             self._send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.BAD_REQUEST,
                                             f"a worker does not serve {type(message).__name__}"))
 
+    def disconnected(self, identity: bytes) -> None:
+        """The caller behind `identity` is gone: cancel what it started (nobody is left to
+        take the answers)."""
+        for (caller, _), execution in list(self._executions.items()):
+            if caller == identity:
+                execution.task.cancel()
+
     def _start(self, identity: bytes, request: ExecuteRequest) -> None:
         rid = request.request_id
         if self.draining:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
 from engine.data.peer import Peer, PeerConfig, ServerConfig
 from engine.data.shm import local_namespace
@@ -289,24 +291,20 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     sock.bind(config.listen)
     address = _bound(sock, host)
-    # Executors in the same network namespace reach the same socket over an abstract Unix
-    # socket (no file to clean up): ~15% less per round trip than TCP loopback.
-    local: dict[str, str] = {}
-    namespace = local_namespace()
-    if namespace is not None:
-        # Named by pid and a digest of the worker id: a worker id of a long workflow and role
-        # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
-        digest = hashlib.blake2b(config.worker_id.encode(), digest_size=8).hexdigest()
-        local = {"local": f"ipc://@omniflow-{os.getpid()}-{digest}", "local_ns": namespace}
-        sock.bind(local["local"])
     codec = WireCodec(config.max_message_bytes, WorkerMessage)
     control: LoopSocket | None = None
+    streams: dict[bytes, framed.FramedStream] = {}
+    """Executors connected on the local socket, by the identity their messages carry here."""
 
     def send(identity: bytes, message: WorkerMessage) -> None:
-        # A ROUTER never blocks on send (without ROUTER_MANDATORY, a message to a peer that
-        # is gone or over its high-water mark is dropped), so this never waits.
-        assert control is not None
-        control.send_nowait([identity, codec.encode(message)])
+        # Never waits: a ROUTER drops a message to a peer that is gone or over its high-water
+        # mark (no ROUTER_MANDATORY); a local stream buffers it, or drops it once closed.
+        stream = streams.get(identity)
+        if stream is None:
+            assert control is not None
+            control.send_nowait([identity, codec.encode(message)])
+        elif not stream.closed:
+            stream.send_nowait(codec.encode(message))
 
     # One weight store per process (roles of one model share weights; segments of dead
     # publishers are reclaimed first) and, when given, one KV store for the units that take them.
@@ -337,27 +335,9 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
                           metrics={**base.metrics, **_process_metrics(), **kv.metrics(), **unit.metrics()})
 
-    liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
-    liveness_address = liveness.start_and_bind()
-    info = WorkerInfo(
-        worker_id=config.worker_id,
-        role=config.role.name,
-        address=address,
-        capacity=capacity,
-        model=config.role.model,
-        device=config.role.device,
-        host=host,
-        pid=os.getpid(),
-        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow, **local, **kv.meta},
-    )
-    liveness.register(info)
     greeted: set[bytes] = set()
 
-    def receive(frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
-            return
-        identity, payload = frames
+    def receive(identity: bytes, payload: bytes) -> None:
         try:
             message = codec.decode(payload)
         except WireError as exc:
@@ -379,10 +359,64 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         else:
             core.handle(identity, message)
 
+    def receive_frames(frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
+            return
+        receive(frames[0], frames[1])
+
+    identities = itertools.count(1)
+
+    def accept() -> framed.FramedStream:
+        identity = f"local-{next(identities)}".encode()
+
+        def closed(reason: str) -> None:
+            # The executor went away: nothing it started here has anyone to answer to.
+            streams.pop(identity, None)
+            greeted.discard(identity)
+            core.disconnected(identity)
+
+        stream = streams[identity] = framed.FramedStream(
+            lambda payload: receive(identity, payload),
+            max_message_bytes=config.max_message_bytes,
+            on_oversized=lambda size: send(identity, ErrorReply(
+                None, ErrorCode.OVERSIZED, f"message of {size} bytes is over the limit of"
+                                           f" {config.max_message_bytes}; closing the connection")),
+            on_closed=closed,
+        )
+        return stream
+
+    # Executors in the same network namespace reach the worker on an abstract Unix socket
+    # (`engine.data.framed`: no ZeroMQ I/O thread on either side, no file to clean up).
+    local: dict[str, str] = {}
+    namespace = local_namespace()
+    local_server = None
+    if namespace is not None:
+        # Named by pid and a digest of the worker id: a worker id of a long workflow and role
+        # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
+        digest = hashlib.blake2b(config.worker_id.encode(), digest_size=8).hexdigest()
+        local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
+        local_server = await framed.listen(local["local"], accept)
+
+    liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
+    liveness_address = liveness.start_and_bind()
+    info = WorkerInfo(
+        worker_id=config.worker_id,
+        role=config.role.name,
+        address=address,
+        capacity=capacity,
+        model=config.role.model,
+        device=config.role.device,
+        host=host,
+        pid=os.getpid(),
+        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow, **local, **kv.meta},
+    )
+    liveness.register(info)
+
     setproctitle.setproctitle(
         f"omniflow-worker role={config.role.name} id={config.worker_id} listen={address}"
     )
-    control = LoopSocket(sock, receive)
+    control = LoopSocket(sock, receive_frames)
     ready({"worker_id": config.worker_id, "role": config.role.name, "address": address,
            "liveness": liveness_address, "data": peer.address, "pid": os.getpid(), "host": host,
            "capacity": capacity, **local})
@@ -395,6 +429,10 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     weights.close()
     # A linger lets the answers of drained executions leave before the context ends.
     control.close(linger=_ANSWER_LINGER_MS)
+    if local_server is not None:
+        local_server.close()
+    for stream in list(streams.values()):
+        stream.close()
     context.term()
     peer.close()
     return 0 if not cancelled else 3

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import selectors
 import signal
+import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.data import framed
 from engine.data.codec import MiB, WireCodec
 from engine.data.peer import Peer
 from engine.data.shm import local_namespace
@@ -48,7 +51,14 @@ from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec, encode_spec
 from engine.worker.process import READY_PREFIX
 from tests.integration import workerfns
-from tests.integration.workerfns import RawClient, markers, wait_until, whoami_request, whoami_spec
+from tests.integration.workerfns import (
+    LocalClient,
+    RawClient,
+    markers,
+    wait_until,
+    whoami_request,
+    whoami_spec,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_LIMIT = 64 * MiB
@@ -99,7 +109,28 @@ def client(context: zmq.asyncio.Context, worker: dict[str, Any]) -> RawClient:
     return RawClient(context, worker["address"])
 
 
-async def execute_ok(raw: RawClient, request_id: int, worker: dict[str, Any]) -> None:
+@pytest.fixture(params=["tcp", "local"])
+async def open_client(request, context, worker) -> AsyncIterator[Callable[[], Awaitable[RawClient | LocalClient]]]:
+    """Opens connections to the worker's control endpoint: its ZeroMQ ROUTER over TCP, or its
+    abstract Unix socket (a framed stream). Both speak the same protocol."""
+    opened: list[RawClient | LocalClient] = []
+
+    async def open_() -> RawClient | LocalClient:
+        if request.param == "tcp":
+            raw: RawClient | LocalClient = RawClient(context, worker["address"])
+        else:
+            if local_namespace() is None:
+                pytest.skip("abstract Unix sockets are Linux-only")
+            raw = await LocalClient.connect(worker["local"])
+        opened.append(raw)
+        return raw
+
+    yield open_
+    for raw in opened:
+        raw.close()
+
+
+async def execute_ok(raw: RawClient | LocalClient, request_id: int, worker: dict[str, Any]) -> None:
     """A normal execution on `raw` (already greeted): the result alone (a node that finishes
     without suspending is not announced by an ExecuteStarted first)."""
     result = await raw.call(whoami_request(request_id))
@@ -113,8 +144,8 @@ def refused(reply: Any, code: ErrorCode, request_id: int | None) -> None:
 
 
 # ------------------------------------------------------------------ handshake
-async def test_hello_then_execute(context, worker):
-    raw = client(context, worker)
+async def test_hello_then_execute(open_client, worker):
+    raw = await open_client()
     reply = await raw.hello()
     assert reply.protocol_version == PROTOCOL_VERSION
     assert reply.server == worker["worker_id"]
@@ -123,16 +154,16 @@ async def test_hello_then_execute(context, worker):
     assert await raw.call(PingRequest(7)) == PingReply(7)
 
 
-async def test_request_before_hello_is_refused(context, worker):
-    raw = client(context, worker)
+async def test_request_before_hello_is_refused(open_client, worker):
+    raw = await open_client()
     refused(await raw.call(whoami_request(5)), ErrorCode.HANDSHAKE_REQUIRED, 5)
     refused(await raw.call(PingRequest(6)), ErrorCode.HANDSHAKE_REQUIRED, 6)
     await raw.hello()
     await execute_ok(raw, 7, worker)
 
 
-async def test_wrong_protocol_version_is_refused(context, worker):
-    raw = client(context, worker)
+async def test_wrong_protocol_version_is_refused(open_client, worker):
+    raw = await open_client()
     refused(await raw.call(HelloRequest(PROTOCOL_VERSION + 1, "future", "127.0.0.1")),
             ErrorCode.VERSION_MISMATCH, None)
     # The refused hello did not open the connection.
@@ -142,28 +173,29 @@ async def test_wrong_protocol_version_is_refused(context, worker):
 
 
 # ------------------------------------------------------------------ bad input
-async def test_garbage_is_malformed_and_the_connection_carries_on(context, worker):
-    raw = client(context, worker)
+async def test_garbage_is_malformed_and_the_connection_carries_on(open_client, worker):
+    raw = await open_client()
     await raw.hello()
     refused(await raw.call(b"\xc1 not msgpack \xff"), ErrorCode.MALFORMED, None)
     refused(await raw.call(msgspec.msgpack.encode(42)), ErrorCode.MALFORMED, None)
     refused(await raw.call(msgspec.msgpack.encode({"type": "ExecuteRequest", "request_id": "x"})),
             ErrorCode.MALFORMED, None)
-    await raw.sock.send_multipart([b"one", b"two"])
-    refused(await raw.recv(), ErrorCode.MALFORMED, None)
+    if isinstance(raw, RawClient):
+        await raw.sock.send_multipart([b"one", b"two"])
+        refused(await raw.recv(), ErrorCode.MALFORMED, None)
     await execute_ok(raw, 3, worker)
 
 
-async def test_unknown_message_type(context, worker):
-    raw = client(context, worker)
+async def test_unknown_message_type(open_client, worker):
+    raw = await open_client()
     await raw.hello()
     refused(await raw.call(msgspec.msgpack.encode({"type": "TeleportRequest", "request_id": 1})),
             ErrorCode.UNKNOWN_MESSAGE, None)
     await execute_ok(raw, 4, worker)
 
 
-async def test_execute_for_another_role_is_refused(context, worker):
-    raw = client(context, worker)
+async def test_execute_for_another_role_is_refused(open_client, worker):
+    raw = await open_client()
     await raw.hello()
     reply = await raw.call(whoami_request(8, role="llm"))
     refused(reply, ErrorCode.WRONG_ROLE, 8)
@@ -171,8 +203,8 @@ async def test_execute_for_another_role_is_refused(context, worker):
     await execute_ok(raw, 9, worker)
 
 
-async def test_request_id_already_running_is_refused(context, worker, tmp_path: Path):
-    raw = client(context, worker)
+async def test_request_id_already_running_is_refused(open_client, worker, tmp_path: Path):
+    raw = await open_client()
     await raw.hello()
     hold = ExecuteRequest(11, "py", "raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
                           {"x": PortValue(ValueKind.INLINE, data=1)}, ("out",), False, False, 1, 1)
@@ -266,19 +298,8 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
     """It answers the hello, then neither the execution nor pings: lost after two heartbeats."""
     registry = InProcessRegistry(ttl_s=float("inf"))
     control, _ = await fake_worker(context, registry, "mute-1")
-    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
-    received: list[Any] = []
-
-    async def answer_hello_only() -> None:
-        while True:
-            identity, payload = await control.recv_multipart()
-            message = codec.decode(payload)
-            received.append(type(message).__name__)
-            if isinstance(message, HelloRequest):
-                await control.send_multipart([identity, codec.encode(
-                    HelloReply(PROTOCOL_VERSION, "mute-1", "127.0.0.1", 0, CONTROL_LIMIT))])
-
-    server = asyncio.create_task(answer_hello_only())
+    received: list[str] = []
+    server = asyncio.create_task(answer_hello_only(control, "mute-1", received))
     with Peer.start() as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=1.0, no_worker_wait_s=0.5)
         try:
@@ -297,19 +318,28 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
             await dispatcher.close()
 
 
-@pytest.mark.skipif(local_namespace() is None, reason="abstract Unix sockets are Linux-only")
+LINUX_ONLY = pytest.mark.skipif(local_namespace() is None, reason="abstract Unix sockets are Linux-only")
+
+
+@LINUX_ONLY
 @pytest.mark.parametrize("same_namespace", [True, False])
 async def test_dispatcher_uses_the_local_socket_only_within_one_network_namespace(context, same_namespace: bool):
     """A worker advertises an abstract Unix socket with its namespace: an executor in the same
     namespace connects there, any other over TCP (seen by which endpoint gets the hello)."""
     registry = InProcessRegistry(ttl_s=float("inf"))
-    tcp, liveness, local = (context.socket(zmq.ROUTER) for _ in range(3))
+    tcp, liveness = (context.socket(zmq.ROUTER) for _ in range(2))
     for sock in (tcp, liveness):
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:0")
-    local.setsockopt(zmq.LINGER, 0)
-    local_address = f"ipc://@omniflow-test-{time.monotonic_ns()}"
-    local.bind(local_address)
+    local_address = framed.local_address(f"omniflow-test-{os.getpid()}-{time.monotonic_ns()}")
+    local_hellos: asyncio.Queue[bytes] = asyncio.Queue()
+    accepted: list[framed.FramedStream] = []
+
+    def accept() -> framed.FramedStream:
+        accepted.append(framed.FramedStream(local_hellos.put_nowait, max_message_bytes=CONTROL_LIMIT))
+        return accepted[-1]
+
+    server = await framed.listen(local_address, accept)
     namespace = local_namespace() if same_namespace else "another-host/net:1"
     await registry.register(WorkerInfo(
         "ns-1", "py", tcp.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -321,21 +351,136 @@ async def test_dispatcher_uses_the_local_socket_only_within_one_network_namespac
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=5.0, no_worker_wait_s=0.5)
         call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda: None))
         try:
-            expected, other = (local, tcp) if same_namespace else (tcp, local)
-            _, payload = await asyncio.wait_for(expected.recv_multipart(), 5)
+            async with asyncio.timeout(5):
+                if same_namespace:
+                    payload = await local_hellos.get()
+                else:
+                    _, payload = await tcp.recv_multipart()
             assert isinstance(codec.decode(payload), HelloRequest)
-            assert not await other.poll(timeout=0)
+            if same_namespace:
+                assert not await tcp.poll(timeout=0)
+            else:
+                assert local_hellos.empty() and not accepted
         finally:
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
             await dispatcher.close()
-            for sock in (tcp, liveness, local):
+            for stream in accepted:
+                stream.close()
+            server.close()
+            for sock in (tcp, liveness):
                 sock.close()
 
 
-@pytest.mark.skipif(local_namespace() is None, reason="abstract Unix sockets are Linux-only")
-async def test_a_worker_also_serves_its_control_socket_on_an_abstract_unix_socket(context, worker):
-    assert worker["local_ns"] == local_namespace() and worker["local"].startswith("ipc://@")
-    raw = RawClient(context, worker["local"])
+@LINUX_ONLY
+async def test_a_worker_advertises_its_abstract_unix_socket(worker):
+    assert worker["local_ns"] == local_namespace() and worker["local"].startswith(framed.SCHEME)
+
+
+@LINUX_ONLY
+async def test_oversized_message_on_the_local_socket_is_refused_and_ends_that_connection_only(worker):
+    steady = await LocalClient.connect(worker["local"])
+    big = await LocalClient.connect(worker["local"])
+    try:
+        await steady.hello()
+        await big.hello()
+        # A header announcing more than the worker takes: answered, then the connection ends
+        # without the worker waiting for (or reading) the announced bytes.
+        transport = big.stream._transport
+        assert transport is not None
+        transport.write(struct.pack("<I", CONTROL_LIMIT + 1) + b"\x00" * 16)
+        refused(await big.recv(), ErrorCode.OVERSIZED, None)
+        async with asyncio.timeout(5):
+            await big.ended.wait()
+        await execute_ok(steady, 23, worker)
+    finally:
+        steady.close()
+        big.close()
+    fresh = await LocalClient.connect(worker["local"])
+    try:
+        await fresh.hello()
+        await execute_ok(fresh, 24, worker)
+    finally:
+        fresh.close()
+
+
+@LINUX_ONLY
+async def test_an_executor_that_disconnects_cancels_its_executions(worker, tmp_path: Path):
+    """On the local socket the worker sees its caller go (ZeroMQ hides that): what the caller
+    started is cancelled, since nobody is left to take the answer."""
+    raw = await LocalClient.connect(worker["local"])
     await raw.hello()
-    await execute_ok(raw, 31, worker)
+    hold = ExecuteRequest(31, "py", "raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
+                          {"x": PortValue(ValueKind.INLINE, data=1)}, ("out",), False, False, 1, 1)
+    assert isinstance(await raw.call(hold), ExecuteStarted)
+    await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
+    raw.close()
+    await wait_until(lambda: markers(tmp_path, "cancelled") == [worker["pid"]], 5, "the node was cancelled")
+
+
+async def answer_hello_only(control: zmq.asyncio.Socket, worker_id: str, received: list[str]) -> None:
+    """Serve a fake worker's control socket: answer the hello, then nothing."""
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    while True:
+        identity, payload = await control.recv_multipart()
+        message = codec.decode(payload)
+        received.append(type(message).__name__)
+        if isinstance(message, HelloRequest):
+            await control.send_multipart([identity, codec.encode(
+                HelloReply(PROTOCOL_VERSION, worker_id, "127.0.0.1", 0, CONTROL_LIMIT))])
+
+
+def held_call(tmp_path: Path) -> tuple[NodeCall, NodeContext]:
+    call = NodeCall(run_id="r1", node_id="held", op=f"{workerfns.__name__}:hold", params={"dir": str(tmp_path)},
+                    inputs={"x": 1}, output_ports=("out",), stream=False, router=False, iteration=1, attempt=1)
+    return call, NodeContext("r1", "held", 1, 1, lambda f, m: None)
+
+
+@LINUX_ONLY
+async def test_the_dispatcher_stops_polling_at_the_first_answer(worker, tmp_path: Path):
+    """After a send the dispatcher keeps its loop polling, so a quick answer is read as it
+    lands instead of after a wake-up; once the worker answered (here: ExecuteStarted) it
+    sleeps again, even with a long window: a node that runs costs the executor no CPU.
+    Seen as this process's CPU time while the node is held."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    await registry.register(WorkerInfo(
+        worker["worker_id"], "py", worker["address"], pid=worker["pid"],
+        meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
+    ))
+    held_s = 0.6
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, poll_after_send_s=30.0)
+        asyncio.get_running_loop().call_later(held_s, workerfns.mark, tmp_path, "release")
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        try:
+            result = await dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None)
+        finally:
+            await dispatcher.close()
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert result.outputs["out"]["pid"] == worker["pid"]
+    assert wall >= held_s and cpu < 0.25 * wall, (cpu, wall)
+
+
+@pytest.mark.parametrize("window_s", [0.02, 30.0])
+async def test_polling_for_an_answer_that_does_not_come_ends_with_the_window(context, window_s: float):
+    """A worker that never answers the request: the dispatcher polls for `poll_after_send_s`,
+    then sleeps until the worker is declared lost (two heartbeats)."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    control, _ = await fake_worker(context, registry, "mute-2")
+    server = asyncio.create_task(answer_hello_only(control, "mute-2", []))
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=1.0, no_worker_wait_s=0.5,
+                                      poll_after_send_s=window_s)
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        try:
+            with pytest.raises(WorkerLost):
+                await dispatcher.execute(ROLE, *call_for("muted"), lambda: None)
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+            await dispatcher.close()
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    if window_s < wall:
+        assert cpu < 0.25 * wall, (cpu, wall)
+    else:  # the whole wait was inside the window: the loop polled all along
+        assert cpu > 0.4 * wall, (cpu, wall)

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engine.data import framed
 from engine.data.codec import WireCodec
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -170,6 +171,44 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class LocalClient:
+    """A framed stream on a worker's local socket (`engine.data.framed`): what a dispatcher in
+    the same network namespace does, by hand. Same calls as `RawClient`."""
+
+    def __init__(self) -> None:
+        self.codec = WireCodec(1 << 30, WorkerMessage)
+        self.received: asyncio.Queue[bytes] = asyncio.Queue()
+        self.ended = asyncio.Event()
+        self.stream = framed.FramedStream(self.received.put_nowait, max_message_bytes=1 << 30,
+                                          on_closed=lambda reason: self.ended.set())
+
+    @classmethod
+    async def connect(cls, address: str) -> LocalClient:
+        client = cls()
+        await framed.connect(address, client.stream, timeout_s=5.0)
+        return client
+
+    async def send(self, message: Any) -> None:
+        """Send a message, or raw bytes as they are."""
+        await self.stream.send(message if isinstance(message, bytes) else self.codec.encode(message))
+
+    async def call(self, message: Any, timeout: float = 5.0) -> Any:
+        await self.send(message)
+        return await self.recv(timeout)
+
+    async def recv(self, timeout: float = 5.0) -> Any:
+        async with asyncio.timeout(timeout):
+            return self.codec.decode(await self.received.get())
+
+    async def hello(self) -> Any:
+        reply = await self.call(HelloRequest(PROTOCOL_VERSION, "test", "127.0.0.1"))
+        assert isinstance(reply, HelloReply), reply
+        return reply
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def whoami_request(request_id: int, role: str = "py", x: Any = None) -> ExecuteRequest:
