@@ -59,4 +59,5 @@ echo "== import layering"
 "$VENV/bin/lint-imports"
 echo "== pytest (REDIS_URL=$REDIS_URL DATABASE_URL=${DATABASE_URL:-sqlite})"
 # tests/sglang need SGLang's own torch; they run in .venv-sglang (make test-sglang).
-"$PY" -m pytest -q -rs --ignore=tests/sglang "$@"
+# tests/gpu need a CUDA GPU, which CI does not have: scripts/gpu_check.sh runs them on one.
+"$PY" -m pytest -q -rs --ignore=tests/sglang --ignore=tests/gpu "$@"

@@ -14,8 +14,9 @@ One `Channel` protocol, three transports:
 The two ZeroMQ channels share a `engine.data.peer.ZmqClient`. Every transfer has a
 deadline, and a `Transfer` handle with a state (`TransferState`); a peer that does not
 answer fails it with `PeerUnavailable` / `TransferTimeout` by then, never later.
-CUDA IPC is not implemented in protocol version 1: asking for it raises
-`TransportUnavailable` (CUDA tensors are staged to host memory by `TensorStore.put`).
+A CUDA tensor in a store stays on its GPU: a consumer on the same host that has CUDA asks
+for `Transport.CUDA_IPC` first and opens the producer's memory (no copy); any other gets
+it staged to host memory and then by shared memory or TCP as above (see `engine.data.peer`).
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ class InProcessChannel:
             entry = self.store.get(ref.id)
         except RefNotFound as exc:
             return Transfer.completed(ref, error=RefGone(ErrorCode.NOT_FOUND, str(exc)))
-        return Transfer.completed(ref, TensorData(entry.header, entry.data, Transport.LOCAL))
+        # A CUDA entry is handed over as the store's GPU tensor itself.
+        buffer = entry.cuda if entry.cuda is not None else entry.data
+        return Transfer.completed(ref, TensorData(entry.header, buffer, Transport.LOCAL))
 
     def fetch(self, ref: TensorRef, timeout: float) -> TensorData:
         return self.pull(ref, timeout).wait()

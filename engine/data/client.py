@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from engine.data import cuda_ipc
 from engine.data.channel import (
     PeerUnavailable,
     RemoteError,
@@ -40,6 +41,7 @@ from engine.data.wire import (
     PROTOCOL_VERSION,
     ChunkReply,
     ChunkRequest,
+    CudaIpcHandle,
     ErrorCode,
     ErrorReply,
     HelloReply,
@@ -77,6 +79,7 @@ class _PeerInfo:
     host: str
     max_chunk: int
     shm_ok: bool = True
+    cuda_ok: bool = True
 
 
 @dataclass(slots=True, eq=False)
@@ -97,13 +100,17 @@ class _Pull:
     outstanding: set[int] = field(default_factory=set)
     result: TensorData | None = None
     shm_failed: bool = False  # mapping failed: this owner's segments are not visible here
+    cuda_failed: bool = False  # opening failed: this owner's GPU memory is not reachable from here
 
     def start(self, peer: _PeerInfo, host: str, chunk_bytes: int) -> list[Message]:
         transports = self.accepted
         if not (peer.shm_ok and peer.host == host):
             transports = tuple(t for t in transports if t is not Transport.SHM)
+        if not (peer.cuda_ok and peer.host == host and cuda_ipc.available()):
+            transports = tuple(t for t in transports if t is not Transport.CUDA_IPC)
         if not transports:
-            raise TransportUnavailable(f"{self.ref.owner} is not on this host: shared memory impossible")
+            raise TransportUnavailable(f"{self.ref.owner} is not on this host (or this process has no CUDA):"
+                                       f" {', '.join(t.value for t in self.accepted)} impossible")
         self.chunk = max(1, min(chunk_bytes, peer.max_chunk or chunk_bytes))
         return [PullRequest(self.request_id, self.ref.id, transports)]
 
@@ -124,6 +131,8 @@ class _Pull:
             raise RemoteError(ErrorCode.MALFORMED, str(exc)) from exc
         if header.nbytes != self.ref.nbytes or header.dtype != self.ref.dtype:
             raise RemoteError(ErrorCode.BAD_REQUEST, "the owner describes another tensor than the ref")
+        if reply.transport is Transport.CUDA_IPC and reply.cuda is not None:
+            return self._open_cuda(reply.cuda, header)
         if reply.transport is Transport.INLINE:
             if len(frames) != 1 or len(frames[0].buffer) != header.nbytes:
                 raise RemoteError(ErrorCode.MALFORMED, "inline reply without its bytes")
@@ -151,6 +160,21 @@ class _Pull:
             self.dest = np.empty(header.nbytes, np.uint8)
             return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
         raise TransportUnavailable(f"the owner offered {reply.transport}, which was not asked for")
+
+    def _open_cuda(self, shared: CudaIpcHandle, header: TensorHeader) -> list[Message]:
+        try:
+            tensor = cuda_ipc.open_shared(shared, header)
+        except (RuntimeError, ValueError) as exc:
+            cuda_ipc.release_unopened(shared)
+            rest = tuple(t for t in self.accepted if t is not Transport.CUDA_IPC)
+            if not rest:
+                raise TransportUnavailable(f"cannot open the owner's CUDA memory: {exc}") from exc
+            # Same host by name but not the same GPUs (containers, CUDA_VISIBLE_DEVICES): host
+            # memory from now on.
+            self.cuda_failed = True
+            return [PullRequest(self.request_id, self.ref.id, rest)]
+        self.result = TensorData(header, tensor, Transport.CUDA_IPC)
+        return []
 
     def _next_chunk(self) -> ChunkRequest | None:
         assert self.header is not None
@@ -265,9 +289,6 @@ class ZmqClient:
     def pull(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float) -> Transfer:
         """Start pulling `ref` from its owner, accepting `transports` (best first)."""
         transfer = Transfer(ref, time.monotonic() + timeout)
-        if Transport.CUDA_IPC in transports:
-            transfer._finish(error=TransportUnavailable("CUDA IPC is not implemented in protocol v1"))
-            return transfer
         in_place = self._read_in_place(ref, transports)
         if in_place is not None:
             transfer._finish(in_place)
@@ -317,8 +338,6 @@ class ZmqClient:
 
     def fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float) -> TensorData:
         """Pull `ref` in the calling thread; returns by `timeout` or raises a `TransferError`."""
-        if Transport.CUDA_IPC in transports:
-            raise TransportUnavailable("CUDA IPC is not implemented in protocol v1")
         in_place = self._read_in_place(ref, transports)
         if in_place is not None:
             return in_place
@@ -332,6 +351,8 @@ class ZmqClient:
                 requests = pull.on_reply(message, frames)
                 if pull.shm_failed:
                     link.peer.shm_ok = False
+                if pull.cuda_failed:
+                    link.peer.cuda_ok = False
                 self._direct_send(link, requests)
             return pull.result
 
@@ -611,6 +632,8 @@ class ZmqClient:
         op.handle._set_transferring()
         if op.pull.shm_failed and link.peer is not None:
             link.peer.shm_ok = False
+        if op.pull.cuda_failed and link.peer is not None:
+            link.peer.cuda_ok = False
         self._send(link, requests)
         if op.pull.result is not None:
             self._complete(op, op.pull.result)

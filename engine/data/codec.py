@@ -176,7 +176,8 @@ def flatten_tensor(value: np.ndarray | torch.Tensor) -> FlatTensor:
     """Header and flat bytes of a numpy array or torch tensor.
 
     Copies (documented, once) when the input is not C-contiguous, not native-endian, or on a
-    GPU: a CUDA tensor is staged to host memory, since CUDA IPC is not in protocol version 1.
+    GPU: a CUDA tensor is staged to host memory (a store keeps one on its GPU instead and
+    serves it by CUDA IPC; see `engine.data.tensor_store`).
     """
     if _is_torch_tensor(value):
         return _flatten_torch(value)
@@ -224,11 +225,16 @@ def _flatten_torch(tensor: torch.Tensor) -> FlatTensor:
 
 @dataclass(frozen=True, slots=True)
 class TensorData:
-    """A received tensor: `header` over `buffer` (any buffer-protocol object, kept alive here).
+    """A received tensor: `header` over `buffer` (any buffer-protocol object, kept alive here),
+    or a CUDA tensor (`buffer` is the tensor itself: CUDA_IPC, or LOCAL from a store in this
+    process).
 
     Ownership depends on `transport`: SHM data is a read-only view of the producer's segment,
     valid while the ref's lease is held (copy it to keep it longer); TCP and INLINE data is
-    private to the consumer. `numpy()` and `torch()` never copy unless asked to."""
+    private to the consumer; CUDA_IPC data is the producer's GPU memory, kept allocated while
+    this mapping lives but only while the producer process does (clone it to outlive that).
+    `torch()` never copies unless asked to; `numpy()` and `bytes_view()` of a CUDA tensor copy
+    it to host memory."""
 
     header: TensorHeader
     buffer: Any
@@ -238,8 +244,16 @@ class TensorData:
     def nbytes(self) -> int:
         return self.header.nbytes
 
+    @property
+    def on_gpu(self) -> bool:
+        return _is_torch_tensor(self.buffer)
+
     def bytes_view(self) -> np.ndarray:
-        """The raw bytes, uint8, 1-D, no copy."""
+        """The raw bytes, uint8, 1-D, no copy (a copy in host memory for a CUDA tensor)."""
+        if self.on_gpu:
+            import torch
+
+            return self.buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy()
         raw = np.frombuffer(self.buffer, np.uint8, self.header.nbytes, self.header.offset)
         return raw
 
@@ -250,10 +264,13 @@ class TensorData:
         return array.copy() if copy else array
 
     def torch(self, copy: bool = False) -> torch.Tensor:
-        """A CPU torch tensor over the same bytes. A SHM view is mapped read-only: writing to
-        it in place faults, so pass `copy=True` (or clone) before mutating it."""
+        """A torch tensor over the same bytes: on the CPU, or the CUDA tensor itself. A SHM view
+        is mapped read-only: writing to it in place faults, so pass `copy=True` (or clone)
+        before mutating it; a CUDA_IPC tensor is the producer's memory, shared with it."""
         import torch
 
+        if self.on_gpu:
+            return self.buffer.clone() if copy else self.buffer
         dtype = getattr(torch, self.header.dtype)
         if self.header.nbytes == 0:
             return torch.empty(self.header.shape, dtype=dtype)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from engine.data import cuda_ipc
 from engine.data.channel import (
     InProcessChannel,
     SharedMemoryChannel,
@@ -106,9 +107,11 @@ class Peer:
         return self.client.pull(ref, self._transports(ref), timeout)
 
     def _transports(self, ref: TensorRef) -> tuple[Transport, ...]:
-        if ref.host == self.host:
-            return (Transport.SHM, Transport.TCP, Transport.INLINE)
-        return (Transport.TCP, Transport.INLINE)
+        if ref.host != self.host:
+            return (Transport.TCP, Transport.INLINE)
+        if ref.device.startswith("cuda") and cuda_ipc.available():
+            return (Transport.CUDA_IPC, Transport.SHM, Transport.TCP, Transport.INLINE)
+        return (Transport.SHM, Transport.TCP, Transport.INLINE)
 
     def pull(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
         """Pull in the calling thread (blocking; the lowest latency)."""

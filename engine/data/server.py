@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
+from engine.data import cuda_ipc
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
 from engine.data.wire import (
@@ -254,12 +255,22 @@ class TensorServer:
                 raise RequestRefused(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
 
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
+        transport = self._choose(self.store.get(request.ref_id), request.transports)
+
         def send(entry: StoredTensor) -> zmq.MessageTracker | None:
-            transport = self._choose(entry, request.transports)
-            location = entry.ref.shm if transport is Transport.SHM else None
             header = entry.header
+            if transport is Transport.CUDA_IPC:
+                assert entry.cuda is not None
+                shared, offset = cuda_ipc.share(entry.cuda)
+                reply = PullReply(request.request_id, request.ref_id, transport,
+                                  msgspec.structs.replace(header, offset=offset), entry.ref.lease_expires_at,
+                                  cuda=shared)
+                return self._reply(identity, reply)
+            location = entry.location if transport is Transport.SHM else None
             if location is not None:
                 header = msgspec.structs.replace(header, offset=location.offset)
+            elif transport is Transport.SHM:  # staged into private memory (small): no segment after all
+                raise RequestRefused(ErrorCode.UNSUPPORTED, "this tensor is not in shared memory")
             reply = PullReply(
                 request.request_id,
                 request.ref_id,
@@ -271,14 +282,19 @@ class TensorServer:
             )
             return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
 
-        self.store.serve(request.ref_id, send)
+        self.store.serve(request.ref_id, send, host=transport is not Transport.CUDA_IPC)
 
     def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
+        if entry.cuda is not None and Transport.CUDA_IPC in accepted:
+            return Transport.CUDA_IPC  # the consumer can open it where it is: no host copy at all
         small = entry.header.nbytes <= self.store.config.inline_max_bytes
         if small and Transport.INLINE in accepted:
             return Transport.INLINE
         for transport in accepted:
-            if transport is Transport.SHM and entry.ref.shm is not None:
+            # A large CUDA tensor gets a segment when it is staged for this pull.
+            in_segment = entry.location is not None or (
+                entry.cuda is not None and entry.data is None and self.store.config.use_shm and not small)
+            if transport is Transport.SHM and in_segment:
                 return transport
             if transport is Transport.TCP:
                 return transport

@@ -8,8 +8,10 @@ included) can never pin memory for longer than one lease.
 
 Tensors above `StoreConfig.inline_max_bytes` live in shared-memory segments (see
 `engine.data.shm`) so that a consumer on the same host maps them without a copy; smaller
-ones live in private memory and travel inline. The store is thread-safe: the server thread
-reads it while the producer puts.
+ones live in private memory and travel inline. A CUDA tensor stays on its GPU (one copy
+there): consumers on this host with CUDA open it by CUDA IPC (`engine.data.cuda_ipc`), and
+the first consumer that cannot has it staged to host memory once, as above. The store is
+thread-safe: the server thread reads it while the producer puts.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from engine.data.wire import RefId, ShmLocation, TensorHeader, TensorRef
 if TYPE_CHECKING:
     import torch
 
+def _is_cuda(value: object) -> bool:
+    return type(value).__module__.startswith("torch") and bool(getattr(value, "is_cuda", False))
+
+
 __all__ = ["RefNotFound", "Reservation", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
 
 
@@ -67,6 +73,9 @@ class StoreConfig:
     shm_root: str = SHM_ROOT
     pool_bytes: int = 512 * MiB
     pool_idle_s: float = 10.0
+    keep_cuda: bool = True
+    """Keep CUDA tensors on their GPU (served by CUDA IPC, staged to host memory on demand);
+    False stages every CUDA tensor to host memory at `put`."""
 
 
 class SendHandle(Protocol):
@@ -80,14 +89,18 @@ class SendHandle(Protocol):
 @dataclass(slots=True, eq=False)
 class StoredTensor:
     """One live tensor. `data` is its bytes (uint8, 1-D, read-only); `segment` holds them
-    when they live in shared memory. Valid while the ref is live."""
+    when they live in shared memory, at `location`. A CUDA tensor kept on its GPU is `cuda`;
+    its `data` is None until a consumer needs host bytes (`TensorStore.serve(host=True)`).
+    Valid while the ref is live."""
 
     ref: TensorRef
     header: TensorHeader
-    data: np.ndarray
+    data: np.ndarray | None
     segment: Segment | None
     expires: float  # monotonic
     sends: list[SendHandle] = field(default_factory=list)
+    location: ShmLocation | None = None
+    cuda: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +170,48 @@ class TensorStore:
 
     def put(self, tensor: np.ndarray | torch.Tensor, lease_s: float | None = None) -> TensorRef:
         """Keep a copy of `tensor` (one copy, into shared memory when it is large) and return
-        its ref. The caller may reuse `tensor` afterwards."""
+        its ref. The caller may reuse `tensor` afterwards. A CUDA tensor's copy stays on its
+        GPU (`StoreConfig.keep_cuda`)."""
+        if self.config.keep_cuda and _is_cuda(tensor):
+            return self._put_cuda(tensor, lease_s)  # type: ignore[arg-type]
         flat = flatten_tensor(tensor)
         reservation = self._reserve(flat.header)
         reservation.data[:] = flat.data
         return self._commit(reservation, lease_s, flat.device)
+
+    def keep(self, tensor: torch.Tensor) -> TensorRef:
+        """Serve the contiguous CUDA tensor `tensor` itself, not a copy, with no lease: until
+        `release` or `close`. For long-lived tensors that do not change while they are served
+        (model weights shared with other processes of the host by CUDA IPC)."""
+        if not _is_cuda(tensor):
+            raise ValueError("keep() serves CUDA tensors in place; put() copies any other tensor")
+        if not tensor.is_contiguous():
+            raise ValueError("keep() needs a contiguous tensor (serving one in place means no copy)")
+        return self._put_cuda(tensor, None, copy=False)
+
+    def _put_cuda(self, tensor: torch.Tensor, lease_s: float | None, *, copy: bool = True) -> TensorRef:
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name not in DTYPE_SIZES:
+            raise UnsupportedTensor(f"dtype {tensor.dtype} cannot travel on the wire")
+        source = tensor.detach()
+        gpu = source.contiguous()
+        if copy and gpu.data_ptr() == source.data_ptr():
+            gpu = gpu.clone()  # the store's own copy: the caller may reuse its tensor
+        shape = tuple(int(d) for d in gpu.shape)
+        header = TensorHeader(name, shape, contiguous_strides(shape), gpu.numel() * gpu.element_size())
+        # Kept tensors (no copy) have no lease: they stay until released.
+        lease = self._lease_seconds(lease_s) if copy else math.inf
+        serial = next(self._serial)
+        ref = TensorRef(owner=self.owner, id=RefId(f"{self._epoch}.{serial}"), dtype=name, shape=shape,
+                        nbytes=header.nbytes, lease_expires_at=self._wall() + lease, host=self.host,
+                        device=str(gpu.device))
+        expires = self._clock() + lease
+        with self._lock:
+            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, cuda=gpu)
+            if math.isfinite(expires):
+                heapq.heappush(self._leases, (expires, ref.id))
+            self._live_bytes += header.nbytes
+        return ref
 
     def reserve(self, shape: tuple[int, ...], dtype: str) -> Reservation:
         """A writable buffer for a tensor of `shape` and `dtype` (wire name, e.g. "float32"),
@@ -191,11 +241,35 @@ class TensorStore:
     def _reserve(self, header: TensorHeader) -> Reservation:
         if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
             with self._lock:
-                self._drain()
-                segment = self._segments.take(DATA_OFFSET + header.nbytes)
-                self._reserved.add(segment)
+                return self._reserve_locked(header)
+        return Reservation(header, np.empty(header.nbytes, np.uint8), None)
+
+    def _reserve_locked(self, header: TensorHeader) -> Reservation:
+        if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
+            self._drain()
+            segment = self._segments.take(DATA_OFFSET + header.nbytes)
+            self._reserved.add(segment)
             return Reservation(header, segment.array[DATA_OFFSET : DATA_OFFSET + header.nbytes], segment)
         return Reservation(header, np.empty(header.nbytes, np.uint8), None)
+
+    def _stage_locked(self, entry: StoredTensor) -> None:
+        """Give a CUDA entry its host bytes (once): into a segment when large, like `put`."""
+        if entry.data is not None or entry.cuda is None:
+            return
+        flat = flatten_tensor(entry.cuda)  # the device-to-host copy
+        reservation = self._reserve_locked(entry.header)
+        reservation.data[:] = flat.data
+        reservation.committed = True
+        reservation.data.flags.writeable = False
+        entry.data = reservation.data
+        segment = reservation.segment
+        if segment is not None:
+            self._reserved.discard(segment)
+            entry.segment = segment
+            # The generation of a staged tensor is its serial + 1, as if it had been put here.
+            serial = int(entry.ref.id.rsplit(".", 1)[1])
+            entry.location = ShmLocation(segment.name, segment.size, DATA_OFFSET, generation=serial + 1)
+            segment.array[:8].view(np.uint64)[0] = entry.location.generation
 
     def _commit(self, reservation: Reservation, lease_s: float | None, device: str) -> TensorRef:
         reservation.committed = True
@@ -226,7 +300,7 @@ class TensorStore:
                 self._reserved.discard(segment)
                 # Written after the data: a reader that sees this generation sees the tensor.
                 segment.array[:8].view(np.uint64)[0] = location.generation
-            self._entries[ref_id] = StoredTensor(ref, header, data, segment, expires)
+            self._entries[ref_id] = StoredTensor(ref, header, data, segment, expires, location=location)
             heapq.heappush(self._leases, (expires, ref_id))
             self._live_bytes += header.nbytes
         return ref
@@ -246,12 +320,15 @@ class TensorStore:
         with self._lock:
             return self._live(ref_id)
 
-    def serve(self, ref_id: RefId, send: Callable[[StoredTensor], SendHandle | None]) -> None:
+    def serve(self, ref_id: RefId, send: Callable[[StoredTensor], SendHandle | None], *, host: bool = True) -> None:
         """Call `send(entry)` while `ref_id` cannot be released. If it returns a handle (a
         zero-copy send still reading the bytes), the entry's segment is not recycled before the
-        handle is done, even if the ref is released meanwhile. Raises `RefNotFound`."""
+        handle is done, even if the ref is released meanwhile. With `host`, a CUDA entry is
+        staged to host memory first (`entry.data` is set). Raises `RefNotFound`."""
         with self._lock:
             entry = self._live(ref_id)
+            if host:
+                self._stage_locked(entry)
             handle = send(entry)
             if handle is not None and entry.segment is not None:
                 entry.sends = [h for h in entry.sends if not h.done]
@@ -274,6 +351,8 @@ class TensorStore:
             now = self._clock()
             if entry is None or entry.expires <= now:
                 raise RefNotFound(f"no live tensor {ref_id!r}")
+            if math.isinf(entry.expires):
+                return math.inf  # kept until released: no lease to extend
             entry.expires = now + lease
             heapq.heappush(self._leases, (entry.expires, ref_id))
         return self._wall() + lease
@@ -311,6 +390,7 @@ class TensorStore:
 
     def _drop(self, entry: StoredTensor) -> None:
         del self._entries[entry.ref.id]
+        entry.cuda = None  # freed, or parked by torch until consumers' mappings are gone
         self._live_bytes -= entry.header.nbytes
         if entry.segment is not None:
             entry.segment.array[:8].view(np.uint64)[0] = 0  # in-place readers must ask the owner now

@@ -16,7 +16,8 @@ else is answered with an `ErrorReply`. Then, per request id:
     KVFetchRequest -> KVFetchReply     (only owners that serve a KV cache; see below)
                      | ErrorReply
 
-The same framing serves role workers (`WorkerMessage`): after the hello, the executor's
+The same messages serve role workers (`WorkerMessage`), over ZeroMQ or, within one network
+namespace, a length-prefixed Unix stream (`engine.data.framed`): after the hello, the executor's
 dispatcher sends `ExecuteRequest`s and the worker answers each with `ExecuteStarted`,
 any number of `ExecuteProgress`/`ExecuteFrame`, then `ExecuteResult` or `ExecuteFailed`.
 `CancelRequest` stops one; `InputFrame`/`InputEnd` feed a stream-mode input port.
@@ -45,7 +46,7 @@ class ErrorCode(enum.IntEnum):
     HANDSHAKE_REQUIRED = 5  # a request before HelloRequest on this connection
     NOT_FOUND = 6  # unknown ref id, or its lease expired / it was released
     BAD_REQUEST = 7  # well-formed but invalid (range outside the tensor, ...)
-    UNSUPPORTED = 8  # no transport both sides accept (e.g. CUDA IPC)
+    UNSUPPORTED = 8  # no transport both sides accept (e.g. CUDA IPC from a host without CUDA)
     INTERNAL = 9
     DRAINING = 10  # the worker is shutting down and takes no new work
     WRONG_ROLE = 11  # the worker does not host the requested role
@@ -55,7 +56,7 @@ class Transport(enum.StrEnum):
     INLINE = "inline"  # bytes in the reply's single raw frame (small tensors)
     SHM = "shm"  # consumer maps the owner's shared-memory segment (same host)
     TCP = "tcp"  # chunked raw frames over the ZeroMQ connection
-    CUDA_IPC = "cuda_ipc"  # reserved: not implemented in protocol version 1
+    CUDA_IPC = "cuda_ipc"  # a CUDA tensor opened by a consumer on the owner's host (see CudaIpcHandle)
     LOCAL = "local"  # owner in the same process (never sent; marks in-process reads)
 
 
@@ -86,13 +87,30 @@ class ShmLocation(msgspec.Struct, frozen=True, array_like=True):
     generation: int
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True, array_like=True):
+    """A CUDA allocation shared with one consumer on the owner's host: torch's IPC memory handle
+    of the block, the storage's place in it, and the shared reference counter (file and slot)
+    that keeps the owner's block alive until the consumer's mapping is freed. Each handle
+    counts one reference: the consumer opens it, or gives it back (`engine.data.cuda_ipc`)."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
 class TensorRef(msgspec.Struct, frozen=True):
     """A handle on a tensor kept by its producer's store; the executor passes these, never bytes.
 
     `owner` is the store's ZeroMQ address, `host` identifies the owner's machine (same host ->
     shared memory is tried first), `lease_expires_at` is a UNIX time after which the owner
     may drop the tensor unless the lease is extended. `device` is where the producer held
-    it (a CUDA tensor is staged to host memory in protocol version 1); `shm` lets a consumer
+    it (a CUDA tensor stays there, served by CUDA IPC to consumers on its host and staged to
+    host memory for the others, when one asks); `shm` lets a consumer
     on the same host read it without a round trip.
     """
 
@@ -131,7 +149,8 @@ class PullRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """How to read the ref. SHM: map `segment` (`segment_size` bytes) and read at
-    `header.offset`; TCP: fetch `header.nbytes` with ChunkRequests; INLINE: one raw frame follows."""
+    `header.offset`; TCP: fetch `header.nbytes` with ChunkRequests; INLINE: one raw frame
+    follows; CUDA_IPC: open `cuda` and read at `header.offset`."""
 
     request_id: int
     ref_id: RefId
@@ -140,6 +159,8 @@ class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     lease_expires_at: float
     segment: str | None = None
     segment_size: int = 0
+    cuda: CudaIpcHandle | None = None
+    """CUDA_IPC: the storage to open; `header.offset` is the tensor's byte offset in it."""
 
 
 class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):

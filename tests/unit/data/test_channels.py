@@ -255,7 +255,9 @@ def test_owner_that_forgot_an_idle_client_is_greeted_again(consumer: Peer, mode:
         producer.close()
 
 
-def test_cuda_ipc_is_refused_with_a_typed_error(producer: Peer, consumer: Peer) -> None:
+def test_cuda_ipc_without_cuda_is_refused_with_a_typed_error(producer: Peer, consumer: Peer) -> None:
+    """Only CUDA IPC accepted, from a process without CUDA (or for a host tensor): nothing
+    can carry it. (CUDA IPC itself is tested on a GPU: tests/gpu.)"""
     ref = producer.put(np.ones(10))
     with pytest.raises(TransportUnavailable):
         consumer.client.fetch(ref, (Transport.CUDA_IPC,), 1.0)

@@ -39,7 +39,8 @@ from engine.data.wire import (
 )
 
 ENGINE_DATA = Path(__file__).resolve().parents[3] / "engine" / "data"
-WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "server.py", "peer.py"]
+WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "server.py", "client.py",
+                     "peer.py", "values.py", "framed.py", "cuda_ipc.py"]
 
 
 def make_ref(**overrides: object) -> TensorRef:
@@ -63,6 +64,8 @@ EXAMPLES: list[wire.Message] = [
     wire.HelloReply(PROTOCOL_VERSION, "tcp://127.0.0.1:1", "h/boot", 8 << 20, 65536),
     wire.PullRequest(1, RefId("a.1"), (Transport.SHM, Transport.TCP)),
     wire.PullReply(1, RefId("a.1"), Transport.SHM, HEADER, 1.7e9, "omniflow-1-2-3", 4096),
+    wire.PullReply(1, RefId("a.2"), Transport.CUDA_IPC, HEADER, 1.7e9,
+                   cuda=wire.CudaIpcHandle(0, b"\x01" * 64, 2 << 20, 512, b"/torch_123_456", 8, b"\x02" * 64, True)),
     wire.ChunkRequest(2, RefId("a.1"), 0, 24),
     wire.ChunkReply(2, 0, 24),
     wire.LeaseRequest(3, RefId("a.1"), 30.0),
