@@ -23,7 +23,10 @@ in this process. Values are small ints, sent inline.
 * `runs_per_s`: `--concurrent` (64) runs submitted at once, completed runs per second
   (median of `--rounds` rounds, after one warm-up round).
 
-The executor runs on uvloop, as `omniflow run` and the workers do.
+The executor runs on uvloop, as `omniflow run` and the workers do, and reaches the workers
+as `omniflow run` does on one host: over their local stream sockets (`engine.data.framed`),
+polling briefly for each answer (`WorkerDispatcher(poll_after_send_s=...)`).
+`--poll-after-send-us 0` measures the dispatcher sleeping in epoll after every send instead.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--celery-db", type=int, default=15, help="Redis database index of the Celery anchor")
     parser.add_argument("--celery-n", type=int, default=500, help="timed Celery round trips")
     parser.add_argument("--no-celery", action="store_true", help="skip the Celery anchor")
+    parser.add_argument("--poll-after-send-us", type=float, default=None,
+                        help="the dispatcher's polling window after a send (default: its own, 200)")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -231,7 +236,8 @@ async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
     anchor = None if args.no_celery else _CeleryAnchor(args.redis_url, args.celery_db)
     with Peer.start() as peer:
         async with LocalCluster(spec) as cluster:
-            executor = Executor(WorkerDispatcher(cluster.registry, peer), kinds)
+            poll = {} if args.poll_after_send_us is None else {"poll_after_send_s": args.poll_after_send_us * 1e-6}
+            executor = Executor(WorkerDispatcher(cluster.registry, peer, **poll), kinds)
             try:
                 if anchor is not None:
                     await anchor.start()
