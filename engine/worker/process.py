@@ -306,13 +306,16 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         elif not stream.closed:
             stream.send_nowait(codec.encode(message))
 
-    # One weight store per process (roles of one model share weights; segments of dead
-    # publishers are reclaimed first) and, when given, one KV store for the units that take them.
-    from engine.compute.weights.shared import HostWeights  # torch: imported by the worker only
+    # One weight store per process (roles of one model share weights; segments and indexes of
+    # dead publishers are reclaimed first; GPU weights are served by CUDA IPC through `peer`)
+    # and, when given, one KV store for the units that take them.
+    from engine.compute.weights.cuda import DeviceWeights  # torch: imported by the worker only
+    from engine.compute.weights.shared import HostWeights
     from engine.compute.weights.store import WeightStore
 
     HostWeights().reclaim()
-    weights = WeightStore(HostWeights())
+    DeviceWeights(peer).reclaim()
+    weights = WeightStore(HostWeights(), DeviceWeights(peer))
     if config.role.tp_size > 1:
         # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
         # serve them to other workers as if they were whole (`engine.compute.tp.unit`).

@@ -10,10 +10,14 @@ of one model in one process run on the same `torch.nn.Module` objects.
 With `host=HostWeights()` the store also shares CPU weights across the processes of
 one host: on a miss it attaches to a copy another process published (see
 `engine.compute.weights.shared`) and only loads (and publishes) when there is none.
+With `device=DeviceWeights(peer)` it does the same for CUDA weights, by CUDA IPC through
+the transfer plane (see `engine.compute.weights.cuda`: attached modules are the
+publisher's GPU memory and valid only while the publisher process lives).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +27,10 @@ import torch
 
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.weights.cuda import DeviceWeights, DeviceWeightsManifest
 from engine.compute.weights.shared import HostWeights, SharedWeightsError, WeightsManifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +58,9 @@ class _Held:
 class WeightStore:
     """See the module docstring. Thread-safe; a load runs once however many units ask at once."""
 
-    def __init__(self, host: HostWeights | None = None) -> None:
+    def __init__(self, host: HostWeights | None = None, device: DeviceWeights | None = None) -> None:
         self.host = host
+        self.device = device
         self._held: dict[WeightKey, _Held] = {}
         self._lock = threading.Lock()
 
@@ -109,11 +117,14 @@ class WeightStore:
 
     def module(self, key: WeightKey, build: Callable[[], torch.nn.Module],
                skeleton: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
-        """A `torch.nn.Module` under `key`. With a host directory and a CPU key, `skeleton` (the
-        same module class and config, built without weights) attaches to a published copy;
-        otherwise `build()` makes it, and it is published for the next process."""
+        """A `torch.nn.Module` under `key`. With a host directory and a CPU key (a device
+        directory and a CUDA key), `skeleton` (the same module class and config, built without
+        weights) attaches to a published copy; otherwise `build()` makes it, and it is
+        published for the next process."""
 
         def load() -> torch.nn.Module:
+            if self._on_device(key) and skeleton is not None:
+                return self._device_module(key, build, skeleton)
             if self.host is None or key.device != "cpu" or skeleton is None:
                 return build().to(key.device)
             manifest = self.host.lookup(str(key))
@@ -139,6 +150,8 @@ class WeightStore:
         key = self.llm_key(ref, device)
 
         def load() -> LoadedModel:
+            if self._on_device(key):
+                return self._device_llm(key, ref)
             if self.host is None or device != "cpu":
                 return _load_llm(ref, device)
             manifest = self.host.lookup(str(key))
@@ -161,12 +174,58 @@ class WeightStore:
     def llm_key(ref: str, device: str = "cpu") -> WeightKey:
         return WeightKey("llm", ref, device)
 
+    # -- CUDA weights shared across processes ------------------------------------------------------
+
+    def _on_device(self, key: WeightKey) -> bool:
+        return self.device is not None and torch.device(key.device).type == "cuda"
+
+    def _device_attach(self, key: WeightKey, attach: Callable[[DeviceWeightsManifest], Any]) -> Any | None:
+        """What `attach` makes of the copy published under `key` by a live process, or None when
+        there is none or it cannot be attached (logged: the caller then loads its own)."""
+        assert self.device is not None
+        manifest = self.device.lookup(str(key))
+        if manifest is None:
+            return None
+        try:
+            value = attach(manifest)
+        except SharedWeightsError as exc:
+            log.warning("cannot attach %s published by pid %d (%s): this process loads a copy of its own",
+                        key, manifest.pid, exc)
+            return None
+        self._set_origin(key, "attached")
+        return value
+
+    def _device_module(self, key: WeightKey, build: Callable[[], torch.nn.Module],
+                       skeleton: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        assert self.device is not None
+        device = self.device
+        module = self._device_attach(key, lambda manifest: device.attach(manifest, skeleton))
+        if module is not None:
+            return module
+        module = build().to(key.device)
+        device.publish(str(key), module)
+        self._set_origin(key, "published")
+        return module
+
+    def _device_llm(self, key: WeightKey, ref: str) -> LoadedModel:
+        assert self.device is not None
+        device = self.device
+        loaded = self._device_attach(key, lambda manifest: _attach_llm(device, manifest))
+        if loaded is not None:
+            return loaded
+        loaded = _load_llm(ref, key.device)
+        device.publish(str(key), loaded.model, meta=_llm_meta(loaded, ref))
+        self._set_origin(key, "published")
+        return loaded
+
     def close(self) -> None:
-        """Drop every instance and withdraw what this process published on the host."""
+        """Drop every instance and withdraw what this process published on the host and its GPUs."""
         with self._lock:
             self._held.clear()
         if self.host is not None:
             self.host.close()
+        if self.device is not None:
+            self.device.close()
 
 
 def _load_llm(ref: str, device: str) -> LoadedModel:
@@ -190,7 +249,7 @@ def _llm_meta(loaded: LoadedModel, ref: str) -> dict[str, Any]:
     }
 
 
-def _attach_llm(host: HostWeights, manifest: WeightsManifest) -> LoadedModel:
+def _attach_llm(host: HostWeights | DeviceWeights, manifest: WeightsManifest | DeviceWeightsManifest) -> LoadedModel:
     import transformers
 
     meta = manifest.meta
