@@ -111,12 +111,13 @@ class _Liveness(threading.Thread):
     """How long stopping waits for a heartbeat in progress (each registry call has its own timeout)."""
 
     def __init__(self, config: WorkerConfig, host: str, load: Callable[[], WorkerLoad],
-                 on_parent_death: Callable[[], None]) -> None:
+                 stop_worker: Callable[[str], None], check: Callable[[], str | None] = lambda: None) -> None:
         super().__init__(name="omniflow-liveness", daemon=True)
         self._config = config
         self._host = host
         self._load = load
-        self._on_parent_death = on_parent_death
+        self._stop_worker = stop_worker
+        self._check = check
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -219,8 +220,13 @@ class _Liveness(threading.Thread):
         while not await self._stopped_within(self._config.heartbeat_s):
             if parent is not None and os.getppid() != parent:
                 log.warning("parent process %d is gone; stopping", parent)
-                self._on_parent_death()
+                self._stop_worker(f"parent process {parent} is gone")
                 parent = None
+            problem = self._check()
+            if problem is not None:
+                log.error("%s; stopping", problem)
+                self._stop_worker(problem)
+                self._check = lambda: None  # said once: the worker is stopping
             if self._registry is None or self._info is None:
                 continue
             try:
@@ -401,7 +407,19 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
         local_server = await framed.listen(local["local"], accept)
 
-    liveness = _Liveness(config, host, load, lambda: loop.call_soon_threadsafe(stop.set))
+    failures: list[str] = []
+
+    def stop_worker(reason: str) -> None:  # from the liveness thread
+        failures.append(reason)
+        loop.call_soon_threadsafe(stop.set)
+
+    def check() -> str | None:
+        orphaned = weights.orphaned()
+        if orphaned:
+            return f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}"
+        return None
+
+    liveness = _Liveness(config, host, load, stop_worker, check)
     liveness_address = liveness.start_and_bind()
     info = WorkerInfo(
         worker_id=config.worker_id,
@@ -438,6 +456,8 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         stream.close()
     context.term()
     peer.close()
+    if any(not reason.startswith("parent process") for reason in failures):
+        return 4  # it could not go on serving (its attached weights are gone)
     return 0 if not cancelled else 3
 
 

@@ -18,8 +18,9 @@ Contract, and what differs from host sharing:
   the process that allocated it: when the publisher *exits* (or is killed), its allocations
   go with its CUDA context, and what the attached modules read is undefined (CUDA's rule
   for IPC memory): expect a CUDA error that poisons the attached process's context, or
-  wrong weights. Nothing here checks that on every read; a worker that attached must be
-  restarted when its publisher dies (`publisher_alive` tells). While the publisher lives, its `close()` is
+  wrong weights. Nothing here checks that on every read; a role worker's heartbeat asks
+  its `WeightStore.orphaned()` and stops the worker (exit status 4) once a publisher of
+  weights it attached is gone, so its calls move to other replicas. While the publisher lives, its `close()` is
   safe: it withdraws the index (no new process attaches) and releases its refs, and torch
   keeps each block allocated until the last mapping of it is gone.
 * Index files of publishers that died are removed by `reclaim`; their GPU memory went with

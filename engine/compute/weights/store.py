@@ -63,6 +63,7 @@ class WeightStore:
         self.device = device
         self._held: dict[WeightKey, _Held] = {}
         self._lock = threading.Lock()
+        self._attached_on_device: dict[WeightKey, DeviceWeightsManifest] = {}
 
     def acquire(self, key: WeightKey, load: Callable[[], Any]) -> Any:
         """The instance held under `key`, loaded with `load()` if none is; counts one user."""
@@ -97,6 +98,7 @@ class WeightStore:
             held.users -= 1
             if held.users <= 0:
                 del self._held[key]
+                self._attached_on_device.pop(key, None)
 
     def users(self, key: WeightKey) -> int:
         with self._lock:
@@ -131,7 +133,9 @@ class WeightStore:
             if manifest is not None:
                 try:
                     module = self.host.attach(manifest, skeleton)
-                except SharedWeightsError:
+                except SharedWeightsError as exc:
+                    log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
+                                key, manifest.segment, exc)
                     module = None
                 if module is not None:
                     self._set_origin(key, "attached")
@@ -158,7 +162,9 @@ class WeightStore:
             if manifest is not None:
                 try:
                     loaded = _attach_llm(self.host, manifest)
-                except SharedWeightsError:
+                except SharedWeightsError as exc:
+                    log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
+                                key, manifest.segment, exc)
                     loaded = None
                 if loaded is not None:
                     self._set_origin(key, "attached")
@@ -193,7 +199,18 @@ class WeightStore:
                         key, manifest.pid, exc)
             return None
         self._set_origin(key, "attached")
+        with self._lock:
+            self._attached_on_device[key] = manifest
         return value
+
+    def orphaned(self) -> list[str]:
+        """GPU weights this process attached whose publisher is gone, as "key (pid N)": their
+        memory went with that process, so whatever uses them must stop (the worker's
+        heartbeat checks this and stops the worker)."""
+        with self._lock:
+            attached = list(self._attached_on_device.items())
+        return [f"{key} (pid {manifest.pid})" for key, manifest in attached
+                if self.device is not None and not self.device.publisher_alive(manifest)]
 
     def _device_module(self, key: WeightKey, build: Callable[[], torch.nn.Module],
                        skeleton: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -222,6 +239,7 @@ class WeightStore:
         """Drop every instance and withdraw what this process published on the host and its GPUs."""
         with self._lock:
             self._held.clear()
+            self._attached_on_device.clear()
         if self.host is not None:
             self.host.close()
         if self.device is not None:

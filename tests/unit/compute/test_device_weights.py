@@ -211,3 +211,34 @@ def test_weight_store_keeps_cpu_keys_on_host_weights(peer: Peer, root: str, pref
         first.close()
         second.close()
     assert os.listdir(root) == [] and len(peer.store) == 0
+
+
+class _AttachesWithoutCuda(DeviceWeights):
+    """Attaches by building the skeleton: the bookkeeping around an attach, without a GPU."""
+
+    def attach(self, manifest, skeleton):
+        return skeleton()
+
+
+def test_weights_whose_publisher_died_are_reported_orphaned(peer: Peer, root: str):
+    """Attached GPU weights are the publisher's memory: once it exits they are gone, and the
+    store says so (a worker's heartbeat then stops the worker)."""
+    publisher = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = process_start_token(publisher.pid)
+        assert start is not None
+        owner = SegmentOwner(publisher.pid, start)
+        weights = _AttachesWithoutCuda(peer, root=root)
+        key = WeightKey("m", "lin", "cuda:0")
+        write_index(weights.index_path(str(key)), manifest(str(key), peer, owner), suffix(weights.prefix, owner))
+        store = WeightStore(device=weights)
+        store.module(key, lambda: pytest.fail("loaded instead of attaching"), skeleton=lambda: torch.nn.Linear(4, 8))
+        assert store.origin(key) == "attached"
+        assert store.orphaned() == []
+    finally:
+        assert publisher.stdin is not None
+        publisher.stdin.close()
+        publisher.wait(timeout=30)
+    assert store.orphaned() == [f"{key} (pid {publisher.pid})"]
+    store.release(key)
+    assert store.orphaned() == []  # nothing uses those weights any more
