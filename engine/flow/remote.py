@@ -353,17 +353,23 @@ class WorkerDispatcher:
         """The worker's abstract Unix socket when it shares this process's network namespace
         (`engine.data.shm.local_namespace`), else its TCP address."""
         meta = worker.info.meta
-        if self._local_ns is not None and meta.get("local_ns") == self._local_ns and meta.get("local"):
-            return str(meta["local"])
+        local = str(meta.get("local") or "")
+        if self._local_ns is not None and meta.get("local_ns") == self._local_ns and local.startswith(framed.SCHEME):
+            return local
         return worker.info.address
 
     async def _connection(self, worker: WorkerSnapshot) -> _Connection:
         wid = worker.info.worker_id
-        conn = self._connections.get(wid)
-        if conn is not None and conn.lost is None and conn.worker.info.address == worker.info.address:
-            if conn.ready is not None:
-                await conn.ready
-            return conn
+        while True:
+            conn = self._connections.get(wid)
+            if conn is None or conn.lost is not None or conn.worker.info.address != worker.info.address:
+                break
+            if conn.ready is None or conn.ready.done():
+                return conn
+            await asyncio.shield(conn.ready)  # another call is connecting: share its outcome
+            if self._connections.get(wid) is conn:
+                return conn
+            # That attempt was withdrawn (its caller was cancelled): look again.
         if conn is not None:  # lost, or the worker id now listens elsewhere: its calls go elsewhere too
             self._lose(conn, f"worker {wid} moved from {conn.worker.info.address} to {worker.info.address}")
             self._close_connection(conn)
@@ -371,31 +377,37 @@ class WorkerDispatcher:
         liveness.setsockopt(zmq.LINGER, 0)
         liveness.connect(str(worker.info.meta["liveness"]))
         conn = _Connection(worker, None, liveness)
-        conn.ready = asyncio.get_running_loop().create_future()
+        ready = conn.ready = asyncio.get_running_loop().create_future()
         self._connections[wid] = conn
         inbox: _Inbox = _Inbox()
         conn.inboxes[0] = inbox
+        reply: Any = None
+        settled = False
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 conn.control = await self._open_control(conn)
                 await conn.control.send(self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host)))
                 reply = await inbox.get()
+            settled = True
         except TimeoutError:
             self._lose(conn, f"no hello from worker {wid} at {worker.info.address} within {self._connect_timeout_s} s")
-            conn.ready.set_result(None)
-            return conn
-        except OSError as exc:
+            settled = True
+        except (OSError, ValueError) as exc:
             self._lose(conn, f"cannot reach worker {wid} at {self._control_address(worker)}: {exc}")
-            conn.ready.set_result(None)
-            return conn
+            settled = True
         finally:
             conn.inboxes.pop(0, None)
-        if isinstance(reply, _Lost):
-            conn.ready.set_result(None)
+            if not settled:
+                # Cancelled mid-way: withdraw the attempt (the next call connects afresh), and let
+                # the calls waiting for it look again rather than wait forever.
+                if self._connections.get(wid) is conn:
+                    del self._connections[wid]
+                self._close_connection(conn)
+            ready.set_result(None)
+        if conn.lost is not None or isinstance(reply, _Lost):
             return conn
         if not isinstance(reply, HelloReply):
             self._lose(conn, f"worker {wid} refused the hello: {reply}")
-        conn.ready.set_result(None)
         conn.pinger = asyncio.get_running_loop().create_task(self._ping(conn))
         return conn
 

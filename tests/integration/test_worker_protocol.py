@@ -484,3 +484,76 @@ async def test_polling_for_an_answer_that_does_not_come_ends_with_the_window(con
         assert cpu < 0.25 * wall, (cpu, wall)
     else:  # the whole wait was inside the window: the loop polled all along
         assert cpu > 0.4 * wall, (cpu, wall)
+
+
+async def test_a_connection_attempt_cancelled_midway_is_withdrawn_not_left_hanging(context):
+    """Call A connects and waits for the hello, call B waits on A's attempt; A is cancelled.
+    B must not wait forever on an attempt nobody finishes: it connects afresh and completes."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    control, _ = await fake_worker(context, registry, "slow-1")
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    hellos: list[bytes] = []
+
+    async def serve() -> None:
+        while True:
+            identity, payload = await control.recv_multipart()
+            message = codec.decode(payload)
+            if isinstance(message, HelloRequest):
+                hellos.append(identity)
+                if len(hellos) == 1:
+                    continue  # the first attempt gets no answer
+                reply: Any = HelloReply(PROTOCOL_VERSION, "slow-1", "127.0.0.1", 0, CONTROL_LIMIT)
+            else:
+                assert isinstance(message, ExecuteRequest)
+                reply = ExecuteResult(message.request_id, {"out": PortValue(ValueKind.INLINE, data="done")})
+            await control.send_multipart([identity, codec.encode(reply)])
+
+    server = asyncio.create_task(serve())
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=30.0)
+        try:
+            first = asyncio.create_task(dispatcher.execute(ROLE, *call_for("a"), lambda: None))
+            await wait_until(lambda: len(hellos) == 1, 5, "the first hello")
+            second = asyncio.create_task(dispatcher.execute(ROLE, *call_for("b"), lambda: None))
+            await asyncio.sleep(0)  # B finds A's attempt and waits on it
+            first.cancel()
+            async with asyncio.timeout(10):
+                result = await second
+            assert result.outputs == {"out": "done"}
+            assert len(hellos) == 2  # B connected afresh
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+            await dispatcher.close()
+
+
+@LINUX_ONLY
+async def test_a_local_address_of_an_unknown_kind_is_not_used(context):
+    """A worker of an older version advertised `ipc://@...` as its local socket: the dispatcher
+    only dials `unix:@` streams there, so it goes over TCP instead of failing."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    tcp, liveness = (context.socket(zmq.ROUTER) for _ in range(2))
+    for sock in (tcp, liveness):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:0")
+    await registry.register(WorkerInfo(
+        "old-1", "py", tcp.getsockopt_string(zmq.LAST_ENDPOINT),
+        meta={"liveness": liveness.getsockopt_string(zmq.LAST_ENDPOINT), "local": "ipc://@omniflow-old",
+              "local_ns": local_namespace()},
+    ))
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
+        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda: None))
+        try:
+            async with asyncio.timeout(5):
+                _, payload = await tcp.recv_multipart()
+            assert isinstance(codec.decode(payload), HelloRequest)
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await dispatcher.close()
+            for sock in (tcp, liveness):
+                sock.close()
