@@ -13,31 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
-import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.compute.models import export_model
 from engine.data.kv.index import RedisKVIndex
-from engine.data.peer import Peer
 from engine.flow.dsl import Workflow
-from engine.flow.executor import Executor
 from engine.flow.kvroute import KV_META_KEY, kv_index_namespace, prompt_pages
-from engine.flow.remote import RemoteNodeError, WorkerDispatcher
-from engine.spec.calls import NodeCall, NodeContext
-from engine.spec.graph import GraphSpec, RoleSpec
-from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LocalCluster
+from engine.flow.remote import RemoteNodeError
+from engine.spec.calls import NodeCall
+from engine.spec.graph import GraphSpec
+from tests.integration import deployments
+from tests.integration.deployments import deployed, equals, hf_greedy, text_ids
 from tests.integration.workerfns import wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.asyncio(loop_scope="module")]
@@ -48,11 +43,6 @@ PAGE = 4
 NEW = 12
 PULL_TIMEOUT_S = 1.5
 """The decode role's `kv_pull_timeout_s`: how long a pull from a dead prefill worker may take."""
-
-
-def text_ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32, 127) for _ in range(n)]
 
 
 def pd_spec(checkpoint: Path) -> GraphSpec:
@@ -78,15 +68,10 @@ def pd_spec(checkpoint: Path) -> GraphSpec:
 
 
 @dataclass
-class Deployment:
-    spec: GraphSpec
-    cluster: LocalCluster
-    dispatcher: WorkerDispatcher
-    executor: Executor
-    index: RedisKVIndex
+class Deployment(deployments.Deployment):
+    """The deployment with the KV index its workers publish to."""
 
-    def role(self, name: str) -> RoleSpec:
-        return self.spec.role(name)
+    index: RedisKVIndex
 
     def worker_ids(self, role: str) -> list[str]:
         return sorted(w.worker_id for w in self.cluster.workers if w.role == role)
@@ -96,14 +81,6 @@ class Deployment:
             if snapshot.info.worker_id == worker_id:
                 return snapshot.load.metrics.get(name, -1.0)
         return -1.0
-
-    async def call(self, role: str, node_id: str, inputs: dict[str, Any], outputs: tuple[str, ...],
-                   params: dict[str, Any] | None = None, started: asyncio.Event | None = None) -> dict[str, Any]:
-        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params or {}, inputs, outputs, False, False, 1, 1)
-        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
-        result = await self.dispatcher.execute(self.role(role), call, ctx,
-                                               started.set if started is not None else lambda: None)
-        return result.outputs
 
 
 @pytest.fixture(scope="module")
@@ -116,31 +93,15 @@ def reference(checkpoint: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
 
 
-def hf_greedy(model: PreTrainedModel, prompt: list[int], new: int = NEW) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployment(checkpoint: Path) -> AsyncIterator[Deployment]:
     namespace = f"pdtest-{uuid.uuid4().hex[:10]}"
-    spec = pd_spec(checkpoint)
-    peer = Peer.start()
-    cluster = LocalCluster(spec, registry_url=REDIS_URL, namespace=namespace, heartbeat_s=HB, stop_timeout_s=10.0)
     index = RedisKVIndex.from_url(REDIS_URL, namespace=kv_index_namespace(namespace))
     try:
-        await cluster.start()
-        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
-        executor = Executor(dispatcher, default_kinds())
-        try:
-            yield Deployment(spec, cluster, dispatcher, executor, index)
-        finally:
-            await executor.aclose()
+        async with deployed(pd_spec(checkpoint), heartbeat_s=HB, registry_url=REDIS_URL,
+                            namespace=namespace) as base:
+            yield Deployment(**vars(base), index=index)
     finally:
-        await cluster.stop()
-        peer.close()
         with contextlib.suppress(Exception):
             index.clear()
         index.client.close()
@@ -162,7 +123,7 @@ async def test_disaggregated_tokens_equal_hf_generate_and_one_worker(deployment:
     pulled = 0
     for prompt, result in zip(prompts, results, strict=True):
         assert result.status == "done", result.error
-        expected = hf_greedy(reference, prompt)
+        expected = hf_greedy(reference, prompt, NEW)
         assert result.outputs["pd"] == result.outputs["single"] == expected
         handoff, kv = result.outputs["handoff"], result.outputs["pd_kv"]
         assert handoff["worker_id"] in deployment.worker_ids("prefill")
@@ -172,15 +133,11 @@ async def test_disaggregated_tokens_equal_hf_generate_and_one_worker(deployment:
         assert kv["pages"][: len(prompt) // PAGE] == handoff["page_hashes"]
         pulled += kv["pulled_pages"]
     # The decode worker's own counters say the same, and every prefill worker let go of its holds.
-    await wait_until(lambda: _equals(deployment.metric(decode_id, "kv.pull.pages"), before + pulled), 10.0,
+    await wait_until(lambda: equals(deployment.metric(decode_id, "kv.pull.pages"), before + pulled), 10.0,
                      "the decode worker's pull count in its heartbeat")
     for prefill_id in deployment.worker_ids("prefill"):
-        await wait_until(lambda w=prefill_id: _equals(deployment.metric(w, "kv.device.locked_pages"), 0.0), 10.0,
+        await wait_until(lambda w=prefill_id: equals(deployment.metric(w, "kv.device.locked_pages"), 0.0), 10.0,
                          f"prefill worker {prefill_id} to release its handoffs")
-
-
-async def _equals(value, expected: float) -> bool:
-    return await value == expected
 
 
 async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(deployment: Deployment):
@@ -192,35 +149,35 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
         await gate.wait()
         yield text_ids(9, 6)
 
-    blocker = asyncio.create_task(deployment.call("prefill", "blocker", {"tokens": slow_prompt()}, ("kv",),
-                                                  started=started))
+    blocker = asyncio.create_task(deployment.execute("prefill", {"tokens": slow_prompt()}, ("kv",),
+                                                     started=started))
     await asyncio.wait_for(started.wait(), 10.0)
     shared = text_ids(10, 16)  # four pages
-    first = await deployment.call("prefill", "x", {"tokens": shared + text_ids(11, 5)}, ("kv",))
+    first = await deployment.execute("prefill", {"tokens": shared + text_ids(11, 5)}, ("kv",))
     assert first["kv"]["worker_id"] == second_id  # the idle one: nobody holds the prefix yet
     gate.set()
     assert (await asyncio.wait_for(blocker, 10.0))["kv"]["worker_id"] == first_id
     kv_meta = (await deployment.cluster.registry.workers("prefill"))[0].info.meta[KV_META_KEY]
     again = NodeCall("r", "y", None, {}, {"tokens": shared + text_ids(12, 7)}, ("kv",), False, False, 1, 1)
-    pages = prompt_pages(deployment.role("prefill"), again, kv_meta)
+    pages = prompt_pages(deployment.spec.role("prefill"), again, kv_meta)
     await wait_until(lambda: deployment.index.lookup(pages).get(second_id) == 4, 10.0,
                      "the index to show the prefix on the worker that computed it")
     # Both idle now: load would pick the first worker, the cached prefix picks the second.
-    second = await deployment.call("prefill", "y", again.inputs, ("kv",))
+    second = await deployment.execute("prefill", again.inputs, ("kv",))
     assert second["kv"]["worker_id"] == second_id and second["kv"]["cached_tokens"] == 16
-    fresh = await deployment.call("prefill", "z", {"tokens": text_ids(13, 21)}, ("kv",))
+    fresh = await deployment.execute("prefill", {"tokens": text_ids(13, 21)}, ("kv",))
     assert fresh["kv"]["worker_id"] == first_id and fresh["kv"]["cached_tokens"] == 0
     # Decoding both: the second handoff shares four pages with the first, so only its fifth moves.
     for handoff, moved in ((first["kv"], 5), (second["kv"], 1)):
-        out = await deployment.call("decode", "d", {"kv": handoff}, ("kv",))
+        out = await deployment.execute("decode", {"kv": handoff}, ("kv",))
         assert out["kv"]["pulled_pages"] == moved
 
 
 async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_index(deployment: Deployment):
     single_id, prefill_id = deployment.worker_ids("single")[0], deployment.worker_ids("prefill")[0]
     prompt = text_ids(30, 21)
-    computed = await deployment.call("single", "one", {"tokens": prompt}, ("text", "tokens", "kv"),
-                                   {"max_new_tokens": 2})
+    computed = await deployment.execute("single", {"tokens": prompt}, ("text", "tokens", "kv"),
+                                        {"max_new_tokens": 2})
     assert computed["kv"]["worker_id"] == single_id
     pages = tuple(computed["kv"]["pages"][:5])
     await wait_until(lambda: deployment.index.lookup(pages).get(single_id) == 5, 10.0,
@@ -230,21 +187,21 @@ async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_i
     async def streamed() -> AsyncIterator[list[int]]:  # a streamed prompt has no routing keys: load decides
         yield prompt + text_ids(31, 3)
 
-    out = await deployment.call("prefill", "p", {"tokens": streamed()}, ("kv",))
+    out = await deployment.execute("prefill", {"tokens": streamed()}, ("kv",))
     assert out["kv"]["worker_id"] == prefill_id and out["kv"]["cached_tokens"] == 20  # pulled, not computed
-    await wait_until(lambda: _equals(deployment.metric(prefill_id, "kv.pull.pages"), before + 5), 10.0,
+    await wait_until(lambda: equals(deployment.metric(prefill_id, "kv.pull.pages"), before + 5), 10.0,
                      "the prefill worker's pull count in its heartbeat")
 
 
 async def test_a_killed_prefill_worker_fails_the_decode_within_its_pull_timeout(deployment: Deployment):
     """Runs last: it kills one of the module's prefill workers."""
-    handoff = (await deployment.call("prefill", "p", {"tokens": text_ids(20, 10)}, ("kv",)))["kv"]
+    handoff = (await deployment.execute("prefill", {"tokens": text_ids(20, 10)}, ("kv",)))["kv"]
     holder = next(w for w in deployment.cluster.workers if w.worker_id == handoff["worker_id"])
     holder.process.send_signal(signal.SIGKILL)
     await asyncio.wait_for(holder.process.wait(), 10.0)
     started = time.monotonic()
     with pytest.raises(RemoteNodeError) as err:
-        await asyncio.wait_for(deployment.call("decode", "d", {"kv": handoff}, ("tokens",)), 3 * PULL_TIMEOUT_S + 5)
+        await asyncio.wait_for(deployment.execute("decode", {"kv": handoff}, ("tokens",)), 3 * PULL_TIMEOUT_S + 5)
     elapsed = time.monotonic() - started
     assert f"cannot pull the prompt's KV from prefill worker {handoff['worker_id']}" in str(err.value)
     assert PULL_TIMEOUT_S * 0.5 < elapsed < PULL_TIMEOUT_S + 3.0, elapsed

@@ -12,12 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -25,13 +22,11 @@ import torch
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.loader import load_builtin
 from engine.compute.models.tokenizer import BOS_ID
-from engine.data.peer import Peer
 from engine.data.wire import TensorRef
 from engine.flow.dsl import Workflow
-from engine.flow.remote import RemoteNodeError, WorkerDispatcher
-from engine.spec.calls import NodeCall, NodeContext
+from engine.flow.remote import RemoteNodeError
 from engine.spec.graph import GraphSpec
-from engine.worker.launcher import LaunchedWorker, LocalCluster
+from tests.integration.deployments import Deployment, deployed
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -49,45 +44,19 @@ def spec() -> GraphSpec:
     return wf.to_spec()
 
 
-@dataclass
-class Deployment:
-    spec: GraphSpec
-    cluster: LocalCluster
-    dispatcher: WorkerDispatcher
-    peer: Peer
-
-    def replica(self, role: str) -> LaunchedWorker:
-        (worker,) = [w for w in self.cluster.workers if w.role == role]
-        return worker
-
-    async def latents(self, role: str, inputs: dict[str, Any], params: dict[str, Any]) -> torch.Tensor:
-        node_id = f"n{uuid.uuid4().hex[:6]}"
-        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params, inputs, ("latents",), False, False, 1, 1)
-        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
-        result = await self.dispatcher.execute(self.spec.role(role), call, ctx, lambda: None)
-        ref = result.outputs["latents"]
-        assert isinstance(ref, TensorRef)
-        return self.peer.pull(ref, timeout=10.0).torch(copy=True)
+async def latents(deployment: Deployment, role: str, inputs: dict[str, Any],
+                  params: dict[str, Any]) -> torch.Tensor:
+    """One diffusion node's latents on `role`, pulled into this process."""
+    ref = (await deployment.execute(role, inputs, ("latents",), params))["latents"]
+    assert isinstance(ref, TensorRef)
+    return deployment.peer.pull(ref, timeout=10.0).torch(copy=True)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployment() -> AsyncIterator[Deployment]:
-    graph = spec()
-    peer = Peer.start()
-    cluster = LocalCluster(graph, heartbeat_s=HB, ready_timeout_s=120.0, stop_timeout_s=10.0)
-    try:
-        await cluster.start()
-        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
-        try:
-            yield Deployment(graph, cluster, dispatcher, peer)
-        finally:
-            await dispatcher.close()
-    finally:
-        pids = [w.pid for w in cluster.workers for w in w.processes]
-        await cluster.stop()
-        peer.close()
-        assert not [pid for pid in pids if psutil.pid_exists(pid) and
-                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a rank process outlived stop()"
+    async with deployed(spec(), heartbeat_s=HB, with_executor=False, check_processes_stop=True,
+                        ready_timeout_s=120.0) as deployment:
+        yield deployment
 
 
 def reference(prompt: str, negative: str, seed: int, steps: int) -> torch.Tensor:
@@ -113,8 +82,8 @@ async def test_a_tp2_diffusion_replica_is_two_rank_processes(deployment: Deploym
 async def test_tp2_latents_equal_tp1_within_1e_5(deployment: Deployment, prompt, negative, seed, steps):
     inputs = {"prompt": prompt, "negative_prompt": negative}
     params = {"seed": seed, "steps": steps}
-    one = await deployment.latents("one", inputs, params)
-    two = await deployment.latents("two", inputs, params)
+    one = await latents(deployment, "one", inputs, params)
+    two = await latents(deployment, "two", inputs, params)
     assert one.dtype == two.dtype == torch.float32 and one.shape == two.shape == (4, 8, 8)
     assert (one - two).abs().max().item() <= 1e-5
     assert (two - reference(prompt, negative, seed, steps)).abs().max().item() <= 1e-5
@@ -122,10 +91,11 @@ async def test_tp2_latents_equal_tp1_within_1e_5(deployment: Deployment, prompt,
 
 async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment: Deployment):
     with pytest.raises(RemoteNodeError, match="input 'kv'"):
-        await deployment.latents("two", {"prompt": "x", "kv": {"model_id": "m"}}, {})
+        await latents(deployment, "two", {"prompt": "x", "kv": {"model_id": "m"}}, {})
     with pytest.raises(RemoteNodeError, match="exactly one of the inputs"):
-        await deployment.latents("two", {"prompt": "x", "tokens": [5, 6]}, {})
-    again = await deployment.latents("two", {"tokens": [40, 41, 42, 43, 44]}, {"steps": 1, "guidance_scale": 1.0})
+        await latents(deployment, "two", {"prompt": "x", "tokens": [5, 6]}, {})
+    again = await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44]},
+                          {"steps": 1, "guidance_scale": 1.0})
     assert torch.isfinite(again).all()
 
 
@@ -135,9 +105,9 @@ async def test_a_killed_follower_fails_the_node_then_every_later_one_at_once(dep
     os.kill(follower, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
-        await deployment.latents("two", {"prompt": "after the kill"}, {"steps": 2})
+        await latents(deployment, "two", {"prompt": "after the kill"}, {"steps": 2})
     assert time.monotonic() - started < TP_TIMEOUT_S + 10.0
     started = time.monotonic()
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
-        await deployment.latents("two", {"prompt": "and again"}, {"steps": 2})
+        await latents(deployment, "two", {"prompt": "and again"}, {"steps": 2})
     assert time.monotonic() - started < 2.0

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import pytest
@@ -40,15 +37,12 @@ from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import fetch_pages
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
-from engine.data.peer import Peer
 from engine.data.wire import ReleaseRequest
 from engine.flow.dsl import Workflow
-from engine.flow.executor import Executor
-from engine.flow.remote import RemoteNodeError, WorkerDispatcher
-from engine.spec.calls import NodeCall, NodeContext
+from engine.flow.remote import RemoteNodeError
 from engine.spec.graph import GraphSpec
-from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster, rank_worker_id
+from engine.worker.launcher import LaunchError, LocalCluster, rank_worker_id
+from tests.integration.deployments import Deployment, deployed, equals, hf_greedy, text_ids
 from tests.integration.workerfns import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -58,11 +52,6 @@ PAGE = 4
 NEW = 10
 HB = 0.25
 TP_TIMEOUT_S = 3.0
-
-
-def text_ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32, 127) for _ in range(n)]
 
 
 def tp_spec() -> GraphSpec:
@@ -97,59 +86,16 @@ TP-2 to TP-1 (a decode role of its own, so that it has none of the prompt's page
     return wf.to_spec()
 
 
-@dataclass
-class Deployment:
-    spec: GraphSpec
-    cluster: LocalCluster
-    dispatcher: WorkerDispatcher
-    executor: Executor
-    peer: Peer
-
-    def replica(self, role: str) -> LaunchedWorker:
-        (worker,) = [w for w in self.cluster.workers if w.role == role]
-        return worker
-
-    async def call(self, role: str, inputs: dict[str, Any], outputs: tuple[str, ...], params: dict[str, Any],
-                   started: asyncio.Event | None = None) -> dict[str, Any]:
-        node_id = f"n{uuid.uuid4().hex[:6]}"
-        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", node_id, None, params, inputs, outputs, False, False, 1, 1)
-        ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
-        result = await self.dispatcher.execute(self.spec.role(role), call, ctx,
-                                               started.set if started is not None else lambda: None)
-        return result.outputs
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployment() -> AsyncIterator[Deployment]:
-    spec = tp_spec()
-    peer = Peer.start()
-    cluster = LocalCluster(spec, heartbeat_s=HB, ready_timeout_s=120.0, stop_timeout_s=10.0)
-    try:
-        await cluster.start()
-        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
-        executor = Executor(dispatcher, default_kinds())
-        try:
-            yield Deployment(spec, cluster, dispatcher, executor, peer)
-        finally:
-            await executor.aclose()
-    finally:
-        pids = [w.pid for w in cluster.workers for w in w.processes]
-        await cluster.stop()
-        peer.close()
-        assert not [pid for pid in pids if psutil.pid_exists(pid) and
-                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a rank process outlived stop()"
+    async with deployed(tp_spec(), heartbeat_s=HB, check_processes_stop=True,
+                        ready_timeout_s=120.0) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")
 def reference() -> PreTrainedModel:
     return load_builtin(MODEL).model
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], new: int = NEW) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 async def test_a_tp2_replica_is_two_rank_processes_behind_one_endpoint(deployment: Deployment):
@@ -168,7 +114,7 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
     results = await asyncio.wait_for(asyncio.gather(*(run.wait() for run in runs)), 120.0)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.status == "done", result.error
-        expected = hf_greedy(reference, prompt)
+        expected = hf_greedy(reference, prompt, NEW)
         assert result.outputs["tp1"] == expected
         assert result.outputs["tp2"] == expected
         # TP-1 prefill -> TP-2 decode: the ranks pulled every full page of the prompt.
@@ -185,7 +131,7 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         (snapshot,) = [s for s in await deployment.cluster.registry.workers("one") if s.info.worker_id == one]
         return snapshot.load.metrics.get("kv.device.locked_pages", -1.0)
 
-    await wait_until(lambda: _is(locked(), 0.0), 10.0, "the prefill worker to release its handoffs")
+    await wait_until(lambda: equals(locked(), 0.0), 10.0, "the prefill worker to release its handoffs")
     # And the TP-2 prefill let its ranks' holds and its whole copies go.
     two = deployment.replica("two").worker_id
 
@@ -193,17 +139,13 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         (snapshot,) = [s for s in await deployment.cluster.registry.workers("two") if s.info.worker_id == two]
         return snapshot.load.metrics.get("llm.exported_pages", -1.0)
 
-    await wait_until(lambda: _is(exported(), 0.0), 10.0, "the TP-2 prefill to drop its exported pages")
-
-
-async def _is(value, expected: float) -> bool:
-    return await value == expected
+    await wait_until(lambda: equals(exported(), 0.0), 10.0, "the TP-2 prefill to drop its exported pages")
 
 
 async def test_tp2_text_prompt_streams_like_tp1(deployment: Deployment):
     params = {"max_new_tokens": 6, "temperature": 0.8, "seed": 7}
-    one = await deployment.call("one", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
-    two = await deployment.call("two", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
+    one = await deployment.execute("one", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
+    two = await deployment.execute("two", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
     assert two == one
 
 
@@ -228,7 +170,7 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
     """What every rank of the TP-2 role does with a handoff (`_HandoffPuller`), for ranks 0 and 1,
     against the real TP-1 prefill worker: merged, the ranks' pages are the holder's bytes."""
     prompt = text_ids(5, 4 * PAGE + 3)
-    out = await deployment.call("one", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
+    out = await deployment.execute("one", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
     ref = KVHandoffRef.from_value(out["kv"])
     whole = KVLayout(**ref.layout)
     pages = [PageHash(p) for p in ref.page_hashes]
@@ -270,7 +212,7 @@ async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deploym
     """The pages a TP-2 prefill serves are its ranks' heads merged: the whole model's KV, as a TP-1
     engine computes it (up to float summation order) and in the layout a TP-1 decode reads."""
     prompt = text_ids(9, 3 * PAGE + 2)
-    out = await deployment.call("two", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
+    out = await deployment.execute("two", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
     ref = KVHandoffRef.from_value(out["kv"])
     whole = KVLayout(**ref.layout)
     assert whole.num_kv_heads == 2 and len(ref.page_hashes) == 3 and ref.tail_len == 2
@@ -307,7 +249,7 @@ async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment:
     two = deployment.replica("two")
     follower = two.ranks[0]
     started = asyncio.Event()
-    long_call = asyncio.create_task(deployment.call(
+    long_call = asyncio.create_task(deployment.execute(
         "two", {"tokens": text_ids(7, 8)}, ("tokens",), {"max_new_tokens": 4000, "ignore_eos": True},
         started=started))
     await asyncio.wait_for(started.wait(), 30.0)
@@ -322,8 +264,8 @@ async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment:
     assert "rank" in str(caught.value)
     # Every later call to the replica fails at once, with the same cause.
     with pytest.raises(RemoteNodeError, match="tensor-parallel group failed"):
-        await asyncio.wait_for(deployment.call("two", {"tokens": text_ids(8, 3)}, ("tokens",),
-                                               {"max_new_tokens": 2}), 5.0)
+        await asyncio.wait_for(deployment.execute("two", {"tokens": text_ids(8, 3)}, ("tokens",),
+                                                  {"max_new_tokens": 2}), 5.0)
 
 
 async def test_a_tp_replica_whose_ranks_cannot_start_fails_and_leaves_nothing_running():
