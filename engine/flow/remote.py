@@ -493,6 +493,8 @@ class WorkerDispatcher:
     async def _open_call(
         self, role: RoleSpec, call: NodeCall, excluded: set[str]
     ) -> tuple[_Connection, int, _Inbox, list[asyncio.Task[None]]]:
+        if self._closed:
+            raise WorkerLost(f"node {call.node_id!r}: the dispatcher is closed")
         try:
             worker = await self._choose(role, call, excluded)
         except NoWorkerError:
@@ -621,6 +623,8 @@ class WorkerDispatcher:
                                               f" {call.node_id!r}: {message.message}")
                     elif isinstance(message, _Lost):
                         finished = True
+                        if self._closed:
+                            raise WorkerLost(f"node {call.node_id!r}: {message.reason}")
                         wid = conn.worker.info.worker_id
                         excluded.add(wid)
                         if produced or any(isinstance(v, AsyncIterator) for v in call.inputs.values()):
@@ -657,6 +661,8 @@ class WorkerDispatcher:
         self._closed = True
         pingers = [conn.pinger for conn in self._connections.values() if conn.pinger is not None]
         for conn in self._connections.values():
+            for inbox in conn.inboxes.values():  # calls still in flight end now, as lost
+                inbox.put_nowait(_Lost("the dispatcher was closed"))
             self._close_connection(conn)
         await asyncio.gather(*pingers, return_exceptions=True)
         self._connections.clear()

@@ -557,3 +557,23 @@ async def test_a_local_address_of_an_unknown_kind_is_not_used(context):
             await dispatcher.close()
             for sock in (tcp, liveness):
                 sock.close()
+
+
+@LINUX_ONLY
+async def test_closing_the_dispatcher_ends_the_calls_it_carries(worker, tmp_path: Path):
+    """A call in flight when its dispatcher closes fails with WorkerLost at once instead of
+    waiting for an answer nobody will read; the worker sees its caller go and cancels the node."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    await registry.register(WorkerInfo(
+        worker["worker_id"], "py", worker["address"], pid=worker["pid"],
+        meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
+    ))
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB)
+        call = asyncio.create_task(dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None))
+        await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
+        await dispatcher.close()
+        async with asyncio.timeout(5):
+            with pytest.raises(WorkerLost, match="the dispatcher was closed"):
+                await call
+    await wait_until(lambda: markers(tmp_path, "cancelled") == [worker["pid"]], 5, "the node was cancelled")
