@@ -407,17 +407,17 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
         local_server = await framed.listen(local["local"], accept)
 
-    failures: list[str] = []
+    unhealthy: list[str] = []
 
-    def stop_worker(reason: str) -> None:  # from the liveness thread
-        failures.append(reason)
+    def stop_worker(reason: str) -> None:  # from the liveness thread, which logged the reason
         loop.call_soon_threadsafe(stop.set)
 
-    def check() -> str | None:
+    def check() -> str | None:  # from the liveness thread, each heartbeat
         orphaned = weights.orphaned()
-        if orphaned:
-            return f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}"
-        return None
+        if not orphaned:
+            return None
+        unhealthy.append(f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}")
+        return unhealthy[-1]
 
     liveness = _Liveness(config, host, load, stop_worker, check)
     liveness_address = liveness.start_and_bind()
@@ -456,7 +456,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         stream.close()
     context.term()
     peer.close()
-    if any(not reason.startswith("parent process") for reason in failures):
+    if unhealthy:
         return 4  # it could not go on serving (its attached weights are gone)
     return 0 if not cancelled else 3
 
