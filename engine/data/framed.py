@@ -77,7 +77,13 @@ class FramedStream(asyncio.Protocol):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """No more sends: ended by either side, or closing (its transport is shutting down)."""
+        return self._closed or (self._transport is not None and self._transport.is_closing())
+
+    @property
+    def paused(self) -> bool:
+        """Sends are waiting for room: the peer does not read as fast as this end writes."""
+        return self._paused
 
     # ------------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -124,13 +130,17 @@ class FramedStream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._buffer.clear()
-        for waiter in self._drained:
-            if not waiter.done():
-                waiter.set_exception(StreamClosedError("connection closed"))
-        self._drained.clear()
+        self._fail_waiters()
         if self._on_closed is not None:
             callback, self._on_closed = self._on_closed, None
             callback(f"connection lost: {exc}" if exc is not None else "connection closed")
+
+    def _fail_waiters(self) -> None:
+        waiters, self._drained = self._drained, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(StreamClosedError("connection closed"))
+                waiter.exception()  # a sender that gave up waiting need not read it
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -143,10 +153,11 @@ class FramedStream(asyncio.Protocol):
         self._drained.clear()
 
     # ------------------------------------------------------------------- sending
-    def send_nowait(self, payload: bytes) -> asyncio.Future[None] | None:
+    def send_nowait(self, payload: bytes, *, waiter: bool = True) -> asyncio.Future[None] | None:
         """Queue `payload` for sending (in order, never dropped while the connection lasts).
-        Returns None, or a future done when the transport's buffer has drained below its
-        high-water mark. Raises StreamClosedError once the connection has ended."""
+        Returns None, or (with `waiter`) a future done when the transport's buffer has
+        drained below its high-water mark. Raises StreamClosedError once the connection has
+        ended or is closing."""
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise StreamClosedError("connection closed")
@@ -157,11 +168,11 @@ class FramedStream(asyncio.Protocol):
             transport.writelines((header, payload))
         else:
             transport.write(header + payload)
-        if not self._paused:
+        if not self._paused or not waiter:
             return None
-        waiter = asyncio.get_running_loop().create_future()
-        self._drained.append(waiter)
-        return waiter
+        drained = asyncio.get_running_loop().create_future()
+        self._drained.append(drained)
+        return drained
 
     async def send(self, payload: bytes) -> None:
         waiter = self.send_nowait(payload)
@@ -169,9 +180,11 @@ class FramedStream(asyncio.Protocol):
             await waiter
 
     def close(self) -> None:
-        """End the connection after what was sent has been written."""
+        """End the connection after what was sent has been written (senders waiting for room
+        fail at once: the transport may wait for a peer that never reads)."""
         self._closed = True
         self._on_closed = None
+        self._fail_waiters()
         if self._transport is not None:
             self._transport.close()
 
@@ -179,6 +192,7 @@ class FramedStream(asyncio.Protocol):
         """End the connection now, dropping what was not written."""
         self._closed = True
         self._on_closed = None
+        self._fail_waiters()
         if self._transport is not None:
             self._transport.abort()
 

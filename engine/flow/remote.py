@@ -175,7 +175,9 @@ class _ControlLink(Protocol):
 
     async def send(self, payload: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def abort(self) -> None:
+        """End the connection now: unsent messages are dropped, blocked senders fail."""
+        ...
 
 
 class _DealerLink:
@@ -192,8 +194,8 @@ class _DealerLink:
     async def send(self, payload: bytes) -> None:
         await self._socket.send([payload])
 
-    def close(self) -> None:
-        self._socket.close()
+    def abort(self) -> None:
+        self._socket.close(linger=0)
 
 
 class WorkerLost(RuntimeError):
@@ -360,6 +362,8 @@ class WorkerDispatcher:
 
     async def _connection(self, worker: WorkerSnapshot) -> _Connection:
         wid = worker.info.worker_id
+        if self._closed:
+            raise WorkerLost(f"worker {wid}: the dispatcher is closed")
         while True:
             conn = self._connections.get(wid)
             if conn is None or conn.lost is not None or conn.worker.info.address != worker.info.address:
@@ -386,6 +390,9 @@ class WorkerDispatcher:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 conn.control = await self._open_control(conn)
+                if conn.lost is not None:  # lost, or the dispatcher closed, while it connected
+                    conn.control.abort()
+                    raise framed.StreamClosedError(conn.lost)
                 await conn.control.send(self._codec.encode(HelloRequest(PROTOCOL_VERSION, "executor", self._peer.host)))
                 reply = await inbox.get()
             settled = True
@@ -419,6 +426,9 @@ class WorkerDispatcher:
             stream = framed.FramedStream(
                 lambda payload: self._on_control(conn, payload),
                 max_message_bytes=self._max_message_bytes,
+                on_oversized=lambda size: self._lose(
+                    conn, f"worker {conn.worker.info.worker_id} sent a message of {size} bytes, over this"
+                          f" dispatcher's limit of {self._max_message_bytes}"),
                 on_closed=lambda reason: self._lose(
                     conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) closed its control"
                           f" connection ({reason})"),
@@ -456,7 +466,7 @@ class WorkerDispatcher:
         if conn.pinger is not None:
             conn.pinger.cancel()
         if conn.control is not None:
-            conn.control.close()
+            conn.control.abort()
         conn.liveness.close()
 
     async def _ping(self, conn: _Connection) -> None:
@@ -478,13 +488,18 @@ class WorkerDispatcher:
                 self._lose(conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) stopped"
                                  f" answering for {2 * self._heartbeat_s:.1f} s")
 
-    def _lose(self, conn: _Connection, reason: str) -> None:
+    def _lose(self, conn: _Connection, reason: str, *, warn: bool = True) -> None:
+        """Mark `conn` lost: its calls end (or move to other replicas), its control link is cut
+        (a send blocked on it fails; the worker sees its caller go and cancels their work)."""
         if conn.lost is not None:
             return
         conn.lost = reason
-        log.warning("%s", reason)
+        if warn:
+            log.warning("%s", reason)
         for inbox in conn.inboxes.values():
             inbox.put_nowait(_Lost(reason))
+        if conn.control is not None:
+            conn.control.abort()
         cached = self._workers.get(conn.worker.info.role)
         if cached is not None:  # read the registry again on the next call, but keep the list as a fallback
             self._workers[conn.worker.info.role] = (float("-inf"), cached[1])
@@ -501,32 +516,41 @@ class WorkerDispatcher:
             raise WorkerLost(f"no live worker of role {role.name!r} for node {call.node_id!r}"
                              + (f" (lost: {', '.join(sorted(excluded))})" if excluded else "")) from None
         conn = await self._connection(worker)
+        if self._closed:
+            raise WorkerLost(f"node {call.node_id!r}: the dispatcher is closed")
         rid = next(self._ids)
         inbox: _Inbox = _Inbox()
         conn.inboxes[rid] = inbox
-        if conn.lost is not None:
-            inbox.put_nowait(_Lost(conn.lost))
-            return conn, rid, inbox, []
-        inputs: dict[str, PortValue] = {}
-        streams: list[tuple[str, AsyncIterator[Any]]] = []
-        for port, value in call.inputs.items():
-            if isinstance(value, AsyncIterator):
-                inputs[port] = PortValue(ValueKind.STREAM)
-                streams.append((port, value))
+        wid = worker.info.worker_id
+        self._outstanding[wid] = self._outstanding.get(wid, 0) + 1
+        forwarders: list[asyncio.Task[None]] = []
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._forget_call, conn, rid)  # on an error before the request is out
+            if conn.lost is not None:
+                inbox.put_nowait(_Lost(conn.lost))
+                undo.pop_all()
+                return conn, rid, inbox, forwarders
+            inputs: dict[str, PortValue] = {}
+            streams: list[tuple[str, AsyncIterator[Any]]] = []
+            for port, value in call.inputs.items():
+                if isinstance(value, AsyncIterator):
+                    inputs[port] = PortValue(ValueKind.STREAM)
+                    streams.append((port, value))
+                else:
+                    inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
+            request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
+                                     call.output_ports, call.stream, call.router, call.iteration, call.attempt)
+            assert conn.control is not None
+            try:
+                await conn.control.send(self._codec.encode(request))
+            except (framed.StreamClosedError, zmq.ZMQError) as exc:
+                # The link was cut (the worker lost, the dispatcher closed) while the request waited
+                # for room, or ended before its end was seen: the call's inbox says so.
+                self._lose(conn, f"worker {wid} (pid {worker.info.pid}): control connection ended ({exc})")
             else:
-                inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
-        request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
-                                 call.output_ports, call.stream, call.router, call.iteration, call.attempt)
-        assert conn.control is not None
-        try:
-            await conn.control.send(self._codec.encode(request))
-        except framed.StreamClosedError as exc:  # it ended before its end was seen: lost as the worker
-            self._lose(conn, f"worker {worker.info.worker_id} (pid {worker.info.pid}) closed its control"
-                             f" connection ({exc})")
-            return conn, rid, inbox, []
-        self._outstanding[worker.info.worker_id] = self._outstanding.get(worker.info.worker_id, 0) + 1
-        forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
-                      for p, s in streams]
+                forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
+                              for p, s in streams]
+            undo.pop_all()
         return conn, rid, inbox, forwarders
 
     def _await_answer(self) -> bool:
@@ -567,14 +591,17 @@ class WorkerDispatcher:
 
     async def _close_call(self, conn: _Connection, rid: int, forwarders: list[asyncio.Task[None]],
                           finished: bool) -> None:
-        conn.inboxes.pop(rid, None)
-        wid = conn.worker.info.worker_id
-        self._outstanding[wid] = max(0, self._outstanding.get(wid, 1) - 1)
+        self._forget_call(conn, rid)
         for task in forwarders:
             task.cancel()
         if not finished and conn.lost is None and conn.control is not None:
             with contextlib.suppress(zmq.ZMQError, framed.StreamClosedError):
                 conn.control.send_nowait(self._codec.encode(CancelRequest(rid)))
+
+    def _forget_call(self, conn: _Connection, rid: int) -> None:
+        conn.inboxes.pop(rid, None)
+        wid = conn.worker.info.worker_id
+        self._outstanding[wid] = max(0, self._outstanding.get(wid, 1) - 1)
 
     def _outputs(self, outputs: dict[str, PortValue]) -> dict[str, Any]:
         return {port: decode_value(v, self._peer, timeout=0.0, materialize=False) for port, v in outputs.items()}
@@ -661,8 +688,7 @@ class WorkerDispatcher:
         self._closed = True
         pingers = [conn.pinger for conn in self._connections.values() if conn.pinger is not None]
         for conn in self._connections.values():
-            for inbox in conn.inboxes.values():  # calls still in flight end now, as lost
-                inbox.put_nowait(_Lost("the dispatcher was closed"))
+            self._lose(conn, "the dispatcher was closed", warn=False)  # calls in flight end now
             self._close_connection(conn)
         await asyncio.gather(*pingers, return_exceptions=True)
         self._connections.clear()

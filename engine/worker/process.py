@@ -304,13 +304,15 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
 
     def send(identity: bytes, message: WorkerMessage) -> None:
         # Never waits: a ROUTER drops a message to a peer that is gone or over its high-water
-        # mark (no ROUTER_MANDATORY); a local stream buffers it, or drops it once closed.
+        # mark (no ROUTER_MANDATORY); a local stream buffers it (without back-pressure: the
+        # executor reads as answers come), or drops it once its caller has gone (who then
+        # cancels what it started here, see `accept`).
         stream = streams.get(identity)
         if stream is None:
             assert control is not None
             control.send_nowait([identity, codec.encode(message)])
         elif not stream.closed:
-            stream.send_nowait(codec.encode(message))
+            stream.send_nowait(codec.encode(message), waiter=False)
 
     # One weight store per process (roles of one model share weights; segments and indexes of
     # dead publishers are reclaimed first; GPU weights are served by CUDA IPC through `peer`)
@@ -443,7 +445,8 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
            "capacity": capacity, **local})
     await stop.wait()
     log.info("worker %s draining", config.worker_id)
-    cancelled = await core.drain(config.drain_timeout_s)
+    # Weights gone (unhealthy): what runs would compute on freed memory; cancel it at once.
+    cancelled = await core.drain(0.0 if unhealthy else config.drain_timeout_s)
     liveness.stop()
     kv.close()
     await unit.close()

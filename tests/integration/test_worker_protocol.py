@@ -577,3 +577,60 @@ async def test_closing_the_dispatcher_ends_the_calls_it_carries(worker, tmp_path
             with pytest.raises(WorkerLost, match="the dispatcher was closed"):
                 await call
     await wait_until(lambda: markers(tmp_path, "cancelled") == [worker["pid"]], 5, "the node was cancelled")
+
+
+@LINUX_ONLY
+async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispatcher_closes(context):
+    """A worker whose loop stopped reading (stuck, but its liveness thread still answers):
+    requests back up until sends wait for room. Closing the dispatcher cuts the link, and
+    every such call ends with WorkerLost instead of waiting for room forever."""
+    registry = InProcessRegistry(ttl_s=float("inf"))
+    liveness = context.socket(zmq.ROUTER)
+    liveness.setsockopt(zmq.LINGER, 0)
+    liveness.bind("tcp://127.0.0.1:0")
+    address = framed.local_address(f"omniflow-test-stuck-{os.getpid()}-{time.monotonic_ns()}")
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    accepted: list[framed.FramedStream] = []
+
+    def accept() -> framed.FramedStream:
+        def on_message(payload: bytes) -> None:
+            message = codec.decode(payload)
+            if isinstance(message, HelloRequest):
+                stream.send_nowait(codec.encode(HelloReply(PROTOCOL_VERSION, "stuck-1", "127.0.0.1", 0,
+                                                           CONTROL_LIMIT)))
+                assert stream._transport is not None
+                stream._transport.pause_reading()  # the loop stops reading from now on
+
+        stream = framed.FramedStream(on_message, max_message_bytes=CONTROL_LIMIT)
+        accepted.append(stream)
+        return stream
+
+    server = await framed.listen(address, accept)
+    await registry.register(WorkerInfo(
+        "stuck-1", "py", "tcp://127.0.0.1:1",
+        meta={"liveness": liveness.getsockopt_string(zmq.LAST_ENDPOINT), "local": address,
+              "local_ns": local_namespace()},
+    ))
+    with Peer.start() as peer:
+        dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=60.0, connect_timeout_s=5.0)
+        big = "x" * 200_000  # inline: a few of these fill the socket's buffers
+        calls = []
+        try:
+            for i in range(64):
+                call = NodeCall(run_id="r1", node_id=f"n{i}", op=f"{workerfns.__name__}:noop", params={},
+                                inputs={"x": big}, output_ports=("out",), stream=False, router=False,
+                                iteration=1, attempt=1)
+                ctx = NodeContext("r1", f"n{i}", 1, 1, lambda f, m: None)
+                calls.append(asyncio.create_task(dispatcher.execute(ROLE, call, ctx, lambda: None)))
+            await wait_until(lambda: "stuck-1" in dispatcher._connections
+                             and isinstance(dispatcher._connections["stuck-1"].control, framed.FramedStream)
+                             and dispatcher._connections["stuck-1"].control.paused, 10, "sends waiting for room")
+        finally:
+            await dispatcher.close()
+        async with asyncio.timeout(5):
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, WorkerLost) for r in results), [type(r).__name__ for r in results]
+    for stream in accepted:
+        stream.abort()
+    server.close()
+    liveness.close()
