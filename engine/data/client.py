@@ -106,7 +106,9 @@ class _Pull:
         transports = self.accepted
         if not (peer.shm_ok and peer.host == host):
             transports = tuple(t for t in transports if t is not Transport.SHM)
-        if not (peer.cuda_ok and peer.host == host and cuda_ipc.available()):
+        # torch's reference counts of shared CUDA blocks live in /dev/shm: where the owner's is not
+        # ours (shm_ok False), a mapping could never give its reference back.
+        if not (peer.cuda_ok and peer.shm_ok and peer.host == host and cuda_ipc.available()):
             transports = tuple(t for t in transports if t is not Transport.CUDA_IPC)
         if not transports:
             raise TransportUnavailable(f"{self.ref.owner} is not on this host (or this process has no CUDA):"
@@ -128,9 +130,15 @@ class _Pull:
         try:
             check_header(header)
         except WireError as exc:
+            release_discarded(reply)
             raise RemoteError(ErrorCode.MALFORMED, str(exc)) from exc
         if header.nbytes != self.ref.nbytes or header.dtype != self.ref.dtype:
+            release_discarded(reply)
             raise RemoteError(ErrorCode.BAD_REQUEST, "the owner describes another tensor than the ref")
+        if reply.cuda is not None and (reply.transport is not Transport.CUDA_IPC
+                                       or Transport.CUDA_IPC not in self.accepted):
+            release_discarded(reply)
+            raise RemoteError(ErrorCode.BAD_REQUEST, f"a CUDA IPC handle with a {reply.transport} reply")
         if reply.transport is Transport.CUDA_IPC and reply.cuda is not None:
             return self._open_cuda(reply.cuda, header)
         if reply.transport is Transport.INLINE:
@@ -164,7 +172,7 @@ class _Pull:
     def _open_cuda(self, shared: CudaIpcHandle, header: TensorHeader) -> list[Message]:
         try:
             tensor = cuda_ipc.open_shared(shared, header)
-        except (RuntimeError, ValueError) as exc:
+        except (cuda_ipc.CudaIpcUnavailable, ValueError) as exc:  # nothing mapped: give its reference back
             cuda_ipc.release_unopened(shared)
             rest = tuple(t for t in self.accepted if t is not Transport.CUDA_IPC)
             if not rest:
@@ -199,6 +207,13 @@ class _Pull:
             return []
         request = self._next_chunk()
         return [] if request is None else [request]
+
+
+def release_discarded(message: Message) -> None:
+    """A pull reply this client will not use: give back the CUDA reference its handle counted
+    (else the owner's GPU block stays allocated until the owner exits)."""
+    if isinstance(message, PullReply) and message.cuda is not None and cuda_ipc.available():
+        cuda_ipc.release_unopened(message.cuda)
 
 
 @dataclass(slots=True, eq=False)
@@ -471,6 +486,7 @@ class ZmqClient:
                 raise _HandshakeLost(link.address)
             if got == request_id or (request_id is None and isinstance(message, HelloReply | ErrorReply)):
                 return message, frames[1:]
+            release_discarded(message)  # a stale answer to a pull that already ended
 
     def _codec_for_thread(self) -> WireCodec:
         codec = getattr(self._per_thread, "codec", None)
@@ -617,7 +633,8 @@ class ZmqClient:
             return
         op = self._ops.get(request_id) if request_id is not None else None
         if op is None or op.link is not link:
-            return  # a late answer to a transfer that already ended
+            release_discarded(message)  # a late answer to a transfer that already ended
+            return
         if op.pull is None:
             if isinstance(message, ErrorReply):
                 self._fail(op, remote_error(message))

@@ -30,6 +30,11 @@ class CudaIpcUnavailable(RuntimeError):
     """This process cannot share or open CUDA memory (no torch, no CUDA, or not the same host)."""
 
 
+class CudaIpcOpenError(CudaIpcUnavailable):
+    """The driver would not open the handle (another GPU set, a container): nothing was mapped,
+    so the reference it counted is still to be given back (`release_unopened`)."""
+
+
 def available() -> bool:
     """Whether this process can use CUDA IPC: torch is already imported and sees a GPU.
 
@@ -57,7 +62,7 @@ def share(tensor: torch.Tensor) -> tuple[CudaIpcHandle, int]:
         storage_offset=int(storage_offset),
         ref_counter_handle=bytes(counter_handle),
         ref_counter_offset=int(counter_offset),
-        event_handle=bytes(event_handle) if event_handle is not None else b"",
+        event_handle=bytes(event_handle) if event_handle is not None else None,
         event_sync_required=bool(event_sync_required),
     )
     return shared, tensor.storage_offset() * tensor.element_size()
@@ -65,7 +70,11 @@ def share(tensor: torch.Tensor) -> tuple[CudaIpcHandle, int]:
 
 def open_shared(shared: CudaIpcHandle, header: TensorHeader) -> torch.Tensor:
     """The producer's tensor described by `header` (`header.offset`: its byte offset in the
-    storage), mapped from `shared` without a copy, on the producer's device index."""
+    storage), mapped from `shared` without a copy, on the producer's device index.
+
+    Raises CudaIpcUnavailable, ValueError or CudaIpcOpenError before anything is mapped: then
+    the handle's reference is the caller's to give back (`release_unopened`). Once mapped, the
+    tensor's storage gives it back when it is freed."""
     if not available():
         raise CudaIpcUnavailable("this process has no CUDA")
     import torch
@@ -74,16 +83,19 @@ def open_shared(shared: CudaIpcHandle, header: TensorHeader) -> torch.Tensor:
     if header.offset % itemsize or header.offset + header.nbytes > shared.storage_size:
         raise ValueError(f"a {header.dtype}{list(header.shape)} tensor at byte {header.offset} does not fit"
                          f" a shared storage of {shared.storage_size} bytes")
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        shared.device, shared.handle, shared.storage_size, shared.storage_offset,
-        shared.ref_counter_handle, shared.ref_counter_offset,
-        shared.event_handle or None, shared.event_sync_required,
-    )
+    if shared.device >= torch.cuda.device_count():
+        raise CudaIpcUnavailable(f"the owner's cuda:{shared.device} is not visible here")
     dtype = getattr(torch, header.dtype)
     tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", shared.device))
-    tensor.set_(storage, header.offset // itemsize, header.shape, header.strides)
-    return tensor
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            shared.device, shared.handle, shared.storage_size, shared.storage_offset,
+            shared.ref_counter_handle, shared.ref_counter_offset,
+            shared.event_handle, shared.event_sync_required,
+        )
+    except RuntimeError as exc:
+        raise CudaIpcOpenError(f"cannot open the owner's CUDA memory: {exc}") from exc
+    return tensor.set_(storage, header.offset // itemsize, header.shape, header.strides)
 
 
 def release_unopened(shared: CudaIpcHandle) -> None:

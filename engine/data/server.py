@@ -285,9 +285,12 @@ class TensorServer:
         self.store.serve(request.ref_id, send, host=transport is not Transport.CUDA_IPC)
 
     def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
-        if entry.cuda is not None and Transport.CUDA_IPC in accepted:
-            return Transport.CUDA_IPC  # the consumer can open it where it is: no host copy at all
         small = entry.header.nbytes <= self.store.config.inline_max_bytes
+        if (entry.cuda is not None and entry.header.nbytes > 0 and Transport.CUDA_IPC in accepted
+                and not (small and Transport.INLINE in accepted)):
+            # The consumer opens it where it is, no host copy at all; a small one is cheaper
+            # staged and inline than shared (an IPC event, a reference count, a mapping).
+            return Transport.CUDA_IPC
         if small and Transport.INLINE in accepted:
             return Transport.INLINE
         for transport in accepted:

@@ -76,6 +76,9 @@ class StoreConfig:
     keep_cuda: bool = True
     """Keep CUDA tensors on their GPU (served by CUDA IPC, staged to host memory on demand);
     False stages every CUDA tensor to host memory at `put`."""
+    cuda_max_bytes: int = 1 << 30
+    """GPU memory the store's copies may hold at once (tensors served in place by `keep` not
+    counted): a CUDA tensor put beyond it is staged to host memory at `put` instead."""
 
 
 class SendHandle(Protocol):
@@ -101,6 +104,10 @@ class StoredTensor:
     sends: list[SendHandle] = field(default_factory=list)
     location: ShmLocation | None = None
     cuda: torch.Tensor | None = None
+    cuda_ready: torch.cuda.Event | None = None
+    """Recorded after the GPU copy on the producer's stream: waited for before the tensor is
+    shared or staged from another thread (whose stream knows nothing of the producer's)."""
+    cuda_budgeted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,7 @@ class TensorStore:
         self._epoch = secrets.token_hex(4)  # ids never repeat across restarts at one address
         self._serial = itertools.count()
         self._live_bytes = 0
+        self._cuda_bytes = 0
         self._segments: SegmentAllocator | None = None
         if self.config.use_shm:
             reclaim_dead_segments(self.config.shm_root)
@@ -172,7 +180,7 @@ class TensorStore:
         """Keep a copy of `tensor` (one copy, into shared memory when it is large) and return
         its ref. The caller may reuse `tensor` afterwards. A CUDA tensor's copy stays on its
         GPU (`StoreConfig.keep_cuda`)."""
-        if self.config.keep_cuda and _is_cuda(tensor):
+        if self.config.keep_cuda and _is_cuda(tensor) and self._cuda_room(tensor):  # type: ignore[arg-type]
             return self._put_cuda(tensor, lease_s)  # type: ignore[arg-type]
         flat = flatten_tensor(tensor)
         reservation = self._reserve(flat.header)
@@ -188,6 +196,10 @@ class TensorStore:
         if not tensor.is_contiguous():
             raise ValueError("keep() needs a contiguous tensor (serving one in place means no copy)")
         return self._put_cuda(tensor, None, copy=False)
+
+    def _cuda_room(self, tensor: torch.Tensor) -> bool:
+        with self._lock:
+            return self._cuda_bytes + tensor.numel() * tensor.element_size() <= self.config.cuda_max_bytes
 
     def _put_cuda(self, tensor: torch.Tensor, lease_s: float | None, *, copy: bool = True) -> TensorRef:
         name = str(tensor.dtype).removeprefix("torch.")
@@ -205,9 +217,16 @@ class TensorStore:
         ref = TensorRef(owner=self.owner, id=RefId(f"{self._epoch}.{serial}"), dtype=name, shape=shape,
                         nbytes=header.nbytes, lease_expires_at=self._wall() + lease, host=self.host,
                         device=str(gpu.device))
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()  # on this thread's current stream, which made the copy
         expires = self._clock() + lease
         with self._lock:
-            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, cuda=gpu)
+            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, cuda=gpu, cuda_ready=ready,
+                                                 cuda_budgeted=copy)
+            if copy:
+                self._cuda_bytes += header.nbytes
             if math.isfinite(expires):
                 heapq.heappush(self._leases, (expires, ref.id))
             self._live_bytes += header.nbytes
@@ -327,6 +346,9 @@ class TensorStore:
         staged to host memory first (`entry.data` is set). Raises `RefNotFound`."""
         with self._lock:
             entry = self._live(ref_id)
+            if entry.cuda_ready is not None:  # the producer's copy is complete before anyone reads it
+                entry.cuda_ready.synchronize()
+                entry.cuda_ready = None
             if host:
                 self._stage_locked(entry)
             handle = send(entry)
@@ -390,7 +412,10 @@ class TensorStore:
 
     def _drop(self, entry: StoredTensor) -> None:
         del self._entries[entry.ref.id]
+        if entry.cuda_budgeted:
+            self._cuda_bytes -= entry.header.nbytes
         entry.cuda = None  # freed, or parked by torch until consumers' mappings are gone
+        entry.cuda_ready = None
         self._live_bytes -= entry.header.nbytes
         if entry.segment is not None:
             entry.segment.array[:8].view(np.uint64)[0] = 0  # in-place readers must ask the owner now
@@ -446,5 +471,6 @@ class TensorStore:
                 segment.unlink()
             self._reserved.clear()
             self._live_bytes = 0
+            self._cuda_bytes = 0
             if self._segments is not None:
                 self._segments.close()

@@ -99,7 +99,7 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, array_like=True):
     storage_offset: int
     ref_counter_handle: bytes
     ref_counter_offset: int
-    event_handle: bytes
+    event_handle: bytes | None
     event_sync_required: bool
 
 

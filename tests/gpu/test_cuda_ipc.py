@@ -139,3 +139,35 @@ def test_in_process_pull_hands_over_the_stored_gpu_tensor(consumer: Peer) -> Non
     data = consumer.pull(ref, timeout=5)
     assert data.transport is Transport.LOCAL and data.torch().is_cuda
     assert torch.equal(data.torch().cpu(), torch.arange(16, dtype=torch.float32))
+
+
+def test_small_tensors_go_inline_and_copies_over_the_gpu_budget_are_staged_at_put(consumer: Peer) -> None:
+    from engine.data.peer import PeerConfig
+    from engine.data.tensor_store import StoreConfig
+
+    with Peer.start(PeerConfig(store=StoreConfig(cuda_max_bytes=8 << 20))) as producer:
+        small = producer.put(torch.arange(16, dtype=torch.float32, device="cuda:0"))
+        data = consumer.pull(small, timeout=30)
+        assert data.transport is Transport.INLINE  # cheaper staged than shared
+        assert torch.equal(data.torch().cpu(), torch.arange(16, dtype=torch.float32))
+        kept = producer.put(torch.zeros(1 << 20, dtype=torch.float32, device="cuda:0"))  # 4 MiB: in budget
+        assert producer.store.get(kept.id).cuda is not None and kept.shm is None
+        over = producer.put(torch.ones(2 << 20, dtype=torch.float32, device="cuda:0"))  # 8 MiB more: over it
+        assert producer.store.get(over.id).cuda is None and over.shm is not None and over.device == "cuda:0"
+        got = consumer.pull(over, timeout=30)
+        assert got.transport is Transport.SHM and bool((got.torch() == 1).all())
+        producer.release(kept)
+        again = producer.put(torch.ones(1 << 20, dtype=torch.float32, device="cuda:0"))  # room again
+        assert producer.store.get(again.id).cuda is not None
+
+
+def test_pulls_between_two_peers_of_one_process(consumer: Peer) -> None:
+    """The driver will not open a process's own IPC handle: the pull falls back to host memory
+    (and gives the handle's reference back). An empty tensor has no handle at all."""
+    with Peer.start() as other:
+        big = other.put(torch.arange(N, dtype=torch.float32, device="cuda:0"))
+        data = consumer.pull(big, timeout=30)
+        assert data.transport in (Transport.CUDA_IPC, Transport.SHM), data.transport
+        assert torch.equal(data.torch().cpu(), expected())
+        empty = other.put(torch.empty(0, 3, dtype=torch.float32, device="cuda:0"))
+        assert tuple(consumer.pull(empty, timeout=30).torch().shape) == (0, 3)

@@ -250,6 +250,8 @@ class DeviceWeights:
 
     def _open(self, manifest: DeviceWeightsManifest, entry: KeptTensor) -> torch.Tensor:
         ref = manifest.ref(entry)
+        if ref.nbytes == 0:  # nothing to share (CUDA IPC has no handle for an empty storage)
+            return torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=manifest.device)
         try:
             if ref.owner == self.peer.address:
                 # Published by this very process: CUDA IPC cannot open a process's own memory.

@@ -220,8 +220,7 @@ class WeightStore:
         if module is not None:
             return module
         module = build().to(key.device)
-        device.publish(str(key), module)
-        self._set_origin(key, "published")
+        self._device_publish(key, module, None)
         return module
 
     def _device_llm(self, key: WeightKey, ref: str) -> LoadedModel:
@@ -231,9 +230,19 @@ class WeightStore:
         if loaded is not None:
             return loaded
         loaded = _load_llm(ref, key.device)
-        device.publish(str(key), loaded.model, meta=_llm_meta(loaded, ref))
-        self._set_origin(key, "published")
+        self._device_publish(key, loaded.model, _llm_meta(loaded, ref))
         return loaded
+
+    def _device_publish(self, key: WeightKey, module: torch.nn.Module, meta: dict[str, Any] | None) -> None:
+        """Publish a module this process loaded; one that cannot be shared is used unshared."""
+        assert self.device is not None
+        try:
+            self.device.publish(str(key), module, meta=meta)
+        except SharedWeightsError as exc:
+            log.warning("cannot share %s with the other processes of this host (%s): it stays this"
+                        " process's own", key, exc)
+            return
+        self._set_origin(key, "published")
 
     def close(self) -> None:
         """Drop every instance and withdraw what this process published on the host and its GPUs."""
