@@ -44,11 +44,11 @@ from engine.data.wire import RefId, ShmLocation, TensorHeader, TensorRef
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["RefNotFound", "Reservation", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
+
+
 def _is_cuda(value: object) -> bool:
     return type(value).__module__.startswith("torch") and bool(getattr(value, "is_cuda", False))
-
-
-__all__ = ["RefNotFound", "Reservation", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
 
 
 class StoreError(Exception):
