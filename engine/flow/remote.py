@@ -524,11 +524,11 @@ class WorkerDispatcher:
         wid = worker.info.worker_id
         self._outstanding[wid] = self._outstanding.get(wid, 0) + 1
         forwarders: list[asyncio.Task[None]] = []
-        with contextlib.ExitStack() as undo:
-            undo.callback(self._forget_call, conn, rid)  # on an error before the request is out
+        opened = False
+        try:
             if conn.lost is not None:
                 inbox.put_nowait(_Lost(conn.lost))
-                undo.pop_all()
+                opened = True
                 return conn, rid, inbox, forwarders
             inputs: dict[str, PortValue] = {}
             streams: list[tuple[str, AsyncIterator[Any]]] = []
@@ -550,7 +550,10 @@ class WorkerDispatcher:
             else:
                 forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
                               for p, s in streams]
-            undo.pop_all()
+            opened = True
+        finally:
+            if not opened:  # an error (or a cancellation) before the request was out
+                self._forget_call(conn, rid)
         return conn, rid, inbox, forwarders
 
     def _await_answer(self) -> bool:
