@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, which CI does not have: CUDA IPC on the transfer plane and
-# weight sharing between processes on one GPU (tests/gpu). Run it on a machine with a GPU and
-# a Python whose torch sees it.
+# weight sharing between processes on one GPU (tests/gpu), then the CUDA hand-off benchmark
+# (`omniflow bench cuda_transfer`, one JSON line). Run it on a machine with a GPU and a Python
+# whose torch sees it.
 #
 #   scripts/gpu_check.sh [pytest args]        with $PYTHON (default python3) as it is
 #   WHEELS=DIR scripts/gpu_check.sh           first installs the wheels in DIR for this run
@@ -25,4 +26,8 @@ if not torch.cuda.is_available():
     raise SystemExit("gpu_check: torch sees no CUDA GPU here")
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
 PY
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@"
+status=0
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@" || status=$?
+echo "== omniflow bench cuda_transfer"
+"$PY" -m engine.bench.cuda_transfer --repeats 10 || status=$?
+exit "$status"
