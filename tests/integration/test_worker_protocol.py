@@ -483,7 +483,7 @@ async def test_polling_for_an_answer_that_does_not_come_ends_with_the_window(con
     if window_s < wall:
         assert cpu < 0.25 * wall, (cpu, wall)
     else:  # the whole wait was inside the window: the loop polled all along
-        assert cpu > 0.4 * wall, (cpu, wall)
+        assert cpu > 0.3 * wall, (cpu, wall)
 
 
 async def test_a_connection_attempt_cancelled_midway_is_withdrawn_not_left_hanging(context):
