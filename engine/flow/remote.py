@@ -415,6 +415,7 @@ class WorkerDispatcher:
             return conn
         if not isinstance(reply, HelloReply):
             self._lose(conn, f"worker {wid} refused the hello: {reply}")
+            return conn
         conn.pinger = asyncio.get_running_loop().create_task(self._ping(conn))
         return conn
 
@@ -470,23 +471,27 @@ class WorkerDispatcher:
         conn.liveness.close()
 
     async def _ping(self, conn: _Connection) -> None:
-        """While calls are in flight, a worker that misses two heartbeats is lost."""
+        """While calls are in flight, a worker that misses two heartbeats is lost. Ends (and
+        closes the liveness socket, which would keep reconnecting) once the worker is lost."""
         ids = itertools.count(1)
-        while conn.lost is None:
-            await asyncio.sleep(self._heartbeat_s)
-            if not conn.inboxes:
-                continue
-            await conn.liveness.send(self._codec.encode(PingRequest(next(ids))))
-            try:
-                while True:
-                    async with asyncio.timeout(2 * self._heartbeat_s):
-                        answer = await conn.liveness.recv()
-                    with contextlib.suppress(WireError):
-                        if isinstance(self._codec.decode(answer), PingReply):
-                            break
-            except TimeoutError:
-                self._lose(conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) stopped"
-                                 f" answering for {2 * self._heartbeat_s:.1f} s")
+        try:
+            while conn.lost is None:
+                await asyncio.sleep(self._heartbeat_s)
+                if not conn.inboxes:
+                    continue
+                await conn.liveness.send(self._codec.encode(PingRequest(next(ids))))
+                try:
+                    while True:
+                        async with asyncio.timeout(2 * self._heartbeat_s):
+                            answer = await conn.liveness.recv()
+                        with contextlib.suppress(WireError):
+                            if isinstance(self._codec.decode(answer), PingReply):
+                                break
+                except TimeoutError:
+                    self._lose(conn, f"worker {conn.worker.info.worker_id} (pid {conn.worker.info.pid}) stopped"
+                                     f" answering for {2 * self._heartbeat_s:.1f} s")
+        finally:
+            conn.liveness.close()
 
     def _lose(self, conn: _Connection, reason: str, *, warn: bool = True) -> None:
         """Mark `conn` lost: its calls end (or move to other replicas), its control link is cut
@@ -500,6 +505,8 @@ class WorkerDispatcher:
             inbox.put_nowait(_Lost(reason))
         if conn.control is not None:
             conn.control.abort()
+        if conn.pinger is None:  # else the pinger closes it as it ends
+            conn.liveness.close()
         cached = self._workers.get(conn.worker.info.role)
         if cached is not None:  # read the registry again on the next call, but keep the list as a fallback
             self._workers[conn.worker.info.role] = (float("-inf"), cached[1])

@@ -312,6 +312,9 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
             assert "mute-1" in str(caught.value) and "'muted'" in str(caught.value)
             await wait_until(lambda: "ExecuteRequest" in received, 5, "the fake worker got the request")
             assert received[:2] == ["HelloRequest", "ExecuteRequest"]
+            # The lost worker's sockets are closed (its liveness socket would keep reconnecting).
+            lost = dispatcher._connections["mute-1"]
+            await wait_until(lambda: lost.liveness.closed, 5, "the lost worker's liveness socket closed")
         finally:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
