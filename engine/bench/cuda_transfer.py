@@ -22,18 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import msgspec
 
+from engine.bench.transfer import Producer, gbps
 from engine.data.codec import MiB
 from engine.data.peer import ClientConfig, Peer, PeerConfig, ZmqClient
 from engine.data.tensor_store import StoreConfig
 from engine.data.wire import ReleaseRequest, TensorRef, Transport
 
-READY_TIMEOUT_S = 60.0
 PULL_TIMEOUT_S = 30.0
 
 
@@ -41,42 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size (float32)")
     parser.add_argument("--repeats", type=int, default=15, help="timed repetitions per figure")
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
-
-
-def _gbps(nbytes: int, seconds: list[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
-
-
-class _Producer:
-    """The producer process, driven line by line over its stdin/stdout."""
-
-    def __init__(self, size_mib: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.bench.cuda_transfer", "--producer", str(size_mib)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )
-        json.loads(self._read())
-
-    def _read(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the producer process exited with {self.proc.wait(timeout=READY_TIMEOUT_S)}")
-        return line
-
-    def put(self, value: int) -> TensorRef:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"put {value}\n")
-        return msgspec.convert(json.loads(self._read())["ref"], TensorRef)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _producer_main(size_mib: int) -> None:
@@ -90,8 +53,10 @@ def _producer_main(size_mib: int) -> None:
         for line in sys.stdin:
             tensor = base.clone()
             tensor[0] = int(line.split()[1])
+            start = time.perf_counter()
             ref = peer.put(tensor)
-            print(json.dumps({"ref": msgspec.to_builtins(ref)}), flush=True)
+            seconds = time.perf_counter() - start
+            print(json.dumps({"ref": msgspec.to_builtins(ref), "seconds": seconds}), flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -101,7 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit("omniflow bench cuda_transfer needs a CUDA GPU")
     nbytes = args.size_mib * MiB
     n = nbytes // 4
-    producer = _Producer(args.size_mib)
+    producer = Producer(args.size_mib, module="engine.bench.cuda_transfer")
     client = ZmqClient(ClientConfig())
     source = torch.arange(n, dtype=torch.float32, device="cuda:0")
     sink = torch.zeros(n, dtype=torch.float32, device="cuda:0")
@@ -133,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             sink.copy_(source)
             torch.cuda.synchronize()
             copy_seconds = time.perf_counter() - start
-            ref = producer.put(i)
+            ref, _ = producer.put(i)
             ipc_seconds, open_seconds = hand_off(ref, Transport.CUDA_IPC, i)
             staged_seconds, _ = hand_off(ref, Transport.SHM, i)
             release(ref)
@@ -145,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     finally:
         client.close()
         producer.close()
-    anchor, ours, host = _gbps(nbytes, d2d), _gbps(nbytes, ipc), _gbps(nbytes, staged)
+    anchor, ours, host = gbps(nbytes, d2d), gbps(nbytes, ipc), gbps(nbytes, staged)
     return {
         "size_mib": float(args.size_mib),
         "d2d_gbps": anchor,

@@ -56,24 +56,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=ClientConfig().window)
 
 
-def _gbps(nbytes: int, seconds: list[float]) -> float:
+def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-class _Producer:
-    """The producer process, driven line by line over its stdin/stdout."""
+class Producer:
+    """The producer process (`python -m MODULE --producer SIZE_MIB`), driven line by line over
+    its stdin/stdout: it first prints a JSON hello, then answers each `put N` with the JSON
+    `{"ref": ..., "seconds": ...}` of a fresh tensor."""
 
-    def __init__(self, size_mib: int) -> None:
+    def __init__(self, size_mib: int, module: str = "engine.bench.transfer") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.bench.transfer", "--producer", str(size_mib)],
+            [sys.executable, "-m", module, "--producer", str(size_mib)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
         )
-        hello = json.loads(self._read())
-        self.address: str = hello["address"]
-        self.raw_address: str = hello["raw"]
+        self.hello: dict[str, str] = json.loads(self._read())
 
     def _read(self) -> str:
         assert self.proc.stdout is not None
@@ -138,12 +138,12 @@ def _producer_main(size_mib: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, float]:
     nbytes = args.size_mib * MiB
     total = args.warmup + args.repeats
-    producer = _Producer(args.size_mib)
+    producer = Producer(args.size_mib)
     client = ZmqClient(ClientConfig(chunk_bytes=args.chunk_mib * MiB, window=args.window))
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(producer.raw_address)
+    raw.connect(producer.hello["raw"])
     source = np.arange(nbytes // 4, dtype=np.float32)
     sink = np.empty(nbytes // 4, dtype=np.float32)
     sink[:] = 0  # warm: the consumer's destination is faulted in before timing
@@ -217,18 +217,18 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         client.close()
         producer.close()
 
-    memcpy = _gbps(nbytes, memcpy_times)
-    shm = _gbps(nbytes, shm_times)
-    ours = _gbps(nbytes, zmq_times)
-    bare = _gbps(nbytes, raw_times)
+    memcpy = gbps(nbytes, memcpy_times)
+    shm = gbps(nbytes, shm_times)
+    ours = gbps(nbytes, zmq_times)
+    bare = gbps(nbytes, raw_times)
     return {
         "size_mib": float(args.size_mib),
         "memcpy_gbps": memcpy,
         "shm_gbps": shm,
         "shm_vs_memcpy": shm / memcpy,
-        "shm_asked_gbps": _gbps(nbytes, asked_times),
+        "shm_asked_gbps": gbps(nbytes, asked_times),
         "shm_cold_gbps": cold,
-        "shm_put_gbps": _gbps(nbytes, put_times),
+        "shm_put_gbps": gbps(nbytes, put_times),
         "zmq_gbps": ours,
         "raw_zmq_gbps": bare,
         "zmq_vs_raw_zmq": ours / bare,
