@@ -95,6 +95,15 @@ class SegmentOwner:
     def alive(self) -> bool:
         return process_start_token(self.pid) == self.start
 
+    @classmethod
+    def current(cls) -> SegmentOwner:
+        """This process, as names and indexes it writes record it."""
+        pid = os.getpid()
+        start = process_start_token(pid)
+        if start is None:
+            raise SegmentError("cannot read this process's start time")
+        return cls(pid, start)
+
 
 def parse_segment_name(name: str, prefix: str = SEGMENT_PREFIX) -> SegmentOwner | None:
     match = _NAME_RE.match(name)
@@ -184,11 +193,8 @@ class SegmentAllocator:
         self.prefix = prefix
         self.pool_bytes = pool_bytes
         self.pool_idle_s = pool_idle_s
-        pid = os.getpid()
-        start = process_start_token(pid)
-        if start is None:
-            raise SegmentError("cannot read this process's start time")
-        self._stem = f"{prefix}-{pid}-{start}"
+        owner = SegmentOwner.current()
+        self._stem = f"{prefix}-{owner.pid}-{owner.start}"
         self._serial = itertools.count()
         self._pool: OrderedDict[str, tuple[Segment, float]] = OrderedDict()  # name -> (seg, since)
         self._pooled_bytes = 0

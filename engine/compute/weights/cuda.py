@@ -30,7 +30,6 @@ Contract, and what differs from host sharing:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import math
 import os
@@ -42,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from engine.compute.weights.shared import SharedWeightsError, _assign, _named_tensors
+from engine.compute.weights.shared import SharedWeightsError, _assign, _named_tensors, index_path
 from engine.data.channel import TransferError
 from engine.data.codec import DTYPE_SIZES
-from engine.data.shm import SHM_ROOT, SegmentOwner, parse_segment_name, process_start_token
+from engine.data.shm import SHM_ROOT, SegmentError, SegmentOwner, parse_segment_name
 from engine.data.wire import RefId, TensorRef, Transport
 
 if TYPE_CHECKING:
@@ -141,17 +140,17 @@ class DeviceWeights:
         self.root = root
         self.prefix = prefix
         self.timeout_s = timeout_s
-        pid = os.getpid()
-        start = process_start_token(pid)
-        if start is None:
-            raise SharedWeightsError("cannot read this process's start time")
-        self._pid, self._start = pid, start
+        try:
+            owner = SegmentOwner.current()
+        except SegmentError as exc:
+            raise SharedWeightsError(str(exc)) from exc
+        self._pid, self._start = owner.pid, owner.start
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._published: list[_Published] = []
 
     def index_path(self, key: str) -> str:
-        return os.path.join(self.root, f"{self.prefix}-index-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+        return index_path(self.root, self.prefix, key)
 
     def lookup(self, key: str) -> DeviceWeightsManifest | None:
         """The manifest published under `key` by a live process of this host, if any. Raises

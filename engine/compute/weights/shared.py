@@ -60,6 +60,11 @@ def _return_freed_memory() -> None:
                 ctypes.CDLL(name).malloc_trim(0)
 
 
+def index_path(root: str, prefix: str, key: str) -> str:
+    """Where the index of the weights published under `key` lives (host or device sharing)."""
+    return os.path.join(root, f"{prefix}-index-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+
+
 class SharedWeightsError(RuntimeError):
     """Weights that cannot be published or attached."""
 
@@ -160,7 +165,7 @@ class HostWeights:
         self._mappings: list[mmap.mmap] = []
 
     def index_path(self, key: str) -> str:
-        return os.path.join(self.root, f"{self.prefix}-index-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+        return index_path(self.root, self.prefix, key)
 
     def lookup(self, key: str) -> WeightsManifest | None:
         """The manifest published under `key` by a live process, if any."""
