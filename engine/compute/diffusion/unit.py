@@ -41,6 +41,17 @@ CONFIG_PARAMS = ("latent_channels", "latent_size", "patch_size", "steps", "guida
                  "page_size", "head_seed")
 
 
+def prompt_ids(call: NodeCall, runner: DiffusionRunner, text: Any, tokens: Any, what: str) -> list[int]:
+    """A prompt's token ids: `tokens` as given (checked), else `text` through the model's tokenizer."""
+    if tokens is not None:
+        if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
+            raise UnitInputError(f"node {call.node_id!r}: {what} tokens must be a list of token ids")
+        return [int(t) for t in tokens]
+    if not isinstance(text, str):
+        raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
+    return list(runner.model.tokenizer(text).input_ids)
+
+
 class DiffusionUnit(ThreadedUnit):
     """Constructed by the worker as `DiffusionUnit(role, shared=..., kv_store=..., page_source=...)`;
     all three are optional (a private weight store and KV store are made when absent)."""
@@ -102,15 +113,6 @@ class DiffusionUnit(ThreadedUnit):
             return HolderPageSource(self._peer, holder)
         return self.page_source
 
-    def _ids(self, call: NodeCall, text: Any, tokens: Any, what: str) -> list[int]:
-        if tokens is not None:
-            if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
-                raise UnitInputError(f"node {call.node_id!r}: {what} tokens must be a list of token ids")
-            return [int(t) for t in tokens]
-        if not isinstance(text, str):
-            raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
-        return list(self.runner.model.tokenizer(text).input_ids)
-
     def _check_kv(self, call: NodeCall, kv: Any) -> None:
         if not isinstance(kv, dict) or "model_id" not in kv:
             raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
@@ -126,7 +128,7 @@ class DiffusionUnit(ThreadedUnit):
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
         if (prompt is None) == (tokens is None):
             raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
-        ids = self._ids(call, prompt, tokens, "prompt")
+        ids = prompt_ids(call, self.runner, prompt, tokens, "prompt")
         if not ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         if inputs.get("kv") is not None:
@@ -136,7 +138,7 @@ class DiffusionUnit(ThreadedUnit):
         branches = [Prompt.of(ids)]
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
-            branches.append(Prompt.of(self._ids(call, negative, None, "negative_prompt") or [BOS_ID]))
+            branches.append(Prompt.of(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID]))
         source = self._source(inputs.get("kv"))
         kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
                for p in branches]

@@ -33,7 +33,7 @@ import zmq
 
 from engine.compute.diffusion.forward import DiffusionModelError
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.diffusion.unit import CONFIG_PARAMS
+from engine.compute.diffusion.unit import CONFIG_PARAMS, prompt_ids
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
@@ -100,15 +100,6 @@ class TPDiffusionUnit(ThreadedUnit):
 
     # -- node calls (the unit's thread) ---------------------------------------------------------------
 
-    def _ids(self, call: NodeCall, text: Any, tokens: Any, what: str) -> list[int]:
-        if tokens is not None:
-            if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
-                raise UnitInputError(f"node {call.node_id!r}: {what} tokens must be a list of token ids")
-            return [int(t) for t in tokens]
-        if not isinstance(text, str):
-            raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
-        return list(self.runner.model.tokenizer(text).input_ids)
-
     def _message(self, call: NodeCall, inputs: dict[str, Any]) -> TPDiffuse:
         """The call as every rank runs it; all input errors are found here, before any rank starts."""
         params = call.params
@@ -118,13 +109,13 @@ class TPDiffusionUnit(ThreadedUnit):
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
         if (prompt is None) == (tokens is None):
             raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
-        prompts = [self._ids(call, prompt, tokens, "prompt")]
+        prompts = [prompt_ids(call, self.runner, prompt, tokens, "prompt")]
         if not prompts[0]:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         guidance = float(params.get("guidance_scale", self.runner.config.guidance_scale))
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
-            prompts.append(self._ids(call, negative, None, "negative_prompt") or [BOS_ID])
+            prompts.append(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID])
         steps = params.get("steps")
         return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance)
 
