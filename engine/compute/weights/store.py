@@ -53,6 +53,8 @@ class _Held:
     origin: str = "loaded"  # "loaded", "published" (loaded, then shared on the host) or "attached"
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    publisher: DeviceWeightsManifest | None = None
+    """GPU weights attached by CUDA IPC: the index of the process they live in."""
 
 
 class WeightStore:
@@ -63,7 +65,6 @@ class WeightStore:
         self.device = device
         self._held: dict[WeightKey, _Held] = {}
         self._lock = threading.Lock()
-        self._attached_on_device: dict[WeightKey, DeviceWeightsManifest] = {}
 
     def acquire(self, key: WeightKey, load: Callable[[], Any]) -> Any:
         """The instance held under `key`, loaded with `load()` if none is; counts one user."""
@@ -98,7 +99,6 @@ class WeightStore:
             held.users -= 1
             if held.users <= 0:
                 del self._held[key]
-                self._attached_on_device.pop(key, None)
 
     def users(self, key: WeightKey) -> int:
         with self._lock:
@@ -110,10 +110,11 @@ class WeightStore:
             held = self._held.get(key)
             return held.origin if held is not None else None
 
-    def _set_origin(self, key: WeightKey, origin: str) -> None:
+    def _set_origin(self, key: WeightKey, origin: str, publisher: DeviceWeightsManifest | None = None) -> None:
         with self._lock:
             if key in self._held:
                 self._held[key].origin = origin
+                self._held[key].publisher = publisher
 
     # -- modules shared across processes -------------------------------------------------------------
 
@@ -198,9 +199,7 @@ class WeightStore:
             log.warning("cannot attach %s published by pid %d (%s): this process loads a copy of its own",
                         key, manifest.pid, exc)
             return None
-        self._set_origin(key, "attached")
-        with self._lock:
-            self._attached_on_device[key] = manifest
+        self._set_origin(key, "attached", manifest)
         return value
 
     def orphaned(self) -> list[str]:
@@ -208,7 +207,7 @@ class WeightStore:
         memory went with that process, so whatever uses them must stop (the worker's
         heartbeat checks this and stops the worker)."""
         with self._lock:
-            attached = list(self._attached_on_device.items())
+            attached = [(key, held.publisher) for key, held in self._held.items() if held.publisher is not None]
         return [f"{key} (pid {manifest.pid})" for key, manifest in attached
                 if self.device is not None and not self.device.publisher_alive(manifest)]
 
@@ -248,7 +247,6 @@ class WeightStore:
         """Drop every instance and withdraw what this process published on the host and its GPUs."""
         with self._lock:
             self._held.clear()
-            self._attached_on_device.clear()
         if self.host is not None:
             self.host.close()
         if self.device is not None:
