@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -25,36 +24,15 @@ if not torch.cuda.is_available():
 
 from engine.data.peer import Peer  # noqa: E402
 from engine.data.wire import TensorRef, Transport  # noqa: E402
+from tests.gpu.child import REPO, Child  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 N = 1 << 20  # 4 MiB of float32: above the inline limit, so host staging goes to a segment
 
 
-class Producer:
+class Producer(Child):
     def __init__(self, n: int, env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu.cuda_peer", str(n)], cwd=REPO, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, f"the producer exited with status {self.process.wait()}"
-        self.ref = msgspec.msgpack.decode(bytes.fromhex(line.strip()), type=TensorRef)
-
-    def ask(self, command: str) -> str:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline().strip()
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        super().__init__("tests.gpu.cuda_peer", str(n), env=env)
+        self.ref = msgspec.msgpack.decode(bytes.fromhex(self.line().strip()), type=TensorRef)
 
 
 @pytest.fixture

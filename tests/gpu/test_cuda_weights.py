@@ -12,9 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import select
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +28,8 @@ from engine.compute.models.loader import LoadedModel, build_model, load_model  #
 from engine.compute.models.tokenizer import build_byte_tokenizer  # noqa: E402
 from engine.compute.weights import DeviceWeights, HostWeights, WeightStore  # noqa: E402
 from engine.data.peer import Peer  # noqa: E402
+from tests.gpu.child import Child  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 DEVICE = "cuda:0"
 PROMPT = [256, 72, 105, 33, 10]  # as `tests.gpu.weights_publisher` runs it
 CONFIG = ModelConfig(name="ipc-llama", family="llama", hidden_size=512, num_layers=4, num_heads=8,
@@ -40,40 +37,14 @@ CONFIG = ModelConfig(name="ipc-llama", family="llama", hidden_size=512, num_laye
 BUMPED = "model.layers.1.self_attn.q_proj.weight"
 
 
-class Publisher:
+class Publisher(Child):
     def __init__(self, checkpoint: Path, root: Path) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu.weights_publisher", str(checkpoint), str(root)], cwd=REPO,
-            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
+        super().__init__("tests.gpu.weights_publisher", str(checkpoint), str(root),
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
         self.published: dict[str, Any] = {}
 
     def wait_published(self) -> None:
-        self.published = json.loads(self._line())
-
-    def _line(self, timeout: float = 120.0) -> str:
-        # One answer per request: nothing is left in the pipe's buffer, so select sees each line.
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        assert ready, f"no answer from the publisher in {timeout}s"
-        line = self.process.stdout.readline()
-        assert line, f"the publisher exited with status {self.process.wait()}"
-        return line
-
-    def ask(self, command: str) -> str:
-        assert self.process.stdin is not None
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self._line().strip()
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.published = json.loads(self.line())
 
 
 @dataclass(slots=True)
