@@ -154,14 +154,16 @@ class LocalCluster:
                                                           ("--tp-rank", str(rank), "--tp-address", address)))
                      for rank in range(tp_size)]
             # A rank that fails to start dooms its replica: the others would only wait for it.
+            waited = False
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                spawned = await asyncio.gather(*tasks, return_exceptions=True)
-                await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
-                raise
+                waited = True
+            finally:
+                if not waited:  # failed or cancelled while waiting: no rank is left starting or running
+                    for task in tasks:
+                        task.cancel()
+                    spawned = await asyncio.gather(*tasks, return_exceptions=True)
+                    await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
             for task in tasks:
                 task.cancel()  # no-op for the finished ones
             spawned = await asyncio.gather(*tasks, return_exceptions=True)
@@ -214,6 +216,7 @@ class LocalCluster:
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
                                                            stdout=asyncio.subprocess.PIPE, env=self._env())
         assert process.stdout is not None
+        settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
         try:
             while True:
                 async with asyncio.timeout(self.ready_timeout_s):
@@ -230,19 +233,21 @@ class LocalCluster:
                         raise LaunchError(f"worker {worker_id} of role {role!r} printed a malformed READY line:"
                                           f" {exc}") from None
                     break
+            settled = True
         except TimeoutError:
+            settled = True
             with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
                 process.kill()
             await process.wait()
             raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
                               f" {self.ready_timeout_s} s") from None
-        except BaseException:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
-            # A rank that failed the same way may have exited already: kill() raising
-            # ProcessLookupError would replace the cancellation (and the replica's real error).
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-            raise
+        finally:
+            if not settled:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
+                # A rank that failed the same way may have exited already: kill() raising
+                # ProcessLookupError would replace the cancellation (and the replica's real error).
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
         worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
         # Keep reading what the worker prints (node code may print), so its pipe never fills.
         worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))
@@ -252,6 +257,7 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="omniflow-cluster-")
         (Path(self._tmp.name) / "workflow.json").write_bytes(encode_spec(self.spec))
         spawns: list[asyncio.Task[LaunchedWorker]] = []
+        started = False
         try:
             if self.fork_server:
                 self._zygote = await Zygote.start(self._preload(), env=self._env(),
@@ -259,14 +265,15 @@ class LocalCluster:
             spawns = [asyncio.ensure_future(self.spawn(role.name, i))
                       for role in self.spec.roles for i in range(role.replicas)]
             await asyncio.gather(*spawns)
-        except BaseException:
-            # One worker failed: the others still starting are ended (a cancelled start kills its
-            # process) before stop(), which only knows the workers that finished starting.
-            for task in spawns:
-                task.cancel()
-            await asyncio.gather(*spawns, return_exceptions=True)
-            await self.stop()
-            raise
+            started = True
+        finally:
+            if not started:
+                # One worker failed: the others still starting are ended (a cancelled start kills its
+                # process) before stop(), which only knows the workers that finished starting.
+                for task in spawns:
+                    task.cancel()
+                await asyncio.gather(*spawns, return_exceptions=True)
+                await self.stop()
         if isinstance(self.registry, InProcessRegistry):
             self._poller = asyncio.get_running_loop().create_task(self._poll_loads(self.registry))
 

@@ -206,6 +206,7 @@ class Zygote:
         read_end, write_end = os.pipe()
         request_id = next(self._ids)
         forked = self._pending[request_id] = loop.create_future()
+        forked_in_time = False
         try:
             try:
                 socket.send_fds(self._sock, [_encode(SpawnRequest(request_id, list(argv), title))], [write_end])
@@ -218,13 +219,13 @@ class Zygote:
                     pid, pidfd = await asyncio.shield(forked)
             except TimeoutError:
                 raise ZygoteError(f"the fork server did not fork within {timeout_s} s") from None
-        except BaseException:
-            os.close(read_end)
-            if forked.done() and not forked.cancelled() and forked.exception() is None:
-                # Forked just as this spawn gave up (timeout, cancellation).
-                self._abandon(*forked.result())
-            raise
+            forked_in_time = True
         finally:
+            if not forked_in_time:
+                os.close(read_end)
+                if forked.done() and not forked.cancelled() and forked.exception() is None:
+                    # Forked just as this spawn gave up (timeout, cancellation).
+                    self._abandon(*forked.result())
             self._pending.pop(request_id, None)
         reader = asyncio.StreamReader()
         with contextlib.ExitStack() as undo:

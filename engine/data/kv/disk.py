@@ -32,6 +32,7 @@ Checksums (`Checksum`, chosen per tier, recorded per page so either kind reads b
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -158,14 +159,13 @@ class DiskTier(SlotTable):
             os.close(self._fd)
             self._fd = None
             raise KVConfigError(f"disk tier file {self.path} is in use by another process") from exc
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.close)  # a tier that cannot create or recover its file releases it
             if os.fstat(self._fd).st_size == 0:
                 self._create()
             else:
                 self._open_existing()
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
 
     # -- file header and recovery -------------------------------------------------
 

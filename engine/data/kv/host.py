@@ -147,12 +147,14 @@ class HostTier(SlotTable):
         slot = self._free.pop()
         entry = table[slot : slot + 1]
         entry["version"] += 1  # odd: readers must not trust this slot now
+        copied = False
         try:
             copy_page(pages[slot], src)
-        except BaseException:
-            entry["version"] += 1
-            self._free.append(slot)
-            raise
+            copied = True
+        finally:
+            if not copied:  # even again, and the slot goes back to the free list
+                entry["version"] += 1
+                self._free.append(slot)
         entry["digest"][0] = np.frombuffer(bytes.fromhex(page), dtype=np.uint8)
         entry["used"] = 1
         entry["version"] += 1
