@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,31 @@ def _producer_main(lease_s: float, pool_idle_s: float, sweep_s: float) -> None:
         store=StoreConfig(default_lease_s=lease_s, pool_idle_s=pool_idle_s),
     )
     with Peer.start(config) as peer:
+        # Count the server's sweeps (its thread calls the store's `sweep`), so the test can wait
+        # for the next one: leases expire and pooled segments go only there.
+        swept = threading.Condition()
+        sweeps = 0
+        sweep = peer.store.sweep
+
+        def counted_sweep(now: float | None = None) -> list:
+            nonlocal sweeps
+            try:
+                return sweep(now)
+            finally:
+                with swept:
+                    sweeps += 1
+                    swept.notify_all()
+
+        peer.store.sweep = counted_sweep  # type: ignore[method-assign]
         _emit({"address": peer.address, "pid": os.getpid()})
         for line in sys.stdin:
             command = json.loads(line)
-            if command["op"] == "put":
+            if command["op"] == "next_sweep":
+                with swept:
+                    target = sweeps + 1
+                    arrived = swept.wait_for(lambda target=target: sweeps >= target, 5.0)
+                _emit({"swept": arrived})
+            elif command["op"] == "put":
                 ref = peer.put(make_value(command["kind"], command["seed"]))
                 _emit({"ref": msgspec.to_builtins(ref)})
             elif command["op"] == "put_many":
@@ -277,7 +299,10 @@ def test_killed_consumers_leave_no_more_segments_than_live_refs() -> None:
                 if after.live_refs == 0 and on_disk == 0:
                     break
                 assert time.monotonic() < deadline, (after, on_disk)
-                time.sleep(0.02)  # poll interval while waiting for expiry: the deadline bounds it
+                # Nothing changes before the producer's next sweep (leases expire and pooled
+                # segments go only there): wait for it rather than a fixed interval.
+                producer.send({"op": "next_sweep"})
+                producer.recv()
             assert len(segments_of(producer.pid)) <= stats().live_refs == 0
     finally:
         for consumer in consumers:

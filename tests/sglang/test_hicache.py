@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import subprocess
 import time
@@ -248,25 +250,33 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
             "--dir",
             str(tmp_path),
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,  # its log: it says when it accepts connections
         stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        index = RedisKVIndex.from_url(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                index.client.ping()
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        redis_ready(proc, time.monotonic() + 10)
+        RedisKVIndex.from_url(url).client.ping()
         yield url
     finally:
         proc.terminate()
         proc.wait(10)
+        proc.stdout.close()
+
+
+def redis_ready(proc: subprocess.Popen, deadline: float) -> None:
+    """Read redis-server's log until its own readiness line, waiting on the pipe up to `deadline`."""
+    fd = proc.stdout.fileno()
+    log = b""
+    while b"Ready to accept connections" not in log:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"redis-server not ready in time: {log.decode(errors='replace')}")
+        if select.select([fd], [], [], remaining)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"redis-server exited ({proc.wait()}): {log.decode(errors='replace')}")
+            log += chunk
 
 
 def test_pages_sglang_writes_are_published_to_the_kv_index(redis_url: str) -> None:

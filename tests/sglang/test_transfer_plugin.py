@@ -22,6 +22,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.plugins import load_plugins
 
 from engine.compute.sglang import plugin, transfer
+from tests.sglang import polling
 from tests.sglang import transfer_peer as peer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,10 +136,7 @@ def decode_manager(kv: list[torch.Tensor], aux: list[torch.Tensor], port: int, t
 
 
 def poll_until(receiver: transfer.OmniFlowKVReceiver, states: tuple[int, ...], timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while (state := receiver.poll()) not in states and time.monotonic() < deadline:
-        time.sleep(0.005)  # polling a state, as SGLang's scheduler loop does
-    return state
+    return polling.poll_until(receiver.poll, lambda state: state in states, time.monotonic() + timeout)
 
 
 def test_pages_between_two_processes_bit_exact(bootstrap: transfer.OmniFlowKVBootstrapServer) -> None:
@@ -248,9 +246,14 @@ def test_sender_without_a_decode_fails_within_the_timeout(bootstrap: transfer.Om
         start = time.monotonic()
         sender = kv_class("sender")(manager, f"127.0.0.1:{bootstrap.port}", 9)
         deadline = start + 5 * timeout
-        while (state := sender.poll()) != KVPoll.Failed and time.monotonic() < deadline:
+
+        def failed(state: int) -> bool:
+            if state == KVPoll.Failed:
+                return True
             assert state == KVPoll.Bootstrapping
-            time.sleep(0.005)  # polling a state, as SGLang's scheduler loop does
+            return False
+
+        state = polling.poll_until(sender.poll, failed, deadline)
         assert state == KVPoll.Failed
         assert time.monotonic() - start <= timeout + 0.5
         with pytest.raises(transfer.KVTransferError, match="timed out in state Bootstrapping"):

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 
+from tests.sglang.polling import poll_until
+
 PAGE, HEADS, DIM, LAYERS = 4, 2, 8, 3
 POOL_PAGES = 32
 AUX_ROWS = 8
@@ -65,11 +67,7 @@ def kv_args(kv: list[torch.Tensor], aux: list[torch.Tensor]) -> KVArgs:
 
 
 def wait_for(sender, states: tuple[int, ...], deadline: float) -> int:
-    while True:
-        state = sender.poll()
-        if state in states or state == KVPoll.Failed or time.monotonic() > deadline:
-            return state
-        time.sleep(0.005)  # polling a state, as SGLang's scheduler loop does
+    return poll_until(sender.poll, lambda state: state in states or state == KVPoll.Failed, deadline)
 
 
 def main() -> int:

@@ -221,15 +221,32 @@ def test_remote_lease_release_and_stats(producer: Peer, consumer: Peer) -> None:
         consumer.extend(ref, 5.0)
 
 
-def test_lease_expiry_frees_the_tensor_at_the_owner(consumer: Peer) -> None:
+def after_a_sweep(monkeypatch: pytest.MonkeyPatch, target: object, method: str,
+                  done: Callable[[], bool]) -> threading.Event:
+    """An event set once a call of `target.method`, one of the owner's periodic sweeps made by
+    its serving thread, returns with `done()` true. The sweep itself is the readiness signal:
+    observed by wrapping it (it still runs unchanged), not by polling the owner on a timer."""
+    swept = threading.Event()
+    sweep = getattr(target, method)
+
+    def observed(*args: object, **kwargs: object) -> object:
+        result = sweep(*args, **kwargs)
+        if done():
+            swept.set()
+        return result
+
+    monkeypatch.setattr(target, method, observed)
+    return swept
+
+
+def test_lease_expiry_frees_the_tensor_at_the_owner(consumer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
     producer = Peer.start(PeerConfig(server=ServerConfig(sweep_interval_s=0.02),
                                      store=StoreConfig(pool_bytes=0)))
     try:
         ref = producer.put(np.ones(100_000, np.float32), lease_s=0.2)
         assert consumer.pull(ref, timeout=5.0).numpy()[0] == 1.0
-        deadline = time.monotonic() + 5.0
-        while consumer.stats(producer.address).live_refs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # Until the owner's store sweep has let the expired lease go (no live refs left).
+        after_a_sweep(monkeypatch, producer.store, "sweep", lambda: len(producer.store) == 0).wait(5.0)
         assert consumer.stats(producer.address).segments == 0
         with pytest.raises(RefGone):
             consumer.pull(ref, timeout=5.0)
@@ -238,16 +255,16 @@ def test_lease_expiry_frees_the_tensor_at_the_owner(consumer: Peer) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fetch", "pull"])
-def test_owner_that_forgot_an_idle_client_is_greeted_again(consumer: Peer, mode: str) -> None:
+def test_owner_that_forgot_an_idle_client_is_greeted_again(consumer: Peer, mode: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     producer = Peer.start(PeerConfig(server=ServerConfig(sweep_interval_s=0.02, idle_client_s=0.2)))
     try:
         ref = msgspec.structs.replace(producer.put(np.arange(200_000, dtype=np.float32)), shm=None)
         pull = (lambda: consumer.pull(ref, 5.0)) if mode == "fetch" else (lambda: consumer.start_pull(ref, 5.0).wait())
         assert pull().numpy()[-1] == 199_999.0
         assert producer.server._clients  # the pull asked the owner: it knows the connection
-        deadline = time.monotonic() + 5.0
-        while producer.server._clients and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the server's sweep forgets the idle connection
+        # Until the server's sweep forgets the idle connection.
+        after_a_sweep(monkeypatch, producer.server, "_forget_idle", lambda: not producer.server._clients).wait(5.0)
         assert not producer.server._clients
         assert pull().numpy()[-1] == 199_999.0
         assert consumer.stats(producer.address).live_refs == 1
