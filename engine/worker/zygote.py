@@ -188,14 +188,17 @@ class Zygote:
         ours.setblocking(False)
         zygote = cls(process, ours)
         asyncio.get_running_loop().add_reader(ours, zygote._readable)
+        ready = False
         try:
-            async with asyncio.timeout(ready_timeout_s):
-                await asyncio.shield(zygote._ready)
-        except BaseException as exc:
-            await zygote.close(timeout_s=5.0)
-            if isinstance(exc, TimeoutError):
+            try:
+                async with asyncio.timeout(ready_timeout_s):
+                    await asyncio.shield(zygote._ready)
+            except TimeoutError:
                 raise ZygoteError(f"the fork server did not import its modules within {ready_timeout_s} s") from None
-            raise
+            ready = True
+        finally:
+            if not ready:  # any failure, cancellation included: the fork server goes
+                await zygote.close(timeout_s=5.0)
         return zygote
 
     async def spawn(self, argv: Sequence[str], *, title: str, timeout_s: float = 10.0) -> ForkedProcess:

@@ -56,11 +56,13 @@ class DeviceTier(SlotTable):
         if not self._free:
             raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
         slot = self._free.pop()
+        copied = False
         try:
             copy_page(pool[slot], src)
-        except BaseException:
-            self._free.append(slot)
-            raise
+            copied = True
+        finally:
+            if not copied:  # the slot goes back to the free list
+                self._free.append(slot)
         self._slots[page] = slot
         return slot
 

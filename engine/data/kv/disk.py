@@ -260,6 +260,7 @@ class DiskTier(SlotTable):
                 f"page of {len(data)} bytes given to a disk tier of {self.layout.page_nbytes}"
             )
         index = self._free.pop()
+        written = False
         try:
             checksum = page_checksum(self.checksum, data)
             _pwrite_all(fd, data, self._payload_offset(index))
@@ -278,9 +279,10 @@ class DiskTier(SlotTable):
             )
             if self.fsync:
                 os.fdatasync(fd)
-        except BaseException:
-            self._free.append(index)
-            raise
+            written = True
+        finally:
+            if not written:  # the slot goes back to the free list
+                self._free.append(index)
         self._slots[page] = _Slot(index=index, seq=self._seq, checksum=checksum, kind=self.checksum)
         return index
 

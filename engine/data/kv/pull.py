@@ -206,23 +206,26 @@ def fetch_pages(
     deadline = time.monotonic() + timeout
     fetched: list[PageHash] = []
     used: list[Transport] = []
+    pulled = False
     try:
-        for first in range(0, len(pages), max_pages):
-            batch = tuple(pages[first : first + max_pages])
-            got, how = _fetch_batch(store, peer, holder, batch, deadline, transport)
-            fetched.extend(got)
-            if how is not None:
-                used.append(how)
-            if len(got) < len(batch):
-                break  # the holder's run ends here
-    except BaseException as exc:
-        seconds = time.perf_counter() - started
-        if fetched:
-            store.record_pull(len(fetched), len(fetched) * store.layout.page_nbytes, 0.0)
-        store.record_pull(0, 0, seconds, failed=True)
-        if isinstance(exc, TransferError):
+        try:
+            for first in range(0, len(pages), max_pages):
+                batch = tuple(pages[first : first + max_pages])
+                got, how = _fetch_batch(store, peer, holder, batch, deadline, transport)
+                fetched.extend(got)
+                if how is not None:
+                    used.append(how)
+                if len(got) < len(batch):
+                    break  # the holder's run ends here
+        except TransferError as exc:
             raise KVTransferError(f"pulling KV pages from {holder} failed: {exc}") from exc
-        raise
+        pulled = True
+    finally:
+        if not pulled:  # any failure, cancellation included: the pages stored so far, then a failed pull
+            seconds = time.perf_counter() - started
+            if fetched:
+                store.record_pull(len(fetched), len(fetched) * store.layout.page_nbytes, 0.0)
+            store.record_pull(0, 0, seconds, failed=True)
     seconds = time.perf_counter() - started
     nbytes = len(fetched) * store.layout.page_nbytes
     store.record_pull(len(fetched), nbytes, seconds)

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -174,7 +174,8 @@ class KVStore:
         self._staging: torch.Tensor | None = None
         self._closed = False
         self.pulls = _PullStats()
-        try:
+        with ExitStack() as undo:
+            undo.callback(self._close_tiers)  # a store that cannot open all its tiers closes those it opened
             self._levels[Tier.DEVICE] = _Level(
                 DeviceTier(config.layout, config.device_capacity.in_pages(nbytes), config.device),
                 make_tracker(config.eviction),
@@ -199,9 +200,7 @@ class KVStore:
                 for page in disk.pages():  # oldest write first: LRU order survives a restart
                     tracker.insert(page)
                 self._levels[Tier.DISK] = _Level(disk, tracker)
-        except BaseException:
-            self._close_tiers()
-            raise
+            undo.pop_all()
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -536,7 +535,8 @@ class KVStore:
         with self._mutex:
             self._check_open()
             device = self._levels[Tier.DEVICE]
-            try:
+            with ExitStack() as undo:
+                undo.callback(self._release, taken)  # on any failure, the locks this call took so far
                 for page in pages:
                     if page in device.tier:
                         device.tracker.touch(page)
@@ -548,9 +548,7 @@ class KVStore:
                         held.append(source)
                     self._locks[page] += 1
                     taken.append(page)
-            except BaseException:
-                self._release(taken)
-                raise
+                undo.pop_all()
             if lookup:
                 for source in held:
                     for tier, level in self._levels.items():

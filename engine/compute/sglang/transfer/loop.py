@@ -165,7 +165,7 @@ class IOLoop:
                     self._pending.pop(request_id).on_reply(None)
                 for tick in self._tickers:
                     tick(now)
-        except BaseException as exc:
+        except BaseException as exc:  # recorded for the manager, which reports it to its callers
             self.failure = exc
             log.exception("the KV transfer I/O thread died")
             raise
