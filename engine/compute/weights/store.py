@@ -77,7 +77,7 @@ class WeightStore:
         if owner:
             try:
                 held.value = load()
-            except BaseException as exc:
+            except BaseException as exc:  # handed to the threads waiting on this load, then re-raised here
                 held.error = exc
                 with self._lock:
                     self._held.pop(key, None)
