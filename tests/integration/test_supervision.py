@@ -1,0 +1,236 @@
+"""A supervising LocalCluster (`RestartPolicy`) replaces the replicas that end unasked.
+
+Real worker processes (forked by the zygote), the real Redis for the registry test. A
+killed replica is deregistered and replaced under a new worker id, and runs go to the new
+one; a replacement that cannot start is tried again after the back-off; `max_restarts`
+gives a slot up; retiring or stopping replaces nothing. Every wait is on an event the
+cluster reports or on a process exit, each with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+import redis.asyncio as aioredis
+
+from engine.data.peer import Peer
+from engine.flow.dsl import Workflow
+from engine.flow.executor import Executor
+from engine.flow.remote import WorkerDispatcher
+from engine.spec.graph import GraphSpec
+from engine.spec.kinds import default_kinds
+from engine.worker.launcher import LocalCluster, ReplicaEvent, ReplicaEventKind, RestartPolicy
+from tests.integration.workerfns import whoami
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+HB = 0.2
+WAIT_S = 30.0
+
+
+def spec_of(replicas: int) -> GraphSpec:
+    wf = Workflow("supervised")
+    py = wf.role("py", kind="python", replicas=replicas)
+    x = wf.input("x", default=0)
+    node = wf.python(whoami, role=py)
+    wf.edge(x, node)
+    wf.output("out", node)
+    return wf.to_spec()
+
+
+@dataclass
+class Events:
+    """What the cluster reported, in order, with a wait for the next one."""
+
+    seen: list[ReplicaEvent] = field(default_factory=list)
+    queue: asyncio.Queue[ReplicaEvent] = field(default_factory=asyncio.Queue)
+
+    async def __call__(self, event: ReplicaEvent) -> None:
+        self.seen.append(event)
+        self.queue.put_nowait(event)
+
+    async def next(self, kind: ReplicaEventKind) -> ReplicaEvent:
+        event = await asyncio.wait_for(self.queue.get(), WAIT_S)
+        assert event.kind is kind, f"expected {kind}, got {event}"
+        return event
+
+
+@dataclass
+class Supervised:
+    cluster: LocalCluster
+    events: Events
+    executor: Executor
+    spec: GraphSpec
+
+    async def run(self, x: int) -> dict:
+        result = await asyncio.wait_for((await self.executor.submit(self.spec, {"x": x})).wait(), WAIT_S)
+        assert result.status == "done", result.error
+        return result.outputs["out"]
+
+
+@contextlib.asynccontextmanager
+async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: float = HB,
+                     **options) -> AsyncIterator[Supervised]:
+    spec = spec_of(replicas)
+    events = Events()
+    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
+                           restart=policy, on_event=events, **options)
+    peer = Peer.start()
+    try:
+        await cluster.start()
+        executor = Executor(WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0,
+                                             registry_refresh_s=0.05), default_kinds())
+        try:
+            yield Supervised(cluster, events, executor, spec)
+        finally:
+            await executor.aclose()
+    finally:
+        await cluster.stop()
+        peer.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_a_killed_replica_is_replaced_under_a_new_id_and_runs_go_to_it():
+    async with supervised(RestartPolicy(backoff_s=0.05)) as s:
+        (first,) = s.cluster.workers
+        assert (await s.run(1))["pid"] == first.pid
+        first.process.send_signal(signal.SIGKILL)
+
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.worker_id == first.worker_id and lost.role == "py"
+        assert f"worker {first.worker_id} of role 'py' was killed by signal SIGKILL" == lost.reason
+        replaced = await s.events.next(ReplicaEventKind.REPLACED)
+        assert replaced.replaces == first.worker_id
+        assert replaced.worker_id == f"{first.worker_id}-r1"
+        assert replaced.worker is not None and alive(replaced.worker.pid)
+
+        assert s.cluster.workers == [replaced.worker]
+        assert s.cluster.restarting("py") == 0
+        assert [w.info.worker_id for w in await s.cluster.registry.workers("py")] == [replaced.worker_id]
+        assert (await s.run(2)) == {"x": 2, "pid": replaced.worker.pid}
+
+        # The replacement is supervised in turn: its loss is replaced too.
+        replaced.worker.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        again = await s.events.next(ReplicaEventKind.REPLACED)
+        assert again.worker_id == f"{first.worker_id}-r2" and again.replaces == replaced.worker_id
+        assert (await s.run(3))["pid"] == again.worker.pid
+
+
+async def test_a_worker_that_exits_by_itself_is_replaced_and_its_status_is_reported():
+    """A worker that stops on its own (here SIGTERM from outside: it drains and exits 0, as one
+    whose attached GPU weights are gone exits 4) is lost to the cluster all the same."""
+    async with supervised(RestartPolicy(backoff_s=0.05)) as s:
+        (first,) = s.cluster.workers
+        first.process.send_signal(signal.SIGTERM)
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.reason == f"worker {first.worker_id} of role 'py' exited with status 0"
+        replaced = await s.events.next(ReplicaEventKind.REPLACED)
+        assert (await s.run(4))["pid"] == replaced.worker.pid
+
+
+@pytest.mark.redis
+async def test_with_a_redis_registry_the_lost_replica_is_deregistered_at_once():
+    namespace = f"omniflow-test-{uuid.uuid4().hex[:12]}"
+    try:
+        # Workers' registry TTL is four heartbeats, 20 s here: only the cluster's own deregistration
+        # can take the dead worker off the list in time.
+        async with supervised(RestartPolicy(backoff_s=0.05), registry_url=REDIS_URL, namespace=namespace,
+                              heartbeat_s=5.0) as s:
+            (first,) = s.cluster.workers
+            first.process.send_signal(signal.SIGKILL)
+            await s.events.next(ReplicaEventKind.LOST)
+            assert first.worker_id not in [w.info.worker_id for w in await s.cluster.registry.workers("py")]
+            replaced = await s.events.next(ReplicaEventKind.REPLACED)
+            listed = [w.info.worker_id for w in await s.cluster.registry.workers("py")]
+            assert listed == [replaced.worker_id]
+            assert (await s.run(5))["pid"] == replaced.worker.pid
+    finally:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [key async for key in client.scan_iter(match=f"{namespace}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_max_restarts_gives_the_slot_up_and_the_other_replica_keeps_serving():
+    async with supervised(RestartPolicy(backoff_s=0.05, max_restarts=1), replicas=2) as s:
+        victim, survivor = s.cluster.workers
+        victim.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        replaced = await s.events.next(ReplicaEventKind.REPLACED)
+        # The replacement did not last `healthy_after_s`: its loss is the second in a row.
+        replaced.worker.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        gave_up = await s.events.next(ReplicaEventKind.GAVE_UP)
+        assert gave_up.replaces == replaced.worker_id
+        assert "1 replacement(s) in a row" in gave_up.reason
+        assert s.cluster.workers == [survivor]
+        assert s.cluster.restarting("py") == 0
+        assert [w.info.worker_id for w in await s.cluster.registry.workers("py")] == [survivor.worker_id]
+        assert (await s.run(6))["pid"] == survivor.pid
+
+
+async def test_a_replacement_that_cannot_start_is_retried_then_given_up():
+    """The fork server is killed: the workers it forked exit with it (they watch their parent),
+    and every replacement fails to start, each failure reported, until `max_restarts`."""
+    async with supervised(RestartPolicy(backoff_s=0.01, max_restarts=2)) as s:
+        (first,) = s.cluster.workers
+        assert s.cluster._zygote is not None
+        os.kill(s.cluster._zygote.pid, signal.SIGKILL)
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.worker_id == first.worker_id
+        for _ in range(2):
+            failed = await s.events.next(ReplicaEventKind.RESTART_FAILED)
+            assert failed.replaces == first.worker_id and "fork server" in failed.reason
+        await s.events.next(ReplicaEventKind.GAVE_UP)
+        assert s.cluster.workers == []
+
+
+async def test_retire_and_stop_replace_nothing_and_stop_ends_a_pending_replacement():
+    async with supervised(RestartPolicy(backoff_s=0.05), replicas=2) as s:
+        retired, kept = s.cluster.workers
+        await s.cluster.retire(retired)
+        assert retired.process.returncode == 0
+        assert s.cluster.workers == [kept] and s.cluster.restarting("py") == 0
+    assert s.events.seen == []
+
+    # A loss whose replacement waits out a long back-off: stop() cancels it and leaves nothing.
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    async with supervised(RestartPolicy(backoff_s=60.0, max_backoff_s=60.0)) as s:
+        (only,) = s.cluster.workers
+        only.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        assert s.cluster.restarting("py") == 1
+        assert await s.cluster.cancel_restarts("py", 5) == 1
+        assert s.cluster.restarting("py") == 0
+        only_again = await s.cluster.spawn("py", 7)  # scaling up again after the cancel
+        only_again.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        assert s.cluster.restarting("py") == 1
+        stopping = asyncio.ensure_future(s.cluster.stop())
+        await asyncio.wait_for(stopping, 10)
+    assert s.events.queue.empty()
+    assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c.pid)] == []
+
+
+def test_the_back_off_doubles_up_to_its_cap_and_bad_policies_are_refused():
+    policy = RestartPolicy(backoff_s=0.5, max_backoff_s=3.0)
+    assert [policy.delay_s(n) for n in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="backoff_s <= max_backoff_s"):
+        RestartPolicy(backoff_s=2.0, max_backoff_s=1.0)
+    with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+        RestartPolicy(max_restarts=-1)
