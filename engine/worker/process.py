@@ -153,11 +153,15 @@ class _Liveness(threading.Thread):
         self._ready.set()
         codec = WireCodec(64 * 1024, WorkerMessage)
         beat = asyncio.create_task(self._beat())
+        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             while not self._stopping.is_set():
-                if not await sock.poll(timeout=int(self._config.heartbeat_s * 1000)):
-                    continue
-                frames = await sock.recv_multipart()
+                receiving = sock.recv_multipart()
+                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():  # asked to stop while waiting for a message
+                    receiving.cancel()
+                    break
+                frames = receiving.result()
                 if len(frames) != 2:
                     continue
                 identity, payload = frames
@@ -183,6 +187,7 @@ class _Liveness(threading.Thread):
             # cancellation that lands inside a command (redis/redis-py#2028, #2551), leaving the
             # beat running and the thread unjoinable, so the worker would exit without deregistering.
             self._stopping.set()
+            stopping.cancel()
             _, pending = await asyncio.wait({beat}, timeout=self._STOP_BEAT_S)
             if pending:
                 log.warning("the heartbeat did not stop within %.1f s", self._STOP_BEAT_S)
