@@ -68,6 +68,8 @@ class StudioConfig:
     """The most replicas of one role a deployment may ask for."""
     worker_ready_timeout_s: float
     """How long a starting role worker may take to register."""
+    worker_restart: bool
+    """Replace the role workers of an embedded deployment that end unasked (`RestartPolicy`)."""
     chat_timeout_s: float
     """How long a chat completion or session turn may take."""
     metrics_interval_s: float
@@ -266,6 +268,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         worker_listen=worker_listen,
         max_replicas=env_int(env, "OMNIFLOW_MAX_REPLICAS", 16, minimum=1),
         worker_ready_timeout_s=env_seconds(env, "OMNIFLOW_WORKER_READY_TIMEOUT_S", 120.0),
+        worker_restart=env_bool(env, "OMNIFLOW_WORKER_RESTART", True),
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),

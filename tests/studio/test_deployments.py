@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 import uuid
 from typing import Any
 
@@ -250,3 +251,45 @@ def test_deploying_a_tp_role_starts_and_lists_its_ranks(api: Any, studio_engine:
     final = api.get(f"/api/deployments/{d['id']}/").json()
     assert final["status"] == "stopped" and {w["status"] for w in final["workers"]} == {"stopped"}
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+def rows_until(deployment_id: str, done: Any, what: str, timeout_s: float = 30.0) -> list[Worker]:
+    """The deployment's worker rows once `done(rows)` holds (read again until a deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = list(Worker.objects.filter(deployment_id=deployment_id).order_by("started_at"))
+        if done(rows):
+            return rows
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s; rows: {[(r.worker_id, r.status) for r in rows]}"
+        time.sleep(0.05)  # the rows change on the studio's database thread: read them again
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_a_killed_worker_is_replaced_and_its_row_marked_lost(api: Any, studio_engine: StudioEngine,
+                                                            whoami_wf: dict[str, Any]) -> None:
+    d = deploy(api, studio_engine, {"workflow": whoami_wf["id"], "version": 1, "name": "supervised"})
+    assert d["status"] == "running", d
+    (first,) = d["workers"]
+    psutil.Process(first["pid"]).kill()
+
+    rows = rows_until(d["id"], lambda rows: len(rows) == 2 and rows[1].status == "ready", "a replacement row")
+    lost, fresh = rows
+    assert (lost.worker_id, lost.status) == (first["worker_id"], "lost")
+    assert fresh.worker_id == f"{first['worker_id']}-r1" and fresh.pid != first["pid"]
+    assert registered(d["namespace"]) == [fresh.worker_id]
+
+    response = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "again"}}, format="json")
+    assert response.status_code == 201, response.content
+    assert studio_engine.runs.wait(response.json()["id"]) == "done"
+    assert api.get(f"/api/runs/{response.json()['id']}/").json()["outputs"]["result"]["pid"] == fresh.pid
+
+    # Scaling counts the replacement once; stopping ends it and replaces nothing.
+    api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json")
+    settle(studio_engine, d["id"])
+    assert [w["status"] for w in api.get(f"/api/deployments/{d['id']}/").json()["workers"]].count("ready") == 1
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    settle(studio_engine, d["id"])
+    final = api.get(f"/api/deployments/{d['id']}/").json()
+    assert final["status"] == "stopped"
+    assert sorted(w["status"] for w in final["workers"]) == ["lost", "stopped"]
+    assert not psutil.pid_exists(fresh.pid) or psutil.Process(fresh.pid).status() == psutil.STATUS_ZOMBIE

@@ -7,6 +7,9 @@ namespace when REDIS_URL is set (so their heartbeats carry metrics, other proces
 them, and workers on other machines can join); otherwise in an in-process registry
 filled from their READY lines (no load metrics then: nothing heartbeats into it).
 
+A hosted deployment's cluster supervises its workers (unless OMNIFLOW_WORKER_RESTART=0): a
+worker that ends unasked is marked lost and a replacement takes its place, with its own row.
+
 Every coroutine runs on the engine loop of the process's `RunService`, which owns this
 object (`RunService.call`); `deploy`/`undeploy` also write the deployment's status and
 worker rows. It is the `ExecutorSource` of runs submitted against a deployment: its own
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +32,14 @@ from engine.flow.discovery import RegistryError, WorkerSnapshot
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import KindRegistry
-from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
+from engine.worker.launcher import (
+    LaunchedWorker,
+    LaunchError,
+    LocalCluster,
+    ReplicaEvent,
+    ReplicaEventKind,
+    RestartPolicy,
+)
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.reach import NamespaceExecutors, pull_outputs
@@ -145,6 +156,8 @@ class EmbeddedDeployments:
                 ready_timeout_s=self.config.worker_ready_timeout_s,
                 stop_timeout_s=STOP_TIMEOUT_S,
                 extra_args=("--listen", self.config.worker_listen),
+                restart=RestartPolicy() if self.config.worker_restart else None,
+                on_event=functools.partial(self._replica_event, ticket),
             )
             await cluster.start()  # stops what it started when one worker fails
             dispatcher = WorkerDispatcher(cluster.registry, self.reach.peer())
@@ -157,15 +170,33 @@ class EmbeddedDeployments:
         stopped: list[str] = []
         for role in ticket.spec.roles:
             mine = [w for w in hosted.cluster.workers if w.role == role.name]
-            for _ in range(role.replicas - len(mine)):
+            # A lost replica waiting for its replacement counts: the replacement is on its way.
+            excess = len(mine) + hosted.cluster.restarting(role.name) - role.replicas
+            for _ in range(-excess):
                 index = hosted.next_index.get(role.name, 0)
                 hosted.next_index[role.name] = index + 1
                 worker = await hosted.cluster.spawn(role.name, index)
                 started += _started(worker, role.device)
-            for worker in mine[role.replicas:] if len(mine) > role.replicas else []:
+            if excess > 0:
+                excess -= await hosted.cluster.cancel_restarts(role.name, excess)
+            for worker in mine[len(mine) - excess:] if excess > 0 else []:
                 await hosted.cluster.retire(worker)  # it drains and deregisters; then its ranks stop
                 stopped += [w.worker_id for w in worker.processes]
         return started, stopped
+
+    async def _replica_event(self, ticket: DeploymentTicket, event: ReplicaEvent) -> None:
+        """The worker rows follow the cluster's supervision: a lost replica's rows are marked
+        lost, a replacement gets rows of its own; a slot given up is said on the deployment."""
+        if event.kind is ReplicaEventKind.LOST and event.worker is not None:
+            await self._orm(records.set_worker_status, [w.worker_id for w in event.worker.processes],
+                            WorkerStatus.LOST)
+        elif event.kind is ReplicaEventKind.REPLACED and event.worker is not None:
+            device = ticket.spec.role(event.role).device
+            await self._orm(records.add_workers, ticket.deployment_id, _started(event.worker, device))
+        elif event.kind is ReplicaEventKind.GAVE_UP:
+            await self._orm(records.set_status, ticket.deployment_id, DeploymentStatus.RUNNING,
+                            f"role {event.role!r} runs one replica short: worker {event.replaces} was lost and"
+                            f" not replaced ({event.reason})", unless=(*_ENDED, DeploymentStatus.FAILED))
 
     async def _stop_hosted(self, deployment_id: str) -> list[str]:
         hosted = self._hosted.pop(deployment_id, None)
