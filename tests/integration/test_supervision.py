@@ -16,11 +16,13 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 import pytest
 import redis.asyncio as aioredis
 
+from engine.compute.models.loader import load_builtin
 from engine.data.peer import Peer
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
@@ -28,6 +30,7 @@ from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LocalCluster, ReplicaEvent, ReplicaEventKind, RestartPolicy
+from tests.integration.deployments import hf_greedy, text_ids
 from tests.integration.workerfns import whoami
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -69,16 +72,16 @@ class Supervised:
     executor: Executor
     spec: GraphSpec
 
-    async def run(self, x: int) -> dict:
-        result = await asyncio.wait_for((await self.executor.submit(self.spec, {"x": x})).wait(), WAIT_S)
+    async def run(self, x: Any, port: str = "x") -> Any:
+        result = await asyncio.wait_for((await self.executor.submit(self.spec, {port: x})).wait(), WAIT_S)
         assert result.status == "done", result.error
         return result.outputs["out"]
 
 
 @contextlib.asynccontextmanager
 async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: float = HB,
-                     **options) -> AsyncIterator[Supervised]:
-    spec = spec_of(replicas)
+                     spec: GraphSpec | None = None, **options) -> AsyncIterator[Supervised]:
+    spec = spec if spec is not None else spec_of(replicas)
     events = Events()
     cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
                            restart=policy, on_event=events, **options)
@@ -128,6 +131,32 @@ async def test_a_killed_replica_is_replaced_under_a_new_id_and_runs_go_to_it():
         again = await s.events.next(ReplicaEventKind.REPLACED)
         assert again.worker_id == f"{first.worker_id}-r2" and again.replaces == replaced.worker_id
         assert (await s.run(3))["pid"] == again.worker.pid
+
+
+async def test_a_tensor_parallel_replica_that_loses_a_rank_is_replaced_whole():
+    """Rank 0 outlives its killed follower but can serve nothing (its group is broken): the
+    cluster stops it too and starts both ranks afresh, and the new replica's greedy tokens
+    equal Hugging Face `generate`."""
+    wf = Workflow("supervisedtp")
+    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 3.0})
+    prompt = wf.input("x", "tokens")
+    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": 6})
+    wf.edge(prompt, gen.inp("tokens"))
+    wf.output("out", gen.out("tokens"), "tokens")
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), ready_timeout_s=120.0) as s:
+        (first,) = s.cluster.workers
+        leader, follower = first.processes
+        follower.process.send_signal(signal.SIGKILL)
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.reason == (f"worker {follower.worker_id} (tensor-parallel rank 1) of role 'lm'"
+                               " was killed by signal SIGKILL")
+        assert leader.process.returncode is not None  # stopped with its follower, not left serving errors
+        replaced = await s.events.next(ReplicaEventKind.REPLACED)
+        assert [r.tp_rank for r in replaced.worker.processes] == [0, 1]
+        assert all(alive(r.pid) for r in replaced.worker.processes)
+        assert replaced.worker.ranks[0].worker_id == f"{replaced.worker_id}.tp1"
+        tokens = text_ids(11, 9)
+        assert await s.run(tokens) == hf_greedy(load_builtin("tiny-llama").model, tokens, 6)
 
 
 async def test_a_worker_that_exits_by_itself_is_replaced_and_its_status_is_reported():
