@@ -29,6 +29,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     parser.add_argument("--capacity", type=int, default=None, help="node executions run at once")
+    parser.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="seconds the worker's event loop may go without turning (a deadlock, node code"
+                             " blocking it) before the worker dumps its threads' stacks and exits with status 5,"
+                             " to be replaced; 0: never")
     parser.add_argument("--tp-rank", type=int, default=0,
                         help="a role with tp_size N > 1: this process's rank (0: the endpoint, 1..N-1 follow it)")
     parser.add_argument("--tp-address", default=None,
@@ -44,6 +48,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         raise WorkerOptionError(f"--listen {args.listen}: expected tcp://HOST:PORT")
     if args.heartbeat <= 0 or args.registry_ttl <= args.heartbeat:
         raise WorkerOptionError("--registry-ttl must be longer than --heartbeat, and both positive")
+    if not args.stall_timeout >= 0:
+        raise WorkerOptionError(f"--stall-timeout {args.stall_timeout}: must be 0 (never) or a positive number of seconds")
     role = roles[args.role]
     if role.tp_size > 1:
         if args.tp_address is None or not args.tp_address.startswith("tcp://"):
@@ -66,6 +72,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         parent_pid=args.parent_pid,
         drain_timeout_s=args.drain_timeout,
         capacity=args.capacity,
+        stall_timeout_s=args.stall_timeout,
         tp_rank=args.tp_rank,
         tp_address=args.tp_address,
     )

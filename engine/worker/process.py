@@ -11,12 +11,20 @@ Three endpoints, three threads:
 On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters and
 exits; if spawned by a local launcher it exits when that parent dies. When it is
 ready it prints one line, `OMNIFLOW-READY {json}`, on standard output.
+
+Exit status: 0 after a drain, 3 when the drain had to cancel executions, 4 when the GPU
+weights it attached lost their publisher, 5 when its event loop stopped turning for
+`stall_timeout_s` (a deadlock, or node code blocking the loop): the liveness thread, which
+would otherwise keep answering pings for a worker that serves nothing, dumps every thread's
+stack on standard error, deregisters the worker and ends the process, so that its calls go
+to other replicas and a supervising launcher replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import hashlib
 import inspect
 import itertools
@@ -27,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +80,8 @@ log = logging.getLogger(__name__)
 
 READY_PREFIX = "OMNIFLOW-READY "
 _ANSWER_LINGER_MS = 1000
+STALLED_EXIT = 5
+"""The exit status of a worker whose event loop stopped turning (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +102,8 @@ class WorkerConfig:
     tp_rank: int = 0
     tp_address: str | None = None
     """A role with `tp_size > 1`: where this replica's ranks meet (see `engine.compute.tp.unit`)."""
+    stall_timeout_s: float = 60.0
+    """How long the event loop may go without turning before the worker ends itself (0: never)."""
 
 
 def _host_of(endpoint: str) -> str:
@@ -104,6 +117,37 @@ def _bound(sock: zmq.Socket, host: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+class _LoopWatch:
+    """Whether the worker's event loop still turns: each heartbeat the liveness thread posts a
+    probe to it; a probe left unanswered for `timeout_s` means the loop is stuck. Compute runs
+    on the units' own threads, so a loop that turns answers within microseconds."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._sent: float | None = None
+        """When the probe not yet answered was posted (written by the liveness thread only
+        while None, and set back to None by the loop)."""
+
+    def _answer(self) -> None:
+        self._sent = None
+
+    def stalled(self) -> str | None:
+        """From the liveness thread, each heartbeat: why the loop counts as stuck, or None."""
+        if self._timeout_s <= 0:
+            return None
+        now = time.monotonic()
+        sent = self._sent
+        if sent is None:
+            self._sent = now
+            self._loop.call_soon_threadsafe(self._answer)
+            return None
+        if now - sent < self._timeout_s:
+            return None
+        return (f"the worker's event loop has not turned for {now - sent:.1f} s"
+                f" (stall timeout {self._timeout_s:g} s)")
+
+
 class _Liveness(threading.Thread):
     """Answers pings and keeps the registry entry fresh, independent of the main loop."""
 
@@ -111,13 +155,15 @@ class _Liveness(threading.Thread):
     """How long stopping waits for a heartbeat in progress (each registry call has its own timeout)."""
 
     def __init__(self, config: WorkerConfig, host: str, load: Callable[[], WorkerLoad],
-                 stop_worker: Callable[[str], None], check: Callable[[], str | None] = lambda: None) -> None:
+                 stop_worker: Callable[[str], None], check: Callable[[], str | None] = lambda: None,
+                 stalled: Callable[[], str | None] = lambda: None) -> None:
         super().__init__(name="omniflow-liveness", daemon=True)
         self._config = config
         self._host = host
         self._load = load
         self._stop_worker = stop_worker
         self._check = check
+        self._stalled = stalled
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -227,6 +273,9 @@ class _Liveness(threading.Thread):
                 log.warning("parent process %d is gone; stopping", parent)
                 self._stop_worker(f"parent process {parent} is gone")
                 parent = None
+            stuck = self._stalled()
+            if stuck is not None:
+                await self._end_stalled(stuck)
             problem = self._check()
             if problem is not None:
                 log.error("%s; stopping", problem)
@@ -243,6 +292,18 @@ class _Liveness(threading.Thread):
                     await self._registry.register(self._info, self._load())
             except RegistryUnavailableError as exc:
                 log.warning("registry unavailable (%s); the worker keeps serving and retries", exc)
+
+    async def _end_stalled(self, reason: str) -> None:
+        """The main loop is stuck, so no graceful stop can run: say where every thread is,
+        leave the registry and end the process at once."""
+        log.critical("%s; dumping every thread's stack, deregistering and exiting with status %d",
+                     reason, STALLED_EXIT)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self._registry is not None and self._info is not None:
+            with contextlib.suppress(RegistryUnavailableError, UnknownWorkerError):
+                await self._registry.deregister(self._info.worker_id)
+        sys.stderr.flush()
+        os._exit(STALLED_EXIT)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._loop is not None and self._stopping is not None:
@@ -426,7 +487,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         unhealthy.append(f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}")
         return unhealthy[-1]
 
-    liveness = _Liveness(config, host, load, stop_worker, check)
+    liveness = _Liveness(config, host, load, stop_worker, check, _LoopWatch(loop, config.stall_timeout_s).stalled)
     liveness_address = liveness.start_and_bind()
     info = WorkerInfo(
         worker_id=config.worker_id,

@@ -31,7 +31,8 @@ from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LocalCluster, ReplicaEvent, ReplicaEventKind, RestartPolicy
 from tests.integration.deployments import hf_greedy, text_ids
-from tests.integration.workerfns import whoami
+from engine.worker.process import STALLED_EXIT
+from tests.integration.workerfns import block_loop, whoami
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 HB = 0.2
@@ -83,8 +84,9 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
                      spec: GraphSpec | None = None, **options) -> AsyncIterator[Supervised]:
     spec = spec if spec is not None else spec_of(replicas)
     events = Events()
-    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
-                           restart=policy, on_event=events, **options)
+    options.setdefault("extra_args", ("--drain-timeout", "5"))
+    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, restart=policy, on_event=events,
+                           **options)
     peer = Peer.start()
     try:
         await cluster.start()
@@ -254,6 +256,31 @@ async def test_retire_and_stop_replace_nothing_and_stop_ends_a_pending_replaceme
         await asyncio.wait_for(stopping, 10)
     assert s.events.queue.empty()
     assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c.pid)] == []
+
+
+async def test_a_worker_whose_loop_is_stuck_ends_itself_with_its_stacks_and_is_replaced(capfd):
+    """Its liveness thread would keep answering pings for a worker that serves nothing; past
+    `--stall-timeout` it dumps every thread's stack, deregisters and exits (status 5)."""
+    wf = Workflow("stall")
+    py = wf.role("py", kind="python")
+    x = wf.input("x", default=0)
+    stuck = wf.python(block_loop, role=py, params={"seconds": 120.0})
+    wf.edge(x, stuck)
+    wf.output("out", stuck)
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(),
+                          extra_args=("--drain-timeout", "5", "--stall-timeout", "1")) as s:
+        (first,) = s.cluster.workers
+        run = await s.executor.submit(s.spec, {"x": 1})
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.reason == f"worker {first.worker_id} of role 'py' exited with status {STALLED_EXIT}"
+        assert first.worker_id not in [w.info.worker_id for w in await s.cluster.registry.workers("py")]
+        # Its node had no other replica to go to (the replacement comes later): it failed, naming both.
+        ended = await asyncio.wait_for(run.wait(), WAIT_S)
+        assert ended.status == "failed" and first.worker_id in ended.error and "'block_loop'" in ended.error
+        await s.events.next(ReplicaEventKind.REPLACED)
+    err = capfd.readouterr().err
+    assert "the worker's event loop has not turned for" in err
+    assert 'in block_loop' in err  # the stack dump shows where the loop is stuck
 
 
 def test_the_back_off_doubles_up_to_its_cap_and_bad_policies_are_refused():

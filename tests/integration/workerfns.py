@@ -84,6 +84,12 @@ async def hold(x: Any, dir: str) -> dict[str, Any]:
     return {"x": x, "pid": pid}
 
 
+async def block_loop(x: Any, seconds: float) -> Any:
+    """A node with a bug: it blocks its worker's event loop (a blocking call in an async op)."""
+    time.sleep(seconds)
+    return x
+
+
 async def gated_power(x: int, dir: str, power: int) -> int:
     """`x ** power`, once the test's `release` marker exists."""
     while not (Path(dir) / "release").exists():

@@ -1,4 +1,5 @@
-"""A role worker's tensor-parallel options, and the worker ids of a replica's ranks."""
+"""A role worker's options (tensor-parallel seats, the stall timeout), and the worker ids of a
+replica's ranks."""
 
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ def test_rank_worker_ids_name_their_leader():
     assert leader_worker_id("tp-two-0-99") is None
     assert leader_worker_id("tp-two-0-99.tp0") is None
     assert leader_worker_id("a.tpx") is None
+
+
+def test_the_stall_timeout_defaults_to_a_minute_and_refuses_negative_or_nan(workflow: Path):
+    assert worker_config(parse(workflow, "--role", "one")).stall_timeout_s == 60.0
+    assert worker_config(parse(workflow, "--role", "one", "--stall-timeout", "0")).stall_timeout_s == 0.0
+    for bad in ("-1", "nan"):
+        with pytest.raises(WorkerOptionError, match=f"--stall-timeout {float(bad)}: must be 0"):
+            worker_config(parse(workflow, "--role", "one", "--stall-timeout", bad))
