@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ import zmq
 import zmq.asyncio
 
 from engine.data.codec import WireCodec, WireError
+from engine.data.rendezvous import listening_socket
 from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
 from engine.flow.discovery import (
     InProcessRegistry,
@@ -58,7 +58,7 @@ from engine.flow.discovery import (
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
 from engine.worker.process import READY_PREFIX
-from engine.worker.zygote import ForkedProcess, Zygote, ZygoteError
+from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote, ZygoteError
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +174,6 @@ def leader_worker_id(worker_id: str) -> str | None:
     return head if sep and rank.isdigit() and int(rank) > 0 else None
 
 
-def tp_address(host: str = "127.0.0.1") -> str:
-    """A fresh address where the ranks of one tensor-parallel replica on this host meet."""
-    return f"tcp://{host}:{_free_port(host)}"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 async def _relay(stream: asyncio.StreamReader, worker_id: str) -> None:
     while line := await stream.readline():
         sys.stderr.write(f"[{worker_id}] {line.decode('utf-8', 'replace')}")
@@ -248,30 +237,7 @@ class LocalCluster:
         if tp_size == 1:
             worker = await self._spawn_rank(role, worker_id)
         else:
-            address = tp_address()
-            tasks = [asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
-                                                          ("--tp-rank", str(rank), "--tp-address", address)))
-                     for rank in range(tp_size)]
-            # A rank that fails to start dooms its replica: the others would only wait for it.
-            waited = False
-            try:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                waited = True
-            finally:
-                if not waited:  # failed or cancelled while waiting: no rank is left starting or running
-                    for task in tasks:
-                        task.cancel()
-                    spawned = await asyncio.gather(*tasks, return_exceptions=True)
-                    await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
-            for task in tasks:
-                task.cancel()  # no-op for the finished ones
-            spawned = await asyncio.gather(*tasks, return_exceptions=True)
-            started = [w for w in spawned if isinstance(w, LaunchedWorker)]
-            failed = [e for e in spawned if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
-            if failed or len(started) < tp_size:
-                await self._end(started)
-                raise failed[0] if failed else LaunchError(f"a rank of role {role!r} was cancelled while starting")
-            worker, worker.ranks = started[0], started[1:]
+            worker = await self._spawn_ranks(role, worker_id, tp_size)
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
             details = worker.details
@@ -369,6 +335,45 @@ class LocalCluster:
                                           reason, fresh, replaces=lost))
             return
 
+    async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int) -> LaunchedWorker:
+        """The `tp_size` rank processes of one tensor-parallel replica, once all are ready:
+        rank 0, with the others in its `.ranks`."""
+        # The replica's ranks meet on a socket bound here and handed to rank 0 (its rendezvous
+        # store serves on it): the port is the replica's from the start.
+        listener, address = listening_socket()
+        with listener:  # rank 0 holds its own copy once forked
+            started = await self._all_ready(role, [
+                asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
+                                                     ("--tp-rank", str(rank), "--tp-address", address),
+                                                     inherit=listener.fileno() if rank == 0 else None))
+                for rank in range(tp_size)])
+        worker, worker.ranks = started[0], started[1:]
+        return worker
+
+    async def _all_ready(self, role: str, tasks: list[asyncio.Task[LaunchedWorker]]) -> list[LaunchedWorker]:
+        """The workers `tasks` start, once all are ready; if one fails (or this is cancelled),
+        none is left starting or running."""
+        # A rank that fails to start dooms its replica: the others would only wait for it.
+        waited = False
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            waited = True
+        finally:
+            if not waited:  # failed or cancelled while waiting: no rank is left starting or running
+                for task in tasks:
+                    task.cancel()
+                spawned = await asyncio.gather(*tasks, return_exceptions=True)
+                await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
+        for task in tasks:
+            task.cancel()  # no-op for the finished ones
+        spawned = await asyncio.gather(*tasks, return_exceptions=True)
+        started = [w for w in spawned if isinstance(w, LaunchedWorker)]
+        failed = [e for e in spawned if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+        if failed or len(started) < len(tasks):
+            await self._end(started)
+            raise failed[0] if failed else LaunchError(f"a rank of role {role!r} was cancelled while starting")
+        return started
+
     def _preload(self) -> list[str]:
         """What the zygote imports before forking: the worker and the spec's compute units."""
         kinds = default_kinds()
@@ -379,8 +384,10 @@ class LocalCluster:
             modules += [runner.partition(":")[0] for runner in runners]
         return list(dict.fromkeys(modules))
 
-    async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = ()) -> LaunchedWorker:
-        """One worker process, once it has printed its READY line."""
+    async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = (),
+                          inherit: int | None = None) -> LaunchedWorker:
+        """One worker process, once it has printed its READY line. `inherit`: rank 0's listening
+        socket, which the process gets a copy of (`--tp-listen-fd`)."""
         assert self._tmp is not None
         spec_path = Path(self._tmp.name) / "workflow.json"
         # A forked worker's parent is the zygote: it exits with it (and the zygote with us).
@@ -395,10 +402,16 @@ class LocalCluster:
             args += ["--registry", self.registry_url]
         process: asyncio.subprocess.Process | ForkedProcess
         if self._zygote is not None:
-            process = await self._zygote.spawn(args, title=f"omniflow-worker role={role} id={worker_id} (starting)")
+            if inherit is not None:
+                args += ["--tp-listen-fd", INHERITED_FD]
+            process = await self._zygote.spawn(args, title=f"omniflow-worker role={role} id={worker_id} (starting)",
+                                               inherit=inherit)
         else:
+            if inherit is not None:
+                args += ["--tp-listen-fd", str(inherit)]
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
-                                                           stdout=asyncio.subprocess.PIPE, env=self._env())
+                                                           stdout=asyncio.subprocess.PIPE, env=self._env(),
+                                                           pass_fds=() if inherit is None else (inherit,))
         assert process.stdout is not None
         settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
         try:

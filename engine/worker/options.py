@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import uuid
 
 from engine.flow.loader import load_workflow
@@ -37,6 +38,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a role with tp_size N > 1: this process's rank (0: the endpoint, 1..N-1 follow it)")
     parser.add_argument("--tp-address", default=None,
                         help="a role with tp_size > 1: tcp://HOST:PORT where the replica's ranks meet (rank 0 hosts it)")
+    parser.add_argument("--tp-listen-fd", type=int, default=None,
+                        help="rank 0: an inherited socket already listening at --tp-address (default: bind it)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -57,8 +60,12 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                                     " (the same for every rank of the replica)")
         if not 0 <= args.tp_rank < role.tp_size:
             raise WorkerOptionError(f"--tp-rank {args.tp_rank}: role {args.role!r} has ranks 0..{role.tp_size - 1}")
-    elif args.tp_rank != 0 or args.tp_address is not None:
-        raise WorkerOptionError(f"--tp-rank/--tp-address: role {args.role!r} has tp_size 1")
+        if args.tp_listen_fd is not None and args.tp_rank != 0:
+            raise WorkerOptionError(f"--tp-listen-fd: only rank 0 hosts the rendezvous, not rank {args.tp_rank}")
+        if args.tp_listen_fd is not None and not _listening_tcp(args.tp_listen_fd):
+            raise WorkerOptionError(f"--tp-listen-fd {args.tp_listen_fd}: not an open, listening TCP socket")
+    elif args.tp_rank != 0 or args.tp_address is not None or args.tp_listen_fd is not None:
+        raise WorkerOptionError(f"--tp-rank/--tp-address/--tp-listen-fd: role {args.role!r} has tp_size 1")
     worker_id = args.worker_id or f"{args.role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     return WorkerConfig(
         role=roles[args.role],
@@ -75,4 +82,20 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         stall_timeout_s=args.stall_timeout,
         tp_rank=args.tp_rank,
         tp_address=args.tp_address,
+        tp_listen_fd=args.tp_listen_fd,
     )
+
+
+def _listening_tcp(fd: int) -> bool:
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return False
+    with sock:
+        return sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6) \
+            and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))

@@ -102,6 +102,8 @@ class WorkerConfig:
     tp_rank: int = 0
     tp_address: str | None = None
     """A role with `tp_size > 1`: where this replica's ranks meet (see `engine.compute.tp.unit`)."""
+    tp_listen_fd: int | None = None
+    """Rank 0: an inherited socket already listening at `tp_address` (`engine.data.rendezvous`)."""
     stall_timeout_s: float = 60.0
     """How long the event loop may go without turning before the worker ends itself (0: never)."""
 
@@ -536,7 +538,8 @@ def tp_seat(config: WorkerConfig) -> Any:
 
     if config.tp_address is None:
         raise ValueError(f"role {config.role.name!r} has tp_size {config.role.tp_size} but no tp_address")
-    return TPSeat(config.tp_rank, config.role.tp_size, config.tp_address, heartbeat_s=config.heartbeat_s)
+    return TPSeat(config.tp_rank, config.role.tp_size, config.tp_address, heartbeat_s=config.heartbeat_s,
+                  listen_fd=config.tp_listen_fd)
 
 
 def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:

@@ -16,7 +16,9 @@ own `--parent-pid` check.
 
 The launcher and the zygote talk over a Unix `SOCK_SEQPACKET` socket pair, one msgspec
 JSON message per packet, never pickle. Requests: `SpawnRequest` with the child's stdout
-pipe attached (`SCM_RIGHTS`). Events: `ZygoteReadyEvent`; `SpawnedEvent` with a pidfd of
+pipe attached (`SCM_RIGHTS`), and, when it says so, one more descriptor for the child to
+inherit (a tensor-parallel rank 0's rendezvous socket), whose number in the child replaces
+`INHERITED_FD` in its arguments. Events: `ZygoteReadyEvent`; `SpawnedEvent` with a pidfd of
 the child attached, so the launcher signals and watches the child race-free although it
 is not its parent; `SpawnFailedEvent`; `ExitedEvent` once the zygote has reaped a child.
 The zygote exits when the launcher's end closes (the launcher exited or was killed): it
@@ -53,12 +55,18 @@ class ZygoteError(RuntimeError):
     """The fork server did not start, did not answer in time, or is gone."""
 
 
+INHERITED_FD = "{inherited-fd}"
+"""In a spawn's arguments: the number, in the child, of the descriptor it inherits."""
+
+
 class SpawnRequest(msgspec.Struct, tag="spawn", frozen=True):
-    """Fork a worker running `python -m engine.worker *argv`; one fd attached: its stdout."""
+    """Fork a worker running `python -m engine.worker *argv`; fds attached: its stdout, then
+    (with `inherit`) the descriptor the child keeps open, named in `argv` by `INHERITED_FD`."""
 
     request_id: int
     argv: list[str]
     title: str
+    inherit: bool = False
 
 
 class ZygoteReadyEvent(msgspec.Struct, tag="ready", frozen=True):
@@ -201,10 +209,16 @@ class Zygote:
                 await zygote.close(timeout_s=5.0)
         return zygote
 
-    async def spawn(self, argv: Sequence[str], *, title: str, timeout_s: float = 10.0) -> ForkedProcess:
-        """Fork a worker running `python -m engine.worker *argv`; returns once it is forked."""
+    async def spawn(self, argv: Sequence[str], *, title: str, timeout_s: float = 10.0,
+                    inherit: int | None = None) -> ForkedProcess:
+        """Fork a worker running `python -m engine.worker *argv`; returns once it is forked.
+        `inherit`: a descriptor of this process the child gets a copy of, its number in the
+        child put in place of `INHERITED_FD` in `argv`."""
         if self._lost is not None:
             raise self._lost
+        if (inherit is not None) != (INHERITED_FD in argv):
+            raise ValueError(f"a spawn that inherits a descriptor names it in its arguments as {INHERITED_FD!r}"
+                             " (and only such a spawn)")
         loop = asyncio.get_running_loop()
         read_end, write_end = os.pipe()
         request_id = next(self._ids)
@@ -212,7 +226,8 @@ class Zygote:
         forked_in_time = False
         try:
             try:
-                socket.send_fds(self._sock, [_encode(SpawnRequest(request_id, list(argv), title))], [write_end])
+                request = SpawnRequest(request_id, list(argv), title, inherit is not None)
+                socket.send_fds(self._sock, [_encode(request)], [write_end, *([inherit] if inherit is not None else [])])
             except BlockingIOError:
                 raise ZygoteError("the fork server's control channel is full") from None
             finally:
@@ -368,7 +383,7 @@ class _Server:
                     self._drain_wakeups()
                     self.reap()
                 if self.sock in readable:
-                    data, fds, _, _ = socket.recv_fds(self.sock, _MAX_PACKET, 1)
+                    data, fds, _, _ = socket.recv_fds(self.sock, _MAX_PACKET, 2)
                     if not data:
                         return
                     self._spawn(data, fds)
@@ -403,23 +418,26 @@ class _Server:
                 os.close(fd)
             self.send(SpawnFailedEvent(None, f"malformed request: {exc}"))
             return
-        if len(fds) != 1:
+        expected = 2 if request.inherit else 1
+        if len(fds) != expected:
             for fd in fds:
                 os.close(fd)
-            self.send(SpawnFailedEvent(request.request_id, "a spawn request carries exactly one fd (stdout)"))
+            self.send(SpawnFailedEvent(request.request_id, f"this spawn request carries exactly {expected} fd(s)"
+                                                           " (stdout, then the one to inherit)"))
             return
         stdout_fd = fds[0]
         sys.stderr.flush()
         try:
             pid = os.fork()
         except OSError as exc:  # out of processes or memory: this request fails, the zygote serves on
-            os.close(stdout_fd)
+            for fd in fds:
+                os.close(fd)
             self.send(SpawnFailedEvent(request.request_id, f"fork: {exc}"))
             return
         if pid == 0:
             code = 1
             try:
-                code = self._child(request, stdout_fd)
+                code = self._child(request, stdout_fd, fds[1] if request.inherit else None)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
@@ -429,7 +447,8 @@ class _Server:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
-        os.close(stdout_fd)
+        for fd in fds:
+            os.close(fd)
         self.children.add(pid)
         pidfd = os.pidfd_open(pid)
         try:
@@ -437,7 +456,7 @@ class _Server:
         finally:
             os.close(pidfd)
 
-    def _child(self, request: SpawnRequest, stdout_fd: int) -> int:
+    def _child(self, request: SpawnRequest, stdout_fd: int, inherited: int | None) -> int:
         zygote_pid = os.getppid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -453,10 +472,11 @@ class _Server:
         os.close(stdout_fd)
         random.seed()  # a fresh interpreter would seed from the OS; the zygote's state is shared
         setproctitle.setproctitle(request.title)
-        sys.argv = ["python -m engine.worker", *request.argv]
+        argv = [str(inherited) if arg == INHERITED_FD else arg for arg in request.argv]
+        sys.argv = ["python -m engine.worker", *argv]
         from engine.worker.__main__ import main
 
-        return main(list(request.argv))
+        return main(argv)
 
     def stop_children(self) -> None:
         for pid in list(self.children):

@@ -148,6 +148,12 @@ async def test_a_tensor_parallel_replica_that_loses_a_rank_is_replaced_whole():
     async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), ready_timeout_s=120.0) as s:
         (first,) = s.cluster.workers
         leader, follower = first.processes
+        # The ranks met on the socket the launcher bound and handed to rank 0: rank 0 listens on
+        # it, the follower is connected to it, and the launcher kept no copy.
+        listening = {c.laddr.port for c in psutil.Process(leader.pid).net_connections("tcp") if c.status == "LISTEN"}
+        met = {c.raddr.port for c in psutil.Process(follower.pid).net_connections("tcp") if c.raddr}
+        assert listening & met
+        assert not listening & {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
         follower.process.send_signal(signal.SIGKILL)
         lost = await s.events.next(ReplicaEventKind.LOST)
         assert lost.reason == (f"worker {follower.worker_id} (tensor-parallel rank 1) of role 'lm'"

@@ -38,13 +38,16 @@ class TPGroup:
     @classmethod
     def init(cls, rank: int, size: int, address: str, *, timeout_s: float = 10.0,
              rendezvous_timeout_s: float | None = None, backend: str | None = None,
-             device: str = "cpu") -> TPGroup:
+             device: str = "cpu", listen_fd: int | None = None) -> TPGroup:
         """Join the group at `address` (`tcp://127.0.0.1:PORT`). A collective that a dead peer
         never joins raises after `timeout_s` (gloo's timeout) instead of hanging; meeting the
         other ranks (and `lookup`) may take `rendezvous_timeout_s` (default: `timeout_s`).
-        `device`: this rank's (`cuda:N` with NCCL)."""
+        `device`: this rank's (`cuda:N` with NCCL). `listen_fd`: rank 0 only, a socket already
+        listening at `address` (`engine.data.rendezvous`), which its store then owns."""
         if not 0 <= rank < size:
             raise TPError(f"rank {rank} is not in a group of {size}")
+        if listen_fd is not None and rank != 0:
+            raise TPError(f"rank {rank} was given a listening socket: only rank 0 hosts the rendezvous store")
         if size == 1:
             return cls(rank, size, device=device)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -53,7 +56,8 @@ class TPGroup:
             raise TPError(f"group address {address!r} is not tcp://HOST:PORT")
         meet_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
         try:
-            store = dist.TCPStore(host, int(port), size, rank == 0, timeout=datetime.timedelta(seconds=meet_s))
+            store = dist.TCPStore(host, int(port), size, rank == 0, timeout=datetime.timedelta(seconds=meet_s),
+                                  master_listen_fd=listen_fd)
             dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError

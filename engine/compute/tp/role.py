@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import os
 import select
-import socket
 import struct
 import subprocess
 import sys
@@ -57,6 +56,7 @@ from engine.compute.tp.messages import (
 )
 from engine.compute.tp.worker import RankState
 from engine.data.codec import TensorData, check_header, flatten_tensor
+from engine.data.rendezvous import listening_socket
 from engine.data.wire import Transport
 
 _LENGTH = struct.Struct("<Q")
@@ -152,7 +152,8 @@ def _write_frame(fd: int, payload: bytes, deadline: float | None = None) -> None
 # -- a rank ---------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, size: int, address: str, spec: RankSpec, parent_pid: int, start_timeout_s: float) -> int:
+def _rank_main(rank: int, size: int, address: str, spec: RankSpec, parent_pid: int, start_timeout_s: float,
+               listen_fd: int | None = None) -> int:
     """A rank process: join the group, build the shard, say hello, then run commands until told
     to stop or the driver is gone. Returns the exit status."""
     out = os.dup(1)
@@ -162,7 +163,7 @@ def _rank_main(rank: int, size: int, address: str, spec: RankSpec, parent_pid: i
     torch.set_num_threads(spec.threads)
     # The shard lives on the CPU (`RankState`), so the collectives are gloo's even where CUDA is.
     group = TPGroup.init(rank, size, address, timeout_s=spec.timeout_s, rendezvous_timeout_s=start_timeout_s,
-                         backend="gloo")
+                         backend="gloo", listen_fd=listen_fd)
     state = RankState(spec, group)
     reader = _FrameReader(0)
     try:
@@ -202,21 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--address", required=True)
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="rank 0: an inherited socket already listening at --address")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--start-timeout", type=float, required=True)
     parser.add_argument("--spec", required=True, help="the RankSpec, msgspec JSON")
     args = parser.parse_args(argv)
     spec = msgspec.json.decode(args.spec, type=RankSpec)
-    return _rank_main(args.rank, args.size, args.address, spec, args.parent_pid, args.start_timeout)
+    return _rank_main(args.rank, args.size, args.address, spec, args.parent_pid, args.start_timeout, args.listen_fd)
 
 
 # -- the driver -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(slots=True)
@@ -264,17 +261,23 @@ class TPRole:
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(TPRoleReply)
-        address = f"tcp://127.0.0.1:{_free_port()}"
         payload = msgspec.json.encode(spec).decode()
         self.procs: list[RankProcess] = []
         with contextlib.ExitStack() as undo:
             undo.callback(self.close)  # ranks of a role that did not come up are stopped
-            for rank in range(size):
-                argv = [sys.executable, "-m", "engine.compute.tp.role", "--rank", str(rank), "--size", str(size),
-                        "--address", address, "--parent-pid", str(os.getpid()),
-                        "--start-timeout", str(start_timeout_s), "--spec", payload]
-                popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-                self.procs.append(RankProcess(rank, popen))
+            # Rank 0 serves the rendezvous store on a socket bound here: no other process can
+            # take its port between the choice and rank 0's start.
+            listener, address = listening_socket()
+            with listener:
+                for rank in range(size):
+                    argv = [sys.executable, "-m", "engine.compute.tp.role", "--rank", str(rank), "--size", str(size),
+                            "--address", address, "--parent-pid", str(os.getpid()),
+                            "--start-timeout", str(start_timeout_s), "--spec", payload]
+                    passed = (listener.fileno(),) if rank == 0 else ()
+                    if passed:
+                        argv += ["--listen-fd", str(listener.fileno())]
+                    popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=passed)
+                    self.procs.append(RankProcess(rank, popen))
             for proc in self.procs:
                 os.set_blocking(proc.stdin_fd, False)
             self._wait_hello(start_timeout_s)

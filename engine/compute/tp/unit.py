@@ -107,6 +107,9 @@ class TPSeat:
     size: int
     address: str
     heartbeat_s: float = 0.5
+    listen_fd: int | None = None
+    """Rank 0: the socket listening at `address` that its launcher made (`engine.data.rendezvous`);
+    None: rank 0 binds `address` itself."""
 
 
 def tp_timeout_s(role: RoleSpec) -> float:
@@ -135,7 +138,7 @@ def join_group(role: RoleSpec, seat: TPSeat) -> tuple[TPGroup, str]:
         torch.cuda.set_device(device)
     group = TPGroup.init(seat.rank, seat.size, seat.address, timeout_s=tp_timeout_s(role),
                          rendezvous_timeout_s=SETUP_TIMEOUT_S, backend="gloo" if device == "cpu" else "nccl",
-                         device=device)
+                         device=device, listen_fd=seat.listen_fd)
     return group, device
 
 

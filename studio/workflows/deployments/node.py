@@ -35,9 +35,10 @@ from pathlib import Path
 
 import psutil
 
+from engine.data.rendezvous import listening_socket
 from engine.flow.discovery import RegistryError, make_registry
 from engine.spec.graph import GraphSpec, encode_spec
-from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id, tp_address
+from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
@@ -189,22 +190,30 @@ class NodeAgent:
             undo.callback(lambda: _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None]))
             for role, worker_id in wanted:
                 tp_size = ticket.spec.role(role).tp_size
-                # One process per tensor-parallel rank, all meeting at one address on this node.
-                ranks = [(worker_id, ())] if tp_size == 1 else [
-                    (rank_worker_id(worker_id, rank), ("--tp-rank", str(rank), "--tp-address", address))
-                    for address in (tp_address(),) for rank in range(tp_size)]
-                for rank_id, tp_args in ranks:
-                    if rank_id != worker_id:
-                        followers[rank_id] = role
-                    with (folder / f"{rank_id}.log").open("ab") as out:
-                        processes[rank_id] = subprocess.Popen(
-                            [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
-                             "--worker-id", rank_id, "--registry", str(self.config.redis_url),
-                             "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
-                             "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S), *tp_args],
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True,
-                        )
+                # One process per tensor-parallel rank, all meeting on a socket bound here and
+                # handed to rank 0, whose rendezvous store serves on it.
+                with contextlib.ExitStack() as rendezvous:
+                    ranks: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [(worker_id, (), ())]
+                    if tp_size > 1:
+                        listener, address = listening_socket()
+                        rendezvous.enter_context(listener)
+                        ranks = [(rank_worker_id(worker_id, rank),
+                                  ("--tp-rank", str(rank), "--tp-address", address,
+                                   *(("--tp-listen-fd", str(listener.fileno())) if rank == 0 else ())),
+                                  (listener.fileno(),) if rank == 0 else ())
+                                 for rank in range(tp_size)]
+                    for rank_id, tp_args, passed in ranks:
+                        if rank_id != worker_id:
+                            followers[rank_id] = role
+                        with (folder / f"{rank_id}.log").open("ab") as out:
+                            processes[rank_id] = subprocess.Popen(
+                                [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
+                                 "--worker-id", rank_id, "--registry", str(self.config.redis_url),
+                                 "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
+                                 "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S), *tp_args],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, pass_fds=passed,
+                            )
             registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
                                                       [w for _, w in wanted]))
             undo.pop_all()

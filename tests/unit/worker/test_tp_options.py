@@ -4,10 +4,13 @@ replica's ranks."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 from pathlib import Path
 
 import pytest
 
+from engine.data.rendezvous import listening_socket
 from engine.flow.dsl import Workflow
 from engine.spec.graph import encode_spec
 from engine.worker.launcher import leader_worker_id, rank_worker_id
@@ -37,6 +40,29 @@ def test_ranks_of_a_tp_role_get_their_seat(workflow: Path):
     assert worker_config(parse(workflow, "--role", "one")).tp_address is None
 
 
+def test_rank_0_takes_an_inherited_listening_socket(workflow: Path):
+    listener, address = listening_socket()
+    with listener:
+        config = worker_config(parse(workflow, "--role", "two", "--tp-address", address,
+                                     "--tp-listen-fd", str(listener.fileno())))
+        assert config.tp_listen_fd == listener.fileno()
+        assert address.startswith("tcp://127.0.0.1:") and listener.getsockname()[1] == int(address.rsplit(":", 1)[1])
+
+
+def test_a_tp_listen_fd_that_is_not_a_listening_tcp_socket_is_refused(workflow: Path):
+    unbound = socket.socket()
+    read_end, write_end = os.pipe()
+    try:
+        for fd in (unbound.fileno(), read_end, 9999):
+            with pytest.raises(WorkerOptionError, match=f"--tp-listen-fd {fd}: not an open, listening TCP socket"):
+                worker_config(parse(workflow, "--role", "two", "--tp-address", "tcp://127.0.0.1:5",
+                                    "--tp-listen-fd", str(fd)))
+    finally:
+        unbound.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (("--role", "two"), "give --tp-address"),
     (("--role", "two", "--tp-address", "127.0.0.1:5"), "give --tp-address"),
@@ -44,6 +70,9 @@ def test_ranks_of_a_tp_role_get_their_seat(workflow: Path):
     (("--role", "two", "--tp-rank", "-1", "--tp-address", "tcp://127.0.0.1:5"), "has ranks 0..1"),
     (("--role", "one", "--tp-rank", "1"), "has tp_size 1"),
     (("--role", "one", "--tp-address", "tcp://127.0.0.1:5"), "has tp_size 1"),
+    (("--role", "one", "--tp-listen-fd", "0"), "has tp_size 1"),
+    (("--role", "two", "--tp-rank", "1", "--tp-address", "tcp://127.0.0.1:5", "--tp-listen-fd", "0"),
+     "only rank 0 hosts the rendezvous"),
 ])
 def test_bad_tp_options_are_refused(workflow: Path, argv: tuple[str, ...], message: str):
     with pytest.raises(WorkerOptionError, match=message):
