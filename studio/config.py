@@ -70,6 +70,10 @@ class StudioConfig:
     """How long a starting role worker may take to register."""
     worker_restart: bool
     """Replace the role workers of an embedded deployment that end unasked (`RestartPolicy`)."""
+    worker_max_restarts: int
+    """Replacements of one worker in a row (each lived under a minute) before its place is given up."""
+    worker_restart_backoff_s: float
+    """The wait before the first replacement; it doubles with each further one in a row (up to 30 s)."""
     chat_timeout_s: float
     """How long a chat completion or session turn may take."""
     metrics_interval_s: float
@@ -269,6 +273,8 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         max_replicas=env_int(env, "OMNIFLOW_MAX_REPLICAS", 16, minimum=1),
         worker_ready_timeout_s=env_seconds(env, "OMNIFLOW_WORKER_READY_TIMEOUT_S", 120.0),
         worker_restart=env_bool(env, "OMNIFLOW_WORKER_RESTART", True),
+        worker_max_restarts=env_int(env, "OMNIFLOW_WORKER_MAX_RESTARTS", 5),
+        worker_restart_backoff_s=env_seconds(env, "OMNIFLOW_WORKER_RESTART_BACKOFF_S", 0.5),
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),

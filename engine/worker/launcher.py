@@ -16,11 +16,8 @@ and keeps their loads fresh by asking each worker's liveness endpoint every hear
 (workers cannot heartbeat into another process's memory); with one, workers register
 and heartbeat there themselves and the cluster reads it back.
 
-With a `RestartPolicy` the cluster also supervises its replicas, as Ray Serve and Kubernetes
-do: a replica one of whose processes ends without being asked to (killed, crashed, or stopped
-by itself, say because the GPU weights it attached are gone) is deregistered, what is left of
-it is stopped, and a fresh replica takes its place under a new worker id, after a back-off
-that doubles while replacements keep failing. `on_event` hears of each loss and replacement.
+With a `RestartPolicy` the cluster also supervises its replicas (`engine.worker.supervise`):
+a replica that ends unasked is deregistered, stopped whole and replaced under a new worker id.
 """
 
 from __future__ import annotations
@@ -29,15 +26,12 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import os
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 import zmq
@@ -49,7 +43,6 @@ from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
 from engine.flow.discovery import (
     InProcessRegistry,
     Registry,
-    RegistryError,
     UnknownWorkerError,
     WorkerInfo,
     WorkerLoad,
@@ -58,9 +51,8 @@ from engine.flow.discovery import (
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
 from engine.worker.process import READY_PREFIX
-from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote, ZygoteError
-
-log = logging.getLogger(__name__)
+from engine.worker.supervise import ReplicaEvent, RestartPolicy, Supervisor
+from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
 
 
 class LaunchError(RuntimeError):
@@ -86,78 +78,6 @@ class LaunchedWorker:
     def processes(self) -> list[LaunchedWorker]:
         """This worker and its follower ranks, rank order."""
         return [self, *self.ranks]
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """How a supervising `LocalCluster` replaces replicas that end unasked.
-
-    The first replacement starts `backoff_s` after the loss; each further loss of a replica
-    that had not yet stayed up `healthy_after_s` (or a replacement that fails to start)
-    doubles the wait, up to `max_backoff_s`. A replica that stayed up that long starts the
-    count afresh. After `max_restarts` replacements in a row (None: no limit) the slot is
-    given up and the role runs one replica short."""
-
-    backoff_s: float = 0.5
-    max_backoff_s: float = 30.0
-    healthy_after_s: float = 60.0
-    max_restarts: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s or self.healthy_after_s < 0:
-            raise ValueError(f"bad restart policy {self}: need 0 <= backoff_s <= max_backoff_s, healthy_after_s >= 0")
-        if self.max_restarts is not None and self.max_restarts < 0:
-            raise ValueError(f"bad restart policy {self}: max_restarts must be >= 0 or None")
-
-    def delay_s(self, failures: int) -> float:
-        """The wait before replacement number `failures` + 1 of a row."""
-        return min(self.backoff_s * 2.0 ** failures, self.max_backoff_s)
-
-
-class ReplicaEventKind(StrEnum):
-    LOST = "lost"
-    """A process of `worker`'s replica ended unasked; the replica is stopped and deregistered."""
-    REPLACED = "replaced"
-    """`worker` is a fresh replica, ready and registered, in place of the one `replaces` names."""
-    RESTART_FAILED = "restart_failed"
-    """A replacement for `replaces` did not come up (`reason`); another try follows the back-off."""
-    GAVE_UP = "gave_up"
-    """`max_restarts` replacements in a row: the replica `replaces` names is not replaced again."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaEvent:
-    kind: ReplicaEventKind
-    role: str
-    worker_id: str
-    """The replica's rank 0: the one lost, or the new one."""
-    reason: str = ""
-    worker: LaunchedWorker | None = None
-    """REPLACED: the new replica (with its ranks); LOST: the one lost."""
-    replaces: str | None = None
-    """REPLACED, RESTART_FAILED, GAVE_UP: the worker id of the replica lost."""
-
-
-@dataclass(slots=True)
-class _Slot:
-    """One replica's place in the cluster, which successive replacements fill."""
-
-    role: str
-    index: int
-    generation: int = 0
-    failures: int = 0
-    """Replacements in a row that did not stay up `healthy_after_s` (or did not start)."""
-
-
-def _exit_reason(worker: LaunchedWorker, code: int | None) -> str:
-    if code is None:
-        how = "exited (status unknown)"
-    elif code < 0:
-        how = f"was killed by signal {signal.Signals(-code).name}"
-    else:
-        how = f"exited with status {code}"
-    rank = f" (tensor-parallel rank {worker.tp_rank})" if worker.tp_rank else ""
-    return f"worker {worker.worker_id}{rank} of role {worker.role!r} {how}"
 
 
 TP_RANK_SUFFIX = ".tp"
@@ -194,6 +114,8 @@ class LocalCluster:
         restart: RestartPolicy | None = None,
         on_event: Callable[[ReplicaEvent], Awaitable[None]] | None = None,
     ) -> None:
+        """`restart`: supervise the replicas (None: a replica that ends stays gone);
+        `on_event` hears of each loss and replacement."""
         self.spec = spec
         self.registry_url = registry_url
         self.namespace = namespace
@@ -202,8 +124,6 @@ class LocalCluster:
         self.heartbeat_s = heartbeat_s
         self.extra_args = extra_args
         self.fork_server = fork_server
-        self.restart = restart
-        self.on_event = on_event
         self.workers: list[LaunchedWorker] = []
         self.registry: Registry = (
             make_registry(registry_url, namespace=namespace) if registry_url else InProcessRegistry(ttl_s=float("inf"))
@@ -211,10 +131,9 @@ class LocalCluster:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._poller: asyncio.Task[None] | None = None
         self._zygote: Zygote | None = None
-        self._supervisors: dict[str, asyncio.Task[None]] = {}
-        """With a restart policy: per replica (rank 0's worker id), the task that watches it
-        and, once it is lost, replaces it."""
-        self._slots: dict[str, _Slot] = {}
+        self._supervisor = None if restart is None else Supervisor(
+            restart, registry=self.registry, workers=self.workers, start=self._spawn_replica, end=self._end,
+            on_event=on_event)
 
     def _env(self) -> dict[str, str]:
         # Workers import the same workflow modules (python ops) as this process.
@@ -226,13 +145,17 @@ class LocalCluster:
     async def spawn(self, role: str, index: int) -> LaunchedWorker:
         """Start replica `index` of `role`: one worker, or `tp_size` rank processes (returned as
         rank 0 with the others in `.ranks`); only rank 0 is registered and in `workers`."""
-        return await self._spawn_replica(_Slot(role, index))
+        worker = await self._spawn_replica(role, index)
+        if self._supervisor is not None:
+            self._supervisor.watch(worker, index)
+        return worker
 
-    async def _spawn_replica(self, slot: _Slot) -> LaunchedWorker:
-        role, index = slot.role, slot.index
+    async def _spawn_replica(self, role: str, index: int, generation: int = 0) -> LaunchedWorker:
+        """Replica `index` of `role`, ready, registered and in `workers`; `generation` N > 0: its
+        Nth replacement (worker id suffix `-rN`)."""
         worker_id = f"{self.spec.name}-{role}-{index}-{os.getpid()}"
-        if slot.generation:
-            worker_id += f"-r{slot.generation}"
+        if generation:
+            worker_id += f"-r{generation}"
         tp_size = self.spec.role(role).tp_size
         if tp_size == 1:
             worker = await self._spawn_rank(role, worker_id)
@@ -248,92 +171,16 @@ class LocalCluster:
                 meta={"liveness": details["liveness"], "data": details["data"],
                       **{k: details[k] for k in ("local", "local_ns") if k in details}},
             ))
-        if self.restart is not None:
-            self._slots[worker.worker_id] = slot
-            self._supervisors[worker.worker_id] = asyncio.get_running_loop().create_task(
-                self._supervise(worker, slot, self.restart), name=f"omniflow-supervise-{worker.worker_id}")
         return worker
 
-    # --------------------------------------------------------------- supervision
     def restarting(self, role: str) -> int:
         """How many replicas of `role` are lost and waiting for (or starting) their replacement."""
-        return len(self._pending(role))
+        return 0 if self._supervisor is None else self._supervisor.pending(role)
 
     async def cancel_restarts(self, role: str, count: int) -> int:
         """Give up to `count` pending replacements of `role` (scaling down while a replica is
         being replaced); returns how many were given up."""
-        pending = self._pending(role)[:count]
-        await self._unsupervise(pending)
-        return len(pending)
-
-    def _pending(self, role: str) -> list[str]:
-        live = {w.worker_id for w in self.workers}
-        return [wid for wid, slot in self._slots.items() if slot.role == role and wid not in live]
-
-    async def _unsupervise(self, worker_ids: list[str]) -> None:
-        """Stop watching these replicas, and replacing them (they are being stopped on purpose)."""
-        tasks = [self._supervisors.pop(wid) for wid in worker_ids if wid in self._supervisors]
-        for wid in worker_ids:
-            self._slots.pop(wid, None)
-        tasks = [task for task in tasks if task is not asyncio.current_task()]  # a listener stopping the cluster
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _emit(self, event: ReplicaEvent) -> None:
-        log.log(logging.INFO if event.kind is ReplicaEventKind.REPLACED else logging.WARNING,
-                "role %r: replica %s %s%s", event.role, event.worker_id, event.kind.value,
-                f": {event.reason}" if event.reason else "")
-        if self.on_event is not None:
-            try:
-                await self.on_event(event)
-            except Exception:  # a listener's failure must not stop the supervision
-                log.exception("the replica event listener failed on %s", event)
-
-    async def _supervise(self, worker: LaunchedWorker, slot: _Slot, policy: RestartPolicy) -> None:
-        """Wait for any process of `worker`'s replica to end; then stop the rest, deregister it
-        and start replacements (with back-off) until one is up or the policy gives up."""
-        born = time.monotonic()
-        waits = {asyncio.ensure_future(rank.process.wait()): rank for rank in worker.processes}
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
-        dead = waits[next(iter(done))]
-        reason = _exit_reason(dead, dead.process.returncode)
-        await self._end(worker.processes)  # what is left of a tensor-parallel replica, and the relays
-        if worker in self.workers:  # only now: a stop() that cancels the `_end` above still ends it
-            self.workers.remove(worker)
-        with contextlib.suppress(RegistryError):  # gone already, or the registry is down: its TTL ends it
-            await self.registry.deregister(worker.worker_id)
-        await self._emit(ReplicaEvent(ReplicaEventKind.LOST, worker.role, worker.worker_id, reason, worker))
-        if time.monotonic() - born >= policy.healthy_after_s:
-            slot.failures = 0
-        lost = worker.worker_id
-        while True:
-            if policy.max_restarts is not None and slot.failures >= policy.max_restarts:
-                self._slots.pop(lost, None)
-                self._supervisors.pop(lost, None)
-                await self._emit(ReplicaEvent(ReplicaEventKind.GAVE_UP, worker.role, lost,
-                                              f"{slot.failures} replacement(s) in a row did not last"
-                                              f" {policy.healthy_after_s} s", replaces=lost))
-                return
-            await asyncio.sleep(policy.delay_s(slot.failures))
-            slot.failures += 1
-            slot.generation += 1
-            try:
-                fresh = await self._spawn_replica(slot)
-            except (LaunchError, ZygoteError) as exc:
-                await self._emit(ReplicaEvent(ReplicaEventKind.RESTART_FAILED, worker.role, lost, str(exc),
-                                              replaces=lost))
-                continue
-            # The slot now belongs to the fresh replica, whose own supervisor `_spawn_replica` started.
-            self._slots.pop(lost, None)
-            self._supervisors.pop(lost, None)
-            await self._emit(ReplicaEvent(ReplicaEventKind.REPLACED, worker.role, fresh.worker_id,
-                                          reason, fresh, replaces=lost))
-            return
+        return 0 if self._supervisor is None else await self._supervisor.cancel_pending(role, count)
 
     async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int) -> LaunchedWorker:
         """The `tp_size` rank processes of one tensor-parallel replica, once all are ready:
@@ -510,13 +357,15 @@ class LocalCluster:
             context.term()
 
     async def stop(self) -> None:
-        await self._unsupervise(list(self._supervisors))  # nothing is replaced while the cluster stops
+        if self._supervisor is not None:
+            await self._supervisor.close()  # nothing is replaced while the cluster stops
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
-        workers, self.workers = self.workers, []
+        workers = list(self.workers)
+        self.workers.clear()  # the same list: the supervisor holds it
         # Rank 0 of a tensor-parallel replica first: it drains, then stops its followers.
         await self._end(workers)
         await self._end([rank for worker in workers for rank in worker.ranks])
@@ -549,9 +398,11 @@ class LocalCluster:
 
     async def retire(self, worker: LaunchedWorker) -> None:
         """Stop one replica of a running cluster (scaling down): rank 0 drains and deregisters,
-        then its follower ranks stop."""
-        await self._unsupervise([worker.worker_id])
-        self.workers.remove(worker)
+        then its follower ranks stop. A replica lost meanwhile is not replaced."""
+        if self._supervisor is not None:
+            await self._supervisor.unsupervise(worker)
+        if worker in self.workers:
+            self.workers.remove(worker)
         await self._end([worker])
         await self._end(worker.ranks)
         if isinstance(self.registry, InProcessRegistry):

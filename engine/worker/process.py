@@ -121,8 +121,11 @@ def _bound(sock: zmq.Socket, host: str) -> str:
 
 class _LoopWatch:
     """Whether the worker's event loop still turns: each heartbeat the liveness thread posts a
-    probe to it; a probe left unanswered for `timeout_s` means the loop is stuck. Compute runs
-    on the units' own threads, so a loop that turns answers within microseconds."""
+    probe to it; a probe left unanswered for `timeout_s`, and still unanswered one check later,
+    means the loop is stuck. Compute runs on the units' own threads, so a loop that turns
+    answers within microseconds; the check one beat later spares a worker whose threads were
+    all held up together (a paused process, a starved machine): once they run again the loop
+    answers long before that check."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self._loop = loop
@@ -130,6 +133,7 @@ class _LoopWatch:
         self._sent: float | None = None
         """When the probe not yet answered was posted (written by the liveness thread only
         while None, and set back to None by the loop)."""
+        self._suspect = False
 
     def _answer(self) -> None:
         self._sent = None
@@ -141,10 +145,14 @@ class _LoopWatch:
         now = time.monotonic()
         sent = self._sent
         if sent is None:
+            self._suspect = False
             self._sent = now
             self._loop.call_soon_threadsafe(self._answer)
             return None
         if now - sent < self._timeout_s:
+            return None
+        if not self._suspect:
+            self._suspect = True  # confirmed only if it is still unanswered at the next check
             return None
         return (f"the worker's event loop has not turned for {now - sent:.1f} s"
                 f" (stall timeout {self._timeout_s:g} s)")
@@ -297,15 +305,20 @@ class _Liveness(threading.Thread):
 
     async def _end_stalled(self, reason: str) -> None:
         """The main loop is stuck, so no graceful stop can run: say where every thread is,
-        leave the registry and end the process at once."""
-        log.critical("%s; dumping every thread's stack, deregistering and exiting with status %d",
-                     reason, STALLED_EXIT)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        if self._registry is not None and self._info is not None:
-            with contextlib.suppress(RegistryUnavailableError, UnknownWorkerError):
-                await self._registry.deregister(self._info.worker_id)
-        sys.stderr.flush()
-        os._exit(STALLED_EXIT)
+        leave the registry and end the process, whatever fails on the way. Written straight
+        to standard error: the stuck thread may hold a logging lock."""
+        try:
+            os.write(2, f"worker {self._config.worker_id}: {reason}; dumping every thread's stack, deregistering"
+                        f" and exiting with status {STALLED_EXIT}\n".encode())
+            faulthandler.dump_traceback(all_threads=True)
+            if self._registry is not None and self._info is not None:
+                async with asyncio.timeout(self._STOP_BEAT_S):
+                    await self._registry.deregister(self._info.worker_id)
+        except Exception as exc:  # noqa: BLE001 - exiting regardless; the registry's TTL ends the record
+            with contextlib.suppress(OSError):
+                os.write(2, f"worker {self._config.worker_id}: deregistering failed: {exc!r}\n".encode())
+        finally:
+            os._exit(STALLED_EXIT)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._loop is not None and self._stopping is not None:

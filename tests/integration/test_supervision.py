@@ -29,9 +29,10 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LocalCluster, ReplicaEvent, ReplicaEventKind, RestartPolicy
-from tests.integration.deployments import hf_greedy, text_ids
+from engine.worker.launcher import LocalCluster
 from engine.worker.process import STALLED_EXIT
+from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
+from tests.integration.deployments import hf_greedy, text_ids
 from tests.integration.workerfns import block_loop, whoami
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -219,6 +220,30 @@ async def test_max_restarts_gives_the_slot_up_and_the_other_replica_keeps_servin
         assert s.cluster.restarting("py") == 0
         assert [w.info.worker_id for w in await s.cluster.registry.workers("py")] == [survivor.worker_id]
         assert (await s.run(6))["pid"] == survivor.pid
+
+
+async def test_a_replica_lost_while_being_retired_is_not_replaced_and_retire_does_not_fail():
+    """Scaling down picks replicas first and retires them one by one: one of them may die in
+    between. A real-time signal has no name; the reason gives its number."""
+    async with supervised(RestartPolicy(backoff_s=60.0, max_backoff_s=60.0), replicas=2) as s:
+        victim, kept = s.cluster.workers
+        number = int(signal.SIGRTMIN) + 3
+        victim.process.send_signal(number)  # its default action ends the process
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.reason == f"worker {victim.worker_id} of role 'py' was killed by signal {number}"
+        assert s.cluster.restarting("py") == 1
+        await s.cluster.retire(victim)
+        assert s.cluster.restarting("py") == 0 and s.cluster.workers == [kept]
+
+
+async def test_max_restarts_zero_reports_the_loss_and_gives_up_at_once():
+    async with supervised(RestartPolicy(max_restarts=0)) as s:
+        (only,) = s.cluster.workers
+        only.process.send_signal(signal.SIGKILL)
+        await s.events.next(ReplicaEventKind.LOST)
+        gave_up = await s.events.next(ReplicaEventKind.GAVE_UP)
+        assert gave_up.reason == "restarts are off (max_restarts 0)"
+        assert s.cluster.workers == [] and s.cluster.restarting("py") == 0
 
 
 async def test_a_replacement_that_cannot_start_is_retried_then_given_up():

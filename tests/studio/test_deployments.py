@@ -283,13 +283,51 @@ def test_a_killed_worker_is_replaced_and_its_row_marked_lost(api: Any, studio_en
     assert studio_engine.runs.wait(response.json()["id"]) == "done"
     assert api.get(f"/api/runs/{response.json()['id']}/").json()["outputs"]["result"]["pid"] == fresh.pid
 
-    # Scaling counts the replacement once; stopping ends it and replaces nothing.
-    api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json")
-    settle(studio_engine, d["id"])
-    assert [w["status"] for w in api.get(f"/api/deployments/{d['id']}/").json()["workers"]].count("ready") == 1
+    # Stopping ends the replacement and replaces nothing.
     api.post(f"/api/deployments/{d['id']}/stop/")
     settle(studio_engine, d["id"])
     final = api.get(f"/api/deployments/{d['id']}/").json()
     assert final["status"] == "stopped"
     assert sorted(w["status"] for w in final["workers"]) == ["lost", "stopped"]
     assert not psutil.pid_exists(fresh.pid) or psutil.Process(fresh.pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def _restarting(studio: StudioEngine, deployment_id: str) -> int:
+    return studio.deployments._hosted[deployment_id].cluster.restarting("py")
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_scaling_counts_a_pending_replacement_once(api: Any) -> None:
+    """A lost worker whose replacement waits out its back-off: scaling 1 -> 2 starts one worker
+    (the pending replacement is the other), and 2 -> 1 gives the pending replacement up rather
+    than stopping the live worker."""
+    app = apps.get_app_config("workflows")
+    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES,
+                                              worker_restart_backoff_s=600.0))
+    previous = app.install(studio)
+    try:
+        d = deploy(api, studio, {"workflow": create_workflow(api, whoami_spec())["id"]})
+        assert d["status"] == "running", d
+        (first,) = d["workers"]
+        psutil.Process(first["pid"]).kill()
+        rows_until(d["id"], lambda rows: [r.status for r in rows] == ["lost"], "the lost row")
+        assert studio.runs.call(_restarting(studio, d["id"])).result(10) == 1
+
+        api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 2}, format="json")
+        settle(studio, d["id"])
+        rows = list(Worker.objects.filter(deployment_id=d["id"]).order_by("started_at"))
+        assert [r.status for r in rows] == ["lost", "ready"]
+        assert registered(d["namespace"]) == [rows[1].worker_id]
+
+        api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json")
+        settle(studio, d["id"])
+        assert studio.runs.call(_restarting(studio, d["id"])).result(10) == 0
+        after = list(Worker.objects.filter(deployment_id=d["id"]).order_by("started_at"))
+        assert [(r.worker_id, r.status) for r in after] == [(r.worker_id, r.status) for r in rows]
+        assert registered(d["namespace"]) == [rows[1].worker_id]
+        assert psutil.pid_exists(rows[1].pid)
+        api.post(f"/api/deployments/{d['id']}/stop/")
+        settle(studio, d["id"])
+    finally:
+        studio.runs.stop()
+        app.install(previous)

@@ -32,14 +32,8 @@ from engine.flow.discovery import RegistryError, WorkerSnapshot
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import KindRegistry
-from engine.worker.launcher import (
-    LaunchedWorker,
-    LaunchError,
-    LocalCluster,
-    ReplicaEvent,
-    ReplicaEventKind,
-    RestartPolicy,
-)
+from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
+from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.reach import NamespaceExecutors, pull_outputs
@@ -127,7 +121,11 @@ class EmbeddedDeployments:
                 await self._orm(records.stop_all_workers, deployment_id)
                 await self._orm(records.set_status, deployment_id, DeploymentStatus.FAILED, str(exc), unless=_ENDED)
                 return
-            await self._orm(records.add_workers, deployment_id, started)
+            # Only the workers still up: one lost while the others started is the supervisor's
+            # (its rows, if any, say lost), not a READY row written after the fact.
+            hosted = self._hosted.get(deployment_id)
+            live = {w.worker_id for r in hosted.cluster.workers for w in r.processes} if hosted else set()
+            await self._orm(records.add_workers, deployment_id, [w for w in started if w.worker_id in live])
             await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
             if not await self._orm(records.set_status, deployment_id, DeploymentStatus.RUNNING, unless=_ENDED):
                 stopped = await self._stop_hosted(deployment_id)  # a stop came while the workers started
@@ -156,7 +154,7 @@ class EmbeddedDeployments:
                 ready_timeout_s=self.config.worker_ready_timeout_s,
                 stop_timeout_s=STOP_TIMEOUT_S,
                 extra_args=("--listen", self.config.worker_listen),
-                restart=RestartPolicy() if self.config.worker_restart else None,
+                restart=self._restart_policy(),
                 on_event=functools.partial(self._replica_event, ticket),
             )
             await cluster.start()  # stops what it started when one worker fails
@@ -183,6 +181,13 @@ class EmbeddedDeployments:
                 await hosted.cluster.retire(worker)  # it drains and deregisters; then its ranks stop
                 stopped += [w.worker_id for w in worker.processes]
         return started, stopped
+
+    def _restart_policy(self) -> RestartPolicy | None:
+        if not self.config.worker_restart:
+            return None
+        backoff_s = self.config.worker_restart_backoff_s
+        return RestartPolicy(backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),
+                             max_restarts=self.config.worker_max_restarts)
 
     async def _replica_event(self, ticket: DeploymentTicket, event: ReplicaEvent) -> None:
         """The worker rows follow the cluster's supervision: a lost replica's rows are marked
