@@ -123,6 +123,7 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         # TP-2 prefill -> TP-1 decode: the TP-1 worker pulled rank 0's merged pages; and TP-2 -> TP-2.
         assert result.outputs["pd21"] == expected
         assert result.outputs["pd21_kv"]["pulled_pages"] == len(prompt) // PAGE
+        assert result.outputs["pd21_kv"]["prefill_worker_id"] == deployment.replica("two").worker_id
         assert result.outputs["pd22"] == expected
     # The TP-2 decodes let go of every handoff: the prefill worker holds no page locked.
     one = deployment.replica("one").worker_id

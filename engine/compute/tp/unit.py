@@ -110,6 +110,8 @@ class TPSeat:
     listen_fd: int | None = None
     """Rank 0: the socket listening at `address` that its launcher made (`engine.data.rendezvous`);
     None: rank 0 binds `address` itself."""
+    worker_id: str | None = None
+    """This rank's worker id (rank 0's is the replica's, named in its prefill handoffs)."""
 
 
 def tp_timeout_s(role: RoleSpec) -> float:
@@ -372,6 +374,7 @@ class TPLLMUnit(LLMUnit):
             undo.callback(self._shutdown)  # a half-built rank 0 ends its link and group
             super().__init__(role)
             undo.pop_all()
+        self.worker_id = tp.worker_id
 
     # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
 
