@@ -2,8 +2,9 @@
 
 Role `one` (tiny-llama's transformer, TP-1) and role `two` (the same, TP-2: two rank processes,
 rank 0 the one endpoint) denoise the same prompts: float32 latents agree within 1e-5, and both
-equal an independent reference denoised in this process. A bad input fails its node and leaves
-the group intact; a killed follower rank fails the next node with a clear error, and every later
+equal an independent reference denoised in this process. Given the `kv` of an `llm` role (`lm`)
+that computed the prompt, both reuse its pages, pulled across roles (TP-2: each rank keeps its
+heads), with the same latents. A bad input fails its node and leaves the group intact; a killed follower rank fails the next node with a clear error, and every later
 one at once. The killed-rank test runs last; every process the module starts is stopped.
 """
 
@@ -27,6 +28,7 @@ from engine.flow.dsl import Workflow
 from engine.flow.remote import RemoteNodeError
 from engine.spec.graph import GraphSpec
 from tests.integration.deployments import Deployment, deployed
+from tests.integration.workerfns import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,7 +42,9 @@ PARAMS = {"page_size": 4, "latent_size": 8, "steps": 3, "guidance_scale": 3.0}
 def spec() -> GraphSpec:
     wf = Workflow("tp-diffusion")
     wf.role("one", kind="diffusion", model=MODEL, params=PARAMS)
-    wf.role("two", kind="diffusion", model=MODEL, tp_size=2, params={**PARAMS, "tp_timeout_s": TP_TIMEOUT_S})
+    wf.role("two", kind="diffusion", model=MODEL, tp_size=2,
+            params={**PARAMS, "tp_timeout_s": TP_TIMEOUT_S, "pull_timeout_s": 2.0})
+    wf.role("lm", kind="llm", model=MODEL, params={"page_size": PARAMS["page_size"]})
     return wf.to_spec()
 
 
@@ -59,12 +63,19 @@ async def deployment() -> AsyncIterator[Deployment]:
         yield deployment
 
 
-def reference(prompt: str, negative: str, seed: int, steps: int) -> torch.Tensor:
+def reference(prompt: str | list[int], negative: str, seed: int, steps: int) -> torch.Tensor:
     """The same denoising in this process, on the whole model, with the prompts recomputed at every step."""
     loaded = load_builtin(MODEL)
     runner = DiffusionRunner(loaded, DiffusionConfig(**PARAMS))
-    ids = [list(loaded.tokenizer(text).input_ids) or [BOS_ID] for text in (prompt, negative)]
+    ids = [list(text) if isinstance(text, list) else list(loaded.tokenizer(text).input_ids) or [BOS_ID]
+           for text in (prompt, negative)]
     return runner.denoise_recompute([Prompt.of(i) for i in ids], seed=seed, steps=steps)[0]
+
+
+async def reused_tokens(deployment: Deployment, role: str) -> float:
+    """The role's `diffusion.prompt_tokens_reused`, as its last load report gave it."""
+    (snapshot,) = await deployment.cluster.registry.workers(role)
+    return snapshot.load.metrics.get("diffusion.prompt_tokens_reused", 0.0)
 
 
 async def test_a_tp2_diffusion_replica_is_two_rank_processes(deployment: Deployment):
@@ -89,9 +100,38 @@ async def test_tp2_latents_equal_tp1_within_1e_5(deployment: Deployment, prompt,
     assert (two - reference(prompt, negative, seed, steps)).abs().max().item() <= 1e-5
 
 
+async def test_tp2_diffusion_reuses_the_prompt_kv_an_llm_role_computed(deployment: Deployment):
+    tokens = list(load_builtin(MODEL).tokenizer("a red fox asleep in fresh snow under a pale winter moon").input_ids)
+    pages = len(tokens) // PARAMS["page_size"]
+    assert pages >= 3
+    kv = (await deployment.execute("lm", {"tokens": tokens}, ("kv",), {"max_new_tokens": 1}))["kv"]
+    assert kv["holder"], kv
+    inputs = {"tokens": tokens, "negative_prompt": "blurry", "kv": kv}
+    params = {"seed": 3, "steps": 2}
+    before = {role: await reused_tokens(deployment, role) for role in ("one", "two")}
+    one = await latents(deployment, "one", inputs, params)
+    two = await latents(deployment, "two", inputs, params)
+    assert (one - two).abs().max().item() <= 1e-5
+    assert (two - reference(tokens, "blurry", 3, 2)).abs().max().item() <= 1e-5
+    # Both reused every full page of the prompt (pulled from `lm`) instead of computing it (and
+    # TP-1 perhaps a page of the negative prompt that it computed for an earlier node and kept).
+    for role in ("one", "two"):
+        async def reused(role: str = role) -> bool:
+            return await reused_tokens(deployment, role) >= before[role] + pages * PARAMS["page_size"]
+
+        await wait_until(reused, 10.0, f"role {role!r} reporting the reused prompt tokens")
+
+
 async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment: Deployment):
-    with pytest.raises(RemoteNodeError, match="input 'kv'"):
+    with pytest.raises(RemoteNodeError, match="KV of model 'm', this role runs"):
         await latents(deployment, "two", {"prompt": "x", "kv": {"model_id": "m"}}, {})
+    kv = (await deployment.execute("lm", {"tokens": [40, 41, 42, 43, 44]}, ("kv",), {"max_new_tokens": 1}))["kv"]
+    with pytest.raises(RemoteNodeError, match="input 'kv' names no holder"):
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": None}}, {})
+    # A holder that is gone: every rank's pull fails alike, within the role's pull_timeout_s.
+    with pytest.raises(RemoteNodeError, match="pulling the prompt's KV from tcp://127.0.0.1:9 failed"):
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": "tcp://127.0.0.1:9"}},
+                      {"steps": 1})
     with pytest.raises(RemoteNodeError, match="exactly one of the inputs"):
         await latents(deployment, "two", {"prompt": "x", "tokens": [5, 6]}, {})
     again = await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44]},

@@ -30,6 +30,7 @@ from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
+from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVHolderIndex
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
@@ -50,6 +51,17 @@ def prompt_ids(call: NodeCall, runner: DiffusionRunner, text: Any, tokens: Any, 
     if not isinstance(text, str):
         raise UnitInputError(f"node {call.node_id!r}: {what} must be text, not {type(text).__name__}")
     return list(runner.model.tokenizer(text).input_ids)
+
+
+def check_kv(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> None:
+    """An input `kv` must be an `llm` node's kv output of this model, in this (whole) layout."""
+    if not isinstance(kv, dict) or "model_id" not in kv:
+        raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
+    if kv["model_id"] != model_id:
+        raise UnitInputError(f"node {call.node_id!r}: KV of model {kv['model_id']!r}, this role runs {model_id!r}")
+    if kv.get("layout") is not None and kv["layout"] != layout.to_dict():
+        raise UnitInputError(f"node {call.node_id!r}: KV layout {kv['layout']} is not {layout.to_dict()}"
+                             " (set the role's page_size to the llm role's)")
 
 
 class DiffusionUnit(ThreadedUnit):
@@ -113,16 +125,6 @@ class DiffusionUnit(ThreadedUnit):
             return HolderPageSource(self._peer, holder)
         return self.page_source
 
-    def _check_kv(self, call: NodeCall, kv: Any) -> None:
-        if not isinstance(kv, dict) or "model_id" not in kv:
-            raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
-        if kv["model_id"] != self.runner.model_id:
-            raise UnitInputError(f"node {call.node_id!r}: KV of model {kv['model_id']!r}, this role runs"
-                                 f" {self.runner.model_id!r}")
-        if kv.get("layout") is not None and kv["layout"] != self.runner.layout.to_dict():
-            raise UnitInputError(f"node {call.node_id!r}: KV layout {kv['layout']} is not"
-                                 f" {self.runner.layout.to_dict()} (set the role's page_size to the llm role's)")
-
     def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
         params = call.params
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
@@ -132,7 +134,7 @@ class DiffusionUnit(ThreadedUnit):
         if not ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         if inputs.get("kv") is not None:
-            self._check_kv(call, inputs["kv"])
+            check_kv(call, inputs["kv"], self.runner.model_id, self.runner.layout)
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
         tenant = params.get("tenant")
         branches = [Prompt.of(ids)]

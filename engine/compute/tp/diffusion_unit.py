@@ -11,8 +11,12 @@ branches' token ids, seed, steps, guidance; msgpack), then every rank prefills t
 over its own KV heads and denoises; the collectives inside keep them in step and rank 0's
 latents are the output (float32 on the CPU: the same as TP-1 within rounding).
 
-The prompt's KV is computed on the ranks for each call: an input `kv` (another role's pages)
-is refused, since the ranks hold only their heads and pull nothing (a TP `llm` role does).
+The prompt's KV: with an input `kv` (an `llm` node's kv output), every rank pulls the
+prompts' leading full pages whole from the worker that computed them (`kv`'s holder), keeps
+its own KV heads (`pull_shards`), and reuses them; the ranks first agree that every pull
+worked (else the node fails on all of them alike, the group intact) and on how many pages to
+reuse (the fewest any rank got), so that they prefill the same tokens in step. The rest of
+each prompt is computed on the ranks.
 
 Failure: as for `llm`: a dead follower fails the node in flight (rank 0's send finds it gone,
 or its next collective fails within `tp_timeout_s`), and every later call fails at once; a
@@ -33,10 +37,11 @@ import zmq
 
 from engine.compute.diffusion.forward import DiffusionModelError
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.diffusion.unit import CONFIG_PARAMS, prompt_ids
+from engine.compute.diffusion.unit import CONFIG_PARAMS, check_kv, prompt_ids
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
+from engine.compute.tp.kv import pull_shards
 from engine.compute.tp.link import FollowerLink, greet_leader
 from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
 from engine.compute.tp.unit import (
@@ -46,10 +51,18 @@ from engine.compute.tp.unit import (
     load_role_model,
     shard_to_device,
 )
+from engine.data.channel import TransferError
+from engine.data.kv.errors import KVError
+from engine.data.kv.layout import KVLayout, dtype_name
+from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
 
 log = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 10.0
+"""How long a rank may take to pull a prompt's pages from the worker that computed them (the
+role's `pull_timeout_s` param overrides it)."""
 
 
 def _config(role: RoleSpec) -> DiffusionConfig:
@@ -59,16 +72,68 @@ def _config(role: RoleSpec) -> DiffusionConfig:
         raise UnitInputError(f"diffusion role {role.name!r}: {exc}") from exc
 
 
-def _runner(role: RoleSpec, group: TPGroup, device: str) -> DiffusionRunner:
+class _Rank:
+    """What one rank of a diffusion role holds: its runner over its shard, its group, the layout
+    of the whole model's pages (what an `llm` role of the model serves) and, once a node brings
+    input `kv`, a seat on the transfer plane to pull pages with."""
+
+    def __init__(self, runner: DiffusionRunner, group: TPGroup, whole: KVLayout, pull_timeout_s: float) -> None:
+        self.runner = runner
+        self.group = group
+        self.whole = whole
+        self.pull_timeout_s = pull_timeout_s
+        self._peer: Peer | None = None
+
+    def peer(self) -> Peer:
+        if self._peer is None:
+            self._peer = Peer.start(PeerConfig())
+        return self._peer
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
+
+    def _reused_pages(self, prompt: Prompt, message: TPDiffuse) -> list[torch.Tensor]:
+        """This rank's heads of the prompt's leading pages at `message.holder`; every rank returns
+        as many (collectives), or every rank raises DiffusionModelError."""
+        group = self.group
+        if message.holder is None:
+            return []
+        pages: list[torch.Tensor] = []
+        problem = ""
+        try:
+            pages = pull_shards(self.peer(), message.holder, self.runner.page_keys(prompt, message.tenant),
+                                self.whole, group.size, group.rank, self.pull_timeout_s)
+        except (KVError, TransferError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if group.min_int(0 if problem else 1) == 0:
+            raise DiffusionModelError(f"pulling the prompt's KV from {message.holder} failed on rank {group.rank}: "
+                                      + (problem or "another rank could not pull it"))
+        return pages[:group.min_int(len(pages))]
+
+    @torch.inference_mode()
+    def diffuse(self, message: TPDiffuse) -> torch.Tensor:
+        """What every rank runs for a node: the same prompts, pages, seed and schedule (collectives inside)."""
+        runner = self.runner
+        branches = []
+        for ids in message.prompts:
+            prompt = Prompt.of(ids)
+            branches.append(runner.encode_prompt(prompt, self._reused_pages(prompt, message)))
+        return runner.denoise(branches, seed=message.seed, steps=message.steps,
+                              guidance_scale=message.guidance_scale)
+
+
+def _rank(role: RoleSpec, group: TPGroup, device: str) -> _Rank:
+    """This rank's runner over its shard of the role's model, with the layout of the whole model's pages."""
     config = _config(role)
-    return DiffusionRunner(shard_to_device(load_role_model(role), group, device), config)
-
-
-@torch.inference_mode()
-def _diffuse(runner: DiffusionRunner, message: TPDiffuse) -> torch.Tensor:
-    """What every rank runs for a node: the same prompts, seed and schedule (collectives inside)."""
-    branches = [runner.encode_prompt(Prompt.of(ids)) for ids in message.prompts]
-    return runner.denoise(branches, seed=message.seed, steps=message.steps, guidance_scale=message.guidance_scale)
+    timeout = role.params.get("pull_timeout_s", PULL_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise UnitInputError(f"diffusion role {role.name!r}: pull_timeout_s must be a positive number, got {timeout!r}")
+    model = load_role_model(role)
+    dtype = dtype_name(next(model.model.parameters()).dtype)
+    whole = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, float(timeout))
 
 
 class TPDiffusionUnit(ThreadedUnit):
@@ -82,6 +147,7 @@ class TPDiffusionUnit(ThreadedUnit):
         self.seat = tp
         self.failed: str | None = None
         self.group: TPGroup | None = None
+        self._rank: _Rank | None = None
         self._link: FollowerLink | None = None
         with contextlib.ExitStack() as undo:
             undo.callback(self._shutdown)  # a half-built rank 0 ends its link and group
@@ -89,7 +155,9 @@ class TPDiffusionUnit(ThreadedUnit):
                 raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
             group, device = join_group(role, tp)
             self.group = group
-            self.runner = _runner(role, group, device)
+            self._rank = rank = _rank(role, group, device)
+            self.runner = rank.runner
+            self.whole = rank.whole
             self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}")
             self._link.meet(0)
             undo.pop_all()
@@ -103,9 +171,12 @@ class TPDiffusionUnit(ThreadedUnit):
     def _message(self, call: NodeCall, inputs: dict[str, Any]) -> TPDiffuse:
         """The call as every rank runs it; all input errors are found here, before any rank starts."""
         params = call.params
-        if inputs.get("kv") is not None:
-            raise UnitInputError(f"node {call.node_id!r}: a tensor-parallel diffusion role computes its prompt's KV"
-                                 " on its ranks; input 'kv' (another role's pages) is not supported")
+        kv, holder = inputs.get("kv"), None
+        if kv is not None:
+            check_kv(call, kv, self.runner.model_id, self.whole)
+            holder = kv.get("holder")
+            if not isinstance(holder, str) or not holder:
+                raise UnitInputError(f"node {call.node_id!r}: input 'kv' names no holder to pull its pages from")
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
         if (prompt is None) == (tokens is None):
             raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
@@ -117,7 +188,9 @@ class TPDiffusionUnit(ThreadedUnit):
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
             prompts.append(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID])
         steps = params.get("steps")
-        return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance)
+        tenant = params.get("tenant")
+        return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance,
+                         holder, str(tenant) if tenant is not None else None)
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
         if self.failed is not None:
@@ -125,7 +198,8 @@ class TPDiffusionUnit(ThreadedUnit):
         message = self._message(call, inputs)
         try:
             self._broadcast(message)
-            latents = _diffuse(self.runner, message)
+            assert self._rank is not None  # built, or the unit would not exist
+            latents = self._rank.diffuse(message)
         except DiffusionModelError as exc:  # every rank met it on the same input; the group is intact
             raise UnitInputError(f"node {call.node_id!r}: {exc}") from exc
         except Exception as exc:  # the group broke (or this rank did): the lockstep is lost
@@ -159,6 +233,9 @@ class TPDiffusionUnit(ThreadedUnit):
         if self._link is not None:
             self._link.close()
             self._link = None
+        if self._rank is not None:
+            self._rank.close()
+            self._rank = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -179,8 +256,9 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     watch: LeaderWatch | None = None
+    rank: _Rank | None = None
     try:
-        runner = _runner(role, group, device)
+        rank = _rank(role, group, device)
         setup = greet_leader(sock, group, seat.rank)
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
@@ -200,7 +278,7 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
                           type(message).__name__)
                 return 3
             try:
-                _diffuse(runner, message)
+                rank.diffuse(message)
             except DiffusionModelError as exc:  # rank 0 met the same error and reported it
                 log.info("rank %d: %s", seat.rank, exc)
             except Exception:  # a follower that cannot follow exits; the group fails at rank 0
@@ -209,6 +287,8 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     finally:
         if watch is not None:
             watch.close()
+        if rank is not None:
+            rank.close()
         sock.close()
         context.term()
         group.close()

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 import torch
 
 from engine.compute.tp.group import TPError
+from engine.data.kv.errors import KVTransferError
+from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.pull import fetch_pages
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
+from engine.data.peer import Peer
 
 
 def kv_heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
@@ -77,3 +82,23 @@ def reshard_pages(shards: Sequence[torch.Tensor], num_kv_heads: int, tp_size: in
     """Pages sharded over `len(shards)` ranks -> the same pages sharded over `tp_size` ranks."""
     whole = merge_pages(shards, num_kv_heads)
     return [whole] if tp_size == 1 else split_page(whole, num_kv_heads, tp_size)
+
+
+def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout, tp_size: int, rank: int,
+                timeout_s: float) -> list[torch.Tensor]:
+    """Rank `rank`'s KV heads of the leading run of `pages` that the worker at `holder` serves
+    whole (in `whole`'s layout): fetched into a scratch store, then split. Raises what
+    `fetch_pages` raises (`KVTransferError`: the holder is dead, silent or serves another layout)."""
+    if not pages:
+        return []
+    scratch = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=len(pages)), device="cpu"))
+    try:
+        shards = []
+        for page in fetch_pages(scratch, peer, holder, pages, timeout_s).pages:
+            data = scratch.get(page)
+            if data is None:
+                raise KVTransferError(f"page {page} vanished from the pull's scratch store")
+            shards.append(split_page(data, whole.num_kv_heads, tp_size)[rank])
+        return shards
+    finally:
+        scratch.close()

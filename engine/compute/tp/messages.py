@@ -106,6 +106,10 @@ class TPDiffuse(msgspec.Struct, tag=True, frozen=True):
     seed: int
     steps: int | None
     guidance_scale: float
+    holder: str | None = None
+    """The data address of an `llm` worker serving the prompts' leading pages whole (input `kv`)."""
+    tenant: str | None = None
+    """The tenant salt those pages are keyed with."""
 
 
 class TPRoleCall(msgspec.Struct, tag=True, frozen=True):

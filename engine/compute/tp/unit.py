@@ -65,7 +65,7 @@ from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.engine import TPEngine
 from engine.compute.tp.group import TPError, TPGroup
-from engine.compute.tp.kv import merge_pages, split_page
+from engine.compute.tp.kv import merge_pages, pull_shards, split_page
 from engine.compute.tp.link import SETUP_TIMEOUT_S, FollowerLink, greet_leader
 from engine.compute.tp.messages import (
     TPAbort,
@@ -84,7 +84,7 @@ from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.pull import KVPageServer, fetch_pages
+from engine.data.kv.pull import KVPageServer
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall
@@ -211,23 +211,15 @@ class _HandoffPuller:
 
     def _pull(self, ref: KVHandoffRef, timeout_s: float) -> torch.Tensor | None:
         deadline = time.monotonic() + timeout_s
-        store = self.engine.store
+        store, group = self.engine.store, self.engine.group
         pages = [PageHash(p) for p in ref.page_hashes]
         have = resident_run(store, pages)
         if have < len(pages):
-            whole = KVStore(KVStoreConfig(layout=self.whole, device_capacity=Capacity(pages=len(pages) - have),
-                                          device="cpu"))
-            try:
-                got = fetch_pages(whole, self._peer(), ref.holder, pages[have:], timeout_s).pages
-                if len(got) < len(pages) - have:
-                    raise HandoffError(f"the holder has only {have + len(got)} of the {len(pages)} pages")
-                for page in got:
-                    data = whole.get(page)
-                    if data is None:
-                        raise HandoffError(f"page {page} vanished from the pull's scratch store")
-                    store.put(page, self._mine(data))
-            finally:
-                whole.close()
+            got = pull_shards(self._peer(), ref.holder, pages[have:], self.whole, group.size, group.rank, timeout_s)
+            if len(got) < len(pages) - have:
+                raise HandoffError(f"the holder has only {have + len(got)} of the {len(pages)} pages")
+            for page, shard in zip(pages[have:], got, strict=True):
+                store.put(page, shard)
         if not ref.tail_len:
             return None
         if ref.hold is None:
