@@ -74,6 +74,9 @@ class StudioConfig:
     """Replacements of one worker in a row (each lived under a minute) before its place is given up."""
     worker_restart_backoff_s: float
     """The wait before the first replacement; it doubles with each further one in a row (up to 30 s)."""
+    node_supervise_s: float
+    """Distributed mode: how often a node's Celery worker replaces the lost workers of its running
+    deployments (with `worker_restart`)."""
     chat_timeout_s: float
     """How long a chat completion or session turn may take."""
     metrics_interval_s: float
@@ -275,6 +278,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         worker_restart=env_bool(env, "OMNIFLOW_WORKER_RESTART", True),
         worker_max_restarts=env_int(env, "OMNIFLOW_WORKER_MAX_RESTARTS", 5),
         worker_restart_backoff_s=env_seconds(env, "OMNIFLOW_WORKER_RESTART_BACKOFF_S", 0.5),
+        node_supervise_s=env_seconds(env, "OMNIFLOW_NODE_SUPERVISE_S", 5.0),
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),

@@ -13,22 +13,36 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   (`celery -A studio worker -Q node.<OMNIFLOW_NODE>`) starts or stops the role workers
   there (`NodeAgent`). Deploying reconciles the workers with the replica counts, so a
   redelivered or repeated task changes nothing, and scaling is deploying again.
+* `supervise_node(node)`: a node's Celery worker sends it to its own queue every
+  OMNIFLOW_NODE_SUPERVISE_S (from `worker_ready` on, unless OMNIFLOW_WORKER_RESTART=0); it
+  reconciles the node's running deployments, so a worker that died is marked lost and replaced
+  (a tensor-parallel replica whole), as the embedded mode's supervising `LocalCluster` does.
+  Once more than OMNIFLOW_WORKER_MAX_RESTARTS replicas of a deployment that started in the
+  last `LOSS_WINDOW` were lost, the node stops replacing them and says so on the deployment;
+  deploying again (or scaling) still reconciles.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import threading
+from typing import Any
 
+import kombu.exceptions
 import redis.exceptions
 from celery import shared_task
+from celery.signals import worker_ready, worker_shutdown
 from django.db import InterfaceError, OperationalError
+from django.utils import timezone
 
 from engine.flow.discovery import RegistryUnavailableError
 from engine.worker.launcher import LaunchError
+from studio.config import Dispatch
 from studio.workflows.apps import engine
 from studio.workflows.deployments import records
-from studio.workflows.deployments.node import NodeAgent
+from studio.workflows.deployments.node import NodeAgent, node_queue
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
 from studio.workflows.runs.bus import ChannelLayerRunEventBus
@@ -41,6 +55,7 @@ log = logging.getLogger(__name__)
 TRANSIENT = (OperationalError, InterfaceError, RegistryUnavailableError, redis.exceptions.ConnectionError,
              redis.exceptions.TimeoutError)
 _ENDED = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
+LOSS_WINDOW = datetime.timedelta(minutes=10)
 
 
 async def _execute(run_id: str) -> str | None:
@@ -91,3 +106,62 @@ def stop_deployment(self, deployment_id: str) -> list[str]:
     stopped = NodeAgent(engine().config).stop(deployment_id)
     records.set_status(deployment_id, DeploymentStatus.STOPPED)
     return stopped
+
+
+@shared_task(name="omniflow.supervise_node", ignore_result=True)
+def supervise_node(node: str) -> dict[str, Any]:
+    """Replace the lost workers of the running deployments on this node (see the module docstring);
+    what it did, by deployment."""
+    config = engine().config
+    if node != config.node_name:  # a message for another node's queue: not ours to act on
+        log.warning("supervise_node(%r) reached node %r; ignored", node, config.node_name)
+        return {}
+    agent = NodeAgent(config)
+    done: dict[str, Any] = {}
+    for deployment_id in records.running_on(node):
+        ticket = records.ticket(deployment_id)
+        if ticket is None or ticket.status != DeploymentStatus.RUNNING:
+            continue
+        agent.sweep(ticket)
+        lost = records.recent_losses(deployment_id, node, timezone.now() - LOSS_WINDOW)
+        if lost > config.worker_max_restarts:
+            records.set_status(deployment_id, DeploymentStatus.RUNNING,
+                               f"{lost} workers lost in the last {LOSS_WINDOW}: node {node} no longer replaces"
+                               " them (deploy again to retry)", unless=_ENDED)
+            continue
+        try:
+            result = agent.reconcile(ticket)
+        except LaunchError as exc:
+            log.warning("deployment %s: replacing lost workers on %s failed: %s", deployment_id, node, exc)
+            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"replacing lost workers failed: {exc}",
+                               unless=_ENDED)
+            continue
+        if result.started or result.lost:
+            log.warning("deployment %s: lost %s on %s; started %s", deployment_id, result.lost, node, result.started)
+            done[deployment_id] = {"started": result.started, "stopped": result.stopped, "lost": result.lost}
+    return done
+
+
+@worker_ready.connect
+def _supervise_this_node(sender: Any, **_: Any) -> None:
+    """In a node's Celery worker (one that consumes `node.<OMNIFLOW_NODE>`): send `supervise_node`
+    to that queue every OMNIFLOW_NODE_SUPERVISE_S until the worker shuts down. Each message
+    expires after one interval, so a backlog behind a long deploy does not pile up."""
+    config = engine().config
+    queue = node_queue(config.node_name)
+    consumed = {q.name for q in sender.task_consumer.queues}
+    if config.dispatch is not Dispatch.CELERY or not config.worker_restart or queue not in consumed:
+        return
+    stopped = threading.Event()
+    interval = config.node_supervise_s
+
+    def tick() -> None:
+        while not stopped.wait(interval):
+            try:
+                supervise_node.apply_async(args=[config.node_name], queue=queue, expires=interval)
+            except (kombu.exceptions.OperationalError, OSError) as exc:  # the broker is away: the next tick retries
+                log.warning("sending supervise_node to %s failed: %s", queue, exc)
+
+    threading.Thread(target=tick, name="omniflow-node-supervise", daemon=True).start()
+    worker_shutdown.connect(lambda **_: stopped.set(), weak=False)
+    log.info("node %s: replacing lost workers every %.1f s", config.node_name, interval)

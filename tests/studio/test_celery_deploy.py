@@ -5,6 +5,7 @@ in the Celery worker and reaches them through the deployment's namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -62,6 +63,7 @@ def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
            "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
            "OMNIFLOW_PYTHON_OP_MODULES": ",".join(TEST_OP_MODULES), "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
+           "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
            "PYTHONPATH": str(ROOT)}
     log = tmp_path / "celery.log"
     with log.open("wb") as out:
@@ -86,8 +88,9 @@ def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
             proc.kill()
             proc.wait(timeout=10)
         for row in Worker.objects.filter(host=node):  # whatever a failed test left running
-            if row.pid and psutil.pid_exists(row.pid) and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):
-                psutil.Process(row.pid).kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie of the stopped worker
+                if row.pid and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):
+                    psutil.Process(row.pid).kill()
         studio.runs.stop()
         app.install(previous)
 
@@ -131,6 +134,38 @@ def test_deploy_run_scale_stop_through_a_celery_node(celery_node: CeleryNode, ap
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
     assert api.get("/api/workers/").json() == []
     assert deploy_task.apply(args=[d["id"]]).get() is None  # a stopped deployment stays stopped
+
+
+def test_a_node_replaces_a_worker_that_died_until_too_many_are_lost(celery_node: CeleryNode, api: Any) -> None:
+    """No deploy in between: the node's Celery worker finds the dead worker, marks it lost and
+    starts another, and runs go to the new one; after OMNIFLOW_WORKER_MAX_RESTARTS (2)
+    replacements it stops replacing them and says so on the deployment."""
+    wf = create_workflow(api, whoami_spec())
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    celery_node.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running")
+    (first,) = live_rows(d["id"])
+
+    psutil.Process(first.pid).kill()
+    celery_node.wait_for("a replacement", lambda: [r.worker_id for r in live_rows(d["id"])] not in ([], [first.worker_id]))
+    (second,) = live_rows(d["id"])
+    assert Worker.objects.get(worker_id=first.worker_id).status == "lost"
+    run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "again"}}, format="json").json()
+    celery_node.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished)
+    done = Run.objects.get(pk=run["id"])
+    assert done.status == "done" and done.outputs["result"]["pid"] == second.pid, done.error
+
+    psutil.Process(second.pid).kill()
+    celery_node.wait_for("a second replacement", lambda: [r.worker_id for r in live_rows(d["id"])]
+                         not in ([], [second.worker_id]))
+    (third,) = live_rows(d["id"])
+    psutil.Process(third.pid).kill()
+    celery_node.wait_for("the third loss given up on",
+                         lambda: "3 workers lost in the last" in Deployment.objects.get(pk=d["id"]).error)
+    assert [Worker.objects.get(worker_id=w.worker_id).status for w in (first, second, third)] == ["lost"] * 3
+    assert live_rows(d["id"]) == [] and Deployment.objects.get(pk=d["id"]).status == "running"
+
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    celery_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
 
 
 def test_a_tp_role_through_a_celery_node_runs_its_ranks_and_loses_them_together(celery_node: CeleryNode,

@@ -22,6 +22,8 @@ def test_embedded_defaults(tmp_path: Path) -> None:
     assert config.dispatch is Dispatch.LOCAL
     assert config.max_upload_bytes == 20 * 1024 * 1024
     assert config.python_op_modules == ("workflows",)
+    assert (config.worker_restart, config.worker_max_restarts, config.worker_restart_backoff_s,
+            config.node_supervise_s) == (True, 5, 0.5, 5.0)
     # the generated secret key is kept, so sessions survive a restart
     assert load_config(env(tmp_path)).secret_key == config.secret_key
     assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
@@ -61,6 +63,10 @@ def test_sqlite_urls() -> None:
     ("REDIS_URL", "http://cache", "expected redis://"),
     ("OMNIFLOW_SECRET_KEY", "short", "at least 32"),
     ("OMNIFLOW_LOG_LEVEL", "LOUD", "not a logging level"),
+    ("OMNIFLOW_WORKER_RESTART", "sometimes", "not a boolean"),
+    ("OMNIFLOW_WORKER_MAX_RESTARTS", "-1", "at least 0"),
+    ("OMNIFLOW_WORKER_RESTART_BACKOFF_S", "0", "positive"),
+    ("OMNIFLOW_NODE_SUPERVISE_S", "soon", "not a number"),
 ])
 def test_bad_values_raise(tmp_path: Path, name: str, value: str, message: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=message) as info:

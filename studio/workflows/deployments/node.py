@@ -145,6 +145,11 @@ class NodeAgent:
             lost += ids
         return replicas, lost
 
+    def sweep(self, ticket: DeploymentTicket) -> list[str]:
+        """Mark the deployment's workers here whose process is gone lost (and end what is left of
+        a tensor-parallel replica that lost a rank); their ids."""
+        return self._replicas(ticket.deployment_id, ticket.spec)[1]
+
     def reconcile(self, ticket: DeploymentTicket) -> Reconciled:
         """Run exactly the replicas `ticket.spec` asks for on this node; raises LaunchError
         (after stopping what it started) when a worker does not come up."""

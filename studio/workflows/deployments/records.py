@@ -5,6 +5,7 @@ the node agent from its Celery task.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from django.utils import timezone
 
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
+from engine.worker.launcher import leader_worker_id
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
 
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
@@ -106,3 +108,17 @@ def live_workers(deployment_id: str, host: str | None = None) -> list[Worker]:
     if host is not None:
         qs = qs.filter(host=host)
     return list(qs.order_by("role", "worker_id"))
+
+
+def running_on(node: str) -> list[str]:
+    """The running deployments placed on `node`."""
+    return [str(pk) for pk in Deployment.objects.filter(node=node, status=DeploymentStatus.RUNNING)
+            .values_list("pk", flat=True)]
+
+
+def recent_losses(deployment_id: str, host: str, since: datetime.datetime) -> int:
+    """How many replicas of the deployment on `host` that started at `since` or later were lost
+    (a tensor-parallel replica counts once: by its rank 0's row)."""
+    ids = Worker.objects.filter(deployment_id=deployment_id, host=host, status=WorkerStatus.LOST,
+                                started_at__gte=since).values_list("worker_id", flat=True)
+    return sum(1 for worker_id in ids if leader_worker_id(worker_id) is None)
