@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -21,10 +23,10 @@ from engine.data.peer import Peer
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
-from engine.spec.graph import GraphSpec
+from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchError, LocalCluster
-from engine.worker.zygote import ForkedProcess
+from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
 from tests.integration.workerfns import wait_until, whoami
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,3 +177,29 @@ async def test_a_sigkilled_launcher_leaves_no_orphans():
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_spawn_passes_its_inherited_descriptor_by_the_number_the_child_has(tmp_path: Path, capfd):
+    """The child's arguments name the inherited socket by its own fd number (INHERITED_FD is
+    replaced), so the worker's option check sees that socket: here one that does not listen,
+    which it refuses naming the number. A spawn that inherits without naming it is refused."""
+    zygote = await Zygote.start(["engine.worker.__main__"], ready_timeout_s=60.0)
+    wf = Workflow("inherit")
+    wf.role("two", kind="llm", model="tiny-llama", tp_size=2)
+    wf.input("x", "json")
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_bytes(encode_spec(wf.to_spec()))
+    unbound = socket.socket()
+    try:
+        with pytest.raises(ValueError, match="names it in its arguments"):
+            await zygote.spawn(["--role", "two"], title="t", inherit=unbound.fileno())
+        with pytest.raises(ValueError, match="names it in its arguments"):
+            await zygote.spawn(["--tp-listen-fd", INHERITED_FD], title="t")
+        child = await zygote.spawn(["--role", "two", "--workflow", str(spec_path), "--tp-address",
+                                    "tcp://127.0.0.1:9", "--tp-listen-fd", INHERITED_FD],
+                                   title="omniflow-test-inherit", inherit=unbound.fileno())
+        assert await asyncio.wait_for(child.wait(), 30) == 1
+    finally:
+        unbound.close()
+        await zygote.close(5.0)
+    assert re.search(r"--tp-listen-fd \d+: not an open, listening TCP socket", capfd.readouterr().err)
