@@ -188,6 +188,8 @@ class Supervisor:
         try:
             while slot.worker is not None:
                 await self._lose(slot, slot.worker)
+                if slot not in self._slots:  # a listener stopped the cluster or retired it meanwhile
+                    return
                 slot.worker = await self._replace(slot)
         except Exception:  # a defect here must not leave the place counted as pending for good
             log.exception("supervising replica %d of role %r failed; it is no longer supervised",
@@ -234,6 +236,8 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - any failure to start is this attempt's; the next follows the back-off
                 await self._emit(ReplicaEvent(ReplicaEventKind.RESTART_FAILED, slot.role, lost.worker_id,
                                               f"{type(exc).__name__}: {exc}", replaces=lost.worker_id))
+                if slot not in self._slots:  # a listener stopped the cluster meanwhile
+                    return None
                 continue
             slot.worker, slot.lost = fresh, None
             await self._emit(ReplicaEvent(ReplicaEventKind.REPLACED, slot.role, fresh.worker_id,

@@ -42,8 +42,7 @@ PARAMS = {"page_size": 4, "latent_size": 8, "steps": 3, "guidance_scale": 3.0}
 def spec() -> GraphSpec:
     wf = Workflow("tp-diffusion")
     wf.role("one", kind="diffusion", model=MODEL, params=PARAMS)
-    wf.role("two", kind="diffusion", model=MODEL, tp_size=2,
-            params={**PARAMS, "tp_timeout_s": TP_TIMEOUT_S, "pull_timeout_s": 2.0})
+    wf.role("two", kind="diffusion", model=MODEL, tp_size=2, params={**PARAMS, "tp_timeout_s": TP_TIMEOUT_S})
     wf.role("lm", kind="llm", model=MODEL, params={"page_size": PARAMS["page_size"]})
     return wf.to_spec()
 
@@ -128,7 +127,10 @@ async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment
     kv = (await deployment.execute("lm", {"tokens": [40, 41, 42, 43, 44]}, ("kv",), {"max_new_tokens": 1}))["kv"]
     with pytest.raises(RemoteNodeError, match="input 'kv' names no holder"):
         await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": None}}, {})
-    # A holder that is gone: every rank's pull fails alike, within the role's pull_timeout_s.
+    with pytest.raises(RemoteNodeError, match="holder 'garbage' is not a worker's data address"):
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": "garbage"}}, {})
+    # A holder that is gone: every rank's pull fails alike, within the role's pull timeout (half
+    # its tp_timeout_s), and the group goes on.
     with pytest.raises(RemoteNodeError, match="pulling the prompt's KV from tcp://127.0.0.1:9 failed"):
         await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": "tcp://127.0.0.1:9"}},
                       {"steps": 1})

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +51,8 @@ from engine.compute.tp.unit import (
     join_group,
     load_role_model,
     shard_to_device,
+    tp_timeout_s,
 )
-from engine.data.channel import TransferError
-from engine.data.kv.errors import KVError
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
@@ -60,9 +60,8 @@ from engine.spec.graph import RoleSpec
 
 log = logging.getLogger(__name__)
 
-PULL_TIMEOUT_S = 10.0
-"""How long a rank may take to pull a prompt's pages from the worker that computed them (the
-role's `pull_timeout_s` param overrides it)."""
+_HOLDER = re.compile(r"^tcp://[^\s/]+:\d+$")
+"""A worker's data address, as an `llm` node's kv output names it."""
 
 
 def _config(role: RoleSpec) -> DiffusionConfig:
@@ -105,7 +104,7 @@ class _Rank:
         try:
             pages = pull_shards(self.peer(), message.holder, self.runner.page_keys(prompt, message.tenant),
                                 self.whole, group.size, group.rank, self.pull_timeout_s)
-        except (KVError, TransferError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever fails here, every rank must still meet below
             problem = f"{type(exc).__name__}: {exc}"
         if group.min_int(0 if problem else 1) == 0:
             raise DiffusionModelError(f"pulling the prompt's KV from {message.holder} failed on rank {group.rank}: "
@@ -124,16 +123,26 @@ class _Rank:
                               guidance_scale=message.guidance_scale)
 
 
+def pull_timeout_s(role: RoleSpec) -> float:
+    """How long a rank may take to pull a prompt's pages (the role's `pull_timeout_s`; default
+    half its `tp_timeout_s`). A rank that has pulled waits for the slowest pull in a collective,
+    which gives up after `tp_timeout_s` and breaks the group: every pull must end well within it."""
+    group_timeout = tp_timeout_s(role)
+    timeout = role.params.get("pull_timeout_s", group_timeout / 2)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= group_timeout / 2:
+        raise UnitInputError(f"diffusion role {role.name!r}: pull_timeout_s must be a positive number of seconds"
+                             f" at most half the role's tp_timeout_s ({group_timeout:g}), got {timeout!r}")
+    return float(timeout)
+
+
 def _rank(role: RoleSpec, group: TPGroup, device: str) -> _Rank:
     """This rank's runner over its shard of the role's model, with the layout of the whole model's pages."""
     config = _config(role)
-    timeout = role.params.get("pull_timeout_s", PULL_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise UnitInputError(f"diffusion role {role.name!r}: pull_timeout_s must be a positive number, got {timeout!r}")
+    timeout = pull_timeout_s(role)
     model = load_role_model(role)
     dtype = dtype_name(next(model.model.parameters()).dtype)
     whole = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, float(timeout))
+    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, timeout)
 
 
 class TPDiffusionUnit(ThreadedUnit):
@@ -175,8 +184,11 @@ class TPDiffusionUnit(ThreadedUnit):
         if kv is not None:
             check_kv(call, kv, self.runner.model_id, self.whole)
             holder = kv.get("holder")
-            if not isinstance(holder, str) or not holder:
+            if holder is None or holder == "":
                 raise UnitInputError(f"node {call.node_id!r}: input 'kv' names no holder to pull its pages from")
+            if not isinstance(holder, str) or not _HOLDER.match(holder):
+                raise UnitInputError(f"node {call.node_id!r}: input 'kv' holder {holder!r} is not a worker's data"
+                                     " address (tcp://HOST:PORT)")
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
         if (prompt is None) == (tokens is None):
             raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")

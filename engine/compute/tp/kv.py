@@ -91,6 +91,7 @@ def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLay
     `fetch_pages` raises (`KVTransferError`: the holder is dead, silent or serves another layout)."""
     if not pages:
         return []
+    heads = kv_heads_of(whole.num_kv_heads, tp_size, rank)
     scratch = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=len(pages)), device="cpu"))
     try:
         shards = []
@@ -98,7 +99,7 @@ def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLay
             data = scratch.get(page)
             if data is None:
                 raise KVTransferError(f"page {page} vanished from the pull's scratch store")
-            shards.append(split_page(data, whole.num_kv_heads, tp_size)[rank])
+            shards.append(data[..., heads.start : heads.stop, :].contiguous())
         return shards
     finally:
         scratch.close()

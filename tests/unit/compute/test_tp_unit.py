@@ -1,4 +1,5 @@
-"""The pure parts of a tensor-parallel role's ranks: devices, and what travels to the followers."""
+"""The pure parts of a tensor-parallel role's ranks: devices, what travels to the followers, and
+the pull timeout of a diffusion rank."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from engine.compute.llm.unit import LLMUnitError
 from engine.compute.sampling import SamplingParams
+from engine.compute.threaded import UnitInputError
+from engine.compute.tp.diffusion_unit import pull_timeout_s
 from engine.compute.tp.messages import TPAdd, TPMessage, TPPullHandoff, TPStep, TPStop
 from engine.compute.tp.unit import LeaderWatch, _sampling_fields, _sampling_of, rank_device
 from engine.spec.graph import RoleSpec
@@ -81,3 +84,15 @@ def test_a_follower_of_a_vanished_rank_0_stops():
         assert watch.gone() == f"rank 0 (pid {leader.pid}) is gone"
     finally:
         watch.close()
+
+
+def test_a_tp_diffusion_rank_pulls_within_half_the_group_timeout() -> None:
+    def of(**params) -> RoleSpec:
+        return RoleSpec(name="dif", kind="diffusion", model="tiny-llama", tp_size=2, params=params)
+
+    assert pull_timeout_s(of()) == 5.0  # half the default tp_timeout_s
+    assert pull_timeout_s(of(tp_timeout_s=3.0)) == 1.5
+    assert pull_timeout_s(of(tp_timeout_s=3.0, pull_timeout_s=1)) == 1.0
+    for bad in (2.0, 0, -1, True, "1"):
+        with pytest.raises(UnitInputError, match="pull_timeout_s must be a positive number of seconds at most half"):
+            pull_timeout_s(of(tp_timeout_s=3.0, pull_timeout_s=bad))
