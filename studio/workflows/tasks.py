@@ -15,11 +15,12 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   redelivered or repeated task changes nothing, and scaling is deploying again.
 * `supervise_node(node)`: a node's Celery worker sends it to its own queue every
   OMNIFLOW_NODE_SUPERVISE_S (from `worker_ready` on, unless OMNIFLOW_WORKER_RESTART=0); it
-  reconciles the node's running deployments, so a worker that died is marked lost and replaced
-  (a tensor-parallel replica whole), as the embedded mode's supervising `LocalCluster` does.
-  Once more than OMNIFLOW_WORKER_MAX_RESTARTS replicas of a deployment that started in the
-  last `LOSS_WINDOW` were lost, the node stops replacing them and says so on the deployment;
-  deploying again (or scaling) still reconciles.
+  reconciles the node's running deployments, so a worker that died is marked lost, taken off
+  the registry and replaced (a tensor-parallel replica whole), as the embedded mode's
+  supervising `LocalCluster` does, with the same `RestartPolicy`: replicas lost in a row
+  before staying up a minute (or never up) double the wait before the next replacement, and
+  more than OMNIFLOW_WORKER_MAX_RESTARTS of them stop the replacing, said on the deployment,
+  until a replica lasts (deploying again still reconciles at once).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from django.utils import timezone
 
 from engine.flow.discovery import RegistryUnavailableError
 from engine.worker.launcher import LaunchError
+from engine.worker.supervise import RestartPolicy
 from studio.config import Dispatch
 from studio.workflows.apps import engine
 from studio.workflows.deployments import records
@@ -55,7 +57,8 @@ log = logging.getLogger(__name__)
 TRANSIENT = (OperationalError, InterfaceError, RegistryUnavailableError, redis.exceptions.ConnectionError,
              redis.exceptions.TimeoutError)
 _ENDED = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
-LOSS_WINDOW = datetime.timedelta(minutes=10)
+_GAVE_UP = "no longer replaces them"
+_REPLACING_FAILED = "replacing lost workers failed"
 
 
 async def _execute(run_id: str) -> str | None:
@@ -117,29 +120,48 @@ def supervise_node(node: str) -> dict[str, Any]:
         log.warning("supervise_node(%r) reached node %r; ignored", node, config.node_name)
         return {}
     agent = NodeAgent(config)
+    policy = RestartPolicy(backoff_s=config.worker_restart_backoff_s,
+                           max_backoff_s=max(30.0, config.worker_restart_backoff_s),
+                           max_restarts=config.worker_max_restarts)
     done: dict[str, Any] = {}
     for deployment_id in records.running_on(node):
-        ticket = records.ticket(deployment_id)
-        if ticket is None or ticket.status != DeploymentStatus.RUNNING:
-            continue
-        agent.sweep(ticket)
-        lost = records.recent_losses(deployment_id, node, timezone.now() - LOSS_WINDOW)
-        if lost > config.worker_max_restarts:
-            records.set_status(deployment_id, DeploymentStatus.RUNNING,
-                               f"{lost} workers lost in the last {LOSS_WINDOW}: node {node} no longer replaces"
-                               " them (deploy again to retry)", unless=_ENDED)
-            continue
         try:
-            result = agent.reconcile(ticket)
-        except LaunchError as exc:
-            log.warning("deployment %s: replacing lost workers on %s failed: %s", deployment_id, node, exc)
-            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"replacing lost workers failed: {exc}",
-                               unless=_ENDED)
+            result = _supervise_deployment(agent, policy, deployment_id)
+        except Exception:  # one deployment's trouble (Redis away, say) must not stop the others'
+            log.exception("supervising deployment %s on %s failed; trying again next time", deployment_id, node)
             continue
-        if result.started or result.lost:
-            log.warning("deployment %s: lost %s on %s; started %s", deployment_id, result.lost, node, result.started)
-            done[deployment_id] = {"started": result.started, "stopped": result.stopped, "lost": result.lost}
+        if result is not None:
+            done[deployment_id] = result
     return done
+
+
+def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id: str) -> dict[str, Any] | None:
+    ticket = records.ticket(deployment_id)
+    if ticket is None or ticket.status != DeploymentStatus.RUNNING:
+        return None
+    agent.sweep(ticket)
+    streak, latest = records.loss_streak(deployment_id, agent.node, policy.healthy_after_s)
+    error = records.error_of(deployment_id)
+    if policy.max_restarts is not None and streak > policy.max_restarts:
+        given_up = (f"{streak} replicas in a row were lost within {policy.healthy_after_s:g} s of starting:"
+                    f" node {agent.node} {_GAVE_UP} (deploy again to retry)")
+        if error != given_up:
+            records.set_status(deployment_id, DeploymentStatus.RUNNING, given_up, unless=_ENDED)
+        return None
+    if latest is not None and timezone.now() - latest < datetime.timedelta(seconds=policy.delay_s(streak - 1)):
+        return None  # backing off
+    try:
+        result = agent.reconcile(ticket)
+    except LaunchError as exc:
+        log.warning("deployment %s: replacing lost workers on %s failed: %s", deployment_id, agent.node, exc)
+        records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{_REPLACING_FAILED}: {exc}", unless=_ENDED)
+        return {"failed": str(exc)}
+    if not result.started and not result.lost:
+        return None
+    log.warning("deployment %s: lost %s on %s; started %s", deployment_id, result.lost, agent.node, result.started)
+    if error.startswith(_REPLACING_FAILED) or _GAVE_UP in error:
+        records.set_status(deployment_id, DeploymentStatus.RUNNING, "", unless=_ENDED)  # replacing works again
+    return {"started": result.started, "stopped": result.stopped, "lost": result.lost}
 
 
 @worker_ready.connect

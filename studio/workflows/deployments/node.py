@@ -37,7 +37,7 @@ import psutil
 
 from engine.data.rendezvous import listening_socket
 from engine.flow.discovery import RegistryError, make_registry
-from engine.spec.graph import GraphSpec, encode_spec
+from engine.spec.graph import encode_spec
 from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
@@ -121,9 +121,11 @@ class NodeAgent:
             records.set_worker_status(lost, WorkerStatus.LOST)
         return live, lost
 
-    def _replicas(self, deployment_id: str, spec: GraphSpec) -> tuple[dict[str, list[_Replica]], list[str]]:
+    def _replicas(self, ticket: DeploymentTicket) -> tuple[dict[str, list[_Replica]], list[str]]:
         """The live replicas per role (rank 0 first in each), and the ids of lost rows: a
-        tensor-parallel replica missing a rank is lost whole (its remaining ranks are ended)."""
+        tensor-parallel replica missing a rank is lost whole (its remaining ranks are ended).
+        Lost workers leave the registry at once (else runs could go to them until their TTL ends)."""
+        deployment_id, spec = ticket.deployment_id, ticket.spec
         live, lost = self._live(deployment_id)
         ranks: dict[str, list[tuple[Worker, psutil.Process]]] = {}
         for row, process in live:
@@ -143,17 +145,28 @@ class NodeAgent:
             ids = [row.worker_id for row, _ in broken]
             records.set_worker_status(ids, WorkerStatus.LOST)
             lost += ids
+        if lost:
+            asyncio.run(self._deregister(ticket.namespace, lost))
         return replicas, lost
+
+    async def _deregister(self, namespace: str, worker_ids: list[str]) -> None:
+        registry = make_registry(self.config.redis_url, namespace=namespace)
+        try:
+            for worker_id in worker_ids:
+                with contextlib.suppress(RegistryError):  # gone already, or Redis is away: the TTL ends it
+                    await registry.deregister(worker_id)
+        finally:
+            await registry.close()
 
     def sweep(self, ticket: DeploymentTicket) -> list[str]:
         """Mark the deployment's workers here whose process is gone lost (and end what is left of
         a tensor-parallel replica that lost a rank); their ids."""
-        return self._replicas(ticket.deployment_id, ticket.spec)[1]
+        return self._replicas(ticket)[1]
 
     def reconcile(self, ticket: DeploymentTicket) -> Reconciled:
         """Run exactly the replicas `ticket.spec` asks for on this node; raises LaunchError
         (after stopping what it started) when a worker does not come up."""
-        replicas, lost = self._replicas(ticket.deployment_id, ticket.spec)
+        replicas, lost = self._replicas(ticket)
         stop: list[_Replica] = []
         wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
         for role in ticket.spec.roles:
@@ -168,7 +181,14 @@ class NodeAgent:
             _terminate([p for replica in stop for _, p in replica.members[1:]])
             records.set_worker_status(stopped, WorkerStatus.STOPPED)
         if wanted:
-            records.add_workers(ticket.deployment_id, self._start(ticket, wanted))
+            try:
+                started = self._start(ticket, wanted)
+            except LaunchError:
+                # On record as lost at once: supervision counts a replica that never came up as a
+                # failed replacement, and backs off (`studio.workflows.tasks.supervise_node`).
+                records.add_failed_starts(ticket.deployment_id, self.node, wanted)
+                raise
+            records.add_workers(ticket.deployment_id, started)
         return Reconciled(started=[w for _, w in wanted], stopped=stopped, lost=lost)
 
     def stop(self, deployment_id: str) -> list[str]:

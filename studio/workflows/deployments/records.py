@@ -110,15 +110,38 @@ def live_workers(deployment_id: str, host: str | None = None) -> list[Worker]:
     return list(qs.order_by("role", "worker_id"))
 
 
+def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str]]) -> None:
+    """Rows, lost at once, for replicas ((role, rank 0's worker id)) that did not come up."""
+    now = timezone.now()
+    for role, worker_id in workers:
+        Worker.objects.update_or_create(worker_id=worker_id, defaults={
+            "deployment_id": deployment_id, "role": role, "host": host, "status": WorkerStatus.LOST,
+            "last_seen_at": now})
+
+
 def running_on(node: str) -> list[str]:
     """The running deployments placed on `node`."""
     return [str(pk) for pk in Deployment.objects.filter(node=node, status=DeploymentStatus.RUNNING)
             .values_list("pk", flat=True)]
 
 
-def recent_losses(deployment_id: str, host: str, since: datetime.datetime) -> int:
-    """How many replicas of the deployment on `host` that started at `since` or later were lost
-    (a tensor-parallel replica counts once: by its rank 0's row)."""
-    ids = Worker.objects.filter(deployment_id=deployment_id, host=host, status=WorkerStatus.LOST,
-                                started_at__gte=since).values_list("worker_id", flat=True)
-    return sum(1 for worker_id in ids if leader_worker_id(worker_id) is None)
+def loss_streak(deployment_id: str, host: str, healthy_s: float) -> tuple[int, datetime.datetime | None]:
+    """How many replicas of the deployment on `host` were lost in a row, latest loss first, each
+    before it had stayed up `healthy_s` (one that never came up included), and when the latest
+    was lost. A replica lost after staying up that long ends the row. A tensor-parallel replica
+    counts once (its rank 0's row)."""
+    rows = (Worker.objects.filter(deployment_id=deployment_id, host=host, status=WorkerStatus.LOST)
+            .order_by("-last_seen_at").values_list("worker_id", "started_at", "last_seen_at"))
+    streak, latest = 0, None
+    for worker_id, started, lost_at in rows:
+        if leader_worker_id(worker_id) is not None:
+            continue
+        if lost_at is None or (lost_at - started).total_seconds() >= healthy_s:
+            break
+        streak += 1
+        latest = latest or lost_at
+    return streak, latest
+
+
+def error_of(deployment_id: str) -> str:
+    return Deployment.objects.filter(pk=deployment_id).values_list("error", flat=True).first() or ""

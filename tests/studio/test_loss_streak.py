@@ -1,0 +1,55 @@
+"""How a node counts its deployment's lost replicas for supervision (`records.loss_streak`):
+young losses in a row, latest first, ended by a replica that had lasted; follower ranks and
+live workers do not count; a replica that never came up does."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from studio.workflows.deployments import records
+from studio.workflows.models import Deployment, Worker, WorkflowVersion
+from tests.studio.factories import create_workflow, spec_doc
+
+pytestmark = pytest.mark.django_db
+
+NODE = "node-a"
+
+
+@pytest.fixture
+def deployment(api: Any, user: Any) -> Deployment:
+    wf = create_workflow(api, spec_doc())
+    return Deployment.objects.create(owner=user, version=WorkflowVersion.objects.get(workflow_id=wf["id"], number=1),
+                                     node=NODE, status="running")
+
+
+def row(deployment: Deployment, worker_id: str, status: str, lived_s: float, lost_ago_s: float,
+        host: str = NODE) -> None:
+    lost_at = timezone.now() - datetime.timedelta(seconds=lost_ago_s)
+    worker = Worker.objects.create(deployment=deployment, role="py", worker_id=worker_id, host=host, status=status,
+                                   last_seen_at=lost_at)
+    Worker.objects.filter(pk=worker.pk).update(started_at=lost_at - datetime.timedelta(seconds=lived_s))
+
+
+def test_young_losses_in_a_row_count_until_one_that_lasted(deployment: Deployment) -> None:
+    row(deployment, "py-a", "lost", lived_s=3600, lost_ago_s=100)   # lasted: ends the row
+    row(deployment, "py-b", "lost", lived_s=5, lost_ago_s=50)
+    row(deployment, "py-b.tp1", "lost", lived_s=5, lost_ago_s=50)   # its follower: counted by rank 0
+    row(deployment, "py-c", "ready", lived_s=40, lost_ago_s=0)      # live: not a loss
+    row(deployment, "py-d", "lost", lived_s=2, lost_ago_s=10)
+    row(deployment, "py-e", "lost", lived_s=1, lost_ago_s=200, host="node-b")  # another node's
+    streak, latest = records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0)
+    assert streak == 2
+    assert latest == Worker.objects.get(worker_id="py-d").last_seen_at
+
+
+def test_a_replica_that_never_came_up_counts_and_nothing_lost_counts_nothing(deployment: Deployment) -> None:
+    assert records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0) == (0, None)
+    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-x")])
+    streak, latest = records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0)
+    assert streak == 1 and latest is not None
+    failed = Worker.objects.get(worker_id="py-x")
+    assert (failed.status, failed.pid, failed.host) == ("lost", None, NODE)
