@@ -186,11 +186,11 @@ class Supervisor:
     async def _supervise(self, slot: _Slot) -> None:
         """Watch the replica filling `slot`; when it is lost, replace it; until given up."""
         try:
-            while slot.worker is not None:
+            # `slot` leaves `_slots` when a listener stops the cluster or retires the replica meanwhile.
+            while slot.worker is not None and slot in self._slots:
                 await self._lose(slot, slot.worker)
-                if slot not in self._slots:  # a listener stopped the cluster or retired it meanwhile
-                    return
-                slot.worker = await self._replace(slot)
+                if slot in self._slots:
+                    slot.worker = await self._replace(slot)
         except Exception:  # a defect here must not leave the place counted as pending for good
             log.exception("supervising replica %d of role %r failed; it is no longer supervised",
                           slot.index, slot.role)
