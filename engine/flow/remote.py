@@ -255,7 +255,9 @@ class WorkerDispatcher:
     """Dispatches to the workers `registry` lists. `peer` is this process's seat on the
     transfer plane (tensors given as run inputs are served from it). `kv_router` gives roles
     balanced `kv_aware` the prompt's page keys and the pages each worker holds (default:
-    `KVRouter.for_registry(registry)`, see `engine.flow.kvroute`)."""
+    `KVRouter.for_registry(registry)`, see `engine.flow.kvroute`). A node whose worker is lost
+    before it answered goes to another replica, at most `max_node_retries` times: a node that
+    brings its worker down (a poison input) would otherwise bring down every replica in turn."""
 
     def __init__(
         self,
@@ -269,6 +271,7 @@ class WorkerDispatcher:
         max_message_bytes: int = 64 * MiB,
         kv_router: KVRouter | None = None,
         poll_after_send_s: float = 200e-6,
+        max_node_retries: int = 2,
     ) -> None:
         self._registry = registry
         self._peer = peer
@@ -289,6 +292,9 @@ class WorkerDispatcher:
         self._local_ns = local_namespace()
         self._closed = False
         self._poll_after_send_s = poll_after_send_s
+        if max_node_retries < 0:
+            raise ValueError(f"max_node_retries must be >= 0, got {max_node_retries}")
+        self._max_node_retries = max_node_retries
         self._polling_until = 0.0
         self._polling = False
         self._awaiting = 0
@@ -622,6 +628,7 @@ class WorkerDispatcher:
         """Frames and the final result of `call`, moving to another replica when a worker is lost
         before it produced anything."""
         excluded: set[str] = set()
+        lost: list[str] = []
         produced = False
         announced = False
         while True:
@@ -664,9 +671,14 @@ class WorkerDispatcher:
                             raise WorkerLost(f"node {call.node_id!r}: {message.reason}")
                         wid = conn.worker.info.worker_id
                         excluded.add(wid)
+                        lost.append(wid)
                         if produced or any(isinstance(v, AsyncIterator) for v in call.inputs.values()):
                             raise WorkerLost(f"{message.reason} while streaming node {call.node_id!r};"
                                              " a stream cannot be resumed elsewhere")
+                        if len(lost) > self._max_node_retries:
+                            # A node that brings its worker down would bring down every replica it is sent to.
+                            raise WorkerLost(f"{message.reason}; node {call.node_id!r} lost {len(lost)} workers in a"
+                                             f" row ({', '.join(lost)}) and is not retried again")
                         log.warning("retrying node %r of run %s elsewhere: %s", call.node_id, call.run_id,
                                     message.reason)
                         break

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 
 from engine.compute.models.loader import load_builtin
 from engine.data.peer import Peer
+from engine.flow.discovery import InProcessRegistry
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
@@ -33,7 +34,7 @@ from engine.worker.launcher import LocalCluster
 from engine.worker.process import STALLED_EXIT
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 from tests.integration.deployments import hf_greedy, text_ids
-from tests.integration.workerfns import block_loop, whoami
+from tests.integration.workerfns import block_loop, die, whoami
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 HB = 0.2
@@ -61,6 +62,11 @@ class Events:
         self.seen.append(event)
         self.queue.put_nowait(event)
 
+    async def count(self, kind: ReplicaEventKind, n: int) -> None:
+        """Wait until `n` events of `kind` were reported in all."""
+        while sum(e.kind is kind for e in self.seen) < n:
+            await self.queue.get()
+
     async def next(self, kind: ReplicaEventKind) -> ReplicaEvent:
         event = await asyncio.wait_for(self.queue.get(), WAIT_S)
         assert event.kind is kind, f"expected {kind}, got {event}"
@@ -82,7 +88,8 @@ class Supervised:
 
 @contextlib.asynccontextmanager
 async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: float = HB,
-                     spec: GraphSpec | None = None, **options) -> AsyncIterator[Supervised]:
+                     spec: GraphSpec | None = None, max_node_retries: int = 2,
+                     **options) -> AsyncIterator[Supervised]:
     spec = spec if spec is not None else spec_of(replicas)
     events = Events()
     options.setdefault("extra_args", ("--drain-timeout", "5"))
@@ -92,7 +99,8 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
     try:
         await cluster.start()
         executor = Executor(WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0,
-                                             registry_refresh_s=0.05), default_kinds())
+                                             registry_refresh_s=0.05, max_node_retries=max_node_retries),
+                            default_kinds())
         try:
             yield Supervised(cluster, events, executor, spec)
         finally:
@@ -298,20 +306,41 @@ async def test_a_worker_whose_loop_is_stuck_ends_itself_with_its_stacks_and_is_r
     stuck = wf.python(block_loop, role=py, params={"seconds": 120.0})
     wf.edge(x, stuck)
     wf.output("out", stuck)
-    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(),
+    # No retry: whether a retry would find the replacement up yet is a matter of timing.
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), max_node_retries=0,
                           extra_args=("--drain-timeout", "5", "--stall-timeout", "1")) as s:
         (first,) = s.cluster.workers
         run = await s.executor.submit(s.spec, {"x": 1})
         lost = await s.events.next(ReplicaEventKind.LOST)
         assert lost.reason == f"worker {first.worker_id} of role 'py' exited with status {STALLED_EXIT}"
         assert first.worker_id not in [w.info.worker_id for w in await s.cluster.registry.workers("py")]
-        # Its node had no other replica to go to (the replacement comes later): it failed, naming both.
+        # Its node is not retried: it failed, naming the worker and itself.
         ended = await asyncio.wait_for(run.wait(), WAIT_S)
         assert ended.status == "failed" and first.worker_id in ended.error and "'block_loop'" in ended.error
         await s.events.next(ReplicaEventKind.REPLACED)
     err = capfd.readouterr().err
     assert "the worker's event loop has not turned for" in err
     assert 'in block_loop' in err  # the stack dump shows where the loop is stuck
+
+
+async def test_a_node_that_kills_its_worker_is_retried_at_most_max_node_retries_times():
+    """A poison input: each worker it reaches dies. The dispatcher moves it to another replica
+    twice (its default max_node_retries) and then fails it, naming the three workers, instead of
+    bringing down every replica in turn; the supervisor replaces the three."""
+    wf = Workflow("poison")
+    py = wf.role("py", kind="python", replicas=4)
+    x = wf.input("x", default=0)
+    node = wf.python(die, role=py)
+    wf.edge(x, node)
+    wf.output("out", node)
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec()) as s:
+        result = await asyncio.wait_for((await s.executor.submit(s.spec, {"x": 1})).wait(), WAIT_S)
+        assert result.status == "failed"
+        assert "node 'die' lost 3 workers in a row" in result.error and "is not retried again" in result.error
+        await asyncio.wait_for(s.events.count(ReplicaEventKind.REPLACED, 3), WAIT_S)
+        lost = [e.worker_id for e in s.events.seen if e.kind is ReplicaEventKind.LOST]
+        assert len(lost) == 3 and all(worker_id in result.error for worker_id in lost)
+        assert len(s.cluster.workers) == 4  # the fourth never ran it; three replacements
 
 
 def test_the_back_off_doubles_up_to_its_cap_and_bad_policies_are_refused():
@@ -321,3 +350,12 @@ def test_the_back_off_doubles_up_to_its_cap_and_bad_policies_are_refused():
         RestartPolicy(backoff_s=2.0, max_backoff_s=1.0)
     with pytest.raises(ValueError, match="max_restarts must be >= 0"):
         RestartPolicy(max_restarts=-1)
+
+
+def test_a_negative_max_node_retries_is_refused():
+    peer = Peer.start()
+    try:
+        with pytest.raises(ValueError, match="max_node_retries must be >= 0, got -1"):
+            WorkerDispatcher(InProcessRegistry(), peer, max_node_retries=-1)
+    finally:
+        peer.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,12 @@ async def hold(x: Any, dir: str) -> dict[str, Any]:
 async def block_loop(x: Any, seconds: float) -> Any:
     """A node with a bug: it blocks its worker's event loop (a blocking call in an async op)."""
     time.sleep(seconds)
+    return x
+
+
+def die(x: Any) -> Any:
+    """A poison input: the worker that runs this node dies."""
+    os.kill(os.getpid(), signal.SIGKILL)
     return x
 
 
