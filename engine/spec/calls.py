@@ -122,5 +122,11 @@ class ComputeUnit:
         the worker's liveness thread: read, never block."""
         return {}
 
+    def health(self) -> str | None:
+        """Why this unit can serve no more calls (its engine thread died, its tensor-parallel
+        group broke), or None. Called from the worker's liveness thread each heartbeat: read,
+        never block. A worker whose unit gives a reason stops, so that it can be replaced."""
+        return None
+
     async def close(self) -> None:
         return None

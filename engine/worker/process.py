@@ -12,8 +12,9 @@ On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters
 exits; if spawned by a local launcher it exits when that parent dies. When it is
 ready it prints one line, `OMNIFLOW-READY {json}`, on standard output.
 
-Exit status: 0 after a drain, 3 when the drain had to cancel executions, 4 when the GPU
-weights it attached lost their publisher, 5 when its event loop stopped turning for
+Exit status: 0 after a drain, 3 when the drain had to cancel executions, 4 when it cannot
+go on serving (its unit reports why, `ComputeUnit.health`, or the GPU weights it attached lost
+their publisher), 5 when its event loop stopped turning for
 `stall_timeout_s` (a deadlock, or node code blocking the loop): the liveness thread, which
 would otherwise keep answering pings for a worker that serves nothing, dumps every thread's
 stack on standard error, deregisters the worker and ends the process, so that its calls go
@@ -496,11 +497,12 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         loop.call_soon_threadsafe(stop.set)
 
     def check() -> str | None:  # from the liveness thread, each heartbeat
-        orphaned = weights.orphaned()
-        if not orphaned:
-            return None
-        unhealthy.append(f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}")
-        return unhealthy[-1]
+        problem = unit.health()
+        if problem is None and (orphaned := weights.orphaned()):
+            problem = f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}"
+        if problem is not None:
+            unhealthy.append(problem)
+        return problem
 
     liveness = _Liveness(config, host, load, stop_worker, check, _LoopWatch(loop, config.stall_timeout_s).stalled)
     liveness_address = liveness.start_and_bind()
@@ -526,7 +528,8 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
            "capacity": capacity, **local})
     await stop.wait()
     log.info("worker %s draining", config.worker_id)
-    # Weights gone (unhealthy): what runs would compute on freed memory; cancel it at once.
+    # Unhealthy (a failed unit, or weights gone and what runs would compute on freed memory):
+    # cancel what runs at once.
     cancelled = await core.drain(0.0 if unhealthy else config.drain_timeout_s)
     liveness.stop()
     kv.close()
@@ -541,7 +544,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     context.term()
     peer.close()
     if unhealthy:
-        return 4  # it could not go on serving (its attached weights are gone)
+        return 4  # it could not go on serving (its unit failed, or its attached weights are gone)
     return 0 if not cancelled else 3
 
 

@@ -93,8 +93,8 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
     spec = spec if spec is not None else spec_of(replicas)
     events = Events()
     options.setdefault("extra_args", ("--drain-timeout", "5"))
-    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, restart=policy, on_event=events,
-                           **options)
+    options.setdefault("stop_timeout_s", 10.0)
+    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, restart=policy, on_event=events, **options)
     peer = Peer.start()
     try:
         await cluster.start()
@@ -174,6 +174,32 @@ async def test_a_tensor_parallel_replica_that_loses_a_rank_is_replaced_whole():
         assert replaced.worker.ranks[0].worker_id == f"{replaced.worker_id}.tp1"
         tokens = text_ids(11, 9)
         assert await s.run(tokens) == hf_greedy(load_builtin("tiny-llama").model, tokens, 6)
+
+
+async def test_a_replica_whose_unit_failed_stops_itself_and_is_replaced_whole():
+    """A follower rank that hangs (SIGSTOP) rather than dies: rank 0's next collective times out
+    (tp_timeout_s), its unit reports the broken group (`health`), and the worker stops with
+    status 4 instead of failing every later call; the cluster then replaces the replica whole."""
+    wf = Workflow("supervisedhang")
+    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 2.0})
+    prompt = wf.input("x", "tokens")
+    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": 4})
+    wf.edge(prompt, gen.inp("tokens"))
+    wf.output("out", gen.out("tokens"), "tokens")
+    tokens = text_ids(5, 7)
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), ready_timeout_s=120.0,
+                          stop_timeout_s=2.0, max_node_retries=0) as s:
+        (first,) = s.cluster.workers
+        leader, follower = first.processes
+        follower.process.send_signal(signal.SIGSTOP)
+        failed = await asyncio.wait_for((await s.executor.submit(s.spec, {"x": tokens})).wait(), WAIT_S)
+        assert failed.status == "failed" and "tensor-parallel group failed" in failed.error, failed.error
+        lost = await s.events.next(ReplicaEventKind.LOST)
+        assert lost.reason == f"worker {leader.worker_id} of role 'lm' exited with status 4"
+        replaced = await s.events.next(ReplicaEventKind.REPLACED)
+        assert follower.process.returncode is not None  # the hung rank was ended with its replica
+        assert await s.run(tokens) == hf_greedy(load_builtin("tiny-llama").model, tokens, 4)
+        assert replaced.worker is not None and alive(replaced.worker.pid)
 
 
 async def test_a_worker_that_exits_by_itself_is_replaced_and_its_status_is_reported():

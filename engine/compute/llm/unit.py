@@ -188,6 +188,8 @@ class LLMUnit(ComputeUnit):
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
         self._counter = 0
+        self.failed: str | None = None
+        """Why the engine can serve no more calls (its thread failed); None while it can."""
         self._thread = threading.Thread(target=self._loop, name=f"omniflow-llm-{role.name}", daemon=True)
         self._thread.start()
 
@@ -286,6 +288,39 @@ class LLMUnit(ComputeUnit):
             log.warning("releasing handoff %s: %s", handoff_id, exc)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:
+            log.exception("llm role %r: the engine thread failed", self.role.name)
+            self._fail(self._failure(exc))
+
+    def _failure(self, exc: Exception) -> str:
+        return f"llm role {self.role.name!r}: the engine failed: {type(exc).__name__}: {exc}"
+
+    def _fail(self, reason: str) -> None:
+        """The engine cannot go on: fail every request in flight and, until stopped, every new
+        command (the worker's health check sees `failed` and stops the worker, to be replaced)."""
+        self.failed = reason
+        log.error("%s", reason)
+        error = LLMUnitError(reason)
+        with self._lock:
+            pending = list(self._subscribers)
+        for request_id in pending:
+            self._deliver(request_id, error)
+        while True:
+            command = self._commands.get()
+            if command is _STOP:
+                return
+            self._refuse(command, error)
+
+    def _refuse(self, command: Any, error: LLMUnitError) -> None:
+        if isinstance(command, _Add):
+            self._deliver(command.request_id, error)
+
+    def health(self) -> str | None:
+        return self.failed
+
+    def _serve(self) -> None:
         engine = self.engine
         checked = time.monotonic()
         while True:
@@ -364,6 +399,8 @@ class LLMUnit(ComputeUnit):
                 sampling: SamplingParams, prefill_only: bool = False, handoff: KVHandoff | None = None,
                 source: PageSource | None = None,
                 mm_items: tuple[MultimodalItem, ...] = ()) -> tuple[str, asyncio.Queue[Any]]:
+        if self.failed is not None:
+            raise LLMUnitError(self.failed)
         with self._lock:
             self._counter += 1
             request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"

@@ -226,6 +226,9 @@ class TPDiffusionUnit(ThreadedUnit):
         latents = await self.run_blocking(self._generate, call, inputs)
         return NodeResult(outputs=map_outputs(latents, call.output_ports, call.node_id))
 
+    def health(self) -> str | None:
+        return self.failed
+
     def metrics(self) -> dict[str, float]:
         """Rank 0's `diffusion.*` counters (every prompt token is computed on the ranks) and the
         group: its size and whether it failed."""

@@ -59,7 +59,7 @@ from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import HandoffError, LLMError
 from engine.compute.llm.sequence import RequestOutput
 from engine.compute.llm.transfer import KVHandoff, KVHandoffRef, resident_run
-from engine.compute.llm.unit import _STOP, LLMUnit, LLMUnitError, _Add
+from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
@@ -359,7 +359,6 @@ class TPLLMUnit(LLMUnit):
         if tp.rank != 0 or tp.size < 2:
             raise TPError(f"TPLLMUnit is rank 0 of a group of 2 or more, not rank {tp.rank} of {tp.size}")
         self.seat = tp
-        self.failed: str | None = None
         self.group: TPGroup | None = None
         self._link: FollowerLink | None = None
         with contextlib.ExitStack() as undo:
@@ -449,32 +448,15 @@ class TPLLMUnit(LLMUnit):
                 if not self._exports.lock_count(page):
                     self._exports.remove(page)
 
-    def _loop(self) -> None:
-        try:
-            super()._loop()
-        except TPError as exc:
-            self._fail(f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # any other engine failure also breaks the lockstep
-            log.exception("tensor-parallel engine thread failed")
-            self._fail(f"{type(exc).__name__}: {exc}")
+    def _failure(self, exc: Exception) -> str:
+        # Any engine failure breaks the lockstep (a TPError: the group itself).
+        return f"llm role {self.role.name!r}: the tensor-parallel group failed: {type(exc).__name__}: {exc}"
 
-    def _fail(self, message: str) -> None:
-        """The group is broken: fail every in-flight request and, until stopped, every new one."""
-        self.failed = f"llm role {self.role.name!r}: the tensor-parallel group failed: {message}"
-        log.error("%s", self.failed)
-        error = LLMUnitError(self.failed)
-        with self._lock:
-            pending = list(self._subscribers)
-        for request_id in pending:
-            self._deliver(request_id, error)
-        while True:
-            command = self._commands.get()
-            if command is _STOP:
-                return
-            if isinstance(command, _Add | _AddHandoff):
-                self._deliver(command.request_id, error)
-            elif isinstance(command, _Export):
-                command.loop.call_soon_threadsafe(_settle, command.done, error)
+    def _refuse(self, command: Any, error: LLMUnitError) -> None:
+        if isinstance(command, _Add | _AddHandoff):
+            self._deliver(command.request_id, error)
+        elif isinstance(command, _Export):
+            command.loop.call_soon_threadsafe(_settle, command.done, error)
 
     def metrics(self) -> dict[str, float]:
         """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the

@@ -107,6 +107,34 @@ async def test_the_unit_reports_llm_counters_for_heartbeats(tiny_llama):
         await unit.close()
 
 
+async def test_an_engine_thread_that_fails_fails_its_calls_and_the_units_health(tiny_llama):
+    """A step that raises (a defect, out of memory) must not leave calls waiting on a dead
+    thread: the one in flight fails with the cause, later ones fail at once, and `health()`
+    says why, so the worker stops and is replaced."""
+    from engine.compute.llm.unit import LLMUnit, LLMUnitError
+    from engine.spec.calls import NodeCall, NodeContext
+
+    unit = LLMUnit(chat_workflow().to_spec().role("llm"))
+
+    def broken_step():
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    unit.engine.step = broken_step  # the fault to inject: the engine's next step raises
+    try:
+        assert unit.health() is None
+        call = NodeCall(run_id="r", node_id="gen", op=None, params={"max_new_tokens": 5},
+                        inputs={"tokens": prompt_ids(7, 9)}, output_ports=("tokens",),
+                        stream=False, router=False, iteration=1, attempt=1)
+        ctx = NodeContext(run_id="r", node_id="gen", iteration=1, attempt=1, report_progress=lambda f, m: None)
+        with pytest.raises(LLMUnitError, match="the engine failed: RuntimeError: CUDA out of memory"):
+            await asyncio.wait_for(unit.execute(call, ctx), 10)
+        assert unit.health() == "llm role 'llm': the engine failed: RuntimeError: CUDA out of memory (simulated)"
+        with pytest.raises(LLMUnitError, match="the engine failed"):
+            await asyncio.wait_for(unit.execute(call, ctx), 10)
+    finally:
+        await asyncio.wait_for(unit.close(), 10)
+
+
 async def test_concurrent_runs_are_batched_and_correct(executor, tiny_llama):
     prompts = [prompt_ids(40 + i, 5 + 3 * i) for i in range(6)]
     plan = executor.plan(chat_workflow(input_port="tokens").to_spec())
