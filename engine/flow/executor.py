@@ -39,7 +39,7 @@ from engine.flow.events import (
     preview,
 )
 from engine.flow.plan import Plan, build_plan
-from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
 from engine.spec.graph import GraphSpec, NodeSpec
 from engine.spec.kinds import KindRegistry
 
@@ -456,7 +456,7 @@ class Run:
             self._attempt_failed(node, inputs, f"timed out after {spec.timeout_s} s")
             return
         except Exception as exc:  # noqa: BLE001 - a node's exception is its failure, reported in the run
-            self._attempt_failed(node, inputs, f"{type(exc).__name__}: {exc}")
+            self._attempt_failed(node, inputs, f"{type(exc).__name__}: {exc}", final=isinstance(exc, FinalNodeError))
             return
         node.task = None
         self._active -= 1
@@ -465,13 +465,13 @@ class Run:
         self._complete(node, result, time.perf_counter())
         self._check_quiet()
 
-    def _attempt_failed(self, node: _Node, inputs: dict[str, Any], message: str) -> None:
+    def _attempt_failed(self, node: _Node, inputs: dict[str, Any], message: str, final: bool = False) -> None:
         node.task = None
         if node.started is not None:
             node.busy_s += time.perf_counter() - node.started
             node.started = None
         has_streams = bool(node.stream_channels) or any(isinstance(v, StreamChannel) for v in inputs.values())
-        if node.attempt <= node.spec.retries and not has_streams and self._finished_ok():
+        if not final and node.attempt <= node.spec.retries and not has_streams and self._finished_ok():
             node.error = message
             self._active -= 1
             self._set_state(node, NodeState.FAILED)

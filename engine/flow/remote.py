@@ -59,7 +59,7 @@ from engine.data.wire import (
 from engine.flow.balance import BalanceRequest, KVAware, NoWorkerError, Policy, candidates_from, make_policy
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
 from engine.flow.kvroute import NO_HINT, KVRouter
-from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
 from engine.spec.graph import RoleSpec
 
 log = logging.getLogger(__name__)
@@ -202,17 +202,24 @@ class WorkerLost(RuntimeError):
     """A worker died or stopped answering while it held a node execution."""
 
 
+class NodeKillsWorkers(WorkerLost, FinalNodeError):
+    """A node lost every worker it was sent to, `max_node_retries` + 1 of them: not retried
+    again, not even by the node's own `retries` (it would bring down more replicas)."""
+
+
 class RemoteNodeError(RuntimeError):
     """The node's own code failed on the worker."""
 
 
 class _Lost:
-    """Put into a call's inbox when its worker is lost."""
+    """Put into a call's inbox when its worker is lost; `reached`: after the request went out
+    (else the worker was lost, or unreachable, before it had the call)."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "reached")
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, reached: bool = True) -> None:
         self.reason = reason
+        self.reached = reached
 
 
 class _Inbox:
@@ -540,7 +547,7 @@ class WorkerDispatcher:
         opened = False
         try:
             if conn.lost is not None:
-                inbox.put_nowait(_Lost(conn.lost))
+                inbox.put_nowait(_Lost(conn.lost, reached=False))
                 opened = True
                 return conn, rid, inbox, forwarders
             inputs: dict[str, PortValue] = {}
@@ -671,14 +678,16 @@ class WorkerDispatcher:
                             raise WorkerLost(f"node {call.node_id!r}: {message.reason}")
                         wid = conn.worker.info.worker_id
                         excluded.add(wid)
-                        lost.append(wid)
+                        if message.reached:
+                            lost.append(wid)
                         if produced or any(isinstance(v, AsyncIterator) for v in call.inputs.values()):
                             raise WorkerLost(f"{message.reason} while streaming node {call.node_id!r};"
                                              " a stream cannot be resumed elsewhere")
                         if len(lost) > self._max_node_retries:
                             # A node that brings its worker down would bring down every replica it is sent to.
-                            raise WorkerLost(f"{message.reason}; node {call.node_id!r} lost {len(lost)} workers in a"
-                                             f" row ({', '.join(lost)}) and is not retried again")
+                            raise NodeKillsWorkers(f"{message.reason}; node {call.node_id!r} lost every worker it"
+                                                   f" was sent to ({len(lost)}: {', '.join(lost)}) and is not"
+                                                   " retried again")
                         log.warning("retrying node %r of run %s elsewhere: %s", call.node_id, call.run_id,
                                     message.reason)
                         break

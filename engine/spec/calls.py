@@ -62,6 +62,11 @@ class NodeResult:
     route: tuple[str, ...] | None = None
 
 
+class FinalNodeError(Exception):
+    """A node failure that trying again cannot mend: the executor does not retry it, whatever
+    the node's `retries` (e.g. a node that brings down every worker it is sent to)."""
+
+
 class NodeOutputError(ValueError):
     """A unit's result does not fit the node's declared output ports."""
 

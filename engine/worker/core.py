@@ -154,6 +154,10 @@ class RoleWorkerCore:
         if self.draining:
             self._send(identity, ErrorReply(rid, ErrorCode.DRAINING, f"worker {self.worker_id} is draining"))
             return
+        problem = self.unit.health()
+        if problem is not None:  # it stops at its next heartbeat; meanwhile the call goes elsewhere
+            self._send(identity, ErrorReply(rid, ErrorCode.DRAINING, f"worker {self.worker_id} cannot serve: {problem}"))
+            return
         if request.role != self.role.name:
             self._send(identity, ErrorReply(rid, ErrorCode.WRONG_ROLE,
                                             f"worker {self.worker_id} hosts role {self.role.name!r},"

@@ -139,19 +139,31 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
     ticket = records.ticket(deployment_id)
     if ticket is None or ticket.status != DeploymentStatus.RUNNING:
         return None
-    agent.sweep(ticket)
-    streak, latest = records.loss_streak(deployment_id, agent.node, policy.healthy_after_s)
+    lost = agent.sweep(ticket)
     error = records.error_of(deployment_id)
-    if policy.max_restarts is not None and streak > policy.max_restarts:
-        given_up = (f"{streak} replicas in a row were lost within {policy.healthy_after_s:g} s of starting:"
-                    f" node {agent.node} {_GAVE_UP} (deploy again to retry)")
+    if policy.max_restarts == 0:
+        if lost:
+            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{len(lost)} workers lost: node {agent.node}"
+                               f" {_GAVE_UP} (OMNIFLOW_WORKER_MAX_RESTARTS=0)", unless=_ENDED)
+        return None
+    # Each role on its own, as each replica place of the embedded mode: one role's crash loop
+    # neither holds back nor gives up another's replacements.
+    start: set[str] = set()
+    gave_up: list[str] = []
+    now = timezone.now()
+    for role in ticket.spec.roles:
+        streak, latest = records.loss_streak(deployment_id, agent.node, role.name, policy.healthy_after_s)
+        if policy.max_restarts is not None and streak > policy.max_restarts:
+            gave_up.append(f"role {role.name!r}: {streak} replicas in a row were lost within"
+                           f" {policy.healthy_after_s:g} s of starting")
+        elif latest is None or now - latest >= datetime.timedelta(seconds=policy.delay_s(streak - 1)):
+            start.add(role.name)  # else backing off
+    if gave_up:
+        given_up = f"{'; '.join(gave_up)}: node {agent.node} {_GAVE_UP} (deploy again to retry)"
         if error != given_up:
             records.set_status(deployment_id, DeploymentStatus.RUNNING, given_up, unless=_ENDED)
-        return None
-    if latest is not None and timezone.now() - latest < datetime.timedelta(seconds=policy.delay_s(streak - 1)):
-        return None  # backing off
     try:
-        result = agent.reconcile(ticket)
+        result = agent.reconcile(ticket, start_roles=start)
     except LaunchError as exc:
         log.warning("deployment %s: replacing lost workers on %s failed: %s", deployment_id, agent.node, exc)
         records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{_REPLACING_FAILED}: {exc}", unless=_ENDED)
@@ -159,7 +171,7 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
     if not result.started and not result.lost:
         return None
     log.warning("deployment %s: lost %s on %s; started %s", deployment_id, result.lost, agent.node, result.started)
-    if error.startswith(_REPLACING_FAILED) or _GAVE_UP in error:
+    if not gave_up and (error.startswith(_REPLACING_FAILED) or _GAVE_UP in error):
         records.set_status(deployment_id, DeploymentStatus.RUNNING, "", unless=_ENDED)  # replacing works again
     return {"started": result.started, "stopped": result.stopped, "lost": result.lost}
 

@@ -160,7 +160,7 @@ def test_a_node_replaces_a_worker_that_died_until_too_many_are_lost(celery_node:
     (third,) = live_rows(d["id"])
     psutil.Process(third.pid).kill()
     celery_node.wait_for("the third loss given up on", lambda: Deployment.objects.get(pk=d["id"]).error.startswith(
-        "3 replicas in a row were lost within 60 s of starting"))
+        "role 'py': 3 replicas in a row were lost within 60 s of starting"))
     assert [Worker.objects.get(worker_id=w.worker_id).status for w in (first, second, third)] == ["lost"] * 3
     assert live_rows(d["id"]) == [] and Deployment.objects.get(pk=d["id"]).status == "running"
 

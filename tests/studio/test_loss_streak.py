@@ -1,6 +1,7 @@
-"""How a node counts its deployment's lost replicas for supervision (`records.loss_streak`):
-young losses in a row, latest first, ended by a replica that had lasted; follower ranks and
-live workers do not count; a replica that never came up does."""
+"""How a node counts a role's lost replicas for supervision (`records.loss_streak`): young
+losses in a row, latest first, ended by a replica that had lasted; follower ranks, live
+workers, other roles and other nodes do not count; a failed start counts once, however many
+replicas it was to bring up."""
 
 from __future__ import annotations
 
@@ -27,29 +28,33 @@ def deployment(api: Any, user: Any) -> Deployment:
 
 
 def row(deployment: Deployment, worker_id: str, status: str, lived_s: float, lost_ago_s: float,
-        host: str = NODE) -> None:
+        host: str = NODE, role: str = "py") -> None:
     lost_at = timezone.now() - datetime.timedelta(seconds=lost_ago_s)
-    worker = Worker.objects.create(deployment=deployment, role="py", worker_id=worker_id, host=host, status=status,
-                                   last_seen_at=lost_at)
+    worker = Worker.objects.create(deployment=deployment, role=role, worker_id=worker_id, host=host, status=status,
+                                   last_seen_at=lost_at, pid=1)
     Worker.objects.filter(pk=worker.pk).update(started_at=lost_at - datetime.timedelta(seconds=lived_s))
 
 
 def test_young_losses_in_a_row_count_until_one_that_lasted(deployment: Deployment) -> None:
     row(deployment, "py-a", "lost", lived_s=3600, lost_ago_s=100)   # lasted: ends the row
+    Worker.objects.create(deployment=deployment, role="py", worker_id="py-n", host=NODE, status="lost")  # no time
     row(deployment, "py-b", "lost", lived_s=5, lost_ago_s=50)
     row(deployment, "py-b.tp1", "lost", lived_s=5, lost_ago_s=50)   # its follower: counted by rank 0
     row(deployment, "py-c", "ready", lived_s=40, lost_ago_s=0)      # live: not a loss
     row(deployment, "py-d", "lost", lived_s=2, lost_ago_s=10)
     row(deployment, "py-e", "lost", lived_s=1, lost_ago_s=200, host="node-b")  # another node's
-    streak, latest = records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0)
+    row(deployment, "lm-f", "lost", lived_s=1, lost_ago_s=5, role="lm")  # another role's
+    streak, latest = records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)
     assert streak == 2
     assert latest == Worker.objects.get(worker_id="py-d").last_seen_at
 
 
-def test_a_replica_that_never_came_up_counts_and_nothing_lost_counts_nothing(deployment: Deployment) -> None:
-    assert records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0) == (0, None)
-    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-x")])
-    streak, latest = records.loss_streak(str(deployment.pk), NODE, healthy_s=60.0)
+def test_a_failed_start_counts_once_and_nothing_lost_counts_nothing(deployment: Deployment) -> None:
+    assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0) == (0, None)
+    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-x"), ("py", "py-y"), ("py", "py-z")])
+    streak, latest = records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)
     assert streak == 1 and latest is not None
+    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-w")])
+    assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)[0] == 2
     failed = Worker.objects.get(worker_id="py-x")
     assert (failed.status, failed.pid, failed.host) == ("lost", None, NODE)

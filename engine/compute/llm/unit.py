@@ -300,13 +300,12 @@ class LLMUnit(ComputeUnit):
     def _fail(self, reason: str) -> None:
         """The engine cannot go on: fail every request in flight and, until stopped, every new
         command (the worker's health check sees `failed` and stops the worker, to be replaced)."""
-        self.failed = reason
-        log.error("%s", reason)
         error = LLMUnitError(reason)
         with self._lock:
             pending = list(self._subscribers)
         for request_id in pending:
             self._deliver(request_id, error)
+        self.failed = reason  # after: the worker's health check acts on it (new calls are refused below)
         while True:
             command = self._commands.get()
             if command is _STOP:

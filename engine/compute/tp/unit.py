@@ -472,7 +472,6 @@ class TPLLMUnit(LLMUnit):
 
     def _multimodal(self, call: NodeCall, prompt: str | list[int]) -> tuple[str | list[int],
                                                                            tuple[MultimodalItem, ...]]:
-        self._check_alive()
         if call.inputs.get("items") is not None or call.inputs.get("embeds") is not None:
             raise LLMUnitError(f"node {call.node_id!r}: multimodal items do not run on a tensor-parallel role")
         return prompt, ()

@@ -127,6 +127,8 @@ class NodeAgent:
         Lost workers leave the registry at once (else runs could go to them until their TTL ends)."""
         deployment_id, spec = ticket.deployment_id, ticket.spec
         live, lost = self._live(deployment_id)
+        if lost:  # dead: off the registry before anything else (ending broken replicas may take a while)
+            asyncio.run(self._deregister(ticket.namespace, lost))
         ranks: dict[str, list[tuple[Worker, psutil.Process]]] = {}
         for row, process in live:
             ranks.setdefault(leader_worker_id(row.worker_id) or row.worker_id, []).append((row, process))
@@ -141,12 +143,11 @@ class NodeAgent:
                 continue
             replicas.setdefault(role, []).append(_Replica(members))
         if broken:
-            _terminate([p for _, p in broken])
             ids = [row.worker_id for row, _ in broken]
+            asyncio.run(self._deregister(ticket.namespace, ids))
+            _terminate([p for _, p in broken])
             records.set_worker_status(ids, WorkerStatus.LOST)
             lost += ids
-        if lost:
-            asyncio.run(self._deregister(ticket.namespace, lost))
         return replicas, lost
 
     async def _deregister(self, namespace: str, worker_ids: list[str]) -> None:
@@ -163,17 +164,19 @@ class NodeAgent:
         a tensor-parallel replica that lost a rank); their ids."""
         return self._replicas(ticket)[1]
 
-    def reconcile(self, ticket: DeploymentTicket) -> Reconciled:
-        """Run exactly the replicas `ticket.spec` asks for on this node; raises LaunchError
-        (after stopping what it started) when a worker does not come up."""
+    def reconcile(self, ticket: DeploymentTicket, *, start_roles: set[str] | None = None) -> Reconciled:
+        """Run exactly the replicas `ticket.spec` asks for on this node (starting missing ones
+        only for `start_roles`, when given); raises LaunchError (after stopping what it started)
+        when a worker does not come up."""
         replicas, lost = self._replicas(ticket)
         stop: list[_Replica] = []
         wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
         for role in ticket.spec.roles:
             mine = replicas.get(role.name, [])
             stop += mine[role.replicas:]
-            wanted += [(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}")
-                       for _ in range(role.replicas - len(mine))]
+            if start_roles is None or role.name in start_roles:
+                wanted += [(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}")
+                           for _ in range(role.replicas - len(mine))]
         stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
             # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from engine.flow.validate import parse_spec
@@ -125,19 +126,26 @@ def running_on(node: str) -> list[str]:
             .values_list("pk", flat=True)]
 
 
-def loss_streak(deployment_id: str, host: str, healthy_s: float) -> tuple[int, datetime.datetime | None]:
-    """How many replicas of the deployment on `host` were lost in a row, latest loss first, each
-    before it had stayed up `healthy_s` (one that never came up included), and when the latest
-    was lost. A replica lost after staying up that long ends the row. A tensor-parallel replica
-    counts once (its rank 0's row)."""
-    rows = (Worker.objects.filter(deployment_id=deployment_id, host=host, status=WorkerStatus.LOST)
-            .order_by("-last_seen_at").values_list("worker_id", "started_at", "last_seen_at"))
+def loss_streak(deployment_id: str, host: str, role: str, healthy_s: float) -> tuple[int, datetime.datetime | None]:
+    """How many replicas of `role` of the deployment on `host` were lost in a row, latest loss
+    first, each before it had stayed up `healthy_s`, and when the latest was lost. A replica
+    lost after staying up that long ends the row. A tensor-parallel replica counts once (its
+    rank 0's row), and so does one failed start (`add_failed_starts`), however many replicas
+    it was to bring up."""
+    rows = (Worker.objects.filter(deployment_id=deployment_id, host=host, role=role, status=WorkerStatus.LOST)
+            .order_by(F("last_seen_at").desc(nulls_last=True))
+            .values_list("worker_id", "pid", "started_at", "last_seen_at"))
     streak, latest = 0, None
-    for worker_id, started, lost_at in rows:
-        if leader_worker_id(worker_id) is not None:
-            continue
-        if lost_at is None or (lost_at - started).total_seconds() >= healthy_s:
+    failed_starts: set[datetime.datetime] = set()
+    for worker_id, pid, started, lost_at in rows:
+        if leader_worker_id(worker_id) is not None or lost_at is None:
+            continue  # a follower rank (its rank 0 counts), or a row with no time of loss
+        if (lost_at - started).total_seconds() >= healthy_s:
             break
+        if pid is None:  # a failed start: its rows share the time they were written
+            if lost_at in failed_starts:
+                continue
+            failed_starts.add(lost_at)
         streak += 1
         latest = latest or lost_at
     return streak, latest
