@@ -144,17 +144,23 @@ async def test_a_killed_replica_is_replaced_under_a_new_id_and_runs_go_to_it():
         assert (await s.run(3))["pid"] == again.worker.pid
 
 
+def tp_spec(name: str, tp_timeout_s: float, max_new_tokens: int) -> GraphSpec:
+    """Token ids through one `llm` node on a tiny-llama role split over two ranks."""
+    wf = Workflow(name)
+    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": tp_timeout_s})
+    prompt = wf.input("x", "tokens")
+    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": max_new_tokens})
+    wf.edge(prompt, gen.inp("tokens"))
+    wf.output("out", gen.out("tokens"), "tokens")
+    return wf.to_spec()
+
+
 async def test_a_tensor_parallel_replica_that_loses_a_rank_is_replaced_whole():
     """Rank 0 outlives its killed follower but can serve nothing (its group is broken): the
     cluster stops it too and starts both ranks afresh, and the new replica's greedy tokens
     equal Hugging Face `generate`."""
-    wf = Workflow("supervisedtp")
-    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 3.0})
-    prompt = wf.input("x", "tokens")
-    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": 6})
-    wf.edge(prompt, gen.inp("tokens"))
-    wf.output("out", gen.out("tokens"), "tokens")
-    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), ready_timeout_s=120.0) as s:
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=tp_spec("supervisedtp", 3.0, 6),
+                          ready_timeout_s=120.0) as s:
         (first,) = s.cluster.workers
         leader, follower = first.processes
         # The ranks met on the socket the launcher bound and handed to rank 0: rank 0 listens on
@@ -180,14 +186,8 @@ async def test_a_replica_whose_unit_failed_stops_itself_and_is_replaced_whole():
     """A follower rank that hangs (SIGSTOP) rather than dies: rank 0's next collective times out
     (tp_timeout_s), its unit reports the broken group (`health`), and the worker stops with
     status 4 instead of failing every later call; the cluster then replaces the replica whole."""
-    wf = Workflow("supervisedhang")
-    lm = wf.role("lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 2.0})
-    prompt = wf.input("x", "tokens")
-    gen = wf.node("gen", "llm", role=lm, params={"max_new_tokens": 4})
-    wf.edge(prompt, gen.inp("tokens"))
-    wf.output("out", gen.out("tokens"), "tokens")
     tokens = text_ids(5, 7)
-    async with supervised(RestartPolicy(backoff_s=0.05), spec=wf.to_spec(), ready_timeout_s=120.0,
+    async with supervised(RestartPolicy(backoff_s=0.05), spec=tp_spec("supervisedhang", 2.0, 4), ready_timeout_s=120.0,
                           stop_timeout_s=2.0, max_node_retries=0) as s:
         (first,) = s.cluster.workers
         leader, follower = first.processes
