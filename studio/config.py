@@ -23,10 +23,13 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+
+if TYPE_CHECKING:  # settings load before the engine: imported where it is used
+    from engine.worker.supervise import RestartPolicy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -87,6 +90,15 @@ class StudioConfig:
     @property
     def distributed(self) -> bool:
         return self.redis_url is not None
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        """How lost role workers are replaced, in both modes (when `worker_restart`)."""
+        from engine.worker.supervise import RestartPolicy
+
+        backoff_s = self.worker_restart_backoff_s
+        return RestartPolicy(backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),
+                             max_restarts=self.worker_max_restarts)
 
     @property
     def media_root(self) -> Path:

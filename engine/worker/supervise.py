@@ -190,7 +190,7 @@ class Supervisor:
             while slot.worker is not None and slot in self._slots:
                 await self._lose(slot, slot.worker)
                 if slot in self._slots:
-                    slot.worker = await self._replace(slot)
+                    await self._replace(slot)  # fills `slot.worker`, or leaves it None when given up
         except Exception:  # a defect here must not leave the place counted as pending for good
             log.exception("supervising replica %d of role %r failed; it is no longer supervised",
                           slot.index, slot.role)
@@ -223,8 +223,9 @@ class Supervisor:
             slot.failures = 0
         await self._emit(ReplicaEvent(ReplicaEventKind.LOST, worker.role, worker.worker_id, reason, worker))
 
-    async def _replace(self, slot: _Slot) -> LaunchedWorker | None:
-        """A fresh replica in `slot`'s place, after the back-off; None once the policy gives up."""
+    async def _replace(self, slot: _Slot) -> None:
+        """A fresh replica in `slot`'s place (`slot.worker`), after the back-off; none once the
+        policy gives up."""
         policy, lost = self.policy, slot.lost
         assert lost is not None
         while policy.max_restarts is None or slot.failures < policy.max_restarts:
@@ -237,15 +238,14 @@ class Supervisor:
                 await self._emit(ReplicaEvent(ReplicaEventKind.RESTART_FAILED, slot.role, lost.worker_id,
                                               f"{type(exc).__name__}: {exc}", replaces=lost.worker_id))
                 if slot not in self._slots:  # a listener stopped the cluster meanwhile
-                    return None
+                    return
                 continue
             slot.worker, slot.lost = fresh, None
             await self._emit(ReplicaEvent(ReplicaEventKind.REPLACED, slot.role, fresh.worker_id,
                                           f"in place of {lost.worker_id}", fresh, replaces=lost.worker_id))
-            return fresh
+            return
         why = ("restarts are off (max_restarts 0)" if not policy.max_restarts else
                f"{slot.failures} replacement(s) in a row failed to start or did not stay up"
                f" {policy.healthy_after_s:g} s")
         await self._emit(ReplicaEvent(ReplicaEventKind.GAVE_UP, slot.role, lost.worker_id, why,
                                       replaces=lost.worker_id))
-        return None

@@ -120,9 +120,7 @@ def supervise_node(node: str) -> dict[str, Any]:
         log.warning("supervise_node(%r) reached node %r; ignored", node, config.node_name)
         return {}
     agent = NodeAgent(config)
-    policy = RestartPolicy(backoff_s=config.worker_restart_backoff_s,
-                           max_backoff_s=max(30.0, config.worker_restart_backoff_s),
-                           max_restarts=config.worker_max_restarts)
+    policy = config.restart_policy
     done: dict[str, Any] = {}
     for deployment_id in records.running_on(node):
         try:

@@ -33,7 +33,7 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import KindRegistry
 from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
-from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
+from engine.worker.supervise import ReplicaEvent, ReplicaEventKind
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.reach import NamespaceExecutors, pull_outputs
@@ -154,7 +154,7 @@ class EmbeddedDeployments:
                 ready_timeout_s=self.config.worker_ready_timeout_s,
                 stop_timeout_s=STOP_TIMEOUT_S,
                 extra_args=("--listen", self.config.worker_listen),
-                restart=self._restart_policy(),
+                restart=self.config.restart_policy if self.config.worker_restart else None,
                 on_event=functools.partial(self._replica_event, ticket),
             )
             await cluster.start()  # stops what it started when one worker fails
@@ -181,13 +181,6 @@ class EmbeddedDeployments:
                 await hosted.cluster.retire(worker)  # it drains and deregisters; then its ranks stop
                 stopped += [w.worker_id for w in worker.processes]
         return started, stopped
-
-    def _restart_policy(self) -> RestartPolicy | None:
-        if not self.config.worker_restart:
-            return None
-        backoff_s = self.config.worker_restart_backoff_s
-        return RestartPolicy(backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),
-                             max_restarts=self.config.worker_max_restarts)
 
     async def _replica_event(self, ticket: DeploymentTicket, event: ReplicaEvent) -> None:
         """The worker rows follow the cluster's supervision: a lost replica's rows are marked
