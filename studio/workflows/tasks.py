@@ -137,11 +137,11 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
     ticket = records.ticket(deployment_id)
     if ticket is None or ticket.status != DeploymentStatus.RUNNING:
         return None
-    lost = agent.sweep(ticket)
+    scan = agent.sweep(ticket)
     error = records.error_of(deployment_id)
     if policy.max_restarts == 0:
-        if lost:
-            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{len(lost)} workers lost: node {agent.node}"
+        if scan.lost:
+            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{len(scan.lost)} workers lost: node {agent.node}"
                                f" {_GAVE_UP} (OMNIFLOW_WORKER_MAX_RESTARTS=0)", unless=_ENDED)
         return None
     # Each role on its own, as each replica place of the embedded mode: one role's crash loop
@@ -161,7 +161,8 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
         if error != given_up:
             records.set_status(deployment_id, DeploymentStatus.RUNNING, given_up, unless=_ENDED)
     try:
-        result = agent.reconcile(ticket, start_roles=start)
+        # From this sweep: a worker lost after it is counted (and replaced, or not) next time.
+        result = agent.reconcile(ticket, start_roles=start, scan=scan)
     except LaunchError as exc:
         log.warning("deployment %s: replacing lost workers on %s failed: %s", deployment_id, agent.node, exc)
         records.set_status(deployment_id, DeploymentStatus.RUNNING, f"{_REPLACING_FAILED}: {exc}", unless=_ENDED)

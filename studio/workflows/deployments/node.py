@@ -65,6 +65,16 @@ class _Replica:
 
 
 @dataclass(frozen=True, slots=True)
+class Scan:
+    """A deployment's workers on this node as `NodeAgent.sweep` found them."""
+
+    replicas: dict[str, list[_Replica]]
+    """The live replicas per role."""
+    lost: list[str]
+    """The ids of the rows it marked lost."""
+
+
+@dataclass(frozen=True, slots=True)
 class Reconciled:
     started: list[str]
     stopped: list[str]
@@ -121,10 +131,11 @@ class NodeAgent:
             records.set_worker_status(lost, WorkerStatus.LOST)
         return live, lost
 
-    def _replicas(self, ticket: DeploymentTicket) -> tuple[dict[str, list[_Replica]], list[str]]:
-        """The live replicas per role (rank 0 first in each), and the ids of lost rows: a
-        tensor-parallel replica missing a rank is lost whole (its remaining ranks are ended).
-        Lost workers leave the registry at once (else runs could go to them until their TTL ends)."""
+    def sweep(self, ticket: DeploymentTicket) -> Scan:
+        """The live replicas per role (rank 0 first in each), and the rows it marked lost: those
+        whose process is gone, and a tensor-parallel replica missing a rank, whole (its remaining
+        ranks are ended). Lost workers leave the registry at once (else runs could go to them
+        until their TTL ends)."""
         deployment_id, spec = ticket.deployment_id, ticket.spec
         live, lost = self._live(deployment_id)
         if lost:  # dead: off the registry before anything else (ending broken replicas may take a while)
@@ -148,7 +159,7 @@ class NodeAgent:
             _terminate([p for _, p in broken])
             records.set_worker_status(ids, WorkerStatus.LOST)
             lost += ids
-        return replicas, lost
+        return Scan(replicas, lost)
 
     async def _deregister(self, namespace: str, worker_ids: list[str]) -> None:
         registry = make_registry(self.config.redis_url, namespace=namespace)
@@ -159,16 +170,15 @@ class NodeAgent:
         finally:
             await registry.close()
 
-    def sweep(self, ticket: DeploymentTicket) -> list[str]:
-        """Mark the deployment's workers here whose process is gone lost (and end what is left of
-        a tensor-parallel replica that lost a rank); their ids."""
-        return self._replicas(ticket)[1]
-
-    def reconcile(self, ticket: DeploymentTicket, *, start_roles: set[str] | None = None) -> Reconciled:
+    def reconcile(self, ticket: DeploymentTicket, *, start_roles: set[str] | None = None,
+                  scan: Scan | None = None) -> Reconciled:
         """Run exactly the replicas `ticket.spec` asks for on this node (starting missing ones
-        only for `start_roles`, when given); raises LaunchError (after stopping what it started)
-        when a worker does not come up."""
-        replicas, lost = self._replicas(ticket)
+        only for `start_roles`, when given), from `scan` when given (one the caller decided
+        `start_roles` on: a worker lost since is left for the next sweep), else from a fresh
+        sweep; raises LaunchError (after stopping what it started) when a worker does not come up."""
+        if scan is None:
+            scan = self.sweep(ticket)
+        replicas, lost = scan.replicas, scan.lost
         stop: list[_Replica] = []
         wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
         for role in ticket.spec.roles:
