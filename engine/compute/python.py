@@ -3,9 +3,10 @@
 Input ports and node params become keyword arguments; a function that takes `ctx`
 gets the `NodeContext`. Plain functions run inline on the event loop (they are meant
 to be short: give blocking work its own role worker process); coroutine functions are
-awaited; generators stream frames. A stream-mode input arrives as an async iterator to
-a coroutine function, and as a blocking iterator to a plain function, which then runs
-in the unit's thread pool.
+awaited; generators stream frames (a plain generator in a thread of the unit's pool, at
+most `READ_AHEAD` frames ahead of its reader). A stream-mode input arrives as an async
+iterator to a coroutine function, and as a blocking iterator to a plain function, which
+then runs in the unit's thread pool.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,6 +75,9 @@ _DONE = object()
 
 
 class PythonUnit(ComputeUnit):
+    READ_AHEAD = 1
+    """Frames a plain generator makes beyond those its reader took."""
+
     def __init__(self, role: RoleSpec) -> None:
         self.role = role
         self._functions: dict[str, _Function] = {}
@@ -144,26 +149,41 @@ class PythonUnit(ComputeUnit):
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue[Any] = asyncio.Queue()
         kwargs = self._kwargs(call, ctx, func, blocking=True)
+        # The generator runs in one thread, at most READ_AHEAD frames ahead of the frames taken
+        # from it: a reader that stops taking them (back-pressure) stops the generator too.
+        room = threading.Semaphore(self.READ_AHEAD)
+        stop = threading.Event()
 
         def produce() -> None:
             try:
-                for item in func.fn(**kwargs):
-                    loop.call_soon_threadsafe(frames.put_nowait, (item, None))
+                items = func.fn(**kwargs)
+                try:
+                    for item in items:
+                        loop.call_soon_threadsafe(frames.put_nowait, (item, None))
+                        room.acquire()
+                        if stop.is_set():
+                            return
+                finally:
+                    items.close()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
                 loop.call_soon_threadsafe(frames.put_nowait, (_DONE, exc))
                 return
             loop.call_soon_threadsafe(frames.put_nowait, (_DONE, None))
 
-        # A cancelled consumer leaves the thread to finish its generator on its own:
-        # Python offers no way to interrupt it.
         loop.run_in_executor(self._threads, produce)
-        while True:
-            item, error = await frames.get()
-            if item is _DONE:
-                if error is not None:
-                    raise error
-                return
-            yield map_frame(item, call.output_ports, call.node_id)
+        try:
+            while True:
+                item, error = await frames.get()
+                if item is _DONE:
+                    if error is not None:
+                        raise error
+                    return
+                room.release()
+                yield map_frame(item, call.output_ports, call.node_id)
+        finally:
+            # A reader that leaves (cancelled, or done early) ends the generator at its next frame.
+            stop.set()
+            room.release()
 
     async def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

@@ -20,7 +20,10 @@ The same messages serve role workers (`WorkerMessage`), over ZeroMQ or, within o
 namespace, a length-prefixed Unix stream (`engine.data.framed`): after the hello, the executor's
 dispatcher sends `ExecuteRequest`s and the worker answers each with `ExecuteStarted`,
 any number of `ExecuteProgress`/`ExecuteFrame`, then `ExecuteResult` or `ExecuteFailed`.
-`CancelRequest` stops one; `InputFrame`/`InputEnd` feed a stream-mode input port.
+`CancelRequest` stops one; `InputFrame`/`InputEnd` feed a stream-mode input port. Stream
+frames flow under credit (`engine.data.credit`): a request's `window` bounds the frames
+either side sends ahead of the other's `FrameCredit` (output frames) or `InputCredit` (the
+frames of one input port).
 Node values travel as `PortValue`s: small msgpack-native values inline, tensors as refs.
 
 Bump `PROTOCOL_VERSION` on any incompatible change to a message below.
@@ -33,7 +36,7 @@ from typing import NewType
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 RefId = NewType("RefId", str)
 
@@ -303,6 +306,9 @@ class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     router: bool
     iteration: int
     attempt: int
+    window: int = 0
+    """Stream frames a side may send ahead of the other's credit: output frames of a stream
+    node, and the frames of each stream-mode input port. 0: no limit."""
 
 
 class ExecuteStarted(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -351,6 +357,23 @@ class InputEnd(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     port: str
 
 
+class FrameCredit(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Executor to worker: the executor took `frames` more output frames of a stream node;
+    the worker may send that many more."""
+
+    request_id: int
+    frames: int
+
+
+class InputCredit(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Worker to executor: `frames` more frames of stream input `port` may be sent (the node
+    took them, or it waits on another port and this one must not hold the sender back)."""
+
+    request_id: int
+    port: str
+    frames: int
+
+
 class LoadRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """Asked of a worker's liveness endpoint: its current load, as a heartbeat carries it."""
 
@@ -382,4 +405,6 @@ WorkerMessage = (
     | CancelRequest
     | InputFrame
     | InputEnd
+    | FrameCredit
+    | InputCredit
 )

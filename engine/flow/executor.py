@@ -21,7 +21,8 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,37 +97,108 @@ class RunResult:
         }
 
 
-class StreamChannel:
-    """Frames of one stream edge, read by one consumer as an async iterator."""
+class StreamGroup:
+    """The stream channels one node reads, and how many of its readers wait on an empty one."""
 
-    __slots__ = ("_frames", "_changed", "_closed", "_position")
+    __slots__ = ("channels", "starving")
 
     def __init__(self) -> None:
-        self._frames: list[Any] = []
-        self._changed = asyncio.Event()
-        self._closed = False
-        self._position = 0
+        self.channels: list[StreamChannel] = []
+        self.starving = 0
 
-    def put(self, value: Any) -> None:
-        self._frames.append(value)
-        self._changed.set()
+
+class StreamChannel:
+    """Frames of one stream edge, read by one consumer as an async iterator.
+
+    It holds at most `capacity` frames (0: no limit) while its reader runs, from `attach()`
+    to `detach()`: `put` waits for room, and so does the node producing the frames
+    (back-pressure, which a worker's credit carries on to the unit that makes them; the
+    producer's `timeout_s` counts the wait). It holds any number before (the reader may not
+    start before this very producer finished, or may wait for a slot the producer holds),
+    and while the reader waits on another, empty channel of its `group`: a node reading its
+    ports in turn would otherwise wait forever for a producer held back by the port it is
+    not reading. After, it holds none: nobody is left to read them."""
+
+    __slots__ = ("capacity", "_frames", "_group", "_closed", "_attached", "_detached", "_reader", "_putter")
+
+    def __init__(self, capacity: int = 0, group: StreamGroup | None = None) -> None:
+        self.capacity = capacity
+        self._frames: deque[Any] = deque()
+        self._group = group if group is not None else StreamGroup()
+        self._group.channels.append(self)
+        self._closed = False
+        self._attached = False
+        self._detached = False
+        self._reader: asyncio.Future[None] | None = None
+        self._putter: asyncio.Future[None] | None = None
+
+    @property
+    def held(self) -> int:
+        """Frames put and not yet taken."""
+        return len(self._frames)
+
+    def _full(self) -> bool:
+        return (self.capacity > 0 and self._attached and not self._detached and self._group.starving == 0
+                and len(self._frames) >= self.capacity)
+
+    async def put(self, value: Any) -> None:
+        if self._detached:
+            return
+        while self._full():
+            self._putter = asyncio.get_running_loop().create_future()
+            try:
+                await self._putter
+            finally:
+                self._putter = None
+        if not self._detached:
+            self._frames.append(value)
+            _wake(self._reader)
 
     def close(self) -> None:
         self._closed = True
-        self._changed.set()
+        _wake(self._reader)
+
+    def attach(self) -> None:
+        """The reader runs: hold at most `capacity` frames from now on."""
+        self._attached = True
+
+    def detach(self) -> None:
+        """The reader ended: drop what it left, and what comes (its producer goes on)."""
+        self._detached = True
+        self._frames.clear()
+        self._leave()
+        _wake(self._putter)
+
+    def _leave(self) -> None:
+        if self in self._group.channels:
+            self._group.channels.remove(self)
 
     def __aiter__(self) -> StreamChannel:
         return self
 
     async def __anext__(self) -> Any:
-        while self._position >= len(self._frames):
+        while not self._frames:
             if self._closed:
+                self._leave()
                 raise StopAsyncIteration
-            self._changed.clear()
-            await self._changed.wait()
-        value = self._frames[self._position]
-        self._position += 1
+            group = self._group
+            group.starving += 1
+            for channel in group.channels:
+                _wake(channel._putter)
+            self._reader = asyncio.get_running_loop().create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+                group.starving -= 1
+        value = self._frames.popleft()
+        _wake(self._putter)
         return value
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass(slots=True)
@@ -147,6 +219,9 @@ class _Node:
     error: str | None = None
     stream_buffers: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     stream_channels: dict[int, StreamChannel] = field(default_factory=dict)
+    """The channels of its outgoing stream edges, by edge index."""
+    reads: StreamGroup = field(default_factory=StreamGroup)
+    """The channels of its incoming stream edges."""
 
 
 class Run:
@@ -161,8 +236,10 @@ class Run:
         *,
         run_id: str,
         timeout_s: float | None,
+        stream_capacity: int = 0,
     ) -> None:
         self.id = run_id
+        self._stream_capacity = stream_capacity
         self.plan = plan
         self.inputs = inputs
         self.timeout_s = timeout_s
@@ -336,7 +413,18 @@ class Run:
     def _finished_ok(self) -> bool:
         return not self._finished.done()
 
+    def _drop_unread(self, node: _Node, kept: Iterable[Any]) -> None:
+        """Detach the stream channels in `node`'s inbox that this firing does not hand on:
+        nobody will read them, and their producers must not wait for it."""
+        keep = {id(value) for value in kept}
+        for arrivals in node.inbox.values():
+            for arrival in arrivals:
+                value = arrival[3]
+                if isinstance(value, StreamChannel) and id(value) not in keep:
+                    value.detach()
+
     def _skip(self, node: _Node, reason: str) -> None:
+        self._drop_unread(node, ())
         node.error = reason
         self._set_state(node, NodeState.SKIPPED)
         for edge in self.plan.out_edges[node.spec.id]:
@@ -384,6 +472,7 @@ class Run:
         except NodeFailure as exc:
             self._fail(node, str(exc))
             return
+        self._drop_unread(node, () if isinstance(inputs, str) else inputs.values())
         node.inbox = {}
         node.delivered = set()
         if isinstance(inputs, str):
@@ -412,7 +501,12 @@ class Run:
         self._set_state(node, NodeState.QUEUED)
         node.task = asyncio.get_running_loop().create_task(self._execute(node, inputs))
 
-    def _started(self, node: _Node) -> None:
+    def _started(self, node: _Node, inputs: dict[str, Any]) -> None:
+        # Its stream inputs bound their producers only now that it runs: queued for a slot,
+        # it might wait for one its own producer holds.
+        for value in inputs.values():
+            if isinstance(value, StreamChannel):
+                value.attach()
         node.started = time.perf_counter()
         if node.first_started is None:
             node.first_started = node.started
@@ -440,12 +534,12 @@ class Run:
             async with asyncio.timeout(spec.timeout_s):
                 if spec.stream:
                     frames = 0
-                    async for frame in self._dispatcher.execute_stream(role, call, ctx, lambda: self._started(node)):
-                        self._on_frame(node, frames, frame)
+                    async for frame in self._dispatcher.execute_stream(role, call, ctx, lambda: self._started(node, inputs)):
+                        await self._on_frame(node, frames, frame)
                         frames += 1
                     result = NodeResult(outputs={})
                 else:
-                    result = await self._dispatcher.execute(role, call, ctx, lambda: self._started(node))
+                    result = await self._dispatcher.execute(role, call, ctx, lambda: self._started(node, inputs))
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -458,6 +552,10 @@ class Run:
         except Exception as exc:  # noqa: BLE001 - a node's exception is its failure, reported in the run
             self._attempt_failed(node, inputs, f"{type(exc).__name__}: {exc}", final=isinstance(exc, FinalNodeError))
             return
+        finally:
+            for value in inputs.values():
+                if isinstance(value, StreamChannel):
+                    value.detach()  # the frames it left unread must not hold their producer back
         node.task = None
         self._active -= 1
         if self._finished.done():
@@ -480,27 +578,34 @@ class Run:
         self._active -= 1
         self._fail(node, message)
 
-    def _on_frame(self, node: _Node, index: int, frame: dict[str, Any]) -> None:
+    async def _on_frame(self, node: _Node, index: int, frame: dict[str, Any]) -> None:
         nid = node.spec.id
         now = time.time()
         for port, value in frame.items():
             self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=now, node=nid, port=port,
                                        value=preview(value), frame=index, iteration=node.fired))
-        for edge in self.plan.out_edges[nid]:
+        edges = self.plan.out_edges[nid]
+        if index == 0:
+            # Every stream edge opens with the first frame, whichever ports it carries: a reader
+            # of several ports fires with all of them (an edge's first frame may come last).
+            for edge in edges:
+                if edge.spec.stream:
+                    channel = node.stream_channels[edge.index] = self._channel(edge.spec.target)
+                    self._deliver(nid, edge.index, edge.spec.target, edge.spec.target_port, 0, channel)
+        for edge in edges:
             port = edge.spec.source_port
             if port not in frame:
                 continue
             if edge.spec.stream:
-                channel = node.stream_channels.get(edge.index)
-                if channel is None:
-                    channel = node.stream_channels[edge.index] = StreamChannel()
-                    self._deliver(nid, edge.index, edge.spec.target, edge.spec.target_port, 0, channel)
-                    channel.put(frame[port])
-                    self._evaluate(self._nodes[edge.spec.target])
-                else:
-                    channel.put(frame[port])
+                await node.stream_channels[edge.index].put(frame[port])  # before the first frame, never waits
             else:
                 node.stream_buffers.setdefault(edge.index, []).append((next(self._arrivals), frame[port]))
+        if index == 0:
+            for target in dict.fromkeys(e.spec.target for e in edges if e.spec.stream):
+                self._evaluate(self._nodes[target])
+
+    def _channel(self, target: str) -> StreamChannel:
+        return StreamChannel(self._stream_capacity, self._nodes[target].reads)
 
     def _deliver(
         self, source: str, edge_index: int, target: str, port: str, seq: int, value: Any, arrival: int | None = None
@@ -545,7 +650,7 @@ class Run:
                 if edge.spec.stream:
                     channel = node.stream_channels.pop(edge.index, None)
                     if channel is None:
-                        channel = StreamChannel()
+                        channel = self._channel(target)
                         self._deliver(nid, edge.index, target, edge.spec.target_port, 0, channel)
                     channel.close()
                 else:
@@ -632,12 +737,19 @@ class Executor:
     """Runs plans; owns no compute itself (see `Dispatcher`).
 
     `submit` validates inputs and starts the run at once; many runs proceed
-    concurrently on the same event loop.
+    concurrently on the same event loop. A stream edge holds at most `stream_capacity` frames
+    its reader has not taken (0: no limit); its producer waits for room (`StreamChannel`).
     """
 
-    def __init__(self, dispatcher: Dispatcher, kinds: KindRegistry) -> None:
+    DEFAULT_STREAM_CAPACITY = 64
+
+    def __init__(self, dispatcher: Dispatcher, kinds: KindRegistry, *,
+                 stream_capacity: int = DEFAULT_STREAM_CAPACITY) -> None:
+        if stream_capacity < 0:
+            raise ValueError(f"stream_capacity must be 0 (no limit) or more, not {stream_capacity}")
         self._dispatcher = dispatcher
         self._kinds = kinds
+        self._stream_capacity = stream_capacity
         self._runs: dict[str, Run] = {}
         self._ids = itertools.count()
 
@@ -657,7 +769,8 @@ class Executor:
         rid = run_id or uuid.uuid4().hex[:12]
         if rid in self._runs:
             raise ValueError(f"run id {rid!r} is already in use")
-        run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s)
+        run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s,
+                  stream_capacity=self._stream_capacity)
         self._runs[rid] = run
         run.start()
         return run

@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
+from engine.data.credit import CreditWindow, Taken
 from engine.data.peer import Peer
 from engine.data.shm import local_namespace
 from engine.data.values import decode_value, encode_value
@@ -46,8 +47,10 @@ from engine.data.wire import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStarted,
+    FrameCredit,
     HelloReply,
     HelloRequest,
+    InputCredit,
     InputEnd,
     InputFrame,
     PingReply,
@@ -198,6 +201,12 @@ class _DealerLink:
         self._socket.close(linger=0)
 
 
+def _retrieve(sent: asyncio.Future[None]) -> None:
+    """Mark a send's failure seen: the connection's loss reports it."""
+    if not sent.cancelled():
+        sent.exception()
+
+
 class WorkerLost(RuntimeError):
     """A worker died or stopped answering while it held a node execution."""
 
@@ -253,6 +262,8 @@ class _Connection:
     control: _ControlLink | None
     liveness: zmq.asyncio.Socket
     inboxes: dict[int, _Inbox] = field(default_factory=dict)
+    windows: dict[int, dict[str, CreditWindow]] = field(default_factory=dict)
+    """Per call: the credit the worker granted for each stream-mode input port."""
     pinger: asyncio.Task[None] | None = None
     lost: str | None = None
     ready: asyncio.Future[None] | None = None
@@ -264,7 +275,10 @@ class WorkerDispatcher:
     balanced `kv_aware` the prompt's page keys and the pages each worker holds (default:
     `KVRouter.for_registry(registry)`, see `engine.flow.kvroute`). A node whose worker is lost
     before it answered goes to another replica, at most `max_node_retries` times: a node that
-    brings its worker down (a poison input) would otherwise bring down every replica in turn."""
+    brings its worker down (a poison input) would otherwise bring down every replica in turn.
+    Stream frames flow under credit: a worker sends at most `stream_window` output frames the
+    executor has not taken, and is sent at most that many of each stream input it has not
+    read (0: no limit; see `engine.data.credit`)."""
 
     def __init__(
         self,
@@ -279,7 +293,11 @@ class WorkerDispatcher:
         kv_router: KVRouter | None = None,
         poll_after_send_s: float = 200e-6,
         max_node_retries: int = 2,
+        stream_window: int = 64,
     ) -> None:
+        if stream_window < 0:
+            raise ValueError(f"stream_window must be 0 (no limit) or more, not {stream_window}")
+        self._stream_window = stream_window
         self._registry = registry
         self._peer = peer
         self._kv_router = kv_router if kv_router is not None else KVRouter.for_registry(registry)
@@ -470,6 +488,11 @@ class WorkerDispatcher:
             rid = 0
         elif isinstance(message, ErrorReply) and message.request_id is None:
             rid = 0 if 0 in conn.inboxes else -1
+        elif isinstance(message, InputCredit):
+            window = conn.windows.get(message.request_id, {}).get(message.port)
+            if window is not None:
+                window.grant(message.frames)
+            return
         else:
             rid = getattr(message, "request_id", -1)
         inbox = conn.inboxes.get(rid)
@@ -516,6 +539,9 @@ class WorkerDispatcher:
             log.warning("%s", reason)
         for inbox in conn.inboxes.values():
             inbox.put_nowait(_Lost(reason))
+        for windows in conn.windows.values():
+            for window in windows.values():
+                window.close()  # a forwarder waiting for credit sends, and fails
         if conn.control is not None:
             conn.control.abort()
         if conn.pinger is None:  # else the pinger closes it as it ends
@@ -559,7 +585,11 @@ class WorkerDispatcher:
                 else:
                     inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
             request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
-                                     call.output_ports, call.stream, call.router, call.iteration, call.attempt)
+                                     call.output_ports, call.stream, call.router, call.iteration, call.attempt,
+                                     self._stream_window)
+            windows = {port: CreditWindow(self._stream_window) for port, _ in streams} if self._stream_window else {}
+            if windows:
+                conn.windows[rid] = windows
             assert conn.control is not None
             try:
                 await conn.control.send(self._codec.encode(request))
@@ -568,8 +598,8 @@ class WorkerDispatcher:
                 # for room, or ended before its end was seen: the call's inbox says so.
                 self._lose(conn, f"worker {wid} (pid {worker.info.pid}): control connection ended ({exc})")
             else:
-                forwarders = [asyncio.get_running_loop().create_task(self._forward(conn, rid, call, p, s))
-                              for p, s in streams]
+                forwarders = [asyncio.get_running_loop().create_task(
+                    self._forward(conn, rid, call, p, s, windows.get(p))) for p, s in streams]
             opened = True
         finally:
             if not opened:  # an error (or a cancellation) before the request was out
@@ -601,15 +631,28 @@ class WorkerDispatcher:
         else:
             self._polling = False
 
-    async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any]):
+    async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any],
+                       window: CreditWindow | None) -> None:
+        """Send the frames of stream input `port` as they come, each once the worker has
+        credit for it: until then the frame stays with its source, which holds its producer."""
         control = conn.control
         assert control is not None
+        sent = 0
         # A connection that ends is the call's loss, reported through its inbox (`_lose`).
-        with contextlib.suppress(framed.StreamClosedError):
-            async for value in source:
+        with contextlib.suppress(framed.StreamClosedError, zmq.ZMQError):
+            while True:
+                if window is not None:
+                    await window.wait(sent)
+                    if window.closed:
+                        return
+                try:
+                    value = await anext(source)
+                except StopAsyncIteration:
+                    break
                 frame = InputFrame(rid, port, encode_value(value, self._peer,
                                                            where=f"node {call.node_id!r} input {port!r}"))
                 await control.send(self._codec.encode(frame))
+                sent += 1
             await control.send(self._codec.encode(InputEnd(rid, port)))
 
     async def _close_call(self, conn: _Connection, rid: int, forwarders: list[asyncio.Task[None]],
@@ -617,12 +660,22 @@ class WorkerDispatcher:
         self._forget_call(conn, rid)
         for task in forwarders:
             task.cancel()
-        if not finished and conn.lost is None and conn.control is not None:
-            with contextlib.suppress(zmq.ZMQError, framed.StreamClosedError):
-                conn.control.send_nowait(self._codec.encode(CancelRequest(rid)))
+        if not finished:
+            self._post(conn, CancelRequest(rid))
+
+    def _post(self, conn: _Connection, message: WorkerMessage) -> None:
+        """Send `message` to `conn`'s worker without waiting, in order with what went before.
+        A connection that failed is the loss of its calls, reported through their inboxes."""
+        if conn.lost is not None or conn.control is None:
+            return
+        with contextlib.suppress(zmq.ZMQError, framed.StreamClosedError):
+            pending = conn.control.send_nowait(self._codec.encode(message))
+            if pending is not None:
+                pending.add_done_callback(_retrieve)
 
     def _forget_call(self, conn: _Connection, rid: int) -> None:
         conn.inboxes.pop(rid, None)
+        conn.windows.pop(rid, None)
         wid = conn.worker.info.worker_id
         self._outstanding[wid] = max(0, self._outstanding.get(wid, 1) - 1)
 
@@ -640,6 +693,7 @@ class WorkerDispatcher:
         announced = False
         while True:
             conn, rid, inbox, forwarders = await self._open_call(role, call, excluded)
+            taken = Taken(self._stream_window) if call.stream and self._stream_window > 0 else None
             finished = False
             awaiting = self._await_answer()
             try:
@@ -657,7 +711,10 @@ class WorkerDispatcher:
                         ctx.progress(message.progress, message.message)
                     elif isinstance(message, ExecuteFrame):
                         produced = True
-                        yield message
+                        yield message  # back when the executor took the frame
+                        owed = 0 if taken is None else taken.take()
+                        if owed:
+                            self._post(conn, FrameCredit(rid, owed))
                     elif isinstance(message, ExecuteResult):
                         finished = True
                         yield message

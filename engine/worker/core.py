@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.data.credit import CreditWindow, Taken
 from engine.data.peer import Peer
 from engine.data.values import decode_value_async, encode_value
 from engine.data.wire import (
@@ -25,6 +27,8 @@ from engine.data.wire import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStarted,
+    FrameCredit,
+    InputCredit,
     InputEnd,
     InputFrame,
     PortValue,
@@ -40,26 +44,74 @@ Send = Callable[[bytes, WorkerMessage], None]
 
 class _InboundStream:
     """A stream-mode input port fed by InputFrame messages; read as an async iterator
-    of values (tensor frames are pulled from their producer as they are read)."""
+    of values (tensor frames are pulled from their producer as they are read).
 
-    def __init__(self, decode: Callable[[PortValue], Awaitable[Any]]) -> None:
-        self._items: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+    With a window, the port grants its sender credit as the node takes frames. While the node
+    waits on this port, empty, any other port of the call whose sender is out of credit gets
+    a window more: a node that reads its ports in turn would otherwise wait forever for a
+    sender held back by the port it is not reading."""
+
+    def __init__(self, port: str, decode: Callable[[PortValue], Awaitable[Any]], window: int,
+                 grant: Callable[[str, int], None], siblings: dict[str, _InboundStream]) -> None:
+        self.port = port
         self._decode = decode
+        self._items: deque[PortValue] = deque()
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._taken = Taken(window) if window > 0 else None
+        self._received = 0
+        self._granted = window
+        self._grant = grant
+        self._siblings = siblings
 
     def feed(self, value: PortValue) -> None:
-        self._items.put_nowait((False, value))
+        self._items.append(value)
+        self._received += 1
+        self._wake()
+        if self._held_back() and any(s is not self and s._waiter is not None for s in self._siblings.values()):
+            self._grow()
 
     def end(self) -> None:
-        self._items.put_nowait((True, None))
+        self._ended = True
+        self._wake()
+
+    def _held_back(self) -> bool:
+        return self._taken is not None and not self._ended and self._received >= self._granted
+
+    def _grow(self) -> None:
+        assert self._taken is not None
+        self._credit(self._taken.window)
+
+    def _credit(self, frames: int) -> None:
+        self._granted += frames
+        self._grant(self.port, frames)
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None  # woken: no longer waiting on this port
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self
 
     async def __anext__(self) -> Any:
-        done, value = await self._items.get()
-        if done:
-            self._items.put_nowait((True, None))
-            raise StopAsyncIteration
+        while not self._items:
+            if self._ended:
+                raise StopAsyncIteration
+            for other in self._siblings.values():
+                if other is not self and other._held_back():
+                    other._grow()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        value = self._items.popleft()
+        if self._taken is not None:
+            owed = self._taken.take()
+            if owed:
+                self._credit(owed)
         return await self._decode(value)
 
 
@@ -81,6 +133,7 @@ class _Reply:
 class _Execution:
     task: asyncio.Task[None]
     streams: dict[str, _InboundStream] = field(default_factory=dict)
+    frames: CreditWindow | None = None  # the output frames this stream node may send ahead
 
 
 @dataclass(slots=True)
@@ -128,6 +181,10 @@ class RoleWorkerCore:
             execution = self._executions.get((identity, message.request_id))
             if execution is not None:
                 execution.task.cancel()
+        elif isinstance(message, FrameCredit):
+            execution = self._executions.get((identity, message.request_id))
+            if execution is not None and execution.frames is not None:
+                execution.frames.grant(message.frames)
         elif isinstance(message, InputFrame | InputEnd):
             execution = self._executions.get((identity, message.request_id))
             stream = None if execution is None else execution.streams.get(message.port)
@@ -163,13 +220,25 @@ class RoleWorkerCore:
                                             f"worker {self.worker_id} hosts role {self.role.name!r},"
                                             f" not {request.role!r}"))
             return
+        if request.window < 0:
+            self._send(identity, ErrorReply(rid, ErrorCode.BAD_REQUEST,
+                                            f"request {rid}: window must be 0 (no limit) or more, not {request.window}"))
+            return
         key = (identity, rid)
         if key in self._executions:
             self._send(identity, ErrorReply(rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already running"))
             return
-        streams = {p: _InboundStream(self._decode) for p, v in request.inputs.items() if v.kind == ValueKind.STREAM}
-        task = asyncio.get_running_loop().create_task(self._execute(identity, request, streams))
-        self._executions[key] = _Execution(task, streams)
+        streams: dict[str, _InboundStream] = {}
+
+        def grant(port: str, frames: int) -> None:
+            self._send(identity, InputCredit(rid, port, frames))
+
+        for port, value in request.inputs.items():
+            if value.kind == ValueKind.STREAM:
+                streams[port] = _InboundStream(port, self._decode, request.window, grant, streams)
+        frames = CreditWindow(request.window) if request.stream and request.window > 0 else None
+        task = asyncio.get_running_loop().create_task(self._execute(identity, request, streams, frames))
+        self._executions[key] = _Execution(task, streams, frames)
 
     # ----------------------------------------------------------------- execution
     async def _decode(self, value: PortValue) -> Any:
@@ -188,7 +257,8 @@ class RoleWorkerCore:
         return {port: encode_value(v, self.peer, where=f"node {node_id!r} output {port!r}")
                 for port, v in outputs.items()}
 
-    async def _execute(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
+    async def _execute(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream],
+                       frames: CreditWindow | None) -> None:
         rid = request.request_id
         send = self._send
         try:
@@ -204,7 +274,7 @@ class RoleWorkerCore:
             reply = _Reply(identity, send, asyncio.get_running_loop().call_soon(
                 send, identity, ExecuteStarted(rid, self.worker_id)))
             try:
-                await self._run(reply, request, streams)
+                await self._run(reply, request, streams, frames)
                 self.stats.completed += 1
             except asyncio.CancelledError:
                 self.stats.cancelled += 1
@@ -220,7 +290,8 @@ class RoleWorkerCore:
         finally:
             self._executions.pop((identity, rid), None)
 
-    async def _run(self, reply: _Reply, request: ExecuteRequest, streams: dict[str, _InboundStream]) -> None:
+    async def _run(self, reply: _Reply, request: ExecuteRequest, streams: dict[str, _InboundStream],
+                   frames: CreditWindow | None) -> None:
         rid = request.request_id
         inputs = await self._inputs(request, streams)
         call = NodeCall(
@@ -245,6 +316,8 @@ class RoleWorkerCore:
         if request.stream:
             index = 0
             async for frame in self.unit.execute_stream(call, ctx):
+                if frames is not None:  # out of credit: the unit waits with its frame until the executor takes more
+                    await frames.wait(index)
                 reply(ExecuteFrame(rid, index, self._outputs(frame, request.node_id)))
                 index += 1
             reply(ExecuteResult(rid, {}))

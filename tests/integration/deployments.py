@@ -56,14 +56,17 @@ class Deployment:
 
 @contextlib.asynccontextmanager
 async def deployed(spec: GraphSpec, *, heartbeat_s: float, with_executor: bool = True,
-                   check_processes_stop: bool = False, **cluster_options: Any) -> AsyncIterator[Deployment]:
+                   check_processes_stop: bool = False, stream_window: int = 64,
+                   stream_capacity: int = Executor.DEFAULT_STREAM_CAPACITY,
+                   **cluster_options: Any) -> AsyncIterator[Deployment]:
     """`spec` on a started `LocalCluster`; `check_processes_stop` asserts no worker process outlives it."""
     peer = Peer.start()
     cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, **cluster_options)
     try:
         await cluster.start()
-        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=heartbeat_s, connect_timeout_s=5.0)
-        executor = Executor(dispatcher, default_kinds()) if with_executor else None
+        dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=heartbeat_s, connect_timeout_s=5.0,
+                                      stream_window=stream_window)
+        executor = Executor(dispatcher, default_kinds(), stream_capacity=stream_capacity) if with_executor else None
         try:
             yield Deployment(spec, cluster, dispatcher, peer, executor)
         finally:

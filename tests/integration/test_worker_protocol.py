@@ -34,11 +34,16 @@ from engine.data.wire import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,
+    ExecuteFrame,
     ExecuteRequest,
     ExecuteResult,
     ExecuteStarted,
+    FrameCredit,
     HelloReply,
     HelloRequest,
+    InputCredit,
+    InputEnd,
+    InputFrame,
     PingReply,
     PingRequest,
     PortValue,
@@ -214,6 +219,74 @@ async def test_request_id_already_running_is_refused(open_client, worker, tmp_pa
     result = await raw.recv()
     assert isinstance(result, ExecuteResult) and result.request_id == 11
     assert markers(tmp_path, "started") == [worker["pid"]]
+
+
+# ------------------------------------------------------------------ stream credit
+async def frames_until(raw: RawClient | LocalClient, count: int) -> list[ExecuteFrame]:
+    """The next `count` output frames (announcements skipped)."""
+    frames: list[ExecuteFrame] = []
+    while len(frames) < count:
+        message = await raw.recv()
+        if not isinstance(message, ExecuteStarted):
+            assert isinstance(message, ExecuteFrame), message
+            frames.append(message)
+    return frames
+
+
+async def test_a_stream_node_sends_frames_only_as_credit_allows(open_client, worker, tmp_path: Path):
+    raw = await open_client()
+    await raw.hello()
+    await raw.send(ExecuteRequest(41, "py", "raw", "frames", f"{workerfns.__name__}:counted_frames",
+                                  {"n": 10, "dir": str(tmp_path)}, {}, ("out",), True, False, 1, 1, window=2))
+    assert [f.index for f in await frames_until(raw, 2)] == [0, 1]
+    # The generator made frame 2 and waits with it: no later frame exists before credit comes.
+    await wait_until(lambda: workerfns.counted(tmp_path, "produced") == 3, 10.0, "the producer makes frame 2")
+    await raw.send(FrameCredit(41, 3))
+    assert [f.index for f in await frames_until(raw, 3)] == [2, 3, 4]
+    assert workerfns.counted(tmp_path, "produced") <= 6
+    await raw.send(FrameCredit(41, 100))
+    rest = await frames_until(raw, 5)
+    assert [(f.index, f.outputs["out"].data) for f in rest] == [(i, i) for i in range(5, 10)]
+    assert await raw.recv() == ExecuteResult(41, {})
+
+
+async def test_a_worker_credits_stream_input_frames_as_its_node_reads_them(open_client, worker):
+    raw = await open_client()
+    await raw.hello()
+    await raw.send(ExecuteRequest(42, "py", "raw", "read", "tests.unit.flow.fns:consume_all", {},
+                                  {"items": PortValue(ValueKind.STREAM)}, ("out",), False, False, 1, 1, window=2))
+    for i in range(2):
+        await raw.send(InputFrame(42, "items", PortValue(ValueKind.INLINE, data=i)))
+    credits = 0
+    while credits < 2:  # a window of 2 is credited frame by frame
+        message = await raw.recv()
+        if isinstance(message, InputCredit):
+            assert (message.request_id, message.port, message.frames) == (42, "items", 1)
+            credits += message.frames
+        else:
+            assert isinstance(message, ExecuteStarted), message
+    await raw.send(InputFrame(42, "items", PortValue(ValueKind.INLINE, data=2)))
+    await raw.send(InputEnd(42, "items"))
+    messages = [await raw.recv()]
+    while not isinstance(messages[-1], ExecuteResult):
+        messages.append(await raw.recv())
+    assert [m for m in messages if not isinstance(m, ExecuteStarted)] == [InputCredit(42, "items", 1),
+                        ExecuteResult(42, {"out": PortValue(ValueKind.INLINE, data=[0, 1, 2])})]
+
+
+async def test_bad_windows_and_stray_credits_are_refused_or_ignored(open_client, worker):
+    raw = await open_client()
+    await raw.hello()
+    bad = ExecuteRequest(43, "py", "raw", "frames", f"{workerfns.__name__}:counted_frames", {"n": 1, "dir": "."},
+                         {}, ("out",), True, False, 1, 1, window=-1)
+    reply = await raw.call(bad)
+    refused(reply, ErrorCode.BAD_REQUEST, 43)
+    assert reply.message == "request 43: window must be 0 (no limit) or more, not -1"
+    await raw.send(FrameCredit(999, 5))  # for no execution of this connection: nothing to credit
+    reply = await raw.call(InputCredit(44, "items", 1))  # the executor's to receive, not the worker's
+    refused(reply, ErrorCode.BAD_REQUEST, 44)
+    assert reply.message == "a worker does not serve InputCredit"
+    await execute_ok(raw, 45, worker)
 
 
 async def test_oversized_frame_drops_that_connection_only(context, worker):

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,19 @@ def markers(directory: str | Path, prefix: str) -> list[int]:
 
 
 # ------------------------------------------------------------------ node functions
+def count(directory: str | Path, name: str, value: int) -> None:
+    """Write counter `name` atomically."""
+    path = Path(directory)
+    tmp = path / f".{name}.tmp"
+    tmp.write_text(str(value))
+    tmp.rename(path / name)
+
+
+def counted(directory: str | Path, name: str) -> int:
+    path = Path(directory) / name
+    return int(path.read_text()) if path.exists() else 0
+
+
 def noop(x: Any) -> Any:
     return x
 
@@ -102,6 +115,28 @@ async def gated_power(x: int, dir: str, power: int) -> int:
     while not (Path(dir) / "release").exists():
         await asyncio.sleep(POLL_S)
     return x**power
+
+
+async def counted_frames(n: int, dir: str, gate: str | None = None) -> AsyncIterator[int]:
+    """Yields 0..n-1; counter `produced`: the frames made so far. With `gate`, it waits for
+    that marker after its first frame, and never again."""
+    for i in range(n):
+        count(dir, "produced", i + 1)
+        yield i
+        if gate is not None and i == 0:
+            await wait_until(lambda: (Path(dir) / gate).exists(), 10.0, f"marker {gate}", interval=POLL_S)
+
+
+async def lagging_reader(items: AsyncIterator[int], dir: str, n: int, ahead: int) -> dict[str, int]:
+    """Reads the frames of `counted_frames(n, dir)` in another worker, letting it get `ahead`
+    frames ahead before taking the next: returns how far ahead it was at most."""
+    frames = lead = 0
+    async for i in items:
+        await wait_until(lambda i=i: counted(dir, "produced") >= min(n, i + 1 + ahead), 10.0,
+                         f"the producer makes frame {i + ahead}", interval=POLL_S)
+        lead = max(lead, counted(dir, "produced") - i - 1)
+        frames += 1
+    return {"count": frames, "max_lead": lead}
 
 
 def make_tensor(seed: int, n: int) -> Any:

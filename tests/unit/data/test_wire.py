@@ -98,7 +98,7 @@ WORKER_EXAMPLES: list[wire.WorkerMessage] = [
     wire.ErrorReply(3, ErrorCode.DRAINING, "draining"),
     wire.ExecuteRequest(4, "py", "run-1", "square", "workflows.diamond:square", {"k": 1},
                         {"x": _INLINE, "t": wire.PortValue(wire.ValueKind.TENSOR, ref=make_ref()),
-                         "s": wire.PortValue(wire.ValueKind.STREAM)}, ("out",), False, False, 1, 1),
+                         "s": wire.PortValue(wire.ValueKind.STREAM)}, ("out",), False, False, 1, 1, window=64),
     wire.ExecuteStarted(4, "py-0"),
     wire.ExecuteProgress(4, 0.5, "half"),
     wire.ExecuteFrame(4, 0, {"out": _INLINE}),
@@ -107,6 +107,8 @@ WORKER_EXAMPLES: list[wire.WorkerMessage] = [
     wire.CancelRequest(4),
     wire.InputFrame(4, "s", _INLINE),
     wire.InputEnd(4, "s"),
+    wire.FrameCredit(4, 32),
+    wire.InputCredit(4, "s", 32),
 ]
 
 

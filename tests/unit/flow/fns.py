@@ -31,8 +31,31 @@ class Gates:
         self._events.clear()
 
 
+class Counters:
+    """Named counters a node function sets and another waits on."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+
+    def set(self, name: str, value: int) -> None:
+        self.values[name] = value
+        event = self._changed.pop(name, None)
+        if event is not None:
+            event.set()
+
+    async def reached(self, name: str, value: int) -> None:
+        while self.values.get(name, 0) < value:
+            await self._changed.setdefault(name, asyncio.Event()).wait()
+
+    def clear(self) -> None:
+        self.values.clear()
+        self._changed.clear()
+
+
 GATES = Gates()
 LOG: list[str] = []
+COUNTS = Counters()
 
 
 # ------------------------------------------------------------------ plain values
@@ -240,3 +263,74 @@ def port_frames(x: Any) -> Iterator[dict[str, Any]]:
     yield {"a": 1}
     yield {"b": 2}
     yield {"a": 3}
+
+
+# ------------------------------------------------------------------ back-pressure
+async def counted_frames(n: int, name: str, gate: str | None = None) -> AsyncIterator[int]:
+    """Yields 0..n-1; `COUNTS[name]`: the frames made so far. With `gate`, it waits for the
+    gate after its first frame (its reader opens it as it starts), and never again."""
+    for i in range(n):
+        COUNTS.set(name, i + 1)
+        yield i
+        if gate is not None and i == 0:
+            await GATES[gate].wait()
+
+
+def counted_sync_frames(n: int, made: list[int]) -> Iterator[int]:
+    """A plain generator (run in a thread) of 0..n-1; `made` gets each frame as it is made,
+    and -1 once the generator was closed."""
+    try:
+        for i in range(n):
+            made.append(i)
+            yield i
+    finally:
+        made.append(-1)
+
+
+async def lagging_reader(items: AsyncIterator[int], name: str, n: int, ahead: int,
+                         gate: str | None = None) -> dict[str, int]:
+    """Reads the frames of `counted_frames(n, name)`, letting it get `ahead` frames ahead
+    before taking the next: returns how far ahead it was at most. Opens `gate` first."""
+    if gate is not None:
+        GATES[gate].set()
+    count = lead = 0
+    async for i in items:
+        await COUNTS.reached(name, min(n, i + 1 + ahead))
+        lead = max(lead, COUNTS.values[name] - i - 1)
+        count += 1
+    return {"count": count, "max_lead": lead}
+
+
+def ports_in_turn(n: int) -> Iterator[dict[str, int]]:
+    """`n` frames on port `a`, then `n` on port `b`."""
+    for i in range(n):
+        yield {"a": i}
+    for i in range(n):
+        yield {"b": 10 * i}
+
+
+async def zip_sum(a: AsyncIterator[int], b: AsyncIterator[int]) -> list[int]:
+    """Reads its two stream inputs in turn, a frame of each."""
+    return [x + await anext(b) async for x in a]
+
+
+async def fail_after(items: AsyncIterator[Any], k: int) -> None:
+    """Takes `k` frames, then fails."""
+    for _ in range(k):
+        await anext(items)
+    raise ValueError(f"gave up after {k} frames")
+
+
+async def first_frames(items: AsyncIterator[Any], k: int) -> list[Any]:
+    """Takes the first `k` frames of a stream and leaves the rest unread."""
+    taken: list[Any] = []
+    async for item in items:
+        taken.append(item)
+        if len(taken) == k:
+            break
+    return taken
+
+
+async def stream_and_list(items: AsyncIterator[int], listed: list[int]) -> dict[str, int]:
+    """A reader that fires only once `listed`, made from the end of the same stream, arrived."""
+    return {"streamed": sum([i async for i in items]), "listed": sum(listed)}
