@@ -108,3 +108,4 @@ async def test_a_reader_on_a_worker_that_stops_early_does_not_hold_its_producer(
     result = await run(deployment, wf)
     assert result.status == RunStatus.DONE, result.error
     assert result.outputs == {"first": [0, 1, 2], "all": list(range(n))}
+
