@@ -75,14 +75,17 @@ _DONE = object()
 
 
 class PythonUnit(ComputeUnit):
-    READ_AHEAD = 1
+    READ_AHEAD = 2
     """Frames a plain generator makes beyond those its reader took."""
 
     def __init__(self, role: RoleSpec) -> None:
         self.role = role
         self._functions: dict[str, _Function] = {}
+        # A thread for every execution the role's replicas may run at once (one unit serves them
+        # all in process): a generator waiting for its reader holds its thread, and a reader
+        # left without one would never free it.
         self._threads = ThreadPoolExecutor(
-            max_workers=int(role.params.get("capacity", 64)), thread_name_prefix=f"omniflow-{role.name}"
+            max_workers=role.replicas * int(role.params.get("capacity", 64)), thread_name_prefix=f"omniflow-{role.name}"
         )
 
     def _function(self, op: str | None) -> _Function:
@@ -158,11 +161,15 @@ class PythonUnit(ComputeUnit):
             try:
                 items = func.fn(**kwargs)
                 try:
-                    for item in items:
-                        loop.call_soon_threadsafe(frames.put_nowait, (item, None))
+                    while True:
                         room.acquire()
                         if stop.is_set():
                             return
+                        try:
+                            item = next(items)
+                        except StopIteration:
+                            break
+                        loop.call_soon_threadsafe(frames.put_nowait, (item, None))
                 finally:
                     items.close()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there

@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from engine.flow.events import (
     preview,
 )
 from engine.flow.plan import Plan, build_plan
+from engine.flow.streams import StreamChannel, StreamGroup
 from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
 from engine.spec.graph import GraphSpec, NodeSpec
 from engine.spec.kinds import KindRegistry
@@ -95,110 +95,6 @@ class RunResult:
             "duration_ms": self.duration_ms,
             "nodes": {k: v.to_dict() for k, v in self.nodes.items()},
         }
-
-
-class StreamGroup:
-    """The stream channels one node reads, and how many of its readers wait on an empty one."""
-
-    __slots__ = ("channels", "starving")
-
-    def __init__(self) -> None:
-        self.channels: list[StreamChannel] = []
-        self.starving = 0
-
-
-class StreamChannel:
-    """Frames of one stream edge, read by one consumer as an async iterator.
-
-    It holds at most `capacity` frames (0: no limit) while its reader runs, from `attach()`
-    to `detach()`: `put` waits for room, and so does the node producing the frames
-    (back-pressure, which a worker's credit carries on to the unit that makes them; the
-    producer's `timeout_s` counts the wait). It holds any number before (the reader may not
-    start before this very producer finished, or may wait for a slot the producer holds),
-    and while the reader waits on another, empty channel of its `group`: a node reading its
-    ports in turn would otherwise wait forever for a producer held back by the port it is
-    not reading. After, it holds none: nobody is left to read them."""
-
-    __slots__ = ("capacity", "_frames", "_group", "_closed", "_attached", "_detached", "_reader", "_putter")
-
-    def __init__(self, capacity: int = 0, group: StreamGroup | None = None) -> None:
-        self.capacity = capacity
-        self._frames: deque[Any] = deque()
-        self._group = group if group is not None else StreamGroup()
-        self._group.channels.append(self)
-        self._closed = False
-        self._attached = False
-        self._detached = False
-        self._reader: asyncio.Future[None] | None = None
-        self._putter: asyncio.Future[None] | None = None
-
-    @property
-    def held(self) -> int:
-        """Frames put and not yet taken."""
-        return len(self._frames)
-
-    def _full(self) -> bool:
-        return (self.capacity > 0 and self._attached and not self._detached and self._group.starving == 0
-                and len(self._frames) >= self.capacity)
-
-    async def put(self, value: Any) -> None:
-        if self._detached:
-            return
-        while self._full():
-            self._putter = asyncio.get_running_loop().create_future()
-            try:
-                await self._putter
-            finally:
-                self._putter = None
-        if not self._detached:
-            self._frames.append(value)
-            _wake(self._reader)
-
-    def close(self) -> None:
-        self._closed = True
-        _wake(self._reader)
-
-    def attach(self) -> None:
-        """The reader runs: hold at most `capacity` frames from now on."""
-        self._attached = True
-
-    def detach(self) -> None:
-        """The reader ended: drop what it left, and what comes (its producer goes on)."""
-        self._detached = True
-        self._frames.clear()
-        self._leave()
-        _wake(self._putter)
-
-    def _leave(self) -> None:
-        if self in self._group.channels:
-            self._group.channels.remove(self)
-
-    def __aiter__(self) -> StreamChannel:
-        return self
-
-    async def __anext__(self) -> Any:
-        while not self._frames:
-            if self._closed:
-                self._leave()
-                raise StopAsyncIteration
-            group = self._group
-            group.starving += 1
-            for channel in group.channels:
-                _wake(channel._putter)
-            self._reader = asyncio.get_running_loop().create_future()
-            try:
-                await self._reader
-            finally:
-                self._reader = None
-                group.starving -= 1
-        value = self._frames.popleft()
-        _wake(self._putter)
-        return value
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
 
 
 @dataclass(slots=True)
@@ -591,6 +487,8 @@ class Run:
             for edge in edges:
                 if edge.spec.stream:
                     channel = node.stream_channels[edge.index] = self._channel(edge.spec.target)
+                    if self._past(self._nodes[edge.spec.target]):
+                        channel.detach()
                     self._deliver(nid, edge.index, edge.spec.target, edge.spec.target_port, 0, channel)
         for edge in edges:
             port = edge.spec.source_port
@@ -603,6 +501,14 @@ class Run:
         if index == 0:
             for target in dict.fromkeys(e.spec.target for e in edges if e.spec.stream):
                 self._evaluate(self._nodes[target])
+
+    @staticmethod
+    def _past(node: _Node) -> bool:
+        """Whether `node` can take no more deliveries: it ran (or runs) and is not in a cycle,
+        or it ended for good."""
+        if node.state in (NodeState.FAILED, NodeState.CANCELLED, NodeState.SKIPPED):
+            return True
+        return not node.cyclic and node.state != NodeState.PENDING
 
     def _channel(self, target: str) -> StreamChannel:
         return StreamChannel(self._stream_capacity, self._nodes[target].reads)

@@ -62,6 +62,7 @@ from engine.data.wire import (
 from engine.flow.balance import BalanceRequest, KVAware, NoWorkerError, Policy, candidates_from, make_policy
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
 from engine.flow.kvroute import NO_HINT, KVRouter
+from engine.flow.streams import StreamChannel
 from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
 from engine.spec.graph import RoleSpec
 
@@ -229,6 +230,15 @@ class _Lost:
     def __init__(self, reason: str, reached: bool = True) -> None:
         self.reason = reason
         self.reached = reached
+
+
+@dataclass(frozen=True, slots=True)
+class _Outbound:
+    """A stream input of a call: its frames go to the worker as they come (`_forward`)."""
+
+    port: str
+    source: AsyncIterator[Any]
+    window: CreditWindow | None
 
 
 class _Inbox:
@@ -553,7 +563,9 @@ class WorkerDispatcher:
     # ----------------------------------------------------------------- execution
     async def _open_call(
         self, role: RoleSpec, call: NodeCall, excluded: set[str]
-    ) -> tuple[_Connection, int, _Inbox, list[asyncio.Task[None]]]:
+    ) -> tuple[_Connection, int, _Inbox, list[_Outbound]]:
+        """Send `call` to a worker of `role`; its connection, request id and inbox, and its
+        stream inputs, for `_forward` once the worker took the call."""
         if self._closed:
             raise WorkerLost(f"node {call.node_id!r}: the dispatcher is closed")
         try:
@@ -569,13 +581,13 @@ class WorkerDispatcher:
         conn.inboxes[rid] = inbox
         wid = worker.info.worker_id
         self._outstanding[wid] = self._outstanding.get(wid, 0) + 1
-        forwarders: list[asyncio.Task[None]] = []
+        outbound: list[_Outbound] = []
         opened = False
         try:
             if conn.lost is not None:
                 inbox.put_nowait(_Lost(conn.lost, reached=False))
                 opened = True
-                return conn, rid, inbox, forwarders
+                return conn, rid, inbox, outbound
             inputs: dict[str, PortValue] = {}
             streams: list[tuple[str, AsyncIterator[Any]]] = []
             for port, value in call.inputs.items():
@@ -598,13 +610,12 @@ class WorkerDispatcher:
                 # for room, or ended before its end was seen: the call's inbox says so.
                 self._lose(conn, f"worker {wid} (pid {worker.info.pid}): control connection ended ({exc})")
             else:
-                forwarders = [asyncio.get_running_loop().create_task(
-                    self._forward(conn, rid, call, p, s, windows.get(p))) for p, s in streams]
+                outbound = [_Outbound(p, s, windows.get(p)) for p, s in streams]
             opened = True
         finally:
             if not opened:  # an error (or a cancellation) before the request was out
                 self._forget_call(conn, rid)
-        return conn, rid, inbox, forwarders
+        return conn, rid, inbox, outbound
 
     def _await_answer(self) -> bool:
         """Count a call that waits for its worker's first answer, and keep the event loop polling
@@ -631,12 +642,14 @@ class WorkerDispatcher:
         else:
             self._polling = False
 
-    async def _forward(self, conn: _Connection, rid: int, call: NodeCall, port: str, source: AsyncIterator[Any],
-                       window: CreditWindow | None) -> None:
-        """Send the frames of stream input `port` as they come, each once the worker has
-        credit for it: until then the frame stays with its source, which holds its producer."""
+    async def _forward(self, conn: _Connection, rid: int, call: NodeCall, outbound: _Outbound) -> None:
+        """Send the frames of a stream input as they come, each once the worker has credit for
+        it: until then the frame stays with its source, which holds its producer."""
         control = conn.control
         assert control is not None
+        port, source, window = outbound.port, outbound.source, outbound.window
+        if isinstance(source, StreamChannel):
+            source.relay()  # the worker tells when its node starves, by its credit
         sent = 0
         # A connection that ends is the call's loss, reported through its inbox (`_lose`).
         with contextlib.suppress(framed.StreamClosedError, zmq.ZMQError):
@@ -692,7 +705,8 @@ class WorkerDispatcher:
         produced = False
         announced = False
         while True:
-            conn, rid, inbox, forwarders = await self._open_call(role, call, excluded)
+            conn, rid, inbox, outbound = await self._open_call(role, call, excluded)
+            forwarders: list[asyncio.Task[None]] = []
             taken = Taken(self._stream_window) if call.stream and self._stream_window > 0 else None
             finished = False
             awaiting = self._await_answer()
@@ -704,9 +718,15 @@ class WorkerDispatcher:
                         self._awaiting -= 1
                     # A worker may skip ExecuteStarted when an answer is ready at once: any
                     # answer from the node says it started.
-                    if not announced and isinstance(message, _ANSWERS):
-                        announced = True
-                        started()
+                    if isinstance(message, _ANSWERS):
+                        if not announced:
+                            announced = True
+                            started()
+                        if outbound and not forwarders:
+                            # The worker took the call: a refusal (draining, say) would have
+                            # moved it elsewhere with none of its stream's frames gone.
+                            loop = asyncio.get_running_loop()
+                            forwarders = [loop.create_task(self._forward(conn, rid, call, o)) for o in outbound]
                     if isinstance(message, ExecuteProgress):
                         ctx.progress(message.progress, message.message)
                     elif isinstance(message, ExecuteFrame):
@@ -737,7 +757,7 @@ class WorkerDispatcher:
                         excluded.add(wid)
                         if message.reached:
                             lost.append(wid)
-                        if produced or any(isinstance(v, AsyncIterator) for v in call.inputs.values()):
+                        if produced or forwarders:
                             raise WorkerLost(f"{message.reason} while streaming node {call.node_id!r};"
                                              " a stream cannot be resumed elsewhere")
                         if len(lost) > self._max_node_retries:

@@ -289,6 +289,8 @@ class RoleWorkerCore:
                 self._slots.release()
         finally:
             self._executions.pop((identity, rid), None)
+            for stream in streams.values():
+                stream.end()  # a reader still blocked in a thread (cancelled) must not keep it
 
     async def _run(self, reply: _Reply, request: ExecuteRequest, streams: dict[str, _InboundStream],
                    frames: CreditWindow | None) -> None:

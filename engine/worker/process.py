@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import psutil
 import setproctitle
 import uvloop
@@ -406,20 +407,22 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     HostWeights().reclaim()
     DeviceWeights(peer).reclaim()
     weights = WeightStore(HostWeights(), DeviceWeights(peer))
+    capacity = config.capacity or int(config.role.params.get("capacity", 64))
+    # The units see the capacity this worker runs at (`--capacity` overrides the role's).
+    role = msgspec.structs.replace(config.role, params={**config.role.params, "capacity": capacity})
     if config.role.tp_size > 1:
         # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
         # serve them to other workers as if they were whole (`engine.compute.tp.unit`).
         tp_unit, _ = kinds.role_kind(config.role.kind).load_tp_runner()
-        unit = tp_unit(config.role, tp=tp_seat(config))
+        unit = tp_unit(role, tp=tp_seat(config))
         kv = KVHosting()
     else:
-        unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), config.role, shared=weights,
+        unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), role, shared=weights,
                           kv_store=kv_store)
         # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
         kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
                              namespace=config.namespace, heartbeat_s=config.heartbeat_s,
                              ttl_s=config.registry_ttl_s)
-    capacity = config.capacity or int(config.role.params.get("capacity", 64))
     core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
                           pull_timeout_s=config.pull_timeout_s)
 

@@ -20,7 +20,8 @@ from engine.data.credit import CreditWindow, Taken
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.events import RunStatus
-from engine.flow.executor import Executor, RunResult, StreamChannel, StreamGroup
+from engine.flow.executor import Executor, RunResult
+from engine.flow.streams import StreamChannel, StreamGroup
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
@@ -119,6 +120,45 @@ async def test_a_reader_waiting_on_an_empty_channel_frees_its_other_channels():
     assert [await anext(a), await anext(a)] == ["a0", "a1"]
 
 
+async def test_a_reader_woken_on_its_channel_no_longer_frees_it():
+    """A put that wakes the waiting reader fills the channel up to its capacity, no further,
+    even before the reader ran again (else a producer that never waits would make them all)."""
+    channel = StreamChannel(2)
+    channel.attach()
+    reader = asyncio.ensure_future(anext(channel))
+    await asyncio.sleep(0)  # one loop turn: the reader waits on the empty channel
+    held: list[int] = []
+
+    async def produce() -> None:
+        for i in range(5):
+            await channel.put(i)
+            held.append(channel.held)
+
+    producer = asyncio.ensure_future(produce())
+    await asyncio.sleep(0)  # the producer runs until it waits; the reader has not run since
+    assert held == [1, 2]
+    assert await reader == 0
+    assert [await anext(channel) for _ in range(4)] == [1, 2, 3, 4]
+    await asyncio.wait_for(producer, 1)
+
+
+async def test_a_relayed_channel_waiting_frees_nothing():
+    """The dispatcher's relay to a worker waits on every idle port: the worker's credit, not
+    its waits, says when the node starves."""
+    group = StreamGroup()
+    busy, idle = StreamChannel(1, group), StreamChannel(1, group)
+    for channel in (busy, idle):
+        channel.attach()
+    idle.relay()
+    relay = asyncio.ensure_future(anext(idle))
+    await busy.put("a0")
+    held = asyncio.ensure_future(busy.put("a1"))
+    await asyncio.sleep(0)
+    assert not held.done()
+    relay.cancel()
+    held.cancel()
+
+
 # ------------------------------------------------------------------ runs
 def lagging(n: int, ahead: int, **role_params: Any) -> Workflow:
     """A producer that waits once, for its reader to start, and never again."""
@@ -160,6 +200,20 @@ async def test_a_reader_queued_behind_its_producer_does_not_hold_it(kinds: KindR
     assert result.outputs["out"] == list(range(30))
 
 
+async def test_plain_generator_and_reader_on_one_slot_per_replica_share_the_role(kinds: KindRegistry):
+    """Two replicas of one slot each, in process: the generator holds a thread while it waits
+    for its reader, so the reader needs a thread of its own."""
+    wf = Workflow("threads")
+    py = wf.role("py", replicas=2, params={"capacity": 1})
+    src = wf.python(fns.sync_frames, role=py, id="src", stream=True, params={"items": list(range(200))})
+    read = wf.python(fns.consume_blocking, role=py, id="read")
+    wf.edge(src, read, stream=True)
+    wf.output("out", read)
+    result = await run(kinds, wf)
+    assert result.status == RunStatus.DONE, result.error
+    assert result.outputs["out"] == list(range(200))
+
+
 async def test_a_reader_that_fails_releases_its_producer_and_the_run_fails(kinds: KindRegistry):
     wf = Workflow("fails")
     py = wf.role("py")
@@ -195,9 +249,9 @@ async def test_a_plain_generator_runs_only_read_ahead_frames_beyond_its_reader(k
     try:
         for taken in range(1, 4):
             assert await anext(frames) == {"out": taken - 1}
-            bound = taken + PythonUnit.READ_AHEAD + 1
+            bound = taken + PythonUnit.READ_AHEAD
             await wait_for(lambda bound=bound: len(made) >= bound, f"frame {bound - 1} is made")
-            assert len(made) <= bound, made  # a frame made, then the generator waits
+            assert len(made) <= bound, made  # then the generator waits for room
         await frames.aclose()  # the reader leaves: the generator is closed at its next frame
         await wait_for(lambda: made[-1] == -1, "the generator is closed")
         assert made == [0, 1, 2, 3, 4, -1]
