@@ -59,7 +59,15 @@ from engine.data.wire import (
     ValueKind,
     WorkerMessage,
 )
-from engine.flow.balance import BalanceRequest, KVAware, NoWorkerError, Policy, candidates_from, make_policy
+from engine.flow.balance import (
+    BalanceRequest,
+    ConsistentHash,
+    KVAware,
+    NoWorkerError,
+    Policy,
+    candidates_from,
+    make_policy,
+)
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
 from engine.flow.kvroute import NO_HINT, KVRouter
 from engine.flow.streams import StreamChannel
@@ -321,6 +329,7 @@ class WorkerDispatcher:
         self._max_message_bytes = max_message_bytes
         self._connections: dict[str, _Connection] = {}
         self._policies: dict[str, Policy] = {}
+        self._sessions: dict[str, Policy] = {}
         self._outstanding: dict[str, int] = {}
         self._workers: dict[str, tuple[float, list[WorkerSnapshot]]] = {}
         self._ids = itertools.count(1)
@@ -361,6 +370,16 @@ class WorkerDispatcher:
             policy = self._policies[role.name] = make_policy(role.balance, role=role.name, **role.balance_params)
         return policy
 
+    def _session_policy(self, role: RoleSpec) -> Policy:
+        """For the calls of a session, whatever the role's policy: its history lives on one
+        worker, so they go to one replica, the one the session hashes to among the live ones."""
+        if role.balance == ConsistentHash.name:
+            return self._policy(role)
+        policy = self._sessions.get(role.name)
+        if policy is None:
+            policy = self._sessions[role.name] = ConsistentHash(role=role.name)
+        return policy
+
     async def _listed(self, role: str) -> list[WorkerSnapshot]:
         """`_snapshots(role)`, looking again for up to `no_worker_wait_s` while it lists nobody.
         Raises WorkerLost when the registry cannot be read and nothing was read before."""
@@ -389,7 +408,8 @@ class WorkerDispatcher:
         candidates = candidates_from(snapshots, outstanding=self._outstanding, cached=hint.cached)
         request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
                                  session_key=call.params.get("session"), prefix_pages=hint.pages)
-        return by_id[self._policy(role).choose(request, candidates)]
+        policy = self._policy(role) if request.session_key is None else self._session_policy(role)
+        return by_id[policy.choose(request, candidates)]
 
     # --------------------------------------------------------------- connections
     def _control_address(self, worker: WorkerSnapshot) -> str:
