@@ -58,6 +58,12 @@ LLM_NODE_PARAMS: dict[str, Any] = {
         "ignore_eos": {"type": "boolean", "default": False},
         "session": {"type": "string", "minLength": 1,
                     "description": "run as a turn of this server-side session; send only the new message"},
+        "session_history": {
+            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}],
+            "description": "with session: what the session holds before this turn (text or token ids); a"
+                           " worker that does not hold the session (expired, or begun on another replica) opens it"
+                           " with this history instead of none",
+        },
         "tenant": {"type": "string", "minLength": 1, "description": "cache salt: tenants never share KV"},
     },
     "additionalProperties": False,
@@ -67,7 +73,7 @@ LLM_NODE_PARAMS: dict[str, Any] = {
 LLM_PREFILL_PARAMS: dict[str, Any] = {
     **LLM_NODE_PARAMS,
     "description": "Sampling params apply to the first token; llm.decode continues with them.",
-    "properties": {k: v for k, v in LLM_NODE_PARAMS["properties"].items() if k != "session"},
+    "properties": {k: v for k, v in LLM_NODE_PARAMS["properties"].items() if k not in ("session", "session_history")},
 }
 
 LLM_DECODE_PARAMS: dict[str, Any] = {
@@ -76,7 +82,7 @@ LLM_DECODE_PARAMS: dict[str, Any] = {
     "properties": {
         k: {key: val for key, val in v.items() if key != "default"}
         for k, v in LLM_NODE_PARAMS["properties"].items()
-        if k not in ("session", "tenant")
+        if k not in ("session", "session_history", "tenant")
     },
 }
 

@@ -276,3 +276,8 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] != "parent":
         sys.exit("usage: python -m tests.integration.workerfns parent WORKER-ARGS...")
     sys.exit(_parent(sys.argv[2:]))
+
+
+def whoami_in(x: Any, session: str | None = None) -> dict[str, Any]:
+    """`whoami` for a call that may carry a session param."""
+    return {"x": x, "pid": os.getpid(), "session": session}

@@ -13,6 +13,7 @@ import copy
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,11 +104,32 @@ def raw(server: Server, method: str, path: str, body: bytes | None, headers: dic
         return exc.code, json.loads(exc.read())
 
 
+def llm_workers(server: Server, deployment_id: str, token: str) -> list[dict[str, Any]]:
+    status, workers = server.request("GET", f"/api/workers/?deployment={deployment_id}&role=llm", token=token)
+    assert status == 200, workers
+    return workers
+
+
+def wait_workers(server: Server, deployment_id: str, token: str, ready: Any, deadline_s: float = 60.0) -> list[Any]:
+    """Poll the deployment's llm workers until `ready(workers)` (readiness); the pause is the server's."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        workers = llm_workers(server, deployment_id, token)
+        if ready(workers):
+            return workers
+        try:
+            server.proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+        raise RuntimeError("the server exited")
+    raise TimeoutError(f"the llm workers of {deployment_id} were not as expected in {deadline_s} s")
+
+
 async def first_metrics(url: str, token: str) -> dict[str, Any]:
     async with ws_connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10) as ws:
-        while True:  # the first messages may predate the first heartbeat with KV metrics
+        while True:  # the first messages may predate the heartbeat that counts the turns' KV pages
             message = json.loads(await asyncio.wait_for(ws.recv(), 10))
-            if message["workers"] and all("device.hit_rate" in w["load"]["metrics"]
+            if message["workers"] and all(w["load"]["metrics"].get("device.pages_used", 0) > 0
                                           for w in message["workers"] if w["info"]["role"] == "llm"):
                 return message
 
@@ -176,8 +198,21 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     whole = client.chat.completions.create(model=MODEL, messages=history, max_tokens=NEW, temperature=0)
     assert second["message"]["content"] == whole.choices[0].message.content
     assert second["usage"]["prompt_tokens"] == whole.usage.prompt_tokens  # the session's history counts
+
+    # the llm worker is killed and replaced (supervision): the next turn reaches a worker that
+    # never held the session, and rebuilds it from the history the turn brings
+    (llm,) = llm_workers(server, d["id"], token)
+    os.kill(llm["info"]["pid"], signal.SIGKILL)
+    (fresh,) = wait_workers(server, d["id"], token, lambda ws: len(ws) == 1 and ws[0]["info"]["pid"] != llm["info"]["pid"])
+    status, third = server.request("POST", turns_url, {"content": "Go on", "max_tokens": NEW}, token)
+    assert status == 201, third
+    history += [{"role": "assistant", "content": second["message"]["content"]}, {"role": "user", "content": "Go on"}]
+    whole = client.chat.completions.create(model=MODEL, messages=history, max_tokens=NEW, temperature=0)
+    assert third["message"]["content"] == whole.choices[0].message.content
+    assert third["usage"]["prompt_tokens"] == whole.usage.prompt_tokens
+    wait_workers(server, d["id"], token, lambda ws: [w["load"]["metrics"].get("llm.sessions_resumed") for w in ws] == [1])
     status, got = server.request("GET", session["links"]["self"], token=token)
-    assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"] and got["turns"] == 2
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant"] * 3 and got["turns"] == 3
     assert server.request("POST", turns_url, {"content": ""}, token)[0] == 201  # an empty turn is a turn
     assert server.request("POST", turns_url, {"text": "x"}, token)[0] == 400
     assert server.request("POST", turns_url, {"content": 5}, token)[0] == 400

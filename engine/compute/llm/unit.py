@@ -11,7 +11,10 @@ Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_
   joined); `text`, `tokens` and `kv` out (a reference to the KV pages of prompt + output:
   model id, layout, page keys, and where they are cached; unpinned). A streaming node yields
   one frame per token (`text` delta, `tokens`) and the `kv` reference last. Param `session`
-  runs the call as a turn of that server-side session (opened on first use).
+  runs the call as a turn of that server-side session (opened on first use). With
+  `session_history` (text or token ids: what the session holds before this turn), a worker
+  that does not hold the session (its first turn here: it expired, or began on a replica
+  since lost) opens it with that history before the turn, instead of without it.
 * `llm.prefill`: the prompt in, `kv` out: a `KVHandoffRef` (computed prompt KV held for a
   decode node, and the first token).
 * `llm.decode`: a handoff in as `kv`; pulls the prompt's pages and its partial last page
@@ -122,6 +125,7 @@ class _Add:
     handoff: KVHandoff | None = None
     source: PageSource | None = None
     mm_items: tuple[MultimodalItem, ...] = ()
+    history: str | list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +194,8 @@ class LLMUnit(ComputeUnit):
         self._counter = 0
         self.failed: str | None = None
         """Why the engine can serve no more calls (its thread failed); None while it can."""
+        self.sessions_resumed = 0
+        """Sessions opened here with the history a turn brought (`session_history`)."""
         self._thread = threading.Thread(target=self._loop, name=f"omniflow-llm-{role.name}", daemon=True)
         self._thread.start()
 
@@ -252,10 +258,14 @@ class LLMUnit(ComputeUnit):
             self._release(command.handoff_id)
             return
         try:
+            prompt, mm_items = command.prompt, command.mm_items
             if command.session_id is not None and not engine.has_session(command.session_id):
                 engine.open_session(command.session_id, tenant_salt=command.tenant_salt)
+                if command.history:
+                    prompt, mm_items = _after_history(engine, command.history, prompt, mm_items)
+                    self.sessions_resumed += 1
             engine.add_request(
-                command.prompt,
+                prompt,
                 command.params,
                 request_id=command.request_id,
                 session_id=command.session_id,
@@ -264,7 +274,7 @@ class LLMUnit(ComputeUnit):
                 prefill_only=command.prefill_only,
                 handoff=command.handoff,
                 source=command.source,
-                mm_items=command.mm_items,
+                mm_items=mm_items,
             )
         except LLMError as exc:
             self._deliver(command.request_id, exc)
@@ -406,9 +416,12 @@ class LLMUnit(ComputeUnit):
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         session = None if handoff is not None else call.params.get("session")
+        history = call.params.get("session_history")
+        if history is not None and session is None:
+            raise LLMUnitError(f"node {call.node_id!r}: param 'session_history' needs param 'session'")
         self._commands.put(_Add(request_id, prompt, sampling, session, call.params.get("tenant"),
                                 stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source,
-                                mm_items=mm_items))
+                                mm_items=mm_items, history=history))
         return request_id, inbox
 
     async def _run(self, call: NodeCall, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
@@ -622,7 +635,9 @@ class LLMUnit(ComputeUnit):
     def metrics(self) -> dict[str, float]:
         """The engine's `llm.*` counters (generated tokens, hit rate, queue sizes); the KV
         store's tier metrics are reported by the worker's KV hosting."""
-        return {k: float(v) for k, v in self.engine.metrics().items() if k.startswith("llm.")}
+        metrics = {k: float(v) for k, v in self.engine.metrics().items() if k.startswith("llm.")}
+        metrics["llm.sessions_resumed"] = float(self.sessions_resumed)
+        return metrics
 
     # -- shutdown ------------------------------------------------------------------------------------
 
@@ -636,6 +651,17 @@ class LLMUnit(ComputeUnit):
         self.engine.close()
         if self.shared is not None and self._weight_key is not None:
             self.shared.release(self._weight_key)
+
+
+def _after_history(engine: LLMEngine, history: str | list[int], prompt: str | list[int] | None,
+                   items: tuple[MultimodalItem, ...]) -> tuple[list[int], tuple[MultimodalItem, ...]]:
+    """A session turn's prompt when the session had to be opened here: `history`, then the
+    turn (each encoded on its own, as a session's turns are), its items moved past the history."""
+    head = engine.encode(history) if isinstance(history, str) else [int(t) for t in history]
+    if prompt is None:
+        raise RequestError("a request needs a prompt")
+    tail = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return head + tail, tuple(item.shifted(len(head)) for item in items)
 
 
 def _as_list(value: Any) -> list[Any]:

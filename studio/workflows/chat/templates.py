@@ -62,14 +62,20 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template failed: {exc}") from None
 
+    def held(self, history: list[Message]) -> str:
+        """What the LLM holds of a session with `history`: the last turn's prompt and reply;
+        nothing before the first reply."""
+        if not history or history[-1]["role"] != "assistant":
+            return ""
+        return self.render(history[:-1]) + history[-1]["content"]
+
     def turn(self, history: list[Message], new: list[Message]) -> str:
         """The text a session turn sends: what rendering `history + new` adds to what the
-        LLM holds (the last turn's prompt and reply; nothing before the first reply). A
-        template whose rendering is not prefix-stable there falls back to rendering `new`
-        alone."""
-        if not history or history[-1]["role"] != "assistant":
+        LLM holds (`held`). A template whose rendering is not prefix-stable there falls back
+        to rendering `new` alone."""
+        held = self.held(history)
+        if not held:
             return self.render(history + new)  # the LLM holds nothing yet: a session's first turn
-        held = self.render(history[:-1]) + history[-1]["content"]
         full = self.render(history + new)
         if full.startswith(held):
             return full[len(held):]

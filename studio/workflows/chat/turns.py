@@ -2,7 +2,8 @@
 
 `start_completion` (stateless, `/v1/chat/completions`) renders the whole conversation into
 the prompt input; the LLM's prefix cache reuses the KV of what it has seen. A session turn
-(`start_session_turn`) sends only what is new and sets the llm node's `session` param, so
+(`start_session_turn`) sends only what is new and sets the llm node's `session` param (and
+`session_history`, what the session holds, for a worker that no longer does), so
 the LLM keeps the history (tokens and KV) server-side; the studio keeps the messages
 (`Session.messages`) for the history endpoint and for rendering the next turn.
 
@@ -145,9 +146,13 @@ def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: 
                 pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists():
             raise Conflict(f"session {session.pk} has a turn in flight (run {session.turn_id})")
         shape = chat_shape(deployment.version.spec)
-        prompt = template_for(shape.model).turn(session.messages, new.messages)
-        start = _start(user, deployment, shape, prompt, new.images,
-                       {**sampling, "session": engine_session_id(session)}, timeout_s)
+        template = template_for(shape.model)
+        prompt = template.turn(session.messages, new.messages)
+        params = {**sampling, "session": engine_session_id(session)}
+        held = template.held(session.messages)
+        if held:  # a worker that lost the session (it expired, or its replica was replaced) rebuilds it
+            params["session_history"] = held
+        start = _start(user, deployment, shape, prompt, new.images, params, timeout_s)
         session.turn_id = start.run_id
         session.save(update_fields=["turn", "updated_at"])
     return start

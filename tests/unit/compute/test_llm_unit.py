@@ -163,6 +163,33 @@ async def test_session_param_keeps_history_server_side(executor, tiny_llama):
     assert [out1, out2] == reference(tiny_llama, [first, first + out1 + second])
 
 
+async def test_a_turn_brings_the_history_of_a_session_this_worker_does_not_hold(executor, tiny_llama):
+    """As when the session expired here, or began on a replica since lost: the worker opens it
+    with the history the turn brings, then keeps it (a later turn's history is not used)."""
+    first, second, third = prompt_ids(32, 10), prompt_ids(33, 6), prompt_ids(34, 5)
+    (out1,) = reference(tiny_llama, [first])
+    plan = executor.plan(chat_workflow({"session": "moved", "session_history": first + out1},
+                                       input_port="tokens").to_spec())
+    out2 = (await (await executor.submit(plan, {"prompt": second})).wait()).outputs["tokens"]
+    out3 = (await (await executor.submit(plan, {"prompt": third})).wait()).outputs["tokens"]
+    assert [out2, out3] == reference(tiny_llama, [first + out1 + second, first + out1 + second + out2 + third])
+
+
+async def test_a_session_history_in_text_is_encoded_before_the_turn(executor, tiny_llama):
+    history, turn = "the story so far", " and then"
+    plan = executor.plan(chat_workflow({"session": "told", "session_history": history}).to_spec())
+    out = (await (await executor.submit(plan, {"prompt": turn})).wait()).outputs["tokens"]
+    encode = tiny_llama.tokenizer
+    assert [out] == reference(tiny_llama, [list(encode(history).input_ids) + list(encode(turn).input_ids)])
+
+
+async def test_a_session_history_without_a_session_is_refused(executor):
+    plan = executor.plan(chat_workflow({"session_history": "alone"}).to_spec())
+    result = await (await executor.submit(plan, {"prompt": "hello"})).wait()
+    assert result.status == "failed"
+    assert "param 'session_history' needs param 'session'" in (result.error or "")
+
+
 async def test_bad_inputs_fail_the_node_with_a_clear_error(executor):
     result = await (await executor.submit(chat_workflow(input_port="tokens").to_spec(), {"prompt": [1, 99999]})).wait()
     assert result.status == "failed" and "outside the vocabulary" in (result.error or "")
