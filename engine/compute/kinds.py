@@ -25,6 +25,15 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
                                "description": "prompt tokens computed per step (chunked prefill)"},
         "device_pages": {"type": "integer", "minimum": 1, "default": 4096, "description": "device-tier KV pages"},
         "host_pages": {"type": "integer", "minimum": 1, "description": "host-tier KV pages (none: no host tier)"},
+        "disk_path": {"type": "string", "minLength": 1,
+                      "description": "directory of the disk (SSD) tier; each worker takes a free slot file there,"
+                      " a replacement the one its predecessor left, with its pages (needs disk_pages)"},
+        "disk_pages": {"type": "integer", "minimum": 1, "description": "disk-tier KV pages per worker"},
+        "eviction": {"type": "string", "enum": ["lru", "lfu"], "default": "lru",
+                     "description": "which page a full tier lets go first: least recently or least often used"},
+        "write_policy": {"type": "string", "enum": ["write_back", "write_through"], "default": "write_back",
+                         "description": "write_back: a page goes down a tier when evicted; write_through: to every"
+                         " lower tier as it is written"},
         "prefix_cache": {"type": "boolean", "default": True, "description": "reuse cached prompt prefixes"},
         "session_ttl_s": {"type": "number", "exclusiveMinimum": 0, "default": 600,
                           "description": "how long an idle session keeps its KV pinned"},
@@ -38,6 +47,7 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
                          "description": "tp_size > 1: deadline of one collective between the ranks (a stuck"
                          " rank fails the replica's calls after it; a dead one at once)"},
     },
+    "dependentRequired": {"disk_path": ["disk_pages"], "disk_pages": ["disk_path"]},
     "additionalProperties": False,
 }
 

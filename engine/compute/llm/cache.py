@@ -81,8 +81,12 @@ class PagedKVCache:
         limit = (len(seq.token_ids) - 1) // self.page_size
         if self.tree is not None and limit:
             self._match(seq, limit)
-            if len(seq.pages) < limit and self.peers:
-                self._pull(seq, limit)
+            if len(seq.pages) < limit:
+                self._resident(seq, limit)
+            if len(seq.pages) < limit:
+                self.store.record_miss()  # the search for the next page of the prompt found nothing
+                if self.peers:
+                    self._pull(seq, limit)
         seq.num_computed = len(seq.pages) * self.page_size
         seq.matched = True
 
@@ -97,12 +101,20 @@ class PagedKVCache:
                 self.tree.forget(exc.args[0])
                 continue
             break
-        if len(match.pages) < limit:
-            self.store.record_miss()  # the search for the next page of the prompt found nothing
         self.tree.lock(match.node)
         seq.node = match.node
         seq.pages = list(match.pages)
         seq.slots = slots
+
+    def _resident(self, seq: Sequence, limit: int) -> None:
+        """Take the next pages of the prompt that a tier holds though the tree does not know
+        them: pages the disk tier recovered when the engine started (a restart), or that
+        another unit sharing the store put there."""
+        chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
+        missing = chain[len(seq.pages) :]
+        run = resident_run(self.store, missing)
+        if run:
+            self._take(seq, missing[:run], lookup=True)
 
     def _pull(self, seq: Sequence, limit: int) -> None:
         chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
@@ -131,15 +143,16 @@ class PagedKVCache:
         finally:
             self._insert(seq)
 
-    def _take(self, seq: Sequence, pages: Seq[PageHash]) -> int:
-        """Lock `pages` (just brought into the store by a source) as the next full pages of `seq`
-        and record them in the tree. Stops at a page that is gone again (evicted to make room for
-        a later one of the same pull); returns how many were taken."""
+    def _take(self, seq: Sequence, pages: Seq[PageHash], *, lookup: bool = False) -> int:
+        """Lock `pages` (in the store, just brought by a source or found there) as the next full
+        pages of `seq` and record them in the tree (`lookup`: counted as hits in the tier
+        metrics). Stops at a page that is gone again (evicted to make room for a later one of
+        the same pull); returns how many were taken."""
         taken = 0
         try:
             for page in pages:
                 try:
-                    seq.slots.extend(self.store.lock([page]))
+                    seq.slots.extend(self.store.lock([page], lookup=lookup))
                 except KVPageNotFound:
                     break
                 seq.pages.append(page)

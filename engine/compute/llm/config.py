@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.compute.llm.errors import LLMError
+from engine.data.kv.policy import EvictionPolicy
+from engine.data.kv.store import WritePolicy
 
 
 class EngineConfigError(LLMError, ValueError):
@@ -20,7 +22,13 @@ class EngineConfig:
     * `max_running`: sequences in the running batch at once (each holds one tail page).
     * `max_prefill_tokens`: prompt tokens computed per step, across sequences (chunked prefill).
     * `device_pages` / `host_pages` / `disk_path` + `disk_pages`: tier sizes of the engine's
-      own KV store (ignored when the engine is given a store).
+      own KV store (ignored when the engine is given a store). `disk_path` is a directory: the
+      engine takes its first free slot there (`slot-0`, `slot-1`, ...: a slot is free when no
+      live process holds its file), so the replicas of a role on one host each get one, and a
+      replica's replacement takes over the slot it left, with the pages in it.
+    * `eviction` (`lru`, `lfu`): which page a full tier lets go first; `write_policy`
+      (`write_back`: a page goes down a tier when it is evicted; `write_through`: to every
+      lower tier as it is written).
     * `prefix_cache`: reuse cached prefixes; off, every request computes its whole prompt and
       its pages are freed when it ends.
     * `session_ttl_s`: an idle session's pages stay pinned this long.
@@ -34,6 +42,8 @@ class EngineConfig:
     host_pages: int | None = None
     disk_path: str | None = None
     disk_pages: int = 0
+    eviction: str = EvictionPolicy.LRU.value
+    write_policy: str = WritePolicy.WRITE_BACK.value
     prefix_cache: bool = True
     session_ttl_s: float = 600.0
     seed: int | None = 0
@@ -47,6 +57,10 @@ class EngineConfig:
             raise EngineConfigError(f"EngineConfig.host_pages must be positive, got {self.host_pages!r}")
         if self.disk_path is not None and self.disk_pages <= 0:
             raise EngineConfigError("EngineConfig.disk_pages must be positive when disk_path is set")
+        for name, allowed in (("eviction", EvictionPolicy), ("write_policy", WritePolicy)):
+            if getattr(self, name) not in {a.value for a in allowed}:
+                raise EngineConfigError(f"EngineConfig.{name} must be one of {sorted(a.value for a in allowed)},"
+                                        f" got {getattr(self, name)!r}")
         if self.session_ttl_s <= 0:
             raise EngineConfigError(f"EngineConfig.session_ttl_s must be positive, got {self.session_ttl_s!r}")
 

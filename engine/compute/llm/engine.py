@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -40,13 +41,43 @@ from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem, cache_key
 from engine.compute.prefix.radix import RadixNode
 from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
-from engine.data.kv.errors import KVCapacityError
+from engine.data.kv.errors import DiskTierBusy, KVCapacityError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig
+from engine.data.kv.policy import EvictionPolicy
+from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.tier import Capacity
 
 Prompt = str | Seq[int]
+
+
+DISK_SLOTS = 1024
+"""The most engines that may share one `disk_path` (see `EngineConfig`)."""
+
+
+def _own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
+    """The engine's KV store as `config` sizes it, its disk tier in the first free slot of
+    `disk_path`."""
+
+    def store(disk: DiskTierConfig | None) -> KVStore:
+        return KVStore(KVStoreConfig(
+            layout=layout,
+            device_capacity=Capacity(pages=config.device_pages),
+            host_capacity=Capacity(pages=config.host_pages) if config.host_pages else None,
+            disk=disk,
+            eviction=EvictionPolicy(config.eviction),
+            write=WritePolicy(config.write_policy),
+            device=device,
+        ))
+
+    if not config.disk_path:
+        return store(None)
+    for slot in range(DISK_SLOTS):
+        try:
+            return store(DiskTierConfig(Path(config.disk_path) / f"slot-{slot}", Capacity(pages=config.disk_pages)))
+        except DiskTierBusy:
+            continue  # another live engine holds it
+    raise DiskTierBusy(f"every one of the {DISK_SLOTS} disk slots in {config.disk_path} is held by a live process")
 
 
 @dataclass(slots=True)
@@ -84,17 +115,7 @@ class LLMEngine:
         device = str(next(model.model.parameters()).device)
         self._own_store = store is None
         if store is None:
-            store = KVStore(
-                KVStoreConfig(
-                    layout=self.layout,
-                    device_capacity=Capacity(pages=config.device_pages),
-                    host_capacity=Capacity(pages=config.host_pages) if config.host_pages else None,
-                    disk=DiskTierConfig(config.disk_path, Capacity(pages=config.disk_pages))
-                    if config.disk_path
-                    else None,
-                    device=device,
-                )
-            )
+            store = _own_store(config, self.layout, device)
         elif store.layout != self.layout:
             raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         self.store = store

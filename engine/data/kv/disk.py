@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.data.kv.errors import KVCapacityError, KVClosedError, KVConfigError
+from engine.data.kv.errors import DiskTierBusy, KVCapacityError, KVClosedError, KVConfigError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.tier import SlotTable, Tier
@@ -158,7 +158,7 @@ class DiskTier(SlotTable):
         except BlockingIOError as exc:
             os.close(self._fd)
             self._fd = None
-            raise KVConfigError(f"disk tier file {self.path} is in use by another process") from exc
+            raise DiskTierBusy(f"disk tier file {self.path} is in use by another process") from exc
         with contextlib.ExitStack() as undo:
             undo.callback(self.close)  # a tier that cannot create or recover its file releases it
             if os.fstat(self._fd).st_size == 0:

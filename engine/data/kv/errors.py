@@ -11,6 +11,10 @@ class KVConfigError(KVError):
     """A store, tier or index was configured with values that cannot work."""
 
 
+class DiskTierBusy(KVConfigError):
+    """The disk tier's file is held by another live process."""
+
+
 class KVCapacityError(KVError):
     """A tier has no room left: every page it holds is locked (or it holds none).
 

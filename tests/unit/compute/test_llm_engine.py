@@ -149,6 +149,22 @@ def test_evicted_device_pages_are_demoted_and_promoted_on_hit(make_engine):
     assert again.output_ids == first.output_ids
 
 
+def test_engines_sharing_a_disk_path_take_free_slots_and_a_successor_recovers_one(make_engine, tmp_path):
+    prompt = prompt_ids(9, 40)
+    tiers = {"device_pages": 24, "host_pages": 16, "disk_path": str(tmp_path), "disk_pages": 64,
+             "write_policy": "write_through"}
+    first = make_engine(**tiers)
+    expected = first.generate([prompt], GREEDY)[0]
+    second = make_engine(**tiers)  # the first holds slot-0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slot-0", "slot-1"]
+    first.close()
+    successor = make_engine(**tiers)  # takes over slot-0, with the first's pages
+    assert successor.store.metrics()["disk.pages_used"] >= 10
+    again = successor.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens == 36 and again.output_ids == expected.output_ids
+    assert second.store.metrics()["disk.pages_used"] == 0
+
+
 def test_admission_waits_for_room_and_a_request_that_cannot_fit_fails(make_engine):
     engine = make_engine(device_pages=14, max_running=4)
     a = engine.add_request(prompt_ids(11, 30), SamplingParams(max_new_tokens=10))  # needs 10 pages

@@ -86,6 +86,51 @@ async def test_a_workflow_generates_with_the_llm_node(executor, tiny_llama):
     assert kv["model_id"] == tiny_llama.model_id and kv["tokens"] == 20 and len(kv["pages"]) == 4
 
 
+def tiered_workflow(**role_params) -> Workflow:
+    wf = Workflow("tiered")
+    llm = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": 4, **role_params})
+    source = wf.input("prompt", "tokens")
+    gen = wf.node("gen", "llm", role=llm, inputs=LLM_IN, outputs=LLM_OUT, params={"max_new_tokens": 8})
+    wf.edge(source, gen.inp("tokens"))
+    wf.output("tokens", gen.out("tokens"), "tokens")
+    return wf
+
+
+def test_kv_tier_params_are_checked_with_the_role(kinds, tmp_path):
+    build_plan(tiered_workflow(host_pages=8, disk_path=str(tmp_path), disk_pages=8, eviction="lfu",
+                               write_policy="write_through").to_spec(), kinds)
+    for params in ({"disk_path": str(tmp_path)}, {"disk_pages": 8}, {"eviction": "mru"}, {"write_policy": "never"}):
+        with pytest.raises(GraphValidationError) as err:
+            build_plan(tiered_workflow(**params).to_spec(), kinds)
+        assert {(issue.code, issue.role) for issue in err.value.issues} == {("bad_param", "llm")}, params
+
+
+async def test_a_role_with_host_and_disk_tiers_keeps_its_pages_on_disk(kinds, tiny_llama, tmp_path):
+    """The tiers a workflow asks for are the ones its llm role runs on: small device and host
+    tiers, written through to a disk tier whose file holds the pages after the worker ends."""
+    from engine.data.kv.disk import DiskTier
+
+    prompts = [prompt_ids(60 + i, 40) for i in range(4)]
+    executor = Executor(InProcessDispatcher(kinds), kinds)
+    try:
+        plan = executor.plan(tiered_workflow(device_pages=24, host_pages=16, disk_path=str(tmp_path), disk_pages=256,
+                                             eviction="lfu", write_policy="write_through").to_spec())
+        outs = [(await (await executor.submit(plan, {"prompt": p})).wait()).outputs["tokens"] for p in prompts]
+    finally:
+        await executor.aclose()
+    assert outs == reference(tiny_llama, prompts)
+    engine = LLMEngine(tiny_llama, EngineConfig(page_size=4))
+    try:
+        layout = engine.layout
+    finally:
+        engine.close()
+    disk = DiskTier(layout, 256, tmp_path / "slot-0")
+    try:
+        assert disk.recovered_pages >= 4 * 40 // 4  # every prompt's full pages, at least
+    finally:
+        disk.close()
+
+
 async def test_the_unit_reports_llm_counters_for_heartbeats(tiny_llama):
     from engine.compute.llm.unit import LLMUnit
     from engine.spec.calls import NodeCall, NodeContext
