@@ -29,7 +29,7 @@ request = wf.input("request", "text", default="a lighthouse on a cliff at dusk, 
 instruct = wf.python(rewrite_prompt, role=py, outputs={"out": "text"})
 rewrite = wf.node("rewrite", "llm", role=llm, params={"max_new_tokens": 24, "seed": 7})
 context = wf.python(context_tokens, role=py, inputs={"prompt": "text", "tokens": "tokens"},
-                    outputs={"out": "tokens"})
+                    outputs={"out": "tokens"}, params={"model": MODEL})
 denoise = wf.node("denoise", "diffusion", role=diffusion, params={"seed": 0})
 decode = wf.node("decode", "vae_decode", role=vae)
 size = wf.python(image_size, role=py)

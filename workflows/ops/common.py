@@ -24,12 +24,13 @@ def rewrite_prompt(request: str) -> str:
             f"Request: {request.strip()}\nImage prompt:")
 
 
-def context_tokens(prompt: str, tokens: list[int]) -> list[int]:
-    """The LLM's whole context as model ids (its prompt tokenized as the llm role does, then what it
-    generated): the diffusion role attends to it, reusing the pages the LLM computed."""
-    from engine.compute.models.tokenizer import build_byte_tokenizer
+def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
+    """The LLM's whole context as model ids (its prompt tokenized as the llm role running `model`
+    does, then what it generated): the diffusion role attends to it, reusing the pages the LLM
+    computed."""
+    from engine.compute.llm.routing import RoleTokenizers
 
-    return list(build_byte_tokenizer()(prompt).input_ids) + [int(t) for t in tokens]
+    return list(RoleTokenizers().tokenizer(model)(prompt).input_ids) + [int(t) for t in tokens]
 
 
 def image_size(text: str) -> dict[str, int]:
