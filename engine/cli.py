@@ -122,7 +122,9 @@ async def _execute(executor: Executor, spec: GraphSpec, inputs: dict[str, Any], 
 async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any], progress: TextIO | None):
     kinds = default_kinds()
     if args.workers == "inproc":
-        executor = Executor(InProcessDispatcher(kinds), kinds)
+        from engine.worker.units import SharedUnits  # torch: only for a run in this process
+
+        executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds)), kinds)
         try:
             return await _execute(executor, spec, inputs, args.timeout, progress)
         finally:

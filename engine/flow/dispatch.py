@@ -40,10 +40,16 @@ class InProcessDispatcher:
 
     DEFAULT_CAPACITY = 64
 
-    def __init__(self, kinds: KindRegistry) -> None:
+    def __init__(self, kinds: KindRegistry, *, build: Callable[[RoleSpec], ComputeUnit] | None = None) -> None:
+        """`build(role)` makes a role's unit (default: its kind's runner, `runner(role)`; see
+        `engine.worker.units.SharedUnits` for units that share their weights)."""
         self._kinds = kinds
+        self._build = build if build is not None else self._runner
         self._units: dict[tuple[str, str], ComputeUnit] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
+
+    def _runner(self, role: RoleSpec) -> ComputeUnit:
+        return self._kinds.role_kind(role.kind).load_runner()(role)
 
     def _key(self, role: RoleSpec) -> tuple[str, str]:
         # Roles of different workflows may share a name; the spec itself tells them apart.
@@ -53,8 +59,7 @@ class InProcessDispatcher:
         key = self._key(role)
         unit = self._units.get(key)
         if unit is None:
-            runner = self._kinds.role_kind(role.kind).load_runner()
-            unit = self._units[key] = runner(role)
+            unit = self._units[key] = self._build(role)
             capacity = int(role.params.get("capacity", self.DEFAULT_CAPACITY))
             self._slots[key] = asyncio.Semaphore(role.replicas * capacity)
         return unit, self._slots[key]

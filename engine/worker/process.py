@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import faulthandler
 import hashlib
-import inspect
 import itertools
 import json
 import logging
@@ -77,6 +76,7 @@ from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.worker.core import RoleWorkerCore
 from engine.worker.kv import KVHosting
+from engine.worker.units import build_unit
 
 log = logging.getLogger(__name__)
 
@@ -339,27 +339,6 @@ def _process_metrics() -> dict[str, float]:
             metrics["gpu_memory_total_bytes"] = float(total)
             metrics["gpu_memory_free_bytes"] = float(free)
     return metrics
-
-
-def accepted_kwargs(runner: Callable[..., Any]) -> set[str]:
-    """The keyword arguments `runner` (a unit class) takes: its `accepts` attribute if it has
-    one, else the keyword-only or keyword parameters of its constructor."""
-    declared = getattr(runner, "accepts", None)
-    if declared is not None:
-        return set(declared)
-    try:
-        params = inspect.signature(runner).parameters
-    except (TypeError, ValueError):
-        return set()
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return {"shared", "kv_store"}
-    return {name for name, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-
-def build_unit(runner: Callable[..., Any], role: RoleSpec, **shared: Any) -> Any:
-    """`runner(role, **shared)`, passing only what the unit accepts (and nothing that is None)."""
-    accepted = accepted_kwargs(runner)
-    return runner(role, **{k: v for k, v in shared.items() if v is not None and k in accepted})
 
 
 async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],

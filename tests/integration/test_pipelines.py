@@ -65,3 +65,33 @@ def test_omni_dialogue_three_turns_reuse_the_picture(tmp_path, monkeypatch):
         assert wav.getnframes() > 0
     # Turn 3's history (turn 1's picture included) comes from the session's cached pages.
     assert third.outputs["kv"]["cached_tokens"] >= first.outputs["kv"]["prompt_tokens"]
+
+
+def test_image_generation_in_process_shares_the_model_between_llm_and_diffusion(tmp_path, monkeypatch):
+    """`--workers inproc`: the llm and diffusion roles run on one copy of the model's weights,
+    and the image is the one units with their own copies make."""
+    from engine.compute.weights import WeightStore
+    from engine.worker.units import SharedUnits
+
+    monkeypatch.chdir(tmp_path)
+    spec = load_workflow(str(ROOT / "workflows" / "image_generation.py"))
+    kinds = default_kinds()
+
+    async def image(dispatcher: InProcessDispatcher, probe=None) -> bytes:
+        executor = Executor(dispatcher, kinds)
+        try:
+            result = await (await executor.submit(spec)).wait()
+            assert result.status == "done", result.error
+            if probe is not None:
+                probe()
+            return bytes(result.outputs["image"])
+        finally:
+            await executor.aclose()
+
+    shared = SharedUnits(kinds)
+    users: list[int] = []
+    one_copy = asyncio.run(image(InProcessDispatcher(kinds, build=shared),
+                                 lambda: users.append(shared.weights.users(WeightStore.llm_key("tiny-llama")))))
+    assert users == [2]  # the llm unit and the diffusion unit
+    assert shared.weights.users(WeightStore.llm_key("tiny-llama")) == 0  # released as they closed
+    assert one_copy == asyncio.run(image(InProcessDispatcher(kinds)))

@@ -169,7 +169,9 @@ async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStor
                              metrics: RunMetrics, executors: ExecutorSource | None = None) -> RunStatus | None:
     """Execute one run with an executor of its own (a Celery worker's task). `executors`
     (when given) serves runs of deployments; the caller closes it."""
-    executor = Executor(InProcessDispatcher(kinds), kinds)
+    from engine.worker.units import SharedUnits  # torch: when a run executes, not at import
+
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds)), kinds)
     source = executors or OwnExecutor(executor)
     try:
         return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,

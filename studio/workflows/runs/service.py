@@ -113,7 +113,9 @@ class RunService:
     def _main(self, ready: threading.Event) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        self._executor = Executor(InProcessDispatcher(self.kinds), self.kinds)
+        from engine.worker.units import SharedUnits  # torch: on the engine thread, not at import
+
+        self._executor = Executor(InProcessDispatcher(self.kinds, build=SharedUnits(self.kinds)), self.kinds)
         self._executors = _Executors(self._executor, self.deployments)
         self._loop = loop
         ready.set()
