@@ -71,28 +71,33 @@ LLM_NODE_PARAMS: dict[str, Any] = {
         "session_history": {
             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}],
             "description": "with session: what the session holds before this turn (text or token ids); a"
-                           " worker that does not hold the session (expired, or begun on another replica) opens it"
-                           " with this history instead of none",
+                           " worker that does not hold the session (begun on a replica since lost) opens it with"
+                           " this history instead of none",
         },
+        "session_turns": {"type": "integer", "minimum": 0,
+                          "description": "with session_history: how many turns it holds; a worker whose copy of"
+                          " the session has another number replaces it with the history"},
         "tenant": {"type": "string", "minLength": 1, "description": "cache salt: tenants never share KV"},
     },
+    "dependentRequired": {"session_history": ["session"], "session_turns": ["session_history"]},
     "additionalProperties": False,
 }
 
 
 LLM_PREFILL_PARAMS: dict[str, Any] = {
-    **LLM_NODE_PARAMS,
+    **{k: v for k, v in LLM_NODE_PARAMS.items() if k != "dependentRequired"},  # their params hold no session
     "description": "Sampling params apply to the first token; llm.decode continues with them.",
-    "properties": {k: v for k, v in LLM_NODE_PARAMS["properties"].items() if k not in ("session", "session_history")},
+    "properties": {k: v for k, v in LLM_NODE_PARAMS["properties"].items()
+                   if k not in ("session", "session_history", "session_turns")},
 }
 
 LLM_DECODE_PARAMS: dict[str, Any] = {
-    **LLM_NODE_PARAMS,
+    **{k: v for k, v in LLM_NODE_PARAMS.items() if k != "dependentRequired"},  # their params hold no session
     "description": "Given sampling params override those the prefill node sampled its first token with.",
     "properties": {
         k: {key: val for key, val in v.items() if key != "default"}
         for k, v in LLM_NODE_PARAMS["properties"].items()
-        if k not in ("session", "session_history", "tenant")
+        if k not in ("session", "session_history", "session_turns", "tenant")
     },
 }
 

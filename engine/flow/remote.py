@@ -371,8 +371,9 @@ class WorkerDispatcher:
         return policy
 
     def _session_policy(self, role: RoleSpec) -> Policy:
-        """For the calls of a session, whatever the role's policy: its history lives on one
-        worker, so they go to one replica, the one the session hashes to among the live ones."""
+        """For the calls with a `session` param (a string), whatever the role's policy: a
+        session's history lives on one worker, so they go to one replica, the one the session
+        hashes to among the live ones."""
         if role.balance == ConsistentHash.name:
             return self._policy(role)
         policy = self._sessions.get(role.name)
@@ -404,11 +405,14 @@ class WorkerDispatcher:
             and (s.info.worker_id not in self._connections or self._connections[s.info.worker_id].lost is None)
         ]
         by_id = {s.info.worker_id: s for s in snapshots}
-        hint = await self._kv_router.hint(role, call, snapshots) if role.balance == KVAware.name else NO_HINT
+        session = call.params.get("session")
+        session = session if isinstance(session, str) else None
+        hint = (await self._kv_router.hint(role, call, snapshots)
+                if role.balance == KVAware.name and session is None else NO_HINT)
         candidates = candidates_from(snapshots, outstanding=self._outstanding, cached=hint.cached)
         request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
-                                 session_key=call.params.get("session"), prefix_pages=hint.pages)
-        policy = self._policy(role) if request.session_key is None else self._session_policy(role)
+                                 session_key=session, prefix_pages=hint.pages)
+        policy = self._policy(role) if session is None else self._session_policy(role)
         return by_id[policy.choose(request, candidates)]
 
     # --------------------------------------------------------------- connections

@@ -167,6 +167,19 @@ class _RankEngine:
     layout: KVLayout
 
 
+async def test_a_tp2_session_with_a_stale_copy_is_replaced_on_every_rank(deployment: Deployment, reference):
+    """The client's history holds more turns than the ranks' copy (the session moved away and
+    back): every rank closes its copy and reopens it with the history."""
+    first, second, third = text_ids(4, 9), text_ids(5, 6), text_ids(6, 5)
+    params = {"max_new_tokens": NEW, "session": "tp-moved"}
+    out1 = (await deployment.execute("two", {"tokens": first}, ("tokens",), params))["tokens"]
+    assert out1 == hf_greedy(reference, first, NEW)
+    history = first + out1 + second + hf_greedy(reference, first + out1 + second, NEW)  # a turn served elsewhere
+    resumed = {**params, "session_history": history, "session_turns": 2}
+    out3 = (await deployment.execute("two", {"tokens": third}, ("tokens",), resumed))["tokens"]
+    assert out3 == hf_greedy(reference, history + third, NEW)
+
+
 async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment):
     """What every rank of the TP-2 role does with a handoff (`_HandoffPuller`), for ranks 0 and 1,
     against the real TP-1 prefill worker: merged, the ranks' pages are the holder's bytes."""
@@ -282,3 +295,4 @@ async def test_a_tp_replica_whose_ranks_cannot_start_fails_and_leaves_nothing_ru
         await cluster.start()
     assert time.monotonic() - started < 30.0  # not the ready timeout: the first failure ends the replica
     assert cluster.workers == []
+

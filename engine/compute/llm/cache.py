@@ -54,6 +54,8 @@ class PagedKVCache:
         self.peers = list(peers)
         self.pull_timeout_s = pull_timeout_s
         self.pulled_pages = 0
+        self._unindexed = store.config.disk is not None
+        """The store may hold pages the tree does not know: those its disk tier recovered."""
 
     @property
     def free_tail_slots(self) -> int:
@@ -81,7 +83,7 @@ class PagedKVCache:
         limit = (len(seq.token_ids) - 1) // self.page_size
         if self.tree is not None and limit:
             self._match(seq, limit)
-            if len(seq.pages) < limit:
+            if len(seq.pages) < limit and self._unindexed:
                 self._resident(seq, limit)
             if len(seq.pages) < limit:
                 self.store.record_miss()  # the search for the next page of the prompt found nothing
@@ -108,8 +110,7 @@ class PagedKVCache:
 
     def _resident(self, seq: Sequence, limit: int) -> None:
         """Take the next pages of the prompt that a tier holds though the tree does not know
-        them: pages the disk tier recovered when the engine started (a restart), or that
-        another unit sharing the store put there."""
+        them: pages the disk tier recovered when the engine started (a restart)."""
         chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
         missing = chain[len(seq.pages) :]
         run = resident_run(self.store, missing)

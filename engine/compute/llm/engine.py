@@ -41,6 +41,7 @@ from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem, cache_key
 from engine.compute.prefix.radix import RadixNode
 from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
+from engine.data.kv.disk import DiskTier
 from engine.data.kv.errors import DiskTierBusy, KVCapacityError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -73,10 +74,13 @@ def _own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
     if not config.disk_path:
         return store(None)
     for slot in range(DISK_SLOTS):
+        directory = Path(config.disk_path) / f"slot-{slot}"
+        if DiskTier.held(directory, layout):
+            continue  # another live engine holds it (probed first: a store costs its tiers' memory)
         try:
-            return store(DiskTierConfig(Path(config.disk_path) / f"slot-{slot}", Capacity(pages=config.disk_pages)))
+            return store(DiskTierConfig(directory, Capacity(pages=config.disk_pages)))
         except DiskTierBusy:
-            continue  # another live engine holds it
+            continue  # taken between the probe and the store
     raise DiskTierBusy(f"every one of the {DISK_SLOTS} disk slots in {config.disk_path} is held by a live process")
 
 
@@ -494,7 +498,9 @@ class LLMEngine:
     # -- sessions ------------------------------------------------------------------------------------
 
     def open_session(self, session_id: str | None = None, *, tenant_salt: str | None = None,
-                     ttl_s: float | None = None) -> str:
+                     ttl_s: float | None = None, turns: int = 0) -> str:
+        """Open a session (`turns`: how many turns it holds already, when its first turn here
+        brings the history of turns served elsewhere)."""
         session_id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
         if session_id in self._sessions:
             raise RequestError(f"session {session_id!r} is already open")
@@ -503,6 +509,7 @@ class LLMEngine:
             namespace=(self.model_id, tenant_salt),
             ttl_s=ttl_s if ttl_s is not None else self.config.session_ttl_s,
             last_used=self.clock(),
+            turns=turns,
         )
         return session_id
 

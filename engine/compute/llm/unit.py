@@ -12,9 +12,11 @@ Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_
   model id, layout, page keys, and where they are cached; unpinned). A streaming node yields
   one frame per token (`text` delta, `tokens`) and the `kv` reference last. Param `session`
   runs the call as a turn of that server-side session (opened on first use). With
-  `session_history` (text or token ids: what the session holds before this turn), a worker
-  that does not hold the session (its first turn here: it expired, or began on a replica
-  since lost) opens it with that history before the turn, instead of without it.
+  `session_history` (text or token ids: what the session holds before this turn, re-encoded
+  from text where given as text) and `session_turns` (how many turns that is), a worker that
+  does not hold the session (it began on a replica since lost) opens it with that history
+  before the turn, instead of without it; and one whose copy has another number of turns
+  (the session moved away and back, or a turn failed here) replaces its copy so.
 * `llm.prefill`: the prompt in, `kv` out: a `KVHandoffRef` (computed prompt KV held for a
   decode node, and the first token).
 * `llm.decode`: a handoff in as `kv`; pulls the prompt's pages and its partial last page
@@ -126,6 +128,7 @@ class _Add:
     source: PageSource | None = None
     mm_items: tuple[MultimodalItem, ...] = ()
     history: str | list[int] | None = None
+    turns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +261,21 @@ class LLMUnit(ComputeUnit):
             self._release(command.handoff_id)
             return
         try:
-            prompt, mm_items = command.prompt, command.mm_items
-            if command.session_id is not None and not engine.has_session(command.session_id):
-                engine.open_session(command.session_id, tenant_salt=command.tenant_salt)
+            prompt, mm_items, resumed = command.prompt, command.mm_items, False
+            session_id = command.session_id
+            if session_id is not None and command.turns is not None and engine.has_session(session_id):
+                info = engine.session_info(session_id)
+                # A stale copy (it moved away and back), or one opened for a resumed turn that then
+                # failed (turns, but no history): the turn's history wins.
+                stale = info.turns != command.turns or (info.turns > 0 and info.tokens == 0)
+                if stale and not info.busy:
+                    engine.close_session(session_id)
+            if session_id is not None and not engine.has_session(session_id):
+                engine.open_session(session_id, tenant_salt=command.tenant_salt,
+                                    turns=command.turns if command.history and command.turns else 0)
                 if command.history:
                     prompt, mm_items = _after_history(engine, command.history, prompt, mm_items)
-                    self.sessions_resumed += 1
+                    resumed = True
             engine.add_request(
                 prompt,
                 command.params,
@@ -276,6 +288,7 @@ class LLMUnit(ComputeUnit):
                 source=command.source,
                 mm_items=mm_items,
             )
+            self.sessions_resumed += resumed
         except LLMError as exc:
             self._deliver(command.request_id, exc)
 
@@ -416,12 +429,14 @@ class LLMUnit(ComputeUnit):
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         session = None if handoff is not None else call.params.get("session")
-        history = call.params.get("session_history")
+        history, turns = call.params.get("session_history"), call.params.get("session_turns")
         if history is not None and session is None:
             raise LLMUnitError(f"node {call.node_id!r}: param 'session_history' needs param 'session'")
+        if turns is not None and history is None:
+            raise LLMUnitError(f"node {call.node_id!r}: param 'session_turns' needs param 'session_history'")
         self._commands.put(_Add(request_id, prompt, sampling, session, call.params.get("tenant"),
                                 stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source,
-                                mm_items=mm_items, history=history))
+                                mm_items=mm_items, history=history, turns=turns))
         return request_id, inbox
 
     async def _run(self, call: NodeCall, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:

@@ -162,7 +162,7 @@ def prompt_of(call: NodeCall) -> str | list[int]:
             raise SGLangRunnerError(f"node {call.node_id!r}: the sglang runner does not take input {name!r}")
     if tuple(call.output_ports) == ("kv",):
         raise SGLangRunnerError(f"node {call.node_id!r}: llm.prefill runs on SGLang's own PD mode, not this runner")
-    for name in ("session", "session_history", "tenant"):
+    for name in ("session", "session_history", "session_turns", "tenant"):
         if call.params.get(name) is not None:
             raise SGLangRunnerError(f"node {call.node_id!r}: param {name!r} is not supported by the sglang runner")
     prompt, tokens = call.inputs.get("prompt"), call.inputs.get("tokens")

@@ -14,6 +14,9 @@ heads (`engine.compute.tp.unit`), before the engine admits it.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from engine.compute.llm.cache import PagedKVCache
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
@@ -72,6 +75,10 @@ class TPEngine(LLMEngine):
     def __init__(self, shard: LoadedModel, group: TPGroup, config: EngineConfig | None = None, **kwargs) -> None:
         if kwargs.get("peers"):
             raise ValueError("a tensor-parallel engine does not pull pages from peers")
+        if config is not None and config.disk_path:
+            # Each rank's pages hold its own heads under the whole model's page keys: a rank
+            # must never take over another rank's disk slot.
+            config = dataclasses.replace(config, disk_path=str(Path(config.disk_path) / f"rank-{group.rank}"))
         super().__init__(shard, config, **kwargs)
         self.group = group
         self.cache.close()

@@ -59,6 +59,12 @@ class TPOpenSession(msgspec.Struct, tag=True, frozen=True):
     now: float
     session_id: str
     tenant_salt: str | None = None
+    turns: int = 0
+
+
+class TPCloseSession(msgspec.Struct, tag=True, frozen=True):
+    now: float
+    session_id: str
 
 
 class TPStep(msgspec.Struct, tag=True, frozen=True):
@@ -139,7 +145,7 @@ class TPTensor(msgspec.Struct, frozen=True, array_like=True):
     data: bytes
 
 
-TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPStep | TPExpire | TPPullHandoff | TPExport
+TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPCloseSession | TPStep | TPExpire | TPPullHandoff | TPExport
              | TPRelease | TPStop | TPDiffuse)
 
 TPRoleRequest = TPRoleCall | TPStop

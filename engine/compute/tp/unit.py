@@ -70,6 +70,7 @@ from engine.compute.tp.link import SETUP_TIMEOUT_S, FollowerLink, greet_leader
 from engine.compute.tp.messages import (
     TPAbort,
     TPAdd,
+    TPCloseSession,
     TPExpire,
     TPExport,
     TPMessage,
@@ -312,11 +313,15 @@ class _Broadcasting:
         self._send(TPAbort(self._tick(), request_id))
         self._engine.abort(request_id)
 
-    def open_session(self, session_id: str | None = None, *, tenant_salt: str | None = None) -> str:
+    def open_session(self, session_id: str | None = None, *, tenant_salt: str | None = None, turns: int = 0) -> str:
         if session_id is None:
             raise LLMUnitError("a tensor-parallel role opens sessions by id")
-        self._send(TPOpenSession(self._tick(), session_id, tenant_salt))
-        return self._engine.open_session(session_id, tenant_salt=tenant_salt)
+        self._send(TPOpenSession(self._tick(), session_id, tenant_salt, turns))
+        return self._engine.open_session(session_id, tenant_salt=tenant_salt, turns=turns)
+
+    def close_session(self, session_id: str) -> None:
+        self._send(TPCloseSession(self._tick(), session_id))
+        self._engine.close_session(session_id)
 
     def step(self) -> list[RequestOutput]:
         self._send(TPStep(self._tick()))
@@ -664,7 +669,9 @@ class _Follower:
         elif isinstance(message, TPAbort):
             engine.abort(message.request_id)
         elif isinstance(message, TPOpenSession):
-            engine.open_session(message.session_id, tenant_salt=message.tenant_salt)
+            engine.open_session(message.session_id, tenant_salt=message.tenant_salt, turns=message.turns)
+        elif isinstance(message, TPCloseSession):
+            engine.close_session(message.session_id)
         elif isinstance(message, TPExpire):
             engine.expire_sessions()
         elif isinstance(message, TPPullHandoff):

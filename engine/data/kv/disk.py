@@ -129,6 +129,27 @@ class DiskTier(SlotTable):
 
     tier = Tier.DISK
 
+    @staticmethod
+    def file(directory: str | Path, layout: KVLayout) -> Path:
+        """The tier's file for `layout` in `directory`."""
+        return Path(directory) / f"kv-{layout.fingerprint()}.seg"
+
+    @staticmethod
+    def held(directory: str | Path, layout: KVLayout) -> bool:
+        """Whether a live process holds the tier's file in `directory` (a probe: the answer
+        may change right after)."""
+        try:
+            fd = os.open(DiskTier.file(directory, layout), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def __init__(
         self,
         layout: KVLayout,
@@ -143,7 +164,7 @@ class DiskTier(SlotTable):
         self.checksum = checksum
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.path = self.directory / f"kv-{layout.fingerprint()}.seg"
+        self.path = self.file(self.directory, layout)
         self._table_offset = _FILE_HEADER_BYTES
         self._data_offset = _align(self._table_offset + capacity_pages * RECORD_BYTES)
         self._size = self._data_offset + capacity_pages * layout.page_nbytes

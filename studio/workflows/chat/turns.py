@@ -150,8 +150,9 @@ def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: 
         prompt = template.turn(session.messages, new.messages)
         params = {**sampling, "session": engine_session_id(session)}
         held = template.held(session.messages)
-        if held:  # a worker that lost the session (it expired, or its replica was replaced) rebuilds it
+        if held:  # a worker without the session (its replica was replaced), or with a stale copy, rebuilds it
             params["session_history"] = held
+            params["session_turns"] = sum(1 for m in session.messages if m["role"] == "assistant")
         start = _start(user, deployment, shape, prompt, new.images, params, timeout_s)
         session.turn_id = start.run_id
         session.save(update_fields=["turn", "updated_at"])

@@ -220,6 +220,41 @@ async def test_a_turn_brings_the_history_of_a_session_this_worker_does_not_hold(
     assert [out2, out3] == reference(tiny_llama, [first + out1 + second, first + out1 + second + out2 + third])
 
 
+async def test_a_stale_copy_of_a_session_gives_way_to_the_history_the_turn_brings(executor, tiny_llama):
+    """The session moved away and back, or a turn failed here: the worker's copy has another
+    number of turns than the history, which wins."""
+    first, second, third = prompt_ids(35, 8), prompt_ids(36, 5), prompt_ids(37, 4)
+    plan = executor.plan(chat_workflow({"session": "back"}, input_port="tokens").to_spec())
+    (out1,) = [(await (await executor.submit(plan, {"prompt": first})).wait()).outputs["tokens"]]
+    (out2,) = reference(tiny_llama, [first + out1 + second])  # a turn served by another replica
+    history = first + out1 + second + out2
+    resumed = executor.plan(chat_workflow({"session": "back", "session_history": history, "session_turns": 2},
+                                          input_port="tokens").to_spec())
+    out3 = (await (await executor.submit(resumed, {"prompt": third})).wait()).outputs["tokens"]
+    assert [out3] == reference(tiny_llama, [history + third])
+    # A copy that agrees with the history is kept: the history is not sent to the model again.
+    fourth = prompt_ids(38, 3)
+    again = executor.plan(chat_workflow({"session": "back", "session_history": [1, 2, 3], "session_turns": 3},
+                                        input_port="tokens").to_spec())
+    out4 = (await (await executor.submit(again, {"prompt": fourth})).wait()).outputs["tokens"]
+    assert [out4] == reference(tiny_llama, [history + third + out3 + fourth])
+
+
+async def test_a_refused_resumed_turn_leaves_no_empty_copy_behind(executor, tiny_llama):
+    """A resumed turn that fails (here: too long for the model) must not leave a copy of the
+    session without its history that a later turn would take as held."""
+    too_long = prompt_ids(39, 200) * 50  # past the model's 8192 positions
+    bad = executor.plan(chat_workflow({"session": "lost", "session_history": too_long, "session_turns": 1},
+                                      input_port="tokens").to_spec())
+    failed = await (await executor.submit(bad, {"prompt": prompt_ids(40, 3)})).wait()
+    assert failed.status == "failed" and "positions" in (failed.error or "")
+    history, turn = prompt_ids(41, 9), prompt_ids(42, 4)
+    good = executor.plan(chat_workflow({"session": "lost", "session_history": history, "session_turns": 1},
+                                       input_port="tokens").to_spec())
+    out = (await (await executor.submit(good, {"prompt": turn})).wait()).outputs["tokens"]
+    assert [out] == reference(tiny_llama, [history + turn])
+
+
 async def test_a_session_history_in_text_is_encoded_before_the_turn(executor, tiny_llama):
     history, turn = "the story so far", " and then"
     plan = executor.plan(chat_workflow({"session": "told", "session_history": history}).to_spec())
@@ -228,11 +263,11 @@ async def test_a_session_history_in_text_is_encoded_before_the_turn(executor, ti
     assert [out] == reference(tiny_llama, [list(encode(history).input_ids) + list(encode(turn).input_ids)])
 
 
-async def test_a_session_history_without_a_session_is_refused(executor):
-    plan = executor.plan(chat_workflow({"session_history": "alone"}).to_spec())
-    result = await (await executor.submit(plan, {"prompt": "hello"})).wait()
-    assert result.status == "failed"
-    assert "param 'session_history' needs param 'session'" in (result.error or "")
+def test_a_session_history_without_a_session_is_refused(kinds):
+    for params, missing in (({"session_history": "alone"}, "session"),
+                            ({"session": "s", "session_turns": 1}, "session_history")):
+        with pytest.raises(GraphValidationError, match=f"'{missing}' is a dependency"):
+            build_plan(chat_workflow(params).to_spec(), kinds)
 
 
 async def test_bad_inputs_fail_the_node_with_a_clear_error(executor):

@@ -15,7 +15,7 @@ from engine.compute.llm.unit import LLMUnitError
 from engine.compute.sampling import SamplingParams
 from engine.compute.threaded import UnitInputError
 from engine.compute.tp.diffusion_unit import pull_timeout_s
-from engine.compute.tp.messages import TPAdd, TPMessage, TPPullHandoff, TPStep, TPStop
+from engine.compute.tp.messages import TPAdd, TPCloseSession, TPMessage, TPPullHandoff, TPStep, TPStop
 from engine.compute.tp.unit import LeaderWatch, _sampling_fields, _sampling_of, rank_device
 from engine.spec.graph import RoleSpec
 
@@ -52,7 +52,8 @@ def test_logits_processors_cannot_travel():
         _sampling_fields(SamplingParams(logits_processors=(lambda ids, logits: logits,)))
 
 
-@pytest.mark.parametrize("message", [TPStep(2.0), TPStop(), TPPullHandoff(3.0, b"\x80", 5.0)])
+@pytest.mark.parametrize("message", [TPStep(2.0), TPStop(), TPPullHandoff(3.0, b"\x80", 5.0),
+                                     TPCloseSession(4.0, "s")])
 def test_every_message_round_trips(message):
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage) == message
 
