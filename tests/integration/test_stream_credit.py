@@ -98,13 +98,7 @@ async def test_a_reader_on_a_worker_taking_its_ports_in_turn_does_not_deadlock(d
 async def test_a_reader_on_a_worker_that_stops_early_does_not_hold_its_producer(deployment: Deployment):
     n = 10 * (WINDOW + CAPACITY)
     wf, src_role, dst_role = two_roles("early")
-    src = wf.python(fns.sync_frames, role=src_role, id="src", stream=True, params={"items": list(range(n))})
-    head = wf.python(fns.first_frames, role=dst_role, id="head", params={"k": 3})
-    rest = wf.python(fns.collect, role=dst_role, id="rest", inputs={"values": {"type": "json", "join": "ordered"}})
-    wf.edge(src, head, stream=True)
-    wf.edge(src, rest)
-    wf.output("first", head)
-    wf.output("all", rest)
+    fns.early_reader(wf, fns.sync_frames, {"items": list(range(n))}, src_role, dst_role)
     result = await run(deployment, wf)
     assert result.status == RunStatus.DONE, result.error
     assert result.outputs == {"first": [0, 1, 2], "all": list(range(n))}

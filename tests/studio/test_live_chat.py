@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,20 +69,31 @@ def server(tmp_path: Path) -> Iterator[Server]:
         log.close()
 
 
-def wait_running(server: Server, deployment_id: str, token: str, deadline_s: float = 60.0) -> dict[str, Any]:
-    """Poll the deployment until its workers are up (readiness); the pause is the server's."""
+def poll(server: Server, read: Callable[[], Any], ready: Callable[[Any], bool], what: str,
+         deadline_s: float = 60.0) -> Any:
+    """`read()` again until `ready` says so (readiness), and return it; the pause is the server's."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        status, body = server.request("GET", f"/api/deployments/{deployment_id}/", token=token)
-        assert status == 200, body
-        if body["status"] not in ("pending", "starting"):
-            return body
+        value = read()
+        if ready(value):
+            return value
         try:
             server.proc.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
             continue
         raise RuntimeError("the server exited")
-    raise TimeoutError(f"deployment {deployment_id} did not start in {deadline_s} s")
+    raise TimeoutError(f"{what}: not within {deadline_s} s")
+
+
+def wait_running(server: Server, deployment_id: str, token: str) -> dict[str, Any]:
+    """The deployment once its workers are up (or it failed)."""
+    def read() -> dict[str, Any]:
+        status, body = server.request("GET", f"/api/deployments/{deployment_id}/", token=token)
+        assert status == 200, body
+        return body
+
+    return poll(server, read, lambda body: body["status"] not in ("pending", "starting"),
+                f"deployment {deployment_id} starts")
 
 
 def hf_reply(prompt: str, new: int) -> str:
@@ -110,19 +121,9 @@ def llm_workers(server: Server, deployment_id: str, token: str) -> list[dict[str
     return workers
 
 
-def wait_workers(server: Server, deployment_id: str, token: str, ready: Any, deadline_s: float = 60.0) -> list[Any]:
-    """Poll the deployment's llm workers until `ready(workers)` (readiness); the pause is the server's."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        workers = llm_workers(server, deployment_id, token)
-        if ready(workers):
-            return workers
-        try:
-            server.proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        raise RuntimeError("the server exited")
-    raise TimeoutError(f"the llm workers of {deployment_id} were not as expected in {deadline_s} s")
+def wait_workers(server: Server, deployment_id: str, token: str, ready: Callable[[Any], bool]) -> list[Any]:
+    return poll(server, lambda: llm_workers(server, deployment_id, token), ready,
+                f"the llm workers of {deployment_id} as expected")
 
 
 async def first_metrics(url: str, token: str) -> dict[str, Any]:

@@ -321,6 +321,18 @@ async def fail_after(items: AsyncIterator[Any], k: int) -> None:
     raise ValueError(f"gave up after {k} frames")
 
 
+def early_reader(wf: Any, producer: Any, params: dict[str, Any], src_role: Any, dst_role: Any) -> None:
+    """`producer` streams to `head` (takes three frames and stops) and, buffered, to `rest`
+    (all of them): outputs `first` and `all`."""
+    src = wf.python(producer, role=src_role, id="src", stream=True, params=params)
+    head = wf.python(first_frames, role=dst_role, id="head", params={"k": 3})
+    rest = wf.python(collect, role=dst_role, id="rest", inputs={"values": {"type": "json", "join": "ordered"}})
+    wf.edge(src, head, stream=True)
+    wf.edge(src, rest)
+    wf.output("first", head)
+    wf.output("all", rest)
+
+
 async def first_frames(items: AsyncIterator[Any], k: int) -> list[Any]:
     """Takes the first `k` frames of a stream and leaves the rest unread."""
     taken: list[Any] = []

@@ -160,17 +160,22 @@ async def test_a_relayed_channel_waiting_frees_nothing():
 
 
 # ------------------------------------------------------------------ runs
-def lagging(n: int, ahead: int, **role_params: Any) -> Workflow:
-    """A producer that waits once, for its reader to start, and never again."""
-    wf = Workflow("lag")
-    py = wf.role("py", params=role_params)
-    src = wf.python(fns.counted_frames, role=py, id="src", stream=True,
-                    params={"n": n, "name": "src", "gate": "reader"})
-    read = wf.python(fns.lagging_reader, role=py, id="read",
-                     params={"name": "src", "n": n, "ahead": ahead, "gate": "reader"})
+def one_stream(producer: Any, produce_params: dict[str, Any], reader: Any,
+               read_params: dict[str, Any] | None = None, **role: Any) -> Workflow:
+    """`producer` streaming to `reader`, on one role (`role`: its options)."""
+    wf = Workflow("one-stream")
+    py = wf.role("py", **role)
+    src = wf.python(producer, role=py, id="src", stream=True, params=produce_params)
+    read = wf.python(reader, role=py, id="read", params=read_params)
     wf.edge(src, read, stream=True)
     wf.output("out", read)
     return wf
+
+
+def lagging(n: int, ahead: int) -> Workflow:
+    """A producer that waits once, for its reader to start, and never again."""
+    return one_stream(fns.counted_frames, {"n": n, "name": "src", "gate": "reader"},
+                      fns.lagging_reader, {"name": "src", "n": n, "ahead": ahead, "gate": "reader"})
 
 
 async def test_a_producer_runs_at_most_capacity_frames_ahead_of_its_reader(kinds: KindRegistry):
@@ -189,13 +194,8 @@ async def test_without_a_capacity_the_producer_runs_to_its_end_first(kinds: Kind
 async def test_a_reader_queued_behind_its_producer_does_not_hold_it(kinds: KindRegistry):
     """One slot: the reader runs only once the producer is done, so the producer must not
     wait for it meanwhile."""
-    wf = Workflow("one-slot")
-    py = wf.role("py", params={"capacity": 1})
-    src = wf.python(fns.counted_frames, role=py, id="src", stream=True, params={"n": 30, "name": "src"})
-    read = wf.python(fns.consume_all, role=py, id="read")
-    wf.edge(src, read, stream=True)
-    wf.output("out", read)
-    result = await run(kinds, wf)
+    result = await run(kinds, one_stream(fns.counted_frames, {"n": 30, "name": "src"}, fns.consume_all,
+                                         params={"capacity": 1}))
     assert result.status == RunStatus.DONE, result.error
     assert result.outputs["out"] == list(range(30))
 
@@ -203,13 +203,8 @@ async def test_a_reader_queued_behind_its_producer_does_not_hold_it(kinds: KindR
 async def test_plain_generator_and_reader_on_one_slot_per_replica_share_the_role(kinds: KindRegistry):
     """Two replicas of one slot each, in process: the generator holds a thread while it waits
     for its reader, so the reader needs a thread of its own."""
-    wf = Workflow("threads")
-    py = wf.role("py", replicas=2, params={"capacity": 1})
-    src = wf.python(fns.sync_frames, role=py, id="src", stream=True, params={"items": list(range(200))})
-    read = wf.python(fns.consume_blocking, role=py, id="read")
-    wf.edge(src, read, stream=True)
-    wf.output("out", read)
-    result = await run(kinds, wf)
+    result = await run(kinds, one_stream(fns.sync_frames, {"items": list(range(200))}, fns.consume_blocking,
+                                         replicas=2, params={"capacity": 1}))
     assert result.status == RunStatus.DONE, result.error
     assert result.outputs["out"] == list(range(200))
 
@@ -291,13 +286,7 @@ async def test_a_reader_taking_its_ports_in_turn_does_not_deadlock(kinds: KindRe
 async def test_a_reader_that_stops_early_does_not_hold_its_producer(kinds: KindRegistry):
     wf = Workflow("early")
     py = wf.role("py")
-    src = wf.python(fns.counted_frames, role=py, id="src", stream=True, params={"n": 40, "name": "src"})
-    head = wf.python(fns.first_frames, role=py, id="head", params={"k": 3})
-    rest = wf.python(fns.collect, role=py, id="rest", inputs={"values": {"type": "json", "join": "ordered"}})
-    wf.edge(src, head, stream=True)
-    wf.edge(src, rest)
-    wf.output("first", head)
-    wf.output("all", rest)
+    fns.early_reader(wf, fns.counted_frames, {"n": 40, "name": "src"}, py, py)
     result = await run(kinds, wf)
     assert result.status == RunStatus.DONE, result.error
     assert result.outputs == {"first": [0, 1, 2], "all": list(range(40))}
