@@ -71,7 +71,7 @@ from engine.flow.discovery import (
     WorkerLoad,
     make_registry,
 )
-from engine.flow.remote import LoopSocket
+from engine.flow.links import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.worker.core import RoleWorkerCore
