@@ -312,6 +312,8 @@ class Run:
     def _drop_unread(self, node: _Node, kept: Iterable[Any]) -> None:
         """Detach the stream channels in `node`'s inbox that this firing does not hand on:
         nobody will read them, and their producers must not wait for it."""
+        if not node.reads.channels:  # no stream was delivered to it (the common case: nothing to scan)
+            return
         keep = {id(value) for value in kept}
         for arrivals in node.inbox.values():
             for arrival in arrivals:
