@@ -45,12 +45,17 @@ from engine.spec.graph import GraphSpec
 POLL_S = 0.005
 
 
-def mark(directory: str | Path, name: str) -> None:
-    """Create marker `name` atomically (readers never see a half-written file)."""
+def _write(directory: str | Path, name: str, text: str) -> None:
+    """Write file `name` atomically (readers never see a half-written file)."""
     path = Path(directory)
     tmp = path / f".{name}.tmp"
-    tmp.write_text(str(time.time()))
+    tmp.write_text(text)
     tmp.rename(path / name)
+
+
+def mark(directory: str | Path, name: str) -> None:
+    """Create marker `name`."""
+    _write(directory, name, str(time.time()))
 
 
 def markers(directory: str | Path, prefix: str) -> list[int]:
@@ -60,11 +65,8 @@ def markers(directory: str | Path, prefix: str) -> list[int]:
 
 # ------------------------------------------------------------------ node functions
 def count(directory: str | Path, name: str, value: int) -> None:
-    """Write counter `name` atomically."""
-    path = Path(directory)
-    tmp = path / f".{name}.tmp"
-    tmp.write_text(str(value))
-    tmp.rename(path / name)
+    """Set counter `name`."""
+    _write(directory, name, str(value))
 
 
 def counted(directory: str | Path, name: str) -> int:

@@ -83,12 +83,17 @@ class PagedKVCache:
         limit = (len(seq.token_ids) - 1) // self.page_size
         if self.tree is not None and limit:
             self._match(seq, limit)
+            chain: list[PageHash] = []
+            if len(seq.pages) < limit and (self._unindexed or self.peers):
+                # The prompt's page keys, hashed once for both searches beyond the tree.
+                chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size,
+                                    extra_keys=seq.extra_keys)
             if len(seq.pages) < limit and self._unindexed:
-                self._resident(seq, limit)
+                self._resident(seq, chain)
             if len(seq.pages) < limit:
                 self.store.record_miss()  # the search for the next page of the prompt found nothing
                 if self.peers:
-                    self._pull(seq, limit)
+                    self._pull(seq, chain)
         seq.num_computed = len(seq.pages) * self.page_size
         seq.matched = True
 
@@ -108,17 +113,15 @@ class PagedKVCache:
         seq.pages = list(match.pages)
         seq.slots = slots
 
-    def _resident(self, seq: Sequence, limit: int) -> None:
-        """Take the next pages of the prompt that a tier holds though the tree does not know
-        them: pages the disk tier recovered when the engine started (a restart)."""
-        chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
+    def _resident(self, seq: Sequence, chain: Seq[PageHash]) -> None:
+        """Take the next pages of the prompt (`chain`: its page keys) that a tier holds though
+        the tree does not know them: pages the disk tier recovered when the engine started."""
         missing = chain[len(seq.pages) :]
         run = resident_run(self.store, missing)
         if run:
             self._take(seq, missing[:run], lookup=True)
 
-    def _pull(self, seq: Sequence, limit: int) -> None:
-        chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size, extra_keys=seq.extra_keys)
+    def _pull(self, seq: Sequence, chain: Seq[PageHash]) -> None:
         missing = chain[len(seq.pages) :]
         for peer in self.peers:
             before = resident_run(self.store, missing)
