@@ -77,7 +77,9 @@ LLM_NODE_PARAMS: dict[str, Any] = {
         "session_turns": {"type": "integer", "minimum": 0,
                           "description": "with session_history: how many turns it holds; a worker whose copy of"
                           " the session has another number replaces it with the history"},
-        "tenant": {"type": "string", "minLength": 1, "description": "cache salt: tenants never share KV"},
+        "tenant": {"type": "string", "minLength": 1,
+                   "description": "cache salt of a run without a tenant (the command line): tenants never share KV;"
+                                  " a run's own tenant (the studio's) overrides it"},
     },
     "dependentRequired": {"session_history": ["session"], "session_turns": ["session_history"]},
     "additionalProperties": False,

@@ -36,7 +36,7 @@ from typing import NewType
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 RefId = NewType("RefId", str)
 
@@ -309,6 +309,9 @@ class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     window: int = 0
     """Stream frames a side may send ahead of the other's credit: output frames of a stream
     node, and the frames of each stream-mode input port. 0: no limit."""
+    tenant: str | None = None
+    """Whose run this is: the worker's unit namespaces its caches by it (`NodeCall.tenant`).
+    Added in version 3: a worker of version 2 would drop it and serve every tenant from one cache."""
 
 
 class ExecuteStarted(msgspec.Struct, tag=True, tag_field="type", frozen=True):

@@ -40,7 +40,7 @@ from engine.flow.events import (
 )
 from engine.flow.plan import Plan, build_plan
 from engine.flow.streams import StreamChannel, StreamGroup
-from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
+from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult, node_tenant
 from engine.spec.graph import GraphSpec, NodeSpec
 from engine.spec.kinds import KindRegistry
 
@@ -133,8 +133,11 @@ class Run:
         run_id: str,
         timeout_s: float | None,
         stream_capacity: int = 0,
+        tenant: str | None = None,
     ) -> None:
         self.id = run_id
+        self.tenant = tenant
+        """Whose run this is (`NodeCall.tenant`); None: the nodes' `tenant` params, if any."""
         self._stream_capacity = stream_capacity
         self.plan = plan
         self.inputs = inputs
@@ -425,6 +428,7 @@ class Run:
             router=spec.routes is not None,
             iteration=node.fired,
             attempt=node.attempt,
+            tenant=node_tenant(self.tenant, spec.params),
         )
         ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
                           report_progress=lambda f, m: self._progress(spec.id, f, m))
@@ -671,14 +675,18 @@ class Executor:
         *,
         run_id: str | None = None,
         timeout_s: float | None = None,
+        tenant: str | None = None,
     ) -> Run:
+        """Start a run of `workflow`. `tenant`: whose run it is (a server's user, or a sharing
+        scope); every cache its nodes touch is namespaced by it, whatever the nodes' params say.
+        None (the command line): a node's `tenant` param, if it has one."""
         plan = workflow if isinstance(workflow, Plan) else self.plan(workflow)
         values = resolve_inputs(plan, inputs or {})
         rid = run_id or uuid.uuid4().hex[:12]
         if rid in self._runs:
             raise ValueError(f"run id {rid!r} is already in use")
         run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s,
-                  stream_capacity=self._stream_capacity)
+                  stream_capacity=self._stream_capacity, tenant=tenant)
         self._runs[rid] = run
         run.start()
         return run

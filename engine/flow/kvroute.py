@@ -8,8 +8,9 @@ with that policy the dispatcher asks a `KVRouter` for a `PrefixHint`:
    imports the compute layer). A worker whose unit keeps a KV cache reports how it names
    pages in its registration, `meta["kv"]` = {`model_id`, `page_size`, ...} (see
    `engine.worker.kv`); with those, the keys are `engine.data.kv.keys.page_hashes` of the
-   token ids, seeded by model id and the node's `tenant` param: byte for byte what the
-   engine computes. The token ids come from the node call's inputs:
+   token ids, seeded by model id and the call's tenant (`NodeCall.tenant`): byte for byte what
+   the engine computes, so two tenants' equal prompts have different keys and neither is routed
+   toward (or counted as cached on) the other's pages. The token ids come from the node call's inputs:
 
    * `kv` carrying `page_hashes` (an `llm.prefill` handoff, i.e. an `llm.decode` node):
      those keys as they are;
@@ -113,8 +114,7 @@ def prompt_pages(
     usable = min((len(ids) - 1) // page_size, max_pages) * page_size
     if usable <= 0:
         return ()
-    tenant = call.params.get("tenant")
-    extra = ExtraKeys(model_id=str(kv_meta["model_id"]), tenant_salt=tenant if isinstance(tenant, str) else None)
+    extra = ExtraKeys(model_id=str(kv_meta["model_id"]), tenant_salt=call.tenant)
     return tuple(page_hashes(list(ids[:usable]), page_size, extra_keys=extra))
 
 

@@ -278,8 +278,7 @@ class WorkerDispatcher:
             and (s.info.worker_id not in self._connections or self._connections[s.info.worker_id].lost is None)
         ]
         by_id = {s.info.worker_id: s for s in snapshots}
-        session = call.params.get("session")
-        session = session if isinstance(session, str) else None
+        session = call.session_key()
         hint = (await self._kv_router.hint(role, call, snapshots)
                 if role.balance == KVAware.name and session is None else NO_HINT)
         candidates = candidates_from(snapshots, outstanding=self._outstanding, cached=hint.cached)
@@ -495,7 +494,7 @@ class WorkerDispatcher:
                     inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
             request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
                                      call.output_ports, call.stream, call.router, call.iteration, call.attempt,
-                                     self._stream_window)
+                                     self._stream_window, call.tenant)
             windows = {port: CreditWindow(self._stream_window) for port, _ in streams} if self._stream_window else {}
             if windows:
                 conn.windows[rid] = windows

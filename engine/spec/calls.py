@@ -3,13 +3,22 @@
 A compute unit (`engine.compute.*`) receives a `NodeCall` and either returns a
 `NodeResult` or, for a streaming node, yields `Frame`s. Input values are plain Python
 values (or, for stream-mode ports, async iterators of frames' values).
+
+A call carries its run's tenant (`NodeCall.tenant`): whoever submits the run says whose it is
+(the studio: the owning user, or a deployment's sharing scope), never the graph. Every unit that
+keeps a cache across calls keys it by the tenant (page keys, prefix tree roots, sessions), so one
+tenant's cached state is never a hit for another's call.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import json
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
+
+SessionKey = NewType("SessionKey", str)
+"""Where a session lives in a unit: a session id within its tenant (`session_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +63,33 @@ class NodeCall:
     router: bool
     iteration: int
     attempt: int
+    tenant: str | None = None
+    """Whose run this is: the salt of every cache the call reads or fills (`node_tenant`).
+    None: no tenant (one person's own runs)."""
+
+    def session_key(self) -> SessionKey | None:
+        """The key of the session the call is a turn of (its `session` param, a string, within
+        its tenant), or None when it is not a session turn."""
+        session = self.params.get("session")
+        return session_key(self.tenant, session) if isinstance(session, str) else None
+
+
+def node_tenant(run_tenant: str | None, params: Mapping[str, Any]) -> str | None:
+    """The tenant a node's calls run as: the run's when it has one (a server set it; a `tenant`
+    param of the node counts for nothing then, so a graph never picks another's cache), else
+    the node's own `tenant` param (the command line: a person namespacing their own runs)."""
+    if run_tenant is not None:
+        return run_tenant
+    param = params.get("tenant")
+    return param if isinstance(param, str) else None
+
+
+def session_key(tenant: str | None, session: str) -> SessionKey:
+    """The key of session `session` of `tenant`: two tenants' sessions of one id are two
+    sessions. Without a tenant it is the id itself (the command line's ids stay as they were)."""
+    if tenant is None:
+        return SessionKey(session)
+    return SessionKey(json.dumps([tenant, session], separators=(",", ":")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -307,6 +307,7 @@ class RoleWorkerCore:
             router=request.router,
             iteration=request.iteration,
             attempt=request.attempt,
+            tenant=request.tenant,
         )
         ctx = NodeContext(
             run_id=request.run_id,

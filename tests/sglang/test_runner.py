@@ -3,6 +3,7 @@ engine kwargs and sampling params checked against the installed SGLang's own typ
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -92,6 +93,7 @@ def test_calls_it_cannot_serve_fail_clearly() -> None:
         (call({"prompt": "a"}, ports=("kv",)), "llm.prefill"),
         (call({"prompt": "a"}, {"session": "s"}), "'session'"),
         (call({"prompt": "a"}, {"tenant": "t"}), "'tenant'"),
+        (dataclasses.replace(call({"prompt": "a"}), tenant="user:1"), "without a tenant"),  # one cache for all
         (call({"tokens": ["x"]}), "list of token ids"),
     ]:
         with pytest.raises(runner.SGLangRunnerError, match=message):

@@ -136,7 +136,7 @@ class DiffusionUnit(ThreadedUnit):
         if inputs.get("kv") is not None:
             check_kv(call, inputs["kv"], self.runner.model_id, self.runner.layout)
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
-        tenant = params.get("tenant")
+        tenant = call.tenant
         branches = [Prompt.of(ids)]
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))

@@ -26,6 +26,12 @@ Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_
   ends the hold, so a second one fails unless its prompt ends on a page boundary and the
   pages are still cached (fan-out sampling belongs in one decode request).
 
+Tenants: a call's `tenant` (`NodeCall.tenant`, the run's) salts every page key it computes (the
+engine's prefix tree has a root per model and tenant) and scopes its session (`session` of
+tenant A and `session` of tenant B are two sessions, `NodeCall.session_key`); a decode node
+takes only its own tenant's handoffs. So one tenant's KV is never a hit for another's prompt, and
+`cached_tokens` tells a caller only about its own tenant's pages.
+
 The transfer plane: a worker process hands the unit its `Peer` (`bind_transfer`) and serves
 the unit's `kv_store` to other workers; a unit that was not given one (in-process dispatch)
 starts its own the first time a prefill or decode node needs it.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -66,7 +73,7 @@ from engine.compute.sampling import SamplingParams
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
-from engine.data.kv.keys import PageHash
+from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
 from engine.data.kv.pull import KVHolderIndex, KVPageServer, fetch_pages
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer, PeerConfig
@@ -99,6 +106,20 @@ class NodeMode(StrEnum):
     GENERATE = "llm"
     PREFILL = "llm.prefill"
     DECODE = "llm.decode"
+
+
+def check_handoff_tenant(call: NodeCall, ref: KVHandoffRef, page_size: int) -> None:
+    """A decode call takes only its own tenant's handoffs: the pages a handoff names must be
+    the page keys of its prompt under the call's tenant (under the handoff's own tenant when the
+    call has none: the command line), so a handoff of another tenant's run, however relabelled,
+    never reads that run's KV."""
+    tenant = call.tenant if call.tenant is not None else ref.tenant_salt
+    count = len(ref.page_hashes)
+    own = (ref.tenant_salt == tenant and count * page_size <= len(ref.key_ids)
+           and page_hashes(list(ref.key_ids[: count * page_size]), page_size,
+                           extra_keys=ExtraKeys(model_id=ref.model_id, tenant_salt=tenant)) == list(ref.page_hashes))
+    if not own:
+        raise LLMUnitError(f"node {call.node_id!r}: input 'kv': the handoff belongs to another tenant's run")
 
 
 def node_mode(call: NodeCall) -> NodeMode:
@@ -403,8 +424,7 @@ class LLMUnit(ComputeUnit):
                 inputs[name] = "".join(frames) if all(isinstance(f, str) for f in frames) else [
                     t for f in frames for t in (f if isinstance(f, list | tuple) else [f])
                 ]
-        return NodeCall(call.run_id, call.node_id, call.op, call.params, inputs, call.output_ports, call.stream,
-                        call.router, call.iteration, call.attempt)
+        return dataclasses.replace(call, inputs=inputs)
 
     @staticmethod
     def _sampling(node_id: str, params: dict[str, Any]) -> SamplingParams:
@@ -428,13 +448,13 @@ class LLMUnit(ComputeUnit):
             request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
-        session = None if handoff is not None else call.params.get("session")
+        session = None if handoff is not None else call.session_key()
         history, turns = call.params.get("session_history"), call.params.get("session_turns")
         if history is not None and session is None:
             raise LLMUnitError(f"node {call.node_id!r}: param 'session_history' needs param 'session'")
         if turns is not None and history is None:
             raise LLMUnitError(f"node {call.node_id!r}: param 'session_turns' needs param 'session_history'")
-        self._commands.put(_Add(request_id, prompt, sampling, session, call.params.get("tenant"),
+        self._commands.put(_Add(request_id, prompt, sampling, session, call.tenant,
                                 stream_text=stream, prefill_only=prefill_only, handoff=handoff, source=source,
                                 mm_items=mm_items, history=history, turns=turns))
         return request_id, inbox
@@ -574,6 +594,7 @@ class LLMUnit(ComputeUnit):
         if ref.layout != engine.layout.to_dict():
             raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this role's"
                                f" {engine.layout.to_dict()}")
+        check_handoff_tenant(call, ref, engine.layout.page_size)
         return ref
 
     def _pull_handoff(self, peer: Peer, ref: KVHandoffRef, node_id: str) -> tuple[int, torch.Tensor | None]:

@@ -7,7 +7,8 @@ new `tokens`, `kv` on the last frame). Its `kv` reference names the pages by our
 which are SGLang's own (`engine.data.kv.keys`, checked by `tests/sglang/test_keys.py`), so
 they are the keys under which SGLang stored the pages in our backend. Not served here:
 `llm.prefill`/`llm.decode` (SGLang's own PD mode does that with the `omniflow` transfer
-backend), `session`, `tenant` (SGLang's cache salt changes its page keys) and the multimodal
+backend), `session`, `tenant` (SGLang's cache salt changes its page keys), calls of a run with a
+tenant (`NodeCall.tenant`: its cache would be shared between tenants) and the multimodal
 `items`/`embeds` inputs; such calls fail with
 `SGLangRunnerError` rather than run differently.
 
@@ -165,6 +166,9 @@ def prompt_of(call: NodeCall) -> str | list[int]:
     for name in ("session", "session_history", "session_turns", "tenant"):
         if call.params.get(name) is not None:
             raise SGLangRunnerError(f"node {call.node_id!r}: param {name!r} is not supported by the sglang runner")
+    if call.tenant is not None:
+        raise SGLangRunnerError(f"node {call.node_id!r}: the sglang runner keeps one prefix cache for every caller,"
+                                " so it serves only runs without a tenant (not the studio's)")
     prompt, tokens = call.inputs.get("prompt"), call.inputs.get("tokens")
     if (prompt is None) == (tokens is None):
         raise SGLangRunnerError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' (text) or 'tokens'")

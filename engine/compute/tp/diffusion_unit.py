@@ -200,9 +200,8 @@ class TPDiffusionUnit(ThreadedUnit):
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
             prompts.append(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID])
         steps = params.get("steps")
-        tenant = params.get("tenant")
         return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance,
-                         holder, str(tenant) if tenant is not None else None)
+                         holder, call.tenant)
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
         if self.failed is not None:

@@ -59,7 +59,7 @@ from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import HandoffError, LLMError
 from engine.compute.llm.sequence import RequestOutput
 from engine.compute.llm.transfer import KVHandoff, KVHandoffRef, resident_run
-from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add
+from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add, check_handoff_tenant
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
@@ -501,6 +501,7 @@ class TPLLMUnit(LLMUnit):
         if ref.layout != self.whole_layout.to_dict():
             raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this model's"
                                f" {self.whole_layout.to_dict()}")
+        check_handoff_tenant(call, ref, self.whole_layout.page_size)
         return ref
 
     async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:

@@ -66,8 +66,8 @@ async def make_unit() -> AsyncIterator:
 
 
 def call(node_id: str, inputs: dict, outputs: tuple[str, ...], params: dict | None = None,
-         stream: bool = False) -> NodeCall:
-    return NodeCall("run", node_id, None, params or {}, inputs, outputs, stream, False, 1, 1)
+         stream: bool = False, tenant: str | None = None) -> NodeCall:
+    return NodeCall("run", node_id, None, params or {}, inputs, outputs, stream, False, 1, 1, tenant)
 
 
 CTX = NodeContext("run", "n", 1, 1, lambda f, m: None)
@@ -234,6 +234,25 @@ async def test_decode_rejects_what_is_not_its_handoff(make_unit):
         await other_pages.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
 
 
+async def test_decode_takes_only_its_own_tenants_handoff(make_unit, tiny_llama):
+    """A handoff names pages keyed with its tenant: a decode call of another tenant's run (say one whose
+    graph fed it a handoff it got hold of) is refused before a page is pulled; its own tenant's is served."""
+    prefill, decode = make_unit("pre"), make_unit("dec")
+    prompt = prompt_ids(75, 13)
+    value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 4}, tenant="user:1"),
+                                   CTX)).outputs["kv"]
+    assert KVHandoffRef.from_value(value).tenant_salt == "user:1"
+    for thief in ("user:2", "user:10"):
+        with pytest.raises(LLMUnitError, match="another tenant"):
+            await decode.execute(call("d", {"kv": value}, DECODE_OUT, tenant=thief), CTX)
+    for label in ("user:2", None):  # relabelled as the thief's own (or as no one's): its pages are still keyed for user:1
+        with pytest.raises(LLMUnitError, match="another tenant"):
+            await decode.execute(call("d", {"kv": {**value, "tenant_salt": label}}, DECODE_OUT, tenant="user:2"), CTX)
+    assert decode.kv_store.metrics()["pull.pages"] == 0
+    result = await decode.execute(call("d", {"kv": value}, DECODE_OUT, tenant="user:1"), CTX)
+    assert result.outputs["tokens"] == reference(tiny_llama, prompt, 4)
+
+
 # --- what a router computes -------------------------------------------------------------------------------
 
 
@@ -243,11 +262,11 @@ async def test_router_prompt_keys_are_the_engines_page_keys(make_unit, tiny_llam
     prompt = "a prompt long enough for a few pages"
     ids = unit.engine.encode(prompt)
     assert RoleTokenizers()(role, prompt) == ids
-    out = await unit.execute(call("g", {"prompt": prompt}, ("text", "tokens", "kv"), {"tenant": "t1"}), CTX)
+    out = await unit.execute(call("g", {"prompt": prompt}, ("text", "tokens", "kv"), tenant="t1"), CTX)
     cached = out.outputs["kv"]["pages"]
     meta = unit.kv_meta()
-    by_text = prompt_pages(role, call("g", {"prompt": prompt}, (), {"tenant": "t1"}), meta, RoleTokenizers())
-    by_ids = prompt_pages(role, call("g", {"tokens": ids}, (), {"tenant": "t1"}), meta)
+    by_text = prompt_pages(role, call("g", {"prompt": prompt}, (), tenant="t1"), meta, RoleTokenizers())
+    by_ids = prompt_pages(role, call("g", {"tokens": ids}, (), tenant="t1"), meta)
     assert by_text == by_ids == tuple(cached[: (len(ids) - 1) // PAGE])
     assert prompt_pages(role, call("g", {"tokens": ids}, ()), meta)[0] != by_ids[0]  # tenants never share
     assert prompt_pages(role, call("g", {"prompt": prompt}, ()), meta) == ()  # text needs a tokenizer

@@ -25,8 +25,8 @@ META = {"model_id": "model-a", "page_size": 4, "layout": "L", "prefix_cache": Tr
 IDS = list(range(10, 31))  # 21 tokens: 5 pages, the last token's page never counts
 
 
-def call(inputs: dict, params: dict | None = None) -> NodeCall:
-    return NodeCall("run", "gen", None, params or {}, inputs, ("text",), False, False, 1, 1)
+def call(inputs: dict, params: dict | None = None, tenant: str | None = None) -> NodeCall:
+    return NodeCall("run", "gen", None, params or {}, inputs, ("text",), False, False, 1, 1, tenant)
 
 
 def snapshot(worker_id: str, meta: dict | None = None, outstanding: int = 0) -> WorkerSnapshot:
@@ -66,9 +66,29 @@ def keys(ids: Sequence[int], tenant: str | None = None) -> list[str]:
 def test_prompt_pages_from_token_ids_are_the_seeded_chain_up_to_the_last_token():
     assert prompt_pages(ROLE, call({"tokens": IDS}), META) == tuple(keys(IDS)[:5])
     assert prompt_pages(ROLE, call({"tokens": IDS[:20]}), META) == tuple(keys(IDS)[:4])
-    assert prompt_pages(ROLE, call({"tokens": IDS}, {"tenant": "t"}), META) == tuple(keys(IDS, "t")[:5])
+    assert prompt_pages(ROLE, call({"tokens": IDS}, tenant="t"), META) == tuple(keys(IDS, "t")[:5])
     assert prompt_pages(ROLE, call({"tokens": IDS}), META, max_pages=2) == tuple(keys(IDS)[:2])
     assert prompt_pages(ROLE, call({"tokens": IDS[:4]}), META) == ()
+
+
+def test_two_tenants_identical_prompts_have_different_keys_and_a_node_param_cannot_pick_one():
+    a, b = (prompt_pages(ROLE, call({"tokens": IDS}, tenant=t), META) for t in ("user:1", "user:2"))
+    assert len(a) == len(b) == 5 and not set(a) & set(b)
+    assert a == tuple(keys(IDS, "user:1")[:5]) and b == tuple(keys(IDS, "user:2")[:5])
+    # the call's tenant is the run's: a `tenant` param naming another user changes nothing
+    assert prompt_pages(ROLE, call({"tokens": IDS}, {"tenant": "user:1"}, tenant="user:2"), META) == b
+    assert prompt_pages(ROLE, call({"tokens": IDS}, {"tenant": "user:1"}), META) == tuple(keys(IDS)[:5])
+
+
+async def test_two_tenants_are_routed_by_their_own_pages_only():
+    """Tenant A's pages are cached on w1: A's repeat goes there, B's identical prompt sees no cached page anywhere."""
+    held = {"w1": keys(IDS, "user:1")[:5]}
+    router = KVRouter(FakeIndex(held))
+    workers = [snapshot("w1"), snapshot("w2")]
+    hint_a = await router.hint(ROLE, call({"tokens": IDS}, tenant="user:1"), workers)
+    hint_b = await router.hint(ROLE, call({"tokens": IDS}, tenant="user:2"), workers)
+    assert hint_a.cached == {"w1": 5}
+    assert hint_b.cached == {} and len(hint_b.pages) == 5
 
 
 def test_prompt_pages_from_a_handoff_text_and_the_cases_without_keys():
