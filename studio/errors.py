@@ -42,6 +42,11 @@ class BadRequest(ApiError):
     status_code = status.HTTP_400_BAD_REQUEST
 
 
+class Forbidden(ApiError):
+    status_code = status.HTTP_403_FORBIDDEN
+    default_detail = "forbidden"
+
+
 class LoginFailed(ApiError):
     status_code = status.HTTP_401_UNAUTHORIZED
     default_detail = "invalid username or password"

@@ -90,6 +90,13 @@ class DeploymentStatus(models.TextChoices):
     FAILED = "failed"
 
 
+class CacheScope(models.TextChoices):
+    """Whose runs of a deployment share its caches (KV pages, prefix trees, sessions)."""
+
+    USER = "user", "each user's runs their own"
+    SHARED = "shared", "every user's runs of this deployment (staff only: e.g. a public system prompt)"
+
+
 class Deployment(models.Model):
     """A version deployed onto role workers: `replicas` per role (defaults from the spec).
 
@@ -109,6 +116,8 @@ class Deployment(models.Model):
     node = models.CharField(max_length=63, blank=True,
                             help_text="node whose Celery worker starts the role workers; blank: the studio process")
     namespace = models.CharField(max_length=100, blank=True, help_text="worker registry namespace")
+    cache_scope = models.CharField(max_length=8, choices=CacheScope.choices, default=CacheScope.USER,
+                                   help_text="user: a user's runs never meet another's in a cache; shared: set by staff")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -212,6 +221,15 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.id} of {self.version} ({self.status})"
+
+    @property
+    def tenant(self) -> str:
+        """Whose caches the run's nodes read and fill (`engine.spec.calls.NodeCall.tenant`): its
+        owner's, or its deployment's when that deployment's cache scope is shared."""
+        deployment = self.deployment
+        if deployment is not None and deployment.cache_scope == CacheScope.SHARED:
+            return f"deployment:{deployment.pk}"
+        return f"user:{self.owner_id}"
 
     @property
     def finished(self) -> bool:

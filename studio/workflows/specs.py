@@ -9,7 +9,8 @@ which is fine for a user's own files on their own machine and not for a server.)
 
 The studio also enforces a policy the engine does not: a `python` node may only name a
 function in a module under `OMNIFLOW_PYTHON_OP_MODULES` (default `workflows`), since
-any other `module:function` would let an API user run arbitrary code on the server.
+any other `module:function` would let an API user run arbitrary code on the server. Nor may
+a node set `tenant` (whose caches it uses): the server gives every run its tenant.
 """
 
 from __future__ import annotations
@@ -71,9 +72,17 @@ def op_policy_issues(spec: GraphSpec, allowed_modules: Iterable[str]) -> list[Is
     return issues
 
 
+def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
+    """A node may not name its cache tenant here: the server gives every run its tenant (the
+    owning user, or a deployment's shared scope), which the engine puts over any node param."""
+    return [Issue("tenant_param", f"node {node.id!r}: param 'tenant' is set by the server (the run's owner, or"
+                                  " its deployment's cache scope), not by the workflow", node=node.id)
+            for node in spec.nodes if "tenant" in node.params]
+
+
 def check(spec: GraphSpec, kinds: KindRegistry, allowed_modules: Iterable[str]) -> CheckedSpec:
     document, digest = canonical(spec)
-    issues = [*check_spec(spec, kinds), *op_policy_issues(spec, allowed_modules)]
+    issues = [*check_spec(spec, kinds), *op_policy_issues(spec, allowed_modules), *tenant_param_issues(spec)]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { sampleOf, type WorkerSnapshot } from "./cluster";
+import { cacheScopeLabel, sampleOf, type WorkerSnapshot } from "./cluster";
 
 function worker(metrics: Record<string, number>): WorkerSnapshot {
   return {
@@ -42,5 +42,13 @@ describe("sampleOf reads the documented gauges", () => {
     expect(second.tokensPerS).toBe(150);
     const restarted = sampleOf(worker({ "llm.generated_tokens": 50 }), 14, second);
     expect(restarted.tokensPerS).toBe(0);
+  });
+});
+
+describe("cacheScopeLabel", () => {
+  it("says so when a deployment's users share its cache, and nothing otherwise", () => {
+    expect(cacheScopeLabel({ cache_scope: "shared" })).toBe("cache: shared across users");
+    expect(cacheScopeLabel({ cache_scope: "user" })).toBeNull();
+    expect(cacheScopeLabel({})).toBeNull(); // a studio that does not report it: each user's own
   });
 });

@@ -7,6 +7,7 @@
  *   POST /api/deployments/  {workflow, version, replicas?: {role: n}, name?}
  *                                              -> 201 Deployment
  *   POST /api/deployments/<uuid>/stop/         -> Deployment
+ *   POST /api/deployments/<uuid>/cache-scope/  {cache_scope: "user" | "shared"} -> Deployment (shared: staff only)
  *   GET  /api/workers/                         -> Page<WorkerSnapshot> (or a bare list)
  *   WS   /ws/metrics/                          -> one JSON message per refresh:
  *        {"type": "workers", "time": <epoch s>, "workers": [WorkerSnapshot, ...]}
@@ -29,8 +30,15 @@ export interface Deployment {
   name: string;
   status: "pending" | "starting" | "running" | "stopping" | "stopped" | "failed";
   replicas: Record<string, number>;
+  /** Whose runs share its caches: "user" (each user's own; the default) or "shared" (set by staff). */
+  cache_scope?: "user" | "shared";
   error: string;
   created_at: string;
+}
+
+/** What a deployment's row says about its cache: a note when its users share one, else nothing. */
+export function cacheScopeLabel(deployment: Pick<Deployment, "cache_scope">): string | null {
+  return deployment.cache_scope === "shared" ? "cache: shared across users" : null;
 }
 
 export interface WorkerSnapshot {

@@ -1,7 +1,7 @@
 /** Deploy a saved version onto role workers (when this studio has the deployment API). */
 import { useCallback, useEffect, useState } from "react";
 import { Link } from "react-router-dom";
-import { cluster, type Deployment } from "../api/cluster";
+import { cacheScopeLabel, cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import type { RoleSpec } from "../api/types";
 import { useToast } from "../components/toast";
@@ -145,6 +145,11 @@ export function DeployDialog({
               <span className="pill">v{d.version}</span>
               <StatusBadge status={d.status} />
               <span className="muted small">{formatTime(d.created_at)}</span>
+              {cacheScopeLabel(d) && (
+                <span className="pill" data-testid="deployment-cache-shared" title="set by staff: every user's runs of it share its KV cache">
+                  {cacheScopeLabel(d)}
+                </span>
+              )}
               {d.error && <span className="danger-text small">{d.error}</span>}
               {(d.status === "running" || d.status === "starting") && (
                 <Button

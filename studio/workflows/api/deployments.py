@@ -3,7 +3,7 @@ workers of the registry with their latest metrics, and chat sessions (create, hi
 close; a turn is sent through `studio.workflows.chat.views`).
 
 The shapes are those `frontend/src/api/cluster.ts` is built against: a deployment has
-`id, workflow, version (number), name, status, replicas, error, created_at`; a worker is
+`id, workflow, version (number), name, status, replicas, cache_scope, error, created_at`; a worker is
 a registry `WorkerSnapshot` with `status` and `deployment`.
 """
 
@@ -34,7 +34,7 @@ from studio.workflows.deployments.workers import (
     recorded_statuses,
     snapshots_sync,
 )
-from studio.workflows.models import Deployment, DeploymentStatus, Session
+from studio.workflows.models import CacheScope, Deployment, DeploymentStatus, Session
 
 MAX_NAME = 100
 
@@ -48,6 +48,13 @@ class DeploymentCreateSerializer(serializers.Serializer):
     name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME, default="")
     node = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", required=False,
                                   help_text="distributed mode: the node whose Celery worker starts the workers")
+    cache_scope = serializers.ChoiceField(choices=CacheScope.choices, default=CacheScope.USER,
+                                          help_text="user: each user's runs keep their own caches; shared (staff"
+                                                    " only): every user's runs of it share one")
+
+
+class CacheScopeSerializer(serializers.Serializer):
+    cache_scope = serializers.ChoiceField(choices=CacheScope.choices)
 
 
 class ScaleSerializer(serializers.Serializer):
@@ -78,7 +85,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     class Meta:
         model = Deployment
         fields = ["id", "workflow", "workflow_name", "version", "name", "status", "replicas", "error", "node",
-                  "namespace", "roles", "chat", "created_at", "updated_at", "links"]
+                  "namespace", "cache_scope", "roles", "chat", "created_at", "updated_at", "links"]
         read_only_fields = fields
 
     def get_roles(self, obj: Deployment) -> list[dict[str, Any]]:
@@ -96,7 +103,8 @@ class DeploymentSerializer(serializers.ModelSerializer):
     def get_links(self, obj: Deployment) -> dict[str, str]:
         return {"self": reverse("deployment-detail", kwargs={"pk": obj.pk}),
                 "stop": reverse("deployment-stop", kwargs={"pk": obj.pk}),
-                "scale": reverse("deployment-scale", kwargs={"pk": obj.pk})}
+                "scale": reverse("deployment-scale", kwargs={"pk": obj.pk}),
+                "cache_scope": reverse("deployment-cache-scope", kwargs={"pk": obj.pk})}
 
 
 class DeploymentDetailSerializer(DeploymentSerializer):
@@ -219,7 +227,8 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
             if version is None:
                 raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
         deployment = service.create_deployment(request.user, version, replicas=attrs.get("replicas"),
-                                               name=attrs["name"], node=attrs.get("node"))
+                                               name=attrs["name"], node=attrs.get("node"),
+                                               cache_scope=CacheScope(attrs["cache_scope"]))
         response = self._detail(deployment, status.HTTP_201_CREATED)
         response["Location"] = response.data["links"]["self"]
         return response
@@ -240,6 +249,17 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         return self._detail(service.scale_deployment(deployment, body.validated_data["role"],
                                                      body.validated_data["replicas"]))
 
+
+    @extend_schema(summary="Set whose runs share the deployment's caches (shared: staff only)",
+                   request=CacheScopeSerializer, responses={200: DeploymentDetailSerializer, 403: ErrorSerializer,
+                                                            **ERRORS})
+    @action(detail=True, methods=["post"], url_path="cache-scope", url_name="cache-scope")
+    def cache_scope(self, request: Request, pk: Any = None) -> Response:
+        deployment = self.get_object()
+        body = CacheScopeSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._detail(service.set_cache_scope(request.user, deployment,
+                                                    CacheScope(body.validated_data["cache_scope"])))
 
 # ---------------------------------------------------------------------------- workers
 class WorkersView(APIView):

@@ -11,6 +11,10 @@ work to whatever hosts role workers in this configuration:
 
 Scaling is "set the replica count, then deploy again": deploying reconciles the
 workers with the counts, so every step is idempotent.
+
+A deployment's `cache_scope` says whose runs share its caches: `user` (the default: each user's
+runs are their own tenant) or `shared` (every user's runs of it are one tenant, e.g. for a public
+system prompt). Only staff may make a deployment's users share a cache.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 from django.db import transaction
 
 from studio.config import Dispatch
-from studio.errors import BadRequest, Conflict, Unprocessable
+from studio.errors import BadRequest, Conflict, Forbidden, Unprocessable
 from studio.workflows.apps import engine
 from studio.workflows.deployments.node import node_queue
 from studio.workflows.models import (
     ACTIVE_DEPLOYMENT_STATUSES,
+    CacheScope,
     Deployment,
     DeploymentStatus,
     WorkflowVersion,
@@ -54,10 +59,22 @@ def _checked_replicas(version: WorkflowVersion, given: dict[str, Any] | None) ->
     return {**roles, **(given or {})}
 
 
+def _checked_cache_scope(user: Any, scope: CacheScope) -> CacheScope:
+    """Forbidden unless `user` may give a deployment `scope` (a shared one: staff only)."""
+    if scope == CacheScope.SHARED and not user.is_staff:
+        raise Forbidden("only staff may share a deployment's cache between its users",
+                        [{"field": "cache_scope", "message": f"{scope.value!r} needs a staff account;"
+                                                             f" yours may use {CacheScope.USER.value!r}"}])
+    return scope
+
+
 def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str, Any] | None = None,
-                      name: str = "", node: str | None = None) -> Deployment:
-    """Deploy a valid version; Unprocessable when it cannot run here."""
+                      name: str = "", node: str | None = None,
+                      cache_scope: CacheScope = CacheScope.USER) -> Deployment:
+    """Deploy a valid version; Unprocessable when it cannot run here, Forbidden when `user`
+    may not give it `cache_scope`."""
     eng = engine()
+    _checked_cache_scope(user, cache_scope)
     try:
         spec = read_spec(spec=version.spec)
     except BadRequest as exc:
@@ -74,7 +91,7 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
         raise BadRequest("this studio hosts deployments itself (OMNIFLOW_DISPATCH=local): give no node")
     with transaction.atomic():
         deployment = Deployment.objects.create(owner=user, version=version, name=name, replicas=counts,
-                                               node=node or "")
+                                               node=node or "", cache_scope=cache_scope)
         deployment.namespace = deployment_namespace(eng.config.redis_prefix, deployment.pk)
         deployment.save(update_fields=["namespace"])
         transaction.on_commit(lambda: start(str(deployment.pk)))
@@ -90,6 +107,16 @@ def scale_deployment(deployment: Deployment, role: str, replicas: Any) -> Deploy
         locked.save(update_fields=["replicas", "updated_at"])
         transaction.on_commit(lambda: start(str(locked.pk)))
     return locked
+
+
+def set_cache_scope(user: Any, deployment: Deployment, scope: CacheScope) -> Deployment:
+    """Change whose runs share the deployment's caches (from the next run on; pages cached so far
+    stay under the old scope's keys, so nothing cached before becomes visible to anyone new)."""
+    _checked_cache_scope(user, scope)
+    if deployment.cache_scope != scope:
+        deployment.cache_scope = scope
+        deployment.save(update_fields=["cache_scope", "updated_at"])
+    return deployment
 
 
 def stop_deployment(deployment: Deployment) -> Deployment:

@@ -9,7 +9,9 @@ It runs wherever an executor lives: on the engine loop of the web process (embed
 `RunService`) or in a Celery worker (`execute_standalone`, distributed). Which executor
 runs a claimed run is the `ExecutorSource`'s choice: the process's own (in-process
 dispatch) for a plain run, a `WorkerDispatcher` on the deployment's role workers for a
-run submitted against a deployment (see `studio.workflows.deployments`).
+run submitted against a deployment (see `studio.workflows.deployments`). Either way the run is
+submitted with its tenant (`Run.tenant`: its owner, or its deployment's shared scope), so the
+units it shares with other users' runs keep their caches apart.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore
         try:
             executor = await executors.executor_for(ticket)
             plan = executor.plan(parse_spec(ticket.spec))
-            run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s)
+            run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s,
+                                        tenant=ticket.tenant)
         except GraphValidationError as exc:
             error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
         except RunInputError as exc:

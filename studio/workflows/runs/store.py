@@ -60,6 +60,8 @@ class RunTicket:
     """Set when the run executes on a deployment's role workers."""
     namespace: str | None = None
     """The deployment's worker registry namespace."""
+    tenant: str | None = None
+    """Whose caches the run reads and fills (`Run.tenant`): every run the studio executes has one."""
 
 
 def with_node_params(spec: dict[str, Any], node_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -151,6 +153,7 @@ def claim(run_id: str) -> RunTicket | None:
         node_kinds={n["id"]: n["kind"] for n in spec.get("nodes", [])},
         deployment_id=None if deployment is None else str(deployment.pk),
         namespace=None if deployment is None else deployment.namespace,
+        tenant=run.tenant,
     )
 
 
