@@ -246,7 +246,7 @@ class WorkerDispatcher:
     def _session_policy(self, role: RoleSpec) -> Policy:
         """For the calls with a `session` param (a string), whatever the role's policy: a
         session's history lives on one worker, so they go to one replica, the one the session
-        hashes to among the live ones."""
+        (its key within the call's tenant, `NodeCall.session_key`) hashes to among the live ones."""
         if role.balance == ConsistentHash.name:
             return self._policy(role)
         policy = self._sessions.get(role.name)

@@ -86,7 +86,9 @@ def node_tenant(run_tenant: str | None, params: Mapping[str, Any]) -> str | None
 
 def session_key(tenant: str | None, session: str) -> SessionKey:
     """The key of session `session` of `tenant`: two tenants' sessions of one id are two
-    sessions. Without a tenant it is the id itself (the command line's ids stay as they were)."""
+    sessions (the pair is encoded, so no tenant and id make another pair's key). Without a
+    tenant it is the id itself, so the command line's ids stay as they were; a run without a
+    tenant comes only from whoever submits runs unscoped (never the studio, which scopes every run)."""
     if tenant is None:
         return SessionKey(session)
     return SessionKey(json.dumps([tenant, session], separators=(",", ":")))

@@ -109,6 +109,33 @@ async def test_image_generation_workflow_returns_a_png(executor, tiny_llama):
     assert torch.allclose(result.outputs["latents"], expected[0], atol=1e-5)
 
 
+async def test_diffusion_prompt_pages_are_kept_per_tenant(kinds, tiny_llama):
+    """The diffusion unit's prompt pages are keyed with the run's tenant: a tenant's repeat
+    reuses them, another tenant's identical prompt reuses none."""
+    units: list = []
+
+    def build(role: RoleSpec):
+        units.append(kinds.role_kind(role.kind).load_runner()(role))
+        return units[-1]
+
+    ex = Executor(InProcessDispatcher(kinds, build=build), kinds)
+    prompt = "a red disc on a blue square"
+    try:
+        reused = []
+        for tenant in ("user:1", "user:1", "user:2"):
+            result = await (await ex.submit(image_generation().to_spec(), {"prompt": prompt}, tenant=tenant)).wait()
+            assert result.status == "done", result.error
+            (dit,) = [u for u in units if isinstance(u, DiffusionUnit)]
+            reused.append(dit.runner.stats.prompt_tokens_reused)
+        assert reused[0] == 0 and reused[1] > 0 and reused[2] == reused[1]  # user:2 reused nothing of user:1's
+        ids = Prompt.of(list(tiny_llama.tokenizer(prompt).input_ids))
+        mine, theirs = (dit.runner.page_keys(ids, t) for t in ("user:1", "user:2"))
+        assert mine and not set(mine) & set(theirs)
+        assert all(dit.kv_store.contains(k) for k in [*mine, *theirs])
+    finally:
+        await ex.aclose()
+
+
 async def test_media_workflow_encodes_and_decodes(executor):
     inputs = {"image": png_bytes(sample_picture()), "sound": wav_bytes(sample_sound(0.5)),
               "codes": [10 + (i * 7) % 1024 for i in range(20)]}
