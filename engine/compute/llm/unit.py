@@ -556,7 +556,7 @@ class LLMUnit(ComputeUnit):
             prompt = self._prompt(call)
             ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
             ref = KVHandoffRef(handoff_id=request_id, prompt_ids=tuple(ids), key_ids=tuple(ids), page_hashes=(),
-                               tail_len=0, first_token=final.output_ids[0],
+                               tail_len=0, first_token=final.output_ids[0], tenant_salt=call.tenant,
                                finish_reason=str(final.finish_reason), **common)
             return ref.to_value()
         with contextlib.ExitStack() as undo:

@@ -251,6 +251,10 @@ async def test_decode_takes_only_its_own_tenants_handoff(make_unit, tiny_llama):
     assert decode.kv_store.metrics()["pull.pages"] == 0
     result = await decode.execute(call("d", {"kv": value}, DECODE_OUT, tenant="user:1"), CTX)
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 4)
+    ended = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 1}, tenant="user:1"),
+                                   CTX)).outputs["kv"]  # nothing to hand off: still the tenant's own
+    assert (await decode.execute(call("d", {"kv": ended}, DECODE_OUT, tenant="user:1"), CTX)).outputs["tokens"] == (
+        reference(tiny_llama, prompt, 1))
 
 
 # --- what a router computes -------------------------------------------------------------------------------
