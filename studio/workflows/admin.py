@@ -59,8 +59,8 @@ class WorkerInline(admin.TabularInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "owner", "status", "created_at")
-    list_filter = ("status",)
+    list_display = ("__str__", "owner", "status", "cache_scope", "created_at")
+    list_filter = ("status", "cache_scope")
     raw_id_fields = ("owner", "version")
     inlines = [WorkerInline]
 
