@@ -10,9 +10,10 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   redelivered task finds the run no longer pending and does nothing. The task holds the
   run's lease while it executes (`runs.lease`) and cancels the run when asked to.
 * Every Celery worker consuming the run queue sweeps the runs every half lease period (a
-  thread from `worker_ready` on): a run whose lease lapsed (its worker was killed) is
-  executed again once or failed (`runs.recovery.sweep_expired`). No beat process is needed:
-  the run workers a deployment has anyway do it, and any one of them is enough.
+  thread in each process that executes tasks: the solo worker, or each child of a prefork
+  pool): a run whose lease lapsed (its worker was killed) is executed again once or failed
+  (`runs.recovery.sweep_expired`). No beat process is needed: the run workers a deployment
+  has anyway do it, and any one of them is enough.
 * `deploy(deployment_id)` and `stop_deployment(deployment_id)` are sent to the queue
   `node.<node>` of the node the deployment is placed on; that node's Celery worker
   (`celery -A studio worker -Q node.<OMNIFLOW_NODE>`) starts or stops the role workers
@@ -39,9 +40,10 @@ from typing import Any
 import kombu.exceptions
 import redis.exceptions
 from asgiref.sync import async_to_sync
-from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown
-from django.db import InterfaceError, OperationalError, connections
+from celery import current_app, shared_task
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils import timezone
 
 from engine.flow.discovery import RegistryUnavailableError
@@ -210,29 +212,46 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
     return {"started": result.started, "stopped": result.stopped, "lost": result.lost}
 
 
-@worker_ready.connect
-def _sweep_runs(sender: Any, **_: Any) -> None:
-    """In a Celery worker of the run queue: `sweep_runs` every half lease period until it shuts down."""
-    config = engine().config
-    consumed = {q.name for q in sender.task_consumer.queues}
-    if config.dispatch is not Dispatch.CELERY or config.run_queue not in consumed:
-        return
+def _sweep_every_half_lease(stopping: Any) -> None:
+    """Start the thread that calls `sweep_runs` every half lease period; `stopping` (a Celery
+    signal) ends it."""
+    interval = engine().config.run_lease_s / 2
     stopped = threading.Event()
-    interval = config.run_lease_s / 2
 
     def tick() -> None:
         try:
             while not stopped.wait(interval):
                 try:
                     sweep_runs()
-                except (OperationalError, InterfaceError, redis.exceptions.RedisError, OSError) as exc:
+                except (DatabaseError, redis.exceptions.RedisError, OSError) as exc:
                     log.warning("sweeping runs with lapsed leases failed (next try in %.1f s): %s", interval, exc)
         finally:
             connections.close_all()
 
     threading.Thread(target=tick, name="omniflow-run-sweep", daemon=True).start()
-    worker_shutdown.connect(lambda **_: stopped.set(), weak=False)
+    stopping.connect(lambda **_: stopped.set(), weak=False)
     log.info("sweeping runs with lapsed leases every %.1f s", interval)
+
+
+def _sweeps(queues: Any) -> bool:
+    config = engine().config
+    return config.dispatch is Dispatch.CELERY and config.run_queue in queues
+
+
+@worker_ready.connect
+def _sweep_runs(sender: Any, **_: Any) -> None:
+    """A Celery worker of the run queue sweeps (see the module docstring). A forking pool's
+    children do it (`_sweep_runs_in_child`), never its parent: a database connection pool the
+    parent opened would be inherited, sockets and all, by every child it forks later."""
+    if isinstance(sender.pool, PreforkPool) or not _sweeps({q.name for q in sender.task_consumer.queues}):
+        return
+    _sweep_every_half_lease(worker_shutdown)
+
+
+@worker_process_init.connect
+def _sweep_runs_in_child(**_: Any) -> None:
+    if _sweeps(set(current_app.amqp.queues.consume_from)):
+        _sweep_every_half_lease(worker_process_shutdown)
 
 
 @worker_ready.connect
