@@ -42,6 +42,7 @@ import redis.exceptions
 from asgiref.sync import async_to_sync
 from celery import current_app, shared_task
 from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.concurrency.solo import TaskPool as SoloPool
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils import timezone
@@ -243,13 +244,14 @@ def _sweep_runs(sender: Any, **_: Any) -> None:
     """A Celery worker of the run queue sweeps (see the module docstring). A forking pool's
     children do it (`_sweep_runs_in_child`), never its parent: a database connection pool the
     parent opened would be inherited, sockets and all, by every child it forks later."""
-    if isinstance(sender.pool, PreforkPool) or not _sweeps({q.name for q in sender.task_consumer.queues}):
-        return
+    if isinstance(sender.pool, PreforkPool | SoloPool) or not _sweeps({q.name for q in sender.task_consumer.queues}):
+        return  # those pools start the sweep in `_sweep_runs_in_child`
     _sweep_every_half_lease(worker_shutdown)
 
 
 @worker_process_init.connect
 def _sweep_runs_in_child(**_: Any) -> None:
+    """Each process that executes tasks: a prefork child, or the solo pool's one process."""
     if _sweeps(set(current_app.amqp.queues.consume_from)):
         _sweep_every_half_lease(worker_process_shutdown)
 

@@ -218,7 +218,8 @@ def test_a_chat_turn_whose_celery_worker_is_killed_is_run_again_and_the_session_
     hello = parse_messages([{"role": "user", "content": "hello"}], "content", roles=("user",))
     turn = turns.start_session_turn(user, session["id"], hello, {}, 120.0)
 
-    wait_until("the turn at its gate", lambda: len(started(gate)) == 1)
+    wait_until("the turn at its gate", lambda: started(gate) or Run.objects.get(pk=turn.run_id).finished)
+    assert len(started(gate)) == 1, (Run.objects.get(pk=turn.run_id).error, rerunning.logs())
     holder = rerunning.holder(turn.run_id)
     killed_at = kill(holder)
     with pytest.raises(Conflict, match="turn in flight"):  # the run is not over yet: the session is busy

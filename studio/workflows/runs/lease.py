@@ -76,7 +76,7 @@ class LeaseCheck:
 # ------------------------------------------------------------------------------ keeper
 class LeaseStore(Protocol):
     async def renew(self, run_ids: list[str]) -> LeaseCheck:
-        """Extend this holder's leases on `run_ids` (`recovery.renew`)."""
+        """Extend this holder's leases on `run_ids` (`store.renew`)."""
         ...
 
 
