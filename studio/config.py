@@ -86,6 +86,13 @@ class StudioConfig:
     """Seconds between two messages of `/ws/metrics/`."""
     run_queue: str
     """The Celery queue `execute_run` tasks are sent to (distributed mode)."""
+    run_lease_s: float = 30.0
+    """A run's lease: whoever executes it renews it every third of this; a Celery worker of the
+    run queue that finds it expired re-executes the run (or fails it, see `run_lease_retries`)."""
+    run_lease_retries: int = 1
+    """How often a run whose executor stopped is executed again before it is failed."""
+    metrics_token: str | None = None
+    """Bearer token Prometheus sends to `/metrics`; without one only staff sessions may scrape."""
 
     @property
     def distributed(self) -> bool:
@@ -235,6 +242,16 @@ def _secret_key(env: Mapping[str, str], data_dir: Path) -> str:
     return key
 
 
+def _metrics_token(env: Mapping[str, str]) -> str | None:
+    token = (env.get("OMNIFLOW_METRICS_TOKEN") or "").strip()
+    if not token:
+        return None
+    if len(token) < 24:
+        raise ImproperlyConfigured("OMNIFLOW_METRICS_TOKEN must be at least 24 characters"
+                                   " (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return token
+
+
 def load_config(env: Mapping[str, str]) -> StudioConfig:
     """Parse the environment; raise ImproperlyConfigured on the first bad value."""
     data_dir = Path(env.get("OMNIFLOW_DATA_DIR") or BASE_DIR / ".omniflow").expanduser().resolve()
@@ -294,4 +311,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),
+        run_lease_s=env_seconds(env, "OMNIFLOW_RUN_LEASE_S", 30.0),
+        run_lease_retries=env_int(env, "OMNIFLOW_RUN_LEASE_RETRIES", 1),
+        metrics_token=_metrics_token(env),
     )

@@ -5,11 +5,18 @@ run and node latency histograms by node kind), run and deployment counts from th
 database, and at scrape time the live workers' gauges from the registry, labelled
 `deployment, role, worker` (and `tier` for the KV cache): KV hit rate and bytes per tier,
 GPU memory, queue depth, outstanding calls, tokens generated.
+
+`/metrics` answers only Prometheus with the operator's token (`OMNIFLOW_METRICS_TOKEN`, sent
+as `Authorization: Bearer <token>`, compared in constant time) or staff (a browser session or
+an API token of a staff user): without credentials 401 (`WWW-Authenticate: Bearer`), another
+user 403. Run counts, deployments and workers' load are the whole studio's, not one user's.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+from typing import Any
 
 from django.db import DatabaseError, connection
 from django.db.models import Count
@@ -20,6 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.flow.discovery import RegistryError
+from studio.accounts.auth import bearer_token, user_for_token
+from studio.errors import error_body
 from studio.workflows.apps import engine
 from studio.workflows.deployments.workers import TIERS, active_deployments, snapshots_sync
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus
@@ -109,8 +118,37 @@ class _Deployments:
         yield from (up, queue, outstanding, hit, used, capacity, gpu, tokens)
 
 
+def _refused(status: int, message: str) -> JsonResponse:
+    headers = {"WWW-Authenticate": 'Bearer realm="metrics"'} if status == 401 else None
+    return JsonResponse(error_body(message), status=status, headers=headers)
+
+
+def metrics_refusal(request: HttpRequest, token: str | None) -> JsonResponse | None:
+    """Why `request` may not read `/metrics`, or None when it may."""
+    header = request.headers.get("Authorization")
+    user: Any
+    if header:
+        secret = bearer_token(header)
+        if secret is None:
+            return _refused(401, "send 'Authorization: Bearer <token>'")
+        if token is not None and hmac.compare_digest(secret.encode(), token.encode()):
+            return None
+        user = user_for_token(secret)
+        if user is None:
+            return _refused(401, "invalid metrics or API token")
+    else:
+        user = request.user
+        if not user.is_authenticated:
+            return _refused(401, "authentication required: send 'Authorization: Bearer <OMNIFLOW_METRICS_TOKEN>'"
+                                 " or sign in as staff")
+    return None if user.is_staff else _refused(403, "the metrics are for staff and the metrics token only")
+
+
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
+    refused = metrics_refusal(request, engine().config.metrics_token)
+    if refused is not None:
+        return refused
     stored = CollectorRegistry()
     stored.register(_RunsByStatus())
     stored.register(_Deployments())

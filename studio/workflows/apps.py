@@ -35,7 +35,8 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     kinds = default_kinds()
     bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
     deployments = EmbeddedDeployments(config, kinds)
-    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus, deployments=deployments),
+    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus, deployments=deployments,
+                                                                      lease_s=config.run_lease_s),
                         deployments=deployments)
 
 

@@ -12,8 +12,10 @@ import uuid
 from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Q, QuerySet
+from django.db.models.signals import post_delete
+from django.dispatch import receiver
 
 
 class OwnedQuerySet(QuerySet):
@@ -192,6 +194,11 @@ class Run(models.Model):
     `inputs` holds the values as submitted, an uploaded file as `{"$file": "<RunFile id>"}`;
     `outputs` the outputs' JSON values, a produced file as `{"$file": ...}` likewise.
     `last_seq` is the sequence number of the last event stored (-1 before the first).
+
+    Lease: whoever executes the run holds it (`lease_owner`) until `lease_expires_at` and
+    renews it while the run executes; `attempts` counts the executions begun. An expired
+    lease means the executor stopped: the run is executed again or failed
+    (`studio.workflows.runs.lease`). `cancel_requested` asks the holder to cancel it.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -212,12 +219,17 @@ class Run(models.Model):
     last_seq = models.IntegerField(default=-1)
     node_params = models.JSONField(default=dict, blank=True,
                                    help_text="node id -> params laid over the spec's for this run (chat turns)")
+    lease_owner = models.CharField(max_length=200, blank=True, help_text="the executor holding the run's lease")
+    lease_expires_at = models.DateTimeField(null=True, blank=True, help_text="when the lease lapses unless renewed")
+    attempts = models.PositiveIntegerField(default=0, help_text="executions begun (a stopped executor's run restarts)")
+    cancel_requested = models.BooleanField(default=False, help_text="the lease holder is asked to cancel the run")
 
     objects = OwnedQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["owner", "-created_at"]), models.Index(fields=["workflow", "-created_at"])]
+        indexes = [models.Index(fields=["owner", "-created_at"]), models.Index(fields=["workflow", "-created_at"]),
+                   models.Index(fields=["status", "lease_expires_at"], name="run_lease_expiry")]
 
     def __str__(self) -> str:
         return f"run {self.id} of {self.version} ({self.status})"
@@ -319,6 +331,15 @@ class RunFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.role} {self.name}: {self.filename}"
+
+
+@receiver(post_delete, sender=RunFile)
+def _delete_stored_file(sender: type[RunFile], instance: RunFile, **_: Any) -> None:
+    """A file record takes its bytes with it, however it was deleted (with its run, its
+    workflow, its owner, in the admin), once the deletion has committed."""
+    name, storage = instance.file.name, instance.file.storage
+    if name:
+        transaction.on_commit(lambda: storage.delete(name))
 
 
 class Session(models.Model):

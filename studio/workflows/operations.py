@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 from rest_framework.exceptions import NotFound
@@ -19,6 +21,7 @@ from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Unprocessable
 from studio.workflows.apps import engine
 from studio.workflows.models import (
+    ACTIVE_DEPLOYMENT_STATUSES,
     Deployment,
     DeploymentStatus,
     FileRole,
@@ -28,10 +31,15 @@ from studio.workflows.models import (
     Workflow,
     WorkflowVersion,
 )
+from studio.workflows.runs.recovery import request_cancel
+from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
 from studio.workflows.specs import CheckedSpec, check, parse_document, spec_from_source
 
 log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.05
+"""How often `cancel_run` reads whether a run another process was asked to cancel has ended."""
 
 FILE_PORT_TYPES = frozenset({"image", "audio", "tensor", "any"})
 """Input port types that accept an uploaded file (its bytes become the input value)."""
@@ -199,6 +207,29 @@ def dispatch_run(run_id: str) -> None:
         eng.runs.submit(run_id)
 
 
+def cancel_run(run_id: str, wait_s: float) -> CancelOutcome:
+    """Cancel a run in any mode and state: one this process executes stops here; a pending
+    one, or one whose executor is gone, ends now; one executing elsewhere is asked to stop,
+    and this waits up to `wait_s` for it to end (REQUESTED if it has not by then)."""
+    eng = engine()
+    if eng.config.dispatch is Dispatch.LOCAL:
+        outcome = eng.runs.cancel(run_id)
+    else:  # nothing executes here: the Celery worker holding the lease cancels it
+        result = request_cancel(run_id)
+        if result.events:
+            async_to_sync(eng.runs.bus.publish)(run_id, result.events)
+        outcome = CANCEL_OUTCOMES[result.outcome]
+    if outcome is not CancelOutcome.REQUESTED:
+        return outcome
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        status = Run.objects.filter(pk=run_id).values_list("status", flat=True).first()
+        if status != RunStatus.RUNNING:
+            return CancelOutcome.CANCELLED if status == RunStatus.CANCELLED else CancelOutcome.FINISHED
+        time.sleep(CANCEL_POLL_S)
+    return CancelOutcome.REQUESTED
+
+
 def parse_json_field(raw: Any, field: str) -> Any:
     """Multipart forms carry JSON values as strings."""
     if not isinstance(raw, str):
@@ -211,4 +242,31 @@ def parse_json_field(raw: Any, field: str) -> Any:
 
 def active_runs(workflow: Workflow) -> int:
     return workflow.runs.filter(status__in=[RunStatus.PENDING, RunStatus.RUNNING]).count()
+
+
+def delete_workflow(workflow: Workflow) -> None:
+    """Delete a workflow with its versions, runs (their files go with them) and ended
+    deployments; Conflict naming what still lives: deployments (stop them) or runs."""
+    with transaction.atomic():
+        Workflow.objects.select_for_update().filter(pk=workflow.pk).first()
+        deployments = Deployment.objects.filter(version__workflow=workflow)
+        live = list(deployments.filter(status__in=ACTIVE_DEPLOYMENT_STATUSES).order_by("created_at"))
+        if live:
+            raise Conflict(f"workflow {workflow.name!r} has {len(live)} live deployment{'s' if len(live) != 1 else ''};"
+                           " stop them first",
+                           [{"deployment": str(d.pk), "name": d.name, "status": d.status,
+                             "message": f"deployment {d.name or d.pk} is {d.status}"} for d in live])
+        if active_runs(workflow):
+            raise Conflict(f"workflow {workflow.name!r} has runs in progress; cancel them first")
+        deployments.delete()  # they protect their versions; their sessions and runs' links go with them
+        workflow.delete()
+
+
+def delete_run(run: Run) -> None:
+    """Delete a finished run with its events and files; Conflict while it is in progress."""
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if not locked.finished:
+            raise Conflict(f"run {run.pk} is {locked.status}; cancel it first")
+        locked.delete()
 

@@ -7,7 +7,13 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   the embedded mode (`runs.execution.execute_run`), storing events in the database and
   publishing them on the channel layer; a run of a deployment goes to the deployment's
   role workers through its registry namespace in Redis. Claiming makes it idempotent: a
-  redelivered task finds the run no longer pending and does nothing.
+  redelivered task finds the run no longer pending and does nothing. The task holds the
+  run's lease while it executes (`runs.lease`) and cancels the run when asked to.
+* Every Celery worker consuming the run queue sweeps the runs every half lease period (a
+  thread in each process that executes tasks: the solo worker, or each child of a prefork
+  pool): a run whose lease lapsed (its worker was killed) is executed again once or failed
+  (`runs.recovery.sweep_expired`). No beat process is needed: the run workers a deployment
+  has anyway do it, and any one of them is enough.
 * `deploy(deployment_id)` and `stop_deployment(deployment_id)` are sent to the queue
   `node.<node>` of the node the deployment is placed on; that node's Celery worker
   (`celery -A studio worker -Q node.<OMNIFLOW_NODE>`) starts or stops the role workers
@@ -33,9 +39,12 @@ from typing import Any
 
 import kombu.exceptions
 import redis.exceptions
-from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown
-from django.db import InterfaceError, OperationalError
+from asgiref.sync import async_to_sync
+from celery import current_app, shared_task
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.concurrency.solo import TaskPool as SoloPool
+from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils import timezone
 
 from engine.flow.discovery import RegistryUnavailableError
@@ -47,9 +56,12 @@ from studio.workflows.deployments import records
 from studio.workflows.deployments.node import NodeAgent, node_queue
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
+from studio.workflows.runs import recovery
 from studio.workflows.runs.bus import ChannelLayerRunEventBus
 from studio.workflows.runs.execution import execute_standalone
+from studio.workflows.runs.lease import LeaseKeeper, LeaseLost, LeaseTerms, executor_id
 from studio.workflows.runs.metrics import RunMetrics
+from studio.workflows.runs.recovery import Swept
 from studio.workflows.runs.store import ThreadedRunStore
 
 log = logging.getLogger(__name__)
@@ -61,13 +73,26 @@ _GAVE_UP = "no longer replaces them"
 _REPLACING_FAILED = "replacing lost workers failed"
 
 
-async def _execute(run_id: str) -> str | None:
+LEASE_LOST = "lease-lost"
+"""What `execute_run` returns when the run's lease was taken over while it executed here."""
+
+
+async def _execute(run_id: str, owner: str) -> str | None:
     eng = engine()
     executors = NamespaceExecutors(eng.kinds, eng.config.redis_url, max_namespaces=1)
+    store = ThreadedRunStore(None, LeaseTerms(owner, eng.config.run_lease_s))
+    keeper = LeaseKeeper(store, store.lease)
     try:
-        status = await execute_standalone(run_id, kinds=eng.kinds, store=ThreadedRunStore(None),
-                                          bus=ChannelLayerRunEventBus(), metrics=RunMetrics(), executors=executors)
+        status = await execute_standalone(run_id, kinds=eng.kinds, store=store, bus=ChannelLayerRunEventBus(),
+                                          metrics=RunMetrics(), executors=executors, keeper=keeper)
+    except (LeaseLost, asyncio.CancelledError):  # the lease lapsed and the run was taken over: stop here
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            task.uncancel()  # the keeper's cancel of this task is handled: the clean-up below may await
+        log.warning("run %s: no longer held by %s; stopped without finishing it", run_id, owner)
+        return LEASE_LOST
     finally:
+        await keeper.aclose()
         await executors.aclose()
     return None if status is None else str(status)
 
@@ -75,7 +100,20 @@ async def _execute(run_id: str) -> str | None:
 @shared_task(name="omniflow.execute_run", bind=True, acks_late=True,
              autoretry_for=(OperationalError, InterfaceError), retry_backoff=True, max_retries=5)
 def execute_run(self, run_id: str) -> str | None:
-    return asyncio.run(_execute(run_id))
+    return asyncio.run(_execute(run_id, executor_id(f"celery-{self.request.id}")))
+
+
+def sweep_runs() -> list[Swept]:
+    """Restart or end the runs whose executor stopped (`recovery.sweep_expired`), publish what
+    that stored, and dispatch the restarted ones again."""
+    config = engine().config
+    swept = recovery.sweep_expired(config.run_lease_retries)
+    bus = ChannelLayerRunEventBus()
+    for one in swept:
+        async_to_sync(bus.publish)(one.run_id, one.events)
+        if one.restarted:
+            execute_run.apply_async(args=[one.run_id], queue=config.run_queue)
+    return swept
 
 
 @shared_task(name="omniflow.deploy", bind=True, acks_late=True, autoretry_for=TRANSIENT, retry_backoff=True,
@@ -173,6 +211,49 @@ def _supervise_deployment(agent: NodeAgent, policy: RestartPolicy, deployment_id
     if not gave_up and (error.startswith(_REPLACING_FAILED) or _GAVE_UP in error):
         records.set_status(deployment_id, DeploymentStatus.RUNNING, "", unless=_ENDED)  # replacing works again
     return {"started": result.started, "stopped": result.stopped, "lost": result.lost}
+
+
+def _sweep_every_half_lease(stopping: Any) -> None:
+    """Start the thread that calls `sweep_runs` every half lease period; `stopping` (a Celery
+    signal) ends it."""
+    interval = engine().config.run_lease_s / 2
+    stopped = threading.Event()
+
+    def tick() -> None:
+        try:
+            while not stopped.wait(interval):
+                try:
+                    sweep_runs()
+                except (DatabaseError, redis.exceptions.RedisError, OSError) as exc:
+                    log.warning("sweeping runs with lapsed leases failed (next try in %.1f s): %s", interval, exc)
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=tick, name="omniflow-run-sweep", daemon=True).start()
+    stopping.connect(lambda **_: stopped.set(), weak=False)
+    log.info("sweeping runs with lapsed leases every %.1f s", interval)
+
+
+def _sweeps(queues: Any) -> bool:
+    config = engine().config
+    return config.dispatch is Dispatch.CELERY and config.run_queue in queues
+
+
+@worker_ready.connect
+def _sweep_runs(sender: Any, **_: Any) -> None:
+    """A Celery worker of the run queue sweeps (see the module docstring). A forking pool's
+    children do it (`_sweep_runs_in_child`), never its parent: a database connection pool the
+    parent opened would be inherited, sockets and all, by every child it forks later."""
+    if isinstance(sender.pool, PreforkPool | SoloPool) or not _sweeps({q.name for q in sender.task_consumer.queues}):
+        return  # those pools start the sweep in `_sweep_runs_in_child`
+    _sweep_every_half_lease(worker_shutdown)
+
+
+@worker_process_init.connect
+def _sweep_runs_in_child(**_: Any) -> None:
+    """Each process that executes tasks: a prefork child, or the solo pool's one process."""
+    if _sweeps(set(current_app.amqp.queues.consume_from)):
+        _sweep_every_half_lease(worker_process_shutdown)
 
 
 @worker_ready.connect

@@ -52,3 +52,22 @@ def whoami(text: str) -> dict:
     import os
 
     return {"text": text.upper(), "pid": os.getpid()}
+
+
+async def gate_file(text: str, gate: str) -> str:
+    """Marks that it started (`gate`/started-<pid>-<n>), then holds the run until `gate`/open
+    exists (60 s at most): a readiness signal and a release for tests that kill a worker
+    mid-run. Passes `text` on."""
+    import os
+    import time
+    import uuid
+    from pathlib import Path
+
+    folder = Path(gate)
+    (folder / f"started-{os.getpid()}-{uuid.uuid4().hex[:6]}").touch()
+    deadline = time.monotonic() + 60
+    while not (folder / "open").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{folder / 'open'} did not appear")
+        await asyncio.sleep(0.02)
+    return text

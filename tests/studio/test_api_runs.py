@@ -166,9 +166,10 @@ def test_list_filters_and_isolation(api, other_api) -> None:
     assert api.get("/api/runs/00000000-0000-0000-0000-000000000000/").status_code == 404
 
 
-def test_metrics_and_health(api, client) -> None:
+def test_metrics_and_health(api, client, staff) -> None:
     wf = create_workflow(api, spec_doc())
     finished(api, submit(api, wf["id"], {"text": "a"}))
+    client.force_login(staff)
     text = client.get("/metrics").content.decode()
     assert 'omniflow_runs_finished_total{status="done"} 1.0' in text
     assert 'omniflow_node_latency_seconds_count{kind="python"} 1.0' in text

@@ -1,11 +1,14 @@
 """docker-compose.yml and the Dockerfile, checked for structure (docker cannot run here):
 the services the distributed mode needs, wired to the same Redis and PostgreSQL, nodes
 consuming their own queue, GPU reservations for model roles, and the studio settings
-each process reads parsed by the studio's own configuration loader."""
+each process reads parsed by the studio's own configuration loader. The file is read as
+`docker compose` reads it: `${VAR:?…}` refuses to start without VAR (from `.env`),
+`${VAR:-default}` falls back, `$$` is a literal `$`."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +20,58 @@ from studio.config import Dispatch, load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
+SECRETS = {"POSTGRES_USER": "omni", "POSTGRES_PASSWORD": "pg0secret", "POSTGRES_DB": "omnidb",
+           "REDIS_PASSWORD": "redis0secret", "OMNIFLOW_SECRET_KEY": "k" * 40}
+"""What an operator's `.env` holds."""
+
+_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:\?|:-)(?P<arg>[^}]*))?\})")
+
+
+class MissingVariable(KeyError):
+    pass
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable substitution over a parsed document."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name is None:
+            return "$"
+        if env.get(name):
+            return env[name]
+        if match["op"] == ":?":
+            raise MissingVariable(f"{name}: {match['arg']}")
+        return match["arg"] or ""
+
+    return _VARIABLE.sub(one, value)
+
+
+def raw() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return interpolate(raw(), SECRETS)
+
+
+def _argv(command: list[str]) -> list[str]:
+    """The program's arguments, also when it runs through `sh -c "VAR=... exec program ..."`."""
+    if command[:2] != ["sh", "-c"]:
+        return command
+    return shlex.split(command[2].split("exec ", 1)[1])
+
+
 def _queues(command: list[str]) -> list[str]:
-    return command[command.index("-Q") + 1].split(",")
+    argv = _argv(command)
+    return argv[argv.index("-Q") + 1].split(",")
 
 
 def _gpu(service: dict[str, Any]) -> bool:
@@ -39,12 +87,14 @@ def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> N
     for name in studio:
         service = services[name]
         env = service["environment"]
-        assert env["REDIS_URL"] == "redis://redis:6379/0" and env["DATABASE_URL"].startswith("postgres://")
-        assert "@postgres:5432/" in env["DATABASE_URL"]
+        assert env["REDIS_URL"] == "redis://:redis0secret@redis:6379/0"
+        assert env["DATABASE_URL"] == "postgres://omni:pg0secret@postgres:5432/omnidb"
+        assert env["OMNIFLOW_SECRET_KEY"] == SECRETS["OMNIFLOW_SECRET_KEY"]
         assert service["depends_on"] == {"postgres": {"condition": "service_healthy"},
                                          "redis": {"condition": "service_healthy"}}
         config = load_config({**env, "OMNIFLOW_DATA_DIR": str(tmp_path)})  # every value parses
-        assert config.distributed and config.dispatch is Dispatch.CELERY
+        assert config.distributed and config.dispatch is Dispatch.CELERY and config.metrics_token is None
+        assert config.database["USER"] == "omni" and config.database["PASSWORD"] == "pg0secret"
     for infra in ("redis", "postgres"):
         assert "healthcheck" in services[infra]
     assert services["web"]["ports"] == ["8000:8000"] and "daphne" in " ".join(services["web"]["command"])
@@ -55,19 +105,60 @@ def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> N
     assert set(nodes) == {"gpu-node", "cpu-node"}
     for name, node in nodes.items():
         env = node["environment"]
-        assert node["command"][:4] == ["celery", "-A", "studio", "worker"] and "solo" in node["command"]
+        argv = _argv(node["command"])
+        assert argv[:4] == ["celery", "-A", "studio", "worker"] and "solo" in argv
         assert _queues(node["command"]) == [f"node.{env['OMNIFLOW_NODE']}"]
-        assert env["OMNIFLOW_WORKER_LISTEN"] == "tcp://0.0.0.0:0" and node["hostname"] == name
+        assert "OMNIFLOW_WORKER_LISTEN" not in env and node["hostname"] == name
+        assert _listens_on_the_compose_network(node["command"])
         assert re.match(r"^\d+[gm]b$", node["shm_size"])
     assert services["web"]["environment"]["OMNIFLOW_DEPLOY_NODE"] in {n["environment"]["OMNIFLOW_NODE"]
                                                                       for n in nodes.values()}
     assert _gpu(services["gpu-node"]) and not _gpu(services["cpu-node"]) and _gpu(services["llm-worker"])
     joiner = services["llm-worker"]
     assert joiner["profiles"] == ["join"]
-    command = joiner["command"]
-    assert command[:2] == ["omniflow", "worker"] and command[command.index("--registry") + 1] == "redis://redis:6379/0"
+    command = _argv(joiner["command"])
+    assert command[:2] == ["omniflow", "worker"] and command[command.index("--registry") + 1] == "$REDIS_URL"
+    assert joiner["environment"]["REDIS_URL"].startswith("redis://:redis0secret@")
     assert (ROOT / command[command.index("--workflow") + 1]).is_file()
-    assert set(compose["volumes"]) == {"omniflow-data", "postgres-data"}
+    assert _listens_on_the_compose_network(joiner["command"])
+    assert set(compose["volumes"]) == {"omniflow-data", "postgres-data", "redis-data"}
+
+
+def _listens_on_the_compose_network(command: list[str]) -> bool:
+    """Role workers bind the container's own address (`hostname -i`), never every interface."""
+    text = command[2] if command[:2] == ["sh", "-c"] else " ".join(command)
+    return "0.0.0.0" not in text and "tcp://$(hostname -i | cut -d' ' -f1):0" in text
+
+
+def test_only_the_studio_is_published_and_redis_needs_a_password(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {name for name, s in services.items() if "ports" in s} == {"web"}
+    assert not any(s.get("network_mode") == "host" for s in services.values())
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1] == "redis0secret"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert redis["volumes"] == ["redis-data:/data"]
+    assert "$REDIS_PASSWORD" in redis["healthcheck"]["test"][1]  # the health check authenticates too
+    postgres = services["postgres"]["environment"]
+    assert (postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"], postgres["POSTGRES_DB"]) == (
+        "omni", "pg0secret", "omnidb")
+
+
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_the_stack_refuses_to_start_without_each_secret(missing: str) -> None:
+    env = {k: v for k, v in SECRETS.items() if k != missing}
+    with pytest.raises(MissingVariable, match=f"^'{missing}: set it in .env \\(see README\\)'$"):
+        interpolate(raw(), env)
+
+
+def test_env_example_names_every_secret_and_env_is_ignored() -> None:
+    example = (ROOT / ".env.example").read_text()
+    names = set(re.findall(r"^#? ?([A-Z_]+)=", example, re.M))
+    assert set(SECRETS) | {"OMNIFLOW_METRICS_TOKEN"} <= names
+    assert not re.search(r"^(POSTGRES_PASSWORD|REDIS_PASSWORD|OMNIFLOW_SECRET_KEY)=\S", example, re.M)
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert not (ROOT / ".env").exists() or ".env" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_dockerfile() -> None:

@@ -72,3 +72,15 @@ def test_bad_values_raise(tmp_path: Path, name: str, value: str, message: str) -
     with pytest.raises(ImproperlyConfigured, match=message) as info:
         load_config(env(tmp_path, **{name: value}))
     assert name in str(info.value) or name == "OMNIFLOW_DISPATCH"
+
+
+def test_run_leases_and_the_metrics_token(tmp_path: Path) -> None:
+    config = load_config(env(tmp_path))
+    assert (config.run_lease_s, config.run_lease_retries, config.metrics_token) == (30.0, 1, None)
+    config = load_config(env(tmp_path, OMNIFLOW_RUN_LEASE_S="1.5", OMNIFLOW_RUN_LEASE_RETRIES="0",
+                             OMNIFLOW_METRICS_TOKEN="t" * 32))
+    assert (config.run_lease_s, config.run_lease_retries, config.metrics_token) == (1.5, 0, "t" * 32)
+    for name, value in (("OMNIFLOW_RUN_LEASE_S", "0"), ("OMNIFLOW_RUN_LEASE_S", "soon"),
+                        ("OMNIFLOW_RUN_LEASE_RETRIES", "-1"), ("OMNIFLOW_METRICS_TOKEN", "short")):
+        with pytest.raises(ImproperlyConfigured, match=name):
+            load_config(env(tmp_path, **{name: value}))

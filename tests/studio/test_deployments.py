@@ -20,7 +20,7 @@ from django.conf import settings
 from engine.flow.discovery import make_registry
 from studio.workflows.apps import StudioEngine, build_engine
 from studio.workflows.models import Deployment, Worker
-from tests.studio.conftest import TEST_OP_MODULES
+from tests.studio.conftest import TEST_OP_MODULES, client_for
 from tests.studio.factories import create_workflow, spec_doc
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -63,7 +63,8 @@ def deploy(api: Any, studio: StudioEngine, body: dict[str, Any]) -> dict[str, An
 
 
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
-def test_deploy_run_scale_stop(api: Any, studio_engine: StudioEngine, whoami_wf: dict[str, Any]) -> None:
+def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine,
+                               whoami_wf: dict[str, Any]) -> None:
     d = deploy(api, studio_engine, {"workflow": whoami_wf["id"], "version": 1, "name": "who"})
     assert d["status"] == "running", d
     assert (d["workflow"], d["version"], d["replicas"], d["chat"]) == (whoami_wf["id"], 1, {"py": 1}, False)
@@ -102,7 +103,7 @@ def test_deploy_run_scale_stop(api: Any, studio_engine: StudioEngine, whoami_wf:
     assert not psutil.pid_exists(gone["pid"]) or psutil.Process(gone["pid"]).status() == psutil.STATUS_ZOMBIE
     assert registered(d["namespace"]) == [next(w["worker_id"] for w in d3["workers"] if w["status"] == "ready")]
 
-    metrics = api.get("/metrics").content.decode()
+    metrics = client_for(staff).get("/metrics").content.decode()
     assert f'omniflow_worker_up{{deployment="{d["id"]}",role="py",' in metrics
     assert 'omniflow_deployments{status="running"} 1.0' in metrics
 

@@ -38,7 +38,7 @@ from engine.spec.kinds import default_kinds
 from studio.accounts.models import ApiToken
 from tests.liveserver import free_port, wait_ready
 from tests.studio.factories import example_spec
-from tests.studio.test_live_server import Server, database_url
+from tests.studio.test_live_server import METRICS_TOKEN, Server, database_url, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
@@ -52,7 +52,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
     port = free_port()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
            "OMNIFLOW_DATA_DIR": str(settings.OMNIFLOW.data_dir), "PYTHONPATH": str(ROOT),
-           "OMNIFLOW_METRICS_INTERVAL_S": "0.2", "HF_HUB_OFFLINE": "1"}
+           "OMNIFLOW_METRICS_INTERVAL_S": "0.2", "HF_HUB_OFFLINE": "1", "OMNIFLOW_METRICS_TOKEN": METRICS_TOKEN}
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
                              "studio.asgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -230,8 +230,7 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     assert set(roles) == {"llm", "py"} and {w["deployment"] for w in message["workers"]} == {d["id"]}
     gauges = roles["llm"]["load"]["metrics"]
     assert 0.0 <= gauges["device.hit_rate"] <= 1.0 and gauges["device.pages_used"] > 0
-    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = scrape(server.base)
     assert f'omniflow_kv_hit_rate{{deployment="{d["id"]}",role="llm",' in text
     assert 'omniflow_node_latency_seconds_count{kind="llm"}' in text
 

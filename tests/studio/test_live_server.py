@@ -27,6 +27,16 @@ from tests.studio.factories import spec_doc
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.django_db(transaction=True)
 
+METRICS_TOKEN = "prometheus-test-token-0123456789"
+"""The servers' OMNIFLOW_METRICS_TOKEN (what Prometheus sends as a bearer token)."""
+
+
+def scrape(base: str, token: str | None = METRICS_TOKEN) -> str:
+    request = urllib.request.Request(base + "/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read().decode()
 
 
 def database_url() -> str:
@@ -67,6 +77,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
         "DATABASE_URL": database_url(),
         "OMNIFLOW_DATA_DIR": str(settings.OMNIFLOW.data_dir),
         "OMNIFLOW_PYTHON_OP_MODULES": "workflows,tests.studio.fns",
+        "OMNIFLOW_METRICS_TOKEN": METRICS_TOKEN,
         "PYTHONPATH": str(ROOT),
     }
     log = (tmp_path / "server.log").open("wb")
@@ -124,5 +135,7 @@ def test_rest_and_websocket_against_a_live_daphne(server: Server, user: Any) -> 
     refused, code = asyncio.run(read_events(ws, None))
     assert refused == [{"type": "error", "status": 401, "error": refused[0]["error"]}] and code == 4401
 
-    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as response:
-        assert 'omniflow_runs_finished_total{status="done"} 1.0' in response.read().decode()
+    assert 'omniflow_runs_finished_total{status="done"} 1.0' in scrape(server.base)
+    with pytest.raises(urllib.error.HTTPError) as refused_scrape:
+        scrape(server.base, None)
+    assert refused_scrape.value.code == 401 and refused_scrape.value.headers["WWW-Authenticate"].startswith("Bearer")

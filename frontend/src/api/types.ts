@@ -307,4 +307,17 @@ export interface RunFinishedEvent extends EventBase {
   /** Output name -> download URL, for outputs stored as files. */
   files?: Record<string, string>;
 }
-export type RunEvent = RunStartedEvent | NodeStateEvent | NodeOutputEvent | NodeProgressEvent | RunFinishedEvent;
+/** Written by the studio when a run whose executor stopped is executed again: every node is
+ * pending again, and the new execution's events (from `run_started`) follow. */
+export interface RunRestartedEvent extends EventBase {
+  type: "run_restarted";
+  attempt: number;
+  error: string;
+}
+export type RunEvent =
+  | RunStartedEvent
+  | NodeStateEvent
+  | NodeOutputEvent
+  | NodeProgressEvent
+  | RunFinishedEvent
+  | RunRestartedEvent;

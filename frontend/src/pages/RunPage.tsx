@@ -246,6 +246,7 @@ export function RunPage() {
                   {e.type === "node_state" && <span className={`state-chip state-${e.state}`}>{e.state}</span>}
                   {e.type === "node_output" && <span className="muted small">{e.port}{e.frame !== undefined && e.frame !== null ? ` frame ${e.frame}` : ""}</span>}
                   {e.type === "run_finished" && <span className={`state-chip state-${e.status}`}>{e.status}</span>}
+                  {e.type === "run_restarted" && <span className="muted small">attempt {e.attempt}: {e.error}</span>}
                 </li>
               ))}
             </ol>

@@ -57,4 +57,19 @@ describe("reduceRun over a recorded run of workflows/stream.py", () => {
     expect(s.nodes.a).toMatchObject({ state: "failed", error: "boom", durationMs: 2000 });
     expect(s.status).toBe("failed");
   });
+
+  it("starts over when the run is executed again after its executor stopped", () => {
+    const before = replay(10);
+    const restart: RunEvent = { type: "run_restarted", seq: 10, run_id: "r", time: 5, attempt: 2,
+                                error: "the worker executing this run stopped (lease expired at …)" };
+    const s = reduceRun(before, restart);
+    expect(s.status).toBe("pending");
+    expect(Object.values(s.nodes).every((n) => n.state === "pending")).toBe(true);
+    expect(Object.keys(s.nodes).sort()).toEqual(Object.keys(before.nodes).sort());
+    expect(s.streams).toEqual({});
+    expect(s.values).toEqual({});
+    const again = all.map((e) => ({ ...e, seq: e.seq + 11 }) as RunEvent).reduce(reduceRun, s);
+    expect(again.status).toBe("done");
+    expect(again.streams["shout.word"].frames).toEqual(["HI", "THERE"]);
+  });
 });

@@ -86,6 +86,14 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
       next.status = event.status;
       next.finished = event;
       break;
+    case "run_restarted":
+      // Its executor stopped: what the first execution showed is void; the log keeps it.
+      next.status = "pending";
+      next.startedAt = null;
+      next.nodes = Object.fromEntries(Object.keys(state.nodes).map((n) => [n, { state: "pending" as NodeState }]));
+      next.streams = {};
+      next.values = {};
+      break;
   }
   return next;
 }

@@ -18,7 +18,6 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict
 from studio.workflows.api.serializers import (
     ErrorSerializer,
@@ -30,7 +29,13 @@ from studio.workflows.api.serializers import (
 from studio.workflows.api.workflows import ERRORS, get_workflow
 from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, Run, RunFile, RunStatus
-from studio.workflows.operations import create_run, parse_json_field, resolve_run_target
+from studio.workflows.operations import (
+    cancel_run,
+    create_run,
+    delete_run,
+    parse_json_field,
+    resolve_run_target,
+)
 from studio.workflows.runs.service import CancelOutcome
 
 INLINE_TYPES = frozenset({"image/png", "image/jpeg", "image/webp", "audio/wav", "audio/mpeg", "audio/ogg",
@@ -38,6 +43,9 @@ INLINE_TYPES = frozenset({"image/png", "image/jpeg", "image/webp", "audio/wav", 
 """Served inline (players, <img>); anything else downloads as an attachment."""
 
 EVENTS_PAGE = 1000
+
+CANCEL_WAIT_S = 10.0
+"""How long a cancel request waits for a run executing in another process to end (then 202)."""
 
 
 def _datetime(raw: str, name: str) -> dt.datetime:
@@ -62,8 +70,11 @@ def _datetime(raw: str, name: str) -> dt.datetime:
     ),
     retrieve=extend_schema(summary="Get a run with its nodes' states and output links",
                            responses={200: RunDetailSerializer, **ERRORS}),
+    destroy=extend_schema(summary="Delete a finished run with its events and files",
+                          responses={204: None, 409: ErrorSerializer, **ERRORS}),
 )
-class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                 viewsets.GenericViewSet):
     parser_classes = [parsers.JSONParser, parsers.MultiPartParser, parsers.FormParser]
 
     def get_serializer_class(self) -> type:
@@ -92,6 +103,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         if params.get("created_before"):
             qs = qs.filter(created_at__lt=_datetime(params["created_before"], "created_before"))
         return qs
+
+    def perform_destroy(self, instance: Run) -> None:
+        delete_run(instance)
 
     @extend_schema(
         summary="Submit a run",
@@ -125,23 +139,23 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body = RunDetailSerializer(self.get_queryset().get(pk=run.pk)).data
         return Response(body, status=status.HTTP_201_CREATED, headers={"Location": body["links"]["self"]})
 
-    @extend_schema(summary="Cancel a run", request=None,
-                   responses={200: RunDetailSerializer, 409: ErrorSerializer, **ERRORS})
+    @extend_schema(summary="Cancel a run",
+                   description="In every mode: a pending run, or one whose executor stopped, ends `cancelled` at"
+                               " once; a running one is stopped by whoever executes it. 200 once it has ended"
+                               " `cancelled`; 202 while its executor (another process) is still stopping it.",
+                   request=None,
+                   responses={200: RunDetailSerializer, 202: RunDetailSerializer, 409: ErrorSerializer, **ERRORS})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: Any = None) -> Response:
         run = self.get_object()
         if run.finished:
             raise Conflict(f"run {run.pk} has already finished ({run.status})")
-        eng = engine()
-        if eng.config.dispatch is Dispatch.CELERY:
-            raise Conflict("cancelling runs executed by Celery workers is not supported yet")
-        outcome = eng.runs.cancel(str(run.pk))
-        if outcome is CancelOutcome.NOT_HERE:
-            raise Conflict(f"run {run.pk} is executing in another process")
+        outcome = cancel_run(str(run.pk), wait_s=min(engine().config.run_lease_s, CANCEL_WAIT_S))
         run = self.get_queryset().get(pk=run.pk)
         if outcome is CancelOutcome.FINISHED:
             raise Conflict(f"run {run.pk} finished ({run.status}) before it could be cancelled")
-        return Response(RunDetailSerializer(run).data)
+        accepted = outcome is CancelOutcome.REQUESTED
+        return Response(RunDetailSerializer(run).data, status=status.HTTP_202_ACCEPTED if accepted else 200)
 
     @extend_schema(
         summary="A run's events from a sequence number on",

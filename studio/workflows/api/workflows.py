@@ -31,9 +31,9 @@ from studio.workflows.api.serializers import (
 )
 from studio.workflows.models import Workflow, WorkflowVersion
 from studio.workflows.operations import (
-    active_runs,
     check_spec_for_studio,
     create_workflow,
+    delete_workflow,
     read_spec,
     save_version,
 )
@@ -77,7 +77,8 @@ def get_workflow(request: Request, workflow_id: Any) -> Workflow:
                                                                                       **ERRORS}),
     update=extend_schema(summary="Replace a workflow's name and description",
                          responses={200: WorkflowSerializer, **ERRORS}),
-    destroy=extend_schema(summary="Delete a workflow with its versions and runs",
+    destroy=extend_schema(summary="Delete a workflow with its versions, runs, their files and its stopped"
+                                  " deployments (409 while it has live deployments or runs in progress)",
                           responses={204: None, 409: ErrorSerializer, **ERRORS}),
 )
 class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.UpdateModelMixin,
@@ -112,9 +113,7 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
         return WorkflowSerializer(self.get_queryset().get(pk=workflow.pk)).data
 
     def perform_destroy(self, instance: Workflow) -> None:
-        if active_runs(instance):
-            raise Conflict(f"workflow {instance.name!r} has runs in progress; cancel them first")
-        instance.delete()
+        delete_workflow(instance)
 
     @extend_schema(
         summary="Import a workflow from GraphSpec JSON or Python DSL source",

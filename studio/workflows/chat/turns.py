@@ -9,7 +9,12 @@ the LLM keeps the history (tokens and KV) server-side; the studio keeps the mess
 
 `follow_turn` yields the reply's text deltas as the run's events bring them (the llm
 node's `text` frames when it streams; its whole text at once when it does not), then one
-`TurnResult`: the reply (the run's reply output), token usage and finish reason.
+`TurnResult`: the reply (the run's reply output), token usage and finish reason. A run
+executed again after its executor stopped (`run_restarted`) yields `TurnRestarted`, and the
+deltas start over.
+
+A session has a turn in flight while `Session.turn` names a run that is pending or running;
+any end of that run (done, failed, cancelled, or failed after its lease lapsed) frees it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus
 from studio.workflows.operations import create_run
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.follow import follow_run
+from studio.workflows.runs.lease import RUN_RESTARTED
 from studio.workflows.runs.store import with_node_params
 
 DEFAULT_MAX_NEW_TOKENS = 16
@@ -47,6 +53,13 @@ class TurnStart:
     run_id: str
     shape: ChatShape
     max_new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRestarted:
+    """The turn's run is being executed again from the start: the deltas so far are void."""
+
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,13 +208,16 @@ def _stored_outputs(run_id: str) -> dict[str, Any]:
     return {k: v for k, v in outputs.items() if not (isinstance(v, dict) and "$file" in v)}
 
 
-async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str | TurnResult]:
+async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str | TurnRestarted | TurnResult]:
     shape = start.shape
     deltas: list[str] = []
     kv_usage = None
     async for event in follow_run(start.run_id, bus):
         kind = event.get("type")
-        if kind == "node_output" and event.get("node") == shape.llm_node:
+        if kind == RUN_RESTARTED:
+            deltas, kv_usage = [], None
+            yield TurnRestarted(str(event.get("error") or ""))
+        elif kind == "node_output" and event.get("node") == shape.llm_node:
             if event.get("port") == "text" and (shape.streams == (event.get("frame") is not None)):
                 delta = _text(event.get("value"))
                 if delta:

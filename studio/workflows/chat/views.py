@@ -148,7 +148,8 @@ async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
                                    result.usage))
 
 
-async def _last(stream: AsyncIterator[str | turns.TurnResult], timeout_s: float) -> turns.TurnResult:
+async def _last(stream: AsyncIterator[str | turns.TurnRestarted | turns.TurnResult],
+                timeout_s: float) -> turns.TurnResult:
     async def drain() -> turns.TurnResult:
         async for item in stream:
             if isinstance(item, turns.TurnResult):
@@ -178,11 +179,19 @@ async def _completion_stream(start: turns.TurnStart, model: str, completion_id: 
                              include_usage: bool) -> AsyncIterator[dict[str, Any] | str]:
     """OpenAI's chunks: the role, each delta, the finish reason, usage if asked, [DONE]."""
     yield chunk(completion_id, model, created, {"role": "assistant", "content": ""})
+    streamed = False
     try:
         async with asyncio.timeout(engine().config.chat_timeout_s):
             async for item in turns.follow_turn(start, engine().runs.bus):
                 if isinstance(item, str):
+                    streamed = True
                     yield chunk(completion_id, model, created, {"content": item})
+                    continue
+                if isinstance(item, turns.TurnRestarted):
+                    if streamed:  # what the client holds cannot be taken back: end the stream
+                        yield OpenAIError(500, f"the run {start.run_id} was restarted ({item.error}) after part"
+                                          " of the reply was sent; send the request again", type="server_error").body()
+                        return
                     continue
                 if item.status != "done":
                     yield OpenAIError(500, f"the run {start.run_id} {item.status}: {item.error}",

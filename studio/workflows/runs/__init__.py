@@ -7,5 +7,8 @@
   in-process dispatcher), owned by the workflows AppConfig.
 * `store` — the database side (runs, node runs, events, files).
 * `bus` — how stored events reach live followers (in-process, or the channel layer).
+* `lease` — whoever executes a run holds its lease and renews it (`LeaseKeeper`).
+* `recovery` — a run whose lease lapsed is executed again or failed; cancelling a run
+  another process executes.
 * `metrics` — Prometheus metrics of the runs this process executes.
 """

@@ -12,6 +12,10 @@ dispatch) for a plain run, a `WorkerDispatcher` on the deployment's role workers
 run submitted against a deployment (see `studio.workflows.deployments`). Either way the run is
 submitted with its tenant (`Run.tenant`: its owner, or its deployment's shared scope), so the
 units it shares with other users' runs keep their caches apart.
+
+With a `LeaseKeeper`, the run's lease (taken by `store.claim`) is renewed while it
+executes; a cancel request read at a renewal cancels it, and a lost lease stops it here
+without another write (`studio.workflows.runs.lease`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from engine.flow.executor import Executor, Run, RunInputError
 from engine.flow.validate import GraphValidationError, parse_spec
 from engine.spec.kinds import KindRegistry
 from studio.workflows.runs.bus import RunEventBus
+from studio.workflows.runs.lease import LeaseKeeper
 from studio.workflows.runs.metrics import RunMetrics
 from studio.workflows.runs.store import RunTicket
 
@@ -104,7 +109,8 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
                 continue
             final = isinstance(batch[-1], RunFinished)
             outputs = await executors.materialize(ticket, (await run.wait()).outputs) if final else None
-            stored = await store.record(run_id, [event_to_dict(e) for e in batch], outputs)
+            events = [{**event_to_dict(e), "seq": e.seq + ticket.seq_base} for e in batch]
+            stored = await store.record(run_id, events, outputs)
             await bus.publish(run_id, stored)
             metrics.observe(batch, ticket.node_kinds)
             position += len(batch)
@@ -115,12 +121,15 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
 
 
 async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore, bus: RunEventBus,
-                      metrics: RunMetrics, cancel: asyncio.Event | None = None) -> RunStatus | None:
+                      metrics: RunMetrics, cancel: asyncio.Event | None = None,
+                      keeper: LeaseKeeper | None = None) -> RunStatus | None:
     """Execute the stored run `run_id` to its end; None when it was not pending.
 
     Setting `cancel` stops it (before it starts, or while it runs). A run that cannot
     start (its spec or inputs no longer pass, a file is gone, its deployment is gone)
-    ends `failed` with one `run_finished` event carrying the reason."""
+    ends `failed` with one `run_finished` event carrying the reason. With `keeper` (and a
+    store claiming under its lease), the lease is renewed until the run ends; losing it
+    cancels the task executing this coroutine."""
     cancel = cancel or asyncio.Event()
     if cancel.is_set():
         events = await store.finish_unstarted(run_id, RunStatus.CANCELLED, "cancelled by request", only_pending=True)
@@ -135,6 +144,21 @@ async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore
         error = None
     if ticket is None and error is None:
         return None
+    if keeper is not None and ticket is not None:
+        task = asyncio.current_task()
+        assert task is not None
+        keeper.hold(run_id, on_cancel=cancel.set, on_lost=task.cancel)
+    try:
+        return await _execute_claimed(run_id, ticket, error, executors=executors, store=store, bus=bus,
+                                      metrics=metrics, cancel=cancel)
+    finally:
+        if keeper is not None:
+            keeper.release(run_id)
+
+
+async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | None, *, executors: ExecutorSource,
+                           store: RunStore, bus: RunEventBus, metrics: RunMetrics,
+                           cancel: asyncio.Event) -> RunStatus | None:
     run = None
     executor: Executor | None = None
     if ticket is not None:
@@ -169,7 +193,8 @@ async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore
 
 
 async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStore, bus: RunEventBus,
-                             metrics: RunMetrics, executors: ExecutorSource | None = None) -> RunStatus | None:
+                             metrics: RunMetrics, executors: ExecutorSource | None = None,
+                             keeper: LeaseKeeper | None = None) -> RunStatus | None:
     """Execute one run with an executor of its own (a Celery worker's task). `executors`
     (when given) serves runs of deployments; the caller closes it."""
     from engine.worker.units import SharedUnits  # torch: when a run executes, not at import
@@ -178,7 +203,7 @@ async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStor
     source = executors or OwnExecutor(executor)
     try:
         return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,
-                                 metrics=metrics)
+                                 metrics=metrics, keeper=keeper)
     finally:
         await executor.aclose()
 

@@ -12,6 +12,10 @@ reaches it); there is no module-level instance. It owns:
   clusters and executors live on the engine loop, and runs submitted against a
   deployment execute there. `call(coro)` runs a coroutine on the loop from any thread.
 
+Its runs are claimed under a lease of its own (`lease.LeaseKeeper`, renewed on the engine
+loop), so a run it executes can be cancelled from another process, and one it no longer
+executes (it stopped mid-run) is cancelled at once (`recovery.request_cancel`).
+
 `submit(run_id)` and `cancel(run_id)` may be called from any thread (request threads
 call them). The loop starts on first use; `stop()` cancels what still runs, closes the
 dispatcher and joins both threads, after which the service can start again.
@@ -27,6 +31,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from django.db import close_old_connections
+
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import RunStatus
 from engine.flow.executor import Executor
@@ -35,7 +41,9 @@ from studio.workflows.models import Run
 from studio.workflows.models import RunStatus as DbRunStatus
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.execution import ExecutorSource, OwnExecutor, execute_run
+from studio.workflows.runs.lease import LeaseKeeper, LeaseTerms, executor_id
 from studio.workflows.runs.metrics import RunMetrics
+from studio.workflows.runs.recovery import CancelRequest, CancelResult, request_cancel
 from studio.workflows.runs.store import RunTicket, ThreadedRunStore, stale_runs
 
 log = logging.getLogger(__name__)
@@ -46,8 +54,17 @@ class CancelOutcome(enum.StrEnum):
     """The run was stopped (it ends `cancelled`)."""
     FINISHED = "finished"
     """It had already ended; nothing changed."""
-    NOT_HERE = "not_here"
-    """It is running, but not in this process."""
+    REQUESTED = "requested"
+    """It is running in another process, which was asked to cancel it (within a lease tick)."""
+
+
+CANCEL_OUTCOMES = {CancelRequest.CANCELLED: CancelOutcome.CANCELLED, CancelRequest.REQUESTED: CancelOutcome.REQUESTED,
+                   CancelRequest.FINISHED: CancelOutcome.FINISHED}
+
+
+def _request_cancel(run_id: str) -> CancelResult:
+    close_old_connections()
+    return request_cancel(run_id)
 
 
 class DeploymentHost(ExecutorSource, Protocol):
@@ -76,12 +93,15 @@ class _Executors:
 
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
-                 *, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0) -> None:
+                 *, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
+                 lease_s: float = 30.0) -> None:
         self.kinds = kinds
         self.bus = bus
         self.metrics = metrics or RunMetrics()
         self.deployments = deployments
         self._start_timeout_s = start_timeout_s
+        self._lease_s = lease_s
+        self._keeper: LeaseKeeper | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -104,7 +124,8 @@ class RunService:
                 return
             ready = threading.Event()
             self._db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omniflow-db")
-            self._store = ThreadedRunStore(self._db)
+            self._store = ThreadedRunStore(self._db, LeaseTerms(executor_id("studio"), self._lease_s))
+            self._keeper = LeaseKeeper(self._store, self._store.lease)
             self._thread = threading.Thread(target=self._main, args=(ready,), name="omniflow-engine", daemon=True)
             self._thread.start()
             if not ready.wait(self._start_timeout_s):
@@ -131,7 +152,8 @@ class RunService:
             event.set()
         if self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        assert self._executor is not None and self._store is not None
+        assert self._executor is not None and self._store is not None and self._keeper is not None
+        await self._keeper.aclose()
         await self._executor.aclose()
         if self.deployments is not None:
             await self.deployments.aclose()
@@ -149,6 +171,7 @@ class RunService:
                 raise RuntimeError("the engine loop did not stop in time")
             db.shutdown(wait=True)
             self._loop = self._thread = self._db = self._store = self._executor = self._executors = None
+            self._keeper = None
             self._tasks.clear()
             self._cancels.clear()
 
@@ -198,7 +221,7 @@ class RunService:
         cancel = self._cancels[run_id] = asyncio.Event()
         task = asyncio.get_running_loop().create_task(
             execute_run(run_id, executors=self._executors, store=self._store, bus=self.bus, metrics=self.metrics,
-                        cancel=cancel),
+                        cancel=cancel, keeper=self._keeper),
             name=f"omniflow-run-{run_id}",
         )
         self._tasks[run_id] = task
@@ -211,24 +234,21 @@ class RunService:
             log.error("run %s failed in the studio", run_id, exc_info=task.exception())
 
     def cancel(self, run_id: str, timeout_s: float = 30.0) -> CancelOutcome:
-        """Stop a run of this process and wait until it has ended (thread-safe)."""
+        """Stop a run of this process and wait until it has ended, or cancel one no process
+        executes, or ask the process executing it to (thread-safe)."""
         return self.call(self._cancel(str(run_id))).result(timeout_s)
 
     async def _cancel(self, run_id: str) -> CancelOutcome:
-        assert self._store is not None
+        assert self._db is not None
         task = self._tasks.get(run_id)
         if task is not None:
             self._cancels[run_id].set()
             status = await asyncio.shield(task)
             return CancelOutcome.CANCELLED if status == RunStatus.CANCELLED else CancelOutcome.FINISHED
-        events = await self._store.finish_unstarted(run_id, RunStatus.CANCELLED, "cancelled by request",
-                                                    only_pending=True)
-        if events:
-            await self.bus.publish(run_id, events)
-            return CancelOutcome.CANCELLED
-        if await self._is_running(run_id):
-            return CancelOutcome.NOT_HERE
-        return CancelOutcome.FINISHED
+        result = await asyncio.get_running_loop().run_in_executor(self._db, _request_cancel, run_id)
+        if result.events:
+            await self.bus.publish(run_id, result.events)
+        return CANCEL_OUTCOMES[result.outcome]
 
     def wait(self, run_id: str, timeout_s: float = 30.0) -> RunStatus | None:
         """Block until the run (if it executes here) has ended; for tests and commands."""

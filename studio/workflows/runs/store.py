@@ -3,7 +3,10 @@ called from one thread at a time per run (the engine's database thread, or a Cel
 worker), so a run's events are written in order.
 
 A run's stored events are exactly the executor's events (`event_to_dict`), except that
-`run_finished` gains `files`: output name -> download URL for outputs stored as files.
+`run_finished` gains `files`: output name -> download URL for outputs stored as files, and
+that a run executed again after its executor stopped has a `run_restarted` event (written by
+`recovery`) followed by the new execution's events, their `seq` numbered on from it
+(`RunTicket.seq_base`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import msgspec
 from asgiref.sync import sync_to_async
 from django.core.files.base import ContentFile
 from django.db import close_old_connections, connections, transaction
+from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
@@ -37,6 +41,7 @@ from studio.workflows.models import (
 from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
+from studio.workflows.runs.lease import RUN_RESTARTED, LeaseCheck, LeaseLost, LeaseTerms
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,9 @@ class RunTicket:
     """The deployment's worker registry namespace."""
     tenant: str | None = None
     """Whose caches the run reads and fills (`Run.tenant`): every run the studio executes has one."""
+    seq_base: int = 0
+    """Added to the executor's event `seq`s: the events stored before this execution (a run
+    executed again after its executor stopped keeps the earlier attempt's events)."""
 
 
 def with_node_params(spec: dict[str, Any], node_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -122,12 +130,15 @@ def store_file(run: Run, role: str, name: str, data: bytes, filename: str, conte
 
 
 # ------------------------------------------------------------------------------ claiming
-def claim(run_id: str) -> RunTicket | None:
+def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
     """Move a pending run to running and return what it needs; None when it is not pending
-    (already claimed, cancelled or finished), which makes execution idempotent."""
+    (already claimed, cancelled or finished), which makes execution idempotent. With
+    `lease`, the caller holds the run's lease from now on (`studio.workflows.runs.lease`)."""
+    held = {} if lease is None else {"lease_owner": lease.owner, "lease_expires_at": lease.expiry()}
     with transaction.atomic():
         claimed = Run.objects.filter(pk=run_id, status=DbRunStatus.PENDING).update(
-            status=DbRunStatus.RUNNING, started_at=timezone.now()
+            status=DbRunStatus.RUNNING, started_at=timezone.now(), attempts=F("attempts") + 1,
+            cancel_requested=False, **held,
         )
         if not claimed:
             return None
@@ -154,6 +165,7 @@ def claim(run_id: str) -> RunTicket | None:
         deployment_id=None if deployment is None else str(deployment.pk),
         namespace=None if deployment is None else deployment.namespace,
         tenant=run.tenant,
+        seq_base=run.last_seq + 1,
     )
 
 
@@ -177,12 +189,31 @@ def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any
     return msgspec.json.decode(encoded)
 
 
-def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None) -> list[dict]:
+def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
+    """`run_restarted`: the run is pending again, its nodes and outputs as before any execution."""
+    for node in nodes.values():
+        node.state, node.attempts, node.iterations = NodeState.PENDING, 0, 0
+        node.started_at = node.finished_at = node.duration_ms = node.progress = None
+        node.error, node.message, node.outputs, node.frames = "", "", {}, 0
+    outputs = run.files.filter(role=FileRole.OUTPUT)
+    for produced in outputs:
+        produced.delete()  # its file goes with it (`models`); the new execution makes its own
+    run.status, run.outputs, run.error, run.failed_node = DbRunStatus.PENDING, {}, "", ""
+    run.lease_owner, run.lease_expires_at, run.cancel_requested = "", None, False
+    return {"status", "outputs", "error", "failed_node", "lease_owner", "lease_expires_at", "cancel_requested"}
+
+
+def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None, *,
+           owner: str | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
     up to date. `final_outputs` (the run's real output values) comes with `run_finished`.
-    Returns the events as stored, which is what followers are sent."""
+    With `owner`, the writer must still hold the run's lease (else `LeaseLost`, nothing
+    written). Returns the events as stored, which is what followers are sent."""
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run_id)
+        if owner is not None and (run.lease_owner != owner or run.status != DbRunStatus.RUNNING):
+            raise LeaseLost(f"run {run_id}: the lease of {owner} was taken over (the run is {run.status},"
+                            f" held by {run.lease_owner or 'nobody'})")
         expected = run.last_seq + 1
         if events and events[0]["seq"] != expected:
             raise ValueError(f"run {run_id}: event seq {events[0]['seq']} does not follow {run.last_seq}")
@@ -224,6 +255,9 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
                 node.progress = event.get("progress")
                 node.message = (event.get("message") or "")[:500]
                 touched[node.node] = node
+            elif kind == RUN_RESTARTED:
+                run_fields |= _restart(run, nodes)
+                touched.update(nodes)
             elif kind == "run_finished":
                 files: dict[str, str] = {}
                 outputs = event.get("outputs", {}) if final_outputs is None else final_outputs
@@ -256,6 +290,16 @@ def _synthetic_finish(run: Run, status: RunStatus, error: str) -> dict[str, Any]
                                      status=status, error=error))
 
 
+def finish(run: Run, status: RunStatus, error: str) -> list[dict]:
+    """End `run` (locked by the caller's transaction) with one `run_finished` event: its
+    unfinished nodes are cancelled. For a run no executor finishes (never started, or its
+    executor is gone)."""
+    NodeRun.objects.filter(run=run).exclude(state__in=_TERMINAL_NODE_STATES).update(
+        state=NodeState.CANCELLED, finished_at=timezone.now()
+    )
+    return record(str(run.pk), [_synthetic_finish(run, status, error)])
+
+
 def finish_unstarted(run_id: str, status: RunStatus, error: str, *, only_pending: bool) -> list[dict] | None:
     """End a run the executor never started (invalid by now, cancelled while pending, or its
     worker died) with one `run_finished` event; None when it was already finished (or, with
@@ -264,11 +308,19 @@ def finish_unstarted(run_id: str, status: RunStatus, error: str, *, only_pending
         run = Run.objects.select_for_update().filter(pk=run_id).first()
         if run is None or run.finished or (only_pending and run.status != DbRunStatus.PENDING):
             return None
-        NodeRun.objects.filter(run=run).exclude(state__in=_TERMINAL_NODE_STATES).update(
-            state=NodeState.CANCELLED, finished_at=timezone.now()
-        )
-        event = _synthetic_finish(run, status, error)
-    return record(run_id, [event])
+        return finish(run, status, error)
+
+
+def renew(terms: LeaseTerms, run_ids: list[str]) -> LeaseCheck:
+    """Extend the leases `terms.owner` holds on `run_ids` (`lease.LeaseKeeper` calls it every tick)."""
+    with transaction.atomic():
+        Run.objects.filter(pk__in=run_ids, lease_owner=terms.owner, status=DbRunStatus.RUNNING).update(
+            lease_expires_at=terms.expiry())
+        rows = Run.objects.filter(pk__in=run_ids).values_list("pk", "status", "lease_owner", "cancel_requested")
+        held = {str(pk): cancel for pk, status, owner, cancel in rows
+                if status == DbRunStatus.RUNNING and owner == terms.owner}
+    return LeaseCheck(lost=frozenset(set(run_ids) - set(held)),
+                      cancel=frozenset(pk for pk, cancel in held.items() if cancel))
 
 
 def stale_runs() -> list[str]:
@@ -279,10 +331,12 @@ def stale_runs() -> list[str]:
 
 class ThreadedRunStore:
     """The functions above, awaited from an event loop on one dedicated thread (so a run's
-    writes stay ordered and the loop never blocks on the database)."""
+    writes stay ordered and the loop never blocks on the database). With `lease`, runs are
+    claimed under it and written only while it is held."""
 
-    def __init__(self, executor: ThreadExecutor | None) -> None:
+    def __init__(self, executor: ThreadExecutor | None, lease: LeaseTerms | None = None) -> None:
         self._executor = executor
+        self.lease = lease
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._executor is None:
@@ -295,10 +349,15 @@ class ThreadedRunStore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     async def claim(self, run_id: str) -> RunTicket | None:
-        return await self._call(claim, run_id)
+        return await self._call(claim, run_id, self.lease)
 
     async def record(self, run_id: str, events: list[dict], final_outputs: dict[str, Any] | None = None) -> list:
-        return await self._call(record, run_id, events, final_outputs)
+        return await self._call(record, run_id, events, final_outputs,
+                                owner=None if self.lease is None else self.lease.owner)
+
+    async def renew(self, run_ids: list[str]) -> LeaseCheck:
+        assert self.lease is not None, "renew needs a store with a lease"
+        return await self._call(renew, self.lease, run_ids)
 
     async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *, only_pending: bool):
         return await self._call(finish_unstarted, run_id, status, error, only_pending=only_pending)
