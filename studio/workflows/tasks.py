@@ -65,7 +65,7 @@ async def _execute(run_id: str) -> str | None:
     eng = engine()
     executors = NamespaceExecutors(eng.kinds, eng.config.redis_url, max_namespaces=1)
     try:
-        status = await execute_standalone(run_id, kinds=eng.kinds, store=ThreadedRunStore(None),
+        status = await execute_standalone(run_id, kinds=eng.kinds, ops=eng.ops, store=ThreadedRunStore(None),
                                           bus=ChannelLayerRunEventBus(), metrics=RunMetrics(), executors=executors)
     finally:
         await executors.aclose()
