@@ -320,7 +320,7 @@ class OpRegistry:
             raise UnknownOpError(self.unknown_message(name)) from None
 
     def unknown_message(self, name: str) -> str:
-        close = difflib.get_close_matches(name, list(self._ops), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(name, list(self._ops), n=3, cutoff=0.8)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         return f"op {name!r} is not a registered op{hint}"
 
