@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
-from engine.spec.ops import OpConfig, OpNotAllowedError, UnknownOpError
+from engine.spec.ops import OpConfig, UnknownOpError
 
 
 class OperationError(LookupError):
@@ -104,8 +104,9 @@ class PythonUnit(ComputeUnit):
         self._ops = ops
         self._functions: dict[str, _Function] = {}
         # A thread for every execution the role's replicas may run at once (one unit serves them
-        # all in process): a generator waiting for its reader holds its thread, and a reader
-        # left without one would never free it.
+        # all in process): plain functions run here, off the loop other runs share, and a
+        # generator waiting for its reader holds its thread (a reader left without one would
+        # never free it).
         self._threads = ThreadPoolExecutor(
             max_workers=role.replicas * int(role.params.get("capacity", 64)), thread_name_prefix=f"omniflow-{role.name}"
         )
@@ -123,8 +124,7 @@ class PythonUnit(ComputeUnit):
         """The function `op` names: a registry lookup, or (module ops allowed) an import."""
         problem = self._ops.problem(op)
         if problem is not None:
-            kind = OpNotAllowedError if isinstance(problem, OpNotAllowedError) else UnknownOpError
-            raise kind(f"node {node_id!r}: {problem}")
+            raise type(problem)(f"node {node_id!r}: {problem}")
         if op in self._ops.registry:
             entry = self._ops.registry.get(op)
             info = entry.info
