@@ -34,6 +34,7 @@ from engine.flow.remote import WorkerDispatcher
 from engine.flow.validate import GraphValidationError
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
+from engine.spec.ops import OpConfig, default_ops
 from engine.worker.launcher import LaunchError, LocalCluster
 
 
@@ -65,7 +66,7 @@ def _print_issues(exc: GraphValidationError, out: TextIO) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     spec = _load(args.path)
-    build_plan(spec, default_kinds())
+    build_plan(spec, default_kinds(), trusted_ops())
     print(f"{args.path}: workflow {spec.name!r} is valid ({len(spec.nodes)} nodes, {len(spec.edges)} edges)")
     return 0
 
@@ -119,19 +120,26 @@ async def _execute(executor: Executor, spec: GraphSpec, inputs: dict[str, Any], 
     return await run.wait()
 
 
+def trusted_ops() -> OpConfig:
+    """The command line's ops: every registered op, and `module:function` ops (a person running
+    their own code on their own machine)."""
+    return OpConfig(default_ops(), allow_module_ops=True)
+
+
 async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any], progress: TextIO | None):
     kinds = default_kinds()
+    ops = trusted_ops()
+    build_plan(spec, kinds, ops)  # every problem reported before anything runs or is spawned
     if args.workers == "inproc":
         from engine.worker.units import SharedUnits  # torch: only for a run in this process
 
-        executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds)), kinds)
+        executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
         try:
             return await _execute(executor, spec, inputs, args.timeout, progress)
         finally:
             await executor.aclose()
-    build_plan(spec, kinds)  # every problem reported before anything is spawned
     with Peer.start() as peer:
-        async with LocalCluster(spec, registry_url=args.registry) as cluster:
+        async with LocalCluster(spec, registry_url=args.registry, allow_module_ops=ops.allow_module_ops) as cluster:
             executor = Executor(WorkerDispatcher(cluster.registry, peer), kinds)
             try:
                 result = await _execute(executor, spec, inputs, args.timeout, progress)

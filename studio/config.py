@@ -58,8 +58,9 @@ class StudioConfig:
     dispatch: Dispatch
     max_upload_bytes: int
     run_timeout_s: float | None
-    python_op_modules: tuple[str, ...]
-    """Module prefixes a `python` node's op may import from; `*` allows any module."""
+    allow_module_ops: bool
+    """`OMNIFLOW_ALLOW_MODULE_OPS`: python nodes may name `module:function` ops besides the
+    registered ones. It lets every user run any code on the server (and its workers): off by default."""
     log_level: str
     node_name: str
     """This process's node: its Celery worker consumes the queue `node.<node_name>`."""
@@ -163,6 +164,15 @@ def node_name(raw: str, name: str) -> str:
     if not _NODE_NAME.match(raw):
         raise ImproperlyConfigured(f"{name}={raw!r}: a node name is 1-63 letters, digits, '_', '.' or '-'")
     return raw
+
+
+def _allow_module_ops(env: Mapping[str, str]) -> bool:
+    if "OMNIFLOW_PYTHON_OP_MODULES" in env:
+        raise ImproperlyConfigured(
+            "OMNIFLOW_PYTHON_OP_MODULES is gone: python nodes name registered ops (the `omniflow.ops` entry"
+            " points); set OMNIFLOW_ALLOW_MODULE_OPS=1 to let them name any `module:function` too (which lets"
+            " every user run any code on the server)")
+    return env_bool(env, "OMNIFLOW_ALLOW_MODULE_OPS", False)
 
 
 def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -297,7 +307,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         dispatch=dispatch,
         max_upload_bytes=env_int(env, "OMNIFLOW_MAX_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=1024),
         run_timeout_s=env_float_or_none(env, "OMNIFLOW_RUN_TIMEOUT_S"),
-        python_op_modules=env_list(env, "OMNIFLOW_PYTHON_OP_MODULES", ("workflows",)),
+        allow_module_ops=_allow_module_ops(env),
         log_level=log_level,
         node_name=node,
         deploy_node=node_name((env.get("OMNIFLOW_DEPLOY_NODE") or node).strip(), "OMNIFLOW_DEPLOY_NODE"),

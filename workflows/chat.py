@@ -12,26 +12,10 @@ server-side and each turn computes only its new tokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.flow.dsl import Workflow
+from workflows.ops.chat import join_text, usage_of
 
 MODEL = "tiny-llama"
-
-
-def join_text(parts: list[str]) -> str:
-    """The streamed deltas, in order, as one text."""
-    return "".join(parts)
-
-
-def usage_of(kv: list[dict[str, Any]]) -> dict[str, int]:
-    """Token counts of the generation (prompt includes a session's history) from its KV reference."""
-    ref = kv[-1]
-    prompt = int(ref["prompt_tokens"])
-    completion = int(ref["tokens"]) - prompt
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "cached_tokens": int(ref.get("cached_tokens", 0))}
-
 
 wf = Workflow("chat", description="an LLM that answers a rendered conversation; streams its reply")
 llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": 16})
@@ -39,11 +23,9 @@ py = wf.role("py", kind="python")
 prompt = wf.input("prompt", "text", default="### User:\nHello!\n\n### Assistant:\n")
 reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": 32}, stream=True)
 wf.edge(prompt, reply.inp("prompt"))
-text = wf.python(join_text, role=py, id="join", inputs={"parts": {"type": "text", "join": "ordered"}},
-                 outputs={"text": "text"})
+text = wf.python(join_text, role=py, id="join")
 wf.edge(reply.out("text"), text.inp("parts"))
-usage = wf.python(usage_of, role=py, id="count", inputs={"kv": {"type": "kv", "join": "ordered"}},
-                  outputs={"usage": "json"})
+usage = wf.python(usage_of, role=py, id="count")
 wf.edge(reply.out("kv"), usage.inp("kv"))
 wf.output("text", text, "text")
 wf.output("usage", usage, "json")

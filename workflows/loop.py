@@ -6,24 +6,8 @@ routes back to `grow` or on to `done`. `max_iterations` bounds the cycle.
 
 from __future__ import annotations
 
-from engine.flow.dsl import Route, Workflow
-
-
-def grow(state: dict) -> dict:
-    return {"value": state["value"] * 2, "steps": state["steps"] + 1, "target": state["target"]}
-
-
-def start(value: int, target: int) -> dict:
-    return {"value": value, "steps": 0, "target": target}
-
-
-def check(state: dict) -> Route:
-    return Route(["done"] if state["value"] >= state["target"] else ["grow"], state)
-
-
-def done(state: dict) -> dict:
-    return {"value": state["value"], "steps": state["steps"]}
-
+from engine.flow.dsl import Workflow
+from workflows.ops.loop import check, done, grow, start
 
 wf = Workflow("loop", description="double a value until it reaches the target (bounded cycle)")
 py = wf.role("py", kind="python")

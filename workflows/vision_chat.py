@@ -18,7 +18,7 @@ to describe). From the command line it is an `(H, W, 3)` array of floats in [0, 
 from __future__ import annotations
 
 from engine.flow.dsl import Workflow
-from workflows.chat import join_text, usage_of
+from workflows.ops.chat import join_text, usage_of
 
 MODEL = "tiny-llama"
 
@@ -34,11 +34,9 @@ wf.edge(image, see.inp("image"))
 wf.edge(prompt, reply.inp("prompt"))
 wf.edge(see.out("item"), reply.inp("items"))
 wf.edge(see.out("embeds"), reply.inp("embeds"))
-text = wf.python(join_text, role=py, id="join", inputs={"parts": {"type": "text", "join": "ordered"}},
-                 outputs={"text": "text"})
+text = wf.python(join_text, role=py, id="join")
 wf.edge(reply.out("text"), text.inp("parts"))
-usage = wf.python(usage_of, role=py, id="count", inputs={"kv": {"type": "kv", "join": "ordered"}},
-                  outputs={"usage": "json"})
+usage = wf.python(usage_of, role=py, id="count")
 wf.edge(reply.out("kv"), usage.inp("kv"))
 wf.output("text", text, "text")
 wf.output("usage", usage, "json")

@@ -235,7 +235,7 @@ async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
     kinds = default_kinds()
     anchor = None if args.no_celery else _CeleryAnchor(args.redis_url, args.celery_db)
     with Peer.start() as peer:
-        async with LocalCluster(spec) as cluster:
+        async with LocalCluster(spec, allow_module_ops=True) as cluster:
             poll = {} if args.poll_after_send_us is None else {"poll_after_send_s": args.poll_after_send_us * 1e-6}
             executor = Executor(WorkerDispatcher(cluster.registry, peer, **poll), kinds)
             try:

@@ -125,7 +125,7 @@ async def _main(args: argparse.Namespace) -> dict[str, float | bool]:
     fast = _spec("bench_stream", read_all, {"n": args.frames}, {})
     kinds = default_kinds()
     with Peer.start() as peer, tempfile.TemporaryDirectory(prefix="omniflow-stream-") as tmp:
-        async with LocalCluster(fast) as cluster:
+        async with LocalCluster(fast, allow_module_ops=True) as cluster:
             credited = Executor(WorkerDispatcher(cluster.registry, peer, stream_window=args.window), kinds,
                                 stream_capacity=args.capacity)
             unbounded = Executor(WorkerDispatcher(cluster.registry, peer, stream_window=0), kinds, stream_capacity=0)

@@ -106,7 +106,7 @@ class _Studio:
 def _env(data_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "OMNIFLOW_DISPATCH")}
     env.update({"DJANGO_SETTINGS_MODULE": "studio.settings", "OMNIFLOW_DATA_DIR": str(data_dir),
-                "OMNIFLOW_PYTHON_OP_MODULES": f"workflows,{__name__}", "OMNIFLOW_LOG_LEVEL": "WARNING",
+                "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_LOG_LEVEL": "WARNING",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
                 "HF_HUB_OFFLINE": "1"})
     if args.database_url:

@@ -1,17 +1,24 @@
-"""The `python` role kind: runs plain Python functions named `module:function`.
+"""The `python` role kind: runs the Python functions python nodes name.
+
+A node's `op` is a registered op's name (`engine.spec.ops`), looked up in the unit's
+`OpRegistry` and nothing else: no import, no attribute walk. A `module:function` op is
+imported only where the unit's `OpConfig` allows module ops (the command line's trusted
+mode); elsewhere it is refused, naming the node and the op.
 
 Input ports and node params become keyword arguments; a function that takes `ctx`
-gets the `NodeContext`. Plain functions run inline on the event loop (they are meant
-to be short: give blocking work its own role worker process); coroutine functions are
-awaited; generators stream frames (a plain generator in a thread of the unit's pool, at
-most `READ_AHEAD` frames ahead of its reader). A stream-mode input arrives as an async
-iterator to a coroutine function, and as a blocking iterator to a plain function, which
-then runs in the unit's thread pool.
+gets the `NodeContext`. Coroutine functions are awaited on the event loop; plain
+functions run in the unit's bounded thread pool, never on the loop that other runs share
+(a slow op of one run does not stall the others); generators stream frames (a plain
+generator in a thread of the pool, at most `READ_AHEAD` frames ahead of its reader). A
+stream-mode input arrives as an async iterator to a coroutine function, and as a blocking
+iterator to a plain function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import importlib
 import inspect
 import threading
@@ -22,10 +29,12 @@ from typing import Any
 
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.ops import OpConfig, UnknownOpError
 
 
 class OperationError(LookupError):
-    """A python node's `op` does not name an importable function."""
+    """A python node's `module:function` op does not name an importable function, or a
+    node's function does not fit the node (a generator on a plain node, a router without routes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +47,8 @@ class _Function:
 
 
 def resolve_function(op: str) -> Callable[..., Any]:
-    """Import `module:qualname` and return the callable it names."""
+    """Import `module:qualname` and return the callable it names. Trusted mode only: the
+    caller has checked that module ops are allowed (`OpConfig.allow_module_ops`)."""
     module_name, sep, qualname = op.partition(":")
     if not sep or not module_name or not qualname:
         raise OperationError(f"operation {op!r} is not of the form 'module:function'")
@@ -71,6 +81,13 @@ class _BlockingIterator(Iterator[Any]):
             raise StopIteration from None
 
 
+def _threadsafe(ctx: NodeContext, loop: asyncio.AbstractEventLoop) -> NodeContext:
+    """`ctx` for a function running in a worker thread: its progress reports reach the
+    executor on its loop (in order, before the function's result does)."""
+    report = ctx.report_progress
+    return dataclasses.replace(ctx, report_progress=lambda f, m: loop.call_soon_threadsafe(report, f, m))
+
+
 _DONE = object()
 
 
@@ -78,35 +95,53 @@ class PythonUnit(ComputeUnit):
     READ_AHEAD = 2
     """Frames a plain generator makes beyond those its reader took."""
 
-    def __init__(self, role: RoleSpec) -> None:
+    accepts = ("ops",)
+    """What a process shares with this unit (`engine.worker.units.build_unit`): its ops."""
+
+    def __init__(self, role: RoleSpec, *, ops: OpConfig) -> None:
+        """`ops`: the registered ops, and whether `module:function` ops may run."""
         self.role = role
+        self._ops = ops
         self._functions: dict[str, _Function] = {}
         # A thread for every execution the role's replicas may run at once (one unit serves them
-        # all in process): a generator waiting for its reader holds its thread, and a reader
-        # left without one would never free it.
+        # all in process): plain functions run here, off the loop other runs share, and a
+        # generator waiting for its reader holds its thread (a reader left without one would
+        # never free it).
         self._threads = ThreadPoolExecutor(
             max_workers=role.replicas * int(role.params.get("capacity", 64)), thread_name_prefix=f"omniflow-{role.name}"
         )
 
-    def _function(self, op: str | None) -> _Function:
+    def _function(self, call: NodeCall) -> _Function:
+        op = call.op
         if op is None:
-            raise OperationError("a python node needs an op 'module:function'")
+            raise UnknownOpError(f"node {call.node_id!r}: a python node needs an op (a registered op's name)")
         found = self._functions.get(op)
         if found is None:
-            fn = resolve_function(op)
-            try:
-                takes_ctx = "ctx" in inspect.signature(fn).parameters
-            except (TypeError, ValueError):
-                takes_ctx = False
-            found = _Function(
-                fn=fn,
-                takes_ctx=takes_ctx,
-                is_coroutine=inspect.iscoroutinefunction(fn),
-                is_generator=inspect.isgeneratorfunction(fn),
-                is_async_generator=inspect.isasyncgenfunction(fn),
-            )
-            self._functions[op] = found
+            found = self._functions[op] = self._resolve(call.node_id, op)
         return found
+
+    def _resolve(self, node_id: str, op: str) -> _Function:
+        """The function `op` names: a registry lookup, or (module ops allowed) an import."""
+        problem = self._ops.problem(op)
+        if problem is not None:
+            raise type(problem)(f"node {node_id!r}: {problem}")
+        if op in self._ops.registry:
+            entry = self._ops.registry.get(op)
+            info = entry.info
+            return _Function(fn=entry.fn, takes_ctx=info.takes_ctx, is_coroutine=info.is_coroutine,
+                             is_generator=info.is_generator, is_async_generator=info.is_async_generator)
+        fn = resolve_function(op)
+        try:
+            takes_ctx = "ctx" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes_ctx = False
+        return _Function(
+            fn=fn,
+            takes_ctx=takes_ctx,
+            is_coroutine=inspect.iscoroutinefunction(fn),
+            is_generator=inspect.isgeneratorfunction(fn),
+            is_async_generator=inspect.isasyncgenfunction(fn),
+        )
 
     def _kwargs(self, call: NodeCall, ctx: NodeContext, func: _Function, blocking: bool) -> dict[str, Any]:
         kwargs = dict(call.inputs)
@@ -117,21 +152,18 @@ class PythonUnit(ComputeUnit):
                     kwargs[name] = _BlockingIterator(value, loop)
         kwargs.update(call.params)
         if func.takes_ctx:
-            kwargs["ctx"] = ctx
+            kwargs["ctx"] = _threadsafe(ctx, asyncio.get_running_loop()) if blocking else ctx
         return kwargs
 
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
-        func = self._function(call.op)
+        func = self._function(call)
         if func.is_generator or func.is_async_generator:
             raise OperationError(f"node {call.node_id!r}: {call.op} is a generator; mark the node stream=True")
-        has_stream_input = any(isinstance(v, AsyncIterator) for v in call.inputs.values())
         if func.is_coroutine:
             value = await func.fn(**self._kwargs(call, ctx, func, blocking=False))
-        elif has_stream_input:
-            kwargs = self._kwargs(call, ctx, func, blocking=True)
-            value = await asyncio.get_running_loop().run_in_executor(self._threads, lambda: func.fn(**kwargs))
         else:
-            value = func.fn(**self._kwargs(call, ctx, func, blocking=False))
+            kwargs = self._kwargs(call, ctx, func, blocking=True)
+            value = await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(func.fn, **kwargs))
         route = None
         if isinstance(value, Route):
             if not call.router:
@@ -142,7 +174,7 @@ class PythonUnit(ComputeUnit):
         return NodeResult(outputs=map_outputs(value, call.output_ports, call.node_id), route=route)
 
     async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
-        func = self._function(call.op)
+        func = self._function(call)
         if func.is_async_generator:
             async for item in func.fn(**self._kwargs(call, ctx, func, blocking=False)):
                 yield map_frame(item, call.output_ports, call.node_id)

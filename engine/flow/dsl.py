@@ -5,9 +5,13 @@
     wf = Workflow("diamond", description="square and cube, summed")
     py = wf.role("py", kind="python")
     n = wf.input("n", "json", default=6)
-    square = wf.python(square_fn, role=py)          # ports from the signature
+    square = wf.python(square_fn, role=py)          # ports from the op, or the signature
     wf.edge(n, square.inp("x"))
     wf.output("total", square)
+
+A function decorated with `@op(name)` (`engine.spec.ops`) is recorded by its registered name
+(`op="diamond.square"`) and gives the node its ports; any other function is recorded as
+`module:qualname`, which only trusted runs (the command line) may execute.
 
 A node of a kind that fixes its ports (e.g. `llm`, `llm.prefill`, `llm.decode`) gets them
 from the kind catalogue when none are given:
@@ -30,6 +34,7 @@ from typing import Any
 from engine.spec.calls import Route
 from engine.spec.graph import SPEC_VERSION, EdgeSpec, GraphSpec, NodeSpec, PortSpec, RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
+from engine.spec.ops import op_info
 
 __all__ = ["Workflow", "Route", "NodeRef", "PortRef", "RoleRef"]
 
@@ -95,6 +100,9 @@ _TEXT_ANNOTATIONS = {str, "str"}
 def _function_ref(fn: Callable[..., Any] | str) -> str:
     if isinstance(fn, str):
         return fn
+    info = op_info(fn)
+    if info is not None:
+        return info.name
     module = fn.__module__
     if module == "__main__":
         raise ValueError(f"{fn.__qualname__} lives in __main__; put it in an importable module")
@@ -210,11 +218,18 @@ class Workflow:
         params: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> NodeRef:
-        """A `python` node calling `fn`. Unless given, input ports come from the
-        signature (`str` parameters are `text`, others `json`; parameters with defaults
-        are optional; `ctx` and params are not ports) and the output is one `json`
+        """A `python` node calling `fn`. Unless given, the ports are those of `fn`'s `OpInfo`
+        (less any named in `params`) for an `@op` function; for any other function input ports
+        come from the signature (`str` parameters are `text`, others `json`; parameters with
+        defaults are optional; `ctx` and params are not ports) and the output is one `json`
         port named `out`."""
         params = dict(params or {})
+        info = op_info(fn)
+        if info is not None:
+            if inputs is None:
+                inputs = {name: p for name, p in info.inputs.items() if name not in params}
+            if outputs is None:
+                outputs = dict(info.outputs)
         if inputs is None:
             inputs = {}
             for name, p in inspect.signature(fn).parameters.items():

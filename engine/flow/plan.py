@@ -12,6 +12,7 @@ from engine.flow.topology import Topology, topology
 from engine.flow.validate import validate
 from engine.spec.graph import EdgeSpec, GraphSpec, NodeSpec, RoleSpec
 from engine.spec.kinds import KindRegistry, NodeKind
+from engine.spec.ops import OpConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +43,9 @@ class Plan:
         return self.spec.name
 
 
-def build_plan(spec: GraphSpec, kinds: KindRegistry) -> Plan:
-    """Validate `spec` (raising GraphValidationError) and index it for execution."""
-    validate(spec, kinds)
+def build_plan(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None) -> Plan:
+    """Validate `spec` (raising GraphValidationError; its ops too, given `ops`) and index it for execution."""
+    validate(spec, kinds, ops)
     topo = topology(spec)
     nodes = {n.id: n for n in spec.nodes}
     in_edges: dict[str, dict[str, list[PlanEdge]]] = {n: {p: [] for p in nodes[n].inputs} for n in nodes}

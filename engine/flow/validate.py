@@ -1,8 +1,9 @@
 """GraphSpec validation: every problem at once, each naming its node, edge, port or role.
 
 `parse_spec` checks a raw document against the JSON Schema and decodes it;
-`check_spec` checks the meaning of a decoded spec against the kind catalogue.
-Both report all issues they find rather than stopping at the first.
+`check_spec` checks the meaning of a decoded spec against the kind catalogue (and, given an
+`OpConfig`, its python nodes' ops: `op_unknown`, `op_not_allowed`, their params against the op's
+schema). Both report all issues they find rather than stopping at the first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.flow.balance import POLICY_NAMES
 from engine.flow.topology import reachable_from_roots, topology
 from engine.spec.graph import GraphSpec, NodeSpec, json_schema
 from engine.spec.kinds import KindRegistry, NodeKind
+from engine.spec.ops import OpConfig, OpNotAllowedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +99,9 @@ def _compatible(source: str, target: str) -> bool:
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
-def check_spec(spec: GraphSpec, kinds: KindRegistry) -> list[Issue]:
-    """Every semantic problem of a decoded spec; an empty list when it is valid."""
+def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None) -> list[Issue]:
+    """Every semantic problem of a decoded spec; an empty list when it is valid. `ops`: also check
+    that each python node's op may run there (None: ops are not checked)."""
     issues: list[Issue] = []
     add = issues.append
 
@@ -147,6 +150,8 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry) -> list[Issue]:
         kind = kinds.node_kind(node.kind)
         node_kinds[node.id] = kind
         _check_node(node, kind, roles, kinds, add)
+        if ops is not None and kind.name == "python" and node.op:
+            _check_op(node, ops, add)
 
     topo = topology(spec)
     seen_edges: set[str] = set()
@@ -275,8 +280,25 @@ def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: Ki
         add(Issue("stream_router", f"node {node.id!r} cannot both stream and route", node=node.id))
 
 
-def validate(spec: GraphSpec, kinds: KindRegistry) -> None:
+def _check_op(node: NodeSpec, ops: OpConfig, add) -> None:
+    """The node's op is registered (its params fit the op's schema), or a `module:function` op
+    where those are allowed. Imports nothing."""
+    assert node.op is not None
+    problem = ops.problem(node.op)
+    if problem is not None:
+        code = "op_not_allowed" if isinstance(problem, OpNotAllowedError) else "op_unknown"
+        add(Issue(code, f"node {node.id!r}: {problem}", node=node.id))
+        return
+    if node.op not in ops.registry:
+        return
+    schema = ops.registry.get(node.op).info.params_json_schema()
+    for err in jsonschema.Draft202012Validator(schema).iter_errors(node.params):
+        add(Issue("bad_param", f"node {node.id!r}: op {node.op!r}: params{_json_path(err.absolute_path)[1:]}:"
+                  f" {err.message}", node=node.id))
+
+
+def validate(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None) -> None:
     """Raise GraphValidationError when `check_spec` finds anything."""
-    issues = check_spec(spec, kinds)
+    issues = check_spec(spec, kinds, ops)
     if issues:
         raise GraphValidationError(issues)

@@ -74,8 +74,8 @@ class NodeKind:
     """Fixed input ports (a node may narrow an `any` type); None: the node declares them."""
     outputs: dict[str, PortSpec] | None = None
     op: str = "forbidden"
-    """`required`: the node names an operation (for `python`, a `module:function`);
-    `forbidden`: it must not."""
+    """`required`: the node names an operation (for `python`, a registered op, see
+    `engine.spec.ops`); `forbidden`: it must not."""
     category: str = "general"
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,7 +160,7 @@ def add_builtin_kinds(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
             name="python",
-            description="Runs Python functions named by `module:function`.",
+            description="Runs the Python functions registered as ops (`engine.spec.ops`).",
             runner="engine.compute.python:PythonUnit",
             params_schema={
                 "type": "object",

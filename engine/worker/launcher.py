@@ -104,6 +104,7 @@ class LocalCluster:
         self,
         spec: GraphSpec,
         *,
+        allow_module_ops: bool,
         registry_url: str | None = None,
         namespace: str = "omniflow",
         ready_timeout_s: float = 60.0,
@@ -114,9 +115,12 @@ class LocalCluster:
         restart: RestartPolicy | None = None,
         on_event: Callable[[ReplicaEvent], Awaitable[None]] | None = None,
     ) -> None:
-        """`restart`: supervise the replicas (None: a replica that ends stays gone);
+        """`allow_module_ops`: whether the workers run `module:function` ops besides the registered
+        ones (the command line: yes; a studio: its operator's setting); each worker enforces it.
+        `restart`: supervise the replicas (None: a replica that ends stays gone);
         `on_event` hears of each loss and replacement."""
         self.spec = spec
+        self.allow_module_ops = allow_module_ops
         self.registry_url = registry_url
         self.namespace = namespace
         self.ready_timeout_s = ready_timeout_s
@@ -243,6 +247,7 @@ class LocalCluster:
             "--role", role, "--workflow", str(spec_path), "--worker-id", worker_id,
             "--parent-pid", str(parent), "--namespace", self.namespace,
             "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s),
+            "--module-ops" if self.allow_module_ops else "--no-module-ops",
             *tp_args, *self.extra_args,
         ]
         if self.registry_url:

@@ -40,6 +40,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a role with tp_size > 1: tcp://HOST:PORT where the replica's ranks meet (rank 0 hosts it)")
     parser.add_argument("--tp-listen-fd", type=int, default=None,
                         help="rank 0: an inherited socket already listening at --tp-address (default: bind it)")
+    parser.add_argument("--module-ops", action=argparse.BooleanOptionalAction, default=True,
+                        help="run python nodes whose op is a `module:function` (code named by the request) besides"
+                             " the registered ops (default: yes, your own code; a studio's workers get"
+                             " --no-module-ops unless its operator allows them)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -83,6 +87,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         tp_rank=args.tp_rank,
         tp_address=args.tp_address,
         tp_listen_fd=args.tp_listen_fd,
+        allow_module_ops=args.module_ops,
     )
 
 

@@ -74,6 +74,7 @@ from engine.flow.discovery import (
 from engine.flow.links import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
+from engine.spec.ops import OpConfig, default_ops
 from engine.worker.core import RoleWorkerCore
 from engine.worker.kv import KVHosting
 from engine.worker.units import build_unit
@@ -108,6 +109,9 @@ class WorkerConfig:
     """Rank 0: an inherited socket already listening at `tp_address` (`engine.data.rendezvous`)."""
     stall_timeout_s: float = 60.0
     """How long the event loop may go without turning before the worker ends itself (0: never)."""
+    allow_module_ops: bool = True
+    """Run `module:function` ops besides the registered ones (`--no-module-ops`: refuse them,
+    whatever the executor sends: a worker enforces its launcher's rule itself)."""
 
 
 def _host_of(endpoint: str) -> str:
@@ -397,7 +401,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         kv = KVHosting()
     else:
         unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), role, shared=weights,
-                          kv_store=kv_store)
+                          kv_store=kv_store, ops=OpConfig(default_ops(), allow_module_ops=config.allow_module_ops))
         # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
         kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
                              namespace=config.namespace, heartbeat_s=config.heartbeat_s,

@@ -2,9 +2,10 @@
 model hold one copy of its weights) and, for a worker, its KV store.
 
 `build_unit(runner, role, **shared)` passes a unit only the shared things its constructor
-takes. `SharedUnits` builds the units of an in-process dispatcher (`omniflow run --workers
-inproc`, the studio's runs without a deployment) as a worker process builds its own, with one
-`WeightStore` for all of them: the `llm` and `diffusion` roles of one model share its module.
+takes (the `python` unit takes the process's `OpConfig`, `ops=`). `SharedUnits` builds the
+units of an in-process dispatcher (`omniflow run --workers inproc`, the studio's runs without
+a deployment) as a worker process builds its own, with one `WeightStore` for all of them: the
+`llm` and `diffusion` roles of one model share its module.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.compute.weights.store import WeightStore
 from engine.spec.calls import ComputeUnit
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry
+from engine.spec.ops import OpConfig
 
 
 def accepted_kwargs(runner: Callable[..., Any]) -> set[str]:
@@ -42,11 +44,13 @@ def build_unit(runner: Callable[..., Any], role: RoleSpec, **shared: Any) -> Any
 
 class SharedUnits:
     """`(role) -> unit` for `InProcessDispatcher(build=...)`: every unit built with one
-    `WeightStore` (in-process sharing only: no host segments, no CUDA IPC)."""
+    `WeightStore` (in-process sharing only: no host segments, no CUDA IPC), and python units with
+    `ops` (what the caller allows: the command line all, a studio its setting)."""
 
-    def __init__(self, kinds: KindRegistry) -> None:
+    def __init__(self, kinds: KindRegistry, *, ops: OpConfig) -> None:
         self._kinds = kinds
+        self._ops = ops
         self.weights = WeightStore()
 
     def __call__(self, role: RoleSpec) -> ComputeUnit:
-        return build_unit(self._kinds.role_kind(role.kind).load_runner(), role, shared=self.weights)
+        return build_unit(self._kinds.role_kind(role.kind).load_runner(), role, shared=self.weights, ops=self._ops)

@@ -256,7 +256,7 @@ try {
 
   await step("fix it", async () => {
     await selectNode("square");
-    await setField(tid("node-op-input"), "workflows.diamond:square");
+    await setField(tid("node-op-input"), "diamond.square");
     await validity("Valid");
     expect((await page.locator(".spec-node.has-issues").count()) === 0, "no node is marked after the fix");
   });

@@ -12,6 +12,7 @@ from django.conf import settings
 
 if TYPE_CHECKING:
     from engine.spec.kinds import KindRegistry
+    from engine.spec.ops import OpConfig
     from studio.config import StudioConfig
     from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.runs.service import RunService
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 class StudioEngine:
     config: StudioConfig
     kinds: KindRegistry
+    ops: OpConfig
+    """The ops this studio's runs may name: the registered ones, and module ops only with
+    `OMNIFLOW_ALLOW_MODULE_OPS` (validation, in-process units and the workers it starts)."""
     runs: RunService
     deployments: EmbeddedDeployments
     """Coroutines to run on `runs.call(...)`: the engine loop owns the deployments' workers."""
@@ -28,15 +32,17 @@ class StudioEngine:
 
 def build_engine(config: StudioConfig) -> StudioEngine:
     from engine.spec.kinds import default_kinds
+    from engine.spec.ops import OpConfig, default_ops
     from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.runs.bus import ChannelLayerRunEventBus, LocalRunEventBus
     from studio.workflows.runs.service import RunService
 
     kinds = default_kinds()
+    ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
     bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
     deployments = EmbeddedDeployments(config, kinds)
-    return StudioEngine(config=config, kinds=kinds, runs=RunService(kinds, bus, deployments=deployments,
-                                                                      lease_s=config.run_lease_s),
+    return StudioEngine(config=config, kinds=kinds, ops=ops,
+                        runs=RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s),
                         deployments=deployments)
 
 

@@ -60,7 +60,7 @@ def read_spec(*, spec: Any = None, source: str | None = None) -> GraphSpec:
 
 def check_spec_for_studio(spec: GraphSpec) -> CheckedSpec:
     eng = engine()
-    return check(spec, eng.kinds, eng.config.python_op_modules)
+    return check(spec, eng.kinds, eng.ops)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,11 @@ calls with literal arguments and names bound to their results, and rejects anyth
 else with the line it is on. (`engine.flow.loader.load_source` would `exec` the text,
 which is fine for a user's own files on their own machine and not for a server.)
 
-The studio also enforces a policy the engine does not: a `python` node may only name a
-function in a module under `OMNIFLOW_PYTHON_OP_MODULES` (default `workflows`), since
-any other `module:function` would let an API user run arbitrary code on the server. Nor may
-a node set `tenant` (whose caches it uses): the server gives every run its tenant.
+A `python` node names a registered op (`engine.spec.ops`): `check` reports `op_unknown` for
+a name the studio's registry lacks, and `op_not_allowed` for a `module:function` op unless
+`OMNIFLOW_ALLOW_MODULE_OPS` is set (a `module:function` lets its author run any code on the
+server). Nothing a spec names is imported to check it.
+Nor may a node set `tenant` (whose caches it uses): the server gives every run its tenant.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import ast
 import difflib
 import hashlib
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from engine.flow.dsl import NodeRef, PortRef, RoleRef, Workflow
 from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
+from engine.spec.ops import OpConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +54,6 @@ def canonical(spec: GraphSpec) -> tuple[dict[str, Any], str]:
     return json.loads(raw), hashlib.sha256(raw).hexdigest()
 
 
-def op_policy_issues(spec: GraphSpec, allowed_modules: Iterable[str]) -> list[Issue]:
-    allowed = tuple(allowed_modules)
-    if "*" in allowed:
-        return []
-    issues = []
-    for node in spec.nodes:
-        if node.kind != "python" or not node.op:
-            continue
-        module = node.op.partition(":")[0]
-        if not any(module == prefix or module.startswith(prefix + ".") for prefix in allowed):
-            issues.append(Issue(
-                "op_not_allowed",
-                f"node {node.id!r}: op {node.op!r} is outside the modules this studio may run"
-                f" ({', '.join(allowed) or 'none'}; see OMNIFLOW_PYTHON_OP_MODULES)",
-                node=node.id,
-            ))
-    return issues
-
-
 def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
     """A node may not name its cache tenant here: the server gives every run its tenant (the
     owning user, or a deployment's shared scope), which the engine puts over any node param."""
@@ -80,9 +62,10 @@ def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
             for node in spec.nodes if "tenant" in node.params]
 
 
-def check(spec: GraphSpec, kinds: KindRegistry, allowed_modules: Iterable[str]) -> CheckedSpec:
+def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig) -> CheckedSpec:
+    """`spec` canonicalised, with every problem `check_spec` finds, its ops' included, and nodes naming a tenant."""
     document, digest = canonical(spec)
-    issues = [*check_spec(spec, kinds), *op_policy_issues(spec, allowed_modules), *tenant_param_issues(spec)]
+    issues = [*check_spec(spec, kinds, ops), *tenant_param_issues(spec)]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 

@@ -83,7 +83,7 @@ async def _execute(run_id: str, owner: str) -> str | None:
     store = ThreadedRunStore(None, LeaseTerms(owner, eng.config.run_lease_s))
     keeper = LeaseKeeper(store, store.lease)
     try:
-        status = await execute_standalone(run_id, kinds=eng.kinds, store=store, bus=ChannelLayerRunEventBus(),
+        status = await execute_standalone(run_id, kinds=eng.kinds, ops=eng.ops, store=store, bus=ChannelLayerRunEventBus(),
                                           metrics=RunMetrics(), executors=executors, keeper=keeper)
     except (LeaseLost, asyncio.CancelledError):  # the lease lapsed and the run was taken over: stop here
         task = asyncio.current_task()

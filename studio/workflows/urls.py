@@ -21,6 +21,7 @@ urlpatterns = [
     path("validate/", workflows.ValidateView.as_view(), name="validate"),
     path("node-kinds/", catalogue.NodeKindsView.as_view(), name="node-kinds"),
     path("role-kinds/", catalogue.RoleKindsView.as_view(), name="role-kinds"),
+    path("ops/", catalogue.OpsView.as_view(), name="ops"),
     path("graphspec/schema/", catalogue.GraphSpecSchemaView.as_view(), name="graphspec-schema"),
     path("workers/", deployments.WorkersView.as_view(), name="worker-list"),
     path("sessions/<uuid:pk>/turns/", chat.session_turns, name="session-turns"),

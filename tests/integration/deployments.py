@@ -61,7 +61,7 @@ async def deployed(spec: GraphSpec, *, heartbeat_s: float, with_executor: bool =
                    **cluster_options: Any) -> AsyncIterator[Deployment]:
     """`spec` on a started `LocalCluster`; `check_processes_stop` asserts no worker process outlives it."""
     peer = Peer.start()
-    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, **cluster_options)
+    cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, **cluster_options)
     try:
         await cluster.start()
         dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=heartbeat_s, connect_timeout_s=5.0,

@@ -80,7 +80,7 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
     spec = load_workflow(REPO / "workflows" / "image_generation.py")
     diffusion_role = spec.role("diffusion")
     peer = Peer.start()
-    cluster = LocalCluster(spec, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+    cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
     try:
         await cluster.start()
         workers = {w.role: w for w in cluster.workers}

@@ -94,7 +94,7 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
     events = Events()
     options.setdefault("extra_args", ("--drain-timeout", "5"))
     options.setdefault("stop_timeout_s", 10.0)
-    cluster = LocalCluster(spec, heartbeat_s=heartbeat_s, restart=policy, on_event=events, **options)
+    cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, restart=policy, on_event=events, **options)
     peer = Peer.start()
     try:
         await cluster.start()

@@ -289,7 +289,7 @@ async def test_a_tp_replica_whose_ranks_cannot_start_fails_and_leaves_nothing_ru
     wf = Workflow("tpbad")
     wf.role("bad", kind="llm", model="no-such-model", tp_size=2)
     wf.input("x", "json")
-    cluster = LocalCluster(wf.to_spec(), heartbeat_s=HB, ready_timeout_s=60.0)
+    cluster = LocalCluster(wf.to_spec(), allow_module_ops=True, heartbeat_s=HB, ready_timeout_s=60.0)
     started = time.monotonic()
     with pytest.raises(LaunchError, match="before it was ready"):
         await cluster.start()

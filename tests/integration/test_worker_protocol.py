@@ -136,9 +136,10 @@ async def open_client(request, context, worker) -> AsyncIterator[Callable[[], Aw
 
 
 async def execute_ok(raw: RawClient | LocalClient, request_id: int, worker: dict[str, Any]) -> None:
-    """A normal execution on `raw` (already greeted): the result alone (a node that finishes
-    without suspending is not announced by an ExecuteStarted first)."""
-    result = await raw.call(whoami_request(request_id))
+    """A normal execution on `raw` (already greeted): ExecuteStarted, then the result (`whoami`
+    is a plain function: it runs in the unit's thread pool, so the node suspends and is announced)."""
+    assert await raw.call(whoami_request(request_id)) == ExecuteStarted(request_id, worker["worker_id"])
+    result = await raw.recv()
     assert result == ExecuteResult(request_id, {"out": PortValue(ValueKind.INLINE,
                                                                  data={"x": request_id, "pid": worker["pid"]})})
 

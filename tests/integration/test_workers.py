@@ -106,7 +106,7 @@ async def deployed(spec: GraphSpec, marker_dir: Path | None = None, *, registry_
                    namespace: str = "omniflow", registry_refresh_s: float = 0.5) -> AsyncIterator[Deployment]:
     """`spec`'s roles as worker processes, an executor dispatching to them; all stopped after."""
     peer = Peer.start()
-    cluster = LocalCluster(spec, registry_url=registry_url, namespace=namespace, heartbeat_s=HB,
+    cluster = LocalCluster(spec, allow_module_ops=True, registry_url=registry_url, namespace=namespace, heartbeat_s=HB,
                            stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
     try:
         await cluster.start()

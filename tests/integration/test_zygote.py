@@ -55,7 +55,7 @@ def two_replicas_spec() -> GraphSpec:
 
 
 def cluster_of(spec: GraphSpec) -> LocalCluster:
-    return LocalCluster(spec, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+    return LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
 
 
 async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
@@ -101,7 +101,7 @@ async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leave
     wf.role("py", kind="python", replicas=2)
     wf.role("bad", kind="llm", model="no-such-model")
     wf.input("x", "json")
-    cluster = LocalCluster(wf.to_spec(), heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
+    cluster = LocalCluster(wf.to_spec(), allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
                            fork_server=fork_server)
     # Other tests' long-lived helpers (a live studio, say) may be children of this process too.
     before = {c.pid for c in psutil.Process().children(recursive=True)}
@@ -146,7 +146,7 @@ from engine.worker.launcher import LaunchError, LocalCluster
 from tests.integration.test_zygote import two_replicas_spec
 
 async def main():
-    cluster = LocalCluster(two_replicas_spec(), heartbeat_s=0.2)
+    cluster = LocalCluster(two_replicas_spec(), allow_module_ops=True, heartbeat_s=0.2)
     await cluster.start()
     print(json.dumps({"zygote": cluster._zygote.pid, "workers": [w.pid for w in cluster.workers]}), flush=True)
     await asyncio.Event().wait()

@@ -68,15 +68,25 @@ def _test_settings(settings: Any, tmp_path: Path) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast, tests only
 
 
-TEST_OP_MODULES = ("workflows", "tests.studio.fns")
-
-
 @pytest.fixture(autouse=True)
 def studio_engine() -> Iterator[StudioEngine]:
-    """A fresh engine per test (its own RunService, allowed to run `tests.studio.fns`),
-    stopped afterwards."""
+    """A fresh engine per test (its own RunService; module ops allowed: the tests name their own
+    functions in `tests.studio.fns`), stopped afterwards. `strict_engine` is a studio as deployed."""
     app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES))
+    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=True))
+    previous = app.install(studio)
+    try:
+        yield studio
+    finally:
+        studio.runs.stop()
+        app.install(previous)
+
+
+@pytest.fixture
+def strict_engine(studio_engine: StudioEngine) -> Iterator[StudioEngine]:
+    """The engine of a studio as deployed (`OMNIFLOW_ALLOW_MODULE_OPS` off): registered ops only."""
+    app = apps.get_app_config("workflows")
+    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=False))
     previous = app.install(studio)
     try:
         yield studio

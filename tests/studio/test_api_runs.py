@@ -80,7 +80,7 @@ def test_bad_submissions(api, other_api) -> None:
     assert Run.objects.count() == 0
 
 
-def test_invalid_or_forbidden_versions_do_not_run(api) -> None:
+def test_invalid_or_forbidden_versions_do_not_run(api, strict_engine) -> None:
     wf = create_workflow(api, spec_doc(op="os:system"))
     response = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "ls"}}, format="json")
     assert response.status_code == 422

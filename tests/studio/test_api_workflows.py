@@ -78,7 +78,7 @@ def test_versions_save_list_get_diff(api) -> None:
     assert api.get(f"{url}2/diff/?against=7").status_code == 404
 
 
-def test_invalid_drafts_are_saved_with_their_issues(api) -> None:
+def test_invalid_drafts_are_saved_with_their_issues(api, strict_engine) -> None:
     wf = create_workflow(api, spec_doc())
     bad = spec_doc(op="os:system")
     bad["edges"].append({"source": "nope", "source_port": "x", "target": "result", "target_port": "value"})
@@ -97,7 +97,7 @@ def test_validate_reports_every_issue_with_ids(api) -> None:
     assert bare.status_code == 200
     bad = spec_doc()
     bad["nodes"][1]["role"] = "ghost"
-    bad["nodes"].append({"id": "lonely", "kind": "python", "role": "py", "op": "workflows.diamond:square",
+    bad["nodes"].append({"id": "lonely", "kind": "python", "role": "py", "op": "diamond.square",
                          "inputs": {"x": {"type": "json"}}, "outputs": {"out": {"type": "json"}}})
     bad["edges"].append({"source": "step", "source_port": "out", "target": "result", "target_port": "nope"})
     response = api.post("/api/validate/", {"spec": bad}, format="json")

@@ -26,7 +26,6 @@ from studio.config import Dispatch
 from studio.workflows.apps import build_engine
 from studio.workflows.models import Deployment, Run, Worker
 from studio.workflows.tasks import deploy as deploy_task
-from tests.studio.conftest import TEST_OP_MODULES
 from tests.studio.factories import create_workflow
 from tests.studio.test_deployments import whoami_spec
 from tests.studio.test_live_server import database_url
@@ -62,7 +61,7 @@ def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
     node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
            "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
-           "OMNIFLOW_PYTHON_OP_MODULES": ",".join(TEST_OP_MODULES), "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
+           "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
            "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
            "PYTHONPATH": str(ROOT)}
     log = tmp_path / "celery.log"
@@ -72,7 +71,7 @@ def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
              "-n", f"{node}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     worker = CeleryNode(node, run_queue, proc, log)
-    config = dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES, dispatch=Dispatch.CELERY,
+    config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY,
                                  node_name=node, deploy_node=node, run_queue=run_queue)
     app = apps.get_app_config("workflows")
     studio = build_engine(config)

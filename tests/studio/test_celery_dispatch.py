@@ -15,7 +15,6 @@ from studio.config import Dispatch
 from studio.workflows.apps import build_engine
 from studio.workflows.models import Run, RunEvent
 from studio.workflows.tasks import execute_run
-from tests.studio.conftest import TEST_OP_MODULES
 from tests.studio.factories import create_workflow, spec_doc
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def celery_dispatch() -> Iterator[None]:
-    config = dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES, dispatch=Dispatch.CELERY)
+    config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY)
     app = apps.get_app_config("workflows")
     studio = build_engine(config)
     previous = app.install(studio)

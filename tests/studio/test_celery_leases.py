@@ -34,7 +34,6 @@ from studio.workflows.chat import turns
 from studio.workflows.chat.openai import parse_messages
 from studio.workflows.models import Deployment, Run, RunEvent, Worker
 from studio.workflows.runs.lease import RUN_RESTARTED
-from tests.studio.conftest import TEST_OP_MODULES
 from tests.studio.factories import create_workflow, spec_doc
 from tests.studio.test_live_server import database_url
 from tests.studio.test_run_leases import stored_run
@@ -82,7 +81,7 @@ class Cluster:
     def start(self, name: str, queues: list[str]) -> CeleryWorker:
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
                "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": self.node, "OMNIFLOW_RUN_QUEUE": self.run_queue,
-               "OMNIFLOW_PYTHON_OP_MODULES": ",".join(TEST_OP_MODULES), "OMNIFLOW_DATA_DIR": str(self.tmp / "data"),
+               "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_DATA_DIR": str(self.tmp / "data"),
                "OMNIFLOW_RUN_LEASE_S": str(LEASE_S), "OMNIFLOW_RUN_LEASE_RETRIES": str(self.retries),
                "OMNIFLOW_WORKER_RESTART": "0", "PYTHONPATH": str(ROOT)}
         log = self.tmp / f"{name}.log"
@@ -124,7 +123,7 @@ def cluster_fixture(retries: int, with_node: bool) -> Callable[..., Iterator[Clu
             cluster.start("node", [f"node.{cluster.node}"])
         for name in ("runs-a", "runs-b"):
             cluster.start(name, [cluster.run_queue])
-        config = dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES, dispatch=Dispatch.CELERY,
+        config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY,
                                      node_name=cluster.node, deploy_node=cluster.node, run_queue=cluster.run_queue,
                                      run_lease_s=LEASE_S, run_lease_retries=retries)
         app = apps.get_app_config("workflows")

@@ -21,7 +21,7 @@ def test_embedded_defaults(tmp_path: Path) -> None:
     assert config.redis_url is None and not config.distributed
     assert config.dispatch is Dispatch.LOCAL
     assert config.max_upload_bytes == 20 * 1024 * 1024
-    assert config.python_op_modules == ("workflows",)
+    assert config.allow_module_ops is False
     assert (config.worker_restart, config.worker_max_restarts, config.worker_restart_backoff_s,
             config.node_supervise_s) == (True, 5, 0.5, 5.0)
     # the generated secret key is kept, so sessions survive a restart
@@ -84,3 +84,12 @@ def test_run_leases_and_the_metrics_token(tmp_path: Path) -> None:
                         ("OMNIFLOW_RUN_LEASE_RETRIES", "-1"), ("OMNIFLOW_METRICS_TOKEN", "short")):
         with pytest.raises(ImproperlyConfigured, match=name):
             load_config(env(tmp_path, **{name: value}))
+
+
+def test_module_ops_setting(tmp_path: Path) -> None:
+    assert load_config(env(tmp_path, OMNIFLOW_ALLOW_MODULE_OPS="1")).allow_module_ops is True
+    with pytest.raises(ImproperlyConfigured, match="OMNIFLOW_ALLOW_MODULE_OPS"):
+        load_config(env(tmp_path, OMNIFLOW_ALLOW_MODULE_OPS="sometimes"))
+    # The old allow-list of module prefixes is gone: a studio still setting it is told what replaced it.
+    with pytest.raises(ImproperlyConfigured, match="OMNIFLOW_PYTHON_OP_MODULES is gone.*OMNIFLOW_ALLOW_MODULE_OPS=1"):
+        load_config(env(tmp_path, OMNIFLOW_PYTHON_OP_MODULES="workflows"))

@@ -20,7 +20,7 @@ from django.conf import settings
 from engine.flow.discovery import make_registry
 from studio.workflows.apps import StudioEngine, build_engine
 from studio.workflows.models import Deployment, Worker
-from tests.studio.conftest import TEST_OP_MODULES, client_for
+from tests.studio.conftest import client_for
 from tests.studio.factories import create_workflow, spec_doc
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -128,7 +128,7 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
 def test_failed_start_marks_the_deployment_failed(api: Any) -> None:
     # workers told to listen on an address this machine does not have exit at once
     app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES,
+    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True,
                                               worker_listen="tcp://192.0.2.1:0"))
     previous = app.install(studio)
     try:
@@ -303,7 +303,7 @@ def test_scaling_counts_a_pending_replacement_once(api: Any) -> None:
     (the pending replacement is the other), and 2 -> 1 gives the pending replacement up rather
     than stopping the live worker."""
     app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, python_op_modules=TEST_OP_MODULES,
+    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True,
                                               worker_restart_backoff_s=600.0))
     previous = app.install(studio)
     try:

@@ -76,7 +76,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
         "DJANGO_SETTINGS_MODULE": "studio.settings",
         "DATABASE_URL": database_url(),
         "OMNIFLOW_DATA_DIR": str(settings.OMNIFLOW.data_dir),
-        "OMNIFLOW_PYTHON_OP_MODULES": "workflows,tests.studio.fns",
+        "OMNIFLOW_ALLOW_MODULE_OPS": "1",
         "OMNIFLOW_METRICS_TOKEN": METRICS_TOKEN,
         "PYTHONPATH": str(ROOT),
     }

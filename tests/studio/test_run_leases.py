@@ -133,7 +133,7 @@ def test_cancel_reaches_the_process_executing_the_run(api: Any, user: Any, studi
     executor when asked through this one; the request waits for it and answers 200."""
     wf = create_workflow(api, spec_doc(op="tests.studio.fns:wait_forever"))
     run = stored_run(user, wf)
-    other = RunService(studio_engine.kinds, LocalRunEventBus(), lease_s=1.5)
+    other = RunService(studio_engine.kinds, LocalRunEventBus(), ops=studio_engine.ops, lease_s=1.5)
     try:
         other.submit(str(run.pk))
         wait_until("the run executing", lambda: Run.objects.get(pk=run.pk).status == "running")

@@ -7,10 +7,15 @@ import pytest
 from engine.flow.pysrc import to_python
 from engine.flow.validate import GraphValidationError, parse_spec
 from engine.spec.kinds import default_kinds
+from engine.spec.ops import OpConfig, default_ops
 from studio.workflows.specs import check, diff_documents, spec_from_source
 from tests.studio.factories import example_spec, spec_doc
 
 EXAMPLES = ["diamond", "loop", "router", "stream"]
+
+
+def studio_ops(*, allow_module_ops: bool = False) -> OpConfig:
+    return OpConfig(default_ops(), allow_module_ops=allow_module_ops)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -25,7 +30,7 @@ from engine.flow.dsl import Workflow
 wf = Workflow("hand", description="by hand")
 py = wf.role("py", kind="python")
 x = wf.input("x", "json", default=2)
-node = wf.node("double", "python", role=py, op="workflows.diamond:square", inputs={"x": "json"},
+node = wf.node("double", "python", role=py, op="diamond.square", inputs={"x": "json"},
                outputs={"out": "json"})
 wf.edge(x, node.inp("x"))
 wf.output("y", node)
@@ -33,7 +38,7 @@ workflow = wf
 '''
     spec = spec_from_source(source)
     assert [n.id for n in spec.nodes] == ["x", "double", "y"]
-    assert check(spec, default_kinds(), ["workflows"]).valid
+    assert check(spec, default_kinds(), studio_ops()).valid
 
 
 @pytest.mark.parametrize(("source", "needle"), [
@@ -63,10 +68,13 @@ def test_source_is_schema_checked() -> None:
 
 def test_op_policy() -> None:
     spec = parse_spec(spec_doc(op="os:system"))
-    issues = check(spec, default_kinds(), ["workflows"]).issues
+    issues = check(spec, default_kinds(), studio_ops()).issues
     assert [(i.code, i.node) for i in issues] == [("op_not_allowed", "step")]
-    assert check(spec, default_kinds(), ["*"]).valid
-    assert not check(parse_spec(spec_doc(op="workflowsx.evil:f")), default_kinds(), ["workflows"]).valid
+    assert check(spec, default_kinds(), studio_ops(allow_module_ops=True)).valid
+    assert check(parse_spec(spec_doc(op="router.echo")), default_kinds(), studio_ops()).valid
+    unknown = check(parse_spec(spec_doc(op="router.ecko")), default_kinds(), studio_ops(allow_module_ops=True))
+    assert [(i.code, i.node) for i in unknown.issues] == [("op_unknown", "step")]
+    assert "did you mean 'router.echo'" in unknown.issues[0].message
 
 
 def test_diff_names_what_changed() -> None:

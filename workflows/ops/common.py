@@ -1,6 +1,7 @@
 """Python ops shared by the example workflows: prompts, routing on special tokens, saving outputs.
 
-`save_outputs` (op `workflows.ops.common:save_outputs`) writes a run's media under `./omniflow-out/<run_id>/` (gitignored; the node
+Each is a registered op (`@op`, collected through this package's `omniflow.ops` entry point).
+`save_outputs` (op `media.save_outputs`) writes a run's media under `./omniflow-out/<run_id>/` (gitignored; the node
 param `out_dir` moves it) and returns where, so `omniflow run` prints the paths.
 """
 
@@ -13,17 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.calls import NodeContext
+from engine.spec.ops import op
 
 SIZE_TOKEN = re.compile(r"<\|size:(\d{2,4})x(\d{2,4})\|>")
 DEFAULT_SIZE = (256, 256)
 
 
+@op("image.rewrite_prompt")
 def rewrite_prompt(request: str) -> str:
     """The LLM's instruction: rewrite the request as an image prompt and end with a size token."""
     return ("Rewrite the request as a detailed image prompt, then emit its size as <|size:WxH|>.\n"
             f"Request: {request.strip()}\nImage prompt:")
 
 
+@op("image.context_tokens", inputs={"prompt": "text", "tokens": "tokens"}, outputs={"out": "tokens"})
 def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
     """The LLM's whole context as model ids (its prompt tokenized as the llm role running `model`
     does, then what it generated): the diffusion role attends to it, reusing the pages the LLM
@@ -33,6 +37,7 @@ def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
     return list(RoleTokenizers().tokenizer(model)(prompt).input_ids) + [int(t) for t in tokens]
 
 
+@op("image.size")
 def image_size(text: str) -> dict[str, int]:
     """The size the LLM asked for with `<|size:WxH|>` (clamped to 64..1024), else 256x256."""
     match = SIZE_TOKEN.search(text or "")
@@ -40,6 +45,10 @@ def image_size(text: str) -> dict[str, int]:
     return {"width": min(max(width, 64), 1024), "height": min(max(height, 64), 1024)}
 
 
+@op("media.save_outputs", inputs={"text": {"type": "text", "optional": True},
+                                 "image": {"type": "image", "optional": True},
+                                 "audio": {"type": "audio", "optional": True},
+                                 "size": {"type": "json", "optional": True}}, outputs={"out": "json"})
 def save_outputs(ctx: NodeContext, text: str | None = None, image: Any = None, audio: Any = None,
                  size: Any = None, out_dir: str = "omniflow-out") -> dict[str, Any]:
     """Write what arrived (text -> reply.txt, image PNG -> image.png, resized to `size` when given,
@@ -77,6 +86,8 @@ DRAW_WORDS = re.compile(r"\b(draw|paint|sketch|picture of|image of)\b", re.IGNOR
 SPEECH_TOKEN, IMAGE_TOKEN = "<|speech|>", "<|image_gen|>"
 
 
+@op("omni.parse_request", inputs={"message": "text", "image": {"type": "json", "optional": True},
+                                  "audio": {"type": "json", "optional": True}}, outputs={"out": "json"})
 def parse_request(message: str, image: Any = None, audio: Any = None) -> Any:
     """Route to the encoders of the media present (and always to the prompt); the value is the request."""
     from engine.spec.calls import Route
@@ -85,6 +96,7 @@ def parse_request(message: str, image: Any = None, audio: Any = None) -> Any:
     return Route([*(["picture"] if image else []), *(["sound"] if audio else []), "prompt_text"], request)
 
 
+@op("omni.picture", outputs={"out": "image"})
 def picture(request: dict) -> bytes:
     """The request's picture as PNG bytes (`"sample"`: the built-in test picture)."""
     from engine.compute.media import png_bytes, sample_picture
@@ -93,6 +105,7 @@ def picture(request: dict) -> bytes:
     return png_bytes(sample_picture()) if image == SAMPLE else bytes(image)
 
 
+@op("omni.sound", outputs={"out": "audio"})
 def sound(request: dict) -> bytes:
     """The request's audio as WAV bytes (`"sample"`: the built-in test sound)."""
     from engine.compute.media import sample_sound, wav_bytes
@@ -101,12 +114,18 @@ def sound(request: dict) -> bytes:
     return wav_bytes(sample_sound()) if audio == SAMPLE else bytes(audio)
 
 
+@op("omni.prompt_text")
 def prompt_text(request: dict) -> str:
     """The thinker's message: one `<|image|>`/`<|audio|>` marker per medium, then the text."""
     markers = ("<|image|>" if request.get("image") else "") + ("<|audio|>" if request.get("audio") else "")
     return f"{markers}User: {request['message'].strip()}\nAssistant:"
 
 
+@op("omni.combine_media", inputs={"image_item": {"type": "json", "optional": True},
+                                  "image_embeds": {"type": "tensor", "optional": True},
+                                  "audio_item": {"type": "json", "optional": True},
+                                  "audio_embeds": {"type": "tensor", "optional": True}},
+    outputs={"items": "json", "embeds": "tensor"})
 def combine_media(image_item: Any = None, image_embeds: Any = None, audio_item: Any = None,
                   audio_embeds: Any = None) -> dict[str, Any]:
     """The encoders' items and embeddings in marker order (image, then audio), rows concatenated."""
@@ -120,6 +139,7 @@ def combine_media(image_item: Any = None, image_embeds: Any = None, audio_item: 
     return {"items": items, "embeds": torch.cat(rows).contiguous()}
 
 
+@op("omni.route_reply", inputs={"message": "text", "text": "text", "tokens": "tokens"}, outputs={"out": "tokens"})
 def route_reply(message: str, text: str, tokens: list[int]) -> Any:
     """Router on the thinker's special tokens (or the request's wording): speech, image, text."""
     from engine.spec.calls import Route
@@ -132,10 +152,13 @@ def route_reply(message: str, text: str, tokens: list[int]) -> Any:
     return Route(routes, tokens) if routes else Route([], tokens)
 
 
+@op("omni.speech_codes")
 def speech_codes(tokens: list[int]) -> list[int]:
     """The thinker's tokens as audio codes (a real omni model emits codes above its text vocabulary)."""
     return [int(t) % 1024 for t in tokens] or [0]
 
 
+@op("omni.draw_prompt", inputs={"tokens": "tokens"})
 def draw_prompt(tokens: list[int]) -> str:
+    """The image branch's prompt."""
     return "a variation of the picture the user sent, bright colours"

@@ -5,6 +5,7 @@ import type {
   GraphSpec,
   Issue,
   NodeKind,
+  OpInfo,
   Page,
   RoleKind,
   RunDetail,
@@ -26,6 +27,7 @@ export const auth = {
 export const catalogue = {
   nodeKinds: () => request<NodeKind[]>("GET", "/api/node-kinds/"),
   roleKinds: () => request<RoleKind[]>("GET", "/api/role-kinds/"),
+  ops: () => request<OpInfo[]>("GET", "/api/ops/"),
 };
 
 export const workflows = {

@@ -128,6 +128,17 @@ export interface NodeKind {
   op: "required" | "forbidden";
 }
 
+/** `/api/ops/`: a registered op a python node may name (`OpInfo.to_dict()`). */
+export interface OpInfo {
+  name: string;
+  description: string;
+  inputs: Record<string, { type: PortType; optional: boolean; join?: "all" | "ordered" | "dynamic" }>;
+  outputs: Record<string, { type: PortType; optional: boolean }>;
+  params_schema: JsonSchema;
+  /** A generator: its node streams. */
+  stream: boolean;
+}
+
 export interface RoleKind {
   name: string;
   description: string;

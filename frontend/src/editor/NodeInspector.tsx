@@ -1,6 +1,16 @@
 /** The property panel of the selected node: identity, role, op, parameters, ports, control flow. */
 import { useState } from "react";
-import { IDENT, JOIN_MODES, type JoinMode, type NodeKind, type NodeSpec, PORT_TYPES, type PortSpec, type PortType } from "../api/types";
+import {
+  IDENT,
+  JOIN_MODES,
+  type JoinMode,
+  type NodeKind,
+  type NodeSpec,
+  type OpInfo,
+  PORT_TYPES,
+  type PortSpec,
+  type PortType,
+} from "../api/types";
 import { CommitInput, CommitTextArea, SchemaForm } from "../components/forms";
 import { Icon } from "../components/icons";
 import { Button } from "../components/ui";
@@ -19,14 +29,18 @@ export function NodeInspector({
   doc,
   spec,
   kind,
+  ops,
   edits,
 }: {
   doc: EditorDoc;
   spec: NodeSpec;
   kind: NodeKind | undefined;
+  /** The registered ops (offered for the op field; a registered op's params schema is the form's). */
+  ops: OpInfo[];
   edits: NodeEdits;
 }) {
   const id = spec.id;
+  const opInfo = ops.find((o) => o.name === spec.op);
   const issues = doc.nodes.find((n) => n.id === id)?.data.issues ?? [];
   const roles = doc.roles.filter((r) => kind?.role_kinds.includes(r.kind));
   const [renameError, setRenameError] = useState<string | null>(null);
@@ -99,14 +113,28 @@ export function NodeInspector({
             <CommitInput
               className="mono"
               value={spec.op ?? ""}
-              placeholder="module:function"
+              placeholder="registered op, e.g. diamond.square"
               aria-label="Operation"
               data-testid="node-op-input"
+              list="registered-ops"
               onCommit={(v) => edits.patch(id, { op: v })}
             />
-            <span className="field-hint">
-              A <code>module:function</code> under the studio's allowed modules, e.g.{" "}
-              <code>workflows.diamond:square</code>.
+            <datalist id="registered-ops">
+              {ops.map((o) => (
+                <option key={o.name} value={o.name}>
+                  {o.description}
+                </option>
+              ))}
+            </datalist>
+            <span className="field-hint" data-testid="node-op-hint">
+              {opInfo ? (
+                opInfo.description || "A registered op."
+              ) : (
+                <>
+                  A registered op, e.g. <code>diamond.square</code> (a <code>module:function</code> only where the
+                  operator allows module ops).
+                </>
+              )}
             </span>
           </label>
         )}
@@ -119,7 +147,7 @@ export function NodeInspector({
       <section className="section">
         <div className="section-title">Parameters</div>
         <SchemaForm
-          schema={kind?.params_schema ?? { type: "object" }}
+          schema={opInfo?.params_schema ?? kind?.params_schema ?? { type: "object" }}
           value={spec.params ?? {}}
           onChange={(params) => edits.patch(id, { params })}
         />

@@ -248,6 +248,19 @@ describe("validation issues", () => {
   });
 });
 
+describe("op issues", () => {
+  it("an unknown or refused op lands on its node, as the studio's validation names it", () => {
+    const doc = specToDoc(examples.diamond);
+    const issues: Issue[] = [
+      { code: "op_unknown", message: "node 'square': op 'diamond.sqare' is not a registered op", node: "square" },
+      { code: "op_not_allowed", message: "node 'cube': op 'os:system' names code by its module path", node: "cube" },
+    ];
+    const shown = withIssues(doc, placeIssues(issues, doc));
+    expect(shown.nodes.find((n) => n.id === "square")!.data.issues!.map((i) => i.code)).toEqual(["op_unknown"]);
+    expect(shown.nodes.find((n) => n.id === "cube")!.data.issues!.map((i) => i.code)).toEqual(["op_not_allowed"]);
+  });
+});
+
 describe("jsonEqual", () => {
   it("ignores key order only", () => {
     expect(jsonEqual({ a: 1, b: [1, { c: 2 }] }, { b: [1, { c: 2 }], a: 1 })).toBe(true);

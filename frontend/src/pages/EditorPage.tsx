@@ -22,7 +22,7 @@ import { type DragEvent, useCallback, useEffect, useMemo, useRef, useState } fro
 import { Link, useNavigate, useParams } from "react-router-dom";
 import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
-import type { GraphSpec, Issue, NodeKind, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
+import type { GraphSpec, Issue, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
 import { useToast } from "../components/toast";
@@ -55,6 +55,8 @@ interface Loaded {
   workflow: Workflow;
   kinds: NodeKind[];
   roleKinds: RoleKind[];
+  /** The registered ops a python node may name. */
+  ops: OpInfo[];
   version: Version | null;
 }
 
@@ -68,15 +70,16 @@ export function EditorPage() {
     setLoaded(null);
     (async () => {
       try {
-        const [workflow, kinds, roleKinds] = await Promise.all([
+        const [workflow, kinds, roleKinds, ops] = await Promise.all([
           workflows.get(id),
           catalogue.nodeKinds(),
           catalogue.roleKinds(),
+          catalogue.ops(),
         ]);
         const version = workflow.latest_version
           ? await workflows.version(id, workflow.latest_version.number)
           : null;
-        setLoaded({ workflow, kinds, roleKinds, version });
+        setLoaded({ workflow, kinds, roleKinds, ops, version });
       } catch (err) {
         setError({ status: (err as ApiError).status, message: describeError(err) });
       }
@@ -117,7 +120,7 @@ type Tab = "inspect" | "roles" | "workflow" | "issues";
 /** What a saved version holds, to tell whether the editor has unsaved changes. */
 const savedKey = (spec: GraphSpec, layout: ReturnType<typeof docLayout>) => ({ spec, nodes: layout.nodes });
 
-function Editor({ workflow, kinds, roleKinds, version }: Loaded) {
+function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
   const navigate = useNavigate();
   const toast = useToast();
   const flow = useReactFlow<SpecNode, SpecEdge>();
@@ -590,6 +593,7 @@ function Editor({ workflow, kinds, roleKinds, version }: Loaded) {
                 doc={{ ...doc, nodes: view.nodes }}
                 spec={selectedNode.data.spec}
                 kind={catalogueMap.get(selectedNode.data.spec.kind)}
+                ops={ops}
                 edits={nodeEdits}
               />
             )}

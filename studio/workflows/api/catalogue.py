@@ -1,5 +1,5 @@
 """The catalogue the editor's palette shows: node kinds (ports and parameter JSON
-schemas), role kinds, and the GraphSpec JSON Schema."""
+schemas), role kinds, the registered ops a python node may name, and the GraphSpec JSON Schema."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ class NodeKindSerializer(serializers.Serializer):
     op = serializers.ChoiceField(choices=["required", "forbidden"])
 
 
+class OpPortSerializer(PortSerializer):
+    join = serializers.ChoiceField(choices=["all", "ordered", "dynamic"], required=False)
+
+
+class OpSerializer(serializers.Serializer):
+    name = serializers.CharField(help_text="what a python node's `op` names")
+    description = serializers.CharField(help_text="the first paragraph of the function's docstring")
+    inputs = serializers.DictField(child=OpPortSerializer(), help_text="the node's input ports")
+    outputs = serializers.DictField(child=OpPortSerializer(), help_text="the node's output ports")
+    params_schema = serializers.JSONField(help_text="JSON Schema of the node's params")
+    stream = serializers.BooleanField(help_text="a generator: the node streams (stream=True)")
+
+
 class RoleKindSerializer(serializers.Serializer):
     name = serializers.CharField()
     description = serializers.CharField()
@@ -53,6 +66,12 @@ class RoleKindsView(APIView):
              "tensor_parallel": k.tensor_parallel is not None and k.tp_runner is not None}
             for k in engine().kinds.role_kinds
         ])
+
+
+class OpsView(APIView):
+    @extend_schema(summary="The registered ops a python node may name", responses=OpSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response([entry.info.to_dict() for entry in engine().ops.registry.ops])
 
 
 class GraphSpecSchemaView(APIView):

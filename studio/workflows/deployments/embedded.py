@@ -149,6 +149,7 @@ class EmbeddedDeployments:
         if hosted is None:
             cluster = LocalCluster(
                 ticket.spec,
+                allow_module_ops=self.config.allow_module_ops,
                 registry_url=self.config.redis_url,
                 namespace=ticket.namespace,
                 ready_timeout_s=self.config.worker_ready_timeout_s,

@@ -30,6 +30,7 @@ from engine.flow.events import EventLog, RunFinished, RunStatus, event_to_dict
 from engine.flow.executor import Executor, Run, RunInputError
 from engine.flow.validate import GraphValidationError, parse_spec
 from engine.spec.kinds import KindRegistry
+from engine.spec.ops import OpConfig
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.lease import LeaseKeeper
 from studio.workflows.runs.metrics import RunMetrics
@@ -192,14 +193,14 @@ async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | N
         executor.forget(run_id)
 
 
-async def execute_standalone(run_id: str, *, kinds: KindRegistry, store: RunStore, bus: RunEventBus,
+async def execute_standalone(run_id: str, *, kinds: KindRegistry, ops: OpConfig, store: RunStore, bus: RunEventBus,
                              metrics: RunMetrics, executors: ExecutorSource | None = None,
                              keeper: LeaseKeeper | None = None) -> RunStatus | None:
-    """Execute one run with an executor of its own (a Celery worker's task). `executors`
-    (when given) serves runs of deployments; the caller closes it."""
+    """Execute one run with an executor of its own (a Celery worker's task). `ops`: what its
+    python units may run. `executors` (when given) serves runs of deployments; the caller closes it."""
     from engine.worker.units import SharedUnits  # torch: when a run executes, not at import
 
-    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds)), kinds)
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
     source = executors or OwnExecutor(executor)
     try:
         return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,

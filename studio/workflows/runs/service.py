@@ -37,6 +37,7 @@ from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import RunStatus
 from engine.flow.executor import Executor
 from engine.spec.kinds import KindRegistry
+from engine.spec.ops import OpConfig
 from studio.workflows.models import Run
 from studio.workflows.models import RunStatus as DbRunStatus
 from studio.workflows.runs.bus import RunEventBus
@@ -93,9 +94,11 @@ class _Executors:
 
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
-                 *, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
+                 *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
                  lease_s: float = 30.0) -> None:
+        """`ops`: what the python units of runs without a deployment may run."""
         self.kinds = kinds
+        self.ops = ops
         self.bus = bus
         self.metrics = metrics or RunMetrics()
         self.deployments = deployments
@@ -136,7 +139,8 @@ class RunService:
         asyncio.set_event_loop(loop)
         from engine.worker.units import SharedUnits  # torch: on the engine thread, not at import
 
-        self._executor = Executor(InProcessDispatcher(self.kinds, build=SharedUnits(self.kinds)), self.kinds)
+        self._executor = Executor(InProcessDispatcher(self.kinds, build=SharedUnits(self.kinds, ops=self.ops)),
+                                  self.kinds)
         self._executors = _Executors(self._executor, self.deployments)
         self._loop = loop
         ready.set()

@@ -25,6 +25,7 @@ from engine.flow.streams import StreamChannel, StreamGroup
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
+from engine.spec.ops import OpConfig, default_ops
 from tests.unit.flow import fns
 
 DEADLINE_S = 10.0
@@ -236,7 +237,7 @@ async def test_cancelling_a_run_whose_producer_waits_for_room_ends_it(kinds: Kin
 
 
 async def test_a_plain_generator_runs_only_read_ahead_frames_beyond_its_reader(kinds: KindRegistry):
-    unit = PythonUnit(RoleSpec(name="py", kind="python"))
+    unit = PythonUnit(RoleSpec(name="py", kind="python"), ops=OpConfig(default_ops(), allow_module_ops=True))
     made: list[int] = []
     call = NodeCall("r", "src", f"{fns.__name__}:counted_sync_frames", {"n": 100, "made": made}, {}, ("out",),
                     True, False, 1, 1)

@@ -91,6 +91,23 @@ def test_validate_invalid_json_graphspec_prints_every_error(capsys, tmp_path):
     ]
 
 
+def test_validate_names_unknown_ops_and_allows_module_ops(capsys, tmp_path):
+    doc = json.loads(encode_spec(load_workflow(ROOT / "workflows" / "diamond.py")))
+    square = next(n for n in doc["nodes"] if n["id"] == "square")
+    square["op"] = "diamond.sqare"
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "invalid workflow: 1 problem",
+        "  [op_unknown] node 'square': op 'diamond.sqare' is not a registered op; did you mean 'diamond.square'?"
+        "  (node=square)",
+    ]
+    square["op"] = "tests.unit.flow.fns:inc"  # the command line runs a person's own code
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 0
+
+
 def test_validate_schema_errors_are_all_printed(capsys, tmp_path):
     doc = json.loads(json.dumps(INVALID_DOC))
     doc["version"] = 7

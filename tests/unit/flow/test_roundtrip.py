@@ -58,3 +58,31 @@ def test_tp_size_survives_dsl_json_python_json():
     source = to_python(parse_spec(as_json))
     assert "tp_size=2" in source
     assert encode_spec(load_source(source, "<tp_chat as python>")) == as_json
+
+
+def test_registered_and_module_ops_both_survive_dsl_json_python_json():
+    from engine.flow.dsl import Workflow
+    from tests.unit.flow import fns
+    from workflows.ops.chat import join_text
+    from workflows.ops.diamond import square
+
+    wf = Workflow("mixed")
+    py = wf.role("py", kind="python")
+    x = wf.input("x", default=2)
+    sq = wf.python(square, role=py)  # registered: its name, and the op's ports
+    inc = wf.python(fns.inc, role=py, outputs={"out": "text"})  # undecorated: module:qualname (trusted runs only)
+    join = wf.python(join_text, role=py, id="join")
+    wf.edge(x, sq)
+    wf.edge(sq, inc)
+    wf.edge(inc, join.inp("parts"))
+    wf.output("y", join.out("text"))
+    spec = wf.to_spec()
+    ops = {n.id: n.op for n in spec.nodes if n.kind == "python"}
+    assert ops == {"square": "diamond.square", "inc": "tests.unit.flow.fns:inc", "join": "chat.join_text"}
+    join_node = next(n for n in spec.nodes if n.id == "join")
+    assert (join_node.inputs["parts"].join, list(join_node.outputs)) == ("ordered", ["text"])
+    assert check_spec(spec, default_kinds()) == []
+    as_json = encode_spec(spec)
+    source = to_python(parse_spec(as_json))
+    assert "op='diamond.square'" in source and "op='tests.unit.flow.fns:inc'" in source
+    assert encode_spec(load_source(source, "<mixed as python>")) == as_json

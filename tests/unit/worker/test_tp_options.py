@@ -1,4 +1,4 @@
-"""A role worker's options (tensor-parallel seats, the stall timeout), and the worker ids of a
+"""A role worker's options (tensor-parallel seats, the stall timeout, module ops), and the worker ids of a
 replica's ranks."""
 
 from __future__ import annotations
@@ -94,3 +94,9 @@ def test_the_stall_timeout_defaults_to_a_minute_and_refuses_negative_or_nan(work
     for bad in ("-1", "nan"):
         with pytest.raises(WorkerOptionError, match=f"--stall-timeout {float(bad)}: must be 0"):
             worker_config(parse(workflow, "--role", "one", "--stall-timeout", bad))
+
+
+def test_module_ops_are_allowed_on_the_command_line_unless_refused(workflow: Path):
+    assert worker_config(parse(workflow, "--role", "one")).allow_module_ops is True
+    assert worker_config(parse(workflow, "--role", "one", "--no-module-ops")).allow_module_ops is False
+    assert worker_config(parse(workflow, "--role", "one", "--module-ops")).allow_module_ops is True

@@ -1,0 +1,158 @@
+"""The `python` unit: registered ops looked up, module ops only where allowed, and plain
+functions off the event loop that the runs share."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.dsl import Workflow
+from engine.flow.events import NodeOutputEvent, NodeProgressEvent
+from engine.flow.executor import Executor, RunResult
+from engine.spec.calls import NodeContext
+from engine.spec.graph import GraphSpec
+from engine.spec.kinds import KindRegistry, default_kinds
+from engine.spec.ops import OpConfig, OpRegistry, op
+
+DEADLINE_S = 20.0
+"""Every wait's bound: far above what any of them needs (a broken unit fails instead of hanging)."""
+
+
+@pytest.fixture
+def kinds() -> KindRegistry:
+    return default_kinds(load_entry_points=False)
+
+
+def one_node(fn: Callable[..., Any] | str, name: str = "t") -> GraphSpec:
+    """x -> node `f` (calling `fn`, or naming the op `fn`) -> y."""
+    wf = Workflow(name)
+    py = wf.role("py", kind="python")
+    x = wf.input("x", default=1)
+    if isinstance(fn, str):
+        node = wf.node("f", "python", role=py, op=fn, inputs={"x": "json"}, outputs={"out": "json"})
+    else:
+        node = wf.python(fn, role=py, id="f")
+    wf.edge(x, node)
+    wf.output("y", node)
+    return wf.to_spec()
+
+
+async def run_once(ops: OpConfig, kinds: KindRegistry, spec: GraphSpec, x: Any = 1) -> RunResult:
+    executor = Executor(InProcessDispatcher(kinds, ops=ops), kinds)
+    try:
+        run = await executor.submit(spec, {"x": x}, timeout_s=DEADLINE_S)
+        return await run.wait()
+    finally:
+        await executor.aclose()
+
+
+@op("test.twice")
+def twice(x: int) -> int:
+    return 2 * x
+
+
+async def test_a_registered_op_runs_by_name_without_module_ops(kinds) -> None:
+    strict = OpConfig(OpRegistry([twice]), allow_module_ops=False)
+    spec = one_node(twice)
+    assert spec.nodes[1].op == "test.twice"
+    result = await run_once(strict, kinds, spec, 21)
+    assert result.outputs == {"y": 42}, result.error
+
+
+@pytest.mark.parametrize("op_name", ["os:system", "tests.unit.compute.test_python_unit:twice",
+                                     "workflows.ops.common:Path.write_text", "omniflow_absent_pkg:run"])
+async def test_module_ops_are_refused_unless_allowed(kinds, op_name: str) -> None:
+    before = set(sys.modules)
+    result = await run_once(OpConfig(OpRegistry([twice]), allow_module_ops=False), kinds, one_node(op_name), "id")
+    assert result.error == (f"node 'f' failed: OpNotAllowedError: node 'f': op {op_name!r} names code by its module"
+                            " path, which this process does not run (module ops are off: name a registered op"
+                            " instead)")
+    assert "omniflow_absent_pkg" not in set(sys.modules) - before
+
+
+async def test_unknown_ops_name_close_ones_and_import_nothing(kinds) -> None:
+    before = set(sys.modules)
+    ops = OpConfig(OpRegistry([twice]), allow_module_ops=True)
+    result = await run_once(ops, kinds, one_node("test.twise"))
+    assert result.error == ("node 'f' failed: UnknownOpError: node 'f': op 'test.twise' is not a registered op;"
+                            " did you mean 'test.twice'?")
+    result = await run_once(ops, kinds, one_node("omniflow_absent_pkg.thing"))
+    assert result.error is not None and "UnknownOpError" in result.error
+    assert not {m for m in set(sys.modules) - before if m.startswith("omniflow_absent_pkg")}
+
+
+async def test_module_ops_run_where_allowed(kinds) -> None:
+    trusted = OpConfig(OpRegistry(), allow_module_ops=True)
+    result = await run_once(trusted, kinds, one_node(f"{__name__}:twice"), 4)
+    assert result.outputs == {"y": 8}, result.error
+
+
+async def test_an_unknown_op_is_not_retried(kinds) -> None:
+    spec = one_node("test.nothing")
+    nodes = [msgspec.structs.replace(n, retries=3) if n.id == "f" else n for n in spec.nodes]
+    executor = Executor(InProcessDispatcher(kinds, ops=OpConfig(OpRegistry(), allow_module_ops=False)), kinds)
+    try:
+        run = await executor.submit(msgspec.structs.replace(spec, nodes=nodes), {"x": 1}, timeout_s=DEADLINE_S)
+        result = await run.wait()
+        attempts = {e.attempt for e in run.log.snapshot() if getattr(e, "node", None) == "f"}
+    finally:
+        await executor.aclose()
+    assert result.error is not None and "UnknownOpError" in result.error
+    assert attempts == {1}
+
+
+async def test_a_blocking_op_does_not_stall_other_runs(kinds) -> None:
+    """Run A's op blocks until run B's op opens the gate: both finish only if B runs while A blocks
+    (a plain function run on the shared loop would hold it until A's wait gave up)."""
+    gate, entered = threading.Event(), threading.Event()
+
+    @op("test.wait_gate")
+    def wait_gate(x: int) -> bool:
+        entered.set()
+        return gate.wait(DEADLINE_S)
+
+    @op("test.open_gate")
+    def open_gate(x: int) -> int:
+        gate.set()
+        return x
+
+    ops = OpConfig(OpRegistry([wait_gate, open_gate]), allow_module_ops=False)
+    executor = Executor(InProcessDispatcher(kinds, ops=ops), kinds)
+    try:
+        a = await executor.submit(one_node(wait_gate, "a"), {"x": 1}, timeout_s=3 * DEADLINE_S)
+        assert await asyncio.to_thread(entered.wait, DEADLINE_S), "run A's op never started"
+        b = await executor.submit(one_node(open_gate, "b"), {"x": 2}, timeout_s=3 * DEADLINE_S)
+        result_b, result_a = await b.wait(), await a.wait()
+    finally:
+        await executor.aclose()
+    assert result_b.outputs == {"y": 2}, result_b.error
+    assert result_a.outputs == {"y": True}, result_a.error
+
+
+async def test_progress_from_a_plain_op_reaches_the_run_in_order(kinds) -> None:
+    @op("test.steps")
+    def steps(x: int, ctx: NodeContext) -> int:
+        assert threading.current_thread() is not threading.main_thread()
+        for i in range(3):
+            ctx.progress(i / 3, f"step {i}")
+        return x
+
+    executor = Executor(InProcessDispatcher(kinds, ops=OpConfig(OpRegistry([steps]), allow_module_ops=False)),
+                        kinds)
+    try:
+        run = await executor.submit(one_node(steps), {"x": 5}, timeout_s=DEADLINE_S)
+        result = await run.wait()
+        events = [e for e in run.log.snapshot() if isinstance(e, NodeProgressEvent | NodeOutputEvent)
+                  and e.node == "f"]
+    finally:
+        await executor.aclose()
+    assert result.outputs == {"y": 5}, result.error
+    assert [e.message if isinstance(e, NodeProgressEvent) else "out" for e in events] == [
+        "step 0", "step 1", "step 2", "out"]
