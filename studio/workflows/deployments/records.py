@@ -17,7 +17,9 @@ from django.utils import timezone
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import leader_worker_id
+from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
+from studio.workflows.paths import PathRoots, resolve_spec_paths
 
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
 
@@ -62,7 +64,8 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
     return DeploymentTicket(
         deployment_id=str(deployment.pk),
         status=DeploymentStatus(deployment.status),
-        spec=deployment_spec(deployment.version.spec, deployment.pk, deployment.replicas),
+        spec=deployment_spec(resolve_spec_paths(deployment.version.spec, deployment.owner_id,
+                                                PathRoots.of(engine().config)), deployment.pk, deployment.replicas),
         namespace=deployment.namespace,
         node=deployment.node,
     )

@@ -16,6 +16,7 @@ import mimetypes
 from collections.abc import Callable
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
+from studio.workflows.apps import engine
 from studio.workflows.models import (
     FileRole,
     NodeRun,
@@ -37,6 +39,8 @@ from studio.workflows.models import (
 from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
+from studio.workflows.paths import PathRoots, resolve_spec_paths
+from studio.workflows.runs.outputs import ServerPaths
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +146,8 @@ def claim(run_id: str) -> RunTicket | None:
         else:
             inputs[name] = value
     spec = with_node_params(run.version.spec, run.node_params)
+    if run.deployment is None:  # a deployment's workers got theirs when it started (records.ticket)
+        spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config))
     deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
@@ -174,6 +180,22 @@ def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any
     return msgspec.json.decode(encoded)
 
 
+def _server_paths(run: Run) -> ServerPaths:
+    """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`)."""
+
+    def save(name: str, path: Path) -> dict[str, Any]:
+        key = name[-64:]  # RunFile.name's length; the tail keeps the file's own name
+        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=key).first()
+        if record is None:
+            data = path.read_bytes()
+            content_type, _ = sniff_content_type(data)
+            record = store_file(run, FileRole.OUTPUT, key, data, path.name, content_type
+                                if content_type != "application/octet-stream" else "")
+        return {**file_ref(record), "url": file_url(run.pk, record.pk), "name": name}
+
+    return ServerPaths(PathRoots.of(engine().config).users / str(run.owner_id), save)
+
+
 def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
     up to date. `final_outputs` (the run's real output values) comes with `run_finished`.
@@ -187,7 +209,9 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
         touched: dict[str, NodeRun] = {}
         run_fields: set[str] = {"last_seq"}
         stored: list[dict[str, Any]] = []
+        paths = _server_paths(run)
         for event in events:
+            event = _hide_paths(event, paths)
             kind = event["type"]
             when = _when(event.get("time"))
             if kind == "run_started":
@@ -223,7 +247,7 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
                 touched[node.node] = node
             elif kind == "run_finished":
                 files: dict[str, str] = {}
-                outputs = event.get("outputs", {}) if final_outputs is None else final_outputs
+                outputs = event.get("outputs", {}) if final_outputs is None else paths.hide(final_outputs)
                 run.outputs = {name: _output_value(run, name, value, files) for name, value in outputs.items()}
                 run.status = event["status"]
                 run.error = event.get("error") or ""
@@ -246,6 +270,14 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
             )
         run.save(update_fields=sorted(run_fields))
     return stored
+
+
+def _hide_paths(event: dict[str, Any], paths: ServerPaths) -> dict[str, Any]:
+    """The event as users may see it: no server path in its values or error."""
+    changed = {key: paths.hide(event[key]) for key in ("value", "outputs") if key in event}
+    if event.get("error"):
+        changed["error"] = paths.hide_in_text(event["error"])
+    return {**event, **changed} if changed else event
 
 
 def _synthetic_finish(run: Run, status: RunStatus, error: str) -> dict[str, Any]:
