@@ -8,7 +8,9 @@ order from N on, and closes (code 1000) after `run_finished`. A client that saw 
 seq k reconnects with `since=k+1`. Sending `{"since": N}` restarts the stream at N on
 the same socket. Failures close the socket after one message
 `{"type": "error", "status": 4xx, "error": ...}` with close code 4000 + status
-(4400 bad request, 4401 not authenticated, 4404 no such run).
+(4400 bad request, 4401 not authenticated, 4404 no such run, 4413 a message over
+OMNIFLOW_MAX_WS_MESSAGE_BYTES). Client messages are parsed with the limits of
+`studio.jsonbody` (depth, size), on this socket and on `/ws/metrics/`.
 
 No gaps, no duplicates: the consumer subscribes to the run's live events *before* it
 reads the stored ones, and the executor side stores each event before publishing it;

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from typing import Any
 
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connections
 
 from studio.accounts.models import ApiToken
@@ -68,8 +70,6 @@ def test_nested_json_on_rest_is_400(api, raw: str) -> None:
 
 
 def _upload(raw: str) -> Any:
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
     return SimpleUploadedFile("spec.json", raw.encode(), "application/json")
 
 
@@ -80,8 +80,6 @@ def test_nested_json_on_v1_and_session_turns_is_400(api, raw: str) -> None:
                         content_type="application/json")
     assert response.status_code == 400, response.content[:300]
     assert "OMNIFLOW_MAX_JSON_DEPTH" in response.json()["error"]["message"]
-    import uuid
-
     turn = api.post(f"/api/sessions/{uuid.uuid4()}/turns/", f'{{"content": {raw}}}', content_type="application/json")
     assert turn.status_code == 400 and "OMNIFLOW_MAX_JSON_DEPTH" in error_shape(turn)["error"]
 
@@ -182,10 +180,13 @@ def test_run_submission_is_throttled_per_user(api, other_api) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_v1_chat_completions_are_throttled(api) -> None:
+def test_v1_chat_completions_and_session_turns_are_throttled(api) -> None:
     body = json.dumps({"model": "none", "messages": [{"role": "user", "content": "hi"}]})
     with configured(throttles=dataclasses.replace(LOW, run="1/minute")):
         assert api.post("/v1/chat/completions", body, content_type="application/json").status_code == 404
         throttled = api.post("/v1/chat/completions", body, content_type="application/json")
         assert throttled.status_code == 429
         assert throttled.json()["error"]["code"] == "rate_limit_exceeded"
+        turn = api.post(f"/api/sessions/{uuid.uuid4()}/turns/", json.dumps({"content": "hi"}),
+                        content_type="application/json")  # the same scope: a turn submits a run
+        assert turn.status_code == 429 and "OMNIFLOW_THROTTLE_RUN" in error_shape(turn)["error"]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from studio.workflows.apps import engine
-from studio.workflows.models import Run, RunFile
+from studio.workflows.deployments import records
+from studio.workflows.models import Deployment, DeploymentStatus, Run, RunFile
 from studio.workflows.paths import (
     PathRefused,
     PathRoots,
@@ -168,3 +169,16 @@ def test_outputs_reach_the_user_as_run_files_not_server_paths(api, other_api, us
     assert written.read_text() == "hello"
     assert json.dumps(detail).count(text["$file"]) >= 1
     assert not os.path.exists(Path.cwd() / "omniflow-out" / run["id"])
+
+
+@pytest.mark.django_db
+def test_a_deployment_whose_path_became_a_link_fails_instead_of_starting(api, user) -> None:
+    wf = create_workflow(api, llm_spec(role={"params": {"disk_path": "kv", "disk_pages": 8}}))
+    created = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert created.status_code == 201, created.content
+    (PathRoots.of(engine().config).user_root(user.pk) / "kv").symlink_to("/tmp")
+    ticket = records.ticket(created.json()["id"])
+    assert ticket is not None and ticket.status == DeploymentStatus.FAILED
+    deployment = Deployment.objects.get()
+    assert deployment.status == DeploymentStatus.FAILED and "symbolic link" in deployment.error
+    assert str(engine().config.data_dir) not in deployment.error

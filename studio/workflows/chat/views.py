@@ -219,6 +219,10 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         return JsonResponse(error_body(str(exc)), status=401, headers={"WWW-Authenticate": "Bearer"})
     except PermissionError as exc:
         return JsonResponse(error_body(str(exc)), status=403)
+    wait = await sync_to_async(run_throttle_wait, thread_sensitive=False)(request, user)
+    if wait is not None:
+        return JsonResponse(error_body(f"too many runs submitted: retry in {wait:.0f} s (OMNIFLOW_THROTTLE_RUN)"),
+                            status=429, headers={"Retry-After": str(int(wait) or 1)})
     try:
         body = _json_body(request)
         if not isinstance(body, dict) or "content" not in body:

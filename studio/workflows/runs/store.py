@@ -146,8 +146,9 @@ def claim(run_id: str) -> RunTicket | None:
         else:
             inputs[name] = value
     spec = with_node_params(run.version.spec, run.node_params)
-    if run.deployment is None:  # a deployment's workers got theirs when it started (records.ticket)
-        spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config))
+    # The names become server paths only here (a deployment's workers got their roles' when it
+    # started, records.ticket; its runs' nodes, `out_dir`, get theirs here too).
+    spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config))
     deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
