@@ -3,7 +3,9 @@ called from one thread at a time per run (the engine's database thread, or a Cel
 worker), so a run's events are written in order.
 
 A run's stored events are exactly the executor's events (`event_to_dict`), except that
-`run_finished` gains `files`: output name -> download URL for outputs stored as files.
+`run_finished` gains `files`: output name -> download URL for outputs stored as files, and
+that server paths below the owner's folder become run files or relative names
+(`studio.workflows.runs.outputs`): users see no server path.
 """
 
 from __future__ import annotations
