@@ -118,25 +118,40 @@ async def _refusal(comm: WebsocketCommunicator) -> tuple[dict[str, Any], int]:
             error = data
 
 
+WS_LIMITS = pytest.mark.parametrize("raw,status", [(DEEP, 400), (NESTED, 400),
+                                                   ('{"since": "' + "x" * 40_000 + '"}', 413)],
+                                    ids=["deep", "nested", "oversized"])
+
+
+async def _refused_on(path: str, token: str, raw: str, status: int) -> None:
+    with configured(max_ws_message_bytes=32_768):
+        comm = _connect(path, token)
+        connected, _ = await comm.connect()
+        assert connected
+        await comm.send_to(text_data=raw)
+        message, code = await _refusal(comm)
+        assert (message["type"], message["status"], code) == ("error", status, 4000 + status), path
+        await comm.disconnect()  # the consumer ends as it would on a real socket
+
+
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("raw,status", [(DEEP, 400), (NESTED, 400), ('{"since": "' + "x" * 40_000 + '"}', 413)],
-                         ids=["deep", "nested", "oversized"])
-async def test_websocket_messages_past_the_limits_are_refused(api, user, raw: str, status: int,
-                                                              _close_connections: Any) -> None:
+@WS_LIMITS
+async def test_run_socket_messages_past_the_limits_are_refused(api, user, raw: str, status: int,
+                                                               _close_connections: Any) -> None:
     token = await database_sync_to_async(lambda: ApiToken.objects.issue(user, "ws").secret)()
     wf = await database_sync_to_async(create_workflow)(api, python_spec(op="tests.studio.fns:wait_forever"))
     run = await database_sync_to_async(lambda: api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}},
                                                         format="json").json())()
-    with configured(max_ws_message_bytes=32_768):
-        for path in (f"/ws/runs/{run['id']}/", "/ws/metrics/"):
-            comm = _connect(path, token)
-            connected, _ = await comm.connect()
-            assert connected
-            await comm.send_to(text_data=raw)
-            message, code = await _refusal(comm)
-            assert (message["type"], message["status"], code) == ("error", status, 4000 + status), path
-            await comm.wait()
+    await _refused_on(f"/ws/runs/{run['id']}/", token, raw, status)
     await database_sync_to_async(engine().runs.cancel)(run["id"])
+
+
+@pytest.mark.django_db(transaction=True)
+@WS_LIMITS
+async def test_metrics_socket_messages_past_the_limits_are_refused(user, raw: str, status: int,
+                                                                   _close_connections: Any) -> None:
+    token = await database_sync_to_async(lambda: ApiToken.objects.issue(user, "ws").secret)()
+    await _refused_on("/ws/metrics/", token, raw, status)
 
 
 # -------------------------------------------------------------------------- throttles
