@@ -45,6 +45,45 @@ class Dispatch(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Quotas:
+    """Per-user limits (`OMNIFLOW_QUOTA_*`), checked by `studio.workflows.quotas` where they bite.
+    Staff users are exempt: they are the operator's people and may size work past them (the
+    engine's own ceilings in the kind catalogue still apply to everyone)."""
+
+    concurrent_runs: int
+    """Runs of one user executing at once (checked when a run is submitted)."""
+    queued_runs: int
+    """Runs of one user waiting to execute (pending) at once."""
+    deployments: int
+    """Live (not stopped or failed) deployments of one user."""
+    worker_processes: int
+    """Role worker processes over a user's live deployments: `replicas x tp_size` of every role."""
+    device_pages: int
+    """`device_pages` one role may ask for (per replica)."""
+    host_pages: int
+    disk_pages: int
+    max_iterations: int
+    """The largest `max_iterations` of a node."""
+    max_new_tokens: int
+    """The largest `max_new_tokens` of a node (spec, REST run or chat request)."""
+    upload_bytes: int
+    """Bytes of the files one run submission uploads."""
+    run_timeout_s: float
+    """The timeout of a user's run that asks for none, and the longest one it may ask for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Throttles:
+    """DRF rates (`N/second|minute|hour|day`) per scope, `OMNIFLOW_THROTTLE_<SCOPE>`; None: unthrottled."""
+
+    login: str | None
+    token: str | None
+    """Creating API tokens."""
+    run: str | None
+    """Submitting runs: `POST /api/runs/` and `/v1/chat/completions`."""
+
+
+@dataclass(frozen=True, slots=True)
 class StudioConfig:
     debug: bool
     secret_key: str
@@ -87,6 +126,15 @@ class StudioConfig:
     """Seconds between two messages of `/ws/metrics/`."""
     run_queue: str
     """The Celery queue `execute_run` tasks are sent to (distributed mode)."""
+    model_dirs: tuple[Path, ...]
+    """`OMNIFLOW_MODEL_DIRS`: directories a role's `model` may name a checkpoint in (relative to one)."""
+    quotas: Quotas
+    """Per-user limits (staff exempt)."""
+    throttles: Throttles
+    max_json_depth: int
+    """`OMNIFLOW_MAX_JSON_DEPTH`: the deepest nesting a JSON body or WebSocket message may have."""
+    max_ws_message_bytes: int
+    """`OMNIFLOW_MAX_WS_MESSAGE_BYTES`: the largest WebSocket message a client may send."""
     run_lease_s: float = 30.0
     """A run's lease: whoever executes it renews it every third of this; a Celery worker of the
     run queue that finds it expired re-executes the run (or fails it, see `run_lease_retries`)."""
@@ -111,6 +159,11 @@ class StudioConfig:
     @property
     def media_root(self) -> Path:
         return self.data_dir / "files"
+
+    @property
+    def users_root(self) -> Path:
+        """Where each user's own files live, `<users_root>/<user id>/` (see `studio.workflows.paths`)."""
+        return self.data_dir / "users"
 
 
 def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -180,6 +233,39 @@ def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tup
     if raw is None:
         return default
     return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+_RATE = re.compile(r"^\d+/(s|sec|second|m|min|minute|h|hour|d|day)$")
+
+
+def env_rate(env: Mapping[str, str], name: str, default: str | None) -> str | None:
+    """A DRF throttle rate (`100/minute`); `off` (or empty) for none."""
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("", "off", "none"):
+        return None
+    if not _RATE.match(value):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a rate (write N/second, N/minute, N/hour or N/day, or off)")
+    return value
+
+
+def load_quotas(env: Mapping[str, str]) -> Quotas:
+    """The defaults let one person use the studio as before (every example workflow fits)."""
+    return Quotas(
+        concurrent_runs=env_int(env, "OMNIFLOW_QUOTA_CONCURRENT_RUNS", 16, minimum=1),
+        queued_runs=env_int(env, "OMNIFLOW_QUOTA_QUEUED_RUNS", 64, minimum=0),
+        deployments=env_int(env, "OMNIFLOW_QUOTA_DEPLOYMENTS", 4, minimum=0),
+        worker_processes=env_int(env, "OMNIFLOW_QUOTA_WORKER_PROCESSES", 16, minimum=0),
+        device_pages=env_int(env, "OMNIFLOW_QUOTA_DEVICE_PAGES", 16384, minimum=1),
+        host_pages=env_int(env, "OMNIFLOW_QUOTA_HOST_PAGES", 65536, minimum=1),
+        disk_pages=env_int(env, "OMNIFLOW_QUOTA_DISK_PAGES", 262144, minimum=1),
+        max_iterations=env_int(env, "OMNIFLOW_QUOTA_MAX_ITERATIONS", 1000, minimum=1),
+        max_new_tokens=env_int(env, "OMNIFLOW_QUOTA_MAX_NEW_TOKENS", 4096, minimum=1),
+        upload_bytes=env_int(env, "OMNIFLOW_QUOTA_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=0),
+        run_timeout_s=env_seconds(env, "OMNIFLOW_QUOTA_RUN_TIMEOUT_S", 3600.0),
+    )
 
 
 def parse_database_url(url: str, *, name: str = "DATABASE_URL", pool_size: int = 0) -> dict[str, Any]:
@@ -321,6 +407,15 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         chat_timeout_s=env_seconds(env, "OMNIFLOW_CHAT_TIMEOUT_S", 300.0),
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),
+        model_dirs=tuple(Path(d).expanduser().resolve() for d in env_list(env, "OMNIFLOW_MODEL_DIRS", ())),
+        quotas=load_quotas(env),
+        throttles=Throttles(
+            login=env_rate(env, "OMNIFLOW_THROTTLE_LOGIN", "20/minute"),
+            token=env_rate(env, "OMNIFLOW_THROTTLE_TOKEN", "20/hour"),
+            run=env_rate(env, "OMNIFLOW_THROTTLE_RUN", "600/minute"),
+        ),
+        max_json_depth=env_int(env, "OMNIFLOW_MAX_JSON_DEPTH", 64, minimum=8),
+        max_ws_message_bytes=env_int(env, "OMNIFLOW_MAX_WS_MESSAGE_BYTES", 1 << 20, minimum=1024),
         run_lease_s=env_seconds(env, "OMNIFLOW_RUN_LEASE_S", 30.0),
         run_lease_retries=env_int(env, "OMNIFLOW_RUN_LEASE_RETRIES", 1),
         metrics_token=_metrics_token(env),

@@ -102,6 +102,14 @@ if OMNIFLOW.redis_url:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# Throttle counts (studio.throttles): shared by every web process where there is a Redis.
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "throttle": ({"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": OMNIFLOW.redis_url,
+                  "KEY_PREFIX": f"{OMNIFLOW.redis_prefix}:throttle"} if OMNIFLOW.redis_url
+                 else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "throttle"}),
+}
+
 CELERY_BROKER_URL = OMNIFLOW.redis_url or "memory://"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_ACKS_LATE = True
@@ -118,7 +126,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": [
-        "rest_framework.parsers.JSONParser",
+        "studio.jsonbody.LimitedJSONParser",  # depth and size limits (studio.jsonbody)
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],

@@ -12,23 +12,36 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.graph import PortSpec
-from engine.spec.kinds import KindRegistry, NodeKind, RoleKind
+from engine.spec.kinds import MAX_CAPACITY, KindRegistry, NodeKind, RoleKind
+
+# Hard ceilings of the values that size memory or processes: the engine refuses more than
+# these whoever asks (a studio's per-user quotas are lower; see studio/workflows/quotas.py).
+MAX_PAGE_SIZE = 4096
+MAX_RUNNING = 4096
+MAX_PREFILL_TOKENS = 1 << 20
+MAX_DEVICE_PAGES = 1 << 22
+MAX_HOST_PAGES = 1 << 24
+MAX_DISK_PAGES = 1 << 26
+MAX_NEW_TOKENS = 1 << 20
+MAX_DIFFUSION_STEPS = 1000
 
 LLM_ROLE_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "capacity": {"type": "integer", "minimum": 1, "default": 64,
+        "capacity": {"type": "integer", "minimum": 1, "maximum": MAX_CAPACITY, "default": 64,
                      "description": "node executions one replica accepts at once (the engine batches them)"},
-        "page_size": {"type": "integer", "minimum": 1, "default": 16, "description": "tokens per KV page"},
-        "max_running": {"type": "integer", "minimum": 1, "default": 32, "description": "sequences batched at once"},
-        "max_prefill_tokens": {"type": "integer", "minimum": 1, "default": 2048,
+        "page_size": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE, "default": 16,
+                      "description": "tokens per KV page"},
+        "max_running": {"type": "integer", "minimum": 1, "maximum": MAX_RUNNING, "default": 32, "description": "sequences batched at once"},
+        "max_prefill_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_PREFILL_TOKENS, "default": 2048,
                                "description": "prompt tokens computed per step (chunked prefill)"},
-        "device_pages": {"type": "integer", "minimum": 1, "default": 4096, "description": "device-tier KV pages"},
-        "host_pages": {"type": "integer", "minimum": 1, "description": "host-tier KV pages (none: no host tier)"},
+        "device_pages": {"type": "integer", "minimum": 1, "maximum": MAX_DEVICE_PAGES, "default": 4096,
+                         "description": "device-tier KV pages"},
+        "host_pages": {"type": "integer", "minimum": 1, "maximum": MAX_HOST_PAGES, "description": "host-tier KV pages (none: no host tier)"},
         "disk_path": {"type": "string", "minLength": 1,
                       "description": "directory of the disk (SSD) tier; each worker takes a free slot file there,"
                       " a replacement the one its predecessor left, with its pages (needs disk_pages)"},
-        "disk_pages": {"type": "integer", "minimum": 1, "description": "disk-tier KV pages per worker"},
+        "disk_pages": {"type": "integer", "minimum": 1, "maximum": MAX_DISK_PAGES, "description": "disk-tier KV pages per worker"},
         "eviction": {"type": "string", "enum": ["lru", "lfu"], "default": "lru",
                      "description": "which page a full tier lets go first: least recently or least often used"},
         "write_policy": {"type": "string", "enum": ["write_back", "write_through"], "default": "write_back",
@@ -54,7 +67,7 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
 LLM_NODE_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "max_new_tokens": {"type": "integer", "minimum": 1, "default": 16},
+        "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_NEW_TOKENS, "default": 16},
         "temperature": {"type": "number", "minimum": 0, "default": 0, "description": "0: greedy"},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
         "top_k": {"type": "integer", "minimum": 0, "default": 0, "description": "0: off"},
@@ -160,7 +173,7 @@ SGLANG_ROLE_PARAMS: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "page_size": {"type": "integer", "minimum": 1, "default": 16},
+        "page_size": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE, "default": 16},
         "mem_fraction_static": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5},
         "hicache_ratio": {"type": "number", "exclusiveMinimum": 0, "default": 2.0},
         "hicache_mem_layout": {"type": "string", "default": "page_first"},
@@ -260,16 +273,16 @@ ENCODER_ROLE_PARAMS: dict[str, Any] = {
 DIFFUSION_ROLE_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "latent_channels": {"type": "integer", "minimum": 1, "default": 4},
-        "latent_size": {"type": "integer", "minimum": 1, "default": 16, "description": "latent height = width"},
+        "latent_channels": {"type": "integer", "minimum": 1, "maximum": 256, "default": 4},
+        "latent_size": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 16, "description": "latent height = width"},
         "patch_size": {"type": "integer", "minimum": 1, "default": 2, "description": "latent cells per token a side"},
-        "steps": {"type": "integer", "minimum": 1, "default": 20},
+        "steps": {"type": "integer", "minimum": 1, "maximum": MAX_DIFFUSION_STEPS, "default": 20},
         "guidance_scale": {"type": "number", "minimum": 0, "default": 4.0},
         "shift": {"type": "number", "exclusiveMinimum": 0, "default": 1.0, "description": "flow-matching time shift"},
-        "page_size": {"type": "integer", "minimum": 1, "default": 16,
+        "page_size": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE, "default": 16,
                       "description": "KV page size: that of the llm role whose prompt KV is reused"},
         "head_seed": {"type": "integer", "minimum": 0, "default": 17},
-        "device_pages": {"type": "integer", "minimum": 1, "default": 256,
+        "device_pages": {"type": "integer", "minimum": 1, "maximum": MAX_DEVICE_PAGES, "default": 256,
                          "description": "prompt KV pages of the role's own store (when the worker gives none)"},
         "tp_timeout_s": {"type": "number", "exclusiveMinimum": 0, "default": 10,
                          "description": "tp_size > 1: deadline of one collective between the ranks (a stuck"
@@ -281,7 +294,7 @@ DIFFUSION_ROLE_PARAMS: dict[str, Any] = {
 DIFFUSION_NODE_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "steps": {"type": "integer", "minimum": 1},
+        "steps": {"type": "integer", "minimum": 1, "maximum": MAX_DIFFUSION_STEPS},
         "guidance_scale": {"type": "number", "minimum": 0, "description": "1: no classifier-free guidance"},
         "seed": {"type": "integer", "minimum": 0, "default": 0, "description": "same seed, same latents"},
         "negative_prompt": {"type": "string", "default": ""},

@@ -61,6 +61,16 @@ def _json_path(path: Any) -> str:
     return out
 
 
+def _named(data: dict[str, Any], path: list[Any], section: str, key: str) -> str | None:
+    """The id (`key`) of the `section` entry a schema error's `path` lies in, if it has one."""
+    if len(path) < 2 or path[0] != section or not isinstance(path[1], int):
+        return None
+    items = data.get(section)
+    item = items[path[1]] if isinstance(items, list) and path[1] < len(items) else None
+    value = item.get(key) if isinstance(item, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def parse_spec(document: bytes | str | dict[str, Any]) -> GraphSpec:
     """Decode a GraphSpec document; raise GraphValidationError listing every schema error."""
     if isinstance(document, bytes | str):
@@ -77,13 +87,11 @@ def parse_spec(document: bytes | str | dict[str, Any]) -> GraphSpec:
     issues = []
     for err in sorted(_schema_validator().iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
         path = list(err.absolute_path)
-        node = None
-        if len(path) >= 2 and path[0] == "nodes" and isinstance(path[1], int):
-            nodes = data.get("nodes")
-            if isinstance(nodes, list) and isinstance(nodes[path[1]], dict):
-                node = nodes[path[1]].get("id") if isinstance(nodes[path[1]].get("id"), str) else None
-        where = f"node {node!r}: " if node else ""
-        issues.append(Issue("schema", f"{where}{_json_path(path)}: {err.message}", node=node, path=_json_path(path)))
+        node = _named(data, path, "nodes", "id")
+        role = _named(data, path, "roles", "name")
+        where = f"node {node!r}: " if node else f"role {role!r}: " if role else ""
+        issues.append(Issue("schema", f"{where}{_json_path(path)}: {err.message}", node=node, role=role,
+                            path=_json_path(path)))
     if issues:
         raise GraphValidationError(issues)
     try:

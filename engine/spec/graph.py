@@ -29,6 +29,9 @@ Ident = Annotated[
     ),
 ]
 
+MAX_ITERATIONS = 1_000_000
+"""The hard ceiling of a node's `max_iterations` (a studio's per-user quota is lower)."""
+
 SCHEMA_PATH = Path(__file__).with_name("graphspec.schema.json")
 
 
@@ -82,7 +85,7 @@ class NodeSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_f
     trigger: list[list[str]] | None = None
     routes: list[str] | None = None
     stream: bool = False
-    max_iterations: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_iterations: Annotated[int, msgspec.Meta(ge=1, le=MAX_ITERATIONS)] | None = None
     retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     description: str = ""

@@ -23,6 +23,9 @@ from engine.spec.graph import PortSpec
 
 ENTRY_POINT_GROUP = "omniflow.kinds"
 
+MAX_CAPACITY = 4096
+"""The most node executions one replica of a role may run at once (a hard ceiling of `capacity`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RoleKind:
@@ -165,7 +168,7 @@ def add_builtin_kinds(registry: KindRegistry) -> None:
             params_schema={
                 "type": "object",
                 "properties": {
-                    "capacity": {"type": "integer", "minimum": 1, "default": 64,
+                    "capacity": {"type": "integer", "minimum": 1, "maximum": MAX_CAPACITY, "default": 64,
                                  "description": "node executions one replica runs at once"},
                 },
                 "additionalProperties": False,

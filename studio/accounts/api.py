@@ -16,6 +16,7 @@ from rest_framework.views import APIView
 
 from studio.accounts.models import ApiToken
 from studio.errors import LoginFailed
+from studio.throttles import LoginThrottle, TokenThrottle
 
 
 class UserSerializer(serializers.Serializer):
@@ -53,6 +54,7 @@ class SessionView(APIView):
 
     permission_classes = [AllowAny]
     authentication_classes = []  # this view manages the session itself
+    throttle_classes = [LoginThrottle]  # log-ins (POST) only
 
     @extend_schema(responses=SessionSerializer, summary="Current session user and CSRF token")
     def get(self, request: Request) -> Response:
@@ -99,6 +101,7 @@ class TokenListView(generics.ListCreateAPIView):
 
     serializer_class = TokenSerializer
     pagination_class = None
+    throttle_classes = [TokenThrottle]  # issuing (POST) only
 
     def get_queryset(self):
         return ApiToken.objects.filter(user=self.request.user, revoked=False)

@@ -8,7 +8,9 @@ order from N on, and closes (code 1000) after `run_finished`. A client that saw 
 seq k reconnects with `since=k+1`. Sending `{"since": N}` restarts the stream at N on
 the same socket. Failures close the socket after one message
 `{"type": "error", "status": 4xx, "error": ...}` with close code 4000 + status
-(4400 bad request, 4401 not authenticated, 4404 no such run).
+(4400 bad request, 4401 not authenticated, 4404 no such run, 4413 a message over
+OMNIFLOW_MAX_WS_MESSAGE_BYTES). Client messages are parsed with the limits of
+`studio.jsonbody` (depth, size), on this socket and on `/ws/metrics/`.
 
 No gaps, no duplicates: the consumer subscribes to the run's live events *before* it
 reads the stored ones, and the executor side stores each event before publishing it;
@@ -31,6 +33,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from engine.flow.discovery import RegistryError
+from studio.jsonbody import JsonRefused, load_json
 from studio.workflows.apps import engine
 from studio.workflows.deployments.workers import active_deployments, listing, recorded_statuses, snapshots
 from studio.workflows.models import Deployment, Run, RunEvent
@@ -58,6 +61,16 @@ def _since(raw: Any) -> int:
     if raw < 0:
         raise _Refused(400, "since must be a non-negative integer")
     return raw
+
+
+def client_message(text_data: str | None, bytes_data: bytes | None) -> Any:
+    """A client's message, parsed with the limits of `studio.jsonbody` (`_Refused` 400 or 413)."""
+    config = engine().config
+    try:
+        return load_json(text_data if text_data is not None else bytes_data or b"", max_depth=config.max_json_depth,
+                         max_bytes=config.max_ws_message_bytes, what="the message")
+    except JsonRefused as exc:
+        raise _Refused(exc.status, exc.message) from None
 
 
 def _visible_run_sync(user: Any, run_id: str) -> str | None:
@@ -125,13 +138,10 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
         if self.run_id is None:
             return
         try:
-            message = json.loads(text_data or "")
+            message = client_message(text_data, bytes_data)
             if not isinstance(message, dict) or "since" not in message:
                 raise _Refused(400, 'expected {"since": N}')
             since = _since(message["since"])
-        except json.JSONDecodeError:
-            await self._refuse(_Refused(400, "messages are JSON"))
-            return
         except _Refused as refused:
             await self._refuse(refused)
             return
@@ -234,7 +244,12 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
                 await task
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        return None  # nothing to ask: the stream is the same for every message
+        """Nothing to ask (the stream is the same for every message); a message past the limits
+        of `client_message` ends the connection with its error."""
+        try:
+            client_message(text_data, bytes_data)
+        except _Refused as refused:
+            await self._refuse(refused.status, refused.message)
 
     async def _tick(self, user: Any) -> None:
         eng = engine()

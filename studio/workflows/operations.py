@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from engine.flow.validate import GraphValidationError
 from engine.spec.graph import GraphSpec
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Unprocessable
+from studio.jsonbody import JsonRefused, load_json
+from studio.workflows import quotas
 from studio.workflows.apps import engine
 from studio.workflows.models import (
     ACTIVE_DEPLOYMENT_STATUSES,
@@ -31,6 +32,7 @@ from studio.workflows.models import (
     Workflow,
     WorkflowVersion,
 )
+from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
@@ -61,6 +63,15 @@ def read_spec(*, spec: Any = None, source: str | None = None) -> GraphSpec:
 def check_spec_for_studio(spec: GraphSpec) -> CheckedSpec:
     eng = engine()
     return check(spec, eng.kinds, eng.ops)
+
+
+def check_paths(user: Any, document: dict[str, Any], message: str) -> None:
+    """Unprocessable unless every path the spec names resolves under its root for `user` (the
+    resolution itself happens again where the run or deployment starts)."""
+    try:
+        resolve_spec_paths(document, user.pk, PathRoots.of(engine().config))
+    except PathRefused as exc:
+        raise Unprocessable(message, [i.to_dict() for i in exc.issues]) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +174,7 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
     if not policy.valid:
         raise Unprocessable(f"version {version.number} of {version.workflow.name!r} cannot run here",
                             policy.issue_dicts())
+    check_paths(user, policy.document, f"version {version.number} of {version.workflow.name!r} cannot run here")
     _file_inputs(spec, files)
     overlap = sorted(set(files) & set(inputs))
     if overlap:
@@ -172,14 +184,18 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
     except RunInputError as exc:
         raise Unprocessable("inputs do not match the workflow", [str(exc)]) from None
     config = engine().config
+    upload_bytes = sum(upload.size or 0 for upload in files.values())
+    quotas.run_check(user, spec, config.quotas, timeout_s=timeout_s, upload_bytes=upload_bytes).enforce()
     with transaction.atomic():
+        quotas.lock_user(user)
+        quotas.admission_check(user, config.quotas).enforce()
         run = Run.objects.create(
             owner=user,
             workflow=version.workflow,
             version=version,
             deployment=deployment,
             inputs=inputs,
-            timeout_s=timeout_s if timeout_s is not None else config.run_timeout_s,
+            timeout_s=quotas.run_timeout(user, timeout_s, config.run_timeout_s, config.quotas),
             node_params=node_params,
         )
         NodeRun.objects.bulk_create([NodeRun(run=run, node=n.id, kind=n.kind) for n in spec.nodes])
@@ -235,9 +251,9 @@ def parse_json_field(raw: Any, field: str) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"field {field!r} is not valid JSON: {exc.msg} at column {exc.colno}") from None
+        return load_json(raw, max_depth=engine().config.max_json_depth, what=f"field {field!r}")
+    except JsonRefused as exc:
+        raise BadRequest(exc.message) from None
 
 
 def active_runs(workflow: Workflow) -> int:

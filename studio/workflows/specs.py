@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from django.conf import settings
 
 from engine.flow.dsl import NodeRef, PortRef, RoleRef, Workflow
 from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
+from studio.jsonbody import JsonRefused, load_json
+from studio.workflows.paths import spec_path_issues
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +68,18 @@ def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
 def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig) -> CheckedSpec:
     """`spec` canonicalised, with every problem `check_spec` finds, its ops' included, and nodes naming a tenant."""
     document, digest = canonical(spec)
-    issues = [*check_spec(spec, kinds, ops), *tenant_param_issues(spec)]
+    issues = [*check_spec(spec, kinds, ops), *tenant_param_issues(spec), *spec_path_issues(spec)]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 
 def parse_document(document: Any) -> GraphSpec:
     """Decode a GraphSpec JSON value (dict, or JSON text); GraphValidationError lists every schema issue."""
-    if isinstance(document, str | bytes | dict):
+    if isinstance(document, str | bytes):
+        try:  # the engine's parser has no depth limit: a client's text is read with the studio's
+            document = load_json(document, max_depth=settings.OMNIFLOW.max_json_depth, what="the spec")
+        except JsonRefused as exc:
+            raise GraphValidationError([Issue("malformed_json", exc.message)]) from None
+    if isinstance(document, dict):
         return parse_spec(document)
     raise GraphValidationError([Issue("schema", "a GraphSpec is a JSON object", path="$")])
 
@@ -158,6 +166,8 @@ def spec_from_source(source: str) -> GraphSpec:
         tree = ast.parse(source, "<workflow source>")
     except SyntaxError as exc:
         raise GraphValidationError([Issue("python_source", f"line {exc.lineno}: syntax error: {exc.msg}")]) from None
+    except (RecursionError, MemoryError):
+        raise GraphValidationError([Issue("python_source", "the source nests too deeply to read")]) from None
     reader = _Reader()
     try:
         for index, stmt in enumerate(tree.body):

@@ -66,6 +66,9 @@ def _close_connection_pools(django_db_setup: Any, django_db_blocker: Any) -> Ite
 def _test_settings(settings: Any, tmp_path: Path) -> None:
     settings.MEDIA_ROOT = tmp_path / "media"
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast, tests only
+    # Throttle counts start afresh in each test (this process's memory, not the shared Redis).
+    settings.CACHES = {**settings.CACHES, "throttle": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                                                       "LOCATION": f"throttle-{tmp_path.name}"}}
 
 
 @pytest.fixture(autouse=True)

@@ -93,3 +93,30 @@ def test_module_ops_setting(tmp_path: Path) -> None:
     # The old allow-list of module prefixes is gone: a studio still setting it is told what replaced it.
     with pytest.raises(ImproperlyConfigured, match="OMNIFLOW_PYTHON_OP_MODULES is gone.*OMNIFLOW_ALLOW_MODULE_OPS=1"):
         load_config(env(tmp_path, OMNIFLOW_PYTHON_OP_MODULES="workflows"))
+
+
+def test_quotas_throttles_and_roots(tmp_path: Path) -> None:
+    defaults = load_config(env(tmp_path))
+    assert (defaults.quotas.concurrent_runs, defaults.quotas.worker_processes, defaults.quotas.run_timeout_s) == (
+        16, 16, 3600.0)
+    assert defaults.throttles.run == "600/minute" and defaults.model_dirs == ()
+    assert defaults.users_root == tmp_path / "users" and defaults.max_json_depth == 64
+    config = load_config(env(tmp_path, OMNIFLOW_QUOTA_WORKER_PROCESSES="2", OMNIFLOW_QUOTA_MAX_NEW_TOKENS="64",
+                             OMNIFLOW_THROTTLE_LOGIN="off", OMNIFLOW_THROTTLE_RUN="5/second",
+                             OMNIFLOW_MODEL_DIRS=f"{tmp_path}/a, {tmp_path}/b", OMNIFLOW_MAX_JSON_DEPTH="16"))
+    assert (config.quotas.worker_processes, config.quotas.max_new_tokens) == (2, 64)
+    assert (config.throttles.login, config.throttles.run) == (None, "5/second")
+    assert config.model_dirs == (tmp_path / "a", tmp_path / "b") and config.max_json_depth == 16
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("OMNIFLOW_QUOTA_CONCURRENT_RUNS", "0", "at least 1"),
+    ("OMNIFLOW_QUOTA_DEVICE_PAGES", "many", "not an integer"),
+    ("OMNIFLOW_QUOTA_RUN_TIMEOUT_S", "0", "positive"),
+    ("OMNIFLOW_THROTTLE_RUN", "5 per minute", "not a rate"),
+    ("OMNIFLOW_MAX_JSON_DEPTH", "2", "at least 8"),
+])
+def test_bad_quota_and_limit_values_are_refused(tmp_path: Path, name: str, value: str, message: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=message) as refused:
+        load_config(env(tmp_path, **{name: value}))
+    assert name in str(refused.value)

@@ -19,6 +19,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from studio.errors import BadRequest, Conflict
+from studio.jsonbody import LimitedJSONParser
+from studio.throttles import RunThrottle
 from studio.workflows.api.serializers import (
     ErrorSerializer,
     RunCreateSerializer,
@@ -75,10 +77,13 @@ def _datetime(raw: str, name: str) -> dt.datetime:
 )
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
                  viewsets.GenericViewSet):
-    parser_classes = [parsers.JSONParser, parsers.MultiPartParser, parsers.FormParser]
+    parser_classes = [LimitedJSONParser, parsers.MultiPartParser, parsers.FormParser]
 
     def get_serializer_class(self) -> type:
         return RunSerializer if self.action == "list" else RunDetailSerializer
+
+    def get_throttles(self) -> list[Any]:
+        return [RunThrottle()] if self.action == "create" else []
 
     def get_queryset(self) -> QuerySet[Run]:
         qs = Run.objects.visible_to(self.request.user).select_related("workflow", "version", "owner")

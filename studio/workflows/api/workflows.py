@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 from engine.flow.pysrc import to_python
 from engine.flow.validate import parse_spec
 from studio.errors import BadRequest, Conflict
+from studio.jsonbody import LimitedJSONParser
 from studio.workflows.api.serializers import (
     DiffSerializer,
     ErrorSerializer,
@@ -84,7 +85,7 @@ def get_workflow(request: Request, workflow_id: Any) -> Workflow:
 class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.UpdateModelMixin,
                       mixins.DestroyModelMixin, viewsets.GenericViewSet):
     serializer_class = WorkflowSerializer
-    parser_classes = [parsers.JSONParser, parsers.MultiPartParser, PythonSourceParser, PlainTextParser]
+    parser_classes = [LimitedJSONParser, parsers.MultiPartParser, PythonSourceParser, PlainTextParser]
 
     def get_queryset(self) -> QuerySet[Workflow]:
         qs = visible_workflows(self.request).annotate(version_count=Count("versions")).order_by("-updated_at")
@@ -258,7 +259,7 @@ class VersionDiffView(APIView):
 class ValidateView(APIView):
     """Validate a GraphSpec (or DSL source) without saving it."""
 
-    parser_classes = [parsers.JSONParser, PythonSourceParser, PlainTextParser]
+    parser_classes = [LimitedJSONParser, PythonSourceParser, PlainTextParser]
 
     @extend_schema(
         summary="Validate a workflow",

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
@@ -25,6 +26,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from studio.accounts.auth import bearer_token, user_for_token
 from studio.errors import ApiError, error_body
+from studio.jsonbody import JsonRefused, load_json
+from studio.throttles import run_throttle_wait
 from studio.workflows.api.deployments import ChatSessionSerializer
 from studio.workflows.apps import engine
 from studio.workflows.chat import turns
@@ -70,10 +73,11 @@ async def _user(request: HttpRequest, *, allow_session: bool) -> Any:
 def _json_body(request: HttpRequest) -> Any:
     if request.content_type != "application/json":
         raise ValueError("send a JSON body (Content-Type: application/json)")
+    config = engine().config
     try:
-        return json.loads(request.body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"the body is not valid JSON: {exc}") from None
+        return load_json(request.body or b"null", max_depth=config.max_json_depth, max_bytes=config.max_upload_bytes)
+    except JsonRefused as exc:
+        raise ValueError(exc.message) from None
 
 
 def _openai_error(exc: OpenAIError) -> JsonResponse:
@@ -122,6 +126,10 @@ async def models(request: HttpRequest, user: Any) -> HttpResponse:
 # -------------------------------------------------------------------- chat completions
 @openai_view("POST")
 async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
+    wait = await sync_to_async(run_throttle_wait, thread_sensitive=False)(request, user)
+    if wait is not None:
+        raise OpenAIError(429, f"too many runs submitted: retry in {wait:.0f} s (OMNIFLOW_THROTTLE_RUN)",
+                          type="rate_limit_error", code="rate_limit_exceeded")
     try:
         body = _json_body(request)
     except ValueError as exc:
@@ -220,6 +228,10 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         return JsonResponse(error_body(str(exc)), status=401, headers={"WWW-Authenticate": "Bearer"})
     except PermissionError as exc:
         return JsonResponse(error_body(str(exc)), status=403)
+    wait = await sync_to_async(run_throttle_wait, thread_sensitive=False)(request, user)
+    if wait is not None:
+        return JsonResponse(error_body(f"too many runs submitted: retry in {wait:.0f} s (OMNIFLOW_THROTTLE_RUN)"),
+                            status=429, headers={"Retry-After": str(int(wait) or 1)})
     try:
         body = _json_body(request)
         if not isinstance(body, dict) or "content" not in body:

@@ -17,7 +17,9 @@ from django.utils import timezone
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import leader_worker_id
+from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
+from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
 
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
 
@@ -56,13 +58,23 @@ def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict
 
 
 def ticket(deployment_id: str) -> DeploymentTicket | None:
+    """What starting (or stopping) the deployment needs, its spec's paths resolved for its owner;
+    a path that cannot be used (a link made since it was deployed) fails the deployment."""
     deployment = Deployment.objects.select_related("version").filter(pk=deployment_id).first()
     if deployment is None:
         return None
+    status = DeploymentStatus(deployment.status)
+    document = deployment.version.spec
+    try:
+        document = resolve_spec_paths(document, deployment.owner_id, PathRoots.of(engine().config))
+    except PathRefused as exc:
+        if set_status(deployment_id, DeploymentStatus.FAILED, f"cannot start: {exc}",
+                      unless=(DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)):
+            status = DeploymentStatus.FAILED
     return DeploymentTicket(
         deployment_id=str(deployment.pk),
-        status=DeploymentStatus(deployment.status),
-        spec=deployment_spec(deployment.version.spec, deployment.pk, deployment.replicas),
+        status=status,
+        spec=deployment_spec(document, deployment.pk, deployment.replicas),
         namespace=deployment.namespace,
         node=deployment.node,
     )

@@ -27,6 +27,7 @@ from django.db import transaction
 
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Forbidden, Unprocessable
+from studio.workflows import quotas
 from studio.workflows.apps import engine
 from studio.workflows.deployments.node import node_queue
 from studio.workflows.models import (
@@ -37,7 +38,7 @@ from studio.workflows.models import (
     WorkflowVersion,
     deployment_namespace,
 )
-from studio.workflows.operations import check_spec_for_studio, read_spec
+from studio.workflows.operations import check_paths, check_spec_for_studio, read_spec
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ def _checked_replicas(version: WorkflowVersion, given: dict[str, Any] | None) ->
         elif isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= limit:
             problems.append({"field": f"replicas.{role}",
                              "message": f"a replica count is an integer from 1 to {limit}, not {count!r}"})
+    for role, count in roles.items():  # the spec is the user's too: its own counts meet the same cap
+        if count > limit:
+            problems.append({"field": f"roles.{role}.replicas", "role": role,
+                             "message": f"the spec asks for {count} replicas of role {role!r}; this studio allows"
+                             f" at most {limit} (OMNIFLOW_MAX_REPLICAS)"})
     if problems:
         raise BadRequest("invalid replicas", problems)
     return {**roles, **(given or {})}
@@ -84,12 +90,15 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
     if not checked.valid:
         raise Unprocessable(f"version {version.number} of {version.workflow.name!r} cannot be deployed",
                             checked.issue_dicts())
+    check_paths(user, checked.document, f"version {version.number} of {version.workflow.name!r} cannot be deployed")
     counts = _checked_replicas(version, replicas)
     if eng.config.dispatch is Dispatch.CELERY:
         node = node or eng.config.deploy_node
     elif node:
         raise BadRequest("this studio hosts deployments itself (OMNIFLOW_DISPATCH=local): give no node")
     with transaction.atomic():
+        quotas.lock_user(user)
+        quotas.deployment_check(user, spec, counts, eng.config.quotas).enforce()
         deployment = Deployment.objects.create(owner=user, version=version, name=name, replicas=counts,
                                                node=node or "", cache_scope=cache_scope)
         deployment.namespace = deployment_namespace(eng.config.redis_prefix, deployment.pk)
@@ -100,10 +109,14 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
 
 def scale_deployment(deployment: Deployment, role: str, replicas: Any) -> Deployment:
     with transaction.atomic():
-        locked = Deployment.objects.select_for_update().select_related("version").get(pk=deployment.pk)
+        locked = Deployment.objects.select_for_update().select_related("version", "owner").get(pk=deployment.pk)
         if locked.status not in (DeploymentStatus.PENDING, DeploymentStatus.STARTING, DeploymentStatus.RUNNING):
             raise Conflict(f"deployment {locked.pk} is {locked.status}; only a running deployment scales")
-        locked.replicas = _checked_replicas(locked.version, {**locked.replicas, role: replicas})
+        counts = _checked_replicas(locked.version, {**locked.replicas, role: replicas})
+        quotas.lock_user(locked.owner)
+        quotas.deployment_check(locked.owner, read_spec(spec=locked.version.spec), counts, engine().config.quotas,
+                                deployment=locked).enforce()
+        locked.replicas = counts
         locked.save(update_fields=["replicas", "updated_at"])
         transaction.on_commit(lambda: start(str(locked.pk)))
     return locked

@@ -6,7 +6,8 @@ A run's stored events are exactly the executor's events (`event_to_dict`), excep
 `run_finished` gains `files`: output name -> download URL for outputs stored as files, and
 that a run executed again after its executor stopped has a `run_restarted` event (written by
 `recovery`) followed by the new execution's events, their `seq` numbered on from it
-(`RunTicket.seq_base`).
+(`RunTicket.seq_base`); and that server paths below the owner's folder become run files or relative names
+(`studio.workflows.runs.outputs`): users see no server path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mimetypes
 from collections.abc import Callable
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,6 +32,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
+from studio.workflows.apps import engine
 from studio.workflows.models import (
     FileRole,
     NodeRun,
@@ -41,7 +44,9 @@ from studio.workflows.models import (
 from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
+from studio.workflows.paths import PathRoots, resolve_spec_paths
 from studio.workflows.runs.lease import RUN_RESTARTED, LeaseCheck, LeaseLost, LeaseTerms
+from studio.workflows.runs.outputs import ServerPaths
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +160,9 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         else:
             inputs[name] = value
     spec = with_node_params(run.version.spec, run.node_params)
+    # The names become server paths only here (a deployment's workers got their roles' when it
+    # started, records.ticket; its runs' nodes, `out_dir`, get theirs here too).
+    spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config))
     deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
@@ -203,6 +211,22 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
     return {"status", "outputs", "error", "failed_node", "lease_owner", "lease_expires_at", "cancel_requested"}
 
 
+def _server_paths(run: Run) -> ServerPaths:
+    """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`)."""
+
+    def save(name: str, path: Path) -> dict[str, Any]:
+        key = name[-64:]  # RunFile.name's length; the tail keeps the file's own name
+        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=key).first()
+        if record is None:
+            data = path.read_bytes()
+            content_type, _ = sniff_content_type(data)
+            record = store_file(run, FileRole.OUTPUT, key, data, path.name, content_type
+                                if content_type != "application/octet-stream" else "")
+        return {**file_ref(record), "url": file_url(run.pk, record.pk), "name": name}
+
+    return ServerPaths(PathRoots.of(engine().config).users / str(run.owner_id), save)
+
+
 def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None, *,
            owner: str | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
@@ -221,7 +245,9 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
         touched: dict[str, NodeRun] = {}
         run_fields: set[str] = {"last_seq"}
         stored: list[dict[str, Any]] = []
+        paths = _server_paths(run)
         for event in events:
+            event = _hide_paths(event, paths)
             kind = event["type"]
             when = _when(event.get("time"))
             if kind == "run_started":
@@ -260,7 +286,7 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
                 touched.update(nodes)
             elif kind == "run_finished":
                 files: dict[str, str] = {}
-                outputs = event.get("outputs", {}) if final_outputs is None else final_outputs
+                outputs = event.get("outputs", {}) if final_outputs is None else paths.hide(final_outputs)
                 run.outputs = {name: _output_value(run, name, value, files) for name, value in outputs.items()}
                 run.status = event["status"]
                 run.error = event.get("error") or ""
@@ -283,6 +309,14 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
             )
         run.save(update_fields=sorted(run_fields))
     return stored
+
+
+def _hide_paths(event: dict[str, Any], paths: ServerPaths) -> dict[str, Any]:
+    """The event as users may see it: no server path in its values or error."""
+    changed = {key: paths.hide(event[key]) for key in ("value", "outputs") if key in event}
+    if event.get("error"):
+        changed["error"] = paths.hide_in_text(event["error"])
+    return {**event, **changed} if changed else event
 
 
 def _synthetic_finish(run: Run, status: RunStatus, error: str) -> dict[str, Any]:

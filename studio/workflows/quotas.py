@@ -1,0 +1,248 @@
+"""Per-user quotas (`studio.config.Quotas`), checked where they bite: deploying and scaling
+(`studio.workflows.deployments.service`), submitting a run (`studio.workflows.operations.create_run`,
+which REST runs, `/v1/chat/completions` and session turns all go through) and uploading its files.
+
+Every check returns a `QuotaCheck` (the breaches found, each naming the limit, its value, what
+was asked and where: role or node); `QuotaCheck.enforce()` raises the API error. Two kinds of
+refusal, always the same status for the same kind:
+
+* **busy** (429 `QuotaBusy`): a count of things a user has live at once (concurrent and queued
+  runs, live deployments, worker processes). It frees up when they end; retrying later may work;
+* **too large** (403 `QuotaTooLarge`): one request asks for more than a user may ever have (KV
+  pages, `max_iterations`, `max_new_tokens`, upload bytes, run timeout). Retrying will not help.
+
+When both kinds are breached the answer is 403. Staff users are exempt from every quota (the
+engine's hard ceilings in the kind catalogue still bind them). Sizes are read from the stored
+spec, never from what the request body says about it: a deployment counts, per role, the larger
+of the spec's `replicas` and the count asked for, times `tp_size`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from rest_framework import status
+
+from engine.spec.graph import GraphSpec
+from studio.config import Quotas
+from studio.errors import ApiError
+from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Run, RunStatus
+
+ROLE_PAGE_PARAMS = ("device_pages", "host_pages", "disk_pages")
+"""Role params that size a KV tier (pages per replica), each with the quota of the same name."""
+
+
+class BreachKind(enum.StrEnum):
+    BUSY = "busy"
+    """Too many things live at once: 429."""
+    TOO_LARGE = "too_large"
+    """One request asks for more than the user may have: 403."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaBreach:
+    """One limit a request passes."""
+
+    limit: str
+    """The quota's name (a field of `studio.config.Quotas`)."""
+    value: int | float
+    """The limit."""
+    asked: int | float
+    """What the request (with what the user already has) comes to."""
+    kind: BreachKind
+    message: str
+    role: str | None = None
+    node: str | None = None
+
+    @property
+    def setting(self) -> str:
+        return f"OMNIFLOW_QUOTA_{self.limit.upper()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": "quota", "limit": self.limit, "value": self.value, "asked": self.asked,
+                                "setting": self.setting, "message": self.message}
+        if self.role is not None:
+            body["role"] = self.role
+        if self.node is not None:
+            body["node"] = self.node
+        return body
+
+
+class QuotaBusy(ApiError):
+    status_code = status.HTTP_429_TOO_MANY_REQUESTS
+    default_detail = "quota reached"
+
+
+class QuotaTooLarge(ApiError):
+    status_code = status.HTTP_403_FORBIDDEN
+    default_detail = "over quota"
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaCheck:
+    breaches: tuple[QuotaBreach, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaches
+
+    def __add__(self, other: QuotaCheck) -> QuotaCheck:
+        return QuotaCheck((*self.breaches, *other.breaches))
+
+    def enforce(self) -> None:
+        """Raise QuotaTooLarge (403) or QuotaBusy (429) listing every breach; nothing when ok."""
+        if self.ok:
+            return
+        too_large = any(b.kind is BreachKind.TOO_LARGE for b in self.breaches)
+        names = ", ".join(dict.fromkeys(f"{b.limit} ({b.value})" for b in self.breaches))
+        error = QuotaTooLarge if too_large else QuotaBusy
+        raise error(f"over your quota: {names}", [b.to_dict() for b in self.breaches])
+
+
+EXEMPT = QuotaCheck()
+
+
+def exempt(user: Any) -> bool:
+    """Staff users are exempt from quotas."""
+    return bool(getattr(user, "is_staff", False))
+
+
+# ------------------------------------------------------------------------------ sizes
+def spec_check(spec: GraphSpec, quotas: Quotas) -> QuotaCheck:
+    """What one spec asks for: KV pages per role, `max_iterations` and `max_new_tokens` per node."""
+    breaches: list[QuotaBreach] = []
+    for role in spec.roles:
+        for name in ROLE_PAGE_PARAMS:
+            asked = role.params.get(name)
+            limit = getattr(quotas, name)
+            if _number(asked) and asked > limit:
+                breaches.append(QuotaBreach(name, limit, asked, BreachKind.TOO_LARGE,
+                                            f"role {role.name!r}: {name} {asked} is over your quota of {limit}",
+                                            role=role.name))
+    for node in spec.nodes:
+        if node.max_iterations is not None and node.max_iterations > quotas.max_iterations:
+            breaches.append(QuotaBreach("max_iterations", quotas.max_iterations, node.max_iterations,
+                                        BreachKind.TOO_LARGE, f"node {node.id!r}: max_iterations"
+                                        f" {node.max_iterations} is over your quota of {quotas.max_iterations}",
+                                        node=node.id))
+        asked = node.params.get("max_new_tokens")
+        if _number(asked) and asked > quotas.max_new_tokens:
+            breaches.append(QuotaBreach("max_new_tokens", quotas.max_new_tokens, asked, BreachKind.TOO_LARGE,
+                                        f"node {node.id!r}: max_new_tokens {asked} is over your quota of"
+                                        f" {quotas.max_new_tokens}", node=node.id))
+    return QuotaCheck(tuple(breaches))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def run_timeout(user: Any, asked: float | None, default: float | None, quotas: Quotas) -> float | None:
+    """The timeout a run gets: what it asks for, else the server's default; for a user who is
+    not exempt, the quota's when neither is set or the default is longer (a longer one asked
+    for is refused by `run_check`)."""
+    timeout = asked if asked is not None else default
+    if exempt(user) or asked is not None:
+        return timeout
+    return quotas.run_timeout_s if timeout is None else min(timeout, quotas.run_timeout_s)
+
+
+def run_check(user: Any, spec: GraphSpec, quotas: Quotas, *, timeout_s: float | None,
+              upload_bytes: int) -> QuotaCheck:
+    """The sizes of one run submission (`spec` with the run's node params laid over it)."""
+    if exempt(user):
+        return EXEMPT
+    check = spec_check(spec, quotas)
+    extra: list[QuotaBreach] = []
+    if timeout_s is not None and timeout_s > quotas.run_timeout_s:
+        extra.append(QuotaBreach("run_timeout_s", quotas.run_timeout_s, timeout_s, BreachKind.TOO_LARGE,
+                                 f"timeout_s {timeout_s} is over your quota of {quotas.run_timeout_s} s"))
+    if upload_bytes > quotas.upload_bytes:
+        extra.append(QuotaBreach("upload_bytes", quotas.upload_bytes, upload_bytes, BreachKind.TOO_LARGE,
+                                 f"the run's files are {upload_bytes} bytes, over your quota of"
+                                 f" {quotas.upload_bytes}"))
+    return check + QuotaCheck(tuple(extra))
+
+
+# ------------------------------------------------------------------------- what is live
+def lock_user(user: Any) -> None:
+    """Serialise one user's admissions (call inside the transaction that creates the run or
+    deployment), so two requests at once cannot both pass the last free slot."""
+    get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+
+
+def admission_check(user: Any, quotas: Quotas) -> QuotaCheck:
+    """Whether one more run of `user` may be queued: its runs executing and waiting now. Call it
+    inside the transaction that creates the run, after `lock_user`."""
+    if exempt(user):
+        return EXEMPT
+    counts = {s: 0 for s in (RunStatus.PENDING, RunStatus.RUNNING)}
+    for value in Run.objects.filter(owner=user, status__in=list(counts)).values_list("status", flat=True):
+        counts[value] += 1
+    breaches = []
+    if counts[RunStatus.RUNNING] >= quotas.concurrent_runs:
+        breaches.append(QuotaBreach("concurrent_runs", quotas.concurrent_runs, counts[RunStatus.RUNNING] + 1,
+                                    BreachKind.BUSY, f"you have {counts[RunStatus.RUNNING]} runs executing; your"
+                                    f" quota is {quotas.concurrent_runs} (wait for one to end)"))
+    if counts[RunStatus.PENDING] >= quotas.queued_runs:
+        breaches.append(QuotaBreach("queued_runs", quotas.queued_runs, counts[RunStatus.PENDING] + 1,
+                                    BreachKind.BUSY, f"you have {counts[RunStatus.PENDING]} runs waiting; your"
+                                    f" quota is {quotas.queued_runs}"))
+    return QuotaCheck(tuple(breaches))
+
+
+def role_processes(spec: GraphSpec, counts: dict[str, Any]) -> dict[str, int]:
+    """Worker processes per role of a deployment of `spec` with replica `counts`: the larger
+    of the spec's and the asked-for replicas, times `tp_size`."""
+    out = {}
+    for role in spec.roles:
+        asked = counts.get(role.name, role.replicas)
+        replicas = max(role.replicas, asked if isinstance(asked, int) and not isinstance(asked, bool) else 0)
+        out[role.name] = replicas * role.tp_size
+    return out
+
+
+def _live_processes(user: Any, exclude: Any) -> int:
+    total = 0
+    live = (Deployment.objects.filter(owner=user, status__in=list(ACTIVE_DEPLOYMENT_STATUSES))
+            .exclude(pk=exclude).select_related("version"))
+    for deployment in live:
+        roles = deployment.version.spec.get("roles", [])
+        for role in roles:
+            spec_replicas = int(role.get("replicas", 1))
+            replicas = max(spec_replicas, int(deployment.replicas.get(role["name"], spec_replicas)))
+            total += replicas * int(role.get("tp_size", 1))
+    return total
+
+
+def deployment_check(user: Any, spec: GraphSpec, counts: dict[str, Any], quotas: Quotas, *,
+                     deployment: Any = None) -> QuotaCheck:
+    """Deploying `spec` with replica `counts` (or, with `deployment`, scaling that live one to
+    them): its sizes, the user's live deployments and their worker processes with these.
+    Call it inside the transaction that writes the deployment, after `lock_user`."""
+    if exempt(user):
+        return EXEMPT
+    breaches = list(spec_check(spec, quotas).breaches)
+    live = Deployment.objects.filter(owner=user, status__in=list(ACTIVE_DEPLOYMENT_STATUSES))
+    if deployment is None:
+        count = live.count()
+        if count >= quotas.deployments:
+            breaches.append(QuotaBreach("deployments", quotas.deployments, count + 1, BreachKind.BUSY,
+                                        f"you have {count} live deployments; your quota is {quotas.deployments}"
+                                        " (stop one first)"))
+    processes = role_processes(spec, counts)
+    others = _live_processes(user, None if deployment is None else deployment.pk)
+    total = others + sum(processes.values())
+    if total > quotas.worker_processes:
+        kind = BreachKind.TOO_LARGE if sum(processes.values()) > quotas.worker_processes else BreachKind.BUSY
+        for role in spec.roles:
+            breaches.append(QuotaBreach(
+                "worker_processes", quotas.worker_processes, total, kind,
+                f"role {role.name!r}: {processes[role.name] // role.tp_size} replicas x tp_size {role.tp_size} ="
+                f" {processes[role.name]} processes; with the deployment's other roles and your other live"
+                f" deployments ({others}) that is {total}, over your quota of {quotas.worker_processes}",
+                role=role.name))
+    return QuotaCheck(tuple(breaches))

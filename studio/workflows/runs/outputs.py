@@ -1,0 +1,53 @@
+"""Run outputs reach their user as run files, never as server paths.
+
+An op that writes files (`save_outputs`) returns where it wrote them; under the studio those
+are server paths below the owner's folder (`studio.workflows.paths`). `ServerPaths.hide` walks
+a value about to be stored or sent (a node output, the run's outputs, an error message) and
+replaces every such path: a file becomes a run file of the run (`{"$file", "url", "name"}`,
+downloaded by its owner only through the API), a folder or a path that is gone its name
+relative to the user's folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from studio.workflows.paths import server_path_name
+
+SaveFile = Callable[[str, Path], dict[str, Any]]
+"""Stores the file at the path as a run file named by the str (once); returns its reference."""
+
+
+class ServerPaths:
+    """Hides the server paths below one user's folder in the values of one run."""
+
+    def __init__(self, user_root: Path, save: SaveFile) -> None:
+        self.root = user_root
+        self.prefix = str(user_root) + os.sep
+        self._save = save
+
+    def hide(self, value: Any) -> Any:
+        """`value` with every server path below the user's folder replaced (not modified in place)."""
+        if isinstance(value, str):
+            return self._string(value)
+        if isinstance(value, dict):
+            return {k: self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.hide(v) for v in value]
+        return value
+
+    def hide_in_text(self, text: str) -> str:
+        """A message with the user's folder cut out of the paths it mentions."""
+        return text.replace(self.prefix, "") if text else text
+
+    def _string(self, value: str) -> Any:
+        name = server_path_name(value, self.root)
+        if name is None:
+            return self.hide_in_text(value)
+        path = Path(value)
+        if path.is_file() and not path.is_symlink():
+            return self._save(name, path)
+        return name

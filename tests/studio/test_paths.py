@@ -1,0 +1,184 @@
+"""Paths a workflow names stay under the server's roots: `../x`, `/etc/x` and a symbolic link
+pointing out are refused on the role or node naming the param; names resolve under the owner's
+own folder (0700) or the model directories; run outputs show run files, never server paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from studio.workflows.apps import engine
+from studio.workflows.deployments import records
+from studio.workflows.models import Deployment, DeploymentStatus, Run, RunFile
+from studio.workflows.paths import (
+    PathRefused,
+    PathRoots,
+    name_problem,
+    resolve_spec_paths,
+    resolve_under,
+)
+from tests.studio.factories import create_workflow
+from tests.studio.limits import configured, llm_spec, python_spec
+
+ATTACKS = ["../x", "/etc/x", "a/../../x", "~/x", "", "a\\..\\x"]
+
+
+@pytest.mark.parametrize("name", ATTACKS)
+def test_names_that_are_not_relative_are_refused(name: str) -> None:
+    assert name_problem(name) is not None
+    with pytest.raises(ValueError):
+        resolve_under(Path("/srv/root"), name)
+
+
+def test_relative_names_resolve_under_the_root(tmp_path: Path) -> None:
+    assert name_problem("kv/tier-1") is None
+    assert resolve_under(tmp_path, "kv/./tier-1") == tmp_path / "kv" / "tier-1"
+
+
+def test_a_symlink_in_any_component_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "out").symlink_to(outside)
+    with pytest.raises(ValueError, match="symbolic link"):
+        resolve_under(root, "a/out/x")
+    with pytest.raises(ValueError, match="symbolic link"):
+        resolve_under(root, "a/out")
+
+
+def roots(tmp_path: Path, *models: Path) -> PathRoots:
+    return PathRoots(users=tmp_path / "users", models=models)
+
+
+def test_spec_paths_resolve_under_the_users_own_folder(tmp_path: Path) -> None:
+    spec = llm_spec(role={"params": {"disk_path": "kv", "disk_pages": 8}})
+    spec["nodes"].append({"id": "save", "kind": "python", "role": "lm", "op": "workflows.ops.common:save_outputs"})
+    spec["nodes"].append({"id": "keep", "kind": "python", "role": "lm", "op": "x:save_outputs",
+                          "params": {"out_dir": "mine/out"}})
+    resolved = resolve_spec_paths(spec, 7, roots(tmp_path))
+    home = tmp_path / "users" / "7"
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700 and stat.S_IMODE(home.parent.stat().st_mode) == 0o700
+    assert resolved["roles"][0]["params"]["disk_path"] == str(home / "kv")
+    assert resolved["roles"][0]["model"] == "tiny-llama"  # a built-in name stays one
+    params = {n["id"]: n.get("params", {}) for n in resolved["nodes"]}
+    assert params["save"] == {"out_dir": str(home / "outputs")}  # the op's own default is the server's cwd
+    assert params["keep"] == {"out_dir": str(home / "mine" / "out")}
+    assert spec["roles"][0]["params"]["disk_path"] == "kv"  # the document itself is not modified
+
+
+def test_a_symlink_pointing_out_of_the_users_folder_is_refused(tmp_path: Path) -> None:
+    home = roots(tmp_path).user_root(3)
+    (home / "escape").symlink_to("/etc")
+    spec = llm_spec(role={"params": {"disk_path": "escape/kv", "disk_pages": 8}})
+    with pytest.raises(PathRefused) as refused:
+        resolve_spec_paths(spec, 3, roots(tmp_path))
+    [issue] = refused.value.issues
+    assert (issue.code, issue.role, issue.path) == ("path_refused", "lm", "params.disk_path")
+    assert "symbolic link" in issue.message and str(tmp_path) not in issue.message
+
+
+def test_checkpoints_come_from_the_model_directories(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    (models / "org" / "ckpt").mkdir(parents=True)
+    resolved = resolve_spec_paths(llm_spec(role={"model": "org/ckpt"}), 1, roots(tmp_path, models))
+    assert resolved["roles"][0]["model"] == str(models / "org" / "ckpt")
+    for name, why in [("nope", "neither a built-in"), ("../models/org/ckpt", "'..'"), (str(models / "org" / "ckpt"),
+                                                                                       "absolute")]:
+        with pytest.raises(PathRefused, match=why) as refused:
+            resolve_spec_paths(llm_spec(role={"model": name}), 1, roots(tmp_path, models))
+        assert refused.value.issues[0].role == "lm" and refused.value.issues[0].path == "model"
+
+
+# ------------------------------------------------------------------------------ REST
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["../x", "/etc/x"])
+def test_validation_reports_paths_on_the_role_or_node(api, name: str) -> None:
+    role = llm_spec(role={"params": {"disk_path": name, "disk_pages": 8}})
+    response = api.post("/api/validate/", {"spec": role}, format="json")
+    assert response.status_code == 400
+    [issue] = [d for d in response.json()["details"] if d["code"] == "path_refused"]
+    assert (issue["role"], issue["path"]) == ("lm", "params.disk_path")
+
+    node = python_spec(params={"out_dir": name})
+    response = api.post("/api/validate/", {"spec": node}, format="json")
+    [issue] = [d for d in response.json()["details"] if d["code"] == "path_refused"]
+    assert (issue["node"], issue["path"]) == ("step", "params.out_dir")
+
+    model = llm_spec(role={"model": name})
+    response = api.post("/api/validate/", {"spec": model}, format="json")
+    [issue] = [d for d in response.json()["details"] if d["code"] == "path_refused"]
+    assert (issue["role"], issue["path"]) == ("lm", "model")
+
+
+@pytest.mark.django_db
+def test_a_run_or_deployment_through_a_symlink_is_refused(api, user) -> None:
+    home = PathRoots.of(engine().config).user_root(user.pk)
+    (home / "out").symlink_to("/tmp")
+    wf = create_workflow(api, llm_spec(role={"params": {"disk_path": "out/kv", "disk_pages": 8}}))
+    run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"prompt": "x"}}, format="json")
+    assert run.status_code == 422, run.content
+    [issue] = run.json()["details"]
+    assert (issue["code"], issue["role"], issue["path"]) == ("path_refused", "lm", "params.disk_path")
+    deployment = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert deployment.status_code == 422 and deployment.json()["details"][0]["path"] == "params.disk_path"
+    assert not Run.objects.exists()
+
+
+# --------------------------------------------------------------------------- outputs
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_outputs_reach_the_user_as_run_files_not_server_paths(api, other_api, user) -> None:
+    spec = python_spec()
+    spec["nodes"][1].update(op="workflows.ops.common:save_outputs", outputs={"out": {"type": "json"}})
+    spec["nodes"][2]["inputs"]["value"]["type"] = "json"
+    with configured(allow_module_ops=True):
+        wf = create_workflow(api, spec)
+        run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "hello"}}, format="json").json()
+        engine().runs.wait(run["id"])
+    detail = api.get(f"/api/runs/{run['id']}/").json()
+    assert detail["status"] == "done", detail
+    events = api.get(f"/api/runs/{run['id']}/events/").json()
+    server = str(engine().config.data_dir)
+    links = ("/api/", "/ws/")
+    leaked = [s for s in _strings([detail, events]) if server in s or (s.startswith("/") and not s.startswith(links))]
+    assert leaked == []
+    result = detail["outputs"]["result"]
+    assert result["dir"] == f"outputs/{run['id']}"
+    text = result["files"]["text"]
+    assert text["name"] == f"outputs/{run['id']}/reply.txt" and set(text) == {"$file", "url", "name"}
+    download = api.get(text["url"])
+    assert download.status_code == 200 and b"".join(download.streaming_content) == b"hello"
+    assert other_api.get(text["url"]).status_code == 404
+    assert RunFile.objects.filter(run_id=run["id"], role="output").count() == 1
+    written = engine().config.users_root / str(user.pk) / "outputs" / run["id"] / "reply.txt"
+    assert written.read_text() == "hello"
+    assert json.dumps(detail).count(text["$file"]) >= 1
+    assert not os.path.exists(Path.cwd() / "omniflow-out" / run["id"])
+
+
+@pytest.mark.django_db
+def test_a_deployment_whose_path_became_a_link_fails_instead_of_starting(api, user) -> None:
+    wf = create_workflow(api, llm_spec(role={"params": {"disk_path": "kv", "disk_pages": 8}}))
+    created = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert created.status_code == 201, created.content
+    (PathRoots.of(engine().config).user_root(user.pk) / "kv").symlink_to("/tmp")
+    ticket = records.ticket(created.json()["id"])
+    assert ticket is not None and ticket.status == DeploymentStatus.FAILED
+    deployment = Deployment.objects.get()
+    assert deployment.status == DeploymentStatus.FAILED and "symbolic link" in deployment.error
+    assert str(engine().config.data_dir) not in deployment.error

@@ -1,0 +1,199 @@
+"""Per-user quotas, attacked where they bite: deploy and scale (worker processes from the stored
+spec, whatever the body says; live deployments; KV pages), run submission over REST, `/v1` and
+session turns (max_iterations, max_new_tokens, timeout, uploads, concurrent and queued runs),
+and the staff exemption.
+
+Most tests are not transactional: a deployment or run that passes is stored, and nothing starts
+(the hand-off waits for a commit that never comes), so no worker is spawned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, WorkflowVersion
+from studio.workflows.quotas import deployment_check, role_processes
+from studio.workflows.specs import parse_document
+from tests.studio.conftest import client_for
+from tests.studio.factories import create_workflow, example_spec
+from tests.studio.limits import configured, llm_spec, python_spec, quota_details
+
+pytestmark = pytest.mark.django_db
+
+
+def deploy(api, spec: dict, name: str | None = None, **body):
+    wf = create_workflow(api, spec, name=name)
+    return api.post("/api/deployments/", {"workflow": wf["id"], **body}, format="json")
+
+
+def submit(api, spec: dict, inputs: dict, name: str | None = None, **body):
+    wf = create_workflow(api, spec, name=name)
+    return api.post("/api/runs/", {"workflow": wf["id"], "inputs": inputs, **body}, format="json")
+
+
+# --------------------------------------------------------------------------- deploy
+def test_spec_replicas_over_the_cap_are_refused_even_when_the_body_asks_for_one(api) -> None:
+    response = deploy(api, python_spec(replicas=20), replicas={"py": 1})
+    assert response.status_code == 400, response.content
+    [problem] = [d for d in response.json()["details"] if d.get("role") == "py"]
+    assert "20 replicas" in problem["message"] and "OMNIFLOW_MAX_REPLICAS" in problem["message"]
+    assert not Deployment.objects.exists()
+
+
+def test_worker_processes_count_the_spec_replicas_times_tp_size(api) -> None:
+    with configured(quotas={"worker_processes": 4}):
+        spec_says_five = deploy(api, python_spec(replicas=5), replicas={"py": 1})
+        assert spec_says_five.status_code == 403, spec_says_five.content
+        [breach] = quota_details(spec_says_five)
+        assert (breach["limit"], breach["value"], breach["asked"], breach["role"]) == ("worker_processes", 4, 5, "py")
+        assert breach["setting"] == "OMNIFLOW_QUOTA_WORKER_PROCESSES"
+
+        sharded = deploy(api, llm_spec(role={"replicas": 3, "tp_size": 2}), name="sharded", replicas={"lm": 1})
+        assert sharded.status_code == 403, sharded.content
+        [breach] = quota_details(sharded)
+        assert (breach["limit"], breach["asked"], breach["role"]) == ("worker_processes", 6, "lm")
+        assert "3 replicas x tp_size 2" in breach["message"]
+
+        fits = deploy(api, llm_spec(name="fits", role={"replicas": 2, "tp_size": 2}), name="fits")
+        assert fits.status_code == 201, fits.content
+        one_more = deploy(api, python_spec(name="more"), name="more")
+        assert one_more.status_code == 429, one_more.content  # busy: it fits once the first stops
+        assert quota_details(one_more)[0]["asked"] == 5
+    assert Deployment.objects.count() == 1
+
+
+def test_live_deployments_quota(api) -> None:
+    with configured(quotas={"deployments": 1}):
+        assert deploy(api, python_spec()).status_code == 201
+        second = deploy(api, python_spec(name="second"), name="second")
+        assert second.status_code == 429
+        [breach] = quota_details(second)
+        assert (breach["limit"], breach["value"]) == ("deployments", 1)
+        Deployment.objects.update(status=DeploymentStatus.STOPPED)  # a stopped one no longer counts
+        assert api.post("/api/deployments/", {"workflow": Deployment.objects.get().version.workflow_id},
+                        format="json").status_code == 201
+
+
+@pytest.mark.parametrize("param", ["device_pages", "host_pages", "disk_pages"])
+def test_kv_pages_over_quota_are_refused_on_the_role(api, param: str) -> None:
+    params = {param: 1000, **({"disk_path": "kv"} if param == "disk_pages" else {})}
+    with configured(quotas={param: 999}):
+        response = deploy(api, llm_spec(role={"params": params}))
+        assert response.status_code == 403, response.content
+        [breach] = quota_details(response)
+        assert (breach["limit"], breach["value"], breach["asked"], breach["role"]) == (param, 999, 1000, "lm")
+        at_limit = deploy(api, llm_spec(name="ok", role={"params": {**params, param: 999}}), name="ok")
+        assert at_limit.status_code == 201, at_limit.content
+
+
+def test_scaling_past_the_quota_is_refused(api) -> None:
+    with configured(quotas={"worker_processes": 2}):
+        created = deploy(api, python_spec())
+        assert created.status_code == 201
+        Deployment.objects.update(status=DeploymentStatus.RUNNING)
+        url = f"/api/deployments/{created.json()['id']}/scale/"
+        assert api.post(url, {"role": "py", "replicas": 2}, format="json").status_code == 200
+        over = api.post(url, {"role": "py", "replicas": 3}, format="json")
+        assert over.status_code == 403 and quota_details(over)[0]["limit"] == "worker_processes"
+    assert Deployment.objects.get().replicas == {"py": 2}
+
+
+def test_role_processes_take_the_larger_count_times_tp_size() -> None:
+    spec = parse_document(llm_spec(role={"replicas": 3, "tp_size": 2}))
+    assert role_processes(spec, {}) == {"lm": 6}
+    assert role_processes(spec, {"lm": 1}) == {"lm": 6}
+    assert role_processes(spec, {"lm": 5}) == {"lm": 10}
+
+
+def test_staff_are_exempt(staff) -> None:
+    api = client_for(staff)
+    with configured(quotas={"worker_processes": 1, "max_iterations": 2, "deployments": 0}):
+        assert deploy(api, python_spec(replicas=3)).status_code == 201
+        spec = parse_document(python_spec(replicas=3))
+        assert deployment_check(staff, spec, {}, api_quotas()).ok
+        assert submit(api, python_spec(name="loop", max_iterations=5), {"text": "x"}, name="loop").status_code == 201
+
+
+def api_quotas():
+    from studio.workflows.apps import engine
+
+    return engine().config.quotas
+
+
+# ------------------------------------------------------------------------------ runs
+def test_run_sizes_over_quota(api) -> None:
+    with configured(quotas={"max_iterations": 10, "run_timeout_s": 60.0, "max_new_tokens": 8}):
+        loop = submit(api, python_spec(max_iterations=11), {"text": "x"})
+        assert loop.status_code == 403, loop.content
+        [breach] = quota_details(loop)
+        assert (breach["limit"], breach["value"], breach["asked"], breach["node"]) == ("max_iterations", 10, 11, "step")
+
+        slow = submit(api, python_spec(name="slow"), {"text": "x"}, name="slow", timeout_s=61)
+        assert slow.status_code == 403 and quota_details(slow)[0]["limit"] == "run_timeout_s"
+
+        default = submit(api, python_spec(name="plain"), {"text": "x"}, name="plain")
+        assert default.status_code == 201 and Run.objects.get(pk=default.json()["id"]).timeout_s == 60.0
+
+        tokens = submit(api, llm_spec(node_params={"max_new_tokens": 9}), {"prompt": "hi"})
+        assert tokens.status_code == 403
+        assert quota_details(tokens)[0]["limit"] == "max_new_tokens" and quota_details(tokens)[0]["node"] == "gen"
+    assert Run.objects.count() == 1
+
+
+def test_upload_bytes_over_quota(api) -> None:
+    spec = python_spec()
+    spec["nodes"][0]["outputs"]["value"]["type"] = "image"
+    spec["nodes"][1]["op"] = "tests.studio.fns:digest"
+    spec["nodes"][1]["inputs"] = {"image": {"type": "image"}}
+    spec["edges"][0]["target_port"] = "image"
+    wf = create_workflow(api, spec)
+    with configured(quotas={"upload_bytes": 100}):
+        big = api.post("/api/runs/", {"workflow": wf["id"], "inputs": "{}",
+                                      "text": SimpleUploadedFile("a.png", b"\x89PNG" + b"x" * 100, "image/png")},
+                       format="multipart")
+        assert big.status_code == 403, big.content
+        [breach] = quota_details(big)
+        assert (breach["limit"], breach["value"], breach["asked"]) == ("upload_bytes", 100, 104)
+        small = api.post("/api/runs/", {"workflow": wf["id"], "inputs": "{}",
+                                        "text": SimpleUploadedFile("a.png", b"\x89PNG", "image/png")},
+                         format="multipart")
+        assert small.status_code == 201
+
+
+def test_concurrent_and_queued_runs(api, user) -> None:
+    wf = create_workflow(api, python_spec())
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"])
+    with configured(quotas={"concurrent_runs": 2, "queued_runs": 1}):
+        Run.objects.bulk_create([Run(owner=user, workflow=version.workflow, version=version, status=RunStatus.RUNNING)
+                                 for _ in range(2)])
+        busy = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}}, format="json")
+        assert busy.status_code == 429
+        assert [b["limit"] for b in quota_details(busy)] == ["concurrent_runs"]
+        Run.objects.filter(status=RunStatus.RUNNING).update(status=RunStatus.DONE)
+        assert api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}}, format="json").status_code == 201
+        queued = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}}, format="json")
+        assert queued.status_code == 429 and quota_details(queued)[0]["limit"] == "queued_runs"
+
+
+# ---------------------------------------------------------------------- chat surfaces
+@pytest.mark.django_db(transaction=True)
+def test_max_new_tokens_over_quota_on_v1_and_session_turns(api, user) -> None:
+    wf = create_workflow(api, example_spec("chat"))
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"])
+    deployment = Deployment.objects.create(owner=user, version=version, name="chatty", status=DeploymentStatus.RUNNING,
+                                           replicas={"llm": 1})
+    with configured(quotas={"max_new_tokens": 8}):
+        body = {"model": "chatty", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+        response = api.post("/v1/chat/completions", json.dumps(body), content_type="application/json")
+        assert response.status_code == 403, response.content
+        assert "max_new_tokens (8)" in response.json()["error"]["message"]
+
+        session = api.post("/api/sessions/", {"deployment": str(deployment.pk)}, format="json")
+        assert session.status_code == 201, session.content
+        turn = api.post(f"/api/sessions/{session.json()['id']}/turns/", json.dumps({"content": "hi", "max_tokens": 9}),
+                        content_type="application/json")
+        assert turn.status_code == 403, turn.content
+        assert quota_details(turn)[0]["limit"] == "max_new_tokens"
+    assert not Run.objects.exists()
