@@ -33,6 +33,7 @@ import zmq.asyncio
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
 from engine.data.credit import CreditWindow, Taken
+from engine.data.curve import connect_as_client
 from engine.data.peer import Peer
 from engine.data.shm import local_namespace
 from engine.data.values import decode_value, encode_value
@@ -169,7 +170,9 @@ class WorkerDispatcher:
     brings its worker down (a poison input) would otherwise bring down every replica in turn.
     Stream frames flow under credit: a worker sends at most `stream_window` output frames the
     executor has not taken, and is sent at most that many of each stream input it has not
-    read (0: no limit; see `engine.data.credit`)."""
+    read (0: no limit; see `engine.data.credit`). The workers' sockets are reached with
+    `peer.keys`, the worker plane's CURVE keys (`engine.data.curve`): the dispatcher is a
+    client only, so it refuses nobody itself."""
 
     def __init__(
         self,
@@ -317,6 +320,7 @@ class WorkerDispatcher:
             self._close_connection(conn)
         liveness = self._context.socket(zmq.DEALER)
         liveness.setsockopt(zmq.LINGER, 0)
+        connect_as_client(liveness, self._peer.keys)
         liveness.connect(str(worker.info.meta["liveness"]))
         conn = _Connection(worker, None, liveness)
         ready = conn.ready = asyncio.get_running_loop().create_future()
@@ -375,6 +379,7 @@ class WorkerDispatcher:
             return await framed.connect(address, stream, timeout_s=self._connect_timeout_s)
         sock = self._control_context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        connect_as_client(sock, self._peer.keys)
         sock.connect(address)
         return DealerLink(LoopSocket(sock, lambda frames: self._on_control_frames(conn, frames)))
 

@@ -28,7 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec
-from engine.data.peer import Peer
+from engine.data.curve import PlaneKeys, connect_as_client
+from engine.data.peer import Peer, PeerConfig
 from engine.data.shm import local_namespace
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -75,9 +76,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     """A real worker of role `py`; its READY details."""
     spec_path = tmp_path_factory.mktemp("protocol") / "whoami.json"
     spec_path.write_bytes(encode_spec(whoami_spec()))
+    keys = PlaneKeys.generate()
+    keys_dir = keys.write(spec_path.parent / "keys")
     process = subprocess.Popen(
         [sys.executable, "-m", "engine.worker", "--role", "py", "--workflow", str(spec_path),
-         "--heartbeat", "0.2", "--registry-ttl", "0.8", "--drain-timeout", "5"],
+         "--heartbeat", "0.2", "--registry-ttl", "0.8", "--drain-timeout", "5", "--keys", str(keys_dir)],
         stdout=subprocess.PIPE, cwd=REPO,
     )
     try:
@@ -92,7 +95,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                 assert line, f"worker exited with status {process.wait()} before it was ready"
                 if line.startswith(READY_PREFIX):
                     details = json.loads(line[len(READY_PREFIX):])
-        yield details
+        yield {**details, "keys": keys}
         assert process.poll() is None, "the worker died during the protocol tests"
     finally:
         process.send_signal(signal.SIGTERM)
@@ -111,7 +114,7 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 def client(context: zmq.asyncio.Context, worker: dict[str, Any]) -> RawClient:
-    return RawClient(context, worker["address"])
+    return RawClient(context, worker["address"], worker["keys"])
 
 
 @pytest.fixture(params=["tcp", "local"])
@@ -122,7 +125,7 @@ async def open_client(request, context, worker) -> AsyncIterator[Callable[[], Aw
 
     async def open_() -> RawClient | LocalClient:
         if request.param == "tcp":
-            raw: RawClient | LocalClient = RawClient(context, worker["address"])
+            raw: RawClient | LocalClient = RawClient(context, worker["address"], worker["keys"])
         else:
             if local_namespace() is None:
                 pytest.skip("abstract Unix sockets are Linux-only")
@@ -312,6 +315,7 @@ async def test_oversized_frame_drops_that_connection_only(context, worker):
 async def test_liveness_endpoint_answers_pings_only(context, worker):
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_as_client(sock, worker["keys"])
     sock.connect(worker["liveness"])
     codec = WireCodec(64 * 1024, WorkerMessage)
 
@@ -524,7 +528,7 @@ async def test_the_dispatcher_stops_polling_at_the_first_answer(worker, tmp_path
         meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
     ))
     held_s = 0.6
-    with Peer.start() as peer:
+    with Peer.start(PeerConfig(keys=worker["keys"])) as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, poll_after_send_s=30.0)
         asyncio.get_running_loop().call_later(held_s, workerfns.mark, tmp_path, "release")
         cpu0, wall0 = time.process_time(), time.monotonic()
@@ -644,7 +648,7 @@ async def test_closing_the_dispatcher_ends_the_calls_it_carries(worker, tmp_path
         worker["worker_id"], "py", worker["address"], pid=worker["pid"],
         meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
     ))
-    with Peer.start() as peer:
+    with Peer.start(PeerConfig(keys=worker["keys"])) as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB)
         call = asyncio.create_task(dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None))
         await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
