@@ -45,6 +45,8 @@ from engine.data.wire import (
     InputCredit,
     InputEnd,
     InputFrame,
+    LoadReply,
+    LoadRequest,
     PingReply,
     PingRequest,
     PortValue,
@@ -55,7 +57,7 @@ from engine.flow.discovery import InProcessRegistry, WorkerInfo
 from engine.flow.remote import WorkerDispatcher, WorkerLost
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec, encode_spec
-from engine.worker.process import READY_PREFIX
+from engine.worker.process import READY_PREFIX, REFUSED_METRIC
 from tests.integration import workerfns
 from tests.integration.workerfns import (
     LocalClient,
@@ -714,3 +716,98 @@ async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispa
         stream.abort()
     server.close()
     liveness.close()
+
+
+# ------------------------------------------------------------------ who may use the worker
+def touch_request(request_id: int, directory: Path) -> ExecuteRequest:
+    """A valid ExecuteRequest for `touch`: it leaves an `executed-<pid>` marker when it runs."""
+    return ExecuteRequest(request_id, "py", "raw", "touch", f"{workerfns.__name__}:touch", {"dir": str(directory)},
+                          {"x": PortValue(ValueKind.INLINE, data=request_id)}, ("out",), False, False, 1, 1)
+
+
+async def refusals(context: zmq.asyncio.Context, worker: dict[str, Any]) -> int:
+    """The worker's `plane.refused` metric, asked on its liveness endpoint with the plane's key."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    connect_as_client(sock, worker["keys"])
+    sock.connect(worker["liveness"])
+    codec = WireCodec(64 * 1024, WorkerMessage)
+    try:
+        await sock.send(codec.encode(LoadRequest(1)))
+        reply = codec.decode(await asyncio.wait_for(sock.recv(), 5))
+    finally:
+        sock.close()
+    assert isinstance(reply, LoadReply), reply
+    return int(reply.metrics[REFUSED_METRIC])
+
+
+def foreign_dealer(context: zmq.asyncio.Context, address: str, keys: PlaneKeys | None,
+                   server_key: str) -> zmq.asyncio.Socket:
+    """A DEALER of a process without the plane's key: plaintext, or a CURVE keypair of its own
+    that knows the worker's public key (public keys are no secret)."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey = keys.public.encode(), keys.secret.encode()
+        sock.curve_serverkey = server_key.encode()
+    sock.connect(address)
+    return sock
+
+
+@pytest.mark.parametrize("foreign_keys", [None, PlaneKeys.generate()], ids=["plaintext", "another-key"])
+async def test_a_peer_without_the_plane_key_gets_no_reply_and_no_execution(
+    context, worker, tmp_path: Path, foreign_keys: PlaneKeys | None
+):
+    """A valid hello and ExecuteRequest from a process without the plane's key, on the
+    control socket and on the liveness socket: no reply, the node never runs (no marker),
+    and the worker counts the refusals. The keyed client's same request runs."""
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    before = await refusals(context, worker)
+    sockets = [foreign_dealer(context, worker[endpoint], foreign_keys, worker["keys"].public)
+               for endpoint in ("address", "liveness")]
+    try:
+        for sock in sockets:
+            await sock.send(codec.encode(HelloRequest(PROTOCOL_VERSION, "intruder", "127.0.0.1")))
+            await sock.send(codec.encode(touch_request(7, tmp_path)))
+            await sock.send(codec.encode(PingRequest(8)))
+        # Ready: both sockets' handshakes were refused (each is retried, so counted again and again).
+        await wait_until(lambda: _at_least(refusals(context, worker), before + 2), 10.0,
+                         "the worker counts both refusals")
+        for sock in sockets:
+            assert await sock.poll(300) == 0, "the worker answered a peer without the key"
+        assert markers(tmp_path, "executed") == []
+    finally:
+        for sock in sockets:
+            sock.close()
+    keyed = client(context, worker)
+    try:
+        await keyed.hello()
+        await keyed.send(touch_request(9, tmp_path))
+        while not isinstance(reply := await keyed.recv(), ExecuteResult):
+            assert isinstance(reply, ExecuteStarted), reply
+        assert markers(tmp_path, "executed") == [worker["pid"]]
+    finally:
+        keyed.close()
+
+
+async def _at_least(count: Awaitable[int], floor: int) -> int:
+    value = await count
+    return value if value >= floor else 0
+
+
+@LINUX_ONLY
+async def test_a_process_of_another_uid_gets_no_answer_on_the_local_socket(context, worker, tmp_path: Path):
+    """The local control socket (no CURVE: an abstract Unix socket) refuses a process of
+    another uid before its first message: no hello back, no execution, counted."""
+    from tests.foreign_uid import NOBODY, Outcome, call_as
+
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    before = await refusals(context, worker)
+    hello = codec.encode(HelloRequest(PROTOCOL_VERSION, "intruder", "127.0.0.1"))
+    reply = await asyncio.to_thread(call_as, NOBODY, worker["local"], hello, 2.0)
+    assert reply.outcome is Outcome.CLOSED
+    assert await refusals(context, worker) == before + 1
+    same_uid = await asyncio.to_thread(call_as, os.getuid(), worker["local"], hello, 5.0)
+    assert same_uid.outcome is Outcome.ANSWERED
+    assert isinstance(codec.decode(same_uid.data[4:]), HelloReply)
+    assert markers(tmp_path, "executed") == []

@@ -79,6 +79,12 @@ def noop(x: Any) -> Any:
     return x
 
 
+def touch(x: Any, dir: str) -> Any:
+    """Mark `executed-<pid>`: the node ran."""
+    mark(dir, f"executed-{os.getpid()}")
+    return x
+
+
 def whoami(x: Any) -> dict[str, Any]:
     """The input and the pid of the worker process that ran the node."""
     return {"x": x, "pid": os.getpid()}
