@@ -23,7 +23,7 @@ from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.loader import load_builtin
 from engine.compute.models.tokenizer import BOS_ID
 from engine.data.codec import WireCodec
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import LoadReply, LoadRequest, TensorRef, WorkerMessage
 from engine.flow.executor import Executor
 from engine.flow.loader import load_workflow
@@ -79,8 +79,8 @@ async def worker_metrics(worker: LaunchedWorker) -> dict[str, float]:
 async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_matches_recomputation():
     spec = load_workflow(REPO / "workflows" / "image_generation.py")
     diffusion_role = spec.role("diffusion")
-    peer = Peer.start()
     cluster = LocalCluster(spec, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         workers = {w.role: w for w in cluster.workers}
