@@ -14,11 +14,14 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from engine.data.curve import PlaneKeys
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import leader_worker_id
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
 
+_KEYLESS = (DeploymentStatus.STOPPED, DeploymentStatus.FAILED)
+"""Deployments whose keys are cleared: they have no workers."""
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
 
 
@@ -32,6 +35,8 @@ class DeploymentTicket:
     """The version's spec, named for the deployment, with its replica counts."""
     namespace: str
     node: str
+    keys: PlaneKeys
+    """The CURVE keys of the deployment's worker plane."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +60,34 @@ def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict
     return msgspec.structs.replace(spec, name=f"{spec.name[:48]}-{suffix}", roles=roles)
 
 
+def _keys_for_start(deployment_id: str) -> PlaneKeys:
+    """The keys of a deployment about to get workers: its own, or fresh ones for a row that
+    has none (one made before keys were kept, or a stopped one being started again)."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+        keys = deployment.plane_keys()
+        if keys is None:
+            keys = PlaneKeys.generate()
+            deployment.plane_public, deployment.plane_secret = keys.public, keys.secret
+            deployment.save(update_fields=["plane_public", "plane_secret"])
+    return keys
+
+
 def ticket(deployment_id: str) -> DeploymentTicket | None:
     deployment = Deployment.objects.select_related("version").filter(pk=deployment_id).first()
     if deployment is None:
         return None
+    status = DeploymentStatus(deployment.status)
+    keys = deployment.plane_keys()
+    if keys is None and status not in _KEYLESS:
+        keys = _keys_for_start(deployment_id)
     return DeploymentTicket(
         deployment_id=str(deployment.pk),
-        status=DeploymentStatus(deployment.status),
+        status=status,
         spec=deployment_spec(deployment.version.spec, deployment.pk, deployment.replicas),
         namespace=deployment.namespace,
         node=deployment.node,
+        keys=keys if keys is not None else PlaneKeys.generate(),  # an ended one starts nothing with them
     )
 
 
@@ -78,7 +101,11 @@ def set_status(deployment_id: str, status: DeploymentStatus, error: str = "", *,
             return False
         deployment.status = status
         deployment.error = error[:4000]
-        deployment.save(update_fields=["status", "error", "updated_at"])
+        fields = ["status", "error", "updated_at"]
+        if status in _KEYLESS:  # its workers are gone: nobody may use its keys again
+            deployment.plane_public = deployment.plane_secret = ""
+            fields += ["plane_public", "plane_secret"]
+        deployment.save(update_fields=fields)
     return True
 
 

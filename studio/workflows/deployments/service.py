@@ -21,6 +21,7 @@ from typing import Any
 
 from django.db import transaction
 
+from engine.data.curve import PlaneKeys
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Unprocessable
 from studio.workflows.apps import engine
@@ -73,8 +74,9 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
     elif node:
         raise BadRequest("this studio hosts deployments itself (OMNIFLOW_DISPATCH=local): give no node")
     with transaction.atomic():
+        keys = PlaneKeys.generate()  # the deployment's worker plane: its workers and its dispatchers only
         deployment = Deployment.objects.create(owner=user, version=version, name=name, replicas=counts,
-                                               node=node or "")
+                                               node=node or "", plane_public=keys.public, plane_secret=keys.secret)
         deployment.namespace = deployment_namespace(eng.config.redis_prefix, deployment.pk)
         deployment.save(update_fields=["namespace"])
         transaction.on_commit(lambda: start(str(deployment.pk)))

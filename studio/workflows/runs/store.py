@@ -25,6 +25,7 @@ from django.db import close_old_connections, connections, transaction
 from django.urls import reverse
 from django.utils import timezone
 
+from engine.data.curve import PlaneKeys
 from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
 from studio.workflows.models import (
     FileRole,
@@ -60,6 +61,8 @@ class RunTicket:
     """Set when the run executes on a deployment's role workers."""
     namespace: str | None = None
     """The deployment's worker registry namespace."""
+    plane_keys: PlaneKeys | None = None
+    """The CURVE keys of the deployment's worker plane (None: no deployment, or it ended)."""
 
 
 def with_node_params(spec: dict[str, Any], node_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -151,6 +154,7 @@ def claim(run_id: str) -> RunTicket | None:
         node_kinds={n["id"]: n["kind"] for n in spec.get("nodes", [])},
         deployment_id=None if deployment is None else str(deployment.pk),
         namespace=None if deployment is None else deployment.namespace,
+        plane_keys=None if deployment is None else deployment.plane_keys(),
     )
 
 
