@@ -566,7 +566,7 @@ def tp_seat(config: WorkerConfig) -> Any:
     if config.tp_address is None:
         raise ValueError(f"role {config.role.name!r} has tp_size {config.role.tp_size} but no tp_address")
     return TPSeat(config.tp_rank, config.role.tp_size, config.tp_address, heartbeat_s=config.heartbeat_s,
-                  listen_fd=config.tp_listen_fd, worker_id=config.worker_id)
+                  listen_fd=config.tp_listen_fd, worker_id=config.worker_id, keys=config.keys)
 
 
 def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:
