@@ -172,7 +172,9 @@ class WorkerDispatcher:
     executor has not taken, and is sent at most that many of each stream input it has not
     read (0: no limit; see `engine.data.credit`). The workers' sockets are reached with
     `peer.keys`, the worker plane's CURVE keys (`engine.data.curve`): the dispatcher is a
-    client only, so it refuses nobody itself."""
+    client only, so it refuses nobody itself. `local_streams=False`: reach every worker over
+    ZeroMQ TCP, as across hosts, even one with a local socket in this network namespace (the
+    benchmarks measure both paths)."""
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class WorkerDispatcher:
         poll_after_send_s: float = 200e-6,
         max_node_retries: int = 2,
         stream_window: int = 64,
+        local_streams: bool = True,
     ) -> None:
         if stream_window < 0:
             raise ValueError(f"stream_window must be 0 (no limit) or more, not {stream_window}")
@@ -209,7 +212,7 @@ class WorkerDispatcher:
         self._outstanding: dict[str, int] = {}
         self._workers: dict[str, tuple[float, list[WorkerSnapshot]]] = {}
         self._ids = itertools.count(1)
-        self._local_ns = local_namespace()
+        self._local_ns = local_namespace() if local_streams else None
         self._closed = False
         self._poll_after_send_s = poll_after_send_s
         if max_node_retries < 0:
