@@ -44,7 +44,9 @@ _Z85_KEY_CHARS = 40
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 _REFUSED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 """Monitored on server sockets: a peer that does not speak CURVE (mechanism mismatch) never
-reaches the ZAP handler; a CURVE peer with a key not admitted is counted by the handler."""
+reaches the ZAP handler; a CURVE peer with a key not admitted is counted by the handler. A
+plaintext peer that hangs up on seeing CURVE before the server notices the mismatch is not
+counted (it got nothing either way)."""
 
 
 class PlaneKeyError(ValueError):
