@@ -4,6 +4,7 @@
     omniflow export PATH --format json|python
     omniflow run PATH [--input NAME=VALUE ...] [--json] [--timeout S]
     omniflow bench NAME [--json]
+    omniflow keys generate DIR
 
 PATH is a DSL module (`.py`) or a GraphSpec (`.json`). Exit status 0 on success, 1 on
 invalid input (every problem printed), 2 on usage errors.
@@ -22,7 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 import uvloop
 
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import TensorRef
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import NodeProgressEvent, NodeStateEvent, RunFinished
@@ -138,8 +139,9 @@ async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any]
             return await _execute(executor, spec, inputs, args.timeout, progress)
         finally:
             await executor.aclose()
-    with Peer.start() as peer:
-        async with LocalCluster(spec, registry_url=args.registry, allow_module_ops=ops.allow_module_ops) as cluster:
+    cluster = LocalCluster(spec, allow_module_ops=ops.allow_module_ops, registry_url=args.registry)
+    with Peer.start(PeerConfig(keys=cluster.keys)) as peer:
+        async with cluster:
             executor = Executor(WorkerDispatcher(cluster.registry, peer), kinds)
             try:
                 result = await _execute(executor, spec, inputs, args.timeout, progress)
@@ -211,7 +213,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-COMMAND_MODULES: tuple[str, ...] = ("engine.commands.llm", "engine.commands.worker")
+COMMAND_MODULES: tuple[str, ...] = ("engine.commands.keys", "engine.commands.llm", "engine.commands.worker")
 """Modules that add subcommands: each defines `register(subparsers)` and sets a
 `handler(args) -> int` default on the parsers it adds."""
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.flow.dsl import Workflow
 from engine.flow.events import NodeState, NodeStateEvent
 from engine.flow.executor import Executor
@@ -124,8 +124,9 @@ async def _lead(executor: Executor, folder: Path, tag: str, args: argparse.Names
 async def _main(args: argparse.Namespace) -> dict[str, float | bool]:
     fast = _spec("bench_stream", read_all, {"n": args.frames}, {})
     kinds = default_kinds()
-    with Peer.start() as peer, tempfile.TemporaryDirectory(prefix="omniflow-stream-") as tmp:
-        async with LocalCluster(fast, allow_module_ops=True) as cluster:
+    cluster = LocalCluster(fast, allow_module_ops=True)
+    with Peer.start(PeerConfig(keys=cluster.keys)) as peer, tempfile.TemporaryDirectory(prefix="omniflow-stream-") as tmp:
+        async with cluster:
             credited = Executor(WorkerDispatcher(cluster.registry, peer, stream_window=args.window), kinds,
                                 stream_capacity=args.capacity)
             unbounded = Executor(WorkerDispatcher(cluster.registry, peer, stream_window=0), kinds, stream_capacity=0)

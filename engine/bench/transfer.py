@@ -23,6 +23,17 @@ figures are medians, in GB/s = bytes / seconds / 1e9.
   answers with the whole array as one `copy=False` frame, received with `copy=False`.
   Goal: `zmq_gbps` >= 0.9 x `raw_zmq_gbps`. The two are measured alternately, repetition by
   repetition, so that drift on a small machine hits both alike.
+
+Two producer processes serve: one on the authenticated worker plane (CURVE keys, what
+workers use; `engine.data.curve`) and one plaintext, measured in the same run. The
+shared-memory figures above are the authenticated plane's; beside them:
+
+* `shm_asked_plain_gbps` and `auth_vs_plain` (goal >= 0.9): the asked same-host hand-off on
+  the plaintext plane, and the authenticated one over it. On one host the bytes never touch
+  the socket (it carries the request and the header: CURVE encrypts those few hundred bytes).
+* `curve_zmq_gbps` and `tcp_auth_vs_plain`: `ZmqChannel` over TCP on the authenticated plane
+  (every byte encrypted and authenticated by CURVE: what a transfer between hosts pays), and
+  over the plaintext `zmq_gbps`, measured in the same alternation.
 """
 
 from __future__ import annotations
@@ -33,19 +44,24 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import zmq
 
 from engine.data.codec import MiB
+from engine.data.curve import PlaneKeys
 from engine.data.peer import ClientConfig, Peer, PeerConfig, ZmqClient
 from engine.data.tensor_store import StoreConfig
 from engine.data.wire import ReleaseRequest, TensorRef, Transport
 
 READY_TIMEOUT_S = 30.0
 PULL_TIMEOUT_S = 30.0
+GOAL_AUTH_RATIO = 0.9
+"""Bandwidth on the authenticated plane over the plaintext one."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,9 +81,10 @@ class Producer:
     its stdin/stdout: it first prints a JSON hello, then answers each `put N` with the JSON
     `{"ref": ..., "seconds": ...}` of a fresh tensor."""
 
-    def __init__(self, size_mib: int, module: str = "engine.bench.transfer") -> None:
+    def __init__(self, size_mib: int, keys_dir: str | None = None, module: str = "engine.bench.transfer") -> None:
+        """`keys_dir`: serve on the authenticated plane with these keys (None: plaintext)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--producer", str(size_mib)],
+            [sys.executable, "-m", module, "--producer", str(size_mib), *([keys_dir] if keys_dir else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -98,10 +115,11 @@ class Producer:
             self.proc.wait()
 
 
-def _producer_main(size_mib: int) -> None:
+def _producer_main(size_mib: int, keys_dir: str | None) -> None:
     nbytes = size_mib * MiB
     base = np.arange(nbytes // 4, dtype=np.float32)
-    peer = Peer.start(PeerConfig(store=StoreConfig(pool_bytes=4 * nbytes, default_lease_s=120.0)))
+    keys = None if keys_dir is None else PlaneKeys.load(keys_dir)
+    peer = Peer.start(PeerConfig(store=StoreConfig(pool_bytes=4 * nbytes, default_lease_s=120.0), keys=keys))
     context = zmq.Context()
     raw = context.socket(zmq.ROUTER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -138,25 +156,34 @@ def _producer_main(size_mib: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, float]:
     nbytes = args.size_mib * MiB
     total = args.warmup + args.repeats
-    producer = Producer(args.size_mib)
-    client = ZmqClient(ClientConfig(chunk_bytes=args.chunk_mib * MiB, window=args.window))
+    keys_home = tempfile.TemporaryDirectory(prefix="omniflow-bench-transfer-")
+    keys = PlaneKeys.generate()
+    producers = {"curve": Producer(args.size_mib, str(keys.write(Path(keys_home.name) / "keys"))),
+                 "plain": Producer(args.size_mib)}
+    producer = producers["curve"]
+    config = ClientConfig(chunk_bytes=args.chunk_mib * MiB, window=args.window)
+    client = ZmqClient(config, keys=keys)
+    plain_client = ZmqClient(config)
+    clients = {"curve": client, "plain": plain_client}
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(producer.hello["raw"])
+    raw.connect(producers["plain"].hello["raw"])
     source = np.arange(nbytes // 4, dtype=np.float32)
     sink = np.empty(nbytes // 4, dtype=np.float32)
     sink[:] = 0  # warm: the consumer's destination is faulted in before timing
     memcpy_times: list[float] = []
     shm_times: list[float] = []
     asked_times: list[float] = []
+    asked_plain_times: list[float] = []
     put_times: list[float] = []
     zmq_times: list[float] = []
+    curve_times: list[float] = []
     raw_times: list[float] = []
     cold = 0.0
 
-    def release(ref: TensorRef) -> None:
-        client.request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), PULL_TIMEOUT_S)
+    def release(ref: TensorRef, plane: str = "curve") -> None:
+        clients[plane].request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), PULL_TIMEOUT_S)
 
     try:
         for i in range(total):
@@ -181,41 +208,47 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 memcpy_times.append(copy_seconds)
 
         for i in range(total):
-            ref, _ = producer.put(i)
-            start = time.perf_counter()
-            data = client.fetch(msgspec.structs.replace(ref, shm=None), (Transport.SHM,), PULL_TIMEOUT_S)
-            np.copyto(sink, data.numpy())
-            elapsed = time.perf_counter() - start
-            if sink[0] != i or data.transport is not Transport.SHM:
-                raise RuntimeError("shared-memory hand-off returned the wrong bytes")
-            del data
-            release(ref)
-            if i >= args.warmup:
-                asked_times.append(elapsed)
-
-        for i in range(total):
-            ref, _ = producer.put(i)
-            order = ("zmq", "raw") if i % 2 == 0 else ("raw", "zmq")
-            for kind in order:
+            for plane in ("curve", "plain") if i % 2 == 0 else ("plain", "curve"):
+                ref, _ = producers[plane].put(i)
                 start = time.perf_counter()
-                if kind == "zmq":
-                    data = client.fetch(ref, (Transport.TCP,), PULL_TIMEOUT_S)
+                data = clients[plane].fetch(msgspec.structs.replace(ref, shm=None), (Transport.SHM,), PULL_TIMEOUT_S)
+                np.copyto(sink, data.numpy())
+                elapsed = time.perf_counter() - start
+                if sink[0] != i or data.transport is not Transport.SHM:
+                    raise RuntimeError("shared-memory hand-off returned the wrong bytes")
+                del data
+                release(ref, plane)
+                if i >= args.warmup:
+                    (asked_times if plane == "curve" else asked_plain_times).append(elapsed)
+
+        kinds = ("zmq", "raw", "curve")
+        for i in range(total):
+            refs = {"zmq": producers["plain"].put(i)[0], "curve": producer.put(i)[0]}
+            for kind in kinds[i % 3:] + kinds[:i % 3]:
+                start = time.perf_counter()
+                if kind != "raw":
+                    data = clients["plain" if kind == "zmq" else "curve"].fetch(refs[kind], (Transport.TCP,),
+                                                                                PULL_TIMEOUT_S)
                     array = data.numpy()
                 else:
                     raw.send(b"go")
                     frame = raw.recv(copy=False)
                     array = np.frombuffer(frame.buffer, np.float32)
                 elapsed = time.perf_counter() - start
-                if array[-1] != nbytes // 4 - 1 or (kind == "zmq" and array[0] != i):
+                if array[-1] != nbytes // 4 - 1 or (kind != "raw" and array[0] != i):
                     raise RuntimeError(f"{kind} transfer returned the wrong bytes")
                 if i >= args.warmup:
-                    (zmq_times if kind == "zmq" else raw_times).append(elapsed)
-            release(ref)
+                    {"zmq": zmq_times, "raw": raw_times, "curve": curve_times}[kind].append(elapsed)
+            release(refs["zmq"], "plain")
+            release(refs["curve"])
     finally:
         raw.close(linger=0)
         context.term()
         client.close()
-        producer.close()
+        plain_client.close()
+        for started in producers.values():
+            started.close()
+        keys_home.cleanup()
 
     memcpy = gbps(nbytes, memcpy_times)
     shm = gbps(nbytes, shm_times)
@@ -232,13 +265,18 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "zmq_gbps": ours,
         "raw_zmq_gbps": bare,
         "zmq_vs_raw_zmq": ours / bare,
+        "shm_asked_plain_gbps": gbps(nbytes, asked_plain_times),
+        "auth_vs_plain": gbps(nbytes, asked_times) / gbps(nbytes, asked_plain_times),
+        "curve_zmq_gbps": gbps(nbytes, curve_times),
+        "tcp_auth_vs_plain": gbps(nbytes, curve_times) / ours,
+        "goal_auth_vs_plain": GOAL_AUTH_RATIO,
     }
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--producer":
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--producer":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        _producer_main(int(sys.argv[2]))
+        _producer_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else None)
     else:
         parser = argparse.ArgumentParser(description=__doc__)
         add_arguments(parser)

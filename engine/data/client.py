@@ -36,6 +36,7 @@ from engine.data.channel import (
     remote_error,
 )
 from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header, contiguous_strides
+from engine.data.curve import PlaneKeys, connect_as_client
 from engine.data.shm import SegmentError, SegmentMapper, host_id, parse_segment_name
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -272,8 +273,11 @@ class ZmqClient:
         context: zmq.Context | None = None,
         host: str | None = None,
         name: str | None = None,
+        keys: PlaneKeys | None = None,
     ) -> None:
+        """`keys`: connect to owners as a CURVE client of the plane (`engine.data.curve`); None: plaintext."""
         self.config = config or ClientConfig()
+        self._keys = keys
         self.host = host or host_id()
         self.name = name or f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self._own_context = context is None
@@ -507,6 +511,7 @@ class ZmqClient:
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
+        connect_as_client(socket, self._keys)
         socket.connect(address)
         return socket
 

@@ -8,7 +8,10 @@ one write and one read on the loop's own thread, with no thread hand-off on eith
 Across hosts the control path stays ZeroMQ over TCP.
 
 Addresses read `unix:@NAME`: Linux's abstract namespace, so there is no file to clean up and
-the name goes away with the process that bound it.
+the name goes away with the process that bound it. An abstract socket has no file mode, so
+anyone in the network namespace may connect: both ends read the other's credentials
+(SO_PEERCRED) before the first message, and a peer of another uid is refused — closed,
+logged and counted (`Admission.refused`) — before a byte of it is read.
 """
 
 from __future__ import annotations
@@ -16,15 +19,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 log = logging.getLogger(__name__)
 
 SCHEME = "unix:@"
 _HEADER = struct.Struct("<I")
+_PEERCRED = struct.Struct("3i")
+"""`struct ucred`: pid, uid, gid."""
 _SPLIT_WRITE_BYTES = 64 * 1024
 """From this size on, the header and the payload are written as two buffers, not joined."""
 
@@ -45,6 +52,23 @@ def _socket_name(address: str) -> str:
     if not address.startswith(SCHEME) or not name or "\0" in name:  # as local_address
         raise ValueError(f"{address!r} is not a local stream address ({SCHEME}NAME)")
     return "\0" + name
+
+
+class PeerRefusedError(ConnectionError):
+    """The process at the other end runs as another user."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """Who is at the other end of the connected Unix socket `sock` (as of its connect)."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return PeerCredentials(pid, uid, gid)
 
 
 class FramedStream(asyncio.Protocol):
@@ -197,20 +221,56 @@ class FramedStream(asyncio.Protocol):
             self._transport.abort()
 
 
-async def listen(address: str, accept: Callable[[], FramedStream], *, backlog: int = 256) -> asyncio.Server:
-    """Serve the abstract Unix socket `address`; each connection gets the stream `accept()` makes."""
+class Admission(asyncio.Protocol):
+    """What a listener runs first on each connection: a peer of this process's uid is handed
+    to the stream `accept()` makes (which sees the connection from its start); any other is
+    closed unread, logged and counted in `counter.refused`."""
+
+    def __init__(self, accept: Callable[[], FramedStream], counter: RefusalCounter) -> None:
+        self._accept = accept
+        self._counter = counter
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        credentials = peer_credentials(sock)
+        if credentials.uid != os.getuid():
+            self._counter.refused += 1
+            log.warning("refused a local connection from pid %d: uid %d is not this process's uid %d",
+                        credentials.pid, credentials.uid, os.getuid())
+            transport.abort()
+            return
+        stream = self._accept()
+        transport.set_protocol(stream)
+        stream.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:  # only a refused peer's, before the abort lands
+        return
+
+
+@dataclass(slots=True)
+class RefusalCounter:
+    refused: int = 0
+    """Connections refused: the peer ran as another user."""
+
+
+async def listen(address: str, accept: Callable[[], FramedStream], *, backlog: int = 256,
+                 counter: RefusalCounter | None = None) -> asyncio.Server:
+    """Serve the abstract Unix socket `address`; each connection of a process of this uid gets
+    the stream `accept()` makes, any other is refused (counted in `counter`)."""
+    counter = counter if counter is not None else RefusalCounter()
     with contextlib.ExitStack() as undo:
         sock = undo.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         sock.bind(_socket_name(address))
         sock.listen(backlog)
         sock.setblocking(False)
-        server = await asyncio.get_running_loop().create_unix_server(accept, sock=sock)
+        server = await asyncio.get_running_loop().create_unix_server(lambda: Admission(accept, counter), sock=sock)
         undo.pop_all()
     return server
 
 
 async def connect(address: str, stream: FramedStream, *, timeout_s: float) -> FramedStream:
-    """Connect `stream` to `address`. Raises ConnectionError (nobody listens there) or
+    """Connect `stream` to `address`. Raises ConnectionError (nobody listens there),
+    PeerRefusedError (the listener runs as another user: a name squatted by someone else) or
     TimeoutError (the listener does not accept within `timeout_s`)."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as undo:
@@ -218,6 +278,10 @@ async def connect(address: str, stream: FramedStream, *, timeout_s: float) -> Fr
         sock.setblocking(False)
         async with asyncio.timeout(timeout_s):
             await loop.sock_connect(sock, _socket_name(address))
+            credentials = peer_credentials(sock)
+            if credentials.uid != os.getuid():
+                raise PeerRefusedError(f"{address} is served by uid {credentials.uid} (pid {credentials.pid}),"
+                                       f" not by this process's uid {os.getuid()}")
             await loop.create_unix_connection(lambda: stream, sock=sock)
         undo.pop_all()
     return stream

@@ -33,6 +33,7 @@ from engine.data.channel import (
 )
 from engine.data.client import ClientConfig, ZmqClient
 from engine.data.codec import TensorData
+from engine.data.curve import PlaneKeys
 from engine.data.server import ServerConfig, TensorServer
 from engine.data.tensor_store import StoreConfig, TensorStore
 from engine.data.wire import (
@@ -60,6 +61,10 @@ class PeerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     default_timeout_s: float = 30.0
+    keys: PlaneKeys | None = None
+    """The worker plane's CURVE keys (`engine.data.curve`): the server admits, and the client
+    reaches, only the plane's members. None: plaintext, for a process that talks to no worker
+    (or the benchmarks' unauthenticated anchor)."""
 
 
 class Peer:
@@ -69,8 +74,10 @@ class Peer:
     def __init__(self, config: PeerConfig | None = None) -> None:
         self.config = config or PeerConfig()
         self._context = zmq.Context(io_threads=1)
-        self.server = TensorServer(self.config.server, self.config.store, context=self._context)
-        self.client = ZmqClient(self.config.client, context=self._context, host=self.server.store.host)
+        self.server = TensorServer(self.config.server, self.config.store, context=self._context,
+                                   keys=self.config.keys)
+        self.client = ZmqClient(self.config.client, context=self._context, host=self.server.store.host,
+                                keys=self.config.keys)
         self.local = InProcessChannel(self.server.store)
         self.shm = SharedMemoryChannel(self.client)
         self.tcp = ZmqChannel(self.client)
@@ -83,6 +90,11 @@ class Peer:
     @property
     def address(self) -> str:
         return self.server.address
+
+    @property
+    def keys(self) -> PlaneKeys | None:
+        """The plane's keys this peer uses (None: plaintext); a dispatcher uses the same."""
+        return self.config.keys
 
     @property
     def store(self) -> TensorStore:

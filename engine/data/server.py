@@ -28,6 +28,7 @@ import zmq
 
 from engine.data import cuda_ipc
 from engine.data.codec import Limits, WireCodec, WireError
+from engine.data.curve import PlaneGuard, PlaneKeys
 from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -87,11 +88,16 @@ class TensorServer:
         store_config: StoreConfig | None = None,
         *,
         context: zmq.Context | None = None,
+        keys: PlaneKeys | None = None,
     ) -> None:
+        """`keys`: serve only the plane's CURVE peers (`engine.data.curve`); None: plaintext."""
         self.config = config or ServerConfig()
         self._own_context = context is None
         self._context = context or zmq.Context(io_threads=1)
+        self._guard = None if keys is None else PlaneGuard(self._context, keys, name="tensor server")
         socket = self._context.socket(zmq.ROUTER)
+        if self._guard is not None:
+            self._guard.serve(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by what clients ask for
@@ -134,6 +140,11 @@ class TensorServer:
         """Stop answering `message_type` (refused as UNSUPPORTED from now on); no error if unknown."""
         self._handlers.pop(message_type, None)
 
+    @property
+    def refused(self) -> int:
+        """Connections refused for want of an authorised CURVE key (0 on a plaintext server)."""
+        return 0 if self._guard is None else self._guard.refused
+
     def close(self) -> None:
         """Stop serving, then free the store (unlinking its segments)."""
         if self._stopping:
@@ -143,6 +154,8 @@ class TensorServer:
         self._thread.join(timeout=5.0)
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
+        if self._guard is not None:
+            self._guard.close()  # the socket is closed by the serving thread on its way out
         self.store.close()
         if self._own_context:
             self._context.term()

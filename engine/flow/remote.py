@@ -33,6 +33,7 @@ import zmq.asyncio
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
 from engine.data.credit import CreditWindow, Taken
+from engine.data.curve import connect_as_client
 from engine.data.peer import Peer
 from engine.data.shm import local_namespace
 from engine.data.values import decode_value, encode_value
@@ -169,7 +170,11 @@ class WorkerDispatcher:
     brings its worker down (a poison input) would otherwise bring down every replica in turn.
     Stream frames flow under credit: a worker sends at most `stream_window` output frames the
     executor has not taken, and is sent at most that many of each stream input it has not
-    read (0: no limit; see `engine.data.credit`)."""
+    read (0: no limit; see `engine.data.credit`). The workers' sockets are reached with
+    `peer.keys`, the worker plane's CURVE keys (`engine.data.curve`): the dispatcher is a
+    client only, so it refuses nobody itself. `local_streams=False`: reach every worker over
+    ZeroMQ TCP, as across hosts, even one with a local socket in this network namespace (the
+    benchmarks measure both paths)."""
 
     def __init__(
         self,
@@ -185,6 +190,7 @@ class WorkerDispatcher:
         poll_after_send_s: float = 200e-6,
         max_node_retries: int = 2,
         stream_window: int = 64,
+        local_streams: bool = True,
     ) -> None:
         if stream_window < 0:
             raise ValueError(f"stream_window must be 0 (no limit) or more, not {stream_window}")
@@ -206,7 +212,7 @@ class WorkerDispatcher:
         self._outstanding: dict[str, int] = {}
         self._workers: dict[str, tuple[float, list[WorkerSnapshot]]] = {}
         self._ids = itertools.count(1)
-        self._local_ns = local_namespace()
+        self._local_ns = local_namespace() if local_streams else None
         self._closed = False
         self._poll_after_send_s = poll_after_send_s
         if max_node_retries < 0:
@@ -316,6 +322,7 @@ class WorkerDispatcher:
             self._close_connection(conn)
         liveness = self._context.socket(zmq.DEALER)
         liveness.setsockopt(zmq.LINGER, 0)
+        connect_as_client(liveness, self._peer.keys)
         liveness.connect(str(worker.info.meta["liveness"]))
         conn = _Connection(worker, None, liveness)
         ready = conn.ready = asyncio.get_running_loop().create_future()
@@ -374,6 +381,7 @@ class WorkerDispatcher:
             return await framed.connect(address, stream, timeout_s=self._connect_timeout_s)
         sock = self._control_context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        connect_as_client(sock, self._peer.keys)
         sock.connect(address)
         return DealerLink(LoopSocket(sock, lambda frames: self._on_control_frames(conn, frames)))
 

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from engine.data.codec import WireCodec, WireError
+from engine.data.curve import PlaneKeys, connect_as_client
 from engine.data.rendezvous import listening_socket
 from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
 from engine.flow.discovery import (
@@ -114,11 +115,19 @@ class LocalCluster:
         fork_server: bool = True,
         restart: RestartPolicy | None = None,
         on_event: Callable[[ReplicaEvent], Awaitable[None]] | None = None,
+        keys: PlaneKeys | None = None,
+        plaintext: bool = False,
     ) -> None:
         """`allow_module_ops`: whether the workers run `module:function` ops besides the registered
         ones (the command line: yes; a studio: its operator's setting); each worker enforces it.
         `restart`: supervise the replicas (None: a replica that ends stays gone);
-        `on_event` hears of each loss and replacement."""
+        `on_event` hears of each loss and replacement. `keys`: the worker plane's CURVE keys
+        (default: a fresh keypair for this cluster), which the workers get as files only this
+        user can read and whoever dispatches to them uses too (`keys`, give them to the
+        dispatcher's `Peer`); `plaintext`: no CURVE at all (only to measure what it costs)."""
+        if plaintext and keys is not None:
+            raise ValueError("a plaintext cluster takes no keys")
+        self.keys: PlaneKeys | None = None if plaintext else keys or PlaneKeys.generate()
         self.spec = spec
         self.allow_module_ops = allow_module_ops
         self.registry_url = registry_url
@@ -250,6 +259,7 @@ class LocalCluster:
             "--module-ops" if self.allow_module_ops else "--no-module-ops",
             *tp_args, *self.extra_args,
         ]
+        args += ["--plaintext"] if self.keys is None else ["--keys", str(Path(self._tmp.name) / "keys")]
         if self.registry_url:
             args += ["--registry", self.registry_url]
         process: asyncio.subprocess.Process | ForkedProcess
@@ -305,6 +315,8 @@ class LocalCluster:
     async def start(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="omniflow-cluster-")
         (Path(self._tmp.name) / "workflow.json").write_bytes(encode_spec(self.spec))
+        if self.keys is not None:
+            self.keys.write(Path(self._tmp.name) / "keys")  # the directory is this user's, 0700
         spawns: list[asyncio.Task[LaunchedWorker]] = []
         started = False
         try:
@@ -341,6 +353,7 @@ class LocalCluster:
                     if sock is None:
                         sock = sockets[worker.worker_id] = context.socket(zmq.DEALER)
                         sock.setsockopt(zmq.LINGER, 0)
+                        connect_as_client(sock, self.keys)
                         sock.connect(worker.details["liveness"])
                     rid = next(ids)
                     await sock.send(codec.encode(LoadRequest(rid)))

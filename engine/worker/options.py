@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 
+from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
 from engine.worker.process import WorkerConfig
 
@@ -44,6 +45,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run python nodes whose op is a `module:function` (code named by the request) besides"
                              " the registered ops (default: yes, your own code; a studio's workers get"
                              " --no-module-ops unless its operator allows them)")
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="the worker plane's CURVE keys (a directory only this user can read, made by"
+                             " `omniflow keys generate DIR` or by the launcher): required")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="no CURVE: anyone who reaches the worker's sockets may use them (only to measure"
+                             " what CURVE costs, as `omniflow bench hops` does)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -70,6 +77,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             raise WorkerOptionError(f"--tp-listen-fd {args.tp_listen_fd}: not an open, listening TCP socket")
     elif args.tp_rank != 0 or args.tp_address is not None or args.tp_listen_fd is not None:
         raise WorkerOptionError(f"--tp-rank/--tp-address/--tp-listen-fd: role {args.role!r} has tp_size 1")
+    keys = plane_keys(args)
     worker_id = args.worker_id or f"{args.role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     return WorkerConfig(
         role=roles[args.role],
@@ -88,7 +96,23 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         tp_address=args.tp_address,
         tp_listen_fd=args.tp_listen_fd,
         allow_module_ops=args.module_ops,
+        keys=keys,
     )
+
+
+def plane_keys(args: argparse.Namespace) -> PlaneKeys | None:
+    """The keys `--keys` names, or None with `--plaintext`; neither is an error."""
+    if args.plaintext:
+        if args.keys is not None:
+            raise WorkerOptionError("--keys and --plaintext: choose one")
+        return None
+    if args.keys is None:
+        raise WorkerOptionError("--keys DIR is required: the worker plane's CURVE keys (`omniflow keys generate"
+                                " DIR` makes them), or --plaintext to run without authentication")
+    try:
+        return PlaneKeys.load(args.keys)
+    except PlaneKeyError as exc:
+        raise WorkerOptionError(f"--keys {args.keys}: {exc}") from None
 
 
 def _listening_tcp(fd: int) -> bool:

@@ -49,6 +49,7 @@ import zmq.asyncio
 
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec, WireError
+from engine.data.curve import PlaneGuard, PlaneKeys
 from engine.data.peer import Peer, PeerConfig, ServerConfig
 from engine.data.shm import local_namespace
 from engine.data.wire import (
@@ -84,6 +85,9 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "OMNIFLOW-READY "
 _ANSWER_LINGER_MS = 1000
 STALLED_EXIT = 5
+REFUSED_METRIC = "plane.refused"
+"""The worker metric counting connections its sockets refused: no CURVE, a key not authorised,
+or (the local socket) a process of another uid."""
 """The exit status of a worker whose event loop stopped turning (see the module docstring)."""
 
 
@@ -112,6 +116,10 @@ class WorkerConfig:
     allow_module_ops: bool = True
     """Run `module:function` ops besides the registered ones (`--no-module-ops`: refuse them,
     whatever the executor sends: a worker enforces its launcher's rule itself)."""
+    keys: PlaneKeys | None = None
+    """The plane's CURVE keys (`engine.data.curve`): control, liveness and the tensor/KV page
+    server admit only their holders. None is the plaintext plane, which only an explicit
+    `--plaintext` asks for (the benchmarks' anchor)."""
 
 
 def _host_of(endpoint: str) -> str:
@@ -187,6 +195,7 @@ class _Liveness(threading.Thread):
         self._registry: Registry | None = None
         self.address = ""
         self.failure: BaseException | None = None
+        self.guard: PlaneGuard | None = None
 
     def start_and_bind(self, timeout: float = 10.0) -> str:
         self.start()
@@ -207,9 +216,13 @@ class _Liveness(threading.Thread):
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         context = zmq.asyncio.Context()
+        keys = self._config.keys
+        guard = self.guard = None if keys is None else PlaneGuard(context, keys, name="liveness")
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        if guard is not None:
+            guard.serve(sock)
         sock.bind(f"tcp://{self._host}:0")
         self.address = _bound(sock, self._host)
         self._ready.set()
@@ -259,6 +272,8 @@ class _Liveness(threading.Thread):
                     await self._registry.deregister(self._info.worker_id)
                 await self._registry.close()
             sock.close()
+            if guard is not None:
+                guard.close()
             context.term()
 
     async def _register(self, info: WorkerInfo) -> None:
@@ -356,11 +371,14 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host = _host_of(config.listen)
-    peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{host}:0")))
+    peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{host}:0"), keys=config.keys))
     context = zmq.Context()
+    guard = None if config.keys is None else PlaneGuard(context, config.keys, name="control")
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    if guard is not None:
+        guard.serve(sock)
     sock.bind(config.listen)
     address = _bound(sock, host)
     codec = WireCodec(config.max_message_bytes, WorkerMessage)
@@ -409,10 +427,18 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
                           pull_timeout_s=config.pull_timeout_s)
 
+    def refused() -> dict[str, float]:
+        # Connections refused on every server socket of the worker: for want of the plane's key
+        # (ZeroMQ), or from another uid (the local socket).
+        guards = (guard, liveness.guard)
+        return {REFUSED_METRIC: float(peer.server.refused + sum(g.refused for g in guards if g is not None)
+                                      + local_refusals.refused)}
+
     def load() -> WorkerLoad:
         base = core.load()
         return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
-                          metrics={**base.metrics, **_process_metrics(), **kv.metrics(), **unit.metrics()})
+                          metrics={**base.metrics, **_process_metrics(), **kv.metrics(), **unit.metrics(),
+                                   **refused()})
 
     greeted: set[bytes] = set()
 
@@ -470,12 +496,13 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     local: dict[str, str] = {}
     namespace = local_namespace()
     local_server = None
+    local_refusals = framed.RefusalCounter()
     if namespace is not None:
         # Named by pid and a digest of the worker id: a worker id of a long workflow and role
         # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
         digest = hashlib.blake2b(config.worker_id.encode(), digest_size=8).hexdigest()
         local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
-        local_server = await framed.listen(local["local"], accept)
+        local_server = await framed.listen(local["local"], accept, counter=local_refusals)
 
     unhealthy: list[str] = []
 
@@ -527,6 +554,8 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         local_server.close()
     for stream in list(streams.values()):
         stream.close()
+    if guard is not None:
+        guard.close()
     context.term()
     peer.close()
     if unhealthy:
@@ -541,7 +570,7 @@ def tp_seat(config: WorkerConfig) -> Any:
     if config.tp_address is None:
         raise ValueError(f"role {config.role.name!r} has tp_size {config.role.tp_size} but no tp_address")
     return TPSeat(config.tp_rank, config.role.tp_size, config.tp_address, heartbeat_s=config.heartbeat_s,
-                  listen_fd=config.tp_listen_fd, worker_id=config.worker_id)
+                  listen_fd=config.tp_listen_fd, worker_id=config.worker_id, keys=config.keys)
 
 
 def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None]) -> int:

@@ -17,6 +17,8 @@ from django.db.models import Q, QuerySet
 from django.db.models.signals import post_delete
 from django.dispatch import receiver
 
+from engine.data.curve import PlaneKeys
+
 
 class OwnedQuerySet(QuerySet):
     owner_field = "owner"
@@ -106,7 +108,11 @@ class Deployment(models.Model):
     the same workflow never share workers, and a worker started by hand on another machine
     joins it with `omniflow worker --namespace <namespace> --registry <REDIS_URL> ...`.
     `node` is the node whose Celery worker starts them (queue `node.<node>`); blank when
-    the studio process itself hosts them (the embedded mode).
+    the studio process itself hosts them (the embedded mode). `plane_public`/`plane_secret`:
+    the CURVE keypair of its worker plane (`engine.data.curve`), made when it is deployed:
+    every process that reaches the database (the node agent starting the workers, the web and
+    Celery processes dispatching to them) reads it here, whatever host it runs on; the node
+    agent hands it to the workers as files only their user reads. Cleared when it stops.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -120,6 +126,11 @@ class Deployment(models.Model):
     namespace = models.CharField(max_length=100, blank=True, help_text="worker registry namespace")
     cache_scope = models.CharField(max_length=8, choices=CacheScope.choices, default=CacheScope.USER,
                                    help_text="user: a user's runs never meet another's in a cache; shared: set by staff")
+    plane_public = models.CharField(max_length=40, blank=True,
+                                    help_text="the CURVE public key of the deployment's worker plane")
+    plane_secret = models.CharField(max_length=40, blank=True,
+                                    help_text="its secret key: only the workers and the processes dispatching to"
+                                              " them hold it; cleared when the deployment ends")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -136,6 +147,12 @@ class Deployment(models.Model):
     def active(self) -> bool:
         """Whether it has (or is about to have) workers."""
         return self.status in ACTIVE_DEPLOYMENT_STATUSES
+
+    def plane_keys(self) -> PlaneKeys | None:
+        """The worker plane's keys; None once it ended (they are cleared then)."""
+        if not self.plane_secret:
+            return None
+        return PlaneKeys(self.plane_public, self.plane_secret, frozenset({self.plane_public}))
 
 
 ACTIVE_DEPLOYMENT_STATUSES = frozenset({DeploymentStatus.PENDING, DeploymentStatus.STARTING,

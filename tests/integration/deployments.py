@@ -18,7 +18,7 @@ import psutil
 import torch
 from transformers import PreTrainedModel
 
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.calls import NodeCall, NodeContext
@@ -60,8 +60,8 @@ async def deployed(spec: GraphSpec, *, heartbeat_s: float, with_executor: bool =
                    stream_capacity: int = Executor.DEFAULT_STREAM_CAPACITY,
                    **cluster_options: Any) -> AsyncIterator[Deployment]:
     """`spec` on a started `LocalCluster`; `check_processes_stop` asserts no worker process outlives it."""
-    peer = Peer.start()
     cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, stop_timeout_s=10.0, **cluster_options)
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         dispatcher = WorkerDispatcher(cluster.registry, peer, heartbeat_s=heartbeat_s, connect_timeout_s=5.0,

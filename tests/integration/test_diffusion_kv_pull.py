@@ -23,7 +23,8 @@ from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.loader import load_builtin
 from engine.compute.models.tokenizer import BOS_ID
 from engine.data.codec import WireCodec
-from engine.data.peer import Peer
+from engine.data.curve import PlaneKeys, connect_as_client
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import LoadReply, LoadRequest, TensorRef, WorkerMessage
 from engine.flow.executor import Executor
 from engine.flow.loader import load_workflow
@@ -59,11 +60,13 @@ class Recording:
         await self.inner.close()
 
 
-async def worker_metrics(worker: LaunchedWorker) -> dict[str, float]:
-    """What the worker reports on its liveness endpoint (a `LoadRequest`, 5 s deadline)."""
+async def worker_metrics(worker: LaunchedWorker, keys: PlaneKeys | None) -> dict[str, float]:
+    """What the worker reports on its liveness endpoint (a `LoadRequest`, 5 s deadline), asked
+    with the plane's `keys`."""
     context = zmq.asyncio.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_as_client(sock, keys)
     codec = WireCodec(1 << 20, WorkerMessage)
     try:
         sock.connect(worker.details["liveness"])
@@ -79,8 +82,8 @@ async def worker_metrics(worker: LaunchedWorker) -> dict[str, float]:
 async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_matches_recomputation():
     spec = load_workflow(REPO / "workflows" / "image_generation.py")
     diffusion_role = spec.role("diffusion")
-    peer = Peer.start()
     cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         workers = {w.role: w for w in cluster.workers}
@@ -98,8 +101,8 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
             latents = peer.pull(latents_ref, timeout=10.0).torch(copy=True)
         finally:
             await executor.aclose()
-        metrics = await worker_metrics(workers["diffusion"])
-        llm_metrics = await worker_metrics(workers["llm"])
+        metrics = await worker_metrics(workers["diffusion"], cluster.keys)
+        llm_metrics = await worker_metrics(workers["llm"], cluster.keys)
     finally:
         await cluster.stop()
         peer.close()

@@ -5,7 +5,8 @@ A holder process (this file run as a script) fills a KV store over three tiers, 
 pages on its Peer and publishes them to Redis; the test process looks the pages up in the
 index and pulls them over shared memory and over TCP, bit-exact against pages it computes
 itself, with pickle forbidden in the holder. A SIGKILLed holder is a `KVTransferError` within the timeout. The holder talks to
-the test over stdin/stdout in JSON lines; closing its stdin stops it.
+the test over stdin/stdout in JSON lines; closing its stdin stops it. The holder's Peer is on a
+CURVE plane (`engine.data.curve`): a process without its key gets no page.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.data.curve import PlaneKeys
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.index import RedisKVIndex
 from engine.data.kv.keys import page_hashes
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import StatsReply, StatsRequest, Transport
 
 pytestmark = pytest.mark.redis
@@ -46,6 +48,8 @@ READY_TIMEOUT_S = 30.0
 LAYOUT = KVLayout(page_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 TOKENS = list(range(5000, 5000 + 8 * LAYOUT.page_size))
 KEYS = page_hashes(TOKENS, LAYOUT.page_size)  # 8 pages; holders hold a leading run of them
+PLANE = PlaneKeys.generate()
+"""The CURVE keys of the holders and of the test's peer."""
 
 
 def make_page(seed: int) -> torch.Tensor:
@@ -65,7 +69,7 @@ def _no_pickle(*args: object, **kwargs: object) -> None:
     raise AssertionError("pickle used on the KV pull path")
 
 
-def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str) -> None:
+def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str, keys_dir: str) -> None:
     from engine.data.kv.index import KVIndexPublisher
     from engine.data.kv.pull import KVPageServer
     from engine.data.kv.store import DiskTierConfig
@@ -80,7 +84,7 @@ def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str) -> N
     index = RedisKVIndex.from_url(REDIS_URL, namespace=namespace)
     for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
         setattr(pickle, name, _no_pickle)  # nothing on the serving path may pickle
-    with KVStore(config) as store, Peer.start() as peer:
+    with KVStore(config) as store, Peer.start(PeerConfig(keys=PlaneKeys.load(keys_dir))) as peer:
         server = KVPageServer(store, peer.server)
         publisher = KVIndexPublisher(index, worker_id)
         publisher.attach(store)
@@ -103,8 +107,9 @@ class Holder:
     def __init__(self, namespace: str, worker_id: str, pages: int, disk_dir: Path) -> None:
         self.worker_id = worker_id
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        keys_dir = PLANE.write(disk_dir / "keys")
         self.proc = subprocess.Popen(
-            [sys.executable, str(THIS_FILE), namespace, worker_id, str(pages), str(disk_dir)],
+            [sys.executable, str(THIS_FILE), namespace, worker_id, str(pages), str(disk_dir), str(keys_dir)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,7 +171,7 @@ def holder(index: RedisKVIndex) -> Iterator[Holder]:
 
 @pytest.fixture
 def peer() -> Iterator[Peer]:
-    with Peer.start() as started:
+    with Peer.start(PeerConfig(keys=PLANE)) as started:
         yield started
 
 
@@ -255,5 +260,24 @@ def test_a_killed_holder_is_an_error_within_the_timeout(
     assert_holds_written_pages(local, range(6))
 
 
+@pytest.mark.parametrize("keys", [None, PlaneKeys.generate()], ids=["plaintext", "another-key"])
+def test_a_peer_without_the_plane_key_gets_no_page(
+    index: RedisKVIndex, holder: Holder, peer: Peer, local: KVStore, keys: PlaneKeys | None
+) -> None:
+    """A process that finds the holder in the index but lacks the plane's key gets no page,
+    over either transport (the shared-memory path too asks the owner first); the keyed peer
+    still pulls."""
+    from engine.data.kv.pull import pull_missing
+
+    with Peer.start(PeerConfig(keys=keys)) as foreign:
+        for transport in (None, Transport.TCP):
+            with pytest.raises(KVTransferError):
+                pull_missing(local, foreign, index, KEYS, 1.0, transport=transport)
+    assert local.resident_pages() == {}
+    result = pull_missing(local, peer, index, KEYS, 5.0)
+    assert result.pages == tuple(KEYS[:6])
+    assert_holds_written_pages(local, range(6))
+
+
 if __name__ == "__main__":
-    _holder_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    _holder_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -23,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.compute.models.loader import load_builtin
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.flow.discovery import InProcessRegistry
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
@@ -95,7 +95,7 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
     options.setdefault("extra_args", ("--drain-timeout", "5"))
     options.setdefault("stop_timeout_s", 10.0)
     cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, restart=policy, on_event=events, **options)
-    peer = Peer.start()
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         executor = Executor(WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB, connect_timeout_s=5.0,

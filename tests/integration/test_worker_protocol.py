@@ -28,7 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.data import framed
 from engine.data.codec import MiB, WireCodec
-from engine.data.peer import Peer
+from engine.data.curve import PlaneKeys, connect_as_client
+from engine.data.peer import Peer, PeerConfig
 from engine.data.shm import local_namespace
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -44,6 +45,8 @@ from engine.data.wire import (
     InputCredit,
     InputEnd,
     InputFrame,
+    LoadReply,
+    LoadRequest,
     PingReply,
     PingRequest,
     PortValue,
@@ -54,7 +57,7 @@ from engine.flow.discovery import InProcessRegistry, WorkerInfo
 from engine.flow.remote import WorkerDispatcher, WorkerLost
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec, encode_spec
-from engine.worker.process import READY_PREFIX
+from engine.worker.process import READY_PREFIX, REFUSED_METRIC
 from tests.integration import workerfns
 from tests.integration.workerfns import (
     LocalClient,
@@ -75,9 +78,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     """A real worker of role `py`; its READY details."""
     spec_path = tmp_path_factory.mktemp("protocol") / "whoami.json"
     spec_path.write_bytes(encode_spec(whoami_spec()))
+    keys = PlaneKeys.generate()
+    keys_dir = keys.write(spec_path.parent / "keys")
     process = subprocess.Popen(
         [sys.executable, "-m", "engine.worker", "--role", "py", "--workflow", str(spec_path),
-         "--heartbeat", "0.2", "--registry-ttl", "0.8", "--drain-timeout", "5"],
+         "--heartbeat", "0.2", "--registry-ttl", "0.8", "--drain-timeout", "5", "--keys", str(keys_dir)],
         stdout=subprocess.PIPE, cwd=REPO,
     )
     try:
@@ -92,7 +97,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                 assert line, f"worker exited with status {process.wait()} before it was ready"
                 if line.startswith(READY_PREFIX):
                     details = json.loads(line[len(READY_PREFIX):])
-        yield details
+        yield {**details, "keys": keys}
         assert process.poll() is None, "the worker died during the protocol tests"
     finally:
         process.send_signal(signal.SIGTERM)
@@ -111,7 +116,7 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 def client(context: zmq.asyncio.Context, worker: dict[str, Any]) -> RawClient:
-    return RawClient(context, worker["address"])
+    return RawClient(context, worker["address"], worker["keys"])
 
 
 @pytest.fixture(params=["tcp", "local"])
@@ -122,7 +127,7 @@ async def open_client(request, context, worker) -> AsyncIterator[Callable[[], Aw
 
     async def open_() -> RawClient | LocalClient:
         if request.param == "tcp":
-            raw: RawClient | LocalClient = RawClient(context, worker["address"])
+            raw: RawClient | LocalClient = RawClient(context, worker["address"], worker["keys"])
         else:
             if local_namespace() is None:
                 pytest.skip("abstract Unix sockets are Linux-only")
@@ -313,6 +318,7 @@ async def test_oversized_frame_drops_that_connection_only(context, worker):
 async def test_liveness_endpoint_answers_pings_only(context, worker):
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_as_client(sock, worker["keys"])
     sock.connect(worker["liveness"])
     codec = WireCodec(64 * 1024, WorkerMessage)
 
@@ -525,7 +531,7 @@ async def test_the_dispatcher_stops_polling_at_the_first_answer(worker, tmp_path
         meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
     ))
     held_s = 0.6
-    with Peer.start() as peer:
+    with Peer.start(PeerConfig(keys=worker["keys"])) as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, poll_after_send_s=30.0)
         asyncio.get_running_loop().call_later(held_s, workerfns.mark, tmp_path, "release")
         cpu0, wall0 = time.process_time(), time.monotonic()
@@ -645,7 +651,7 @@ async def test_closing_the_dispatcher_ends_the_calls_it_carries(worker, tmp_path
         worker["worker_id"], "py", worker["address"], pid=worker["pid"],
         meta={k: worker[k] for k in ("liveness", "local", "local_ns")},
     ))
-    with Peer.start() as peer:
+    with Peer.start(PeerConfig(keys=worker["keys"])) as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB)
         call = asyncio.create_task(dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None))
         await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
@@ -711,3 +717,100 @@ async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispa
         stream.abort()
     server.close()
     liveness.close()
+
+
+# ------------------------------------------------------------------ who may use the worker
+def touch_request(request_id: int, directory: Path) -> ExecuteRequest:
+    """A valid ExecuteRequest for `touch`: it leaves an `executed-<pid>` marker when it runs."""
+    return ExecuteRequest(request_id, "py", "raw", "touch", f"{workerfns.__name__}:touch", {"dir": str(directory)},
+                          {"x": PortValue(ValueKind.INLINE, data=request_id)}, ("out",), False, False, 1, 1)
+
+
+async def refusals(context: zmq.asyncio.Context, worker: dict[str, Any]) -> int:
+    """The worker's `plane.refused` metric, asked on its liveness endpoint with the plane's key."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    connect_as_client(sock, worker["keys"])
+    sock.connect(worker["liveness"])
+    codec = WireCodec(64 * 1024, WorkerMessage)
+    try:
+        await sock.send(codec.encode(LoadRequest(1)))
+        reply = codec.decode(await asyncio.wait_for(sock.recv(), 5))
+    finally:
+        sock.close()
+    assert isinstance(reply, LoadReply), reply
+    return int(reply.metrics[REFUSED_METRIC])
+
+
+def foreign_dealer(context: zmq.asyncio.Context, address: str, keys: PlaneKeys | None,
+                   server_key: str) -> zmq.asyncio.Socket:
+    """A DEALER of a process without the plane's key: plaintext, or a CURVE keypair of its own
+    that knows the worker's public key (public keys are no secret)."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey = keys.public.encode(), keys.secret.encode()
+        sock.curve_serverkey = server_key.encode()
+    sock.connect(address)
+    return sock
+
+
+@pytest.mark.parametrize("foreign_keys", [None, PlaneKeys.generate()], ids=["plaintext", "another-key"])
+async def test_a_peer_without_the_plane_key_gets_no_reply_and_no_execution(
+    context, worker, tmp_path: Path, foreign_keys: PlaneKeys | None
+):
+    """A valid hello and ExecuteRequest from a process without the plane's key, on the
+    control socket and on the liveness socket: no reply, the node never runs (no marker),
+    and the worker counts the refusals. The keyed client's same request runs."""
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    before = await refusals(context, worker)
+    sockets = [foreign_dealer(context, worker[endpoint], foreign_keys, worker["keys"].public)
+               for endpoint in ("address", "liveness")]
+    try:
+        for sock in sockets:
+            await sock.send(codec.encode(HelloRequest(PROTOCOL_VERSION, "intruder", "127.0.0.1")))
+            await sock.send(codec.encode(touch_request(7, tmp_path)))
+            await sock.send(codec.encode(PingRequest(8)))
+        # Ready: the handshakes were refused (each is retried, so counted again and again). A key
+        # not authorised is counted by the ZAP handler, on each socket; a plaintext peer when the
+        # worker sees the mechanism mismatch before the peer hangs up (not on every attempt).
+        expected = before + (2 if foreign_keys is not None else 1)
+        await wait_until(lambda: _at_least(refusals(context, worker), expected), 10.0, "the worker counts refusals")
+        for sock in sockets:
+            assert await sock.poll(300) == 0, "the worker answered a peer without the key"
+        assert markers(tmp_path, "executed") == []
+    finally:
+        for sock in sockets:
+            sock.close()
+    keyed = client(context, worker)
+    try:
+        await keyed.hello()
+        await keyed.send(touch_request(9, tmp_path))
+        while not isinstance(reply := await keyed.recv(), ExecuteResult):
+            assert isinstance(reply, ExecuteStarted), reply
+        assert markers(tmp_path, "executed") == [worker["pid"]]
+    finally:
+        keyed.close()
+
+
+async def _at_least(count: Awaitable[int], floor: int) -> int:
+    value = await count
+    return value if value >= floor else 0
+
+
+@LINUX_ONLY
+async def test_a_process_of_another_uid_gets_no_answer_on_the_local_socket(context, worker, tmp_path: Path):
+    """The local control socket (no CURVE: an abstract Unix socket) refuses a process of
+    another uid before its first message: no hello back, no execution, counted."""
+    from tests.foreign_uid import NOBODY, Outcome, call_as
+
+    codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
+    before = await refusals(context, worker)
+    hello = codec.encode(HelloRequest(PROTOCOL_VERSION, "intruder", "127.0.0.1"))
+    reply = await asyncio.to_thread(call_as, NOBODY, worker["local"], hello, 2.0)
+    assert reply.outcome is Outcome.CLOSED
+    assert await refusals(context, worker) == before + 1
+    same_uid = await asyncio.to_thread(call_as, os.getuid(), worker["local"], hello, 5.0)
+    assert same_uid.outcome is Outcome.ANSWERED
+    assert isinstance(codec.decode(same_uid.data[4:]), HelloReply)
+    assert markers(tmp_path, "executed") == []

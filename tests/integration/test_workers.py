@@ -33,7 +33,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from engine.data.peer import Peer
+from engine.data.curve import PlaneKeys
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import (
     ErrorCode,
     ErrorReply,
@@ -105,9 +106,9 @@ class Deployment:
 async def deployed(spec: GraphSpec, marker_dir: Path | None = None, *, registry_url: str | None = None,
                    namespace: str = "omniflow", registry_refresh_s: float = 0.5) -> AsyncIterator[Deployment]:
     """`spec`'s roles as worker processes, an executor dispatching to them; all stopped after."""
-    peer = Peer.start()
     cluster = LocalCluster(spec, allow_module_ops=True, registry_url=registry_url, namespace=namespace, heartbeat_s=HB,
                            stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         dispatcher = RecordingDispatcher(WorkerDispatcher(cluster.registry, peer, heartbeat_s=HB,
@@ -348,7 +349,7 @@ async def test_sigterm_drains_finishes_in_flight_refuses_new_and_deregisters(tmp
 
         # New work is refused with DRAINING once the worker has begun to drain.
         context = zmq.asyncio.Context()
-        raw = RawClient(context, draining.details["address"])
+        raw = RawClient(context, draining.details["address"], d.cluster.keys)
         try:
             await raw.hello()
             ids = iter(range(1, 10_000))
@@ -383,11 +384,11 @@ async def test_sigterm_drains_finishes_in_flight_refuses_new_and_deregisters(tmp
 
 
 # ------------------------------------------------------------------ 5. parent death
-async def test_worker_exits_when_its_parent_dies():
+async def test_worker_exits_when_its_parent_dies(tmp_path: Path):
     parent = await asyncio.create_subprocess_exec(
         sys.executable, "-m", f"{FNS}", "parent",
         "--role", "py", "--workflow", str(REPO / "workflows" / "diamond.py"),
-        "--heartbeat", str(HB), "--registry-ttl", str(4 * HB),
+        "--heartbeat", str(HB), "--registry-ttl", str(4 * HB), "--keys", str(PlaneKeys.generate().write(tmp_path / "k")),
         stdout=asyncio.subprocess.PIPE, cwd=REPO,
     )
     worker_pid = None
@@ -511,10 +512,11 @@ async def test_redis_restart_run_finishes_and_workers_register_again(tmp_path: P
 
 # ------------------------------------------------------------------ 8. `omniflow worker`
 @pytest.mark.redis
-async def test_omniflow_worker_command_registers_and_has_a_readable_title(redis_namespace: str):
+async def test_omniflow_worker_command_registers_and_has_a_readable_title(redis_namespace: str, tmp_path: Path):
     command = [str(Path(sys.executable).with_name("omniflow")), "worker", "--role", "py",
                "--workflow", "workflows/diamond.py", "--registry", REDIS_URL, "--namespace", redis_namespace,
-               "--heartbeat", str(HB), "--registry-ttl", str(4 * HB)]
+               "--heartbeat", str(HB), "--registry-ttl", str(4 * HB),
+               "--keys", str(PlaneKeys.generate().write(tmp_path / "keys"))]
     process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, cwd=REPO)
     registry = RedisRegistry(REDIS_URL, namespace=redis_namespace)
     try:
@@ -542,6 +544,22 @@ async def test_omniflow_worker_command_registers_and_has_a_readable_title(redis_
             process.kill()
             await process.wait()
         await registry.close()
+
+
+@pytest.mark.parametrize("keys", ["none", "open"])
+def test_a_worker_without_usable_keys_does_not_start(tmp_path: Path, keys: str):
+    """No silent plaintext: a worker given no keys, or keys others can read, exits at once
+    with an error naming --keys."""
+    command = [sys.executable, "-m", "engine.worker", "--role", "py", "--workflow", "workflows/diamond.py"]
+    if keys == "open":
+        directory = PlaneKeys.generate().write(tmp_path / "keys")
+        os.chmod(directory, 0o755)
+        command += ["--keys", str(directory)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 1
+    assert done.stdout == ""  # never ready
+    expected = "--keys DIR is required" if keys == "none" else "mode 0755 lets group or others in"
+    assert expected in done.stderr and "--keys" in done.stderr, done.stderr
 
 
 async def test_an_in_process_registry_gets_each_workers_load(tmp_path: Path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
@@ -61,7 +61,7 @@ def cluster_of(spec: GraphSpec) -> LocalCluster:
 async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
     spec = two_replicas_spec()
     cluster = cluster_of(spec)
-    peer = Peer.start()
+    peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
         assert cluster._zygote is not None

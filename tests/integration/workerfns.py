@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from engine.data import framed
 from engine.data.codec import WireCodec
+from engine.data.curve import PlaneKeys, connect_as_client
 from engine.data.wire import (
     PROTOCOL_VERSION,
     ExecuteRequest,
@@ -75,6 +76,12 @@ def counted(directory: str | Path, name: str) -> int:
 
 
 def noop(x: Any) -> Any:
+    return x
+
+
+def touch(x: Any, dir: str) -> Any:
+    """Mark `executed-<pid>`: the node ran."""
+    mark(dir, f"executed-{os.getpid()}")
     return x
 
 
@@ -197,9 +204,11 @@ async def wait_until(predicate: Callable[[], Any | Awaitable[Any]], timeout: flo
 class RawClient:
     """A bare DEALER on a worker's control endpoint: what the dispatcher does, by hand."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, context: zmq.asyncio.Context, address: str, keys: PlaneKeys | None = None) -> None:
+        """`keys`: the worker plane's keys (a CURVE client); None: a plaintext peer."""
         self.sock = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        connect_as_client(self.sock, keys)
         self.sock.connect(address)
         self.codec = WireCodec(1 << 30, WorkerMessage)
 

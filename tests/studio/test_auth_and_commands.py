@@ -138,3 +138,22 @@ def test_admin_pages_render(client, django_user_model, api) -> None:
     assert client.get("/admin/accounts/apitoken/").status_code == 200
     wf = Workflow.objects.get()
     assert client.get(f"/admin/workflows/workflow/{wf.pk}/change/").status_code == 200
+
+
+def test_deployment_keys_writes_a_running_deployments_keys_and_nothing_for_an_ended_one(api, user, tmp_path) -> None:
+    from engine.data.curve import PlaneKeys
+    from studio.workflows.models import Deployment, DeploymentStatus, WorkflowVersion
+    from tests.studio.factories import create_workflow, spec_doc
+
+    wf = create_workflow(api, spec_doc())
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"], number=1)
+    keys = PlaneKeys.generate()
+    row = Deployment.objects.create(owner=user, version=version, status=DeploymentStatus.RUNNING,
+                                    plane_public=keys.public, plane_secret=keys.secret)
+    assert "wrote the keys" in run_command("deployment_keys", str(row.pk), str(tmp_path / "keys"))
+    assert PlaneKeys.load(tmp_path / "keys") == keys
+    Deployment.objects.filter(pk=row.pk).update(status=DeploymentStatus.STOPPED, plane_public="", plane_secret="")
+    with pytest.raises(CommandError, match="has ended"):
+        run_command("deployment_keys", str(row.pk), str(tmp_path / "again"))
+    with pytest.raises(CommandError, match="not a deployment id"):
+        run_command("deployment_keys", "nope", str(tmp_path / "again"))

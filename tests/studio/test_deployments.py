@@ -14,9 +14,13 @@ from typing import Any
 
 import psutil
 import pytest
+import zmq
 from django.apps import apps
 from django.conf import settings
 
+from engine.data.codec import WireCodec
+from engine.data.curve import PlaneKeys, connect_as_client
+from engine.data.wire import PROTOCOL_VERSION, HelloRequest, WorkerMessage
 from engine.flow.discovery import make_registry
 from studio.workflows.apps import StudioEngine, build_engine
 from studio.workflows.models import Deployment, Worker
@@ -62,6 +66,22 @@ def deploy(api: Any, studio: StudioEngine, body: dict[str, Any]) -> dict[str, An
     return api.get(f"/api/deployments/{response.json()['id']}/").json()
 
 
+def hello_answered(address: str, keys: PlaneKeys | None) -> bool:
+    """Whether a worker's control socket answers a hello from a client with `keys` (None:
+    plaintext) within a bounded wait."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        connect_as_client(sock, keys)
+        sock.connect(address)
+        sock.send(WireCodec(1 << 20, WorkerMessage).encode(HelloRequest(PROTOCOL_VERSION, "test", "127.0.0.1")))
+        return bool(sock.poll(2000 if keys is None else 15000))
+    finally:
+        sock.close()
+        context.term()
+
+
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
 def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine,
                                whoami_wf: dict[str, Any]) -> None:
@@ -71,6 +91,13 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
     assert d["namespace"] == f"{settings.OMNIFLOW.redis_prefix}-d{uuid.UUID(d['id']).hex}"
     assert [(w["role"], w["status"], w["live"] is not None) for w in d["workers"]] == [("py", "ready", True)]
     assert registered(d["namespace"]) == [w["worker_id"] for w in d["workers"]]
+
+    # the deployment's worker plane: its own CURVE keys; a process without them gets no answer
+    keys = Deployment.objects.get(pk=d["id"]).plane_keys()
+    assert keys is not None and keys.public != Deployment.objects.exclude(pk=d["id"]).values_list(
+        "plane_public", flat=True).first()
+    assert hello_answered(d["workers"][0]["address"], None) is False
+    assert hello_answered(d["workers"][0]["address"], keys) is True
 
     # a run of the deployment executes in its worker process, not here
     response = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "hi"}}, format="json")
@@ -105,6 +132,7 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
 
     metrics = client_for(staff).get("/metrics").content.decode()
     assert f'omniflow_worker_up{{deployment="{d["id"]}",role="py",' in metrics
+    assert f'omniflow_worker_plane_refused_total{{deployment="{d["id"]}",role="py",' in metrics
     assert 'omniflow_deployments{status="running"} 1.0' in metrics
 
     # stop: the processes end, the registry forgets them, runs are refused
@@ -116,6 +144,7 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
     assert final["status"] == "stopped" and {w["status"] for w in final["workers"]} == {"stopped"}
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
     assert registered(d["namespace"]) == []
+    assert Deployment.objects.get(pk=d["id"]).plane_keys() is None  # its keys went with its workers
     refused = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "x"}}, format="json")
     assert refused.status_code == 409
     assert api.post(f"/api/deployments/{d['id']}/stop/").json()["status"] == "stopped"  # idempotent

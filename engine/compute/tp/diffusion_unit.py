@@ -53,6 +53,7 @@ from engine.compute.tp.unit import (
     shard_to_device,
     tp_timeout_s,
 )
+from engine.data.curve import PlaneKeys
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
@@ -76,8 +77,10 @@ class _Rank:
     of the whole model's pages (what an `llm` role of the model serves) and, once a node brings
     input `kv`, a seat on the transfer plane to pull pages with."""
 
-    def __init__(self, runner: DiffusionRunner, group: TPGroup, whole: KVLayout, pull_timeout_s: float) -> None:
+    def __init__(self, runner: DiffusionRunner, group: TPGroup, whole: KVLayout, pull_timeout_s: float,
+                 keys: PlaneKeys | None) -> None:
         self.runner = runner
+        self.keys = keys
         self.group = group
         self.whole = whole
         self.pull_timeout_s = pull_timeout_s
@@ -85,7 +88,7 @@ class _Rank:
 
     def peer(self) -> Peer:
         if self._peer is None:
-            self._peer = Peer.start(PeerConfig())
+            self._peer = Peer.start(PeerConfig(keys=self.keys))
         return self._peer
 
     def close(self) -> None:
@@ -135,14 +138,14 @@ def pull_timeout_s(role: RoleSpec) -> float:
     return float(timeout)
 
 
-def _rank(role: RoleSpec, group: TPGroup, device: str) -> _Rank:
+def _rank(role: RoleSpec, group: TPGroup, device: str, keys: PlaneKeys | None) -> _Rank:
     """This rank's runner over its shard of the role's model, with the layout of the whole model's pages."""
     config = _config(role)
     timeout = pull_timeout_s(role)
     model = load_role_model(role)
     dtype = dtype_name(next(model.model.parameters()).dtype)
     whole = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, timeout)
+    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, timeout, keys)
 
 
 class TPDiffusionUnit(ThreadedUnit):
@@ -164,10 +167,10 @@ class TPDiffusionUnit(ThreadedUnit):
                 raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
             group, device = join_group(role, tp)
             self.group = group
-            self._rank = rank = _rank(role, group, device)
+            self._rank = rank = _rank(role, group, device, tp.keys)
             self.runner = rank.runner
             self.whole = rank.whole
-            self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}")
+            self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}", keys=tp.keys)
             self._link.meet(0)
             undo.pop_all()
 
@@ -272,8 +275,8 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     watch: LeaderWatch | None = None
     rank: _Rank | None = None
     try:
-        rank = _rank(role, group, device)
-        setup = greet_leader(sock, group, seat.rank)
+        rank = _rank(role, group, device, seat.keys)
+        setup = greet_leader(sock, group, seat.rank, seat.keys)
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)

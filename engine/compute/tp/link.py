@@ -2,7 +2,8 @@
 
 Rank 0 binds a ROUTER next to the group's address and publishes it in the group's store
 (`LEADER_KEY`); each follower connects a DEALER, says `TPHello`, and waits for `TPSetup`
-(the sampler seed and rank 0's pid). Then rank 0 sends every operation to every follower,
+(the sampler seed and rank 0's pid). The link is on the worker plane's CURVE (the ranks'
+`--keys`): a process without them cannot join or hear the operations. Then rank 0 sends every operation to every follower,
 in order (`broadcast`), and `TPStop` when it stops. Messages are msgpack (`TPMessage`);
 a send to a follower that is gone raises (ROUTER_MANDATORY, a send timeout), which breaks
 the group. Shared by the `llm` and `diffusion` tensor-parallel units.
@@ -20,6 +21,7 @@ import zmq
 
 from engine.compute.tp.group import TPGroup, TPRankError
 from engine.compute.tp.messages import TPHello, TPMessage, TPSetup, TPStop
+from engine.data.curve import PlaneGuard, PlaneKeys, connect_as_client
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,10 @@ class FollowerLink:
     """Rank 0's side: the followers of a replica of `size` ranks, met over the group `group`
     (whose store lives at `address`, `tcp://host:port`). `what` names the role in errors."""
 
-    def __init__(self, group: TPGroup, address: str, size: int, *, what: str) -> None:
+    def __init__(self, group: TPGroup, address: str, size: int, *, what: str, keys: PlaneKeys | None) -> None:
+        """`keys`: the worker plane's (`engine.data.curve`): only ranks holding them may join."""
         self._context = zmq.Context()
+        self._guard = None if keys is None else PlaneGuard(self._context, keys, name=f"tp link of {what}")
         self._socket: zmq.Socket | None = self._context.socket(zmq.ROUTER)
         self.followers: list[bytes] = []
         self._size = size
@@ -48,6 +52,8 @@ class FollowerLink:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a follower that is gone raises
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            if self._guard is not None:
+                self._guard.serve(sock)
             host = address.removeprefix("tcp://").rpartition(":")[0]
             sock.bind(f"tcp://{host}:0")
             group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
@@ -93,12 +99,18 @@ class FollowerLink:
                     log.warning("telling follower rank %d to stop: %s", rank, exc)
             self._socket.close(linger=1000)
             self._socket = None
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+        if not self._context.closed:
             self._context.term()
 
 
-def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int) -> TPSetup:
+def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int, keys: PlaneKeys | None) -> TPSetup:
     """A follower's handshake on its DEALER `sock`: connect to rank 0 (its address from the
-    group's store), say hello, and return rank 0's setup (TPRankError after SETUP_TIMEOUT_S)."""
+    group's store) with the plane's `keys`, say hello, and return rank 0's setup (TPRankError
+    after SETUP_TIMEOUT_S)."""
+    connect_as_client(sock, keys)
     sock.connect(group.lookup(LEADER_KEY).decode())
     sock.send(_encoder.encode(TPHello(rank, os.getpid())))
     if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):

@@ -82,6 +82,7 @@ from engine.compute.tp.messages import (
 )
 from engine.compute.tp.shard import shard_model
 from engine.data.channel import RefGone, TransferError
+from engine.data.curve import PlaneKeys
 from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -113,6 +114,8 @@ class TPSeat:
     None: rank 0 binds `address` itself."""
     worker_id: str | None = None
     """This rank's worker id (rank 0's is the replica's, named in its prefill handoffs)."""
+    keys: PlaneKeys | None = None
+    """The worker plane's CURVE keys: the ranks' link and their seats on the transfer plane."""
 
 
 def tp_timeout_s(role: RoleSpec) -> float:
@@ -379,7 +382,7 @@ class TPLLMUnit(LLMUnit):
         group, device = join_group(role, seat)
         self.group = group
         shard = shard_to_device(model, group, device)
-        self._link = FollowerLink(group, seat.address, seat.size, what=f"llm role {role.name!r}")
+        self._link = FollowerLink(group, seat.address, seat.size, what=f"llm role {role.name!r}", keys=seat.keys)
         seed = config.seed if config.seed is not None else secrets.randbits(62)
         self._link.meet(seed)
         engine = TPEngine(shard, group, dataclasses.replace(config, seed=seed), clock=lambda: broadcast.now)
@@ -398,7 +401,7 @@ class TPLLMUnit(LLMUnit):
         (whole) pages of its prefill handoffs."""
         with self._lock:
             if self._peer is None:
-                self._peer = Peer.start(PeerConfig())
+                self._peer = Peer.start(PeerConfig(keys=self.seat.keys))
                 self._own_peer = True
                 self._page_server = KVPageServer(self._exports, self._peer.server)
             return self._peer
@@ -591,7 +594,7 @@ class _Follower:
 
     def peer(self) -> Peer:
         if self._peer is None:
-            self._peer = Peer.start(PeerConfig())
+            self._peer = Peer.start(PeerConfig(keys=self.seat.keys))
         return self._peer
 
     def run(self, ready: Callable[[dict[str, Any]], None]) -> int:
@@ -604,7 +607,7 @@ class _Follower:
         try:
             model = load_role_model(self.role)
             shard = shard_to_device(model, group, device)
-            setup = greet_leader(sock, group, seat.rank)
+            setup = greet_leader(sock, group, seat.rank, seat.keys)
             config = dataclasses.replace(EngineConfig.from_params(self.role.params), seed=setup.seed)
             engine = TPEngine(shard, group, config, clock=lambda: self.now)
             puller = _HandoffPuller(engine, _whole_layout(model, config), self.peer)

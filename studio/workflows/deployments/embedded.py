@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from django.db import close_old_connections, connections
 
+from engine.data.peer import Peer, PeerConfig
 from engine.flow.discovery import RegistryError, WorkerSnapshot
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
@@ -55,6 +56,8 @@ class _Hosted:
     namespace: str
     cluster: LocalCluster
     executor: Executor
+    peer: Peer
+    """This process's seat on the deployment's worker plane (its keys)."""
     next_index: dict[str, int] = field(default_factory=dict)
 
 
@@ -152,6 +155,7 @@ class EmbeddedDeployments:
                 allow_module_ops=self.config.allow_module_ops,
                 registry_url=self.config.redis_url,
                 namespace=ticket.namespace,
+                keys=ticket.keys,
                 ready_timeout_s=self.config.worker_ready_timeout_s,
                 stop_timeout_s=STOP_TIMEOUT_S,
                 extra_args=("--listen", self.config.worker_listen),
@@ -159,8 +163,9 @@ class EmbeddedDeployments:
                 on_event=functools.partial(self._replica_event, ticket),
             )
             await cluster.start()  # stops what it started when one worker fails
-            dispatcher = WorkerDispatcher(cluster.registry, self.reach.peer())
-            hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, Executor(dispatcher, self.kinds),
+            peer = Peer.start(PeerConfig(keys=ticket.keys))
+            dispatcher = WorkerDispatcher(cluster.registry, peer)
+            hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, Executor(dispatcher, self.kinds), peer,
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
             self._hosted[ticket.deployment_id] = hosted
             devices = {r.name: r.device for r in ticket.spec.roles}
@@ -204,6 +209,7 @@ class EmbeddedDeployments:
         ids = [w.worker_id for worker in hosted.cluster.workers for w in worker.processes]
         await hosted.executor.aclose()
         await hosted.cluster.stop()
+        hosted.peer.close()
         return ids
 
     # ----------------------------------------------------------- ExecutorSource
@@ -217,7 +223,11 @@ class EmbeddedDeployments:
         return await self.reach.executor_for(ticket)
 
     async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
-        return await pull_outputs(self.reach.peer(), outputs)
+        assert ticket.deployment_id is not None
+        hosted = self._hosted.get(ticket.deployment_id)
+        if hosted is not None:
+            return await pull_outputs(hosted.peer, outputs)
+        return await self.reach.materialize(ticket, outputs)
 
     # ------------------------------------------------------------------ workers
     async def snapshots(self, namespaces: dict[str, str]) -> dict[str, list[WorkerSnapshot]]:

@@ -4,7 +4,9 @@ starts and stops the role workers of the deployments placed on that node.
 Role workers are `python -m engine.worker` processes in a session of their own, so they
 outlive the task that started them (and a restart of the Celery worker): each registers
 in Redis under the deployment's namespace and heartbeats there; its output goes to a log
-file under `<data dir>/deployments/<id>/`. A worker row records its pid and the node
+file under `<data dir>/deployments/<id>/`, and it reads the deployment's CURVE keys from
+`<data dir>/deployments/<id>/keys/` (written there from the deployment's row, private to
+this user, removed when the deployment stops here). A worker row records its pid and the node
 (`Worker.host`), so `reconcile` and `stop` find them again: a row whose process is gone
 (or whose pid now runs something else) is marked lost. Readiness is the registration
 seen in Redis, never a sleep.
@@ -220,6 +222,7 @@ class NodeAgent:
         folder.mkdir(parents=True, exist_ok=True)
         spec_path = folder / "workflow.json"
         spec_path.write_bytes(encode_spec(ticket.spec))
+        keys_dir = ticket.keys.write(folder / "keys")  # 0700, files 0600; removed with the folder on stop
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
         processes: dict[str, subprocess.Popen[bytes]] = {}
         followers: dict[str, str] = {}  # follower rank's worker id -> role
@@ -248,7 +251,8 @@ class NodeAgent:
                                 [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
                                  "--worker-id", rank_id, "--registry", str(self.config.redis_url),
                                  "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
-                                 "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S), *tp_args],
+                                 "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S),
+                                 "--keys", str(keys_dir), *tp_args],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, pass_fds=passed,
                             )

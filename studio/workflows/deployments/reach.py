@@ -5,8 +5,10 @@
 reaches any deployment this way (a Celery worker executing a run, a second web process);
 the embedded service uses it for deployments it does not host itself.
 
-Use one instance from one event loop; `aclose()` closes every executor, registry and
-the transfer-plane seat (`Peer`) they share.
+Each namespace's executor has its own seat on the transfer plane (`Peer`), keyed with that
+deployment's worker-plane keys (`RunTicket.plane_keys`): one deployment's keys never reach
+another's workers. Use one instance from one event loop; `aclose()` closes every executor,
+registry and seat.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.peer import Peer
+from engine.data.curve import PlaneKeys
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import TensorRef
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot, make_registry
 from engine.flow.executor import Executor
@@ -51,6 +54,8 @@ async def pull_outputs(peer: Peer, outputs: dict[str, Any], timeout_s: float = P
 class _Reach:
     registry: Registry
     executor: Executor
+    peer: Peer
+    """This process's seat on the deployment's worker plane (its keys)."""
 
 
 class NamespaceExecutors:
@@ -63,32 +68,31 @@ class NamespaceExecutors:
         self._max = max_namespaces
         self._ttl_s = registry_ttl_s
         self._reach: OrderedDict[str, _Reach] = OrderedDict()
-        self._peer: Peer | None = None
+        self._listings: OrderedDict[str, Registry] = OrderedDict()
 
     @property
     def available(self) -> bool:
         """Whether other processes' deployments are reachable (a shared registry is configured)."""
         return self._url is not None
 
-    def peer(self) -> Peer:
-        """This process's seat on the transfer plane (started on first use)."""
-        if self._peer is None:
-            self._peer = Peer.start()
-        return self._peer
-
-    def registry(self, namespace: str) -> Registry:
-        return self._get(namespace).registry
-
-    def _get(self, namespace: str) -> _Reach:
+    def _get(self, namespace: str, keys: PlaneKeys | None) -> _Reach:
+        """The reach of `namespace`, made with `keys` (the deployment's plane keys) if it has
+        none yet; None: only an existing reach (listing workers needs no keys)."""
         reach = self._reach.get(namespace)
-        if reach is not None:
+        if reach is not None and (keys is None or reach.peer.keys == keys):
             self._reach.move_to_end(namespace)
             return reach
         if self._url is None:
             raise DeploymentUnavailable("no shared worker registry is configured (REDIS_URL)")
+        if keys is None:
+            raise DeploymentUnavailable(f"no worker-plane keys for namespace {namespace!r}: the deployment ended")
+        if reach is not None:  # the deployment got new keys (started again): the old seat is of no use
+            del self._reach[namespace]
+            asyncio.get_running_loop().create_task(self._close(reach))
         registry = make_registry(self._url, namespace=namespace, ttl_s=self._ttl_s)
-        executor = Executor(WorkerDispatcher(registry, self.peer()), self._kinds)
-        reach = self._reach[namespace] = _Reach(registry, executor)
+        peer = Peer.start(PeerConfig(keys=keys))
+        executor = Executor(WorkerDispatcher(registry, peer), self._kinds)
+        reach = self._reach[namespace] = _Reach(registry, executor, peer)
         while len(self._reach) > self._max:
             _, old = self._reach.popitem(last=False)
             asyncio.get_running_loop().create_task(self._close(old))
@@ -97,17 +101,23 @@ class NamespaceExecutors:
     async def executor_for(self, ticket: RunTicket) -> Executor:
         if not ticket.namespace:
             raise DeploymentUnavailable(f"deployment {ticket.deployment_id} has no worker namespace")
-        return self._get(ticket.namespace).executor
+        if ticket.plane_keys is None:
+            raise DeploymentUnavailable(f"deployment {ticket.deployment_id} has ended (no worker-plane keys)")
+        return self._get(ticket.namespace, ticket.plane_keys).executor
 
     async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
-        return await pull_outputs(self.peer(), outputs)
+        if not ticket.namespace:
+            raise DeploymentUnavailable(f"deployment {ticket.deployment_id} has no worker namespace")
+        return await pull_outputs(self._get(ticket.namespace, ticket.plane_keys).peer, outputs)
 
     async def snapshots(self, namespace: str) -> list[WorkerSnapshot]:
         """The live workers of `namespace` ([] when the registry cannot be read)."""
         if self._url is None:
             return []
+        reach = self._reach.get(namespace)
+        registry = reach.registry if reach is not None else self._listing(namespace)
         try:
-            return await self._get(namespace).registry.workers()
+            return await registry.workers()
         except RegistryError as exc:
             log.warning("listing the workers of %s failed: %s", namespace, exc)
             return []
@@ -116,16 +126,31 @@ class NamespaceExecutors:
         reach = self._reach.pop(namespace, None)
         if reach is not None:
             await self._close(reach)
+        listing = self._listings.pop(namespace, None)
+        if listing is not None:
+            await listing.close()
+
+    def _listing(self, namespace: str) -> Registry:
+        """A registry of `namespace` kept for listing its workers (no executor, no keys)."""
+        registry = self._listings.get(namespace)
+        if registry is None:
+            assert self._url is not None
+            registry = self._listings[namespace] = make_registry(self._url, namespace=namespace, ttl_s=self._ttl_s)
+            while len(self._listings) > self._max:
+                _, old = self._listings.popitem(last=False)
+                asyncio.get_running_loop().create_task(old.close())
+        return registry
 
     @staticmethod
     async def _close(reach: _Reach) -> None:
         await reach.executor.aclose()
         await reach.registry.close()
+        reach.peer.close()
 
     async def aclose(self) -> None:
         reaches, self._reach = list(self._reach.values()), OrderedDict()
         for reach in reaches:
             await self._close(reach)
-        if self._peer is not None:
-            self._peer.close()
-            self._peer = None
+        listings, self._listings = list(self._listings.values()), OrderedDict()
+        for registry in listings:
+            await registry.close()

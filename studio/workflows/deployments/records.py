@@ -14,6 +14,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from engine.data.curve import PlaneKeys
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import leader_worker_id
@@ -21,6 +22,8 @@ from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
 from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
 
+_KEYLESS = (DeploymentStatus.STOPPED, DeploymentStatus.FAILED)
+"""Deployments whose keys are cleared: they have no workers."""
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
 
 
@@ -34,6 +37,8 @@ class DeploymentTicket:
     """The version's spec, named for the deployment, with its replica counts."""
     namespace: str
     node: str
+    keys: PlaneKeys
+    """The CURVE keys of the deployment's worker plane."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,19 @@ def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict
     return msgspec.structs.replace(spec, name=f"{spec.name[:48]}-{suffix}", roles=roles)
 
 
+def _keys_for_start(deployment_id: str) -> PlaneKeys:
+    """The keys of a deployment about to get workers: its own, or fresh ones for a row that
+    has none (one made before keys were kept, or a stopped one being started again)."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+        keys = deployment.plane_keys()
+        if keys is None:
+            keys = PlaneKeys.generate()
+            deployment.plane_public, deployment.plane_secret = keys.public, keys.secret
+            deployment.save(update_fields=["plane_public", "plane_secret"])
+    return keys
+
+
 def ticket(deployment_id: str) -> DeploymentTicket | None:
     """What starting (or stopping) the deployment needs, its spec's paths resolved for its owner;
     a path that cannot be used (a link made since it was deployed) fails the deployment."""
@@ -64,6 +82,9 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
     if deployment is None:
         return None
     status = DeploymentStatus(deployment.status)
+    keys = deployment.plane_keys()
+    if keys is None and status not in _KEYLESS:
+        keys = _keys_for_start(deployment_id)
     document = deployment.version.spec
     try:
         document = resolve_spec_paths(document, deployment.owner_id, PathRoots.of(engine().config))
@@ -77,6 +98,7 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
         spec=deployment_spec(document, deployment.pk, deployment.replicas),
         namespace=deployment.namespace,
         node=deployment.node,
+        keys=keys if keys is not None else PlaneKeys.generate(),  # an ended one starts nothing with them
     )
 
 
@@ -90,7 +112,11 @@ def set_status(deployment_id: str, status: DeploymentStatus, error: str = "", *,
             return False
         deployment.status = status
         deployment.error = error[:4000]
-        deployment.save(update_fields=["status", "error", "updated_at"])
+        fields = ["status", "error", "updated_at"]
+        if status in _KEYLESS:  # its workers are gone: nobody may use its keys again
+            deployment.plane_public = deployment.plane_secret = ""
+            fields += ["plane_public", "plane_secret"]
+        deployment.save(update_fields=fields)
     return True
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from django.db import transaction
 
+from engine.data.curve import PlaneKeys
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Forbidden, Unprocessable
 from studio.workflows import quotas
@@ -99,8 +100,10 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
     with transaction.atomic():
         quotas.lock_user(user)
         quotas.deployment_check(user, spec, counts, eng.config.quotas).enforce()
+        keys = PlaneKeys.generate()  # the deployment's worker plane: its workers and its dispatchers only
         deployment = Deployment.objects.create(owner=user, version=version, name=name, replicas=counts,
-                                               node=node or "", cache_scope=cache_scope)
+                                               node=node or "", cache_scope=cache_scope,
+                                               plane_public=keys.public, plane_secret=keys.secret)
         deployment.namespace = deployment_namespace(eng.config.redis_prefix, deployment.pk)
         deployment.save(update_fields=["namespace"])
         transaction.on_commit(lambda: start(str(deployment.pk)))

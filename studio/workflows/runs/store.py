@@ -31,6 +31,7 @@ from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
+from engine.data.curve import PlaneKeys
 from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
 from studio.workflows.apps import engine
 from studio.workflows.models import (
@@ -75,6 +76,8 @@ class RunTicket:
     seq_base: int = 0
     """Added to the executor's event `seq`s: the events stored before this execution (a run
     executed again after its executor stopped keeps the earlier attempt's events)."""
+    plane_keys: PlaneKeys | None = None
+    """The CURVE keys of the deployment's worker plane (None: no deployment, or it ended)."""
 
 
 def with_node_params(spec: dict[str, Any], node_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -174,6 +177,7 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         namespace=None if deployment is None else deployment.namespace,
         tenant=run.tenant,
         seq_base=run.last_seq + 1,
+        plane_keys=None if deployment is None else deployment.plane_keys(),
     )
 
 

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import random
+import signal
 import socket
 import struct
 import uuid
@@ -535,3 +536,74 @@ async def test_failing_handler_is_logged_and_the_stream_goes_on(caplog: pytest.L
     failures = [r for r in caplog.records if r.name == "engine.data.framed" and r.levelno == logging.ERROR]
     assert len(failures) == 2
     assert all(r.exc_info is not None and r.exc_info[0] is RuntimeError for r in failures)
+
+
+# ------------------------------------------------------------------ who may connect
+@pytest.mark.parametrize("run", LOOPS)
+def test_a_peer_of_another_uid_is_refused_before_its_first_message(run: Runner) -> None:
+    """The listener reads the connecting process's credentials (SO_PEERCRED): a process of
+    another uid (a forked child that became `nobody`) is closed unanswered and counted, and
+    the stream factory never sees it; a process of this uid is answered."""
+    from engine.data.framed import RefusalCounter
+    from tests.foreign_uid import NOBODY, Outcome, call_as
+
+    async def main() -> None:
+        address = fresh_address("uid")
+        counter = RefusalCounter()
+        accepted: list[FramedStream] = []
+
+        def accept() -> FramedStream:
+            stream = FramedStream(lambda payload: stream.send_nowait(b"echo:" + payload), max_message_bytes=1024)
+            accepted.append(stream)
+            return stream
+
+        server = await listen(address, accept, counter=counter)
+        try:
+            foreign = await asyncio.to_thread(call_as, NOBODY, address, b"hello", 1.0)
+            assert foreign.outcome is Outcome.CLOSED
+            assert (counter.refused, accepted) == (1, [])
+            same = await asyncio.to_thread(call_as, os.getuid(), address, b"hello", WAIT_S)
+            assert same.outcome is Outcome.ANSWERED and same.data == frame(b"echo:hello")
+            assert (counter.refused, len(accepted)) == (1, 1)
+        finally:
+            server.close()
+            for stream in accepted:
+                stream.close()
+
+    run(main())
+
+
+def test_connecting_to_a_listener_of_another_uid_is_refused() -> None:
+    """A name another user bound first (a squatter) is not talked to: `connect` checks the
+    listener's credentials before the stream sees the connection."""
+    from engine.data.framed import PeerRefusedError
+
+    address = fresh_address("squat")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the squatter: binds as nobody, says so, then waits to be killed
+        try:
+            os.close(ready_r)
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind("\0" + address.removeprefix("unix:@"))
+            sock.listen(4)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1", "the squatter did not bind"
+
+        async def main() -> None:
+            stream = FramedStream(lambda payload: None, max_message_bytes=1024)
+            with pytest.raises(PeerRefusedError, match="uid 65534"):
+                await connect(address, stream, timeout_s=WAIT_S)
+
+        asyncio.run(main())
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)

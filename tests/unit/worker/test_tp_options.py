@@ -31,7 +31,7 @@ def workflow(tmp_path: Path) -> Path:
 def parse(workflow: Path, *argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
-    return parser.parse_args(["--workflow", str(workflow), *argv])
+    return parser.parse_args(["--workflow", str(workflow), "--plaintext", *argv])  # keys: test_plane_options
 
 
 def test_ranks_of_a_tp_role_get_their_seat(workflow: Path):
