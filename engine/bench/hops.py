@@ -70,7 +70,9 @@ GOAL_AUTH_RATIO = 1.2
 """Hop p50 on the authenticated plane over the plaintext one, on each path."""
 
 
-def noop(x: int) -> int:
+async def noop(x: int) -> int:
+    """A coroutine that never suspends: the hop is the plane's cost alone. (A plain function
+    would run in the python unit's thread pool, adding a thread hand-off and an ExecuteStarted.)"""
     return x
 
 
