@@ -121,6 +121,7 @@ def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> N
     assert joiner["environment"]["REDIS_URL"].startswith("redis://:redis0secret@")
     assert (ROOT / command[command.index("--workflow") + 1]).is_file()
     assert _listens_on_the_compose_network(joiner["command"])
+    assert "--keys /keys" in " ".join(command) and any(v.endswith(":/keys:ro") for v in joiner["volumes"])
     assert set(compose["volumes"]) == {"omniflow-data", "postgres-data", "redis-data"}
 
 
