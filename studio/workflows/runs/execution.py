@@ -222,4 +222,6 @@ class _Fallback:
         return await self._source.executor_for(ticket)
 
     async def materialize(self, ticket: RunTicket, outputs: dict[str, Any]) -> dict[str, Any]:
+        if ticket.deployment_id is None:
+            return outputs  # the in-process executor's outputs are values already
         return await self._source.materialize(ticket, outputs)
