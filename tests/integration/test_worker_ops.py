@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from engine.data.peer import Peer
+from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import ExecuteFailed, ExecuteResult, ExecuteStarted, PortValue, ValueKind
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
@@ -58,7 +58,7 @@ async def strict_cluster() -> AsyncIterator[LocalCluster]:
 @pytest.fixture
 async def raw(strict_cluster: LocalCluster) -> AsyncIterator[RawClient]:
     context = zmq.asyncio.Context()
-    client = RawClient(context, strict_cluster.workers[0].details["address"])
+    client = RawClient(context, strict_cluster.workers[0].details["address"], strict_cluster.keys)
     await client.hello()
     try:
         yield client
@@ -94,7 +94,7 @@ async def test_an_executor_that_never_checked_gets_the_worker_refusal(strict_clu
              for n in spec.nodes]
     evil = msgspec.structs.replace(spec, nodes=nodes)
     kinds = default_kinds()
-    with Peer.start() as peer:
+    with Peer.start(PeerConfig(keys=strict_cluster.keys)) as peer:
         executor = Executor(WorkerDispatcher(strict_cluster.registry, peer), kinds)
         try:
             good = await (await executor.submit(spec, {"x": 5}, timeout_s=30)).wait()
