@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from engine.cli import main
+from engine.cli import main, trusted_ops
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.executor import Executor
 from engine.flow.loader import load_workflow
@@ -88,7 +88,7 @@ def test_image_generation_in_process_shares_the_model_between_llm_and_diffusion(
         finally:
             await executor.aclose()
 
-    shared = SharedUnits(kinds)
+    shared = SharedUnits(kinds, ops=trusted_ops())
     users: list[int] = []
     one_copy = asyncio.run(image(InProcessDispatcher(kinds, build=shared),
                                  lambda: users.append(shared.weights.users(WeightStore.llm_key("tiny-llama")))))
