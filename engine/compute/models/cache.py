@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -35,6 +35,9 @@ from tqdm import tqdm
 
 from engine.compute.models.errors import ModelLoadError
 from engine.compute.models.packaged import DistributionLookup, GGUFSource, PackagedModel, find_gguf
+
+CheckpointWriter = Callable[[PackagedModel, GGUFSource, Path, TextIO | None], None]
+"""Writes a checkpoint of a packaged model from its GGUF into a directory (`write_checkpoint`)."""
 
 MANIFEST = "omniflow-manifest.json"
 MANIFEST_VERSION = 1
@@ -103,7 +106,8 @@ class ModelCache:
     """Builds packaged models into checkpoints under `config.root` and hands out verified ones.
 
     `lookup` finds installed distributions (`importlib.metadata.distribution`); `progress`
-    is where the build's progress bar goes (None: silent).
+    is where the build's progress bar goes (None: silent); `writer` builds a checkpoint
+    from the GGUF (`write_checkpoint`), the cache adds the manifest.
     """
 
     def __init__(
@@ -111,10 +115,12 @@ class ModelCache:
         config: ModelCacheConfig,
         lookup: DistributionLookup = importlib.metadata.distribution,
         progress: TextIO | None = sys.stderr,
+        writer: CheckpointWriter | None = None,
     ) -> None:
         self.config = config
         self._lookup = lookup
         self._progress = progress
+        self._writer = writer if writer is not None else write_checkpoint
 
     def directory(self, spec: PackagedModel) -> Path:
         return self.config.root / "models" / f"{spec.name}-{spec.version}"
@@ -163,7 +169,9 @@ class ModelCache:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
-            _write_checkpoint(spec, source, tmp, self._progress)
+            self._writer(spec, source, tmp, self._progress)
+            write_manifest(spec, tmp)
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of the data dir
             os.rename(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,12 +179,23 @@ class ModelCache:
         _fsync_dir(path.parent)
 
 
-_STEPS = ("checking the GGUF", "reading the tokenizer", "dequantizing the weights", "writing safetensors",
-          "checksums")
+_STEPS = ("checking the GGUF", "reading the tokenizer", "dequantizing the weights", "writing safetensors")
 
 
-def _write_checkpoint(spec: PackagedModel, source: GGUFSource, out: Path, progress: TextIO | None) -> None:
-    """Dequantize `source` with transformers' GGUF loader and save it as a checkpoint (+ manifest) in `out`."""
+def write_manifest(spec: PackagedModel, directory: Path) -> None:
+    """Record the sha256 of every file of `directory` in its manifest (after syncing them to disk)."""
+    files = {}
+    for item in sorted(directory.iterdir()):
+        if item.name != MANIFEST:
+            _fsync_file(item)
+            files[item.name] = _sha256(item)
+    manifest = _Manifest(model=spec.name, source=f"{spec.distribution}=={spec.version}:{spec.gguf_file}", files=files)
+    (directory / MANIFEST).write_bytes(manifest.encode())
+    _fsync_file(directory / MANIFEST)
+
+
+def write_checkpoint(spec: PackagedModel, source: GGUFSource, out: Path, progress: TextIO | None) -> None:
+    """Dequantize `source` with transformers' GGUF loader and save it as a checkpoint in `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -210,16 +229,6 @@ def _write_checkpoint(spec: PackagedModel, source: GGUFSource, out: Path, progre
         model.hf_quantizer = None
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        bar.update()
-        bar.set_postfix_str(_STEPS[4])
-        files = {}
-        for item in sorted(out.iterdir()):
-            _fsync_file(item)
-            files[item.name] = _sha256(item)
-        manifest = _Manifest(model=spec.name, source=f"{spec.distribution}=={spec.version}:{spec.gguf_file}",
-                             files=files)
-        (out / MANIFEST).write_bytes(manifest.encode())
-        _fsync_file(out / MANIFEST)
         bar.update()
 
 
