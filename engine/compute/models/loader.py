@@ -5,9 +5,9 @@ weights, for tests and quick runs) and the packaged real ones (`packaged.PACKAGE
 built once from an installed distribution's GGUF into the model cache, `cache.ModelCache`).
 
 Nothing here touches the network: tiny models are drawn from their seed, packaged ones
-come from a locally installed file, and a checkpoint is only ever read from a local directory (`local_files_only=True`, so a
-path that is not a checkpoint is an error, never a hub id; `HF_HUB_OFFLINE=1` is
-therefore always honoured).
+come from a locally installed file, and a checkpoint is only ever read from a local
+directory (`local_files_only=True`, so a path that is not a checkpoint is an error, never
+a hub id; `HF_HUB_OFFLINE=1` is therefore always honoured).
 """
 
 from __future__ import annotations
@@ -135,10 +135,6 @@ def model_config(name: str) -> ModelConfig:
         raise _unknown(name) from None
 
 
-def is_builtin(name: str) -> bool:
-    return name in BUILTIN_MODELS or name in PACKAGED_MODELS
-
-
 def _hf_config(cfg: ModelConfig) -> LlamaConfig | Qwen2Config:
     common: dict[str, Any] = {
         "vocab_size": VOCAB_SIZE,
@@ -214,8 +210,6 @@ def load_builtin(name: str, cache: ModelCache | None = None) -> LoadedModel:
     the cache the environment names, `ModelCacheConfig.from_env`) and loaded from it."""
     if name in PACKAGED_MODELS:
         return load_packaged(name, cache)
-    if name not in BUILTIN_MODELS:
-        raise _unknown(name)
     cfg = model_config(name)
     model = build_model(cfg)
     tokenizer = build_byte_tokenizer()
