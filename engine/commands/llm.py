@@ -40,7 +40,7 @@ class _AppendInput(argparse.Action):
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="list the built-in models or export one as a checkpoint")
     msub = models.add_subparsers(dest="models_command", required=True)
-    p = msub.add_parser("list", help="the built-in model names and shapes")
+    p = msub.add_parser("list", help="the built-in model names, shapes and kinds of weights")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_models_list)
     p = msub.add_parser("export", help="write a built-in model as a Hugging Face checkpoint directory")
@@ -74,26 +74,27 @@ def _fail(message: str) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from engine.compute.models.loader import list_models
+    from engine.compute.models.loader import catalog
 
     rows = [
         {
-            "name": cfg.name,
-            "family": cfg.family,
-            "layers": cfg.num_layers,
-            "hidden": cfg.hidden_size,
-            "heads": cfg.num_heads,
-            "kv_heads": cfg.num_kv_heads,
-            "description": cfg.description,
+            "name": info.name,
+            "family": info.family,
+            "layers": info.num_layers,
+            "hidden": info.hidden_size,
+            "heads": info.num_heads,
+            "kv_heads": info.num_kv_heads,
+            "weights": str(info.weights),
+            "description": info.description,
         }
-        for cfg in list_models()
+        for info in catalog()
     ]
     if args.json:
         print(json.dumps({"models": rows}))
         return 0
     for row in rows:
         print(f"{row['name']:<12} {row['family']:<6} {row['layers']} layers, hidden {row['hidden']},"
-              f" {row['heads']}:{row['kv_heads']} heads  {row['description']}")
+              f" {row['heads']}:{row['kv_heads']} heads  [{row['weights']}]  {row['description']}")
     return 0
 
 

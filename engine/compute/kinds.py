@@ -152,11 +152,12 @@ def llm_tp_problems(model: str | None, tp_size: int) -> list[str]:
 def _model_shape(model: str | None) -> tuple[int, int, int] | None:
     """(attention heads, KV heads, MLP width) of a built-in model or a checkpoint's config.json."""
     from engine.compute.models.catalog import BUILTIN_MODELS
+    from engine.compute.models.packaged import PACKAGED_MODELS
 
     if model is None:
         return None
-    if model in BUILTIN_MODELS:
-        cfg = BUILTIN_MODELS[model]
+    if model in BUILTIN_MODELS or model in PACKAGED_MODELS:
+        cfg = BUILTIN_MODELS.get(model) or PACKAGED_MODELS[model]
         return cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     path = Path(model) / "config.json"
     if not path.is_file():

@@ -136,6 +136,7 @@ class LLMEngine:
         self._decode_buffer: DecodeBuffer | None = None
         self._ids = itertools.count()
         self._eos = frozenset(model.eos_token_ids)
+        self._codec = model.codec
         self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     @property
@@ -145,10 +146,10 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        return list(self.model.tokenizer(text).input_ids)
+        return self._codec.encode(text)
 
     def decode_text(self, token_ids: Seq[int]) -> str:
-        return self.model.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self._codec.decode(token_ids)
 
     def _check_ids(self, ids: Seq[int], what: str) -> list[int]:
         out = [int(t) for t in ids]
@@ -227,6 +228,7 @@ class LLMEngine:
             handoff=handoff,
             source=source,
             arrival=self.clock(),
+            detokenizer=self._codec.detokenizer() if stream_text or params.stop else None,
         )
         if session is not None:
             session.busy = True
@@ -398,21 +400,24 @@ class LLMEngine:
         elif token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         delta = ""
-        if seq.stream_text or params.stop:
-            seq.text = self.decode_text(seq.output_ids)
-            if params.stop and reason is None:
-                window = max(0, seq.emitted_chars - max(len(s) for s in params.stop))
-                hits = [(seq.text.find(s, window), s) for s in params.stop]
-                hits = [(i, s) for i, s in hits if i >= 0]
-                if hits:
-                    index, stop = min(hits)
-                    seq.text = seq.text[:index]
-                    reason, stop_reason = FinishReason.STOP, stop
+        detok = seq.detokenizer
+        if detok is not None:
+            seq.text += detok.step(seq.output_ids)
         if reason is None and seq.num_output >= params.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is None and seq.prefill_only:
             reason = FinishReason.PREFILLED
-        if seq.stream_text or params.stop:
+        if detok is not None and reason is not None:
+            seq.text += detok.flush(seq.output_ids)
+        if params.stop and stop_reason is None:  # neither EOS nor a stop token ended it
+            window = max(0, seq.emitted_chars - max(len(s) for s in params.stop))
+            hits = [(seq.text.find(s, window), s) for s in params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                seq.text = seq.text[:index]
+                reason, stop_reason = FinishReason.STOP, stop
+        if detok is not None:
             visible = len(seq.text) if reason is not None else len(seq.text) - held_back(seq.text, params.stop)
             if visible > seq.emitted_chars:
                 delta = seq.text[seq.emitted_chars : visible]
@@ -439,7 +444,7 @@ class LLMEngine:
             self._end_turn(seq, reason, now)
         if reason is FinishReason.PREFILLED:
             handoff = self._make_handoff(seq)
-        if not (seq.stream_text or seq.params.stop):
+        if seq.detokenizer is None:
             seq.text = self.decode_text(seq.output_ids)
         kv_pages = tuple(seq.pages) if self.config.prefix_cache else ()
         self.cache.release(seq)

@@ -3,8 +3,9 @@
 `engine.flow.kvroute` hashes a prompt's pages the way the engine does, which needs the prompt
 as token ids; for a text prompt the router may be given a `PromptTokenizer`. `RoleTokenizers`
 is that callable for `llm` roles: it tokenizes exactly as `LLMEngine.encode` does, loading
-only the tokenizer of the role's model (the byte tokenizer of the built-in models, or
-`AutoTokenizer` from a checkpoint directory, local files only), once per model.
+only the tokenizer of the role's model (the byte tokenizer of the tiny built-in models,
+`AutoTokenizer` from a checkpoint directory, local files only, or from the model cache for a
+packaged model, built there first if need be), once per model.
 
 The composition root (the CLI, the studio) builds one and hands it to `WorkerDispatcher`
 through `KVRouter.for_registry(registry, tokenizer=RoleTokenizers())`; the flow layer itself
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.compute.models.cache import ModelCache, ModelCacheConfig
 from engine.compute.models.loader import ModelLoadError, model_config
+from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.models.tokenizer import build_byte_tokenizer
 from engine.spec.graph import RoleSpec
 
@@ -39,9 +42,14 @@ class RoleTokenizers:
 
     @staticmethod
     def _load(model: str) -> PreTrainedTokenizerBase:
-        if Path(model).is_dir():
+        directory = None
+        if model in PACKAGED_MODELS:
+            directory = ModelCache(ModelCacheConfig.from_env()).checkpoint(PACKAGED_MODELS[model]).path
+        elif Path(model).is_dir():
+            directory = Path(model)
+        if directory is not None:
             try:
-                return AutoTokenizer.from_pretrained(model, local_files_only=True)
+                return AutoTokenizer.from_pretrained(directory, local_files_only=True)
             except (OSError, ValueError) as exc:
                 raise ModelLoadError(f"{model}: cannot load its tokenizer: {exc}") from exc
         model_config(model)  # an unknown built-in name is an error, as for the engine

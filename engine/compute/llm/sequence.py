@@ -13,6 +13,7 @@ from engine.data.kv.keys import ExtraKeys, PageHash
 
 if TYPE_CHECKING:
     from engine.compute.llm.transfer import KVHandoff, PageSource
+    from engine.compute.models.text import IncrementalDetokenizer
 
 
 class SeqStatus(StrEnum):
@@ -96,7 +97,10 @@ class Sequence:
     tail_slot: int | None = None
     node: RadixNode | None = None
     text: str = ""
+    """Text of the output so far; kept up to date only where `detokenizer` is set."""
     emitted_chars: int = 0
+    detokenizer: IncrementalDetokenizer | None = None
+    """Set for requests that stream text or use stop strings."""
     arrival: float = 0.0
     admitted: float | None = None
     first_token_at: float | None = None
@@ -135,11 +139,10 @@ class Sequence:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of `text` to hold back from a stream: an incomplete UTF-8
-    character, or a suffix that may be the start of a stop string."""
+    """How many trailing characters of `text` to hold back from a stream: a suffix that may be
+    the start of a stop string. (`text` never ends in an incomplete character: the sequence's
+    `IncrementalDetokenizer` holds those back.)"""
     keep = 0
-    if text.endswith("\ufffd"):
-        keep = len(text) - len(text.rstrip("\ufffd"))
     for stop in stops:
         for size in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:size]):

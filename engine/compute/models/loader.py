@@ -1,16 +1,22 @@
 """Build the built-in models, load local checkpoints, export checkpoints.
 
-Nothing here touches the network: built-in models are drawn from their seed, and a
-checkpoint is only ever read from a local directory (`local_files_only=True`, so a
-path that is not a checkpoint is an error, never a hub id; `HF_HUB_OFFLINE=1` is
-therefore always honoured).
+Two kinds of built-in model: the tiny seeded ones (`catalog.BUILTIN_MODELS`, random
+weights, for tests and quick runs) and the packaged real ones (`packaged.PACKAGED_MODELS`,
+built once from an installed distribution's GGUF into the model cache, `cache.ModelCache`).
+
+Nothing here touches the network: tiny models are drawn from their seed, packaged ones
+come from a locally installed file, and a checkpoint is only ever read from a local
+directory (`local_files_only=True`, so a path that is not a checkpoint is an error, never
+a hub id; `HF_HUB_OFFLINE=1` is therefore always honoured).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +33,36 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.compute.models.cache import MANIFEST, ModelCache, ModelCacheConfig
 from engine.compute.models.catalog import BUILTIN_MODELS, ModelConfig
+from engine.compute.models.errors import ModelLoadError
+from engine.compute.models.packaged import PACKAGED_MODELS
+from engine.compute.models.text import ModelTokenizer
 from engine.compute.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 
 
-class ModelLoadError(Exception):
-    """A model name is unknown, or a directory is not a loadable checkpoint of a supported family."""
+class Weights(enum.StrEnum):
+    """What a built-in model's weights are, as the catalogue shows it."""
+
+    REAL = "real weights"
+    RANDOM = "random weights (for testing)"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """One row of the catalogue: a built-in model's name, shape and kind of weights."""
+
+    name: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    weights: Weights
+    description: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +100,39 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    @property
+    def codec(self) -> ModelTokenizer:
+        """The tokenizer wrapper: encode, decode, streaming decode, chat prompts."""
+        return ModelTokenizer(self.tokenizer)
+
 
 def list_models() -> list[ModelConfig]:
+    """The tiny seeded models' configs (`catalog()` lists every built-in model)."""
     return list(BUILTIN_MODELS.values())
 
 
+def catalog() -> list[ModelInfo]:
+    """Every built-in model: the packaged real ones first, then the tiny seeded ones."""
+    rows = [ModelInfo(spec.name, spec.family, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
+                      spec.intermediate_size, Weights.REAL, spec.description) for spec in PACKAGED_MODELS.values()]
+    rows += [ModelInfo(cfg.name, cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.intermediate_size, Weights.RANDOM, cfg.description) for cfg in BUILTIN_MODELS.values()]
+    return rows
+
+
+def _unknown(name: str) -> ModelLoadError:
+    known = ", ".join(sorted([*PACKAGED_MODELS, *BUILTIN_MODELS]))
+    return ModelLoadError(f"unknown model {name!r} (built-in models: {known})")
+
+
 def model_config(name: str) -> ModelConfig:
+    """The config of a tiny seeded model; `ModelLoadError` for any other name."""
     try:
         return BUILTIN_MODELS[name]
     except KeyError:
-        known = ", ".join(sorted(BUILTIN_MODELS))
-        raise ModelLoadError(f"unknown model {name!r} (built-in models: {known})") from None
+        if name in PACKAGED_MODELS:
+            raise ModelLoadError(f"model {name!r} is a packaged real model, not a seeded one") from None
+        raise _unknown(name) from None
 
 
 def _hf_config(cfg: ModelConfig) -> LlamaConfig | Qwen2Config:
@@ -155,7 +205,11 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(ids)
 
 
-def load_builtin(name: str) -> LoadedModel:
+def load_builtin(name: str, cache: ModelCache | None = None) -> LoadedModel:
+    """A built-in model by name. A packaged one is built into `cache` on first use (default:
+    the cache the environment names, `ModelCacheConfig.from_env`) and loaded from it."""
+    if name in PACKAGED_MODELS:
+        return load_packaged(name, cache)
     cfg = model_config(name)
     model = build_model(cfg)
     tokenizer = build_byte_tokenizer()
@@ -207,6 +261,15 @@ def load_checkpoint(path: str | Path) -> LoadedModel:
     )
 
 
+def load_packaged(name: str, cache: ModelCache | None = None) -> LoadedModel:
+    """A packaged real model from the cache (built there first if it is not)."""
+    cache = cache if cache is not None else ModelCache(ModelCacheConfig.from_env())
+    built = cache.checkpoint(PACKAGED_MODELS[name])
+    loaded = load_checkpoint(built.path)
+    return LoadedModel(name=name, model_id=f"packaged:{name}:{built.digest[:24]}", model=loaded.model,
+                       tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
+
+
 def load_model(name: str | None = None, path: str | Path | None = None) -> LoadedModel:
     """Exactly one of a built-in `name` or a checkpoint `path`."""
     if (name is None) == (path is None):
@@ -218,10 +281,18 @@ def export_model(name: str, directory: str | Path) -> Path:
     """Write a built-in model as a standard checkpoint: config, safetensors weights, tokenizer.
 
     `AutoModelForCausalLM.from_pretrained(directory)` and `AutoTokenizer.from_pretrained(directory)`
-    load the result unchanged.
+    load the result unchanged. A packaged model's files are copied from the (verified) cache,
+    built there first if need be.
     """
-    loaded = load_builtin(name)
     out = Path(directory)
+    if name in PACKAGED_MODELS:
+        built = ModelCache(ModelCacheConfig.from_env()).checkpoint(PACKAGED_MODELS[name])
+        out.mkdir(parents=True, exist_ok=True)
+        for item in sorted(built.path.iterdir()):
+            if item.name != MANIFEST:
+                shutil.copyfile(item, out / item.name)
+        return out
+    loaded = load_builtin(name)
     out.mkdir(parents=True, exist_ok=True)
     loaded.model.save_pretrained(out)
     loaded.tokenizer.save_pretrained(out)

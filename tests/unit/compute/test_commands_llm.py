@@ -25,6 +25,26 @@ def test_models_list_and_export(capsys, tmp_path: Path):
     assert code == 1 and "unknown model 'nope'" in err
 
 
+def test_models_list_marks_real_and_random_weights_without_building_anything(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, _ = run_cli(capsys, "models", "list", "--json")
+    rows = {m["name"]: m for m in json.loads(out)["models"]}
+    assert code == 0 and rows["smollm2-135m"]["weights"] == "real weights"
+    assert (rows["smollm2-135m"]["layers"], rows["smollm2-135m"]["hidden"]) == (30, 576)
+    assert {rows[n]["weights"] for n in ("tiny-llama", "tiny-qwen2")} == {"random weights (for testing)"}
+    code, out, _ = run_cli(capsys, "models", "list")
+    assert code == 0 and "smollm2-135m" in out and "[random weights (for testing)]" in out
+    assert not (tmp_path / "cache").exists()
+
+
+def test_generate_names_the_fix_for_a_corrupt_cache(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(tmp_path))
+    (tmp_path / "models" / "smollm2-135m-0.1.2").mkdir(parents=True)  # no manifest: not a complete build
+    code, _, err = run_cli(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi")
+    assert code == 1 and "--model 'smollm2-135m'" in err and "has no readable manifest" in err
+    assert f"delete the directory {tmp_path / 'models' / 'smollm2-135m-0.1.2'}" in err
+
+
 def test_generate_json_batches_prompts_in_order_and_reports_cache_hits(capsys, tmp_path: Path):
     prompt = "The quick brown fox jumps over"
     code, out, _ = run_cli(capsys, "generate", "--model", "tiny-llama", "--prompt", prompt, "--input-ids", "72,105",
