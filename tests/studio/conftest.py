@@ -71,31 +71,29 @@ def _test_settings(settings: Any, tmp_path: Path) -> None:
                                                        "LOCATION": f"throttle-{tmp_path.name}"}}
 
 
-@pytest.fixture(autouse=True)
-def studio_engine() -> Iterator[StudioEngine]:
-    """A fresh engine per test (its own RunService; module ops allowed: the tests name their own
-    functions in `tests.studio.fns`), stopped afterwards. `strict_engine` is a studio as deployed."""
+def _installed(allow_module_ops: bool) -> Iterator[StudioEngine]:
+    """A fresh engine installed as the app's for the test, stopped and replaced by the previous one after."""
     app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=True))
+    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=allow_module_ops))
     previous = app.install(studio)
     try:
         yield studio
     finally:
         studio.runs.stop()
         app.install(previous)
+
+
+@pytest.fixture(autouse=True)
+def studio_engine() -> Iterator[StudioEngine]:
+    """A fresh engine per test (its own RunService; module ops allowed: the tests name their own
+    functions in `tests.studio.fns`), stopped afterwards. `strict_engine` is a studio as deployed."""
+    yield from _installed(allow_module_ops=True)
 
 
 @pytest.fixture
 def strict_engine(studio_engine: StudioEngine) -> Iterator[StudioEngine]:
     """The engine of a studio as deployed (`OMNIFLOW_ALLOW_MODULE_OPS` off): registered ops only."""
-    app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=False))
-    previous = app.install(studio)
-    try:
-        yield studio
-    finally:
-        studio.runs.stop()
-        app.install(previous)
+    yield from _installed(allow_module_ops=False)
 
 
 @pytest.fixture
