@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,21 +35,12 @@ from studio.workflows.models import Deployment, Run, RunEvent, Worker
 from studio.workflows.runs.lease import RUN_RESTARTED
 from tests.studio.factories import create_workflow, spec_doc
 from tests.studio.test_live_server import database_url
-from tests.studio.test_run_leases import stored_run
+from tests.studio.test_run_leases import stored_run, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 3.0
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
               pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (the Celery broker)")]
-
-
-def wait_until(what: str, check: Callable[[], bool], deadline_s: float = 60.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    pause = threading.Event()
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {deadline_s} s")
-        pause.wait(0.02)
 
 
 @dataclasses.dataclass

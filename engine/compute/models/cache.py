@@ -173,7 +173,7 @@ class ModelCache:
             write_manifest(spec, tmp)
             tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of the data dir
             os.rename(tmp, path)
-        except BaseException:
+        except Exception:  # an interrupted build's folder is removed as stale by the next builder
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         _fsync_dir(path.parent)
