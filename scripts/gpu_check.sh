@@ -18,6 +18,26 @@ if [[ -n "${WHEELS:-}" ]]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# Where the project is not installed (a bare GPU machine), its entry points (the node and role
+# kinds, the registered ops) come from a dist-info of its own, written from pyproject.toml.
+if ! "$PY" -c 'import importlib.metadata as m; m.distribution("omniflow")' 2>/dev/null; then
+    [[ -n "$site" ]] || site=$(mktemp -d)
+    "$PY" - "$site" <<'PY'
+import sys
+import tomllib
+from pathlib import Path
+
+project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+info = Path(sys.argv[1]) / f"{project['name']}-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+groups = project.get("entry-points", {})
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{name} = {ref}\n" for name, ref in entries.items()) + "\n"
+    for group, entries in groups.items()))
+PY
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 "$PY" - <<'PY'
 import torch

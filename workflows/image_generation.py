@@ -1,9 +1,12 @@
 """Image generation: the LLM rewrites the prompt and emits image-size tokens -> a diffusion role
 reusing the LLM's prompt KV, pulled across roles -> VAE decode -> PNG.
 
-The `llm` and `diffusion` roles run the same model (`tiny-llama`, page size 16): the diffusion
-role denoises with the LLM's own transformer and attends to the LLM's context (its prompt and
-rewrite, as token ids). It does not recompute that context: the `kv` edge names the llm worker
+The `llm` and `diffusion` roles run the same model (`smollm2-135m`, real weights, page size 16): the
+diffusion role denoises with the LLM's own transformer and attends to the LLM's context (its prompt
+and rewrite, as token ids), so the rewrite is real text. On one host the two workers hold one copy
+of the weights (`HostWeights`). The diffusion's own layers (patch embedding, timestep embedding,
+output head) and the VAE are seeded: no diffusion model with real weights is to be had offline, so
+the picture is random (for testing). It does not recompute that context: the `kv` edge names the llm worker
 holding the pages, and the diffusion worker pulls them from it over the transfer plane (with a
 Redis registry, the KV index finds them too), reusing them at every denoising step. The size
 token (`<|size:WxH|>`, default 256x256) sizes the saved PNG; `save` writes it under
@@ -16,7 +19,7 @@ from __future__ import annotations
 from engine.flow.dsl import Workflow
 from workflows.ops.common import context_tokens, image_size, rewrite_prompt, save_outputs
 
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
 PAGE_SIZE = 16
 
 wf = Workflow("image_generation", description="LLM prompt rewrite -> diffusion on the LLM's KV -> VAE -> PNG")

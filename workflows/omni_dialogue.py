@@ -7,7 +7,10 @@ OR-AND trigger: it fires once both encoders finished or were skipped, with eithe
 the thinker's `items`/`embeds`, spliced at the prompt's `<|image|>`/`<|audio|>` markers. The
 thinker runs as a turn of the session `omni-dialogue`: further runs on the same workers continue
 it, and the history's pages — a picture sent in turn 1 included — are served from the KV cache.
-`reply` routes on the thinker's special tokens (`<|speech|>`, `<|image_gen|>`) or the request's
+The thinker is `smollm2-135m` (real weights; the encoders project into its hidden size); the
+encoders, the audio decoder, the diffusion role (here on `tiny-llama`: it shares no KV with the
+thinker, so the cheap transformer does) and the VAE are seeded, random weights for testing: no real
+ones are to be had offline. `reply` routes on the thinker's special tokens (`<|speech|>`, `<|image_gen|>`) or the request's
 wording to the speech branch (audio decoder -> WAV) and/or the image branch (diffusion -> VAE ->
 PNG); `save` writes text, PNG and WAV under `./omniflow-out/<run_id>/` and outputs where.
 """
@@ -28,7 +31,8 @@ from workflows.ops.common import (
     speech_codes,
 )
 
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
+DIFFUSION_MODEL = "tiny-llama"
 PAGE_SIZE = 16
 SESSION = "omni-dialogue"
 
@@ -38,7 +42,7 @@ llm = wf.role("thinker", kind="llm", model=MODEL, params={"page_size": PAGE_SIZE
 vision = wf.role("vision", kind="vision_encoder", model="tiny-vit", params={"llm": MODEL})
 hearing = wf.role("hearing", kind="audio_encoder", model="tiny-audio-encoder", params={"llm": MODEL})
 speech = wf.role("speech", kind="audio_decoder", model="tiny-audio-decoder")
-diffusion = wf.role("diffusion", kind="diffusion", model=MODEL, params={"page_size": PAGE_SIZE, "steps": 12})
+diffusion = wf.role("diffusion", kind="diffusion", model=DIFFUSION_MODEL, params={"page_size": PAGE_SIZE, "steps": 12})
 vae = wf.role("vae", kind="vae_decoder", model="tiny-vae")
 
 message = wf.input("message", "text", default="Describe the picture and the sound, say it aloud, and draw a variation.")

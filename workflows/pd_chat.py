@@ -6,7 +6,8 @@ node, on a `decode` worker, pulls those pages straight from the prefill worker o
 transfer plane (shared memory on one host, TCP across hosts), then decodes. Greedy tokens are
 the same as one `llm` node computing everything itself.
 
-Both roles balance `kv_aware`: with a Redis registry (`omniflow run --registry redis://...`)
+Both roles run `smollm2-135m` (real weights; on one host the two workers hold one copy of them,
+`HostWeights`). Both roles balance `kv_aware`: with a Redis registry (`omniflow run --registry redis://...`)
 a prompt whose prefix a worker already holds goes to that worker (the decode role sees the
 handoff's page keys, so a follow-up turn lands where its history's pages are).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from engine.flow.dsl import Workflow
 
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
 LLM_PARAMS = {"page_size": 16}
 
 wf = Workflow("pd_chat", description="prefill on one role, decode on another; KV pages move between workers")

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from engine.bench import _llm
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.catalog import ModelConfig
 from engine.compute.models.loader import LoadedModel, build_model, load_builtin
@@ -28,7 +29,7 @@ from engine.compute.models.tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama")
+    _llm.add_common(parser)
     parser.add_argument("--hidden-size", type=int, default=None,
                         help="instead of --model: a seeded 4-layer Llama of this width (head dim 16, GQA 2:1),"
                         " where compute rather than per-op overhead dominates")
@@ -64,7 +65,8 @@ def _model(args: argparse.Namespace) -> LoadedModel:
     return LoadedModel(config.name, f"bench:{config.name}", build_model(config), build_byte_tokenizer(), (EOS_ID,))
 
 
-def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
+def run(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
+    context = _llm.setup(args)
     rng = random.Random(args.seed)
     model = _model(args)
     config = DiffusionConfig(latent_size=args.latent_size, patch_size=args.patch_size, steps=args.steps,
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
     max_abs = (reused - recomputed).abs().max().item()
     return {
         "model": model.name,
+        **context,
         "prompt_tokens": args.prompt_tokens,
         "latent_tokens": latent_tokens,
         "steps": args.steps,
@@ -107,4 +110,5 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
         "max_abs_latent": round(reused.abs().max().item(), 3),
         "goal_speedup": speedup >= 0.6 * ideal,
         "goal_max_abs_diff": max_abs <= 1e-5,
+        "load_1m_end": round(_llm.load_average(), 2),
     }

@@ -1,7 +1,9 @@
 """A long multi-turn conversation: server-side session with prefix reuse vs resubmitting history.
 
-One `tiny-llama` session of `--turns` turns (each `--new-tokens` new message tokens
-in, `--out-tokens` greedy tokens out). The same conversation is timed three ways, side
+One session of `--turns` turns (each a new message in, `--out-tokens` greedy tokens out;
+EOS is a token like any other). On a tiny seeded model (the default) a message is about
+`--new-tokens` random bytes; on a real one (`--model smollm2-135m`) it is a user turn in the
+model's chat template (the first one with the system prompt). The same conversation is timed three ways, side
 by side in each of `--repeats` rounds after a warm-up (times are medians; the ratios
 are medians of each round's ratio):
 
@@ -25,14 +27,16 @@ import time
 
 import torch
 
+from engine.bench import _llm
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
-from engine.compute.models.loader import LoadedModel, load_builtin
+from engine.compute.models.loader import LoadedModel
 from engine.compute.sampling import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama")
+    _llm.add_common(parser)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--turns", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=40, help="new message tokens per turn (about)")
     parser.add_argument("--out-tokens", type=int, default=20, help="generated tokens per turn")
@@ -41,7 +45,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant; medians reported")
 
 
-def _messages(args: argparse.Namespace) -> list[list[int]]:
+def _chat_turns(model: LoadedModel, turns: int) -> list[list[int]]:
+    """Turn 0: a chat prompt of one user question; each later turn: what the model's template puts
+    after the assistant's answer (its end marker), the next question and the generation prompt."""
+    codec = model.codec
+    questions = [_llm.QUESTIONS[i % len(_llm.QUESTIONS)] for i in range(turns)]
+    first = codec.chat_prompt([{"role": "user", "content": questions[0]}])
+    out = [codec.encode(first)]
+    for question in questions[1:]:
+        both = codec.chat_prompt([{"role": "user", "content": questions[0]}, {"role": "assistant", "content": "A"},
+                                  {"role": "user", "content": question}])
+        if not both.startswith(first + "A"):
+            raise SystemExit(f"{model.name}: its chat template does not continue a conversation after the answer")
+        out.append(codec.encode(both[len(first) + 1 :]))
+    return out
+
+
+def _messages(model: LoadedModel, args: argparse.Namespace) -> list[list[int]]:
+    if _llm.is_real(args.model):
+        return _chat_turns(model, args.turns)
     rng = random.Random(args.seed)
     low, high = max(1, args.new_tokens - 8), args.new_tokens + 8
     return [[rng.randrange(32, 127) for _ in range(rng.randrange(low, high + 1))] for _ in range(args.turns)]
@@ -80,21 +102,16 @@ def _nocache_run(model: LoadedModel, args, prompts, params) -> tuple[float, list
 
 
 def _hf_run(model: LoadedModel, prompts, out_tokens: int) -> tuple[float, list[list[int]]]:
-    outputs = []
     started = time.perf_counter()
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_tokens,
-                                       do_sample=False)
-            outputs.append(out[0, len(prompt):].tolist())
+    outputs = [_llm.hf_generate(model, [prompt], out_tokens)[0] for prompt in prompts]
     return time.perf_counter() - started, outputs
 
 
-def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
+def run(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
+    context = _llm.setup(args)
     torch.manual_seed(args.seed)
-    model = load_builtin(args.model)
-    messages = _messages(args)
+    model = _llm.load(args, args.dtype)
+    messages = _messages(model, args)
     params = SamplingParams(max_new_tokens=args.out_tokens, ignore_eos=True)
     # Warm-up: fault in pages and let the kernels pick their paths.
     _session_run(model, args, messages[:3], params)
@@ -128,6 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
     vs_hf = statistics.median(s / h for s, h in zip(jct_session_runs, hf_times, strict=True))
     oracle = seen / total
     return {
+        "model": args.model,
+        "dtype": args.dtype,
+        **context,
         "turns": args.turns,
         "prompt_tokens": total,
         "jct_s_session": round(jct_session, 3),
@@ -142,4 +162,5 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool]:
         "goal_hit_rate": hit_rate >= 0.95 * oracle,
         "goal_vs_nocache": vs_nocache <= 0.5,
         "goal_vs_hf": vs_hf <= 0.5,
+        "load_1m_end": round(_llm.load_average(), 2),
     }

@@ -3,9 +3,16 @@
 The bench starts its own studio (`daphne studio.asgi:application` in a subprocess, a
 fresh temporary OMNIFLOW_DATA_DIR: SQLite and in-process runs unless `--database-url` /
 `--redis-url` are given), makes a user and a token with `manage.py`, and saves a workflow
-of three python nodes (`x -> a -> b -> c -> y`, functions of this module). It talks to the
-server only over HTTP (stdlib `http.client`) and WebSockets (`websockets`); nothing here
+of three python nodes (`x -> a -> b -> c -> y`, each the registered op `loop.grow`). It talks
+to the server only over HTTP (stdlib `http.client`) and WebSockets (`websockets`); nothing here
 imports Django.
+
+The studio runs as deployed for a team: registered ops only (no `OMNIFLOW_ALLOW_MODULE_OPS`),
+a user who is not staff, so every quota applies (the concurrent and queued runs quotas sized
+to the load), and every run carrying its owner's tenant. The bench shows it: `user_is_staff`
+(false), `quota_probe_status` (a run asking for a timeout over the user's quota: 403 before
+anything runs), and `run_tenants` (the tenants the studio submitted the runs with, read from
+its database at the end: the bench user's only).
 
 * Latency: `--runs` (50) runs submitted one after another over REST, each followed on its
   WebSocket (`/ws/runs/<id>/`) to the end. `submit_to_first_event_p50_ms` (and p99): from
@@ -47,23 +54,20 @@ from websockets.exceptions import ConnectionClosed
 ROOT = Path(__file__).resolve().parents[2]
 GOAL_FIRST_EVENT_MS = 50.0
 NODES = ("a", "b", "c")
-
-
-def step(x: int) -> int:
-    """A node of the bench workflow: x + 1."""
-    return x + 1
+START = {"value": 1, "steps": 0, "target": 0}
+"""The run's input: each `loop.grow` doubles `value` and counts a step."""
 
 
 def workflow_spec() -> dict[str, Any]:
-    """x -> a -> b -> c -> y, each a python node of this module on one role."""
+    """x -> a -> b -> c -> y, each a python node running the registered op `loop.grow`, on one role."""
     nodes: list[dict[str, Any]] = [{"id": "x", "kind": "input", "outputs": {"value": {"type": "json"}},
-                                    "params": {"default": 0}}]
+                                    "params": {"default": START}}]
     edges = []
     previous = ("x", "value")
     for name in NODES:
-        nodes.append({"id": name, "kind": "python", "role": "py", "op": f"{__name__}:step",
-                      "inputs": {"x": {"type": "json"}}, "outputs": {"out": {"type": "json"}}})
-        edges.append({"source": previous[0], "source_port": previous[1], "target": name, "target_port": "x"})
+        nodes.append({"id": name, "kind": "python", "role": "py", "op": "loop.grow",
+                      "inputs": {"state": {"type": "json"}}, "outputs": {"out": {"type": "json"}}})
+        edges.append({"source": previous[0], "source_port": previous[1], "target": name, "target_port": "state"})
         previous = (name, "out")
     nodes.append({"id": "y", "kind": "output", "inputs": {"value": {"type": "json"}}})
     edges.append({"source": previous[0], "source_port": previous[1], "target": "y", "target_port": "value"})
@@ -97,6 +101,7 @@ class _Studio:
     port: int
     token: str
     log: Path
+    env: dict[str, str]
 
     @property
     def ws_base(self) -> str:
@@ -105,8 +110,9 @@ class _Studio:
 
 def _env(data_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "OMNIFLOW_DISPATCH")}
+    env.pop("OMNIFLOW_ALLOW_MODULE_OPS", None)
     env.update({"DJANGO_SETTINGS_MODULE": "studio.settings", "OMNIFLOW_DATA_DIR": str(data_dir),
-                "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_LOG_LEVEL": "WARNING",
+                "OMNIFLOW_LOG_LEVEL": "WARNING",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
                 "HF_HUB_OFFLINE": "1"})
     # Quotas stay on, sized to the load: one user submits `--concurrent` runs at once.
@@ -138,7 +144,7 @@ def _start_studio(data_dir: Path, args: argparse.Namespace) -> _Studio:
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
                                  "studio.asgi:application"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    studio = _Studio(proc, "127.0.0.1", port, token, log)
+    studio = _Studio(proc, "127.0.0.1", port, token, log, env)
     deadline = time.monotonic() + 60
     while True:  # readiness: /healthz answers
         try:
@@ -229,7 +235,9 @@ def _lost(followed: _Followed) -> int:
 
 def _completed(followed: _Followed) -> bool:
     f = followed.finished
-    return f is not None and f.get("status") == "done" and f.get("outputs", {}).get("y") == len(NODES)
+    y = f.get("outputs", {}).get("y") if f is not None else None
+    return (f is not None and f.get("status") == "done" and isinstance(y, dict)
+            and y.get("steps") == len(NODES) and y.get("value") == START["value"] << len(NODES))
 
 
 # ---------------------------------------------------------------------------- phases
@@ -244,7 +252,7 @@ async def _sequential(studio: _Studio, http_: _Http, workflow_id: str, n: int) -
     for _ in range(n):
         t0 = time.perf_counter()
         status, run = await loop.run_in_executor(None, http_.request, "POST", "/api/runs/",
-                                                 {"workflow": workflow_id, "inputs": {"x": 0}})
+                                                 {"workflow": workflow_id, "inputs": {"x": START}})
         if status != 201:
             raise RuntimeError(f"submitting a run failed ({status}): {run}")
         followed = await _follow(studio, run["id"])
@@ -278,7 +286,7 @@ async def _load(
         import threading
 
         conn = local.setdefault(threading.get_ident(), _Http(studio))
-        status, run = conn.request("POST", "/api/runs/", {"workflow": workflow_id, "inputs": {"x": 0}})
+        status, run = conn.request("POST", "/api/runs/", {"workflow": workflow_id, "inputs": {"x": START}})
         if status != 201:
             raise RuntimeError(f"submitting a run failed ({status}): {run}")
         return run["id"]
@@ -299,13 +307,44 @@ async def _load(
     return [r if isinstance(r, _Followed) else None for r in results], wall, errors
 
 
+_AS_DEPLOYED = """
+import json
+from django.contrib.auth import get_user_model
+from studio.workflows.models import Run
+user = get_user_model().objects.get(username="bench")
+print(json.dumps({"user_is_staff": user.is_staff,
+                  "run_tenants": sorted({run.tenant for run in Run.objects.select_related("deployment")}),
+                  "bench_tenant": f"user:{user.pk}"}))
+"""
+
+
+def _as_deployed(studio: _Studio) -> dict[str, Any]:
+    """Whether the bench ran as a team's user: not staff (quotas apply), and which tenants the
+    studio gave its runs (read from its database)."""
+    return json.loads(_manage(studio.env, "shell", "-c", _AS_DEPLOYED).strip().splitlines()[-1])
+
+
+def _quota_probe(http_: _Http, workflow_id: str) -> int:
+    """A run asking for a timeout over the user's run timeout quota: the status of its refusal."""
+    status, body = http_.request("POST", "/api/runs/", {"workflow": workflow_id, "inputs": {"x": START},
+                                                        "timeout_s": 86400.0})
+    if status == 403 and "run_timeout_s" not in json.dumps(body):
+        raise RuntimeError(f"the quota probe was refused for another reason: {body}")
+    return status
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="omniflow-bench-studio-") as tmp:
         studio = _start_studio(Path(tmp), args)
         try:
-            return asyncio.run(_measure(studio, args))
+            result = asyncio.run(_measure(studio, args))
         finally:
             _stop(studio)
+        deployed = _as_deployed(studio)
+    tenants_ok = deployed["run_tenants"] == [deployed["bench_tenant"]]
+    as_deployed = not deployed["user_is_staff"] and result["quota_probe_status"] == 403 and tenants_ok
+    return {**result, "user_is_staff": deployed["user_is_staff"], "run_tenants": deployed["run_tenants"],
+            "as_deployed": as_deployed, "goal_met": result["goal_met"] and as_deployed}
 
 
 async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
@@ -315,6 +354,7 @@ async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
     if status != 201:
         raise RuntimeError(f"saving the bench workflow failed ({status}): {wf}")
     await _sequential(studio, http_, wf["id"], args.warmup)
+    quota_probe = await loop.run_in_executor(None, _quota_probe, http_, wf["id"])
     latencies: list[float] = []
     healthz: list[float] = []
     lost = 0
@@ -347,5 +387,6 @@ async def _measure(studio: _Studio, args: argparse.Namespace) -> dict[str, Any]:
         "load_runs_per_s": completed / wall,
         "goal_first_event_ms": GOAL_FIRST_EVENT_MS,
         "goal_met": p50 <= GOAL_FIRST_EVENT_MS and completed == args.concurrent and events_lost == 0,
+        "quota_probe_status": quota_probe,
         "database": urllib.parse.urlsplit(args.database_url).scheme if args.database_url else "sqlite",
     }

@@ -24,16 +24,24 @@ figures are medians, in GB/s = bytes / seconds / 1e9.
   Goal: `zmq_gbps` >= 0.9 x `raw_zmq_gbps`. The two are measured alternately, repetition by
   repetition, so that drift on a small machine hits both alike.
 
-Two producer processes serve: one on the authenticated worker plane (CURVE keys, what
-workers use; `engine.data.curve`) and one plaintext, measured in the same run. The
-shared-memory figures above are the authenticated plane's; beside them:
+`--across-nodes` measures between two nodes instead (`engine.bench.hosts`: a tensor and a KV
+page run between two network namespaces against raw ZeroMQ between the same two).
+
+Producer processes serve on the authenticated worker plane (CURVE keys, what workers use;
+`engine.data.curve`), one per `BulkMode`, and one on the plaintext plane, all measured in the
+same run. The shared-memory figures above are the authenticated plane's; beside them:
 
 * `shm_asked_plain_gbps` and `auth_vs_plain` (goal >= 0.9): the asked same-host hand-off on
   the plaintext plane, and the authenticated one over it. On one host the bytes never touch
   the socket (it carries the request and the header: CURVE encrypts those few hundred bytes).
-* `curve_zmq_gbps` and `tcp_auth_vs_plain`: `ZmqChannel` over TCP on the authenticated plane
-  (every byte encrypted and authenticated by CURVE: what a transfer between hosts pays), and
-  over the plaintext `zmq_gbps`, measured in the same alternation.
+* `auth_zmq_gbps` and `tcp_auth_vs_plain` (goal >= 0.9): `ZmqChannel` over TCP on the
+  authenticated plane as deployed (`clear`: the request and its one-time grant inside CURVE,
+  the bytes over the owner's bulk channel, `engine.data.bulk`), and over the plaintext
+  `zmq_gbps`, measured in the same alternation.
+* `mac_zmq_gbps` and `tcp_mac_vs_plain`: the same with every chunk MAC'd (`mac`: what the
+  receiver's check of each chunk's Poly1305 tag costs).
+* `curve_zmq_gbps` and `tcp_encrypted_vs_plain`: every byte inside CURVE (`encrypted`, for
+  networks where others can read the wire).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ import numpy as np
 import zmq
 
 from engine.data.codec import MiB
-from engine.data.curve import PlaneKeys
+from engine.data.curve import BulkMode, PlaneKeys
 from engine.data.peer import ClientConfig, Peer, PeerConfig, ZmqClient
 from engine.data.tensor_store import StoreConfig
 from engine.data.wire import ReleaseRequest, TensorRef, Transport
@@ -70,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     parser.add_argument("--chunk-mib", type=int, default=ClientConfig().chunk_bytes // MiB)
     parser.add_argument("--window", type=int, default=ClientConfig().window)
+    parser.add_argument("--across-nodes", action="store_true",
+                        help="between two nodes (network namespaces, needs root) instead: `omniflow bench hosts`")
+    parser.add_argument("--kv-pages", type=int, default=32, help="--across-nodes: pages in the KV run")
 
 
 def gbps(nbytes: int, seconds: list[float]) -> float:
@@ -154,17 +165,22 @@ def _producer_main(size_mib: int, keys_dir: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
+    if args.across_nodes:
+        from engine.bench import hosts
+
+        return hosts.run(args)
     nbytes = args.size_mib * MiB
     total = args.warmup + args.repeats
     keys_home = tempfile.TemporaryDirectory(prefix="omniflow-bench-transfer-")
     keys = PlaneKeys.generate()
-    producers = {"curve": Producer(args.size_mib, str(keys.write(Path(keys_home.name) / "keys"))),
-                 "plain": Producer(args.size_mib)}
-    producer = producers["curve"]
+    planes: dict[str, PlaneKeys | None] = {"auth": keys, "mac": keys.with_bulk(BulkMode.MAC),
+                                           "curve": keys.with_bulk(BulkMode.ENCRYPTED), "plain": None}
+    producers = {plane: Producer(args.size_mib, None if k is None else str(k.write(Path(keys_home.name) / plane)))
+                 for plane, k in planes.items()}
+    producer = producers["auth"]
     config = ClientConfig(chunk_bytes=args.chunk_mib * MiB, window=args.window)
-    client = ZmqClient(config, keys=keys)
-    plain_client = ZmqClient(config)
-    clients = {"curve": client, "plain": plain_client}
+    clients = {plane: ZmqClient(config, keys=k) for plane, k in planes.items()}
+    client = clients["auth"]
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -177,12 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     asked_times: list[float] = []
     asked_plain_times: list[float] = []
     put_times: list[float] = []
-    zmq_times: list[float] = []
-    curve_times: list[float] = []
-    raw_times: list[float] = []
+    tcp_times: dict[str, list[float]] = {kind: [] for kind in ("plain", "raw", "auth", "mac", "curve")}
     cold = 0.0
 
-    def release(ref: TensorRef, plane: str = "curve") -> None:
+    def release(ref: TensorRef, plane: str = "auth") -> None:
         clients[plane].request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), PULL_TIMEOUT_S)
 
     try:
@@ -208,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 memcpy_times.append(copy_seconds)
 
         for i in range(total):
-            for plane in ("curve", "plain") if i % 2 == 0 else ("plain", "curve"):
+            for plane in ("auth", "plain") if i % 2 == 0 else ("plain", "auth"):
                 ref, _ = producers[plane].put(i)
                 start = time.perf_counter()
                 data = clients[plane].fetch(msgspec.structs.replace(ref, shm=None), (Transport.SHM,), PULL_TIMEOUT_S)
@@ -219,16 +233,15 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 del data
                 release(ref, plane)
                 if i >= args.warmup:
-                    (asked_times if plane == "curve" else asked_plain_times).append(elapsed)
+                    (asked_times if plane == "auth" else asked_plain_times).append(elapsed)
 
-        kinds = ("zmq", "raw", "curve")
+        kinds = tuple(tcp_times)
         for i in range(total):
-            refs = {"zmq": producers["plain"].put(i)[0], "curve": producer.put(i)[0]}
-            for kind in kinds[i % 3:] + kinds[:i % 3]:
+            refs = {kind: producers[kind].put(i)[0] for kind in kinds if kind != "raw"}
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 start = time.perf_counter()
                 if kind != "raw":
-                    data = clients["plain" if kind == "zmq" else "curve"].fetch(refs[kind], (Transport.TCP,),
-                                                                                PULL_TIMEOUT_S)
+                    data = clients[kind].fetch(refs[kind], (Transport.TCP,), PULL_TIMEOUT_S)
                     array = data.numpy()
                 else:
                     raw.send(b"go")
@@ -238,22 +251,22 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 if array[-1] != nbytes // 4 - 1 or (kind != "raw" and array[0] != i):
                     raise RuntimeError(f"{kind} transfer returned the wrong bytes")
                 if i >= args.warmup:
-                    {"zmq": zmq_times, "raw": raw_times, "curve": curve_times}[kind].append(elapsed)
-            release(refs["zmq"], "plain")
-            release(refs["curve"])
+                    tcp_times[kind].append(elapsed)
+            for kind, ref in refs.items():
+                release(ref, kind)
     finally:
         raw.close(linger=0)
         context.term()
-        client.close()
-        plain_client.close()
+        for started_client in clients.values():
+            started_client.close()
         for started in producers.values():
             started.close()
         keys_home.cleanup()
 
     memcpy = gbps(nbytes, memcpy_times)
     shm = gbps(nbytes, shm_times)
-    ours = gbps(nbytes, zmq_times)
-    bare = gbps(nbytes, raw_times)
+    tcp = {kind: gbps(nbytes, times) for kind, times in tcp_times.items()}
+    ours, bare = tcp["plain"], tcp["raw"]
     return {
         "size_mib": float(args.size_mib),
         "memcpy_gbps": memcpy,
@@ -267,8 +280,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "zmq_vs_raw_zmq": ours / bare,
         "shm_asked_plain_gbps": gbps(nbytes, asked_plain_times),
         "auth_vs_plain": gbps(nbytes, asked_times) / gbps(nbytes, asked_plain_times),
-        "curve_zmq_gbps": gbps(nbytes, curve_times),
-        "tcp_auth_vs_plain": gbps(nbytes, curve_times) / ours,
+        "auth_zmq_gbps": tcp["auth"],
+        "tcp_auth_vs_plain": tcp["auth"] / ours,
+        "mac_zmq_gbps": tcp["mac"],
+        "tcp_mac_vs_plain": tcp["mac"] / ours,
+        "curve_zmq_gbps": tcp["curve"],
+        "tcp_encrypted_vs_plain": tcp["curve"] / ours,
         "goal_auth_vs_plain": GOAL_AUTH_RATIO,
     }
 

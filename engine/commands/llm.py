@@ -64,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string; repeatable")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the weights, activations and KV cache")
     p.add_argument("--json", action="store_true", help="print one JSON object with every result and timings")
     p.set_defaults(handler=cmd_generate, inputs=None)
 
@@ -74,27 +76,19 @@ def _fail(message: str) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from engine.compute.models.loader import catalog
+    from engine.compute.builtin_models import model_catalogue
 
-    rows = [
-        {
-            "name": info.name,
-            "family": info.family,
-            "layers": info.num_layers,
-            "hidden": info.hidden_size,
-            "heads": info.num_heads,
-            "kv_heads": info.num_kv_heads,
-            "weights": str(info.weights),
-            "description": info.description,
-        }
-        for info in catalog()
-    ]
+    rows = [row.to_dict() for row in model_catalogue()]
     if args.json:
         print(json.dumps({"models": rows}))
         return 0
     for row in rows:
-        print(f"{row['name']:<12} {row['family']:<6} {row['layers']} layers, hidden {row['hidden']},"
-              f" {row['heads']}:{row['kv_heads']} heads  [{row['weights']}]  {row['description']}")
+        if row["family"] is not None:
+            shape = (f"{row['family']:<6} {row['layers']} layers, hidden {row['hidden']},"
+                     f" {row['heads']}:{row['kv_heads']} heads")
+        else:
+            shape = ", ".join(row["role_kinds"])
+        print(f"{row['name']:<18} {shape}  [{row['weights_label']}]  {row['description']}")
     return 0
 
 
@@ -174,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise _UsageError(f"--page-size: {exc}") from None
     started = time.perf_counter()
     try:
-        model = load_model(name=args.model, path=args.model_path)
+        model = load_model(name=args.model, path=args.model_path, dtype=args.dtype)
     except ModelLoadError as exc:
         raise _UsageError(f"{'--model' if args.model else '--model-path'} {args.model or args.model_path!r}: {exc}") from None
     loaded = time.perf_counter()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.graph import PortSpec
-from engine.spec.kinds import MAX_CAPACITY, KindRegistry, NodeKind, RoleKind
+from engine.spec.kinds import MAX_CAPACITY, KindRegistry, NodeKind, RoleKind, RoleModels
 
 # Hard ceilings of the values that size memory or processes: the engine refuses more than
 # these whoever asks (a studio's per-user quotas are lower; see studio/workflows/quotas.py).
@@ -48,6 +48,9 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
                          "description": "write_back: a page goes down a tier when evicted; write_through: to every"
                          " lower tier as it is written"},
         "prefix_cache": {"type": "boolean", "default": True, "description": "reuse cached prompt prefixes"},
+        "dtype": {"type": "string", "enum": ["float32", "bfloat16"], "default": "float32",
+                  "description": "dtype of the weights, activations and KV cache (bfloat16: half the memory and"
+                  " weight reads; fast where the CPU has AVX512-BF16/AMX, slow where it does not)"},
         "session_ttl_s": {"type": "number", "exclusiveMinimum": 0, "default": 600,
                           "description": "how long an idle session keeps its KV pinned"},
         "seed": {"type": "integer", "minimum": 0, "description": "seed of requests that carry none"},
@@ -186,6 +189,10 @@ SGLANG_ROLE_PARAMS: dict[str, Any] = {
 """Role params of `sglang_llm` (`engine.compute.sglang.runner.SGLangRunnerConfig`)."""
 
 
+LLM_MODELS = RoleModels(required=True, builtin="engine.compute.builtin_models:llm_models", checkpoints=True)
+"""An `llm` (and a `diffusion`) role's model: a built-in LLM or a checkpoint folder."""
+
+
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
@@ -196,6 +203,7 @@ def register(registry: KindRegistry) -> None:
             params_schema=LLM_ROLE_PARAMS,
             tensor_parallel="engine.compute.kinds:llm_tp_problems",
             tp_runner="engine.compute.tp.unit:TPLLMUnit",
+            models=LLM_MODELS,
         )
     )
     registry.add_role_kind(
@@ -205,6 +213,7 @@ def register(registry: KindRegistry) -> None:
             " Omni-Flow's host/disk tiers as its HiCache storage; serves `llm` nodes (no sessions, PD or media).",
             runner="engine.compute.sglang.runner:SGLangLLMUnit",
             params_schema=SGLANG_ROLE_PARAMS,
+            models=RoleModels(required=True, checkpoints=True),
         )
     )
     registry.add_node_kind(
@@ -309,27 +318,30 @@ _NO_PARAMS: dict[str, Any] = {"type": "object", "additionalProperties": False}
 
 def register_multimodal(registry: KindRegistry) -> None:
     """Role and node kinds of the encoders, the diffusion runner and the decoders."""
+    def seeded(table: str) -> RoleModels:  # a built-in name, defaulted when none is given
+        return RoleModels(required=False, builtin=f"engine.compute.builtin_models:{table}")
+
     roles = (
         ("vision_encoder", "A ViT (`tiny-vit`) projected to an LLM's hidden size.",
-         "engine.compute.encoders.unit:VisionEncoderUnit", ENCODER_ROLE_PARAMS),
+         "engine.compute.encoders.unit:VisionEncoderUnit", ENCODER_ROLE_PARAMS, seeded("vision_encoders")),
         ("audio_encoder", "Log-mel features into a small transformer encoder (`tiny-audio-encoder`).",
-         "engine.compute.encoders.unit:AudioEncoderUnit", ENCODER_ROLE_PARAMS),
+         "engine.compute.encoders.unit:AudioEncoderUnit", ENCODER_ROLE_PARAMS, seeded("audio_encoders")),
         ("diffusion", "Denoises image latents with an LLM's own transformer (model: the LLM), attending to"
          " the prompt's cached KV; flow-matching Euler steps, classifier-free guidance.",
-         "engine.compute.diffusion.unit:DiffusionUnit", DIFFUSION_ROLE_PARAMS),
+         "engine.compute.diffusion.unit:DiffusionUnit", DIFFUSION_ROLE_PARAMS, LLM_MODELS),
         ("vae_decoder", "A diffusers AutoencoderKL (`tiny-vae`) decoding latents to PNG.",
-         "engine.compute.decoders.unit:VAEDecoderUnit", _NO_PARAMS),
+         "engine.compute.decoders.unit:VAEDecoderUnit", _NO_PARAMS, seeded("image_decoders")),
         ("audio_decoder", "A convolutional decoder (`tiny-audio-decoder`) from audio codes to 16-bit WAV.",
-         "engine.compute.decoders.unit:AudioDecoderUnit", _NO_PARAMS),
+         "engine.compute.decoders.unit:AudioDecoderUnit", _NO_PARAMS, seeded("audio_decoders")),
     )
     # The diffusion runner shards the LLM's transformer as an `llm` role does (same divisibility).
     tensor_parallel = {"diffusion": ("engine.compute.kinds:llm_tp_problems",
                                      "engine.compute.tp.diffusion_unit:TPDiffusionUnit")}
-    for name, description, runner, params in roles:
+    for name, description, runner, params, models in roles:
         check, tp_runner = tensor_parallel.get(name, (None, None))
         registry.add_role_kind(RoleKind(name=name, description=f"{description} ({_DEVICE_NOTE}).",
                                         runner=runner, params_schema=params, tensor_parallel=check,
-                                        tp_runner=tp_runner))
+                                        tp_runner=tp_runner, models=models))
     encoded = {
         "embeds": PortSpec(type="tensor", description="(length, hidden) embeddings for the LLM's placeholders"),
         "item": PortSpec(type="json", description="{kind, hash, length, hidden}: where and how to splice"),

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
-from engine.spec.ops import OpConfig, UnknownOpError
+from engine.spec.ops import OpConfig, OpNotAllowedError, UnknownOpError, attribute_path_message
 
 
 class OperationError(LookupError):
@@ -47,20 +47,22 @@ class _Function:
 
 
 def resolve_function(op: str) -> Callable[..., Any]:
-    """Import `module:qualname` and return the callable it names. Trusted mode only: the
+    """Import `module:function` and return the function: one attribute of the module, never an
+    attribute path (`module:a.b` is refused before anything is imported). Trusted mode only: the
     caller has checked that module ops are allowed (`OpConfig.allow_module_ops`)."""
-    module_name, sep, qualname = op.partition(":")
-    if not sep or not module_name or not qualname:
+    module_name, sep, name = op.partition(":")
+    if not sep or not module_name or not name:
         raise OperationError(f"operation {op!r} is not of the form 'module:function'")
+    if "." in name:
+        raise OpNotAllowedError(attribute_path_message(op))
     try:
-        target: Any = importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except ImportError as exc:
         raise OperationError(f"operation {op!r}: cannot import module {module_name!r}: {exc}") from exc
-    for part in qualname.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise OperationError(f"operation {op!r}: module {module_name!r} has no {qualname!r}") from None
+    try:
+        target = getattr(module, name)
+    except AttributeError:
+        raise OperationError(f"operation {op!r}: module {module_name!r} has no {name!r}") from None
     if not callable(target):
         raise OperationError(f"operation {op!r} names a {type(target).__name__}, not a function")
     return target

@@ -5,6 +5,9 @@ owner carries `Transfer`s (many at a time, what asyncio callers use), and blocki
 drive a connection of their own in the caller's thread (two thread hand-offs fewer per
 round trip); a same-host ref is read straight from the owner's segment while its generation
 word says the segment still holds it (no round trip).
+On the authenticated plane, unless its `BulkMode` is `encrypted`, a TCP pull asks for the owner's
+bulk channel: the chunks come over a plain socket of the owner's under a one-time grant
+(`engine.data.bulk`), in `mac` mode each checked against its MAC as it is copied.
 `engine.data.peer.Peer` bundles it with a tensor server.
 """
 
@@ -20,43 +23,35 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import zmq
 
-from engine.data import cuda_ipc
 from engine.data.channel import (
     PeerUnavailable,
-    RemoteError,
     Transfer,
     TransferError,
     TransferTimeout,
-    TransportUnavailable,
     remote_error,
 )
 from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header, contiguous_strides
 from engine.data.curve import PlaneKeys, connect_as_client
+from engine.data.pulls import Outgoing, OwnerInfo, PullState, release_discarded
 from engine.data.shm import SegmentError, SegmentMapper, host_id, parse_segment_name
 from engine.data.wire import (
     PROTOCOL_VERSION,
-    ChunkReply,
-    ChunkRequest,
-    CudaIpcHandle,
+    BulkChunkRequest,
+    BulkGrant,
+    BulkMessage,
     ErrorCode,
     ErrorReply,
     HelloReply,
     HelloRequest,
     Message,
-    PullReply,
-    PullRequest,
     TensorHeader,
     TensorRef,
     Transport,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -74,156 +69,12 @@ class ClientConfig:
 
 
 @dataclass(slots=True, eq=False)
-class _PeerInfo:
-    """What an owner told us in its `HelloReply`."""
-
-    host: str
-    max_chunk: int
-    shm_ok: bool = True
-    cuda_ok: bool = True
-
-
-@dataclass(slots=True, eq=False)
-class _Pull:
-    """The protocol state of one pull, whichever thread drives its socket: fed each reply,
-    it answers with the requests to send next, raises a `TransferError`, or sets `result`."""
-
-    ref: TensorRef
-    accepted: tuple[Transport, ...]
-    request_id: int
-    mapper: SegmentMapper
-    window: int
-    chunk: int = 0
-    header: TensorHeader | None = None
-    dest: np.ndarray | None = None
-    next_offset: int = 0
-    received: int = 0
-    outstanding: set[int] = field(default_factory=set)
-    result: TensorData | None = None
-    shm_failed: bool = False  # mapping failed: this owner's segments are not visible here
-    cuda_failed: bool = False  # opening failed: this owner's GPU memory is not reachable from here
-
-    def start(self, peer: _PeerInfo, host: str, chunk_bytes: int) -> list[Message]:
-        transports = self.accepted
-        if not (peer.shm_ok and peer.host == host):
-            transports = tuple(t for t in transports if t is not Transport.SHM)
-        # torch's reference counts of shared CUDA blocks live in /dev/shm: where the owner's is not
-        # ours (shm_ok False), a mapping could never give its reference back.
-        if not (peer.cuda_ok and peer.shm_ok and peer.host == host and cuda_ipc.available()):
-            transports = tuple(t for t in transports if t is not Transport.CUDA_IPC)
-        if not transports:
-            raise TransportUnavailable(f"{self.ref.owner} is not on this host (or this process has no CUDA):"
-                                       f" {', '.join(t.value for t in self.accepted)} impossible")
-        self.chunk = max(1, min(chunk_bytes, peer.max_chunk or chunk_bytes))
-        return [PullRequest(self.request_id, self.ref.id, transports)]
-
-    def on_reply(self, message: Message, frames: list[zmq.Frame]) -> list[Message]:
-        if isinstance(message, ErrorReply):
-            raise remote_error(message)
-        if isinstance(message, PullReply):
-            return self._on_pull_reply(message, frames)
-        if isinstance(message, ChunkReply):
-            return self._on_chunk(message, frames)
-        raise RemoteError(ErrorCode.BAD_REQUEST, f"unexpected {type(message).__name__}")
-
-    def _on_pull_reply(self, reply: PullReply, frames: list[zmq.Frame]) -> list[Message]:
-        header = reply.header
-        try:
-            check_header(header)
-        except WireError as exc:
-            release_discarded(reply)
-            raise RemoteError(ErrorCode.MALFORMED, str(exc)) from exc
-        if header.nbytes != self.ref.nbytes or header.dtype != self.ref.dtype:
-            release_discarded(reply)
-            raise RemoteError(ErrorCode.BAD_REQUEST, "the owner describes another tensor than the ref")
-        if reply.cuda is not None and (reply.transport is not Transport.CUDA_IPC
-                                       or Transport.CUDA_IPC not in self.accepted):
-            release_discarded(reply)
-            raise RemoteError(ErrorCode.BAD_REQUEST, f"a CUDA IPC handle with a {reply.transport} reply")
-        if reply.transport is Transport.CUDA_IPC and reply.cuda is not None:
-            return self._open_cuda(reply.cuda, header)
-        if reply.transport is Transport.INLINE:
-            if len(frames) != 1 or len(frames[0].buffer) != header.nbytes:
-                raise RemoteError(ErrorCode.MALFORMED, "inline reply without its bytes")
-            data = np.frombuffer(frames[0].buffer, np.uint8).copy()  # small; private and writable
-            self.result = TensorData(header, data, Transport.INLINE)
-            return []
-        if reply.transport is Transport.SHM and reply.segment is not None:
-            try:
-                if header.offset + header.nbytes > reply.segment_size:
-                    raise SegmentError("tensor lies outside its segment")
-                mapping = self.mapper.map(reply.segment, reply.segment_size)
-            except (SegmentError, OSError) as exc:
-                if Transport.TCP not in self.accepted:
-                    raise TransportUnavailable(f"cannot map {reply.segment}: {exc}") from exc
-                # Same host by name but not the same /dev/shm (containers): TCP from now on.
-                self.shm_failed = True
-                return [PullRequest(self.request_id, self.ref.id, (Transport.TCP, Transport.INLINE))]
-            self.result = TensorData(header, mapping, Transport.SHM)
-            return []
-        if reply.transport is Transport.TCP:
-            self.header = header
-            if header.nbytes == 0:
-                self.result = TensorData(header, np.empty(0, np.uint8), Transport.TCP)
-                return []
-            self.dest = np.empty(header.nbytes, np.uint8)
-            return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
-        raise TransportUnavailable(f"the owner offered {reply.transport}, which was not asked for")
-
-    def _open_cuda(self, shared: CudaIpcHandle, header: TensorHeader) -> list[Message]:
-        try:
-            tensor = cuda_ipc.open_shared(shared, header)
-        except (cuda_ipc.CudaIpcUnavailable, ValueError) as exc:  # nothing mapped: give its reference back
-            cuda_ipc.release_unopened(shared)
-            rest = tuple(t for t in self.accepted if t is not Transport.CUDA_IPC)
-            if not rest:
-                raise TransportUnavailable(f"cannot open the owner's CUDA memory: {exc}") from exc
-            # Same host by name but not the same GPUs (containers, CUDA_VISIBLE_DEVICES): host
-            # memory from now on.
-            self.cuda_failed = True
-            return [PullRequest(self.request_id, self.ref.id, rest)]
-        self.result = TensorData(header, tensor, Transport.CUDA_IPC)
-        return []
-
-    def _next_chunk(self) -> ChunkRequest | None:
-        assert self.header is not None
-        if self.next_offset >= self.header.nbytes:
-            return None
-        length = min(self.chunk, self.header.nbytes - self.next_offset)
-        request = ChunkRequest(self.request_id, self.ref.id, self.next_offset, length)
-        self.outstanding.add(self.next_offset)
-        self.next_offset += length
-        return request
-
-    def _on_chunk(self, reply: ChunkReply, frames: list[zmq.Frame]) -> list[Message]:
-        if self.header is None or self.dest is None:
-            raise RemoteError(ErrorCode.MALFORMED, "a chunk before the pull reply")
-        if reply.offset not in self.outstanding or len(frames) != 1 or len(frames[0].buffer) != reply.length:
-            raise RemoteError(ErrorCode.MALFORMED, f"unexpected chunk at offset {reply.offset}")
-        self.outstanding.discard(reply.offset)
-        self.dest[reply.offset : reply.offset + reply.length] = np.frombuffer(frames[0].buffer, np.uint8)
-        self.received += reply.length
-        if self.received == self.header.nbytes:
-            self.result = TensorData(self.header, self.dest, Transport.TCP)
-            return []
-        request = self._next_chunk()
-        return [] if request is None else [request]
-
-
-def release_discarded(message: Message) -> None:
-    """A pull reply this client will not use: give back the CUDA reference its handle counted
-    (else the owner's GPU block stays allocated until the owner exits)."""
-    if isinstance(message, PullReply) and message.cuda is not None and cuda_ipc.available():
-        cuda_ipc.release_unopened(message.cuda)
-
-
-@dataclass(slots=True, eq=False)
 class _Link:
     """A connection owned by the I/O thread."""
 
     address: str
     socket: zmq.Socket
-    peer: _PeerInfo | None = None  # None until the handshake is answered
+    peer: OwnerInfo | None = None  # None until the handshake is answered
     waiting: list[_Op] = field(default_factory=list)
     ops: int = 0
     failed: bool = False
@@ -237,7 +88,7 @@ class _Op:
     address: str
     deadline: float
     request_id: int = 0
-    pull: _Pull | None = None
+    pull: PullState | None = None
     message: Callable[[int], Message] | None = None
     link: _Link | None = None
     retried: bool = False  # resent once after the owner forgot our handshake
@@ -250,7 +101,9 @@ class _DirectLink:
     address: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     socket: zmq.Socket | None = None
-    peer: _PeerInfo | None = None
+    peer: OwnerInfo | None = None
+    bulk_address: str | None = None
+    bulk_socket: zmq.Socket | None = None  # to the owner's bulk channel, once a grant named it
 
 
 class ZmqClient:
@@ -278,6 +131,7 @@ class ZmqClient:
         """`keys`: connect to owners as a CURVE client of the plane (`engine.data.curve`); None: plaintext."""
         self.config = config or ClientConfig()
         self._keys = keys
+        self._bulk = None if keys is None or not keys.bulk.bulk_channel else keys.bulk
         self.host = host or host_id()
         self.name = name or f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self._own_context = context is None
@@ -297,6 +151,9 @@ class ZmqClient:
         self._codec = WireCodec(self.config.limits.hard_max_message_bytes)
         self._links: dict[str, _Link] = {}
         self._by_socket: dict[zmq.Socket, _Link] = {}
+        self._bulk_sockets: dict[str, zmq.Socket] = {}  # owners' bulk channels, by address
+        self._bulk_by_socket: dict[zmq.Socket, str] = {}
+        self._bulk_codec = WireCodec(self.config.limits.hard_max_message_bytes, BulkMessage)
         self._ops: dict[int, _Op] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -312,7 +169,7 @@ class ZmqClient:
         if in_place is not None:
             transfer._finish(in_place)
             return transfer
-        pull = _Pull(ref, transports, 0, self._mapper, self.config.window)
+        pull = PullState(ref, transports, 0, self._mapper, self.config.window, bulk=self._bulk)
         self._submit(_Op(transfer, ref.owner, transfer.deadline, pull=pull))
         return transfer
 
@@ -363,16 +220,20 @@ class ZmqClient:
 
         def drive(link: _DirectLink, deadline: float) -> TensorData:
             assert link.peer is not None
-            pull = _Pull(ref, transports, next(self._request_ids), self._mapper, self.config.window)
-            self._direct_send(link, pull.start(link.peer, self.host, self.config.chunk_bytes))
+            pull = PullState(ref, transports, next(self._request_ids), self._mapper, self.config.window,
+                         bulk=self._bulk)
+            self._direct_send(link, pull.start(link.peer, self.host, self.config.chunk_bytes), deadline)
             while pull.result is None:
-                message, frames = self._direct_reply(link, pull.request_id, deadline)
+                if pull.grant is None:
+                    message, frames = self._direct_reply(link, pull.request_id, deadline)
+                else:
+                    message, frames = self._direct_bulk_reply(link, pull.request_id, deadline)
                 requests = pull.on_reply(message, frames)
                 if pull.shm_failed:
                     link.peer.shm_ok = False
                 if pull.cuda_failed:
                     link.peer.cuda_ok = False
-                self._direct_send(link, requests)
+                self._direct_send(link, requests, deadline, pull.grant)
             return pull.result
 
         return self._with_direct(ref.owner, timeout, drive)
@@ -382,7 +243,7 @@ class ZmqClient:
 
         def drive(link: _DirectLink, deadline: float) -> Message:
             request_id = next(self._request_ids)
-            self._direct_send(link, [message(request_id)])
+            self._direct_send(link, [message(request_id)], deadline)
             reply, _frames = self._direct_reply(link, request_id, deadline)
             if isinstance(reply, ErrorReply):
                 raise remote_error(reply)
@@ -448,7 +309,7 @@ class ZmqClient:
             link.lock.release()
 
     def _direct_hello(self, link: _DirectLink, deadline: float) -> None:
-        self._direct_send(link, [HelloRequest(PROTOCOL_VERSION, self.name, self.host)])
+        self._direct_send(link, [HelloRequest(PROTOCOL_VERSION, self.name, self.host)], deadline)
         try:
             reply, _frames = self._direct_reply(link, None, deadline)
         except TransferTimeout as exc:
@@ -457,12 +318,64 @@ class ZmqClient:
             raise PeerUnavailable(f"{link.address} refused the handshake: {reply.message}")
         if not isinstance(reply, HelloReply) or reply.protocol_version != PROTOCOL_VERSION:
             raise PeerUnavailable(f"{link.address} answered the handshake with {reply!r}")
-        link.peer = _PeerInfo(reply.host, reply.max_chunk_bytes)
+        link.peer = OwnerInfo(reply.host, reply.max_chunk_bytes)
 
-    def _direct_send(self, link: _DirectLink, messages: list[Message]) -> None:
+    def _direct_send(self, link: _DirectLink, messages: list[Outgoing], deadline: float,
+                     grant: BulkGrant | None = None) -> None:
         assert link.socket is not None
         for message in messages:
-            link.socket.send(self._codec_for_thread().encode(message))
+            if isinstance(message, BulkChunkRequest):
+                assert grant is not None
+                if link.bulk_socket is None or link.bulk_address != grant.address:
+                    if link.bulk_socket is not None:
+                        link.bulk_socket.close(linger=0)
+                    link.bulk_socket, link.bulk_address = self._new_bulk_socket(grant.address), grant.address
+                self._direct_put(link.bulk_socket, grant.address, self._bulk_codec_for_thread().encode(message),
+                                 deadline)
+            else:
+                self._direct_put(link.socket, link.address, self._codec_for_thread().encode(message), deadline)
+
+    def _direct_put(self, socket: zmq.Socket, address: str, data: bytes, deadline: float) -> None:
+        """Send, waiting for room at most until `deadline`: a DEALER with no connection (its peer
+        refused our handshake, or is gone and not back) would block a plain send forever."""
+        while True:
+            try:
+                socket.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if self._closed:
+                raise PeerUnavailable("client closed")
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise PeerUnavailable(f"no connection to {address} to send on (it refused our handshake,"
+                                      " or is gone)")
+            socket.poll(min(remaining_ms, self._POLL_SLICE_MS), zmq.POLLOUT)
+
+    def _direct_bulk_reply(self, link: _DirectLink, request_id: int,
+                           deadline: float) -> tuple[Message | BulkMessage, list[zmq.Frame]]:
+        """The next reply to `request_id` on the owner's bulk channel; stale ones are skipped."""
+        assert link.bulk_socket is not None
+        codec = self._bulk_codec_for_thread()
+        while True:
+            frames = self._direct_frames(link.bulk_socket, link.address, deadline)
+            try:
+                message = codec.decode(frames[0].buffer)
+            except WireError as exc:
+                log.warning("unreadable reply from the bulk channel of %s: %s", link.address, exc)
+                continue
+            if getattr(message, "request_id", None) == request_id:
+                return message, frames[1:]
+
+    def _direct_frames(self, socket: zmq.Socket, address: str, deadline: float) -> list[zmq.Frame]:
+        while True:
+            if self._closed:
+                raise PeerUnavailable("client closed")
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise TransferTimeout(f"no complete answer from {address} in time")
+            if socket.poll(min(remaining_ms, self._POLL_SLICE_MS), zmq.POLLIN):
+                return socket.recv_multipart(copy=False)
 
     def _direct_reply(
         self, link: _DirectLink, request_id: int | None, deadline: float
@@ -471,14 +384,7 @@ class ZmqClient:
         assert link.socket is not None
         codec = self._codec_for_thread()
         while True:
-            if self._closed:
-                raise PeerUnavailable("client closed")
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise TransferTimeout(f"no complete answer from {link.address} in time")
-            if not link.socket.poll(min(remaining_ms, self._POLL_SLICE_MS), zmq.POLLIN):
-                continue
-            frames = link.socket.recv_multipart(copy=False)
+            frames = self._direct_frames(link.socket, link.address, deadline)
             try:
                 message = codec.decode(frames[0].buffer)
             except WireError as exc:
@@ -498,10 +404,17 @@ class ZmqClient:
             codec = self._per_thread.codec = WireCodec(self.config.limits.hard_max_message_bytes)
         return codec
 
+    def _bulk_codec_for_thread(self) -> WireCodec:
+        codec = getattr(self._per_thread, "bulk_codec", None)
+        if codec is None:
+            codec = self._per_thread.bulk_codec = WireCodec(self.config.limits.hard_max_message_bytes, BulkMessage)
+        return codec
+
     def _reset_direct(self, link: _DirectLink) -> None:
-        if link.socket is not None:
-            link.socket.close(linger=0)
-        link.socket = None
+        for socket in (link.socket, link.bulk_socket):
+            if socket is not None:
+                socket.close(linger=0)
+        link.socket = link.bulk_socket = link.bulk_address = None
         link.peer = None
 
     def _new_socket(self, address: str) -> zmq.Socket:
@@ -512,6 +425,17 @@ class ZmqClient:
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
         connect_as_client(socket, self._keys)
+        socket.connect(address)
+        return socket
+
+    def _new_bulk_socket(self, address: str) -> zmq.Socket:
+        """A plain connection to an owner's bulk channel: what it admits is each request's
+        grant, which only the CURVE connection handed out (`engine.data.bulk`)."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
         socket.connect(address)
         return socket
 
@@ -541,6 +465,8 @@ class ZmqClient:
                     link = self._by_socket.get(socket)
                     if link is not None:
                         self._drain(link)
+                    elif socket in self._bulk_by_socket:
+                        self._drain_bulk(socket)
                 self._expire(time.monotonic())
         finally:
             self._shutdown()
@@ -567,6 +493,9 @@ class ZmqClient:
         if op.pull is not None:
             op.pull.request_id = op.request_id
         link.ops += 1
+        if link.failed:
+            self._fail(op, PeerUnavailable(f"no connection to {op.address} to send on"))
+            return
         if link.peer is None:
             link.waiting.append(op)
             return
@@ -589,9 +518,47 @@ class ZmqClient:
         link.socket.close(linger=0)
         link.failed = True
 
-    def _send(self, link: _Link, messages: list[Message]) -> None:
+    def _send(self, link: _Link, messages: list[Outgoing], grant: BulkGrant | None = None) -> None:
+        """Send without blocking the I/O thread: a socket with no connection to send on (the owner
+        refused our handshake, or is gone and not back) fails everything on the link at once."""
         for message in messages:
-            link.socket.send(self._codec.encode(message))
+            try:
+                if isinstance(message, BulkChunkRequest):
+                    assert grant is not None
+                    self._bulk_socket(grant.address).send(self._bulk_codec.encode(message), zmq.NOBLOCK)
+                else:
+                    link.socket.send(self._codec.encode(message), zmq.NOBLOCK)
+            except zmq.Again:
+                self._fail_link(link, PeerUnavailable(f"no connection to {link.address} to send on (it refused"
+                                                      " our handshake, or is gone)"))
+                return
+
+    def _bulk_socket(self, address: str) -> zmq.Socket:
+        socket = self._bulk_sockets.get(address)
+        if socket is None:
+            socket = self._bulk_sockets[address] = self._new_bulk_socket(address)
+            self._bulk_by_socket[socket] = address
+            self._poller.register(socket, zmq.POLLIN)
+        return socket
+
+    def _drain_bulk(self, socket: zmq.Socket) -> None:
+        address = self._bulk_by_socket[socket]
+        while True:
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = self._bulk_codec.decode(frames[0].buffer)
+            except WireError as exc:
+                log.warning("unreadable reply from the bulk channel %s: %s", address, exc)
+                continue
+            request_id = getattr(message, "request_id", None)
+            op = self._ops.get(request_id) if request_id is not None else None
+            if op is None or op.pull is None or op.pull.grant is None or op.pull.grant.address != address:
+                continue  # a late answer to a transfer that already ended
+            assert op.link is not None
+            self._advance(op.link, op, message, frames[1:])
 
     def _send_first(self, op: _Op) -> None:
         assert op.link is not None and op.link.peer is not None
@@ -646,6 +613,11 @@ class ZmqClient:
             else:
                 self._complete(op, message)
             return
+        self._advance(link, op, message, frames)
+
+    def _advance(self, link: _Link, op: _Op, message: Message | BulkMessage, frames: list[zmq.Frame]) -> None:
+        """Feed a pull its reply (from the owner's connection or its bulk channel)."""
+        assert op.pull is not None
         try:
             requests = op.pull.on_reply(message, frames)
         except TransferError as exc:
@@ -656,7 +628,7 @@ class ZmqClient:
             link.peer.shm_ok = False
         if op.pull.cuda_failed and link.peer is not None:
             link.peer.cuda_ok = False
-        self._send(link, requests)
+        self._send(link, requests, op.pull.grant)
         if op.pull.result is not None:
             self._complete(op, op.pull.result)
 
@@ -666,7 +638,8 @@ class ZmqClient:
         op.retried = True
         self._ops.pop(op.request_id, None)
         if op.pull is not None:
-            op.pull = _Pull(op.pull.ref, op.pull.accepted, op.request_id, self._mapper, self.config.window)
+            op.pull = PullState(op.pull.ref, op.pull.accepted, op.request_id, self._mapper, self.config.window,
+                            bulk=self._bulk)
         link.waiting.append(op)
         if link.peer is not None:
             link.peer = None
@@ -676,7 +649,7 @@ class ZmqClient:
         if reply.protocol_version != PROTOCOL_VERSION:
             self._fail_link(link, PeerUnavailable(f"the owner speaks protocol {reply.protocol_version}"))
             return
-        link.peer = _PeerInfo(reply.host, reply.max_chunk_bytes)
+        link.peer = OwnerInfo(reply.host, reply.max_chunk_bytes)
         waiting, link.waiting = link.waiting, []
         for op in waiting:
             self._send_first(op)
@@ -724,3 +697,8 @@ class ZmqClient:
             self._commands.popleft().handle._finish(error=PeerUnavailable("client closed"))
         for link in list(self._links.values()):
             self._fail_link(link, PeerUnavailable("client closed"))
+        for socket in self._bulk_by_socket:
+            self._poller.unregister(socket)
+            socket.close(linger=0)
+        self._bulk_sockets.clear()
+        self._bulk_by_socket.clear()

@@ -12,6 +12,12 @@ at all, gets no connection, so no reply, no tensor and no KV page; each refusal 
 (the peer's address and its key's fingerprint) and counted (`PlaneGuard.refused`, reported
 in a worker's metrics as `plane.refused`). Clients are set up by `connect_as_client`.
 
+The keys also carry how the plane moves bulk bytes between hosts (`BulkMode`, the file `bulk`):
+`clear` (the default) and `mac` send a TCP transfer's bytes outside CURVE, over a channel that
+admits only one-time grants issued on the CURVE link (`engine.data.bulk`; `mac` also MACs every
+chunk), because CURVE's encryption cut that bandwidth to a third; `encrypted` keeps them inside
+CURVE, for networks where others can read or alter what passes.
+
 `keys=None` wherever a `PlaneKeys` is taken means the plaintext plane: no encryption and no
 authentication. Only the benchmarks choose it, to measure what CURVE costs.
 """
@@ -19,6 +25,8 @@ authentication. Only the benchmarks choose it, to measure what CURVE costs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import hashlib
 import itertools
 import logging
@@ -40,6 +48,8 @@ PUBLIC_FILE = "plane.public"
 SECRET_FILE = "plane.secret"
 AUTHORISED_FILE = "authorised"
 """The admitted public keys, one z85 key a line."""
+BULK_FILE = "bulk"
+"""The plane's `BulkMode`, one word; optional (absent: `clear`)."""
 _Z85_KEY_CHARS = 40
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 _REFUSED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -69,13 +79,41 @@ def _check_key(key: str, what: str) -> str:
     return key
 
 
+class BulkMode(enum.StrEnum):
+    """How the plane carries a TCP transfer's bytes between hosts (`engine.data.bulk`)."""
+
+    CLEAR = "clear"
+    """Outside CURVE, only under a one-time grant given over CURVE: only plane members get a
+    byte, but whoever reads or alters the network between the hosts reads or alters them."""
+    MAC = "mac"
+    """As `clear`, and each chunk carries a Poly1305 tag the receiver checks: an alteration on
+    the way fails the transfer. Readable on the wire still."""
+    ENCRYPTED = "encrypted"
+    """Inside CURVE, like every other message of the plane: a third of the bandwidth."""
+
+    @property
+    def bulk_channel(self) -> bool:
+        """Whether bytes go over the bulk channel rather than inside CURVE."""
+        return self is not BulkMode.ENCRYPTED
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> BulkMode:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            raise PlaneKeyError(f"{what}: {text.strip()!r} is not a bulk mode"
+                                f" (one of {', '.join(m.value for m in cls)})") from None
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneKeys:
-    """This member's CURVE keypair (z85) and the public keys the plane's servers admit."""
+    """This member's CURVE keypair (z85), the public keys the plane's servers admit, and how
+    the plane carries bulk bytes (`bulk`): every member of a plane holds the same."""
 
     public: str
     secret: str
     authorised: frozenset[str]
+    bulk: BulkMode = BulkMode.CLEAR
 
     def __post_init__(self) -> None:
         _check_key(self.public, "public key")
@@ -88,13 +126,17 @@ class PlaneKeys:
             _check_key(key, "authorised key")
 
     def __repr__(self) -> str:  # never print the secret
-        return f"PlaneKeys(public={fingerprint(self.public)}, authorised={len(self.authorised)})"
+        return (f"PlaneKeys(public={fingerprint(self.public)}, authorised={len(self.authorised)},"
+                f" bulk={self.bulk.value})")
 
     @classmethod
-    def generate(cls) -> PlaneKeys:
+    def generate(cls, bulk: BulkMode = BulkMode.CLEAR) -> PlaneKeys:
         """A fresh keypair, admitting itself: one per deployment or cluster, held by every member."""
         public, secret = zmq.curve_keypair()
-        return cls(public.decode(), secret.decode(), frozenset({public.decode()}))
+        return cls(public.decode(), secret.decode(), frozenset({public.decode()}), bulk)
+
+    def with_bulk(self, bulk: BulkMode) -> PlaneKeys:
+        return dataclasses.replace(self, bulk=bulk)
 
     def write(self, directory: str | os.PathLike[str]) -> Path:
         """Write the keys into `directory` (created 0700 if missing; it must be this user's
@@ -103,7 +145,8 @@ class PlaneKeys:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         _check_private(path, directory=True)
         for name, text in ((PUBLIC_FILE, self.public + "\n"), (SECRET_FILE, self.secret + "\n"),
-                           (AUTHORISED_FILE, "".join(k + "\n" for k in sorted(self.authorised)))):
+                           (AUTHORISED_FILE, "".join(k + "\n" for k in sorted(self.authorised))),
+                           (BULK_FILE, self.bulk.value + "\n")):
             target = path / name
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -114,7 +157,8 @@ class PlaneKeys:
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> PlaneKeys:
         """The keys `write` put in `directory`. Raises PlaneKeyError when a file is missing or
-        malformed, or when the directory or a file is not this user's or is readable by others."""
+        malformed, or when the directory or a file is not this user's or is readable by others.
+        A directory without the `bulk` file (written before it existed) is `clear`."""
         path = Path(directory)
         _check_private(path, directory=True)
         texts = {}
@@ -123,8 +167,12 @@ class PlaneKeys:
             _check_private(target, directory=False)
             texts[name] = target.read_text()
         authorised = frozenset(line.strip() for line in texts[AUTHORISED_FILE].splitlines() if line.strip())
+        bulk = BulkMode.CLEAR
+        if os.path.lexists(path / BULK_FILE):
+            _check_private(path / BULK_FILE, directory=False)
+            bulk = BulkMode.parse((path / BULK_FILE).read_text(), str(path / BULK_FILE))
         try:
-            return cls(texts[PUBLIC_FILE].strip(), texts[SECRET_FILE].strip(), authorised)
+            return cls(texts[PUBLIC_FILE].strip(), texts[SECRET_FILE].strip(), authorised, bulk)
         except PlaneKeyError as exc:
             raise PlaneKeyError(f"{path}: {exc}") from None
 

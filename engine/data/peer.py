@@ -36,6 +36,7 @@ from engine.data.codec import TensorData
 from engine.data.curve import PlaneKeys
 from engine.data.server import ServerConfig, TensorServer
 from engine.data.tensor_store import StoreConfig, TensorStore
+from engine.data.transfers import TransferTally
 from engine.data.wire import (
     LeaseReply,
     LeaseRequest,
@@ -81,6 +82,8 @@ class Peer:
         self.local = InProcessChannel(self.server.store)
         self.shm = SharedMemoryChannel(self.client)
         self.tcp = ZmqChannel(self.client)
+        self.transfers = TransferTally()
+        """The path each `pull`/`pull_async` took (`transfer.<transport>.pulls`/`.bytes`)."""
         self._closed = False
 
     @classmethod
@@ -129,12 +132,17 @@ class Peer:
         """Pull in the calling thread (blocking; the lowest latency)."""
         timeout = self.config.default_timeout_s if timeout is None else timeout
         if ref.owner == self.address:
-            return self.local.fetch(ref, timeout)
-        return self.client.fetch(ref, self._transports(ref), timeout)
+            data = self.local.fetch(ref, timeout)
+        else:
+            data = self.client.fetch(ref, self._transports(ref), timeout)
+        self.transfers.record(data)
+        return data
 
     async def pull_async(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
         """Pull without blocking the event loop (carried by the client's I/O thread)."""
-        return await self.start_pull(ref, timeout).wait_async()
+        data = await self.start_pull(ref, timeout).wait_async()
+        self.transfers.record(data)
+        return data
 
     # --- lifetime of refs, wherever they live ---------------------------------------------------
 

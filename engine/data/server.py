@@ -8,6 +8,11 @@ zero-copy frames, tracked so that a released segment is not recycled while ZeroM
 reads it. The thread also sweeps expired leases every `sweep_interval_s` and reclaims dead
 processes' segments every `reclaim_interval_s`.
 
+On the authenticated plane, unless its `BulkMode` is `encrypted`, the server also binds a bulk socket
+(`engine.data.bulk.BulkEndpoint`) on the same interface and serves it from the same thread: a
+TCP pull that asks for it gets a one-time grant in its `PullReply` and fetches its chunks there,
+outside CURVE.
+
 Request types beyond the tensor protocol (e.g. `KVFetchRequest`, answered by
 `engine.data.kv.pull.KVPageServer`) are served by handlers registered with
 `TensorServer.register_handler`; without one, such a request is refused as UNSUPPORTED.
@@ -27,8 +32,9 @@ import msgspec
 import zmq
 
 from engine.data import cuda_ipc
+from engine.data.bulk import GRANT_S, BulkEndpoint
 from engine.data.codec import Limits, WireCodec, WireError
-from engine.data.curve import PlaneGuard, PlaneKeys
+from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
 from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -70,6 +76,19 @@ class ServerConfig:
     sweep_interval_s: float = 0.25
     reclaim_interval_s: float = 10.0  # reclaim dead processes' segments this often
     idle_client_s: float = 600.0  # forget a connection's handshake after this much silence
+    bulk_bind: str | None = None
+    """The bulk channel's endpoint (`engine.data.bulk`; authenticated plane only). None: the
+    interface of a `tcp://` `bind`, any free port (no bulk channel for other schemes)."""
+    bulk_grant_s: float = GRANT_S
+    """A bulk grant unused for this long is gone."""
+
+    def bulk_endpoint(self) -> str | None:
+        if self.bulk_bind is not None:
+            return self.bulk_bind
+        scheme, _, rest = self.bind.partition("://")
+        if scheme != "tcp":
+            return None
+        return f"tcp://{rest.rsplit(':', 1)[0]}:0"
 
 
 @dataclass(slots=True)
@@ -106,6 +125,12 @@ class TensorServer:
         self._socket = socket
         self.address = self._advertised(socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self.store = TensorStore(self.address, store_config)
+        bulk_bind = self.config.bulk_endpoint()
+        self._bulk = None
+        if keys is not None and keys.bulk.bulk_channel and bulk_bind is not None:
+            self._bulk = BulkEndpoint(self._context, bulk_bind, self.store, mac=keys.bulk is BulkMode.MAC,
+                                      limits=self.config.limits,
+                                      grant_s=self.config.bulk_grant_s, advertise=self._advertised)
         self._codec = WireCodec(self.config.limits.max_request_bytes)
         self._clients: dict[bytes, _ClientState] = {}
         self._handlers: dict[type, Callable[[Any], Message]] = {}
@@ -142,8 +167,20 @@ class TensorServer:
 
     @property
     def refused(self) -> int:
-        """Connections refused for want of an authorised CURVE key (0 on a plaintext server)."""
-        return 0 if self._guard is None else self._guard.refused
+        """Connections refused for want of an authorised CURVE key, and bulk requests refused
+        for want of a live grant (0 on a plaintext server)."""
+        return ((0 if self._guard is None else self._guard.refused)
+                + (0 if self._bulk is None else self._bulk.refused))
+
+    @property
+    def bulk_address(self) -> str | None:
+        """The bulk channel's endpoint; None without one."""
+        return None if self._bulk is None else self._bulk.address
+
+    @property
+    def bulk_bytes(self) -> int:
+        """Bytes served over the bulk channel so far."""
+        return 0 if self._bulk is None else self._bulk.served_bytes
 
     def close(self) -> None:
         """Stop serving, then free the store (unlinking its segments)."""
@@ -166,6 +203,8 @@ class TensorServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
+        if self._bulk is not None:
+            poller.register(self._bulk.socket, zmq.POLLIN)
         interval_ms = max(1, int(self.config.sweep_interval_s * 1000))
         next_sweep = time.monotonic()
         next_reclaim = time.monotonic() + self.config.reclaim_interval_s
@@ -174,16 +213,22 @@ class TensorServer:
                 events = dict(poller.poll(interval_ms))
                 if self._socket in events:
                     self._drain()
+                if self._bulk is not None and self._bulk.socket in events:
+                    self._bulk.drain()
                 now = time.monotonic()
                 if now >= next_sweep:
                     self.store.sweep()
                     self._forget_idle(now)
+                    if self._bulk is not None:
+                        self._bulk.sweep()
                     next_sweep = now + self.config.sweep_interval_s
                 if now >= next_reclaim:
                     self.store.reclaim_dead()
                     next_reclaim = now + self.config.reclaim_interval_s
         finally:
             self._socket.close(linger=0)
+            if self._bulk is not None:
+                self._bulk.close()
 
     def _drain(self) -> None:
         for _ in range(1024):  # then sweep, even under a flood
@@ -279,6 +324,10 @@ class TensorServer:
                                   msgspec.structs.replace(header, offset=offset), entry.ref.lease_expires_at,
                                   cuda=shared)
                 return self._reply(identity, reply)
+            if transport is Transport.TCP and request.bulk and self._bulk is not None and header.nbytes > 0:
+                grant = self._bulk.grant(request.ref_id, header.nbytes)
+                return self._reply(identity, PullReply(request.request_id, request.ref_id, transport, header,
+                                                       entry.ref.lease_expires_at, bulk=grant))
             location = entry.location if transport is Transport.SHM else None
             if location is not None:
                 header = msgspec.structs.replace(header, offset=location.offset)

@@ -43,10 +43,22 @@ class SegmentGone(SegmentError):
     """The segment no longer exists (released, expired or its owner reclaimed)."""
 
 
+HOST_ID_ENV = "OMNIFLOW_HOST_ID"
+
+
 def host_id() -> str:
     """Identity of this machine's shared-memory namespace, as far as we can tell cheaply:
     hostname and boot id. Peers that agree on it try shared memory and fall back to TCP when
-    mapping fails (containers on one machine may share a boot id but not /dev/shm)."""
+    mapping fails (containers on one machine may share a boot id but not /dev/shm).
+
+    `OMNIFLOW_HOST_ID`, when set, is the identity instead: a node agent gives it to its role
+    workers (`node:<name>`), so that nodes made of network namespaces of one machine, which
+    share /dev/shm, the hostname and the boot id, still talk to each other over TCP only."""
+    given = os.environ.get(HOST_ID_ENV, "").strip()
+    if given:
+        if len(given) > 200 or not given.isprintable() or " " in given:
+            raise ValueError(f"{HOST_ID_ENV}={given!r}: 1-200 printable characters, no spaces")
+        return given
     boot = ""
     with contextlib.suppress(OSError):
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -218,9 +230,14 @@ class SegmentAllocator:
         return self._create(size)
 
     def _create(self, size: int) -> Segment:
-        name = f"{self._stem}-{next(self._serial)}"
-        path = os.path.join(self.root, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        while True:
+            name = f"{self._stem}-{next(self._serial)}"
+            path = os.path.join(self.root, name)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                break
+            except FileExistsError:
+                continue  # another allocator of this process (a second store) took that serial: the next
         try:
             os.ftruncate(fd, size)
             buffer = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

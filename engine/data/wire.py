@@ -16,6 +16,13 @@ else is answered with an `ErrorReply`. Then, per request id:
     KVFetchRequest -> KVFetchReply     (only owners that serve a KV cache; see below)
                      | ErrorReply
 
+On the authenticated plane a TCP pull may move its bytes over the owner's bulk channel
+(`engine.data.bulk`): a `PullRequest` with `bulk` set gets a `PullReply` carrying a
+`BulkGrant`, and the chunks are asked of the grant's address, another socket that speaks
+only `BulkMessage`:
+
+    BulkChunkRequest -> BulkChunkReply + 1 raw frame | ErrorReply (REFUSED: no valid grant)
+
 The same messages serve role workers (`WorkerMessage`), over ZeroMQ or, within one network
 namespace, a length-prefixed Unix stream (`engine.data.framed`): after the hello, the executor's
 dispatcher sends `ExecuteRequest`s and the worker answers each with `ExecuteStarted`,
@@ -53,6 +60,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 9
     DRAINING = 10  # the worker is shutting down and takes no new work
     WRONG_ROLE = 11  # the worker does not host the requested role
+    REFUSED = 12  # the bulk channel admits no request without a live grant for its ref and range
 
 
 class Transport(enum.StrEnum):
@@ -143,11 +151,24 @@ class HelloReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 
 class PullRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Ask for a ref's bytes; `transports` lists what the client accepts, best first."""
+    """Ask for a ref's bytes; `transports` lists what the client accepts, best first. `bulk`:
+    the client would take TCP bytes over the owner's bulk channel (`engine.data.bulk`)."""
 
     request_id: int
     ref_id: RefId
     transports: tuple[Transport, ...]
+    bulk: bool = False
+
+
+class BulkGrant(msgspec.Struct, frozen=True, array_like=True):
+    """The right to read one ref's bytes once over its owner's bulk channel, given in a
+    `PullReply` on the CURVE connection and never sent in clear: `token` (16 random bytes)
+    names the grant in each `BulkChunkRequest`; `key` (32 random bytes, or empty: no MACs)
+    keys the chunks' MACs."""
+
+    address: str
+    token: bytes
+    key: bytes
 
 
 class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -164,6 +185,9 @@ class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     segment_size: int = 0
     cuda: CudaIpcHandle | None = None
     """CUDA_IPC: the storage to open; `header.offset` is the tensor's byte offset in it."""
+    bulk: BulkGrant | None = None
+    """TCP, when the request asked for it and the owner has a bulk channel: ask the chunks of
+    `bulk.address` with BulkChunkRequests instead of ChunkRequests on this connection."""
 
 
 class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -245,6 +269,26 @@ class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     ref: TensorRef | None = None
 
 
+class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """A range of a granted ref, asked of the owner's bulk channel (`engine.data.bulk`)."""
+
+    request_id: int
+    token: bytes
+    ref_id: RefId
+    offset: int
+    length: int
+
+
+class BulkChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """Followed by exactly one raw frame of `length` bytes; `tag` is their MAC under the
+    grant's key (`engine.data.bulk.chunk_tag`), empty when the grant has none."""
+
+    request_id: int
+    offset: int
+    length: int
+    tag: bytes
+
+
 class ErrorReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """The answer to any request that cannot be served; `request_id` is None when the
     request was too broken to read one."""
@@ -273,6 +317,9 @@ Message = (
     | KVFetchReply
     | ErrorReply
 )
+
+BulkMessage = BulkChunkRequest | BulkChunkReply | ErrorReply
+"""What the bulk channel carries: nothing else is read there."""
 
 
 # --- role workers ----------------------------------------------------------------------------

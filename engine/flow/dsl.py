@@ -11,7 +11,8 @@
 
 A function decorated with `@op(name)` (`engine.spec.ops`) is recorded by its registered name
 (`op="diamond.square"`) and gives the node its ports; any other function is recorded as
-`module:qualname`, which only trusted runs (the command line) may execute.
+`module:function` (a function at its module's top level), which only trusted runs (the command
+line) may execute.
 
 A node of a kind that fixes its ports (e.g. `llm`, `llm.prefill`, `llm.decode`) gets them
 from the kind catalogue when none are given:
@@ -106,6 +107,9 @@ def _function_ref(fn: Callable[..., Any] | str) -> str:
     module = fn.__module__
     if module == "__main__":
         raise ValueError(f"{fn.__qualname__} lives in __main__; put it in an importable module")
+    if "." in fn.__qualname__:
+        raise ValueError(f"{module}:{fn.__qualname__} is not a function of its module: a module op names one"
+                         " (define it at the module's top level, or register it with @op)")
     return f"{module}:{fn.__qualname__}"
 
 

@@ -3,13 +3,16 @@
 `parse_spec` checks a raw document against the JSON Schema and decodes it;
 `check_spec` checks the meaning of a decoded spec against the kind catalogue (and, given an
 `OpConfig`, its python nodes' ops: `op_unknown`, `op_not_allowed`, their params against the op's
-schema). Both report all issues they find rather than stopping at the first.
+schema; each role's model: `model_missing` where its kind needs one and, given a `CheckpointLookup`,
+`model_unknown` for a name that is neither one of the kind's built-in models nor a checkpoint).
+Both report all issues they find rather than stopping at the first.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
@@ -20,8 +23,9 @@ import msgspec
 from engine.flow.balance import POLICY_NAMES
 from engine.flow.topology import reachable_from_roots, topology
 from engine.spec.graph import GraphSpec, NodeSpec, json_schema
-from engine.spec.kinds import KindRegistry, NodeKind
+from engine.spec.kinds import KindRegistry, NodeKind, RoleKind
 from engine.spec.ops import OpConfig, OpNotAllowedError
+from engine.spec.resources import ResourcesError, role_resources
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +110,17 @@ def _compatible(source: str, target: str) -> bool:
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
+CheckpointLookup = Callable[[str], bool]
+"""Whether a role's `model` names a checkpoint folder this process can load (a studio: one under
+its model roots)."""
 
-def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None) -> list[Issue]:
+
+def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None,
+               checkpoints: CheckpointLookup | None = None) -> list[Issue]:
     """Every semantic problem of a decoded spec; an empty list when it is valid. `ops`: also check
-    that each python node's op may run there (None: ops are not checked)."""
+    that each python node's op may run there (None: ops are not checked). `checkpoints`: also check
+    that each role's model is a built-in one of its kind or a checkpoint (None: only that a kind
+    needing a model has one)."""
     issues: list[Issue] = []
     add = issues.append
 
@@ -132,6 +143,7 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
             ):
                 add(Issue("bad_param", f"role {role.name!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
                           role=role.name))
+            _check_model(role, kinds.role_kind(role.kind), checkpoints, add)
         if role.tp_size > 1 and kinds.has_role_kind(role.kind):
             role_kind = kinds.role_kind(role.kind)
             if role_kind.tensor_parallel is None or role_kind.tp_runner is None:  # as the catalogue says
@@ -144,6 +156,7 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
         if role.balance not in POLICY_NAMES:
             add(Issue("unknown_policy", f"role {role.name!r} names unknown load-balancing policy {role.balance!r}"
                       f" (known: {', '.join(POLICY_NAMES)})", role=role.name))
+    _check_resources(spec, add)
 
     nodes: dict[str, NodeSpec] = {}
     node_kinds: dict[str, NodeKind] = {}
@@ -237,6 +250,54 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
     return issues
 
 
+def _check_model(role: Any, kind: RoleKind, checkpoints: CheckpointLookup | None, add) -> None:
+    """A role of a kind that needs a model names one, and (with `checkpoints`) one it can load."""
+    uses = kind.models
+    if uses is None:
+        return
+    where = " or a checkpoint folder" if uses.checkpoints else ""
+    if not role.model:
+        if uses.required:
+            names = ", ".join(m.name for m in uses.builtin_models())
+            add(Issue("model_missing", f"role {role.name!r} of kind {kind.name!r} needs a model: a built-in one"
+                      f" ({names or 'none'}){where}", role=role.name, path="model"))
+        return
+    if checkpoints is None:
+        return
+    builtin = [m.name for m in uses.builtin_models()]
+    if role.model in builtin or (uses.checkpoints and checkpoints(role.model)):
+        return
+    add(Issue("model_unknown", f"role {role.name!r}: model {role.model!r} is neither a built-in model of kind"
+              f" {kind.name!r} ({', '.join(builtin) or 'none'})"
+              f"{' nor a checkpoint folder in the model directories' if uses.checkpoints else ''}",
+              role=role.name, path="model"))
+
+
+def _check_resources(spec: GraphSpec, add) -> None:
+    """Each role's `resources` read (`engine.spec.resources`), and the roles of one colocate group
+    asking for labels a single node can have."""
+    groups: dict[str, dict[str, tuple[str, str]]] = {}  # group -> label -> (value, role asking)
+    for role in spec.roles:
+        try:
+            wanted = role_resources(role.resources)
+        except ResourcesError as exc:
+            for name, message in exc.problems:
+                add(Issue("bad_resources", f"role {role.name!r}: resources.{name}: {message}", role=role.name,
+                          path=f"resources.{name}"))
+            continue
+        if wanted.colocate is None:
+            continue
+        labels = groups.setdefault(wanted.colocate, {})
+        for name, value in wanted.labels.items():
+            if name in labels and labels[name][0] != value:
+                other_value, other = labels[name]
+                add(Issue("colocate_conflict", f"role {role.name!r}: colocate group {wanted.colocate!r} puts it on"
+                          f" one node with role {other!r}, but it asks for label {name}={value} and {other!r}"
+                          f" for {name}={other_value}", role=role.name))
+            else:
+                labels.setdefault(name, (value, role.name))
+
+
 def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: KindRegistry, add) -> None:
     if kind.role_kinds:
         if node.role is None:
@@ -252,7 +313,8 @@ def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: Ki
         add(Issue("unexpected_role", f"node {node.id!r} of kind {kind.name!r} runs in the executor and takes no"
                   " role", node=node.id))
     if kind.op == "required" and not node.op:
-        add(Issue("missing_op", f"node {node.id!r} of kind {kind.name!r} needs an op", node=node.id))
+        add(Issue("missing_op", f"node {node.id!r} of kind {kind.name!r} needs an op", node=node.id,
+                  path="op"))
     if kind.op == "forbidden" and node.op:
         add(Issue("unexpected_op", f"node {node.id!r} of kind {kind.name!r} takes no op", node=node.id))
     for err in jsonschema.Draft202012Validator(kind.params_schema).iter_errors(node.params):
@@ -295,7 +357,7 @@ def _check_op(node: NodeSpec, ops: OpConfig, add) -> None:
     problem = ops.problem(node.op)
     if problem is not None:
         code = "op_not_allowed" if isinstance(problem, OpNotAllowedError) else "op_unknown"
-        add(Issue(code, f"node {node.id!r}: {problem}", node=node.id))
+        add(Issue(code, f"node {node.id!r}: {problem}", node=node.id, path="op"))
         return
     if node.op not in ops.registry:
         return
@@ -305,8 +367,9 @@ def _check_op(node: NodeSpec, ops: OpConfig, add) -> None:
                   f" {err.message}", node=node.id))
 
 
-def validate(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None) -> None:
+def validate(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None,
+             checkpoints: CheckpointLookup | None = None) -> None:
     """Raise GraphValidationError when `check_spec` finds anything."""
-    issues = check_spec(spec, kinds, ops)
+    issues = check_spec(spec, kinds, ops, checkpoints)
     if issues:
         raise GraphValidationError(issues)

@@ -28,6 +28,31 @@ MAX_CAPACITY = 4096
 
 
 @dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    """A model a role kind knows by name, with no file to point at (what the editor's picker offers)."""
+
+    name: str
+    random_weights: bool
+    """Seeded random weights (a tiny test model): it runs, but what it says is noise."""
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleModels:
+    """What the `model` of a role of some kind names."""
+
+    required: bool
+    """A role of the kind cannot run without one (validation: `model_missing`)."""
+    builtin: str | None = None
+    """`"module:function"` returning the kind's `BuiltinModel`s; imported only when asked."""
+    checkpoints: bool = False
+    """Whether a checkpoint folder (a local one, or in a studio one under its model roots) serves too."""
+
+    def builtin_models(self) -> list[BuiltinModel]:
+        return [] if self.builtin is None else list(_import_ref(self.builtin)())
+
+
+@dataclass(frozen=True, slots=True)
 class RoleKind:
     name: str
     description: str
@@ -42,6 +67,8 @@ class RoleKind:
     """`"module:Class"` of the unit rank 0 of a `tp_size > 1` replica hosts, built as
     `Class(role, tp=seat)`; its module's `follow(role, seat, ready=..., parent_pid=...)` runs
     ranks 1.. (see `engine.compute.tp.unit`)."""
+    models: RoleModels | None = None
+    """What its roles' `model` names; None: the kind takes no model."""
 
     def load_runner(self) -> Any:
         """Import the compute unit class named by `runner`."""

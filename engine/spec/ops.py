@@ -13,7 +13,9 @@ Parameters without a default are input ports (`str` -> `text`, `list[int]` -> `t
 with a default are params, each with a JSON schema from its hint; `ctx` (the `NodeContext`)
 is neither; the return hint types the one output `out` (a generator's: the type of its
 frames). `inputs=`/`outputs=` replace the derived ports where they are not what a graph
-should see (an optional input port with a default, several outputs).
+should see (an optional input port with a default, several outputs). `output_dirs=` names the
+params that are folders the op writes into: a studio takes them as names under the run owner's
+own folder and gives them one when the node does not (`studio.workflows.paths`).
 
 There is no global registry. `default_ops()` builds an `OpRegistry` for a process from the
 installed packages' entry points of the group `omniflow.ops`: each entry point names a module,
@@ -45,8 +47,12 @@ from engine.spec.graph import PortSpec, PortType
 ENTRY_POINT_GROUP = "omniflow.ops"
 OP_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
 """A registered op's name: dotted lower-case words, at least two (`text.join`)."""
-MODULE_OP = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-"""A `module:function` op: code the spec names by its import path (trusted mode only)."""
+MODULE_OP = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+"""A `module:function` op: code the spec names by its import path (trusted mode only), one
+function of the module, never an attribute path through it."""
+ATTRIBUTE_PATH_OP = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+"""`module:a.b`: an attribute path through what the module imported (`x:Path.write_text`),
+refused everywhere, trusted mode included."""
 _ATTRIBUTE = "__omniflow_op__"
 
 PortDecl = str | Mapping[str, Any] | PortSpec
@@ -82,6 +88,8 @@ class OpInfo:
     is_coroutine: bool
     is_generator: bool
     is_async_generator: bool
+    output_dirs: tuple[str, ...] = ()
+    """Params naming a folder the op writes into (`@op(output_dirs=...)`)."""
 
     def params_json_schema(self) -> dict[str, Any]:
         """`params_schema` as plain dicts and lists (a copy)."""
@@ -99,6 +107,7 @@ class OpInfo:
             "outputs": ports(self.outputs),
             "params_schema": self.params_json_schema(),
             "stream": self.is_generator or self.is_async_generator,
+            "output_dirs": list(self.output_dirs),
         }
 
 
@@ -191,7 +200,8 @@ def _port(decl: PortDecl) -> PortSpec:
 
 
 def describe(fn: Callable[..., Any], name: str, *, inputs: Mapping[str, PortDecl] | None = None,
-             outputs: Mapping[str, PortDecl] | None = None, description: str | None = None) -> OpInfo:
+             outputs: Mapping[str, PortDecl] | None = None, description: str | None = None,
+             output_dirs: Iterable[str] = ()) -> OpInfo:
     """The `OpInfo` of `fn` registered as `name` (what `@op` attaches)."""
     if not isinstance(name, str) or not OP_NAME.match(name):
         raise OpDefinitionError(f"op name {name!r} of {_where(fn)}: expected dotted lower-case words such as"
@@ -226,6 +236,11 @@ def describe(fn: Callable[..., Any], name: str, *, inputs: Mapping[str, PortDecl
         returned = hints.get("return", inspect.Parameter.empty)
         kind = port_type(_frame_hint(returned))
         ports_out = {"out": PortSpec(type="json" if kind == "any" and returned is inspect.Parameter.empty else kind)}
+    output_dirs = tuple(output_dirs)
+    for pname in output_dirs:
+        if pname not in properties or properties[pname].get("type", "string") != "string":
+            raise OpDefinitionError(f"op {name!r} ({_where(fn)}): output_dirs names {pname!r}, which is not a"
+                                    " string param of the function")
     return OpInfo(
         name=name,
         description=description if description is not None else _summary(fn),
@@ -236,6 +251,7 @@ def describe(fn: Callable[..., Any], name: str, *, inputs: Mapping[str, PortDecl
         is_coroutine=inspect.iscoroutinefunction(fn),
         is_generator=inspect.isgeneratorfunction(fn),
         is_async_generator=inspect.isasyncgenfunction(fn),
+        output_dirs=output_dirs,
     )
 
 
@@ -260,12 +276,14 @@ def _where(fn: Callable[..., Any]) -> str:
 
 
 def op(name: str, *, inputs: Mapping[str, PortDecl] | None = None, outputs: Mapping[str, PortDecl] | None = None,
-       description: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+       description: str | None = None, output_dirs: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a function as the op `name`; returns the function itself, with its `OpInfo` attached
-    (read it with `op_info`). Registers nothing: a registry collects the module's ops."""
+    (read it with `op_info`). Registers nothing: a registry collects the module's ops.
+    `output_dirs`: the (string) params naming folders the op writes into."""
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(fn, _ATTRIBUTE, describe(fn, name, inputs=inputs, outputs=outputs, description=description))
+        setattr(fn, _ATTRIBUTE, describe(fn, name, inputs=inputs, outputs=outputs, description=description,
+                                         output_dirs=output_dirs))
         return fn
 
     return mark
@@ -319,6 +337,20 @@ class OpRegistry:
         except KeyError:
             raise UnknownOpError(self.unknown_message(name)) from None
 
+    def find(self, op: str | None) -> RegisteredOp | None:
+        """The registered op a node's `op` names: by its registered name, or as `module:function`
+        naming a registered op's function (matched against what was collected: nothing is
+        imported). None: no registered op."""
+        if op is None:
+            return None
+        found = self._ops.get(op)
+        if found is not None or not MODULE_OP.match(op):
+            return found
+        module, _, function = op.partition(":")
+        return next((r for r in self._ops.values()
+                     if getattr(r.fn, "__module__", None) == module and getattr(r.fn, "__name__", None) == function),
+                    None)
+
     def unknown_message(self, name: str) -> str:
         close = difflib.get_close_matches(name, list(self._ops), n=3, cutoff=0.8)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -362,10 +394,19 @@ class OpConfig:
         """Why `op` may not run here (None: it may). Imports nothing."""
         if op in self.registry:
             return None
-        if MODULE_OP.match(op):
-            if self.allow_module_ops:
-                return None
-            return OpNotAllowedError(
-                f"op {op!r} names code by its module path, which this process does not run (module ops are off:"
-                " name a registered op instead)")
+        if MODULE_OP.match(op) or ATTRIBUTE_PATH_OP.match(op):
+            if not self.allow_module_ops:
+                return OpNotAllowedError(
+                    f"op {op!r} names code by its module path, which this process does not run (module ops are"
+                    " off: name a registered op instead)")
+            if ATTRIBUTE_PATH_OP.match(op):
+                return OpNotAllowedError(attribute_path_message(op))
+            return None
         return UnknownOpError(self.registry.unknown_message(op))
+
+
+def attribute_path_message(op: str) -> str:
+    """Why `module:a.b` is refused, trusted mode included."""
+    module, _, path = op.partition(":")
+    return (f"op {op!r} walks the attribute path {path!r} through module {module!r}: a module op names one"
+            f" function defined in its module ('{module}:{path.split('.')[-1]}' if it is defined there)")

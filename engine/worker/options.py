@@ -45,6 +45,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run python nodes whose op is a `module:function` (code named by the request) besides"
                              " the registered ops (default: yes, your own code; a studio's workers get"
                              " --no-module-ops unless its operator allows them)")
+    parser.add_argument("--host-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="share CPU model weights with the other workers of this host: one copy per host"
+                             " (default: yes; --no-host-weights loads a copy per worker, only to measure what"
+                             " sharing saves, as `omniflow bench weights` does)")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="the worker plane's CURVE keys (a directory only this user can read, made by"
                              " `omniflow keys generate DIR` or by the launcher): required")
@@ -96,6 +100,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         tp_address=args.tp_address,
         tp_listen_fd=args.tp_listen_fd,
         allow_module_ops=args.module_ops,
+        host_weights=args.host_weights,
         keys=keys,
     )
 

@@ -116,6 +116,8 @@ class WorkerConfig:
     allow_module_ops: bool = True
     """Run `module:function` ops besides the registered ones (`--no-module-ops`: refuse them,
     whatever the executor sends: a worker enforces its launcher's rule itself)."""
+    host_weights: bool = True
+    """Share CPU weights with the host's other workers (`HostWeights`); False: a copy of its own."""
     keys: PlaneKeys | None = None
     """The plane's CURVE keys (`engine.data.curve`): control, liveness and the tensor/KV page
     server admit only their holders. None is the plaintext plane, which only an explicit
@@ -347,14 +349,20 @@ class _Liveness(threading.Thread):
         self.join(timeout)
 
 
-def _process_metrics() -> dict[str, float]:
+def process_metrics(device: str) -> dict[str, float]:
+    """The worker process's resident memory (`rss_bytes`) and, for a worker on a CUDA device, that
+    device's memory: what torch's allocator holds and reserves there, and the device's total and
+    free (`gpu_memory_<kind>_bytes`). A worker on the CPU never asks CUDA anything: a query would
+    give it a CUDA context, hundreds of MB of GPU memory, of its own."""
     metrics = {"rss_bytes": float(psutil.Process().memory_info().rss)}
-    if "torch" in sys.modules:
+    if device.startswith("cuda") and "torch" in sys.modules:
         torch = sys.modules["torch"]
         if torch.cuda.is_available():
-            metrics["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated())
-            metrics["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved())
-            free, total = torch.cuda.mem_get_info()
+            index = torch.device(device).index
+            index = torch.cuda.current_device() if index is None else index
+            metrics["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(index))
+            metrics["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved(index))
+            free, total = torch.cuda.mem_get_info(index)
             metrics["gpu_memory_total_bytes"] = float(total)
             metrics["gpu_memory_free_bytes"] = float(free)
     return metrics
@@ -407,7 +415,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
 
     HostWeights().reclaim()
     DeviceWeights(peer).reclaim()
-    weights = WeightStore(HostWeights(), DeviceWeights(peer))
+    weights = WeightStore(HostWeights() if config.host_weights else None, DeviceWeights(peer))
     capacity = config.capacity or int(config.role.params.get("capacity", 64))
     # The units see the capacity this worker runs at (`--capacity` overrides the role's).
     role = msgspec.structs.replace(config.role, params={**config.role.params, "capacity": capacity})
@@ -437,8 +445,8 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     def load() -> WorkerLoad:
         base = core.load()
         return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
-                          metrics={**base.metrics, **_process_metrics(), **kv.metrics(), **unit.metrics(),
-                                   **refused()})
+                          metrics={**base.metrics, **process_metrics(config.role.device), **kv.metrics(),
+                                   **unit.metrics(), **peer.transfers.metrics(), **refused()})
 
     greeted: set[bytes] = set()
 

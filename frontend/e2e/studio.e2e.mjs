@@ -256,7 +256,7 @@ try {
 
   await step("fix it", async () => {
     await selectNode("square");
-    await setField(tid("node-op-input"), "diamond.square");
+    await page.selectOption(tid("node-op-select"), "diamond.square"); // the registered ops' picker
     await validity("Valid");
     expect((await page.locator(".spec-node.has-issues").count()) === 0, "no node is marked after the fix");
   });
@@ -507,7 +507,7 @@ try {
     await runOnDeployment(workflowIds.imageGeneration);
     const second = await hitRateAfter(await finishedAt());
     expect(second > first, `the device hit rate went from ${first} to ${second}`);
-    await waitText('[data-testid="worker-row"][data-role="llm"]', "tiny-llama"); // the role's model
+    await waitText('[data-testid="worker-row"][data-role="llm"]', "smollm2-135m"); // the role's model
     await shot("cluster-kv-hit-rate-rise");
     await openWorkflow("image_generation");
     await page.click(tid("deploy"));

@@ -3,11 +3,14 @@ import { AuthProvider, RequireAuth } from "./auth";
 import { Shell } from "./components/Shell";
 import { ToastProvider } from "./components/toast";
 import { ClusterPage } from "./pages/ClusterPage";
+import { DeploymentPage } from "./pages/DeploymentPage";
+import { DeploymentsPage } from "./pages/DeploymentsPage";
 import { EditorPage } from "./pages/EditorPage";
 import { LoginPage } from "./pages/LoginPage";
 import { NewRunPage } from "./pages/NewRunPage";
 import { RunPage } from "./pages/RunPage";
 import { RunsPage } from "./pages/RunsPage";
+import { TokensPage } from "./pages/TokensPage";
 import { WorkflowsPage } from "./pages/WorkflowsPage";
 
 export function App() {
@@ -31,6 +34,9 @@ export function App() {
               <Route path="/runs" element={<RunsPage />} />
               <Route path="/runs/:id" element={<RunPage />} />
               <Route path="/cluster" element={<ClusterPage />} />
+              <Route path="/deployments" element={<DeploymentsPage />} />
+              <Route path="/deployments/:id" element={<DeploymentPage />} />
+              <Route path="/tokens" element={<TokensPage />} />
               <Route path="*" element={<NotFound />} />
             </Route>
           </Routes>

@@ -17,7 +17,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from channels.auth import AuthMiddlewareStack
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.http.request import validate_host
@@ -25,6 +24,7 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions
 
 from studio.accounts.models import ApiToken
+from studio.dbcalls import orm
 
 _TOUCH_EVERY = dt.timedelta(minutes=1)
 
@@ -96,7 +96,7 @@ class _BearerOrSameOriginSession:
         if secret is not None:
             # Read-only and independent of the request thread: off the one thread sync views share,
             # so a burst of REST writes does not hold WebSocket handshakes past their timeout.
-            user = await database_sync_to_async(user_for_token, thread_sensitive=False)(secret)
+            user = await orm(user_for_token, thread_sensitive=False)(secret)
             scope = {**scope, "user": user or AnonymousUser(), "auth": "token" if user else "invalid-token"}
         elif getattr(scope.get("user"), "is_authenticated", False):
             if origin_allowed(headers.get(b"origin")):

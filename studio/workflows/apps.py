@@ -1,5 +1,5 @@
 """The workflows app. Its AppConfig owns the process's engine objects (`StudioEngine`):
-the kind catalogue, the `RunService` and the deployments it hosts. They are built once in
+the kind catalogue, the `RunService`, the deployments it hosts and the metrics history. They are built once in
 `ready()` from `settings.OMNIFLOW` and reached through `engine()`; nothing else holds them."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from engine.spec.kinds import KindRegistry
     from engine.spec.ops import OpConfig
     from studio.config import StudioConfig
+    from studio.workflows.chat.templates import ChatTemplates
     from studio.workflows.deployments.embedded import EmbeddedDeployments
+    from studio.workflows.history import MetricsSampler
     from studio.workflows.runs.service import RunService
 
 
@@ -28,12 +30,18 @@ class StudioEngine:
     runs: RunService
     deployments: EmbeddedDeployments
     """Coroutines to run on `runs.call(...)`: the engine loop owns the deployments' workers."""
+    templates: ChatTemplates
+    """The chat templates of the models chat deployments run, loaded once per model."""
+    history: MetricsSampler
+    """The workers' metrics over time: its `store`, and the sampler that fills it once started."""
 
 
 def build_engine(config: StudioConfig) -> StudioEngine:
     from engine.spec.kinds import default_kinds
     from engine.spec.ops import OpConfig, default_ops
+    from studio.workflows.chat.templates import ChatTemplates
     from studio.workflows.deployments.embedded import EmbeddedDeployments
+    from studio.workflows.history import build_sampler
     from studio.workflows.runs.bus import ChannelLayerRunEventBus, LocalRunEventBus
     from studio.workflows.runs.service import RunService
 
@@ -41,9 +49,9 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
     bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
     deployments = EmbeddedDeployments(config, kinds)
-    return StudioEngine(config=config, kinds=kinds, ops=ops,
-                        runs=RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s),
-                        deployments=deployments)
+    runs = RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s)
+    return StudioEngine(config=config, kinds=kinds, ops=ops, runs=runs, deployments=deployments,
+                        templates=ChatTemplates(), history=build_sampler(config, runs, deployments))
 
 
 class WorkflowsConfig(AppConfig):

@@ -29,13 +29,15 @@ import uuid
 from typing import Any
 from urllib.parse import parse_qs
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from engine.flow.discovery import RegistryError
+from studio.dbcalls import orm
 from studio.jsonbody import JsonRefused, load_json
 from studio.workflows.apps import engine
 from studio.workflows.deployments.workers import active_deployments, listing, recorded_statuses, snapshots
+from studio.workflows.history.query import RangeError, history, parse_range
+from studio.workflows.history.store import HistoryUnavailable
 from studio.workflows.models import Deployment, Run, RunEvent
 from studio.workflows.runs.bus import RunEventBus
 
@@ -87,8 +89,8 @@ def _stored_events_sync(run_id: str, first: int, last: int | None = None) -> lis
 
 # Read-only lookups, run off the one thread that sync views share (thread_sensitive=False): a
 # burst of REST writes must not hold WebSocket handshakes and replays past their timeouts.
-_visible_run = database_sync_to_async(_visible_run_sync, thread_sensitive=False)
-_stored_events = database_sync_to_async(_stored_events_sync, thread_sensitive=False)
+_visible_run = orm(_visible_run_sync, thread_sensitive=False)
+_stored_events = orm(_stored_events_sync, thread_sensitive=False)
 
 
 class RunEventsConsumer(AsyncWebsocketConsumer):
@@ -214,11 +216,15 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
 
 
 class WorkerMetricsConsumer(AsyncWebsocketConsumer):
-    """`/ws/metrics/`: every `OMNIFLOW_METRICS_INTERVAL_S` (1 s), one message
+    """`/ws/metrics/?range=5m`: first the history of the range, one message
+    `{"type": "history", ...}` (the body of `GET /api/metrics/history/`, see
+    `studio.workflows.history.query`; with an `error` and no workers when it cannot be read);
+    then every `OMNIFLOW_METRICS_INTERVAL_S` (1 s), one message
     `{"type": "workers", "time": <epoch s>, "workers": [WorkerSnapshot + status, deployment]}`
     with the live workers of the deployments the user can see (the shape of
-    `GET /api/workers/`; see `studio.workflows.deployments.workers`). The first message
-    comes at once. Not authenticated: one error message, then close code 4401."""
+    `GET /api/workers/`; see `studio.workflows.deployments.workers`). The first of those
+    comes at once. Not authenticated: one error message, then close code 4401; a bad
+    `range`, 4400."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -230,7 +236,13 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self._refuse(401, "authentication required: send 'Authorization: Bearer <token>' or log in")
             return
-        self._ticker = asyncio.get_running_loop().create_task(self._tick(user))
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin1"))
+        try:
+            span = parse_range(query["range"][-1] if "range" in query else None, engine().config.metrics_history_s)
+        except RangeError as exc:
+            await self._refuse(400, str(exc))
+            return
+        self._ticker = asyncio.get_running_loop().create_task(self._tick(user, span))
 
     async def _refuse(self, status: int, message: str) -> None:
         await self.send(json.dumps({"type": "error", "status": status, "error": message}))
@@ -251,10 +263,11 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
         except _Refused as refused:
             await self._refuse(refused.status, refused.message)
 
-    async def _tick(self, user: Any) -> None:
+    async def _tick(self, user: Any, span: tuple[str, float]) -> None:
         eng = engine()
         interval = eng.config.metrics_interval_s
         loop = asyncio.get_running_loop()
+        await self.send(json.dumps(await _history_message(eng, user, span)))
         while True:
             began = loop.time()
             try:
@@ -266,10 +279,21 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
             await asyncio.sleep(max(0.0, interval - (loop.time() - began)))  # the stream's own period
 
 
+async def _history_message(eng: Any, user: Any, span: tuple[str, float]) -> dict[str, Any]:
+    range_text, range_s = span
+    try:
+        body = await orm(history, thread_sensitive=False)(
+            eng.history.store, user, range_text=range_text, range_s=range_s)
+    except HistoryUnavailable as exc:
+        log.warning("%s", exc)
+        return {"type": "history", "range": range_text, "range_s": range_s, "error": str(exc), "workers": []}
+    return {"type": "history", **body}
+
+
 async def _worker_message(eng: Any, user: Any) -> dict[str, Any]:
-    namespaces = await database_sync_to_async(
+    namespaces = await orm(
         lambda: active_deployments(Deployment.objects.visible_to(user)))()
     live = await snapshots(eng, namespaces)
-    recorded = await database_sync_to_async(recorded_statuses)(list(namespaces))
+    recorded = await orm(recorded_statuses)(list(namespaces))
     result = listing(live, recorded)
     return {"type": "workers", "time": result.time, "workers": result.workers}

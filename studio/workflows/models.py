@@ -94,11 +94,18 @@ class DeploymentStatus(models.TextChoices):
     FAILED = "failed"
 
 
+ACTIVE_DEPLOYMENT_STATUSES = frozenset({DeploymentStatus.PENDING, DeploymentStatus.STARTING,
+                                        DeploymentStatus.RUNNING, DeploymentStatus.STOPPING})
+
+
 class CacheScope(models.TextChoices):
     """Whose runs of a deployment share its caches (KV pages, prefix trees, sessions)."""
 
     USER = "user", "each user's runs their own"
     SHARED = "shared", "every user's runs of this deployment (staff only: e.g. a public system prompt)"
+
+
+MAX_DEPLOYMENT_NAME = 100
 
 
 class Deployment(models.Model):
@@ -107,8 +114,11 @@ class Deployment(models.Model):
     Its workers register in the worker registry under `namespace`, so two deployments of
     the same workflow never share workers, and a worker started by hand on another machine
     joins it with `omniflow worker --namespace <namespace> --registry <REDIS_URL> ...`.
-    `node` is the node whose Celery worker starts them (queue `node.<node>`); blank when
-    the studio process itself hosts them (the embedded mode). `plane_public`/`plane_secret`:
+    `placement` (distributed mode) says which node runs each replica (`{"slots": [{"role",
+    "replica", "node"}], "moved": [...], "unplaced": [...]}`, read by
+    `studio.workflows.deployments.placing.DeploymentPlacement`): each of those nodes' Celery
+    worker (queue `node.<node>`) starts its share; `node` is the first of them, blank when the
+    studio process itself hosts the workers (the embedded mode). `plane_public`/`plane_secret`:
     the CURVE keypair of its worker plane (`engine.data.curve`), made when it is deployed:
     every process that reaches the database (the node agent starting the workers, the web and
     Celery processes dispatching to them) reads it here, whatever host it runs on; the node
@@ -118,11 +128,14 @@ class Deployment(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
     version = models.ForeignKey(WorkflowVersion, on_delete=models.PROTECT, related_name="deployments")
-    name = models.CharField(max_length=100, blank=True)
+    name = models.CharField(max_length=MAX_DEPLOYMENT_NAME, blank=True,
+                            help_text="the OpenAI model id of a chat deployment; unique among the owner's live ones")
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     replicas = models.JSONField(default=dict, blank=True, help_text="role name -> replica count")
     node = models.CharField(max_length=63, blank=True,
                             help_text="node whose Celery worker starts the role workers; blank: the studio process")
+    placement = models.JSONField(default=dict, blank=True,
+                                 help_text="distributed mode: the node of each replica, the replicas that moved")
     namespace = models.CharField(max_length=100, blank=True, help_text="worker registry namespace")
     cache_scope = models.CharField(max_length=8, choices=CacheScope.choices, default=CacheScope.USER,
                                    help_text="user: a user's runs never meet another's in a cache; shared: set by staff")
@@ -139,6 +152,11 @@ class Deployment(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [
+            # a name is how a user's clients reach a live deployment (`model="<name>"` on /v1)
+            models.UniqueConstraint(fields=["owner", "name"], name="deployment_name_unique_live",
+                                    condition=models.Q(status__in=sorted(ACTIVE_DEPLOYMENT_STATUSES))),
+        ]
 
     def __str__(self) -> str:
         return self.name or f"deployment of {self.version}"
@@ -149,14 +167,13 @@ class Deployment(models.Model):
         return self.status in ACTIVE_DEPLOYMENT_STATUSES
 
     def plane_keys(self) -> PlaneKeys | None:
-        """The worker plane's keys; None once it ended (they are cleared then)."""
+        """The worker plane's keys, with the studio's bulk mode (`OMNIFLOW_PLANE_BULK`); None
+        once it ended (they are cleared then)."""
         if not self.plane_secret:
             return None
-        return PlaneKeys(self.plane_public, self.plane_secret, frozenset({self.plane_public}))
+        return PlaneKeys(self.plane_public, self.plane_secret, frozenset({self.plane_public}),
+                         settings.OMNIFLOW.plane_bulk)
 
-
-ACTIVE_DEPLOYMENT_STATUSES = frozenset({DeploymentStatus.PENDING, DeploymentStatus.STARTING,
-                                        DeploymentStatus.RUNNING, DeploymentStatus.STOPPING})
 
 
 def deployment_namespace(prefix: str, deployment_id: uuid.UUID) -> str:

@@ -32,7 +32,7 @@ from studio.workflows.models import (
     Workflow,
     WorkflowVersion,
 )
-from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
+from studio.workflows.paths import PathRefused, PathRoots, find_checkpoint, resolve_spec_paths
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
@@ -55,21 +55,23 @@ def invalid_workflow(exc: GraphValidationError, status: type[BadRequest] | type[
 def read_spec(*, spec: Any = None, source: str | None = None) -> GraphSpec:
     """A GraphSpec from a JSON document or DSL source; BadRequest lists every schema problem."""
     try:
-        return spec_from_source(source) if source is not None else parse_document(spec)
+        return spec_from_source(source, engine().ops.registry) if source is not None else parse_document(spec)
     except GraphValidationError as exc:
         raise invalid_workflow(exc) from None
 
 
 def check_spec_for_studio(spec: GraphSpec) -> CheckedSpec:
+    """`check` with this studio's kinds, ops and model roots."""
     eng = engine()
-    return check(spec, eng.kinds, eng.ops)
+    roots = tuple(eng.config.model_dirs)
+    return check(spec, eng.kinds, eng.ops, lambda name: find_checkpoint(roots, name) is not None)
 
 
 def check_paths(user: Any, document: dict[str, Any], message: str) -> None:
     """Unprocessable unless every path the spec names resolves under its root for `user` (the
     resolution itself happens again where the run or deployment starts)."""
     try:
-        resolve_spec_paths(document, user.pk, PathRoots.of(engine().config))
+        resolve_spec_paths(document, user.pk, PathRoots.of(engine().config), engine().ops.registry)
     except PathRefused as exc:
         raise Unprocessable(message, [i.to_dict() for i in exc.issues]) from None
 

@@ -3,13 +3,17 @@
 A spec saved in the studio is data: where it names a place on disk it names it relative to a
 root, never as a server path. Three kinds of names:
 
-* **user files**: the llm role param `disk_path` (the disk KV tier) and a node's `out_dir`
-  (the output folder of ops such as `save_outputs`) are relative to the owner's own folder,
-  `<OMNIFLOW_DATA_DIR>/users/<user id>/` (made 0700 on first use). An output op given no
-  `out_dir` writes under `outputs/` there;
+* **user files**: the llm role param `disk_path` (the disk KV tier), a node's `out_dir`, and
+  every param its op declares an output folder (`@op(output_dirs=...)`, read from the op
+  registry: `media.save_outputs`'s `out_dir`) are relative to the owner's own folder,
+  `<OMNIFLOW_DATA_DIR>/users/<user id>/` (made 0700 on first use). A declared output folder the
+  node does not give is `outputs/` there (the op's own default is relative to the server's
+  working directory);
 * **model checkpoints**: a role `model` of a kind that loads checkpoints (`llm`, `sglang_llm`,
-  `diffusion`) is a built-in model name or a checkpoint folder relative to one of
-  `OMNIFLOW_MODEL_DIRS` (the first that holds it).
+  `diffusion`) is a built-in model name or a checkpoint folder (one holding a `config.json`)
+  relative to one of `OMNIFLOW_MODEL_DIRS` (the first that holds it). `find_checkpoint` is
+  what validation asks, `list_checkpoints` what the models endpoint shows: names relative to
+  a root, never the server path.
 
 Absolute names, `..`, and symbolic links (any component, under the root) are refused with an
 issue on the role or node naming the param. `spec_path_issues` checks the names (no file
@@ -27,15 +31,15 @@ from typing import Any
 
 from engine.flow.validate import Issue
 from engine.spec.graph import GraphSpec
+from engine.spec.ops import OpRegistry
 
 USER_PATH_ROLE_PARAMS = ("disk_path",)
 """Role params naming a folder under the owner's root."""
 USER_PATH_NODE_PARAMS = ("out_dir",)
-"""Node params naming a folder under the owner's root."""
-OUTPUT_OPS = frozenset({"save_outputs"})
-"""Ops (by their function's name) that write under `out_dir`, defaulting to a folder relative to
-the process's working directory: the studio always gives them one under the owner's root."""
+"""Node params naming a folder under the owner's root, whatever the node's op (besides the
+output folders its op declares)."""
 DEFAULT_OUT_DIR = "outputs"
+"""What a declared output folder the node leaves out is, under the owner's root."""
 CHECKPOINT_ROLE_KINDS = frozenset({"llm", "sglang_llm", "diffusion"})
 """Role kinds whose `model` may be a checkpoint folder (the others take built-in names only)."""
 
@@ -102,22 +106,92 @@ def resolve_under(root: Path, name: str) -> Path:
     return path
 
 
+CHECKPOINT_MARKER = "config.json"
+"""What makes a folder a checkpoint (a Hugging Face config beside the weights)."""
+LIST_DEPTH = 3
+"""How deep below a model root `list_checkpoints` looks (`org/model/revision`)."""
+LIST_LIMIT = 500
+"""The most checkpoints `list_checkpoints` reports (a root holding more is cut short, and says so)."""
+
+
+def find_checkpoint(roots: tuple[Path, ...], name: str) -> Path | None:
+    """The checkpoint folder `name` stands for under the first root holding one (None: no root
+    does, or the name is not a relative name: `name_problem`). Never follows a link."""
+    if name_problem(name) is not None:
+        return None
+    for root in roots:
+        try:
+            path = resolve_under(root, name)
+        except ValueError:
+            return None
+        if path.is_dir() and (path / CHECKPOINT_MARKER).is_file() and not (path / CHECKPOINT_MARKER).is_symlink():
+            return path
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoints:
+    """The checkpoints found under the model roots, by name relative to their root."""
+
+    names: list[str]
+    truncated: bool
+    """More than `LIST_LIMIT` were there."""
+
+
+def list_checkpoints(roots: tuple[Path, ...]) -> Checkpoints:
+    """Checkpoint folders under each root, at most `LIST_DEPTH` deep, first root first (a name
+    held by two roots counts once, as `find_checkpoint` resolves it). Links and hidden folders
+    are skipped, and a checkpoint's own subfolders are not searched."""
+    names: dict[str, None] = {}
+    for root in roots:
+        stack = [(root, 0)]
+        while stack:
+            folder, depth = stack.pop()
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name, reverse=True)
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+                    continue
+                path = Path(entry.path)
+                marker = path / CHECKPOINT_MARKER
+                if marker.is_file() and not marker.is_symlink():
+                    names[str(PurePosixPath(path.relative_to(root)))] = None
+                    if len(names) > LIST_LIMIT:
+                        return Checkpoints(sorted(names)[:LIST_LIMIT], truncated=True)
+                elif depth + 1 < LIST_DEPTH:
+                    stack.append((path, depth + 1))
+    return Checkpoints(sorted(names), truncated=False)
+
+
 def _builtin_model(name: str) -> bool:
     from engine.compute.models.catalog import BUILTIN_MODELS
+    from engine.compute.models.packaged import PACKAGED_MODELS
 
-    return name in BUILTIN_MODELS
+    return name in BUILTIN_MODELS or name in PACKAGED_MODELS
 
 
-def _op_name(op: str | None) -> str:
-    return (op or "").replace(":", ".").rsplit(".", 1)[-1]
+def _output_dirs(registry: OpRegistry, node_kind: Any, op: Any) -> tuple[str, ...]:
+    """The output folders a python node's op declares (none for an op the registry lacks)."""
+    if node_kind != "python" or not isinstance(op, str):
+        return ()
+    found = registry.find(op)
+    return () if found is None else found.info.output_dirs
+
+
+def _node_path_params(registry: OpRegistry, node_kind: Any, op: Any) -> tuple[str, ...]:
+    declared = _output_dirs(registry, node_kind, op)
+    return (*USER_PATH_NODE_PARAMS, *(p for p in declared if p not in USER_PATH_NODE_PARAMS))
 
 
 def _issue(message: str, *, role: str | None = None, node: str | None = None, param: str) -> Issue:
     return Issue("path_refused", message, role=role, node=node, path=param)
 
 
-def spec_path_issues(spec: GraphSpec) -> list[Issue]:
-    """Names that are not relative (absolute, `..`): an issue on the role or node, naming the param."""
+def spec_path_issues(spec: GraphSpec, registry: OpRegistry) -> list[Issue]:
+    """Names that are not relative (absolute, `..`): an issue on the role or node, naming the param.
+    `registry`: the ops whose declared output folders are names too."""
     issues = []
     for role in spec.roles:
         for param in USER_PATH_ROLE_PARAMS:
@@ -128,7 +202,7 @@ def spec_path_issues(spec: GraphSpec) -> list[Issue]:
             issues.append(_issue(f"role {role.name!r}: model: {problem} (name a built-in model or a checkpoint"
                                  " folder under the server's model directories)", role=role.name, param="model"))
     for node in spec.nodes:
-        for param in USER_PATH_NODE_PARAMS:
+        for param in _node_path_params(registry, node.kind, node.op):
             if param in node.params and (problem := name_problem(node.params[param])):
                 issues.append(_issue(f"node {node.id!r}: params.{param}: {problem}", node=node.id,
                                      param=f"params.{param}"))
@@ -142,18 +216,30 @@ def _model_path(roots: PathRoots, role: dict[str, Any]) -> tuple[str | None, str
         return model, None
     for root in roots.models:
         try:
-            path = resolve_under(root, model)
+            resolve_under(root, model)
         except ValueError as exc:
             return None, str(exc)
-        if path.is_dir():
-            return str(path), None
+    path = find_checkpoint(roots.models, model)
+    if path is not None:
+        return str(path), None
     where = f"{len(roots.models)} configured" if roots.models else "none configured: OMNIFLOW_MODEL_DIRS"
     return None, f"{model!r} is neither a built-in model nor a checkpoint in the model directories ({where})"
 
 
-def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots) -> dict[str, Any]:
+def model_reference(roots: PathRoots, kind: str, model: str) -> str:
+    """What a role's workers get for `model`: a built-in name as it is, a checkpoint name as its
+    folder under the model directories (the first that holds it); PathRefused when there is none."""
+    resolved, problem = _model_path(roots, {"kind": kind, "model": model})
+    if problem is not None or resolved is None:
+        raise PathRefused([_issue(f"model: {problem}", param="model")])
+    return resolved
+
+
+def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots,
+                       registry: OpRegistry) -> dict[str, Any]:
     """`document` (a GraphSpec dict) with every name above replaced by the server path it stands
-    for; the document itself is not modified. PathRefused lists every name that cannot be used."""
+    for (`registry`: the ops whose declared output folders are names too); the document itself is
+    not modified. PathRefused lists every name that cannot be used."""
     issues: list[Issue] = []
     root = roots.user_root(user_id)
 
@@ -178,9 +264,9 @@ def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots)
     nodes = []
     for node in document.get("nodes", []):
         params = dict(node.get("params", {}))
-        if node.get("kind") == "python" and _op_name(node.get("op")) in OUTPUT_OPS:
-            params.setdefault("out_dir", DEFAULT_OUT_DIR)
-        for param in USER_PATH_NODE_PARAMS:
+        for param in _output_dirs(registry, node.get("kind"), node.get("op")):
+            params.setdefault(param, DEFAULT_OUT_DIR)
+        for param in _node_path_params(registry, node.get("kind"), node.get("op")):
             if param in params:
                 params[param] = under(params[param], f"node {node['id']!r}: params.{param}", node=node["id"],
                                       param=f"params.{param}")

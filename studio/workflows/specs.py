@@ -4,7 +4,10 @@ Untrusted input never runs as Python here. `spec_from_source` reads DSL source (
 `engine.flow.pysrc.to_python` writes, and hand-written modules in the same style) by
 walking its syntax tree: it accepts `Workflow(...)` and the `role/node/input/output/edge`
 calls with literal arguments and names bound to their results, and rejects anything
-else with the line it is on. (`engine.flow.loader.load_source` would `exec` the text,
+else with the line it is on. Given the studio's `OpRegistry`, it also accepts
+`from <module> import <function>` where that function is a registered op (looked up among the
+functions the registry already holds: nothing is imported), and `wf.python(<that function>, ...)`,
+so a workflow written as the README's quick start imports as it runs on the command line. (`engine.flow.loader.load_source` would `exec` the text,
 which is fine for a user's own files on their own machine and not for a server.)
 
 A `python` node names a registered op (`engine.spec.ops`): `check` reports `op_unknown` for
@@ -27,10 +30,10 @@ import msgspec
 from django.conf import settings
 
 from engine.flow.dsl import NodeRef, PortRef, RoleRef, Workflow
-from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec
+from engine.flow.validate import CheckpointLookup, GraphValidationError, Issue, check_spec, parse_spec
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
-from engine.spec.ops import OpConfig
+from engine.spec.ops import OpConfig, OpRegistry
 from studio.jsonbody import JsonRefused, load_json
 from studio.workflows.paths import spec_path_issues
 
@@ -65,10 +68,16 @@ def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
             for node in spec.nodes if "tenant" in node.params]
 
 
-def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig) -> CheckedSpec:
-    """`spec` canonicalised, with every problem `check_spec` finds, its ops' included, and nodes naming a tenant."""
+def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig,
+          checkpoints: CheckpointLookup | None = None) -> CheckedSpec:
+    """`spec` canonicalised, with every problem `check_spec` finds, its ops' included (and its
+    models', given `checkpoints`), nodes naming a tenant, and names that are not relative."""
     document, digest = canonical(spec)
-    issues = [*check_spec(spec, kinds, ops), *tenant_param_issues(spec), *spec_path_issues(spec)]
+    paths = spec_path_issues(spec, ops.registry)
+    refused = {issue.role for issue in paths if issue.path == "model"}
+    found = [issue for issue in check_spec(spec, kinds, ops, checkpoints)
+             if not (issue.code == "model_unknown" and issue.role in refused)]  # said once, as path_refused
+    issues = [*found, *tenant_param_issues(spec), *paths]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 
@@ -91,15 +100,18 @@ class _SourceError(Exception):
         super().__init__(f"line {line}: {message}" if line else message)
 
 
-_WORKFLOW_METHODS = frozenset({"role", "node", "input", "output", "edge"})
+_WORKFLOW_METHODS = frozenset({"role", "node", "input", "output", "edge", "python"})
 _REF_METHODS = frozenset({"inp", "out"})
 _ALLOWED_IMPORTS = {"engine.flow.dsl": {"Workflow", "Route"}, "__future__": {"annotations"}}
 
 
 class _Reader:
-    def __init__(self) -> None:
+    def __init__(self, ops: OpRegistry | None) -> None:
         self.names: dict[str, Any] = {}
         self.workflow: Workflow | None = None
+        # (module, name) -> a registered op's function: what `from module import name` may bind
+        self.op_functions: dict[tuple[str, str], Any] = {} if ops is None else {
+            (entry.fn.__module__, entry.fn.__qualname__): entry.fn for entry in ops.ops}
 
     def value(self, node: ast.expr) -> Any:
         if isinstance(node, ast.Name):
@@ -129,6 +141,8 @@ class _Reader:
         if isinstance(func, ast.Attribute):
             target = self.value(func.value)
             if isinstance(target, Workflow) and func.attr in _WORKFLOW_METHODS:
+                if func.attr == "python" and not (args and args[0] in self.op_functions.values()):
+                    raise _SourceError(node, "wf.python(...) takes a registered op imported from its module")
                 return getattr(target, func.attr)(*args, **kwargs)
             if isinstance(target, NodeRef) and func.attr in _REF_METHODS:
                 return getattr(target, func.attr)(*args, **kwargs)
@@ -142,8 +156,14 @@ class _Reader:
             return
         if isinstance(stmt, ast.ImportFrom):
             allowed = _ALLOWED_IMPORTS.get(stmt.module or "")
-            if allowed is None or any(a.name not in allowed or a.asname for a in stmt.names):
-                raise _SourceError(stmt, f"import {ast.unparse(stmt)!r} is not allowed")
+            if allowed is not None and not any(a.name not in allowed or a.asname for a in stmt.names):
+                return
+            functions = [self.op_functions.get((stmt.module or "", a.name)) for a in stmt.names]
+            if stmt.level or None in functions:
+                raise _SourceError(stmt, f"import {ast.unparse(stmt)!r} is not allowed (only the DSL and registered"
+                                         " ops can be imported)")
+            for alias, fn in zip(stmt.names, functions, strict=True):
+                self.names[alias.asname or alias.name] = fn
             return
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
             self.call(stmt.value)
@@ -158,8 +178,9 @@ class _Reader:
         raise _SourceError(stmt, f"statement {ast.unparse(stmt).splitlines()[0]!r} is not allowed")
 
 
-def spec_from_source(source: str) -> GraphSpec:
-    """The GraphSpec described by DSL source, read without executing it.
+def spec_from_source(source: str, ops: OpRegistry | None = None) -> GraphSpec:
+    """The GraphSpec described by DSL source, read without executing it (`ops`: the registry whose
+    op functions it may import).
 
     Raises GraphValidationError (code `python_source`) naming the offending line."""
     try:
@@ -168,7 +189,7 @@ def spec_from_source(source: str) -> GraphSpec:
         raise GraphValidationError([Issue("python_source", f"line {exc.lineno}: syntax error: {exc.msg}")]) from None
     except (RecursionError, MemoryError):
         raise GraphValidationError([Issue("python_source", "the source nests too deeply to read")]) from None
-    reader = _Reader()
+    reader = _Reader(ops)
     try:
         for index, stmt in enumerate(tree.body):
             reader.statement(stmt, first=index == 0)

@@ -19,8 +19,13 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   (`celery -A studio worker -Q node.<OMNIFLOW_NODE>`) starts or stops the role workers
   there (`NodeAgent`). Deploying reconciles the workers with the replica counts, so a
   redelivered or repeated task changes nothing, and scaling is deploying again.
+* A node's Celery worker announces its node (resources, labels, free capacity) in the node
+  directory from `worker_ready` on (`deployments.announce`); deployments are placed over the
+  live nodes, and `deploy`/`stop_deployment` go to each node with a share.
 * `supervise_node(node)`: a node's Celery worker sends it to its own queue every
   OMNIFLOW_NODE_SUPERVISE_S (from `worker_ready` on, unless OMNIFLOW_WORKER_RESTART=0); it
+  places the replicas of lost nodes again (`deployments.failover`), stops workers this node
+  ran while it was lost (`NodeAgent.reap`), and
   reconciles the node's running deployments, so a worker that died is marked lost, taken off
   the registry and replaced (a tensor-parallel replica whole), as the embedded mode's
   supervising `LocalCluster` does, with the same `RestartPolicy`: replicas lost in a row
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import itertools
 import logging
 import threading
 from typing import Any
@@ -52,7 +58,8 @@ from engine.worker.launcher import LaunchError
 from engine.worker.supervise import RestartPolicy
 from studio.config import Dispatch
 from studio.workflows.apps import engine
-from studio.workflows.deployments import records
+from studio.workflows.deployments import failover, records
+from studio.workflows.deployments.announce import NodeAnnouncer
 from studio.workflows.deployments.node import NodeAgent, node_queue
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
@@ -130,29 +137,42 @@ def deploy(self, deployment_id: str) -> dict | None:
     except LaunchError as exc:
         log.warning("deployment %s: workers failed to start on %s: %s", deployment_id, agent.node, exc)
         if ticket.status == DeploymentStatus.RUNNING:  # scaling up failed: what runs keeps serving
-            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"scaling failed: {exc}", unless=_ENDED)
+            records.set_status(deployment_id, DeploymentStatus.RUNNING, f"scaling failed on node {agent.node}: {exc}",
+                               unless=_ENDED)
         else:
             agent.stop(deployment_id)
-            records.set_status(deployment_id, DeploymentStatus.FAILED, str(exc), unless=_ENDED)
+            if records.set_status(deployment_id, DeploymentStatus.FAILED, f"node {agent.node}: {exc}", unless=_ENDED):
+                _stop_elsewhere(deployment_id, agent.node)  # the other nodes' shares end with it
         return {"failed": str(exc)}
-    if not records.set_status(deployment_id, DeploymentStatus.RUNNING, unless=_ENDED):
-        agent.stop(deployment_id)  # a stop came while the workers started
+    # Running once every node's share is up; a stop (or another node's failure) meanwhile ends ours.
+    if not records.settle_started(deployment_id):
+        agent.stop(deployment_id)
     return {"started": done.started, "stopped": done.stopped, "lost": done.lost}
+
+
+def _stop_elsewhere(deployment_id: str, here: str) -> None:
+    from studio.workflows.deployments.service import involved_nodes
+
+    for node in involved_nodes(deployment_id):
+        if node != here:
+            stop_deployment.apply_async(args=[deployment_id], queue=node_queue(node))
 
 
 @shared_task(name="omniflow.stop_deployment", bind=True, acks_late=True, autoretry_for=TRANSIENT,
              retry_backoff=True, max_retries=5)
 def stop_deployment(self, deployment_id: str) -> list[str]:
-    """Stop the deployment's workers on this node and mark it stopped."""
+    """Stop the deployment's workers on this node; the last node to stop its share marks it
+    stopped (`records.settle_stopped`)."""
     stopped = NodeAgent(engine().config).stop(deployment_id)
-    records.set_status(deployment_id, DeploymentStatus.STOPPED)
+    records.settle_stopped(deployment_id)
     return stopped
 
 
 @shared_task(name="omniflow.supervise_node", ignore_result=True)
-def supervise_node(node: str) -> dict[str, Any]:
+def supervise_node(node: str, nodes: bool = True) -> dict[str, Any]:
     """Replace the lost workers of the running deployments on this node (see the module docstring);
-    what it did, by deployment."""
+    with `nodes`, first place the replicas of lost nodes again and stop what this node runs but no
+    longer owns. What it did, by deployment."""
     config = engine().config
     if node != config.node_name:  # a message for another node's queue: not ours to act on
         log.warning("supervise_node(%r) reached node %r; ignored", node, config.node_name)
@@ -160,6 +180,16 @@ def supervise_node(node: str) -> dict[str, Any]:
     agent = NodeAgent(config)
     policy = config.restart_policy
     done: dict[str, Any] = {}
+    if nodes:
+        try:
+            for rehomed in failover.sweep(config):  # replicas of lost nodes, placed again
+                done[rehomed.deployment_id] = failover.describe(rehomed)
+            reaped = agent.reap()  # what this node ran while it was lost, and no longer owns
+        except (DatabaseError, redis.exceptions.RedisError, OSError) as exc:
+            log.warning("node %s: placing the replicas of lost nodes failed (next tick retries): %s", node, exc)
+            reaped = []
+        if reaped:
+            done["reaped"] = reaped
     for deployment_id in records.running_on(node):
         try:
             result = _supervise_deployment(agent, policy, deployment_id)
@@ -264,15 +294,27 @@ def _supervise_this_node(sender: Any, **_: Any) -> None:
     config = engine().config
     queue = node_queue(config.node_name)
     consumed = {q.name for q in sender.task_consumer.queues}
-    if config.dispatch is not Dispatch.CELERY or not config.worker_restart or queue not in consumed:
+    if config.dispatch is not Dispatch.CELERY or queue not in consumed:
+        return
+    # The node in the node directory, with its resources and labels, until the worker shuts down.
+    announcer = NodeAnnouncer(config)
+    announcer.start()
+    worker_shutdown.connect(lambda **_: announcer.stop(), weak=False)
+    if not config.worker_restart:
         return
     stopped = threading.Event()
     interval = config.node_supervise_s
 
+    # Lost nodes are looked for every quarter of their lease (and at least every tick): often
+    # enough to act within two leases, without reading the node directory many times a second.
+    every = max(1, int(config.node.ttl_s / 4 / interval))
+    ticks = itertools.count()
+
     def tick() -> None:
         while not stopped.wait(interval):
             try:
-                supervise_node.apply_async(args=[config.node_name], queue=queue, expires=interval)
+                supervise_node.apply_async(args=[config.node_name, next(ticks) % every == 0], queue=queue,
+                                           expires=interval)
             except (kombu.exceptions.OperationalError, OSError) as exc:  # the broker is away: the next tick retries
                 log.warning("sending supervise_node to %s failed: %s", queue, exc)
 

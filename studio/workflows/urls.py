@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from studio.workflows.api import catalogue, deployments, runs, workflows
+from studio.workflows.api import catalogue, deployments, metrics, nodes, runs, workflows
 from studio.workflows.chat import views as chat
 
 router = SimpleRouter()
@@ -22,8 +22,12 @@ urlpatterns = [
     path("node-kinds/", catalogue.NodeKindsView.as_view(), name="node-kinds"),
     path("role-kinds/", catalogue.RoleKindsView.as_view(), name="role-kinds"),
     path("ops/", catalogue.OpsView.as_view(), name="ops"),
+    path("models/", catalogue.ModelsView.as_view(), name="models"),
     path("graphspec/schema/", catalogue.GraphSpecSchemaView.as_view(), name="graphspec-schema"),
     path("workers/", deployments.WorkersView.as_view(), name="worker-list"),
+    path("metrics/history/", metrics.MetricsHistoryView.as_view(), name="metrics-history"),
+    path("nodes/", nodes.NodesView.as_view(), name="node-list"),
+    path("nodes/placement/", nodes.PlacementPreviewView.as_view(), name="node-placement"),
     path("sessions/<uuid:pk>/turns/", chat.session_turns, name="session-turns"),
     *router.urls,
 ]

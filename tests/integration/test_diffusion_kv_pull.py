@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,14 +26,13 @@ from engine.data.curve import PlaneKeys, connect_as_client
 from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import LoadReply, LoadRequest, TensorRef, WorkerMessage
 from engine.flow.executor import Executor
-from engine.flow.loader import load_workflow
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.calls import NodeCall, NodeContext, NodeResult
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchedWorker, LocalCluster
+from tests.examples import example
 
-REPO = Path(__file__).resolve().parents[2]
 HB = 0.2
 
 
@@ -80,7 +78,7 @@ async def worker_metrics(worker: LaunchedWorker, keys: PlaneKeys | None) -> dict
 
 
 async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_matches_recomputation():
-    spec = load_workflow(REPO / "workflows" / "image_generation.py")
+    spec = example("image_generation", tiny=True)
     diffusion_role = spec.role("diffusion")
     cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
     peer = Peer.start(PeerConfig(keys=cluster.keys))

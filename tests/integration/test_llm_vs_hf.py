@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine.compute.llm import EngineConfig, FinishReason, LLMEngine, StorePageSource
 from engine.compute.models import LoadedModel, export_model, load_checkpoint
 from engine.compute.sampling import SamplingParams
+from tests.integration.hf_agreement import check_greedy
 
 MODELS = ("tiny-llama", "tiny-qwen2")
 NEW = 24
@@ -152,3 +153,22 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(engine):
     greedy = engine.generate([target], SamplingParams(max_new_tokens=20))[0].output_ids
     reseeded = engine.generate([target], dataclasses.replace(params, seed=43))[0].output_ids
     assert alone != greedy and alone != reseeded  # sampling really samples
+
+
+def test_bfloat16_batched_and_alone_agree_with_hf_in_bfloat16(checkpoint):
+    """`dtype: bfloat16` end to end (weights, activations, KV pages) against HF run in bfloat16 on
+    the same checkpoint: equal tokens, or a tie within bfloat16's rounding of HF's own logits."""
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=torch.bfloat16).eval()
+    ours = load_checkpoint(checkpoint, dtype="bfloat16")
+    rng = random.Random(8)
+    prompts = [text_ids(rng, n) for n in (3, 40, 17, 9)]
+    engine = LLMEngine(ours, EngineConfig(page_size=16, max_prefill_tokens=64))
+    try:
+        alone = [list(engine.generate([p], GREEDY)[0].output_ids) for p in prompts]
+        batched = [list(o.output_ids) for o in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.close()
+    for prompt, one, many in zip(prompts, alone, batched, strict=True):
+        theirs = hf_greedy(reference, prompt)
+        check_greedy(reference, prompt, one, theirs)
+        check_greedy(reference, prompt, many, theirs)

@@ -1,4 +1,6 @@
-"""The multimodal example pipelines end to end: files written, KV reused across turns."""
+"""The multimodal example pipelines end to end: files written, KV reused across turns. The command
+line runs the examples as shipped (the real `smollm2-135m`, from the test run's model cache); the
+in-process checks of the machinery run them on the tiny seeded LLM (`tests.examples`)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,23 @@ import json
 import wave
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from engine.cli import main, trusted_ops
+from engine.compute.models.cache import ModelCache
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.executor import Executor
-from engine.flow.loader import load_workflow
 from engine.spec.kinds import default_kinds
+from tests.examples import example
 
 ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture
+def real_model(smollm2_cache: ModelCache, monkeypatch) -> None:
+    """The examples' real LLM, from the test run's cache (the workers inherit the environment)."""
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(smollm2_cache.config.root))
 
 
 def _run_cli(path: str, capsys, tmp_path, monkeypatch, *extra: str) -> dict:
@@ -27,22 +37,25 @@ def _run_cli(path: str, capsys, tmp_path, monkeypatch, *extra: str) -> dict:
     return json.loads(out)
 
 
-def test_image_generation_writes_a_png(capsys, tmp_path, monkeypatch):
+def test_image_generation_writes_a_png(real_model, capsys, tmp_path, monkeypatch):
+    """As shipped: the rewrite and the diffusion on smollm2-135m in two worker processes (one copy of
+    the weights, the diffusion pulling the rewrite's prompt pages)."""
     result = _run_cli("workflows/image_generation.py", capsys, tmp_path, monkeypatch)
+    assert result["outputs"]["prompt_rewrite"].strip()
     saved = result["outputs"]["saved"]
     with Image.open(saved["files"]["image"]) as img:
         assert img.format == "PNG" and img.size == (256, 256)
     assert result["outputs"]["image"]["bytes"] > 0  # the decoded PNG, pulled from the vae worker as bytes
 
 
-def test_pd_chat_runs(capsys, tmp_path, monkeypatch):
+def test_pd_chat_runs(real_model, capsys, tmp_path, monkeypatch):
     result = _run_cli("workflows/pd_chat.py", capsys, tmp_path, monkeypatch)
     assert result["outputs"]["tokens"]
 
 
 def test_omni_dialogue_three_turns_reuse_the_picture(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    spec = load_workflow(str(ROOT / "workflows/omni_dialogue.py"))
+    spec = example("omni_dialogue", tiny=True)
     kinds = default_kinds()
 
     async def turns():
@@ -74,7 +87,7 @@ def test_image_generation_in_process_shares_the_model_between_llm_and_diffusion(
     from engine.worker.units import SharedUnits
 
     monkeypatch.chdir(tmp_path)
-    spec = load_workflow(str(ROOT / "workflows" / "image_generation.py"))
+    spec = example("image_generation", tiny=True)
     kinds = default_kinds()
 
     async def image(dispatcher: InProcessDispatcher, probe=None) -> bytes:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from engine.flow.loader import load_workflow
-from engine.spec.graph import encode_spec
+from tests.examples import example_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def example_spec(name: str) -> dict[str, Any]:
-    """The GraphSpec document of workflows/NAME.py."""
-    return json.loads(encode_spec(load_workflow(ROOT / "workflows" / f"{name}.py")))
+def example_spec(name: str, *, tiny: bool = False) -> dict[str, Any]:
+    """The GraphSpec document of workflows/NAME.py (`tiny`: on the tiny seeded LLM instead of the
+    real one, see `tests.examples`)."""
+    return example_doc(name, tiny=tiny)
 
 
 def spec_doc(*, name: str = "echo", op: str = "tests.studio.fns:echo", node_kind: str = "python",

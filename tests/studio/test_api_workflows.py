@@ -169,6 +169,13 @@ def test_catalogue(api) -> None:
     # Which role kinds may set tp_size > 1 (the editor's tensor-parallel field follows it).
     assert role_kinds["llm"]["tensor_parallel"] is True and role_kinds["python"]["tensor_parallel"] is False
     assert api.get("/api/graphspec/schema/").json()["title"] == "Omni-Flow GraphSpec"
+    # The built-in models a role may name, with what their weights are (the editor's model field).
+    models = {m["name"]: m for m in api.get("/api/models/").json()["models"]}
+    assert (models["smollm2-135m"]["weights"], models["smollm2-135m"]["weights_label"]) == ("real", "real weights")
+    assert {"llm", "diffusion"} <= set(models["smollm2-135m"]["role_kinds"]) and models["smollm2-135m"]["hidden"] == 576
+    for name, kind in (("tiny-llama", "llm"), ("tiny-vit", "vision_encoder"), ("tiny-audio-encoder", "audio_encoder"),
+                       ("tiny-vae", "vae_decoder"), ("tiny-audio-decoder", "audio_decoder")):
+        assert models[name]["weights_label"] == "random weights (for testing)" and kind in models[name]["role_kinds"]
 
 
 def test_auth_required_everywhere() -> None:

@@ -3,15 +3,19 @@ and the admin."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import io
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 from rest_framework.test import APIClient
 
 from studio.accounts.models import ApiToken
-from studio.workflows.models import Workflow
+from studio.workflows.models import Deployment, Workflow
 
 EXAMPLES = sorted(p.stem for p in (Path(__file__).parents[2] / "workflows").glob("*.py") if p.stem != "__init__")
 
@@ -62,6 +66,28 @@ def test_token_api(api, user) -> None:
     assert fresh.get("/api/workflows/").status_code == 401
 
 
+def test_token_last_use_is_recorded_at_most_once_a_minute(api, other_api, user) -> None:
+    created = api.post("/api/tokens/", {"name": "laptop"}, format="json").json()
+    assert created["last_used_at"] is None
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['token']}")
+    assert client.get("/api/workflows/").status_code == 200
+    token = ApiToken.objects.get(pk=created["id"])
+    first = token.last_used_at
+    assert first is not None
+    assert client.get("/api/workflows/").status_code == 200
+    assert ApiToken.objects.get(pk=token.pk).last_used_at == first  # within the minute: not written again
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=first - dt.timedelta(minutes=2))
+    assert client.get("/api/workflows/").status_code == 200
+    assert ApiToken.objects.get(pk=token.pk).last_used_at > first - dt.timedelta(minutes=2)
+    listed = {t["name"]: t for t in api.get("/api/tokens/").json()}
+    assert listed["laptop"]["last_used_at"] is not None and "token" not in listed["laptop"]  # shown once only
+    # Another user neither sees nor revokes it.
+    assert "laptop" not in {t["name"] for t in other_api.get("/api/tokens/").json()}
+    assert other_api.delete(f"/api/tokens/{created['id']}/").status_code == 404
+    assert client.get("/api/workflows/").status_code == 200
+
+
 def test_inactive_users_tokens_do_not_work(user) -> None:
     secret = ApiToken.objects.issue(user).secret
     user.is_active = False
@@ -105,10 +131,32 @@ def test_setup_demo(django_user_model) -> None:
     assert Workflow.objects.filter(owner=demo).count() == len(EXAMPLES)
     secret = next(line for line in out.splitlines() if line.startswith("token: ")).split()[1]
     assert ApiToken.objects.resolve(secret).user == demo
-    out = run_command("setup_demo", "--no-examples")
-    password = out.strip().splitlines()[-1].split(" / ")[1]
+    # The chat workflow is deployed as the model "chat", pending: the server starts it.
+    (chat,) = Deployment.objects.filter(owner=demo, name="chat")
+    assert (chat.status, chat.version.workflow.name, chat.version.number) == ("pending", "chat", 1)
+    first = next(line for line in out.splitlines() if line.startswith("chat token: ")).split()[2]
+    assert ApiToken.objects.resolve(first).user == demo
+    assert f'api_key="{first}"' in out and 'model="chat"' in out and "base_url=\"http://127.0.0.1:8000/v1\"" in out
+    out = run_command("setup_demo", "--no-examples")  # make run again: the deployment stays, a new token
+    password = out.strip().splitlines()[1].split(" / ")[1]
     demo.refresh_from_db()
     assert demo.check_password(password) and "updated user 'demo'" in out
+    assert "chat: kept workflow 'chat' version 1" in out
+    assert [d.pk for d in Deployment.objects.filter(owner=demo, name="chat")] == [chat.pk]
+    second = next(line for line in out.splitlines() if line.startswith("chat token: ")).split()[2]
+    assert ApiToken.objects.resolve(first) is None and ApiToken.objects.resolve(second).user == demo
+    # A changed chat workflow replaces the deployment; --no-chat leaves it alone.
+    version = chat.version
+    spec = {**version.spec, "description": "changed"}
+    version.workflow.versions.create(number=2, spec=spec, spec_hash="changed", layout=version.layout, author=demo,
+                                     valid=True)
+    out = run_command("setup_demo", "--no-examples")
+    chat.refresh_from_db()
+    assert chat.status == "stopped" and "replaced by version 2" in chat.error
+    (live,) = Deployment.objects.filter(owner=demo, name="chat", status="pending")
+    assert live.version.number == 2 and "chat: deployed workflow 'chat' version 2" in out
+    out = run_command("setup_demo", "--no-examples", "--no-chat")
+    assert "chat" not in out and Deployment.objects.filter(owner=demo, status="pending").count() == 1
 
 
 def test_openapi_schema_has_no_warnings(tmp_path: Path) -> None:
@@ -141,7 +189,7 @@ def test_admin_pages_render(client, django_user_model, api) -> None:
 
 
 def test_deployment_keys_writes_a_running_deployments_keys_and_nothing_for_an_ended_one(api, user, tmp_path) -> None:
-    from engine.data.curve import PlaneKeys
+    from engine.data.curve import BulkMode, PlaneKeys
     from studio.workflows.models import Deployment, DeploymentStatus, WorkflowVersion
     from tests.studio.factories import create_workflow, spec_doc
 
@@ -152,6 +200,11 @@ def test_deployment_keys_writes_a_running_deployments_keys_and_nothing_for_an_en
                                     plane_public=keys.public, plane_secret=keys.secret)
     assert "wrote the keys" in run_command("deployment_keys", str(row.pk), str(tmp_path / "keys"))
     assert PlaneKeys.load(tmp_path / "keys") == keys
+    # The studio's bulk mode travels with the keys, so a worker started by hand follows it.
+    encrypted = dataclasses.replace(settings.OMNIFLOW, plane_bulk=BulkMode.ENCRYPTED)
+    with override_settings(OMNIFLOW=encrypted):
+        run_command("deployment_keys", str(row.pk), str(tmp_path / "encrypted"))
+    assert PlaneKeys.load(tmp_path / "encrypted") == keys.with_bulk(BulkMode.ENCRYPTED)
     Deployment.objects.filter(pk=row.pk).update(status=DeploymentStatus.STOPPED, plane_public="", plane_secret="")
     with pytest.raises(CommandError, match="has ended"):
         run_command("deployment_keys", str(row.pk), str(tmp_path / "again"))

@@ -1,20 +1,24 @@
-"""The chat pieces without a server: OpenAI request checking, prompt templates (simple and a
-checkpoint's Jinja template), session turns that send only the new text, chat shapes."""
+"""The chat pieces without a server: OpenAI request checking, prompt templates (simple, a
+checkpoint's, and smollm2-135m's own, against `tokenizer.apply_chat_template`), session turns
+that send only the new text, chat shapes."""
 
 from __future__ import annotations
 
 import base64
 import io
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
+from transformers import AutoTokenizer
 
+from engine.compute.models.cache import ModelCache
+from engine.compute.models.packaged import PACKAGED_MODELS
+from engine.compute.models.tokenizer import build_byte_tokenizer
 from studio.workflows.chat.openai import OpenAIError, parse_chat_request
 from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
-from studio.workflows.chat.templates import ChatTemplate, template_for
+from studio.workflows.chat.templates import ChatTemplates, TemplateError
 from tests.studio.factories import example_spec, spec_doc
 
 USER = [{"role": "user", "content": "hi"}]
@@ -98,8 +102,8 @@ def test_bad_requests_name_their_field(body: Any, param: str | None) -> None:
 
 
 def test_simple_template_and_session_turns() -> None:
-    t = template_for("tiny-llama")
-    assert t.name == "simple"
+    t = ChatTemplates().get("tiny-llama")
+    assert t.name == "simple" and t.eos_token_ids == {257}
     history = [{"role": "system", "content": "S"}, {"role": "user", "content": "A"}]
     first = t.render(history)
     assert first == "### System:\nS\n\n### User:\nA\n\n### Assistant:\n"
@@ -110,31 +114,72 @@ def test_simple_template_and_session_turns() -> None:
     # what the LLM holds (the first prompt and its reply) + the increment = the whole conversation
     assert first + " r1" + increment == t.render(history + new)
     assert increment == "\n\n### User:\nB\n\n### Assistant:\n"
+    # a reply that ended on the EOS token: the LLM holds it, and the template's own end follows it
+    ended = [*history[:-1], {"role": "assistant", "content": " r1", "eos": t.eos_text(257)}]
+    assert t.eos_text(257) == "<|eos|>" and t.eos_text(65) is None and t.eos_text(None) is None
+    assert t.held(ended) == first + " r1<|eos|>" and t.turn(ended, new) == increment
 
 
 def test_a_checkpoint_template_is_rendered_like_transformers(tmp_path: Path) -> None:
     source = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source, "bos_token": "<s>",
-                                                               "eos_token": {"content": "</s>"}}))
-    t = template_for(str(tmp_path))
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = source
+    tokenizer.save_pretrained(tmp_path)
+    t = ChatTemplates().get(str(tmp_path))
     assert t.name == "model"
-    assert t.render(USER) == "<s><|user|>hi</s><|assistant|>"
+    assert t.render(USER) == "<|bos|><|user|>hi<|eos|><|assistant|>"
     turn = t.turn([*USER, {"role": "assistant", "content": "yo"}], [{"role": "user", "content": "more"}])
-    assert turn == "</s><|user|>more</s><|assistant|>"
-    bad = ChatTemplate("{{ raise_exception('no system messages') }}")
-    with pytest.raises(ValueError, match="no system messages"):
-        bad.render(USER)
-    sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}")
-    with pytest.raises(ValueError):
-        sandboxed.render(USER)
+    assert turn == "<|eos|><|user|>more<|eos|><|assistant|>"
+    eos = t.turn([*USER, {"role": "assistant", "content": "yo", "eos": "<|eos|>"}], [{"role": "user", "content": "m"}])
+    assert eos == "<|user|>m<|eos|><|assistant|>"
+    for bad in ("{{ raise_exception('no system messages') }}", "{{ messages.__class__.__mro__ }}"):
+        tokenizer.chat_template = bad
+        tokenizer.save_pretrained(tmp_path / "bad")
+        with pytest.raises(TemplateError):
+            ChatTemplates().get(str(tmp_path / "bad")).render(USER)
+
+
+def test_smollm2_renders_with_its_own_template_and_session_turns_add_what_the_whole_conversation_adds(
+        smollm2_cache: ModelCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference is the checkpoint's tokenizer itself (`apply_chat_template`), loaded here."""
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(smollm2_cache.config.root))
+    reference = AutoTokenizer.from_pretrained(smollm2_cache.directory(PACKAGED_MODELS["smollm2-135m"]),
+                                              local_files_only=True)
+    t = ChatTemplates().get("smollm2-135m")
+    assert t.name == "model" and t.eos_token_ids == {2} and t.eos_text(2) == "<|im_end|>"
+
+    def whole(messages: list[dict[str, str]]) -> str:
+        return reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    system = [{"role": "system", "content": "Answer in one word."}, *first]
+    developer = [{"role": "developer", "content": "Answer in one word."}, *first]
+    assert t.render(first) == whole(first) and t.render(system) == whole(system) == t.render(developer)
+    assert t.render(first).startswith("<|im_start|>system\n")  # the template's default system prompt
+    reply = "The capital of France is Paris."
+    new = [{"role": "user", "content": "And of Italy?"}]
+    conversation = whole([*first, {"role": "assistant", "content": reply}, *new])
+    encode = t.codec.encode
+    # The reply ended on EOS: the LLM holds prompt + reply + <|im_end|>; the next turn adds the rest.
+    ended = [*first, {"role": "assistant", "content": reply, "eos": "<|im_end|>"}]
+    turn = t.turn(ended, new)
+    assert t.turn([], first) + reply + "<|im_end|>" + turn == conversation
+    assert turn.startswith("\n<|im_start|>user\nAnd of Italy?")
+    # ... and as tokens: each part encoded on its own (as the engine does) is the whole conversation's
+    assert encode(whole(first)) + encode(reply) + [2] + encode(turn) == encode(conversation)
+    assert t.held(ended) == whole(first) + reply + "<|im_end|>"
+    # A reply cut short by max_tokens (no EOS held): the turn closes it first.
+    cut = [*first, {"role": "assistant", "content": reply}]
+    assert whole(first) + reply + t.turn(cut, new) == conversation
+    assert t.turn(cut, new).startswith("<|im_end|>\n<|im_start|>user")
 
 
 def test_chat_shapes() -> None:
     shape = chat_shape(example_spec("chat"))
     assert (shape.prompt_input, shape.llm_node, shape.reply_output, shape.usage_output, shape.streams) == (
         "prompt", "reply", "text", "usage", True)
-    assert shape.model == "tiny-llama" and shape.image_inputs == ()
+    assert shape.model == "smollm2-135m" and shape.image_inputs == ()
     vision = chat_shape(example_spec("vision_chat"))
     assert (vision.prompt_input, vision.image_inputs, vision.llm_node, vision.reply_output) == (
         "prompt", ("image",), "reply", "text")

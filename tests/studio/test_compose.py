@@ -81,9 +81,9 @@ def _gpu(service: dict[str, Any]) -> bool:
 
 def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> None:
     services = compose["services"]
-    assert {"redis", "postgres", "web", "celery", "gpu-node", "cpu-node"} <= set(services)
+    assert {"redis", "postgres", "web", "celery", "gpu-node", "node"} <= set(services)
     studio = [name for name, s in services.items() if s.get("build") == "."]
-    assert set(studio) == {"web", "celery", "gpu-node", "cpu-node", "llm-worker"}
+    assert set(studio) == {"web", "celery", "gpu-node", "node", "llm-worker"}
     for name in studio:
         service = services[name]
         env = service["environment"]
@@ -101,19 +101,26 @@ def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> N
     assert _queues(services["celery"]["command"]) == [load_config(
         {**services["celery"]["environment"], "OMNIFLOW_DATA_DIR": str(tmp_path)}).run_queue]
 
-    nodes = {name: s for name, s in services.items() if "OMNIFLOW_NODE" in s.get("environment", {})}
-    assert set(nodes) == {"gpu-node", "cpu-node"}
+    nodes = {name: s for name, s in services.items() if "OMNIFLOW_NODE_LABELS" in s.get("environment", {})}
+    assert set(nodes) == {"gpu-node", "node"}
     for name, node in nodes.items():
         env = node["environment"]
         argv = _argv(node["command"])
         assert argv[:4] == ["celery", "-A", "studio", "worker"] and "solo" in argv
-        assert _queues(node["command"]) == [f"node.{env['OMNIFLOW_NODE']}"]
-        assert "OMNIFLOW_WORKER_LISTEN" not in env and node["hostname"] == name
+        config = load_config({**env, "OMNIFLOW_DATA_DIR": str(tmp_path)})
+        assert config.node.labels["kind"] == ("gpu" if name == "gpu-node" else "cpu")
+        assert "OMNIFLOW_WORKER_LISTEN" not in env
         assert _listens_on_the_compose_network(node["command"])
         assert re.match(r"^\d+[gm]b$", node["shm_size"])
-    assert services["web"]["environment"]["OMNIFLOW_DEPLOY_NODE"] in {n["environment"]["OMNIFLOW_NODE"]
-                                                                      for n in nodes.values()}
-    assert _gpu(services["gpu-node"]) and not _gpu(services["cpu-node"]) and _gpu(services["llm-worker"])
+    # the GPU node is one, named; `node` scales: each replica is named by its container's hostname
+    assert _queues(nodes["gpu-node"]["command"]) == ["node.gpu-node"] == [
+        f"node.{nodes['gpu-node']['environment']['OMNIFLOW_NODE']}"]
+    assert nodes["gpu-node"]["hostname"] == "gpu-node"
+    assert "hostname" not in nodes["node"] and "container_name" not in nodes["node"]
+    assert "OMNIFLOW_NODE" not in nodes["node"]["environment"]  # the node's name is its hostname
+    assert _queues(nodes["node"]["command"]) == ["node.$(hostname)"]
+    assert "OMNIFLOW_DEPLOY_NODE" not in services["web"]["environment"]  # placed by resources
+    assert _gpu(services["gpu-node"]) and not _gpu(services["node"]) and _gpu(services["llm-worker"])
     joiner = services["llm-worker"]
     assert joiner["profiles"] == ["join"]
     command = _argv(joiner["command"])

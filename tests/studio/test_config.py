@@ -67,6 +67,8 @@ def test_sqlite_urls() -> None:
     ("OMNIFLOW_WORKER_MAX_RESTARTS", "-1", "at least 0"),
     ("OMNIFLOW_WORKER_RESTART_BACKOFF_S", "0", "positive"),
     ("OMNIFLOW_NODE_SUPERVISE_S", "soon", "not a number"),
+    ("OMNIFLOW_METRICS_HISTORY_S", "60", "at least 300"),
+    ("OMNIFLOW_METRICS_HISTORY_S", "an hour", "not a number"),
 ])
 def test_bad_values_raise(tmp_path: Path, name: str, value: str, message: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=message) as info:
@@ -77,9 +79,11 @@ def test_bad_values_raise(tmp_path: Path, name: str, value: str, message: str) -
 def test_run_leases_and_the_metrics_token(tmp_path: Path) -> None:
     config = load_config(env(tmp_path))
     assert (config.run_lease_s, config.run_lease_retries, config.metrics_token) == (30.0, 1, None)
+    assert config.metrics_history_s == 3600.0
     config = load_config(env(tmp_path, OMNIFLOW_RUN_LEASE_S="1.5", OMNIFLOW_RUN_LEASE_RETRIES="0",
-                             OMNIFLOW_METRICS_TOKEN="t" * 32))
+                             OMNIFLOW_METRICS_TOKEN="t" * 32, OMNIFLOW_METRICS_HISTORY_S="7200"))
     assert (config.run_lease_s, config.run_lease_retries, config.metrics_token) == (1.5, 0, "t" * 32)
+    assert config.metrics_history_s == 7200.0
     for name, value in (("OMNIFLOW_RUN_LEASE_S", "0"), ("OMNIFLOW_RUN_LEASE_S", "soon"),
                         ("OMNIFLOW_RUN_LEASE_RETRIES", "-1"), ("OMNIFLOW_METRICS_TOKEN", "short")):
         with pytest.raises(ImproperlyConfigured, match=name):
@@ -93,6 +97,16 @@ def test_module_ops_setting(tmp_path: Path) -> None:
     # The old allow-list of module prefixes is gone: a studio still setting it is told what replaced it.
     with pytest.raises(ImproperlyConfigured, match="OMNIFLOW_PYTHON_OP_MODULES is gone.*OMNIFLOW_ALLOW_MODULE_OPS=1"):
         load_config(env(tmp_path, OMNIFLOW_PYTHON_OP_MODULES="workflows"))
+
+
+def test_plane_bulk_setting(tmp_path: Path) -> None:
+    from engine.data.curve import BulkMode
+
+    assert load_config(env(tmp_path)).plane_bulk is BulkMode.CLEAR
+    assert load_config(env(tmp_path, OMNIFLOW_PLANE_BULK="Encrypted")).plane_bulk is BulkMode.ENCRYPTED
+    assert load_config(env(tmp_path, OMNIFLOW_PLANE_BULK="mac")).plane_bulk is BulkMode.MAC
+    with pytest.raises(ImproperlyConfigured, match="OMNIFLOW_PLANE_BULK='plain': expected one of clear, mac, encrypted"):
+        load_config(env(tmp_path, OMNIFLOW_PLANE_BULK="plain"))
 
 
 def test_quotas_throttles_and_roots(tmp_path: Path) -> None:
@@ -117,6 +131,40 @@ def test_quotas_throttles_and_roots(tmp_path: Path) -> None:
     ("OMNIFLOW_MAX_JSON_DEPTH", "2", "at least 8"),
 ])
 def test_bad_quota_and_limit_values_are_refused(tmp_path: Path, name: str, value: str, message: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=message) as refused:
+        load_config(env(tmp_path, **{name: value}))
+    assert name in str(refused.value)
+
+
+def test_node_settings(tmp_path: Path) -> None:
+    defaults = load_config(env(tmp_path, OMNIFLOW_NODE="n1"))
+    assert defaults.deploy_node is None  # placed by resources unless pinned
+    node = defaults.node
+    assert (node.labels, node.gpus, node.cpus, node.memory_gb, node.ttl_s, node.host_id) == ({}, None, None, None,
+                                                                                             10.0, None)
+    assert node.worker_host_id("n1") == "node:n1"
+    config = load_config(env(tmp_path, OMNIFLOW_NODE_LABELS="zone=a, kind=gpu", OMNIFLOW_NODE_GPUS="2",
+                             OMNIFLOW_NODE_GPU_MODEL="H200", OMNIFLOW_NODE_GPU_MEMORY_GB="141",
+                             OMNIFLOW_NODE_CPUS="1.5", OMNIFLOW_NODE_MEMORY_GB="64", OMNIFLOW_NODE_TTL_S="4",
+                             OMNIFLOW_HOST_ID="rack1/m7", OMNIFLOW_DEPLOY_NODE="n2"))
+    node = config.node
+    assert node.labels == {"zone": "a", "kind": "gpu"} and (node.gpus, node.gpu_model, node.gpu_memory_gb) == (
+        2, "H200", 141.0)
+    assert (node.cpus, node.memory_gb, node.ttl_s, node.worker_host_id("x")) == (1.5, 64.0, 4.0, "rack1/m7")
+    assert config.deploy_node == "n2" and config.nodes_namespace == "omniflow-nodes"
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("OMNIFLOW_NODE_LABELS", "zone", "expected NAME=VALUE"),
+    ("OMNIFLOW_NODE_LABELS", "zone=a,zone=b", "given twice"),
+    ("OMNIFLOW_NODE_GPUS", "-1", "at least 0"),
+    ("OMNIFLOW_NODE_CPUS", "lots", "not a number"),
+    ("OMNIFLOW_NODE_MEMORY_GB", "-2", "at least 0"),
+    ("OMNIFLOW_NODE_TTL_S", "0", "positive"),
+    ("OMNIFLOW_HOST_ID", "has space", "no spaces"),
+    ("OMNIFLOW_DEPLOY_NODE", "bad name!", "a node name"),
+])
+def test_bad_node_settings_are_refused(tmp_path: Path, name: str, value: str, message: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=message) as refused:
         load_config(env(tmp_path, **{name: value}))
     assert name in str(refused.value)

@@ -88,6 +88,7 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
     d = deploy(api, studio_engine, {"workflow": whoami_wf["id"], "version": 1, "name": "who"})
     assert d["status"] == "running", d
     assert (d["workflow"], d["version"], d["replicas"], d["chat"]) == (whoami_wf["id"], 1, {"py": 1}, False)
+    assert d["inputs"] == [{"name": "text", "type": "text"}]  # what a run of it names (no default here)
     assert d["namespace"] == f"{settings.OMNIFLOW.redis_prefix}-d{uuid.UUID(d['id']).hex}"
     assert [(w["role"], w["status"], w["live"] is not None) for w in d["workers"]] == [("py", "ready", True)]
     assert registered(d["namespace"]) == [w["worker_id"] for w in d["workers"]]
@@ -121,11 +122,13 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
     d2 = api.get(f"/api/deployments/{d['id']}/").json()
     live = [w for w in d2["workers"] if w["status"] == "ready"]
     assert len(live) == 2 and d2["replicas"] == {"py": 2}
+    assert sorted((w["replica"], w["rank"]) for w in live) == [(0, 0), (1, 0)]  # numbered by start
     assert sorted(registered(d["namespace"])) == sorted(w["worker_id"] for w in live)
     api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json")
     settle(studio_engine, d["id"])
     d3 = api.get(f"/api/deployments/{d['id']}/").json()
     assert sorted(w["status"] for w in d3["workers"]) == ["ready", "stopped"]
+    assert {w["status"]: w["replica"] for w in d3["workers"]} == {"ready": 0, "stopped": None}
     gone = next(w for w in d3["workers"] if w["status"] == "stopped")
     assert not psutil.pid_exists(gone["pid"]) or psutil.Process(gone["pid"]).status() == psutil.STATUS_ZOMBIE
     assert registered(d["namespace"]) == [next(w["worker_id"] for w in d3["workers"] if w["status"] == "ready")]
@@ -188,6 +191,9 @@ def test_bad_deployment_requests(api: Any, other_api: Any, studio_engine: Studio
     assert post({"workflow": wid, "replicas": ["py"]})[0] == 400
     assert post({"workflow": wid, "node": "gpu-0"})[0] == 400  # embedded: the studio hosts them
     assert post({"workflow": wid, "node": "../etc"})[0] == 400
+    status, body = post({"workflow": wid, "name": str(uuid.uuid4())})  # a name never reads as an id
+    assert status == 400 and body["details"] == [{"field": "name"}], body
+    assert post({"workflow": wid, "name": "x" * 101})[0] == 400
     invalid = create_workflow(api, {**spec_doc(name="invalid"), "edges": []})
     status, body = post({"workflow": invalid["id"]})
     assert status == 422, body
@@ -212,6 +218,15 @@ def test_scale_and_visibility_errors(api: Any, other_api: Any, studio_engine: St
                                      whoami_wf: dict[str, Any]) -> None:
     d = deploy(api, studio_engine, {"workflow": whoami_wf["id"]})
     assert d["status"] == "running"
+    # a deployment's name defaults to its workflow's, unique among the owner's live deployments
+    assert d["name"] == "whoami"
+    taken = api.post("/api/deployments/", {"workflow": whoami_wf["id"], "name": "whoami"}, format="json")
+    assert taken.status_code == 409 and taken.json()["details"] == [{"field": "name", "name": "whoami"}]
+    second = deploy(api, studio_engine, {"workflow": whoami_wf["id"]})
+    assert second["name"] == "whoami-2"
+    api.post(f"/api/deployments/{second['id']}/stop/")
+    settle(studio_engine, second["id"])
+    assert deploy(api, studio_engine, {"workflow": whoami_wf["id"], "name": " whoami-2 "})["name"] == "whoami-2"
     url = f"/api/deployments/{d['id']}/scale/"
     assert api.post(url, {"role": "nope", "replicas": 1}, format="json").status_code == 400
     assert api.post(url, {"role": "py", "replicas": 0}, format="json").status_code == 400
@@ -219,7 +234,7 @@ def test_scale_and_visibility_errors(api: Any, other_api: Any, studio_engine: St
     assert other_api.post(url, {"role": "py", "replicas": 2}, format="json").status_code == 404
     assert other_api.get(f"/api/deployments/{d['id']}/").status_code == 404
     assert other_api.get("/api/workers/").json() == []
-    assert len(api.get("/api/workers/").json()) == 1
+    assert len(api.get("/api/workers/").json()) == 2
     # a session needs a chat workflow
     response = api.post("/api/sessions/", {"deployment": d["id"]}, format="json")
     assert response.status_code == 400 and "not a chat workflow" in response.json()["error"]
@@ -259,6 +274,7 @@ def test_deploying_a_tp_role_starts_and_lists_its_ranks(api: Any, studio_engine:
     assert [(w["role"], w["status"]) for w in rows] == [("lm", "ready"), ("lm", "ready")]
     leader, follower = rows
     assert follower["worker_id"] == rank_worker_id(leader["worker_id"], 1)
+    assert [(w["replica"], w["rank"]) for w in rows] == [(0, 0), (0, 1)]  # one replica, two ranks
     assert leader["address"] and leader["live"] is not None   # rank 0: the replica's endpoint
     assert follower["address"] == "" and follower["live"] is None
     assert registered(d["namespace"]) == [leader["worker_id"]]

@@ -10,7 +10,6 @@ import uuid
 from typing import Any
 
 import pytest
-from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connections
@@ -18,6 +17,7 @@ from django.db import connections
 from studio.accounts.models import ApiToken
 from studio.asgi import build_application
 from studio.config import Throttles
+from studio.dbcalls import orm
 from studio.jsonbody import JsonRefused, json_depth, load_json
 from studio.workflows.apps import engine
 from studio.workflows.models import Run
@@ -98,7 +98,7 @@ def test_oversized_bodies_are_413(api, settings) -> None:
 @pytest.fixture
 async def _close_connections() -> Any:
     yield
-    await database_sync_to_async(connections.close_all)()
+    await orm(connections.close_all)()
 
 
 def _connect(path: str, token: str) -> WebsocketCommunicator:
@@ -138,19 +138,19 @@ async def _refused_on(path: str, token: str, raw: str, status: int) -> None:
 @WS_LIMITS
 async def test_run_socket_messages_past_the_limits_are_refused(api, user, raw: str, status: int,
                                                                _close_connections: Any) -> None:
-    token = await database_sync_to_async(lambda: ApiToken.objects.issue(user, "ws").secret)()
-    wf = await database_sync_to_async(create_workflow)(api, python_spec(op="tests.studio.fns:wait_forever"))
-    run = await database_sync_to_async(lambda: api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}},
+    token = await orm(lambda: ApiToken.objects.issue(user, "ws").secret)()
+    wf = await orm(create_workflow)(api, python_spec(op="tests.studio.fns:wait_forever"))
+    run = await orm(lambda: api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}},
                                                         format="json").json())()
     await _refused_on(f"/ws/runs/{run['id']}/", token, raw, status)
-    await database_sync_to_async(engine().runs.cancel)(run["id"])
+    await orm(engine().runs.cancel)(run["id"])
 
 
 @pytest.mark.django_db(transaction=True)
 @WS_LIMITS
 async def test_metrics_socket_messages_past_the_limits_are_refused(user, raw: str, status: int,
                                                                    _close_connections: Any) -> None:
-    token = await database_sync_to_async(lambda: ApiToken.objects.issue(user, "ws").secret)()
+    token = await orm(lambda: ApiToken.objects.issue(user, "ws").secret)()
     await _refused_on("/ws/metrics/", token, raw, status)
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 from django.conf import settings
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
 from engine.compute.models import load_builtin
@@ -128,6 +129,8 @@ def wait_workers(server: Server, deployment_id: str, token: str, ready: Callable
 
 async def first_metrics(url: str, token: str) -> dict[str, Any]:
     async with ws_connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10) as ws:
+        history = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert history["type"] == "history" and history["range"] == "5m", history  # the studio's history first
         while True:  # the first messages may predate the heartbeat that counts the turns' KV pages
             message = json.loads(await asyncio.wait_for(ws.recv(), 10))
             if message["workers"] and all(w["load"]["metrics"].get("device.pages_used", 0) > 0
@@ -137,7 +140,7 @@ async def first_metrics(url: str, token: str) -> dict[str, Any]:
 
 def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(server: Server, user: Any) -> None:
     token = ApiToken.objects.issue(user, "live-chat").secret
-    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("chat")}, token)
+    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("chat", tiny=True)}, token)
     assert status == 201, wf
     status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": MODEL}, token)
     assert status == 201, d
@@ -145,7 +148,13 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     assert d["status"] == "running" and d["chat"] is True, d
 
     client = openai.OpenAI(base_url=server.base + "/v1", api_key=token, max_retries=0, timeout=60)
-    assert [m.id for m in client.models.list()] == [MODEL]
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL]
+    assert (listed[0].owned_by, listed[0].deployment, listed[0].workflow, listed[0].version, listed[0].status) == (
+        user.username, d["id"], "chat", 1, "running")
+    # tiny-llama: random weights, for testing
+    assert (listed[0].weights, listed[0].weights_label, listed[0].random_weights_roles) == (
+        "random", "random weights (for testing)", ["llm"])
 
     messages = [{"role": "user", "content": "Hello"}]
     reference = hf_reply("### User:\nHello\n\n### Assistant:\n", NEW)
@@ -232,6 +241,17 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     assert 0.0 <= gauges["device.hit_rate"] <= 1.0 and gauges["device.pages_used"] > 0
     text = scrape(server.base)
     assert f'omniflow_kv_hit_rate{{deployment="{d["id"]}",role="llm",' in text
+    occupancy = {s.labels["tier"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "omniflow_kv_occupancy" and s.labels["worker"] == fresh["info"]["worker_id"]}
+    assert set(occupancy) == {"device", "host", "disk"} and occupancy["device"] > 0  # workflows/chat.py's tiers
+    # the history the studio keeps (in Redis: one sampler for the cluster), both llm workers'
+    status, history = server.request("GET", f"/api/metrics/history/?range=5m&deployment={d['id']}", token=token)
+    assert status == 200, history
+    series = {w["worker_id"]: w for w in history["workers"]}
+    assert {llm["info"]["worker_id"], fresh["info"]["worker_id"]} <= set(series)  # the killed one too
+    last = series[fresh["info"]["worker_id"]]["points"][-1]
+    assert set(last["tiers"]) == {"device", "host", "disk"} and last["tiers"]["device"]["pages_used"] > 0
+    assert last["rss_bytes"] > 0
     assert 'omniflow_node_latency_seconds_count{kind="llm"}' in text
 
     status, stopped = server.request("POST", f"/api/deployments/{d['id']}/stop/", None, token)
@@ -276,7 +296,7 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 def test_openai_client_sends_an_image_part_to_a_live_vision_chat_deployment(server: Server, user: Any) -> None:
     token = ApiToken.objects.issue(user, "live-vision").secret
-    spec = example_spec("vision_chat")
+    spec = example_spec("vision_chat", tiny=True)
     status, wf = server.request("POST", "/api/workflows/", {"spec": spec}, token)
     assert status == 201, wf
     status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": "tiny-vision"}, token)

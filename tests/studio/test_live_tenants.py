@@ -33,7 +33,7 @@ def test_two_users_of_one_deployment_share_no_cache_unless_staff_share_it(server
                                                                           user: Any, staff: Any) -> None:
     owner = ApiToken.objects.issue(user, "live-tenants").secret
     root = ApiToken.objects.issue(staff, "live-tenants").secret
-    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("chat")}, owner)
+    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("chat", tiny=True)}, owner)
     assert status == 201, wf
     status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": MODEL}, owner)
     assert status == 201, d

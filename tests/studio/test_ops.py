@@ -91,9 +91,10 @@ def test_ops_catalogue(api) -> None:
     assert ops["diamond.square"] == {
         "name": "diamond.square", "description": "x squared.",
         "inputs": {"x": {"type": "json", "optional": False}}, "outputs": {"out": {"type": "json", "optional": False}},
-        "params_schema": {"type": "object", "properties": {}}, "stream": False,
+        "params_schema": {"type": "object", "properties": {}}, "stream": False, "output_dirs": [],
     }
     assert ops["chat.join_text"]["inputs"] == {"parts": {"type": "text", "optional": False, "join": "ordered"}}
     assert ops["media.save_outputs"]["params_schema"]["properties"]["out_dir"] == {"type": "string",
                                                                                    "default": "omniflow-out"}
     assert ops["stream.words"]["stream"] is True
+    assert ops["media.save_outputs"]["output_dirs"] == ["out_dir"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.flow.validate import parse_spec
+from engine.spec.ops import OpRegistry, default_ops, op
 from studio.workflows.apps import engine
 from studio.workflows.deployments import records
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunFile
@@ -20,6 +22,7 @@ from studio.workflows.paths import (
     name_problem,
     resolve_spec_paths,
     resolve_under,
+    spec_path_issues,
 )
 from tests.studio.factories import create_workflow
 from tests.studio.limits import configured, llm_spec, python_spec
@@ -55,20 +58,59 @@ def roots(tmp_path: Path, *models: Path) -> PathRoots:
     return PathRoots(users=tmp_path / "users", models=models)
 
 
+REGISTRY = default_ops()
+
+
+@op("test.export", output_dirs=("folder",))
+def export(text: str, folder: str = "exported", note: str = "") -> str:
+    """An op writing into a folder it declares under another name than `out_dir`."""
+    return text
+
+
+@op("test.save_outputs")
+def save_outputs(text: str, where: str = "anywhere") -> str:
+    """Named like the example's output op, declaring no output folder."""
+    return text
+
+
 def test_spec_paths_resolve_under_the_users_own_folder(tmp_path: Path) -> None:
     spec = llm_spec(role={"params": {"disk_path": "kv", "disk_pages": 8}})
-    spec["nodes"].append({"id": "save", "kind": "python", "role": "lm", "op": "workflows.ops.common:save_outputs"})
+    spec["nodes"].append({"id": "save", "kind": "python", "role": "lm", "op": "media.save_outputs"})
+    spec["nodes"].append({"id": "module", "kind": "python", "role": "lm", "op": "workflows.ops.common:save_outputs"})
     spec["nodes"].append({"id": "keep", "kind": "python", "role": "lm", "op": "x:save_outputs",
                           "params": {"out_dir": "mine/out"}})
-    resolved = resolve_spec_paths(spec, 7, roots(tmp_path))
+    spec["nodes"].append({"id": "unknown", "kind": "python", "role": "lm", "op": "x:save_outputs"})
+    resolved = resolve_spec_paths(spec, 7, roots(tmp_path), REGISTRY)
     home = tmp_path / "users" / "7"
     assert stat.S_IMODE(home.stat().st_mode) == 0o700 and stat.S_IMODE(home.parent.stat().st_mode) == 0o700
     assert resolved["roles"][0]["params"]["disk_path"] == str(home / "kv")
     assert resolved["roles"][0]["model"] == "tiny-llama"  # a built-in name stays one
     params = {n["id"]: n.get("params", {}) for n in resolved["nodes"]}
     assert params["save"] == {"out_dir": str(home / "outputs")}  # the op's own default is the server's cwd
+    assert params["module"] == {"out_dir": str(home / "outputs")}  # the same registered function
     assert params["keep"] == {"out_dir": str(home / "mine" / "out")}
+    assert params["unknown"] == {}  # not a registered op: no declared folder to give
     assert spec["roles"][0]["params"]["disk_path"] == "kv"  # the document itself is not modified
+
+
+def test_output_folders_are_what_the_op_declares_not_its_functions_name(tmp_path: Path) -> None:
+    """`output_dirs` on `@op`, read from the registry: a folder param of another name is given a
+    default and confined; a function merely named `save_outputs` gets nothing."""
+    registry = OpRegistry([export, save_outputs])
+    spec = python_spec()
+    spec["nodes"][1].update(op="test.export")
+    spec["nodes"].append({"id": "named", "kind": "python", "role": spec["nodes"][1]["role"], "op": "test.save_outputs"})
+    resolved = resolve_spec_paths(spec, 4, roots(tmp_path), registry)
+    params = {n["id"]: n.get("params", {}) for n in resolved["nodes"]}
+    assert params["step"] == {"folder": str(tmp_path / "users" / "4" / "outputs")}
+    assert params["named"] == {}
+    spec["nodes"][1]["params"] = {"folder": "../../etc", "note": "../free text"}
+    with pytest.raises(PathRefused) as refused:
+        resolve_spec_paths(spec, 4, roots(tmp_path), registry)
+    [issue] = refused.value.issues
+    assert (issue.node, issue.path) == ("step", "params.folder")
+    [issue] = spec_path_issues(parse_spec(spec), registry)
+    assert (issue.node, issue.path) == ("step", "params.folder") and "'..'" in issue.message
 
 
 def test_a_symlink_pointing_out_of_the_users_folder_is_refused(tmp_path: Path) -> None:
@@ -76,7 +118,7 @@ def test_a_symlink_pointing_out_of_the_users_folder_is_refused(tmp_path: Path) -
     (home / "escape").symlink_to("/etc")
     spec = llm_spec(role={"params": {"disk_path": "escape/kv", "disk_pages": 8}})
     with pytest.raises(PathRefused) as refused:
-        resolve_spec_paths(spec, 3, roots(tmp_path))
+        resolve_spec_paths(spec, 3, roots(tmp_path), REGISTRY)
     [issue] = refused.value.issues
     assert (issue.code, issue.role, issue.path) == ("path_refused", "lm", "params.disk_path")
     assert "symbolic link" in issue.message and str(tmp_path) not in issue.message
@@ -85,12 +127,14 @@ def test_a_symlink_pointing_out_of_the_users_folder_is_refused(tmp_path: Path) -
 def test_checkpoints_come_from_the_model_directories(tmp_path: Path) -> None:
     models = tmp_path / "models"
     (models / "org" / "ckpt").mkdir(parents=True)
-    resolved = resolve_spec_paths(llm_spec(role={"model": "org/ckpt"}), 1, roots(tmp_path, models))
+    (models / "org" / "ckpt" / "config.json").write_text("{}")  # what makes a folder a checkpoint
+    (models / "org" / "empty").mkdir()
+    resolved = resolve_spec_paths(llm_spec(role={"model": "org/ckpt"}), 1, roots(tmp_path, models), REGISTRY)
     assert resolved["roles"][0]["model"] == str(models / "org" / "ckpt")
-    for name, why in [("nope", "neither a built-in"), ("../models/org/ckpt", "'..'"), (str(models / "org" / "ckpt"),
-                                                                                       "absolute")]:
+    for name, why in [("nope", "neither a built-in"), ("org/empty", "neither a built-in"), ("../models/org/ckpt", "'..'"),
+                      (str(models / "org" / "ckpt"), "absolute")]:
         with pytest.raises(PathRefused, match=why) as refused:
-            resolve_spec_paths(llm_spec(role={"model": name}), 1, roots(tmp_path, models))
+            resolve_spec_paths(llm_spec(role={"model": name}), 1, roots(tmp_path, models), REGISTRY)
         assert refused.value.issues[0].role == "lm" and refused.value.issues[0].path == "model"
 
 

@@ -180,7 +180,7 @@ def test_concurrent_and_queued_runs(api, user) -> None:
 # ---------------------------------------------------------------------- chat surfaces
 @pytest.mark.django_db(transaction=True)
 def test_max_new_tokens_over_quota_on_v1_and_session_turns(api, user) -> None:
-    wf = create_workflow(api, example_spec("chat"))
+    wf = create_workflow(api, example_spec("chat", tiny=True))
     version = WorkflowVersion.objects.get(workflow_id=wf["id"])
     deployment = Deployment.objects.create(owner=user, version=version, name="chatty", status=DeploymentStatus.RUNNING,
                                            replicas={"llm": 1})

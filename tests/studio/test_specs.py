@@ -9,7 +9,7 @@ from engine.flow.validate import GraphValidationError, parse_spec
 from engine.spec.kinds import default_kinds
 from engine.spec.ops import OpConfig, default_ops
 from studio.workflows.specs import check, diff_documents, spec_from_source
-from tests.studio.factories import example_spec, spec_doc
+from tests.studio.factories import ROOT, example_spec, spec_doc
 
 EXAMPLES = ["diamond", "loop", "router", "stream"]
 
@@ -57,6 +57,31 @@ def test_source_reader_refuses_anything_else(source: str, needle: str) -> None:
     with pytest.raises(GraphValidationError) as info:
         spec_from_source(source)
     assert [i.code for i in info.value.issues] == ["python_source"]
+    assert needle in info.value.issues[0].message
+
+
+def test_the_quick_start_reads_with_its_registered_op() -> None:
+    source = (ROOT / "workflows" / "hello.py").read_text()
+    ops = default_ops()
+    spec = spec_from_source(source, ops)
+    assert spec == parse_spec(example_spec("hello"))  # what the command line builds by running it
+    assert spec.node("greet").op == "hello.greet"
+    assert check(spec, default_kinds(), studio_ops()).valid
+    with pytest.raises(GraphValidationError, match="only the DSL and registered ops"):
+        spec_from_source(source)  # without the registry, an import is just an import
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    ("from workflows.ops.common import Path", "only the DSL and registered ops"),  # imported there, not an op
+    ("from os import system", "only the DSL and registered ops"),
+    ("from .hello import greet", "only the DSL and registered ops"),
+    ("from workflows.ops.hello import greet\ngreet('x')", "call 'greet' is not allowed"),
+    ("from workflows.ops.hello import greet\nwf = Workflow('x')\nwf.python(len, role='py')", "unknown name 'len'"),
+])
+def test_only_registered_op_functions_import_and_none_is_called(line: str, needle: str) -> None:
+    source = f"from engine.flow.dsl import Workflow\n{line}\n"
+    with pytest.raises(GraphValidationError) as info:
+        spec_from_source(source, default_ops())
     assert needle in info.value.issues[0].message
 
 

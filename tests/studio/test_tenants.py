@@ -26,7 +26,7 @@ PAGE = 16  # workflows/chat.py's page size
 
 
 def chat_spec(**reply_params: Any) -> dict[str, Any]:
-    spec = example_spec("chat")
+    spec = example_spec("chat", tiny=True)
     for node in spec["nodes"]:
         if node["id"] == "reply":
             node["params"] = {**node["params"], "max_new_tokens": 2, **reply_params}

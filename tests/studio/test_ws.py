@@ -7,12 +7,12 @@ import json
 from typing import Any
 
 import pytest
-from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.db import connections
 
 from studio.accounts.models import ApiToken
 from studio.asgi import build_application
+from studio.dbcalls import orm
 from studio.workflows.apps import engine
 from studio.workflows.models import RunEvent
 from studio.workflows.runs import store
@@ -42,10 +42,10 @@ async def read_until_closed(comm: WebsocketCommunicator) -> tuple[list[dict[str,
 
 @pytest.fixture(autouse=True)
 async def _close_connections() -> Any:
-    """database_sync_to_async runs on asgiref's shared thread; close its connection so the
+    """The test's own ORM calls run on asgiref's shared thread; close its connection so the
     test database can be flushed and dropped."""
     yield
-    await database_sync_to_async(connections.close_all)()
+    await orm(connections.close_all)()
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ async def test_replays_a_finished_run_then_closes(finished_run: str, token: str)
     assert connected
     events, code = await read_until_closed(comm)
     assert code == 1000
-    assert events == await database_sync_to_async(stored)(finished_run)
+    assert events == await orm(stored)(finished_run)
     assert [e["seq"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == "run_finished" and events[-1]["status"] == "done"
 
@@ -87,7 +87,7 @@ async def test_resumes_from_since(finished_run: str, token: str) -> None:
     comm = connect(f"/ws/runs/{finished_run}/?since=4", token)
     await comm.connect()
     events, _ = await read_until_closed(comm)
-    everything = await database_sync_to_async(stored)(finished_run)
+    everything = await orm(stored)(finished_run)
     assert events == everything[4:]
 
 
@@ -103,7 +103,7 @@ async def test_follows_live_events_without_gaps_or_duplicates(gated_run: str, to
     events = seen + rest
     assert code == 1000
     assert [e["seq"] for e in events] == list(range(len(events)))
-    assert events == await database_sync_to_async(stored)(gated_run)
+    assert events == await orm(stored)(gated_run)
     assert events[-1]["outputs"] == {"result": "X"}
 
 
@@ -140,7 +140,7 @@ async def test_refusals(finished_run: str, token: str, path: str, use_token: boo
 
 
 async def test_another_users_run_is_not_found(finished_run: str, other_user) -> None:
-    other_token = await database_sync_to_async(lambda: ApiToken.objects.issue(other_user).secret)()
+    other_token = await orm(lambda: ApiToken.objects.issue(other_user).secret)()
     comm = connect(f"/ws/runs/{finished_run}/", other_token)
     await comm.connect()
     assert (await comm.receive_json_from(timeout=5))["status"] == 404
@@ -148,7 +148,7 @@ async def test_another_users_run_is_not_found(finished_run: str, other_user) -> 
 
 
 async def test_session_cookie_needs_same_origin(finished_run: str, user, client) -> None:
-    await database_sync_to_async(client.force_login)(user)
+    await orm(client.force_login)(user)
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
     for origin, status in (("http://evil.example", 401), ("http://localhost", None)):
         comm = WebsocketCommunicator(build_application(engine(), resume_stale=False),
@@ -166,7 +166,7 @@ async def test_session_cookie_needs_same_origin(finished_run: str, user, client)
 async def test_lost_live_message_is_read_back_from_the_store(api, token: str) -> None:
     """Store six events, publish only the last batch: the consumer fills 0..5 from the
     database, once each."""
-    wf = await database_sync_to_async(create_workflow)(api, spec_doc(op="tests.studio.fns:wait_forever"))
+    wf = await orm(create_workflow)(api, spec_doc(op="tests.studio.fns:wait_forever"))
     from studio.workflows.models import Run, Workflow
 
     def make_run() -> str:
@@ -174,18 +174,38 @@ async def test_lost_live_message_is_read_back_from_the_store(api, token: str) ->
         run = Run.objects.create(owner=workflow.owner, workflow=workflow, version=workflow.latest_version())
         return str(run.pk)
 
-    run_id = await database_sync_to_async(make_run)()
+    run_id = await orm(make_run)()
     comm = connect(f"/ws/runs/{run_id}/", token)
     await comm.connect()
     bus = engine().runs.bus
     events = [{"type": "node_progress", "seq": i, "run_id": run_id, "time": 1.0 + i, "node": "step",
                "message": str(i)} for i in range(5)]
     events.append({"type": "run_finished", "seq": 5, "run_id": run_id, "time": 9.0, "status": "done"})
-    first = await database_sync_to_async(store.record)(run_id, events[:2])
+    first = await orm(store.record)(run_id, events[:2])
     await bus.publish(run_id, first)
     assert [(await comm.receive_json_from(timeout=5))["seq"] for _ in range(2)] == [0, 1]
-    await database_sync_to_async(store.record)(run_id, events[2:4])  # published nowhere: lost
-    last = await database_sync_to_async(store.record)(run_id, events[4:])
+    await orm(store.record)(run_id, events[2:4])  # published nowhere: lost
+    last = await orm(store.record)(run_id, events[4:])
     await bus.publish(run_id, last)
     rest, code = await read_until_closed(comm)
     assert [e["seq"] for e in rest] == [2, 3, 4, 5] and code == 1000
+
+
+async def test_handshakes_hand_their_database_connections_back_to_the_pool(finished_run: str, token: str) -> None:
+    """Each handshake authenticates its token on a thread in a copy of its task's context: the
+    connection it opened must go back to the pool, or a pool of 16 runs dry after 16 sockets."""
+    pool = connections["default"].pool if connections["default"].vendor == "postgresql" else None
+    if pool is None:
+        pytest.skip("no connection pool: the studio's tests run on SQLite here")
+
+    def in_use() -> int:
+        stats = pool.get_stats()
+        return stats["pool_size"] - stats["pool_available"]
+
+    before = in_use()
+    for _ in range(pool.max_size + 4):
+        comm = connect(f"/ws/runs/{finished_run}/", token)
+        await comm.connect()
+        assert (await comm.receive_json_from(timeout=10))["type"] == "run_started"
+        await comm.disconnect()
+    assert in_use() <= before

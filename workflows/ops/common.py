@@ -48,7 +48,8 @@ def image_size(text: str) -> dict[str, int]:
 @op("media.save_outputs", inputs={"text": {"type": "text", "optional": True},
                                  "image": {"type": "image", "optional": True},
                                  "audio": {"type": "audio", "optional": True},
-                                 "size": {"type": "json", "optional": True}}, outputs={"out": "json"})
+                                 "size": {"type": "json", "optional": True}},
+    outputs={"out": "json"}, output_dirs=("out_dir",))
 def save_outputs(ctx: NodeContext, text: str | None = None, image: Any = None, audio: Any = None,
                  size: Any = None, out_dir: str = "omniflow-out") -> dict[str, Any]:
     """Write what arrived (text -> reply.txt, image PNG -> image.png, resized to `size` when given,
@@ -116,9 +117,10 @@ def sound(request: dict) -> bytes:
 
 @op("omni.prompt_text")
 def prompt_text(request: dict) -> str:
-    """The thinker's message: one `<|image|>`/`<|audio|>` marker per medium, then the text."""
+    """The thinker's turn in ChatML, SmolLM2's chat format: one `<|image|>`/`<|audio|>` marker per
+    medium (where the thinker splices the encoders' embeddings), then the text."""
     markers = ("<|image|>" if request.get("image") else "") + ("<|audio|>" if request.get("audio") else "")
-    return f"{markers}User: {request['message'].strip()}\nAssistant:"
+    return f"<|im_start|>user\n{markers}{request['message'].strip()}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @op("omni.combine_media", inputs={"image_item": {"type": "json", "optional": True},

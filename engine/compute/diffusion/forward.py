@@ -1,8 +1,9 @@
 """The LLM's transformer run over image tokens that attend to a prompt's K/V.
 
-`ImageTokenForward` drives the *same* modules as the LLM runner (`PagedForward`): each
-decoder layer's norms, q/k/v/o projections and MLP, the rotary embedding and the final
-norm of one `transformers` Llama/Qwen2 model; nothing is copied. Image tokens sit at
+`ImageTokenForward` drives the *same* weights as the LLM runner (`PagedForward`), bound the
+same way (`engine.compute.llm.layers.DecoderWeights`: each decoder layer's norms, fused q/k/v
+and gate/up projections, o/down added onto the residual, the final norm) from one
+`transformers` Llama/Qwen2 model; nothing is copied. Image tokens sit at
 positions right after their prompt; their queries attend to the prompt's K/V (computed
 once, causally, by the LLM path) and to every image token's K/V (bidirectional).
 
@@ -18,15 +19,14 @@ to the image, image rows see everything), written independently of the paged pre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from engine.compute.llm.layers import DecoderWeights, LayerWeights, UnsupportedModelError
 from engine.compute.prefix.keys import MultimodalItem
 from engine.data.kv.layout import KVLayout
 
@@ -140,23 +140,6 @@ class ImageRotary:
         return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, dims=-1), self.signed_sin)
 
 
-def _rms_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`norm` (a Llama/Qwen2 RMSNorm: float32 statistics, then `weight *`) as one fused
-    `F.rms_norm` over the same weight and epsilon when its input is float32, where the two
-    are the same computation; the module itself otherwise."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not isinstance(norm, LlamaRMSNorm | Qwen2RMSNorm) or weight is None or eps is None:
-        return norm
-    shape = (int(weight.shape[0]),)
-
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or weight.dtype != torch.float32:
-            return norm(x)
-        return F.rms_norm(x, shape, weight, float(eps))
-
-    return fused
-
-
 class ImageTokenForward:
     """The LLM's decoder layers over image tokens (see the module docstring). Holds no state
     between calls besides the bound modules."""
@@ -166,35 +149,28 @@ class ImageTokenForward:
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or any(not hasattr(inner, name) for name in needed):
             raise DiffusionModelError(f"{type(model).__name__} is not a Llama/Qwen2-style decoder")
+        try:
+            self.weights = DecoderWeights.of(model)
+        except UnsupportedModelError as exc:
+            raise DiffusionModelError(str(exc)) from exc
         cfg = model.config
         self.model = model
         self.embed = inner.embed_tokens
-        self.layers = list(inner.layers)
-        self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.hidden_size = int(cfg.hidden_size)
-        self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(cfg.num_key_value_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.scaling = float(inner.layers[0].self_attn.scaling)
-        # The image steps' norms, fused (the same weights; see `_rms_norm`).
-        self._input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
-        self._post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
-        self._final_norm = _rms_norm(self.norm)
+        self.num_heads = self.weights.num_heads
+        self.num_kv_heads = self.weights.num_kv_heads
+        self.head_dim = self.weights.head_dim
+        self.scaling = self.weights.scaling
+        self._qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
 
-    def _project(self, layer: torch.nn.Module, hidden: torch.Tensor):
-        attn = layer.self_attn
-        b, n, _ = hidden.shape
-        q = attn.q_proj(hidden).view(b, n, self.num_heads, self.head_dim)
-        k = attn.k_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self._project(layer, hidden)
-        # One rotary pass over queries and keys together (elementwise: the same numbers).
-        qk = _rope(torch.cat((q, k), dim=2), cos, sin)
-        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
+    def _project(self, layer: LayerWeights, normed: torch.Tensor):
+        """Normed hidden states `(B, n, hidden)` -> q+k `(B, n, Hq + Hkv, D)` (not yet rotated), v
+        `(B, n, Hkv, D)`."""
+        b, n, _ = normed.shape
+        qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+        qk = qkv[..., : self._qk_width].view(b, n, -1, self.head_dim)
+        return qk, qkv[..., self._qk_width :].view(b, n, self.num_kv_heads, self.head_dim)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -206,9 +182,11 @@ class ImageTokenForward:
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
     @staticmethod
-    def _mlp_block(layer: torch.nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = residual + layer.self_attn.o_proj(attn_out)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    def _rest(layer: LayerWeights, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: o_proj onto the residual, then the MLP block, over `(B, n, .)` rows."""
+        b, n, width = hidden.shape
+        flat = layer.attention_out(hidden.reshape(b * n, width), attn_out.reshape(b * n, -1))
+        return layer.mlp(flat).view(b, n, width)
 
     def image_rotary(self, hidden: torch.Tensor, batch: KVBatch) -> ImageRotary:
         """The rotary factors of the image tokens' positions (right after each branch's prompt);
@@ -229,23 +207,21 @@ class ImageTokenForward:
         rope = rotary if rotary is not None else self.image_rotary(hidden, batch)
         b, n, _ = hidden.shape
         start = batch.prompt_len
+        heads = self.num_heads
         shared = b > 1 and hidden.stride(0) == 0
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.weights.layers):
             if shared:
-                q, k, v = (t.expand(b, -1, -1, -1) for t in self._project(layer, self._input_norms[index](hidden[:1])))
+                qk, v = (t.expand(b, -1, -1, -1) for t in self._project(layer, layer.input_norm(hidden[:1])))
                 shared = False
             else:
-                q, k, v = self._project(layer, self._input_norms[index](hidden))
+                qk, v = self._project(layer, layer.input_norm(hidden))
             # One rotary pass over queries and keys together (elementwise: the same numbers).
-            qk = rope.apply(torch.cat((q, k), dim=2))
-            q = qk[:, :, : self.num_heads]
+            qk = rope.apply(qk)
             layer_kv = batch.kv[index]
-            layer_kv[0, :, :, start:] = qk[:, :, self.num_heads :].transpose(1, 2)
+            layer_kv[0, :, :, start:] = qk[:, :, heads:].transpose(1, 2)
             layer_kv[1, :, :, start:] = v.transpose(1, 2)
-            attn_out = self._attend(q, layer_kv[0], layer_kv[1], batch.mask)
-            hidden = hidden + layer.self_attn.o_proj(attn_out)
-            hidden = hidden + layer.mlp(self._post_norms[index](hidden))
-        return self._final_norm(hidden)
+            hidden = self._rest(layer, hidden, self._attend(qk[:, :, :heads], layer_kv[0], layer_kv[1], batch.mask))
+        return self.weights.final_norm(hidden)
 
     @torch.inference_mode()
     def joint_forward(self, prompts: Sequence[Sequence[int]], image_hidden: torch.Tensor,
@@ -279,8 +255,10 @@ class ImageTokenForward:
         mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=device).masked_fill_(~allowed, float("-inf"))
         mask = mask[:, None]
         cos, sin = self.rotary(hidden, positions)
-        for layer in self.layers:
-            q, k, v = self._qkv(layer, layer.input_layernorm(hidden), cos, sin)
-            out = self._attend(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-            hidden = self._mlp_block(layer, hidden, out)
-        return self.norm(hidden[:, width:])
+        heads = self.num_heads
+        for layer in self.weights.layers:
+            qk, v = self._project(layer, layer.input_norm(hidden))
+            qk = _rope(qk, cos, sin)
+            out = self._attend(qk[:, :, :heads], qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2), mask)
+            hidden = self._rest(layer, hidden, out)
+        return self.weights.final_norm(hidden[:, width:])

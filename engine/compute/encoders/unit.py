@@ -17,6 +17,7 @@ from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.encoders.vision import VisionEncoder, vision_config
 from engine.compute.media import MediaError
 from engine.compute.models.catalog import BUILTIN_MODELS
+from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
@@ -32,6 +33,8 @@ def projection_size(role: RoleSpec) -> int:
             raise EncoderError(f"role {role.name!r}: hidden_size must be a positive int, got {size!r}")
         return size
     name = params.get("llm", "tiny-llama")
+    if name in PACKAGED_MODELS:
+        return PACKAGED_MODELS[name].hidden_size
     if name not in BUILTIN_MODELS:
         raise EncoderError(f"role {role.name!r}: unknown llm {name!r}; give hidden_size for a checkpoint LLM")
     return BUILTIN_MODELS[name].hidden_size

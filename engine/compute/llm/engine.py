@@ -44,7 +44,7 @@ from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.errors import DiskTierBusy, KVCapacityError
 from engine.data.kv.keys import PageHash
-from engine.data.kv.layout import KVLayout
+from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.policy import EvictionPolicy
 from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.tier import Capacity
@@ -115,7 +115,8 @@ class LLMEngine:
         self.model = model
         self.config = config = config or EngineConfig()
         self.clock = clock
-        self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, "float32")
+        self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim,
+                               dtype_name(model.dtype))
         device = str(next(model.model.parameters()).device)
         self._own_store = store is None
         if store is None:

@@ -1,40 +1,43 @@
-"""The model's forward pass with attention over the paged KV cache.
+"""The model runner: a causal LM's forward pass with attention over the paged KV cache.
 
-The math is the `transformers` model's own modules — embedding, each decoder layer's
-norms, q/k/v/o projections and MLP, the rotary embedding, the final norm and the LM
-head — run in a loop written here, so that attention reads keys and values from KV
-pages instead of a `transformers` cache. Everything is float32, like the reference.
+The math is the `transformers` model's own weights — embedding, each decoder layer's norms,
+projections and MLP, the rotary embedding, the final norm and the LM head — bound once
+(`engine.compute.llm.layers.DecoderWeights`: q/k/v and gate/up fused into one product each,
+o_proj and down_proj added onto the residual in one `addmm`, a rotary table), and run in a
+loop written here, so that attention reads keys and values laid out for it instead of a
+`transformers` cache. The activations are in the model's dtype (float32, or bfloat16 with
+float32 statistics where HF takes them so); logits are float32.
 
 Where K/V live (see `engine.data.kv.layout`: a page is `(2, layers, page_size, kv_heads,
-head_dim)`):
+head_dim)`, in the model's dtype):
 
 * full pages of a sequence are in the KV store's device pool, addressed by slot;
 * the sequence's last, partial page is in a *tail* page that the engine owns (pages in
   the store are immutable and named by the hash of their tokens, which a partial page
   does not have yet).
 
-Attention gathers a sequence's pages from the pool every step (acceptable on the CPU;
-the prefix is never recomputed).
+Attention needs each layer's keys as one `(heads, tokens, dim)` block per sequence. A
+prefill chunk lays its prefix pages out so once per chunk; a decode batch keeps a
+`DecodeBuffer` from step to step, in which each step writes one token per sequence, so
+its K/V are gathered from the pages only when the batch changes (see `DecodeBuffer`).
+Attention itself is `scaled_dot_product_attention` on views of those buffers; a decode
+step attends with the query heads that share a KV head as that head's rows (grouped-query
+attention without expanding K/V).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate
 from engine.data.kv.layout import KVLayout
 
-
-def q_dtype(forward: PagedForward) -> torch.dtype:
-    return forward.embed.weight.dtype
-
-
-class UnsupportedModelError(TypeError):
-    """The model lacks the modules the paged forward drives (a Llama/Qwen2-style decoder)."""
+__all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "UnsupportedModelError"]
 
 
 @dataclass(slots=True)
@@ -56,7 +59,8 @@ class DecodeBatch:
     """One new token per sequence, at `positions[i]`, whose K/V go into tail page `tail_slots[i]`.
 
     `keys` name the sequences (request ids): a batch with the same keys in the same order
-    as the previous step's reuses that step's gathered K/V (see `DecodeBuffer`).
+    as the previous step's, each one position further, reuses that step's buffer (see
+    `DecodeBuffer`).
     """
 
     token_ids: Sequence[int]
@@ -66,262 +70,216 @@ class DecodeBatch:
     keys: Sequence[str] = ()
 
 
-HEADROOM_PAGES = 2
-"""Page room a decode buffer keeps beyond its longest sequence, so it is regathered less often."""
+HEADROOM_PAGES = 4
+"""Pages a decode buffer holds beyond its longest sequence, so it is regathered less often."""
 
 
 @dataclass(slots=True)
 class DecodeBuffer:
-    """The K/V of a decode batch gathered from its pages, carried from step to step.
+    """The K/V of a decode batch, laid out for attention, carried from step to step.
 
-    `kv` is `(layers, K/V, batch, capacity + 1, page, heads, dim)`: sequence `b`'s full
-    pages at `[0, pages[b])`, its tail page at `capacity`, zeros or stale (masked) bytes
-    between. While the batch keeps its members and order, each step only appends: the new
-    token's K/V go into the tail region, and a tail that was stored as a page last step
-    moves to its page position. The pages in the KV store stay the source of truth: the
-    buffer is rebuilt from them whenever the batch changes or outgrows it.
+    `kv` is `(layers, K/V, batch, kv_heads, capacity, head_dim)`: sequence `b`'s token at
+    position `p` is at `[..., b, :, p, :]`, so each layer's keys are one contiguous
+    `(batch, heads, tokens, dim)` block. Rows shorter than the longest hold masked bytes
+    beyond their length. While the batch keeps its members and order and each advances
+    one position a step, a step only writes its new token (its tail page, stored as a page
+    when it fills, is already in place). The pages in the KV store (and the engine's tail
+    pages, which each step also updates) stay the source of truth: the buffer is rebuilt
+    from them whenever the batch changes or outgrows it.
     """
 
     keys: tuple[str, ...]
     kv: torch.Tensor
-    pages: list[int]
+    positions: list[int]
+    rows: torch.Tensor
 
     @property
     def capacity(self) -> int:
-        return self.kv.shape[3] - 1
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` is `(tokens, heads, dim)`, `cos`/`sin` `(tokens, dim)` (as `transformers` applies them)."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    """A decoder layer's modules, bound once (the hot loop skips attribute lookups and hooks)."""
-
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
-    q_proj: Callable[[torch.Tensor], torch.Tensor]
-    k_proj: Callable[[torch.Tensor], torch.Tensor]
-    v_proj: Callable[[torch.Tensor], torch.Tensor]
-    o_proj: Callable[[torch.Tensor], torch.Tensor]
-    post_norm: Callable[[torch.Tensor], torch.Tensor]
-    mlp: Callable[[torch.Tensor], torch.Tensor]
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module) -> _Layer:
-        attn = layer.self_attn
-        return cls(
-            input_norm=layer.input_layernorm.forward,
-            q_proj=attn.q_proj.forward,
-            k_proj=attn.k_proj.forward,
-            v_proj=attn.v_proj.forward,
-            o_proj=attn.o_proj.forward,
-            post_norm=layer.post_attention_layernorm.forward,
-            mlp=layer.mlp.forward,
-        )
+        return self.kv.shape[4]
 
 
 class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
     def __init__(self, model: PreTrainedModel, layout: KVLayout) -> None:
-        inner = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or any(not hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
-            raise UnsupportedModelError(f"{type(model).__name__} is not a Llama/Qwen2-style decoder")
-        cfg = model.config
         self.model = model
-        self.embed = inner.embed_tokens
-        self.layers = [_Layer.of(layer) for layer in inner.layers]
-        self.norm = inner.norm
-        self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
-        self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(cfg.num_key_value_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.scaling = float(inner.layers[0].self_attn.scaling)
+        self.weights = w = DecoderWeights.of(model)
+        self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
+        self.group = w.num_heads // w.num_kv_heads
+        self.q_width = w.num_heads * w.head_dim
+        self.qk_width = (w.num_heads + w.num_kv_heads) * w.head_dim
         self.page_size = layout.page_size
-        expected = (len(self.layers), self.num_kv_heads, self.head_dim)
+        expected = (len(w.layers), w.num_kv_heads, w.head_dim)
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != expected:
             raise UnsupportedModelError(f"KV layout {layout.fingerprint()} does not fit the model {expected}")
+        if layout.torch_dtype != w.dtype:
+            raise UnsupportedModelError(f"KV layout dtype {layout.dtype} is not the model's {w.dtype}")
         self.layout = layout
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(hidden[None], positions[None])
-        return cos[0], sin[0]
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype
 
-    def _qkv(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _embed(self, ids: torch.Tensor, embeds: Sequence[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:
+        hidden = self.weights.embed(ids)
+        for row, rows in embeds:
+            hidden[row : row + rows.shape[0]] = rows.to(hidden.dtype)
+        return hidden
+
+    def _qkv(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed projections of `hidden` `(tokens, hidden)`: rotated q+k `(tokens, Hq + Hkv, D)`
+        and v `(tokens, Hkv, D)`."""
         tokens = hidden.shape[0]
-        q = layer.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = layer.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = layer.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        # One rotary pass over queries and keys together (elementwise: same numbers).
-        qk = _rope(torch.cat((q, k), dim=1), cos, sin)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        qkv = F.linear(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
+        qk = rotate(qkv[:, : self.qk_width].view(tokens, -1, self.head_dim), cos, sin)
+        return qk, qkv[:, self.qk_width :].view(tokens, self.num_kv_heads, self.head_dim)
 
-    def _mlp_block(self, layer: _Layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = residual + layer.o_proj(attn_out)
-        return hidden + layer.mlp(layer.post_norm(hidden))
+    # -- prefill -----------------------------------------------------------------------------------
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+    def _prefill_buffer(self, chunk: PrefillChunk, pool: torch.Tensor, total: int) -> torch.Tensor:
+        """`(layers, K/V, kv_heads, padded, head_dim)` holding the prefix pages and the old tail;
+        positions from `total` to the page-padded end are zeros."""
+        page = self.page_size
+        padded = -(-total // page) * page
+        tail_start = chunk.start // page * page
+        offset = chunk.start - tail_start
+        layout = self.layout
+        kv = torch.empty((layout.num_layers, 2, self.num_kv_heads, padded, self.head_dim), dtype=pool.dtype,
+                         device=pool.device)
+        kv[:, :, :, total:].zero_()
+        if tail_start:
+            slots = torch.tensor(list(chunk.prefix_slots), dtype=torch.long, device=pool.device)
+            pages = pool.index_select(0, slots)  # (P, 2, L, page, H, D)
+            kv[:, :, :, :tail_start].unflatten(3, (len(chunk.prefix_slots), page)).copy_(
+                pages.permute(2, 1, 4, 0, 3, 5))
+        if offset:
+            if chunk.tail is None:
+                raise ValueError(f"a chunk starting at {chunk.start} mid-page needs the tail page")
+            kv[:, :, :, tail_start : chunk.start] = chunk.tail[:, :, :offset].permute(1, 0, 3, 2, 4)
+        return kv
 
     @torch.inference_mode()
     def prefill(self, chunk: PrefillChunk, pool: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run `chunk`; returns the last position's logits (if wanted) and the fresh pages.
 
         Fresh pages, `(n, *page_shape)`, hold the K/V of positions `start // page_size *
-        page_size` to `start + len(token_ids)`: the old tail's tokens, then the chunk's.
+        page_size` to `start + len(token_ids)`: the old tail's tokens, then the chunk's
+        (zeros after them in the last page).
         """
         page = self.page_size
         n = len(chunk.token_ids)
-        tail_start = chunk.start // page * page
-        offset = chunk.start - tail_start
+        start = chunk.start
+        tail_start = start // page * page
         if len(chunk.prefix_slots) * page != tail_start:
-            raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {chunk.start}")
-        fresh = torch.zeros(
-            ((offset + n + page - 1) // page, *self.layout.page_shape), dtype=pool.dtype, device=pool.device
-        )
-        if offset:
-            if chunk.tail is None:
-                raise ValueError(f"a chunk starting at {chunk.start} mid-page needs the tail page")
-            fresh[0, :, :, :offset] = chunk.tail[:, :, :offset]
-        flat = torch.arange(offset, offset + n, device=pool.device)
-        page_index, token_index = flat // page, flat % page
+            raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
+        total = start + n
+        kv = self._prefill_buffer(chunk, pool, total)
         ids = torch.tensor(list(chunk.token_ids), dtype=torch.long, device=pool.device)
-        hidden = self.embed(ids)
-        for row, rows in chunk.embeds:
-            hidden[row : row + rows.shape[0]] = rows.to(hidden.dtype)
-        cos, sin = self._rotary(hidden, torch.arange(chunk.start, chunk.start + n, device=pool.device))
-        prefix = pool[torch.tensor(list(chunk.prefix_slots), dtype=torch.long)] if tail_start else None
-        total = chunk.start + n
+        hidden = self._embed(ids, chunk.embeds)
+        cos, sin = self.weights.rotary.span(start, total)
         mask = None
-        if chunk.start:
-            # Query i sits at position start + i and sees keys 0..start + i.
-            mask = torch.arange(total, device=pool.device)[None, :] <= (flat - offset + chunk.start)[:, None]
-        for index, layer in enumerate(self.layers):
-            residual = hidden
-            q, k, v = self._qkv(layer, layer.input_norm(hidden), cos, sin)
-            fresh[page_index, 0, index, token_index] = k
-            fresh[page_index, 1, index, token_index] = v
-            keys = fresh[:, 0, index].reshape(-1, self.num_kv_heads, self.head_dim)[: offset + n]
-            values = fresh[:, 1, index].reshape(-1, self.num_kv_heads, self.head_dim)[: offset + n]
-            if prefix is not None:
-                keys = torch.cat((prefix[:, 0, index].reshape(-1, self.num_kv_heads, self.head_dim), keys))
-                values = torch.cat((prefix[:, 1, index].reshape(-1, self.num_kv_heads, self.head_dim), values))
+        if start and n > 1:
+            # Query i sits at position start + i and sees keys 0..start + i (additive: built once).
+            rows = torch.arange(start, total, device=pool.device)[:, None]
+            hidden_mask = torch.arange(total, device=pool.device)[None, :] > rows
+            mask = torch.zeros(hidden_mask.shape, dtype=self.dtype, device=pool.device).masked_fill_(
+                hidden_mask, float("-inf"))
+        heads = self.num_heads
+        for index, layer in enumerate(self.weights.layers):
+            qk, v = self._qkv(layer, hidden, cos, sin)
+            kv[index, 0, :, start:total] = qk[:, heads:].transpose(0, 1)
+            kv[index, 1, :, start:total] = v.transpose(0, 1)
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
+                qk[:, :heads].transpose(0, 1)[None],
+                kv[index, 0, :, :total][None],
+                kv[index, 1, :, :total][None],
                 attn_mask=mask,
                 is_causal=mask is None and n > 1,
-                scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                scale=self.weights.scaling,
+                enable_gqa=self.group > 1,
             )
-            hidden = self._mlp_block(layer, residual, out[0].transpose(0, 1).reshape(n, -1))
-        logits = self._logits(hidden[-1:])[0] if want_logits else None
+            hidden = layer.mlp(layer.attention_out(hidden, out[0].transpose(0, 1).reshape(n, self.q_width)))
+        logits = self.weights.logits(hidden[-1:])[0] if want_logits else None
+        # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
+        fresh = kv[:, :, :, tail_start:].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
         return logits, fresh
 
-    def _gather(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor, tail_slots: torch.Tensor,
-                counts: list[int]) -> DecodeBuffer:
+    # -- decode ----------------------------------------------------------------------------------
+
+    def _gather(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor) -> DecodeBuffer:
         """Build a decode buffer from the pages and tail pages of `batch`."""
         page = self.page_size
-        size = len(counts)
+        size = len(batch.token_ids)
+        counts = [len(slots) for slots in batch.page_slots]
         max_pages = max(counts)
-        capacity = max_pages + HEADROOM_PAGES
-        kv = torch.zeros(
-            (self.layout.num_layers, 2, size, capacity + 1, page, self.num_kv_heads, self.head_dim),
-            dtype=pool.dtype,
-            device=pool.device,
-        )
+        capacity = (max(max_pages, max(batch.positions) // page) + 1 + HEADROOM_PAGES) * page
+        layout = self.layout
+        kv = torch.zeros((layout.num_layers, 2, size, self.num_kv_heads, capacity, self.head_dim),
+                         dtype=pool.dtype, device=pool.device)
         if max_pages:
             # Padding points at a page some sequence holds: finite bytes, masked out.
             filler = next(slots[0] for slots in batch.page_slots if slots)
-            flat = [
-                slot
-                for slots in batch.page_slots
-                for slot in (*slots, *([filler] * (max_pages - len(slots))))
-            ]
-            # Whole pages gather fastest (contiguous rows); the permuting copy follows.
-            gathered = pool.index_select(0, torch.tensor(flat, device=pool.device))
-            kv[:, :, :, :max_pages] = gathered.view(size, max_pages, *pool.shape[1:]).permute(3, 2, 0, 1, 4, 5, 6)
-        kv[:, :, :, capacity] = tails.index_select(0, tail_slots).permute(2, 1, 0, 3, 4, 5)
-        return DecodeBuffer(keys=tuple(batch.keys), kv=kv, pages=counts)
+            flat = [slot for slots in batch.page_slots for slot in (*slots, *([filler] * (max_pages - len(slots))))]
+            # Whole pages gather fastest (contiguous rows); one permuting copy lays them out.
+            gathered = pool.index_select(0, torch.tensor(flat, dtype=torch.long, device=pool.device))
+            kv[:, :, :, :, : max_pages * page].unflatten(4, (max_pages, page)).copy_(
+                gathered.view(size, max_pages, *pool.shape[1:]).permute(3, 2, 0, 5, 1, 4, 6))
+        for row, (count, slot) in enumerate(zip(counts, batch.tail_slots, strict=True)):
+            # (2, L, page, H, D) -> (L, 2, H, page, D), after the sequence's full pages.
+            kv[:, :, row, :, count * page : (count + 1) * page] = tails[slot].permute(1, 0, 3, 2, 4)
+        rows = torch.arange(size, device=pool.device)
+        return DecodeBuffer(keys=tuple(batch.keys), kv=kv, positions=list(batch.positions), rows=rows)
 
-    def _buffer(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor, tail_slots: torch.Tensor,
+    def _buffer(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
                 previous: DecodeBuffer | None) -> DecodeBuffer:
-        counts = [len(slots) for slots in batch.page_slots]
+        positions = list(batch.positions)
         reusable = (
             previous is not None
             and batch.keys
             and previous.keys == tuple(batch.keys)
-            and max(counts) <= previous.capacity
-            and all(now in (before, before + 1) for now, before in zip(counts, previous.pages, strict=True))
+            and max(positions) < previous.capacity
+            and all(now == before + 1 for now, before in zip(positions, previous.positions, strict=True))
         )
         if not reusable:
-            return self._gather(batch, pool, tails, tail_slots, counts)
+            return self._gather(batch, pool, tails)
         assert previous is not None
-        capacity = previous.capacity
-        for row, (now, before) in enumerate(zip(counts, previous.pages, strict=True)):
-            if now == before + 1:  # last step filled the tail page and it was stored as page `before`
-                previous.kv[:, :, row, before] = previous.kv[:, :, row, capacity]
-        previous.pages = counts
+        previous.positions = positions
         return previous
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
                previous: DecodeBuffer | None = None) -> tuple[torch.Tensor, DecodeBuffer]:
         """One token per sequence; writes its K/V into `tails[tail_slots[i]]`; returns `(B, vocab)`
-        logits and the decode buffer to pass to the next step (see `DecodeBuffer`).
-
-        Each layer's keys and values are plain views of the buffer; the new token's K/V are
-        written into it per layer and the tail pages copied back to `tails` at the end.
-        """
-        page = self.page_size
+        logits and the decode buffer to pass to the next step (see `DecodeBuffer`)."""
         size = len(batch.token_ids)
         device = pool.device
-        ids = torch.tensor(list(batch.token_ids), dtype=torch.long, device=device)
-        positions = torch.tensor(list(batch.positions), dtype=torch.long, device=device)
-        tail_slots = torch.tensor(list(batch.tail_slots), dtype=torch.long, device=device)
-        tail_pos = positions % page
-        buffer = self._buffer(batch, pool, tails, tail_slots, previous)
-        kv, capacity = buffer.kv, buffer.capacity
-        counts = torch.tensor(buffer.pages, device=device)
-        span = (capacity + 1) * page
-        key_pos = torch.arange(span, device=device)
-        valid = torch.where(
-            key_pos[None, :] < capacity * page,
-            key_pos[None, :] < (counts * page)[:, None],
-            key_pos[None, :] - capacity * page <= tail_pos[:, None],
-        )
-        # An additive float mask, built once per step (a boolean one is converted per call).
-        mask = torch.zeros(valid.shape, dtype=q_dtype(self), device=device).masked_fill_(~valid, float("-inf"))
-        mask = mask[:, None, None, :]
-        rows = torch.arange(size, device=device)
-        hidden = self.embed(ids)
-        cos, sin = self._rotary(hidden, positions)
-        group = self.num_heads // self.num_kv_heads
-        for index, layer in enumerate(self.layers):
-            residual = hidden
-            q, k, v = self._qkv(layer, layer.input_norm(hidden), cos, sin)
-            kv[index, :, rows, capacity, tail_pos] = torch.stack((k, v))
-            keys = kv[index, 0].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            values = kv[index, 1].view(size, span, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            # One query token: the query heads sharing a KV head attend as that head's rows
-            # (grouped-query attention without expanding K/V).
+        buffer = self._buffer(batch, pool, tails, previous)
+        kv, rows = buffer.kv, buffer.rows
+        first, last = min(buffer.positions), max(buffer.positions)
+        span = last + 1
+        positions = torch.tensor(buffer.positions, dtype=torch.long, device=device)
+        mask = None
+        if first != last:
+            hidden_keys = torch.arange(span, device=device)[None, :] > positions[:, None]
+            mask = torch.zeros(hidden_keys.shape, dtype=self.dtype, device=device).masked_fill_(
+                hidden_keys, float("-inf"))[:, None, None, :]
+        hidden = self._embed(torch.tensor(list(batch.token_ids), dtype=torch.long, device=device))
+        cos, sin = self.weights.rotary.at(positions)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        for index, layer in enumerate(self.weights.layers):
+            qk, v = self._qkv(layer, hidden, cos, sin)
+            keys, values = kv[index, 0], kv[index, 1]
+            keys[rows, :, positions] = qk[:, heads:]
+            values[rows, :, positions] = v
             out = F.scaled_dot_product_attention(
-                q.reshape(size, self.num_kv_heads, group, self.head_dim),
-                keys,
-                values,
+                qk[:, :heads].view(size, kv_heads, self.group, dim),
+                keys[:, :, :span],
+                values[:, :, :span],
                 attn_mask=mask,
-                scale=self.scaling,
+                scale=self.weights.scaling,
             )
-            hidden = self._mlp_block(layer, residual, out.reshape(size, -1))
-        tails[tail_slots] = kv[:, :, :, capacity].permute(2, 1, 0, 3, 4, 5)
-        return self._logits(hidden), buffer
+            hidden = layer.mlp(layer.attention_out(hidden, out.reshape(size, self.q_width)))
+        # The new tokens' K/V, (B, L, 2, H, D), into their tail pages (2, L, page, H, D).
+        tail_slots = torch.tensor(list(batch.tail_slots), dtype=torch.long, device=device)
+        tails[tail_slots, :, :, positions % self.page_size] = kv[:, :, rows, :, positions].permute(0, 2, 1, 3, 4)
+        return self.weights.logits(hidden), buffer

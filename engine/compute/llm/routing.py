@@ -5,7 +5,8 @@ as token ids; for a text prompt the router may be given a `PromptTokenizer`. `Ro
 is that callable for `llm` roles: it tokenizes exactly as `LLMEngine.encode` does, loading
 only the tokenizer of the role's model (the byte tokenizer of the tiny built-in models,
 `AutoTokenizer` from a checkpoint directory, local files only, or from the model cache for a
-packaged model, built there first if need be), once per model.
+packaged model, built there first if need be: `engine.compute.models.load_tokenizer`), once per
+model.
 
 The composition root (the CLI, the studio) builds one and hands it to `WorkerDispatcher`
 through `KVRouter.for_registry(registry, tokenizer=RoleTokenizers())`; the flow layer itself
@@ -15,14 +16,10 @@ never imports this module.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from engine.compute.models.cache import ModelCache, ModelCacheConfig
-from engine.compute.models.loader import ModelLoadError, model_config
-from engine.compute.models.packaged import PACKAGED_MODELS
-from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.models.loader import ModelLoadError, load_tokenizer
 from engine.spec.graph import RoleSpec
 
 
@@ -42,18 +39,7 @@ class RoleTokenizers:
 
     @staticmethod
     def _load(model: str) -> PreTrainedTokenizerBase:
-        directory = None
-        if model in PACKAGED_MODELS:
-            directory = ModelCache(ModelCacheConfig.from_env()).checkpoint(PACKAGED_MODELS[model]).path
-        elif Path(model).is_dir():
-            directory = Path(model)
-        if directory is not None:
-            try:
-                return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-            except (OSError, ValueError) as exc:
-                raise ModelLoadError(f"{model}: cannot load its tokenizer: {exc}") from exc
-        model_config(model)  # an unknown built-in name is an error, as for the engine
-        return build_byte_tokenizer()
+        return load_tokenizer(model)
 
     def __call__(self, role: RoleSpec, text: str) -> list[int]:
         if not role.model:

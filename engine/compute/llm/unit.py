@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -67,7 +68,7 @@ from engine.compute.llm.transfer import (
     PageSource,
     resident_run,
 )
-from engine.compute.models.loader import LoadedModel, load_model
+from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.weights.store import WeightKey, WeightStore
@@ -199,13 +200,20 @@ class LLMUnit(ComputeUnit):
         self.pull_timeout_s = _positive(role, "kv_pull_timeout_s", KV_PULL_TIMEOUT_S)
         self.shared = shared
         self._weight_key: WeightKey | None = None
+        dtype = role.params.get("dtype", "float32")
+        if dtype not in MODEL_DTYPES:
+            raise LLMUnitError(f"llm role {role.name!r}: dtype must be one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
         if shared is not None:  # the worker's per-process store: roles of one model share its weights
             model_ref = str(Path(ref).resolve()) if Path(ref).is_dir() else ref
-            model = shared.llm(model_ref, role.device)
-            self._weight_key = WeightStore.llm_key(model_ref, role.device)
+            model = shared.llm(model_ref, role.device, dtype)
+            self._weight_key = WeightStore.llm_key(model_ref, role.device, dtype)
         else:
-            model = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+            model = load_model(path=ref, dtype=dtype) if Path(ref).is_dir() else load_model(name=ref, dtype=dtype)
         self.engine = self._build_engine(model, EngineConfig.from_params(role.params), kv_store)
+        # Whether the tokenizer has the media markers as tokens of their own (the tiny built-in models'
+        # byte tokenizer does): only then are they found among a token prompt's ids.
+        self._id_markers = all(model.tokenizer.convert_ids_to_tokens(token) == f"<|{kind}|>"
+                               for kind, token in PLACEHOLDER_IDS.items())
         self.engine.cache.pull_timeout_s = self.pull_timeout_s
         self.worker_id: str | None = None
         self._peer: Peer | None = None
@@ -408,9 +416,13 @@ class LLMUnit(ComputeUnit):
         encoded = encoded_items(call.node_id, call.inputs.get("items"), call.inputs.get("embeds"))
         if not encoded:
             return prompt, ()
-        ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:
-            spliced = splice_marked(ids, encoded, self.engine.encode)
+            if isinstance(prompt, str):
+                spliced = splice_marked_text(prompt, encoded, self.engine.encode)
+            elif self._id_markers:
+                spliced = splice_marked(list(prompt), encoded, self.engine.encode)
+            else:  # a real model's ids 259/260 are ordinary tokens, never markers: the items go first
+                spliced = splice_prompt([*encoded, list(prompt)], self.engine.encode)
         except ValueError as exc:
             raise LLMUnitError(f"node {call.node_id!r}: {exc}") from None
         return spliced.token_ids, tuple(spliced.items)
@@ -732,6 +744,31 @@ def encoded_items(node_id: str, items: Any, embeds: Any) -> list[EncodedItem]:
                                f" ({desc['length']}, hidden) embeddings, got {tuple(rows.shape)}")
         out.append(EncodedItem(desc["kind"], str(desc["hash"]), rows.to(torch.float32)))
     return out
+
+
+_MARKER = re.compile(r"<\|(image|audio)\|>")
+
+
+def splice_marked_text(prompt: str, items: list[EncodedItem], encode: Any) -> SplicedPrompt:
+    """Replace each `<|image|>`/`<|audio|>` marker in the text `prompt` with the next item of its
+    kind (in order), encoding the text between markers on its own; a prompt with no markers gets
+    the items in front of it. Markers are found in the text, not among the token ids, so a model
+    whose tokenizer has no such special tokens (a real one) takes them too."""
+    pieces = _MARKER.split(prompt)  # text, kind, text, kind, ..., text
+    kinds = pieces[1::2]
+    if not kinds:
+        return splice_prompt([*items, prompt], encode)
+    if len(kinds) != len(items):
+        raise ValueError(f"the prompt has {len(kinds)} media markers for {len(items)} items")
+    queues = {kind: [it for it in items if it.kind == kind] for kind in PLACEHOLDER_IDS}
+    parts: list[Any] = [pieces[0]] if pieces[0] else []
+    for kind, text in zip(kinds, pieces[2::2], strict=True):
+        if not queues[kind]:
+            raise ValueError(f"the prompt has more <|{kind}|> markers than {kind} items")
+        parts.append(queues[kind].pop(0))
+        if text:
+            parts.append(text)
+    return splice_prompt(parts, encode)
 
 
 def splice_marked(ids: list[int], items: list[EncodedItem], encode: Any) -> SplicedPrompt:

@@ -9,7 +9,9 @@ sha256 of every other file in it. Contract:
   (`flock`, so a crashed builder's lock goes with its process), and the one that gets
   it second finds the directory built and reuses it.
 * Every load checks the manifest: a missing, extra or changed file is a
-  `CorruptCacheError` that says which file and which directory to delete.
+  `CorruptCacheError` that says which file and which directory to delete. A file is hashed
+  until it has been found right in its present state (size, times, inode; kept in a stamp file
+  beside the directory), then only when that state changes: a write changes it.
 * Nothing is downloaded: the GGUF comes from an installed distribution, transformers
   reads it with `local_files_only=True`.
 """
@@ -22,10 +24,12 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +40,15 @@ from tqdm import tqdm
 from engine.compute.models.errors import ModelLoadError
 from engine.compute.models.packaged import DistributionLookup, GGUFSource, PackagedModel, find_gguf
 
+log = logging.getLogger(__name__)
+
 CheckpointWriter = Callable[[PackagedModel, GGUFSource, Path, TextIO | None], None]
 """Writes a checkpoint of a packaged model from its GGUF into a directory (`write_checkpoint`)."""
 
 MANIFEST = "omniflow-manifest.json"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 22
+_WEIGHT_SUFFIXES = (".safetensors",)
 _PROJECT_ROOT = Path(__file__).resolve().parents[3]
 """The repository root: the studio's default data dir (`.omniflow`) is under it too."""
 
@@ -102,6 +109,53 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+FileState = list[int]
+"""A file's size, mtime_ns, ctime_ns, inode and device: what changes when its content does."""
+_RACY_NS = 2_000_000_000
+"""A file changed this recently is not stamped: file times tick coarsely (milliseconds), so a write
+in the same tick as the hashing would leave them as they were (git's "racy clean" problem)."""
+
+
+def _file_state(path: Path) -> FileState:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+@dataclass(slots=True)
+class _Stamps:
+    """Which files of a checkpoint were hashed and found right, in which state (`FileState`): a file
+    in the same state is not hashed again, so a process loading the model does not read 500 MB
+    through SHA-256 each time (12 s on two busy cores). Kept beside the checkpoint directory, for
+    the manifest `digest` it was made under; any change of content changes the state (a write sets
+    ctime, which no user can set back), and the file is hashed again."""
+
+    digest: str
+    files: dict[str, FileState]
+    loaded: dict[str, FileState]
+
+    @classmethod
+    def read(cls, path: Path, digest: str) -> _Stamps:
+        try:
+            body = json.loads(path.read_bytes())
+            files = {str(k): [int(x) for x in v] for k, v in body["files"].items()} if body["digest"] == digest else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            files = {}  # none yet, or unreadable: every file is hashed
+        return cls(digest, files, dict(files))
+
+    def write(self, path: Path) -> None:
+        if self.files == self.loaded:
+            return
+        body = json.dumps({"digest": self.digest, "files": self.files}, sort_keys=True).encode()
+        staging = path.with_name(f"{path.name}.{os.getpid()}")
+        try:
+            staging.write_bytes(body)
+            os.replace(staging, path)
+        except OSError as exc:  # a cache this user may read but not write: it is hashed each time
+            log.info("cannot record the verified files of %s in %s: %s", path.parent, path, exc)
+            with contextlib.suppress(OSError):
+                staging.unlink()
+
+
 class ModelCache:
     """Builds packaged models into checkpoints under `config.root` and hands out verified ones.
 
@@ -134,8 +188,21 @@ class ModelCache:
                     self._build(spec, path)
         return self.verify(spec, path)
 
-    def verify(self, spec: PackagedModel, path: Path) -> CachedCheckpoint:
-        """Check every file of `path` against its manifest; `CorruptCacheError` names the fix."""
+    def text_files(self, spec: PackagedModel) -> Path:
+        """The checkpoint directory of `spec` (built first if the cache does not hold it) with its
+        tokenizer and config files verified, not its weights: what a process that needs only the
+        text side (a router, the studio's chat templates, a worker attaching weights another
+        process loaded and verified) reads."""
+        path = self.directory(spec)
+        if not path.exists():
+            self.checkpoint(spec)
+            return path
+        self.verify(spec, path, weights=False)
+        return path
+
+    def verify(self, spec: PackagedModel, path: Path, *, weights: bool = True) -> CachedCheckpoint:
+        """Check every file of `path` against its manifest (`weights=False`: all but the weight files,
+        `*.safetensors`); `CorruptCacheError` names the fix."""
         fix = f"delete the directory {path} and it is rebuilt from {spec.distribution} on next use"
         try:
             raw = (path / MANIFEST).read_bytes()
@@ -147,10 +214,25 @@ class ModelCache:
         if present != set(files):
             odd = sorted(present ^ set(files))
             raise CorruptCacheError(f"model {spec.name!r}: cache {path} has missing or extra files {odd}; {fix}")
+        digest = hashlib.sha256(raw).hexdigest()
+        stamps = _Stamps.read(self._stamp_path(path), digest)
+        now = time.time_ns()
         for name, expected in sorted(files.items()):
+            if not weights and name.endswith(_WEIGHT_SUFFIXES):
+                continue
+            state = _file_state(path / name)
+            if stamps.files.get(name) == state:
+                continue  # hashed before, and not changed since
             if _sha256(path / name) != expected:
                 raise CorruptCacheError(f"model {spec.name!r}: {path / name} fails its checksum (corrupt); {fix}")
-        return CachedCheckpoint(path=path, digest=hashlib.sha256(raw).hexdigest())
+            if now - max(state[1], state[2]) > _RACY_NS:
+                stamps.files[name] = state
+        stamps.write(self._stamp_path(path))
+        return CachedCheckpoint(path=path, digest=digest)
+
+    @staticmethod
+    def _stamp_path(path: Path) -> Path:
+        return path.parent / f".{path.name}.verified"
 
     @contextlib.contextmanager
     def _locked(self, spec: PackagedModel) -> Iterator[None]:

@@ -9,11 +9,25 @@ greedy comparisons meaningless.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
 Family = Literal["llama", "qwen2"]
+
+
+
+class Weights(enum.StrEnum):
+    """What a model's weights are: trained (`real`), or drawn from a seed (`random`: the tiny
+    built-in models, for tests and quick runs). `label` is how the catalogues show it."""
+
+    REAL = "real"
+    RANDOM = "random"
+
+    @property
+    def label(self) -> str:
+        return "real weights" if self is Weights.REAL else "random weights (for testing)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ a hub id; `HF_HUB_OFFLINE=1` is therefore always honoured).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import math
@@ -42,32 +41,31 @@ from engine.compute.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, 
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 
-
-class Weights(enum.StrEnum):
-    """What a built-in model's weights are, as the catalogue shows it."""
-
-    REAL = "real weights"
-    RANDOM = "random weights (for testing)"
+MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes a model is loaded in, by the name a role's `dtype` param gives (float32 the default)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """One row of the catalogue: a built-in model's name, shape and kind of weights."""
+def model_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a `dtype` name; `ModelLoadError` naming the choices for any other."""
+    if isinstance(name, torch.dtype):
+        if name not in MODEL_DTYPES.values():
+            raise ModelLoadError(f"dtype {name} is not supported (supported: {', '.join(MODEL_DTYPES)})")
+        return name
+    try:
+        return MODEL_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ModelLoadError(f"dtype {name!r} is not supported (supported: {', '.join(MODEL_DTYPES)})") from None
 
-    name: str
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    weights: Weights
-    description: str
+
+def _dtype_id(model_id: str, dtype: torch.dtype) -> str:
+    """A model's id in `dtype`: float32 keeps the plain id; another dtype is other weights (and KV
+    pages of another layout), so its id names it and its pages never mix with float32's."""
+    return model_id if dtype == torch.float32 else f"{model_id}:{str(dtype).removeprefix('torch.')}"
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A causal LM ready for the runner: `transformers` module in eval mode, float32, and its tokenizer.
+    """A causal LM ready for the runner: `transformers` module in eval mode (float32 or bfloat16), and its tokenizer.
 
     `model_id` names the weights (it seeds the KV page hash chain, so two models never
     share pages); `eos_token_ids` are the ids that end a generation.
@@ -82,6 +80,11 @@ class LoadedModel:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights (and so of the activations and the KV cache)."""
+        return self.model.get_input_embeddings().weight.dtype
 
     @property
     def num_layers(self) -> int:
@@ -107,17 +110,8 @@ class LoadedModel:
 
 
 def list_models() -> list[ModelConfig]:
-    """The tiny seeded models' configs (`catalog()` lists every built-in model)."""
+    """The tiny seeded models' configs (`engine.compute.builtin_models` lists every built-in model)."""
     return list(BUILTIN_MODELS.values())
-
-
-def catalog() -> list[ModelInfo]:
-    """Every built-in model: the packaged real ones first, then the tiny seeded ones."""
-    rows = [ModelInfo(spec.name, spec.family, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                      spec.intermediate_size, Weights.REAL, spec.description) for spec in PACKAGED_MODELS.values()]
-    rows += [ModelInfo(cfg.name, cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                       cfg.intermediate_size, Weights.RANDOM, cfg.description) for cfg in BUILTIN_MODELS.values()]
-    return rows
 
 
 def _unknown(name: str) -> ModelLoadError:
@@ -205,17 +199,18 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(ids)
 
 
-def load_builtin(name: str, cache: ModelCache | None = None) -> LoadedModel:
-    """A built-in model by name. A packaged one is built into `cache` on first use (default:
-    the cache the environment names, `ModelCacheConfig.from_env`) and loaded from it."""
+def load_builtin(name: str, cache: ModelCache | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """A built-in model by name, in `dtype`. A packaged one is built into `cache` on first use
+    (default: the cache the environment names, `ModelCacheConfig.from_env`) and loaded from it."""
+    torch_dtype = model_dtype(dtype)
     if name in PACKAGED_MODELS:
-        return load_packaged(name, cache)
+        return load_packaged(name, cache, torch_dtype)
     cfg = model_config(name)
-    model = build_model(cfg)
+    model = build_model(cfg).to(torch_dtype)
     tokenizer = build_byte_tokenizer()
     return LoadedModel(
         name=name,
-        model_id=f"builtin:{name}:seed{cfg.seed}",
+        model_id=_dtype_id(f"builtin:{name}:seed{cfg.seed}", torch_dtype),
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(model, tokenizer),
@@ -231,8 +226,10 @@ def _checkpoint_id(path: Path) -> str:
     return f"checkpoint:{digest.hexdigest()[:24]}"
 
 
-def load_checkpoint(path: str | Path) -> LoadedModel:
-    """A local Hugging Face checkpoint directory (config, weights, tokenizer) of a supported family."""
+def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """A local Hugging Face checkpoint directory (config, weights, tokenizer) of a supported family,
+    its weights cast to `dtype`."""
+    torch_dtype = model_dtype(dtype)
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} is not a checkpoint directory (no config.json in it)")
@@ -248,33 +245,85 @@ def load_checkpoint(path: str | Path) -> LoadedModel:
     if config.get("use_sliding_window"):
         raise ModelLoadError(f"{directory}: sliding-window attention is not supported by the paged runner")
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{directory}: cannot load checkpoint: {exc}") from exc
     return LoadedModel(
         name=directory.name,
-        model_id=_checkpoint_id(directory),
+        model_id=_dtype_id(_checkpoint_id(directory), torch_dtype),
         model=model.eval(),
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(model, tokenizer),
     )
 
 
-def load_packaged(name: str, cache: ModelCache | None = None) -> LoadedModel:
-    """A packaged real model from the cache (built there first if it is not)."""
+def _text_directory(ref: str, cache: ModelCache | None) -> Path | None:
+    """The checkpoint directory that holds `ref`'s tokenizer and configs (None: a tiny built-in model)."""
+    if ref in PACKAGED_MODELS:
+        cache = cache if cache is not None else ModelCache(ModelCacheConfig.from_env())
+        return cache.text_files(PACKAGED_MODELS[ref])
+    if Path(ref).is_dir():
+        return Path(ref)
+    model_config(ref)  # an unknown built-in name is an error, as for the weights
+    return None
+
+
+def load_tokenizer(ref: str, cache: ModelCache | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model reference (a built-in name or a checkpoint directory), without
+    its weights: the byte tokenizer of the tiny built-in models; a packaged model's from the cache
+    (built there first if need be; only the tokenizer's files are verified, not the weights);
+    a checkpoint directory's, local files only."""
+    directory = _text_directory(ref, cache)
+    if directory is None:
+        return build_byte_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{ref}: cannot load its tokenizer: {exc}") from exc
+
+
+def eos_token_ids(ref: str, tokenizer: PreTrainedTokenizerBase, cache: ModelCache | None = None) -> tuple[int, ...]:
+    """The ids that end a generation of `ref`'s model, read without its weights: the ids
+    `LoadedModel.eos_token_ids` holds once it is loaded (its generation config's and config's
+    `eos_token_id`, then `tokenizer`'s)."""
+    directory = _text_directory(ref, cache)
+    sources: list[Any] = []
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name if directory is not None else None
+        if path is not None and path.is_file():
+            try:
+                sources.append(json.loads(path.read_text(encoding="utf-8")).get("eos_token_id"))
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{path}: unreadable: {exc}") from exc
+    sources.append(tokenizer.eos_token_id)
+    ids: list[int] = []
+    for source in sources:
+        for value in source if isinstance(source, list | tuple) else [source]:
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+    return tuple(ids)
+
+
+def load_packaged(name: str, cache: ModelCache | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """A packaged real model from the cache (built there first if it is not), in `dtype`."""
+    torch_dtype = model_dtype(dtype)
     cache = cache if cache is not None else ModelCache(ModelCacheConfig.from_env())
     built = cache.checkpoint(PACKAGED_MODELS[name])
-    loaded = load_checkpoint(built.path)
-    return LoadedModel(name=name, model_id=f"packaged:{name}:{built.digest[:24]}", model=loaded.model,
+    loaded = load_checkpoint(built.path, torch_dtype)
+    model_id = _dtype_id(f"packaged:{name}:{built.digest[:24]}", torch_dtype)
+    return LoadedModel(name=name, model_id=model_id, model=loaded.model,
                        tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
 
 
-def load_model(name: str | None = None, path: str | Path | None = None) -> LoadedModel:
-    """Exactly one of a built-in `name` or a checkpoint `path`."""
+def load_model(name: str | None = None, path: str | Path | None = None,
+               dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Exactly one of a built-in `name` or a checkpoint `path`, in `dtype` (float32 or bfloat16)."""
     if (name is None) == (path is None):
         raise ModelLoadError("give exactly one of a model name or a checkpoint path")
-    return load_builtin(name) if name is not None else load_checkpoint(path)  # type: ignore[arg-type]
+    if name is not None:
+        return load_builtin(name, dtype=dtype)
+    return load_checkpoint(path, dtype)  # type: ignore[arg-type]
 
 
 def export_model(name: str, directory: str | Path) -> Path:

@@ -85,7 +85,7 @@ from engine.data.channel import RefGone, TransferError
 from engine.data.curve import PlaneKeys
 from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
-from engine.data.kv.layout import KVLayout
+from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.pull import KVPageServer
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
@@ -158,11 +158,12 @@ def load_role_model(role: RoleSpec) -> LoadedModel:
     ref = role.model
     if not ref:
         raise LLMUnitError(f"{role.kind} role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
-    return load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+    dtype = role.params.get("dtype", "float32")
+    return load_model(path=ref, dtype=dtype) if Path(ref).is_dir() else load_model(name=ref, dtype=dtype)
 
 
 def _whole_layout(model: LoadedModel, config: EngineConfig) -> KVLayout:
-    return KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, "float32")
+    return KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype_name(model.dtype))
 
 
 def _sampling_fields(params: SamplingParams) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 The first process to load a model *publishes* it: every parameter and buffer is copied
 into one segment (`engine.data.shm` naming and ownership, prefix `omniflowweights`), the
 module is re-pointed at the segment, and a small index file next to the segment names
-it under the model's key. Another process *attaches*: it reads the index, maps the
+it under the model's key. Processes that start together load one copy, not one each: a
+process that finds nothing published takes the key's host lock (`publishing`, an `flock`
+that goes with its holder, its file removed once the model is published), looks again, and only
+then loads and publishes; the others wait for the lock and attach to what it published. Another process *attaches*: it reads the index, maps the
 segment read-only (`PROT_READ`), and builds the module as an empty skeleton (on the
 `meta` device, no memory) whose tensors are then views of the mapping. So N processes
 hold one copy. No pickle anywhere: the manifest is JSON (msgspec), the tensors raw bytes.
@@ -20,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import gc
 import hashlib
 import mmap
 import os
 import sys
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,10 @@ import torch
 from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, parse_segment_name, reclaim_dead_segments
 
 WEIGHTS_PREFIX = "omniflowweights"
+PUBLISH_WAIT_S = 600.0
+"""How long a process waits for another one of its host to load and publish a model before it
+loads a copy of its own (a live loader that takes longer is stuck, or the model is huge)."""
+_LOCK_POLL_S = 0.05
 _ALIGN = 64
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -166,6 +175,40 @@ class HostWeights:
 
     def index_path(self, key: str) -> str:
         return index_path(self.root, self.prefix, key)
+
+    @contextlib.contextmanager
+    def publishing(self, key: str, wait_s: float = PUBLISH_WAIT_S) -> Iterator[bool]:
+        """Hold the host lock of `key` while loading and publishing it, so the other processes of
+        the host that want it wait and then attach instead of loading copies of their own. Yields
+        whether the lock is held: False after `wait_s` without it (the caller loads anyway). The
+        lock is an `flock` on a file beside the index: it goes with its holder, however it ends; its
+        holder removes the file as it lets go."""
+        path = os.path.join(self.root, f"{self.prefix}-lock-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        locked = False
+                        break
+                    time.sleep(_LOCK_POLL_S)  # another process is loading the model: wait for it
+            try:
+                yield locked
+            finally:
+                if locked:
+                    # The lock file goes once the model is published (a newcomer attaches without the
+                    # lock) or its load failed; waiters on this file see the index when they get it.
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                            os.unlink(path)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def lookup(self, key: str) -> WeightsManifest | None:
         """The manifest published under `key` by a live process, if any."""

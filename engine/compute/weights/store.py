@@ -21,16 +21,16 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from engine.compute.models.loader import LoadedModel, load_model
-from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.models.loader import LoadedModel, load_model, load_tokenizer
 from engine.compute.weights.cuda import DeviceWeights, DeviceWeightsManifest
 from engine.compute.weights.shared import HostWeights, SharedWeightsError, WeightsManifest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,11 @@ class WeightKey:
     kind: str
     ref: str
     device: str = "cpu"
+    dtype: str = "float32"
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.ref}@{self.device}"
+        where = f"{self.kind}:{self.ref}@{self.device}"
+        return where if self.dtype == "float32" else f"{where}:{self.dtype}"
 
 
 @dataclass(slots=True)
@@ -130,56 +132,69 @@ class WeightStore:
                 return self._device_module(key, build, skeleton)
             if self.host is None or key.device != "cpu" or skeleton is None:
                 return build().to(key.device)
-            manifest = self.host.lookup(str(key))
-            if manifest is not None:
-                try:
-                    module = self.host.attach(manifest, skeleton)
-                except SharedWeightsError as exc:
-                    log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
-                                key, manifest.segment, exc)
-                    module = None
-                if module is not None:
-                    self._set_origin(key, "attached")
-                    return module
-            module = build()
-            self.host.publish(str(key), module)
-            self._set_origin(key, "published")
-            return module
+            host = self.host
+            return self._host_load(key, lambda manifest: host.attach(manifest, skeleton), build,
+                                   lambda module: host.publish(str(key), module))
 
         return self.acquire(key, load)
 
-    def llm(self, ref: str, device: str = "cpu") -> LoadedModel:
-        """A causal LM (built-in name or checkpoint directory) as `load_model` gives it, shared.
+    def llm(self, ref: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+        """A causal LM (built-in name or checkpoint directory) as `load_model` gives it in `dtype`,
+        shared.
 
-        Release it with `release(WeightStore.llm_key(ref, device))`."""
-        key = self.llm_key(ref, device)
+        Release it with `release(WeightStore.llm_key(ref, device, dtype))`."""
+        key = self.llm_key(ref, device, dtype)
 
         def load() -> LoadedModel:
             if self._on_device(key):
                 return self._device_llm(key, ref)
             if self.host is None or device != "cpu":
-                return _load_llm(ref, device)
-            manifest = self.host.lookup(str(key))
-            if manifest is not None:
-                try:
-                    loaded = _attach_llm(self.host, manifest)
-                except SharedWeightsError as exc:
-                    log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
-                                key, manifest.segment, exc)
-                    loaded = None
-                if loaded is not None:
-                    self._set_origin(key, "attached")
-                    return loaded
-            loaded = _load_llm(ref, device)
-            self.host.publish(str(key), loaded.model, meta=_llm_meta(loaded, ref))
-            self._set_origin(key, "published")
-            return loaded
+                return _load_llm(ref, device, dtype)
+            host = self.host
+            return self._host_load(key, lambda manifest: _attach_llm(host, manifest),
+                                   lambda: _load_llm(ref, device, dtype),
+                                   lambda loaded: host.publish(str(key), loaded.model, meta=_llm_meta(loaded, ref)))
 
         return self.acquire(key, load)
 
+    def _host_load(self, key: WeightKey, attach: Callable[[WeightsManifest], T], build: Callable[[], T],
+                   publish: Callable[[T], object]) -> T:
+        """Attach to the copy of `key` a process of this host published; else, holding the key's host
+        lock (so processes starting together load it once), look again, then build and publish it."""
+        assert self.host is not None
+        attached = self._host_attach(key, attach)
+        if attached is not None:
+            return attached
+        with self.host.publishing(str(key)) as locked:
+            if locked:  # another process may have published it while this one waited
+                attached = self._host_attach(key, attach)
+                if attached is not None:
+                    return attached
+            else:
+                log.warning("waited too long for another process of this host to load %s: this process"
+                            " loads a copy of its own", key)
+            value = build()
+            publish(value)
+        self._set_origin(key, "published")
+        return value
+
+    def _host_attach(self, key: WeightKey, attach: Callable[[WeightsManifest], T]) -> T | None:
+        assert self.host is not None
+        manifest = self.host.lookup(str(key))
+        if manifest is None:
+            return None
+        try:
+            value = attach(manifest)
+        except SharedWeightsError as exc:
+            log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
+                        key, manifest.segment, exc)
+            return None
+        self._set_origin(key, "attached")
+        return value
+
     @staticmethod
-    def llm_key(ref: str, device: str = "cpu") -> WeightKey:
-        return WeightKey("llm", ref, device)
+    def llm_key(ref: str, device: str = "cpu", dtype: str = "float32") -> WeightKey:
+        return WeightKey("llm", ref, device, dtype)
 
     # -- CUDA weights shared across processes ------------------------------------------------------
 
@@ -228,7 +243,7 @@ class WeightStore:
         loaded = self._device_attach(key, lambda manifest: _attach_llm(device, manifest))
         if loaded is not None:
             return loaded
-        loaded = _load_llm(ref, key.device)
+        loaded = _load_llm(ref, key.device, key.dtype)
         self._device_publish(key, loaded.model, _llm_meta(loaded, ref))
         return loaded
 
@@ -253,10 +268,10 @@ class WeightStore:
             self.device.close()
 
 
-def _load_llm(ref: str, device: str) -> LoadedModel:
+def _load_llm(ref: str, device: str, dtype: str = "float32") -> LoadedModel:
     from pathlib import Path
 
-    loaded = load_model(path=ref) if Path(ref).is_dir() else load_model(name=ref)
+    loaded = load_model(path=ref, dtype=dtype) if Path(ref).is_dir() else load_model(name=ref, dtype=dtype)
     if device != "cpu":
         loaded.model.to(device)
     return loaded
@@ -270,7 +285,6 @@ def _llm_meta(loaded: LoadedModel, ref: str) -> dict[str, Any]:
         "eos_token_ids": list(loaded.eos_token_ids),
         "architecture": type(loaded.model).__name__,
         "config": loaded.model.config.to_dict(),
-        "builtin_tokenizer": loaded.model_id.startswith("builtin:"),
     }
 
 
@@ -284,10 +298,9 @@ def _attach_llm(host: HostWeights | DeviceWeights, manifest: WeightsManifest | D
     config_dict = dict(meta["config"])
     config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     model = host.attach(manifest, lambda: model_cls(config))
-    if meta["builtin_tokenizer"]:
-        tokenizer = build_byte_tokenizer()
-    else:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(meta["ref"], local_files_only=True)
+    # The tokenizer by the model's reference: a packaged model's comes from the model cache (a name
+    # is not a directory), a checkpoint's from its directory, a tiny model's is built.
+    tokenizer = load_tokenizer(str(meta["ref"]))
     return LoadedModel(
         name=str(meta["name"]),
         model_id=str(meta["model_id"]),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -206,6 +207,7 @@ def fetch_pages(
     deadline = time.monotonic() + timeout
     fetched: list[PageHash] = []
     used: list[Transport] = []
+    paths: Counter[str] = Counter()
     pulled = False
     try:
         try:
@@ -215,6 +217,7 @@ def fetch_pages(
                 fetched.extend(got)
                 if how is not None:
                     used.append(how)
+                    paths[how.value] += len(got)
                 if len(got) < len(batch):
                     break  # the holder's run ends here
         except TransferError as exc:
@@ -224,11 +227,11 @@ def fetch_pages(
         if not pulled:  # any failure, cancellation included: the pages stored so far, then a failed pull
             seconds = time.perf_counter() - started
             if fetched:
-                store.record_pull(len(fetched), len(fetched) * store.layout.page_nbytes, 0.0)
+                store.record_pull(len(fetched), len(fetched) * store.layout.page_nbytes, 0.0, paths=paths)
             store.record_pull(0, 0, seconds, failed=True)
     seconds = time.perf_counter() - started
     nbytes = len(fetched) * store.layout.page_nbytes
-    store.record_pull(len(fetched), nbytes, seconds)
+    store.record_pull(len(fetched), nbytes, seconds, paths=paths)
     log.debug("pulled %d KV pages (%d bytes) from %s in %.4fs", len(fetched), nbytes, holder, seconds)
     return PullResult(tuple(fetched), holder, nbytes, seconds, tuple(used))
 

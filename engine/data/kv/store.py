@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -149,6 +149,8 @@ class _PullStats:
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
+    paths: Counter[str] = field(default_factory=Counter)
+    """Pages pulled per transport (`shm`, `tcp`, `inline`, `local`): which path they took."""
 
 
 @dataclass(slots=True)
@@ -648,14 +650,17 @@ class KVStore:
                     best[page] = tier
             return best
 
-    def record_pull(self, pages: int, nbytes: int, seconds: float, failed: bool = False) -> None:
-        """Account a cross-worker pull (done by `engine.data.kv.pull`) in the metrics."""
+    def record_pull(self, pages: int, nbytes: int, seconds: float, failed: bool = False,
+                    paths: Mapping[str, int] | None = None) -> None:
+        """Account a cross-worker pull (done by `engine.data.kv.pull`) in the metrics; `paths`:
+        its pages per transport (`pull.<transport>.pages`)."""
         with self._mutex:
             if failed:
                 self.pulls.failures += 1
             else:
                 self.pulls.pages += pages
                 self.pulls.bytes += nbytes
+            self.pulls.paths.update(paths or {})
             self.pulls.seconds += seconds
 
     def metrics(self) -> dict[str, float]:
@@ -675,6 +680,8 @@ class KVStore:
             out["pull.bytes"] = self.pulls.bytes
             out["pull.seconds"] = self.pulls.seconds
             out["pull.failures"] = self.pulls.failures
+            for path, pages in self.pulls.paths.items():
+                out[f"pull.{path}.pages"] = pages
             return out
 
     def _close_tiers(self) -> None:

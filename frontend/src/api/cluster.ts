@@ -17,8 +17,10 @@
  * charts read these gauges of `load.metrics` (the names `KVStore.metrics()` and the
  * LLM engine report): `<tier>.hit_rate`, `<tier>.pages_used`, `<tier>.capacity_pages`
  * for tier in device/host/disk (a tier whose `<tier>.lookups` is 0 has no hit rate yet: its
- * 0 is left out of the averages); `gpu.memory_used_bytes`, `gpu.memory_total_bytes`;
+ * 0 is left out of the averages); `gpu.memory_used_bytes`, `gpu.memory_total_bytes` (shown
+ * for a worker on a CUDA device only); `rss_bytes` (the process's memory);
  * `llm.tokens_per_s`, or else `llm.generated_tokens` (a counter, differentiated here).
+ * The same sample is made from the studio's history points (`api/metrics.ts`).
  */
 import { request } from "./client";
 import type { Page } from "./types";
@@ -84,7 +86,7 @@ export const cluster = {
         { allow: MISSING },
       ),
     ),
-  deploy: (body: { workflow: string; version: number; replicas?: Record<string, number> }) =>
+  deploy: (body: { workflow: string; version: number; replicas?: Record<string, number>; name?: string }) =>
     request<Deployment>("POST", "/api/deployments/", { json: body }),
   stop: (id: string) => request<Deployment>("POST", `/api/deployments/${id}/stop/`),
   workers: async (): Promise<Maybe<WorkerSnapshot[]>> =>
@@ -94,37 +96,52 @@ export const cluster = {
 export const TIERS = ["device", "host", "disk"] as const;
 
 /** One chart sample of a worker, from its gauges (and its previous sample, for rates). */
+export type Tier = (typeof TIERS)[number];
+
 export interface WorkerSample {
   time: number;
-  hitRate: Partial<Record<(typeof TIERS)[number], number>>;
-  occupancy: Partial<Record<(typeof TIERS)[number], number>>;
+  hitRate: Partial<Record<Tier, number>>;
+  occupancy: Partial<Record<Tier, number>>;
+  /** The tiers the worker has (a tier appears wherever it is configured, used or not). */
+  tiers: Tier[];
   gpuMemoryBytes: number | null;
+  gpuTotalBytes: number | null;
+  rssBytes: number | null;
   tokensPerS: number | null;
   generatedTokens: number | null;
+}
+
+/** Tokens/s between two samples of a counter (a restarted worker's counter going down reads 0). */
+export function tokenRate(generated: number | null, time: number, previous?: WorkerSample): number | null {
+  if (generated === null || previous?.generatedTokens == null || time <= previous.time) return null;
+  return Math.max(0, (generated - previous.generatedTokens) / (time - previous.time));
 }
 
 export function sampleOf(worker: WorkerSnapshot, time: number, previous?: WorkerSample): WorkerSample {
   const m = worker.load.metrics ?? {};
   const hitRate: WorkerSample["hitRate"] = {};
   const occupancy: WorkerSample["occupancy"] = {};
+  const tiers: Tier[] = [];
   for (const tier of TIERS) {
     const lookedUp = m[`${tier}.lookups`] !== 0; // absent (an older worker) counts as looked up
     if (typeof m[`${tier}.hit_rate`] === "number" && lookedUp) hitRate[tier] = m[`${tier}.hit_rate`];
     const used = m[`${tier}.pages_used`];
     const cap = m[`${tier}.capacity_pages`];
+    if (typeof cap === "number") tiers.push(tier);
     if (typeof used === "number" && typeof cap === "number" && cap > 0) occupancy[tier] = used / cap;
   }
-  const generated = typeof m["llm.generated_tokens"] === "number" ? m["llm.generated_tokens"] : null;
-  let tokensPerS = typeof m["llm.tokens_per_s"] === "number" ? m["llm.tokens_per_s"] : null;
-  if (tokensPerS === null && generated !== null && previous?.generatedTokens != null && time > previous.time) {
-    tokensPerS = Math.max(0, (generated - previous.generatedTokens) / (time - previous.time));
-  }
+  const num = (key: string) => (typeof m[key] === "number" ? m[key] : null);
+  const generated = num("llm.generated_tokens");
+  const onGpu = worker.info.device.startsWith("cuda");
   return {
     time,
     hitRate,
     occupancy,
-    gpuMemoryBytes: typeof m["gpu.memory_used_bytes"] === "number" ? m["gpu.memory_used_bytes"] : null,
-    tokensPerS,
+    tiers,
+    gpuMemoryBytes: onGpu ? num("gpu.memory_used_bytes") : null,
+    gpuTotalBytes: onGpu ? num("gpu.memory_total_bytes") : null,
+    rssBytes: num("rss_bytes"),
+    tokensPerS: num("llm.tokens_per_s") ?? tokenRate(generated, time, previous),
     generatedTokens: generated,
   };
 }

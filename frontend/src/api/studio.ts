@@ -1,9 +1,12 @@
 /** The studio's REST endpoints, typed. */
 import { request } from "./client";
 import type {
+  ApiToken,
   EditorLayout,
   GraphSpec,
   Issue,
+  ModelList,
+  NewApiToken,
   NodeKind,
   OpInfo,
   Page,
@@ -28,6 +31,15 @@ export const catalogue = {
   nodeKinds: () => request<NodeKind[]>("GET", "/api/node-kinds/"),
   roleKinds: () => request<RoleKind[]>("GET", "/api/role-kinds/"),
   ops: () => request<OpInfo[]>("GET", "/api/ops/"),
+  /** Built-in models and the checkpoints under the studio's model roots. */
+  models: () => request<ModelList>("GET", "/api/models/"),
+};
+
+/** The user's API tokens: for `Authorization: Bearer <token>` on the API and `/v1`. */
+export const tokens = {
+  list: () => request<ApiToken[]>("GET", "/api/tokens/"),
+  create: (name: string) => request<NewApiToken>("POST", "/api/tokens/", { json: { name } }),
+  revoke: (id: number) => request<null>("DELETE", `/api/tokens/${id}/`),
 };
 
 export const workflows = {

@@ -137,6 +137,8 @@ export interface OpInfo {
   params_schema: JsonSchema;
   /** A generator: its node streams. */
   stream: boolean;
+  /** Params naming folders the op writes into: names under the user's own folder on the server. */
+  output_dirs: string[];
 }
 
 export interface RoleKind {
@@ -145,6 +147,8 @@ export interface RoleKind {
   params_schema: JsonSchema;
   /** Whether a role of this kind may set `tp_size` > 1. */
   tensor_parallel?: boolean;
+  /** Whether its roles name a model (optional: the kind has a default). */
+  model?: "required" | "optional" | "none";
 }
 
 export interface User {
@@ -332,3 +336,37 @@ export type RunEvent =
   | NodeProgressEvent
   | RunFinishedEvent
   | RunRestartedEvent;
+
+/** `/api/models/`: a model a role may name (a checkpoint by its name relative to a model root). */
+export interface ModelInfo {
+  name: string;
+  source: "builtin" | "checkpoint";
+  /** Seeded random weights: it runs, but its output is noise. */
+  random_weights: boolean;
+  /** "random weights (for testing)", "real weights" or "checkpoint". */
+  label: string;
+  description: string;
+  role_kinds: string[];
+}
+
+export interface ModelList {
+  models: ModelInfo[];
+  /** The model roots hold more checkpoints than listed. */
+  checkpoints_truncated: boolean;
+}
+
+/** `/api/tokens/`: one of the user's live API tokens (its text is never shown again). */
+export interface ApiToken {
+  id: number;
+  name: string;
+  /** The token's first characters, to recognise it. */
+  prefix: string;
+  created_at: string;
+  /** Recorded at most once a minute. */
+  last_used_at: string | null;
+}
+
+/** The answer to creating a token: the only time its text is sent. */
+export interface NewApiToken extends ApiToken {
+  token: string;
+}

@@ -1,4 +1,8 @@
-/** A uPlot time-series chart that follows its container's width and takes new data in place. */
+/**
+ * A uPlot time-series chart that follows its container's width and takes new data in place.
+ * Its element says how many rows it holds and the time of the first (`data-points`,
+ * `data-first`), and each series' latest value (`data-value` on `<testId>-<label>`).
+ */
 import { useEffect, useRef } from "react";
 import uPlot from "uplot";
 
@@ -14,14 +18,23 @@ export function LiveChart({
   format = (v) => String(v),
   yRange,
   testId,
+  height = 180,
+  note,
+  span,
 }: {
   title: string;
   series: ChartSeries[];
   /** [times (epoch s), ...one array per series]; null where a series has no value. */
   data: (number | null)[][];
   format?: (v: number) => string;
-  yRange?: [number, number];
+  /** Fixed bounds; a null upper bound follows the data (with room above it). */
+  yRange?: [number, number | null];
   testId?: string;
+  height?: number;
+  /** A line under the title (what the chart stands in for, say). */
+  note?: string;
+  /** The most seconds the time axis spans, ending at the newest row (default: all the rows). */
+  span?: number;
 }) {
   const box = useRef<HTMLDivElement>(null);
   const plot = useRef<uPlot | null>(null);
@@ -32,10 +45,17 @@ export function LiveChart({
     const el = box.current!;
     const opts: uPlot.Options = {
       width: el.clientWidth || 400,
-      height: 180,
+      height,
       legend: { show: false },
       cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: true }, y: yRange ? { range: yRange } : { auto: true } },
+      scales: {
+        // The newest `span` seconds, or all the rows when they cover less (a young cluster's
+        // charts stay readable instead of a sliver at the right edge).
+        x: span ? { time: true, range: (_u, min, max) => [Math.min(Math.max(min, max - span), max - 1), max] } : { time: true },
+        y: yRange
+          ? { range: (_u, _min, max) => [yRange[0], yRange[1] ?? (max > yRange[0] ? max * 1.15 : yRange[0] + 1)] }
+          : { auto: true },
+      },
       axes: [
         {
           stroke: "#667085",
@@ -60,14 +80,14 @@ export function LiveChart({
           stroke: s.color,
           width: 2,
           fill: `${s.color}14`,
-          spanGaps: true,
+          spanGaps: false, // a null is a gap: no worker had the value then
           points: { show: false },
           value: (_u: uPlot, v: number | null) => (v === null || v === undefined ? "—" : formatRef.current(v)),
         })),
       ],
     };
     plot.current = new uPlot(opts, data as uPlot.AlignedData, el);
-    const resize = new ResizeObserver(() => plot.current?.setSize({ width: el.clientWidth, height: 180 }));
+    const resize = new ResizeObserver(() => plot.current?.setSize({ width: el.clientWidth, height }));
     resize.observe(el);
     return () => {
       resize.disconnect();
@@ -75,7 +95,7 @@ export function LiveChart({
       plot.current = null;
     };
     // The chart is rebuilt only when its series change; data flows in through setData.
-  }, [series.map((s) => s.label).join("|")]);
+  }, [series.map((s) => s.label).join("|"), height, span]);
 
   useEffect(() => {
     plot.current?.setData(data as uPlot.AlignedData);
@@ -88,9 +108,21 @@ export function LiveChart({
   });
 
   return (
-    <div className="chart card" data-testid={testId}>
+    <div
+      className="chart card"
+      data-testid={testId}
+      data-points={data[0]?.length ?? 0}
+      data-first={data[0]?.[0] ?? ""}
+    >
       <div className="chart-head">
-        <div className="chart-title">{title}</div>
+        <div className="chart-title">
+          {title}
+          {note && (
+            <div className="chart-note muted small" data-testid={testId ? `${testId}-note` : undefined}>
+              {note}
+            </div>
+          )}
+        </div>
         <div className="chart-latest">
           {series.map((s, i) => (
             <span key={s.label} data-testid={testId ? `${testId}-${s.label}` : undefined} data-value={latest[i] ?? ""}>

@@ -34,7 +34,7 @@ function PortLabel({ name, port, side, bad }: { name: string; port: PortSpec; si
 }
 
 function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
-  const { spec, issues, run } = data;
+  const { spec, issues, roleIssues, run } = data;
   const inputs = Object.entries(spec.inputs ?? {});
   const outputs = Object.entries(spec.outputs ?? {});
   const rows = Math.max(inputs.length, outputs.length);
@@ -42,6 +42,7 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
   const classes = ["spec-node", `cat-${spec.kind === "input" || spec.kind === "output" ? "io" : spec.role ? "role" : "exec"}`];
   if (selected) classes.push("selected");
   if (issues?.length) classes.push("has-issues");
+  else if (roleIssues?.length && !run) classes.push("has-role-issues");
   if (run) classes.push(`state-${run.state}`);
   const icon = iconOf(spec.kind);
 
@@ -121,6 +122,14 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
         <div className="spec-node-issue" data-testid="node-issue">
           <Icon name="alert" size={12} />
           <span>{issues[0].message}</span>
+        </div>
+      )}
+      {roleIssues && roleIssues.length > 0 && !run && (
+        <div className="spec-node-issue role-issue" data-testid="node-role-issue" title={roleIssues.map((i) => i.message).join("\n")}>
+          <Icon name="alert" size={12} />
+          <span>
+            role {spec.role}: {roleIssues[0].code === "model_missing" ? "needs a model" : roleIssues[0].message}
+          </span>
         </div>
       )}
       {run && (

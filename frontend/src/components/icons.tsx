@@ -31,6 +31,9 @@ const paths: Record<string, string> = {
   file: "M6 3h8l5 5v13H6zM14 3v5h5",
   cpu: "M7 7h10v10H7zM10 3v4M14 3v4M10 17v4M14 17v4M3 10h4M3 14h4M17 10h4M17 14h4",
   input: `M4 12h9M10 8l4 4-4 4${c(19, 12, 2.5)}`,
+  copy: "M9 9h11v11H9zM5 15H4V4h11v1",
+  key: `${c(7, 15, 4)}M10 12l9-9M16 6l3 3M14 8l2 2`,
+  panel: "M4 4h16v16H4zM9 4v16",
 };
 
 export type IconName = keyof typeof paths;

@@ -3,23 +3,34 @@ import { useCallback, useEffect, useState } from "react";
 import { Link } from "react-router-dom";
 import { cacheScopeLabel, cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
+import { ACTIVE_STATUSES } from "../api/deployments";
 import type { RoleSpec } from "../api/types";
 import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, formatTime } from "../components/ui";
+import { EndpointPanel } from "../deployments/EndpointPanel";
+import { useDeployment } from "../deployments/useDeployment";
+import { WorkersTable } from "../deployments/WorkersTable";
+import { PlacementPreview } from "../nodes/PlacementPreview";
 
 export function DeployDialog({
   workflowId,
+  workflowName,
   version,
   roles,
   dirty,
   onClose,
 }: {
   workflowId: string;
+  /** The default name of a new deployment (numbered past your live ones by the studio). */
+  workflowName: string;
   version: number | null;
   roles: RoleSpec[];
   dirty: boolean;
   onClose: () => void;
 }) {
+  const [name, setName] = useState("");
+  /** The deployment whose endpoint and workers the dialog shows: the one just made, else the newest live one. */
+  const [focused, setFocused] = useState<string | null>(null);
   const [deployments, setDeployments] = useState<Deployment[] | null | undefined>(undefined);
   const [replicas, setReplicas] = useState<Record<string, number>>(() =>
     Object.fromEntries(roles.map((r) => [r.name, r.replicas ?? 1])),
@@ -55,8 +66,10 @@ export function DeployDialog({
     setBusy(true);
     setError(null);
     try {
-      const d = await cluster.deploy({ workflow: workflowId, version, replicas });
-      toast(`Deploying v${version} (${d.status})`, "success");
+      const d = await cluster.deploy({ workflow: workflowId, version, replicas, ...(name.trim() ? { name: name.trim() } : {}) });
+      toast(`Deploying v${version} as “${d.name}” (${d.status})`, "success");
+      setFocused(d.id);
+      setName("");
       load();
     } catch (err) {
       setError(describeError(err));
@@ -65,9 +78,12 @@ export function DeployDialog({
     }
   };
 
+  const shownId = focused ?? deployments?.find((d) => ACTIVE_STATUSES.includes(d.status))?.id ?? null;
+
   return (
     <Modal
       title="Deploy"
+      wide
       onClose={onClose}
       testId="deploy-dialog"
       footer={
@@ -138,10 +154,34 @@ export function DeployDialog({
               ))}
             </tbody>
           </table>
+          <label className="field">
+            <span className="field-label">Name</span>
+            <input
+              value={name}
+              onChange={(e) => setName(e.target.value)}
+              placeholder={workflowName}
+              maxLength={100}
+              data-testid="deploy-name"
+            />
+            <span className="field-hint">
+              A chat deployment is the OpenAI model of this name (<code>model="{name.trim() || workflowName}"</code>);
+              unique among your live deployments.
+            </span>
+          </label>
+          <PlacementPreview workflowId={workflowId} version={version} replicas={replicas} />
           <div className="section-title">Deployments of this workflow</div>
           {deployments.length === 0 && <p className="muted small">None yet.</p>}
           {deployments.map((d) => (
-            <div key={d.id} className="deployment-row" data-testid="deployment-row" data-status={d.status}>
+            <div
+              key={d.id}
+              className={`deployment-row${d.id === shownId ? " focused" : ""}`}
+              data-testid="deployment-row"
+              data-status={d.status}
+              data-name={d.name}
+            >
+              <button type="button" className="link-btn deployment-name" onClick={() => setFocused(d.id)} title="Show its endpoint and workers">
+                {d.name}
+              </button>
               <span className="pill">v{d.version}</span>
               <StatusBadge status={d.status} />
               <span className="muted small">{formatTime(d.created_at)}</span>
@@ -151,6 +191,9 @@ export function DeployDialog({
                 </span>
               )}
               {d.error && <span className="danger-text small">{d.error}</span>}
+              <Link to={`/deployments/${d.id}`} className="small" data-testid="deployment-open">
+                Open
+              </Link>
               {(d.status === "running" || d.status === "starting") && (
                 <Button
                   small
@@ -164,8 +207,22 @@ export function DeployDialog({
               )}
             </div>
           ))}
+          {shownId && <FocusedDeployment id={shownId} />}
         </div>
       )}
     </Modal>
+  );
+}
+
+/** The endpoint and the live workers of one deployment, inside the dialog. */
+function FocusedDeployment({ id }: { id: string }) {
+  const { deployment, error } = useDeployment(id);
+  if (error) return <ErrorBox>{error}</ErrorBox>;
+  if (!deployment) return <Spinner label="Loading the deployment" />;
+  return (
+    <div className="focused-deployment" data-testid="focused-deployment" data-name={deployment.name}>
+      <EndpointPanel deployment={deployment} />
+      <WorkersTable workers={deployment.workers} expected={ACTIVE_STATUSES.includes(deployment.status) ? deployment.replicas : undefined} />
+    </div>
   );
 }

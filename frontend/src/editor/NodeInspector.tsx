@@ -1,5 +1,5 @@
 /** The property panel of the selected node: identity, role, op, parameters, ports, control flow. */
-import { useState } from "react";
+import { useMemo, useState } from "react";
 import {
   IDENT,
   JOIN_MODES,
@@ -22,6 +22,8 @@ export interface NodeEdits {
   patch: (id: string, patch: Partial<NodeSpec>) => void;
   setPorts: (id: string, direction: "inputs" | "outputs", ports: Record<string, PortSpec>, renames?: Record<string, string>) => void;
   addRole: (kind: string) => string;
+  /** Make a python node call a registered op, with the op's ports and params. */
+  applyOp: (id: string, op: OpInfo) => void;
   remove: (id: string) => void;
 }
 
@@ -58,9 +60,9 @@ export function NodeInspector({
       </div>
       {kind && <p className="muted small">{kind.description}</p>}
       {!kind && <p className="danger-text small">This installation has no node kind “{spec.kind}”.</p>}
-      {issues.length > 0 && (
+      {issues.some((i) => i.path !== "op") && (
         <ul className="issue-list compact" data-testid="inspector-issues">
-          {issues.map((i, n) => (
+          {issues.filter((i) => i.path !== "op").map((i, n) => (
             <li key={n}>
               <span className="code">{i.code}</span> {i.message}
             </li>
@@ -107,37 +109,7 @@ export function NodeInspector({
             <span className="field-hint">Runs on a role of kind {kind.role_kinds.join(" or ")}; edit roles in the Roles tab.</span>
           </label>
         )}
-        {kind?.op === "required" && (
-          <label className="field">
-            <span className="field-label">Operation</span>
-            <CommitInput
-              className="mono"
-              value={spec.op ?? ""}
-              placeholder="registered op, e.g. diamond.square"
-              aria-label="Operation"
-              data-testid="node-op-input"
-              list="registered-ops"
-              onCommit={(v) => edits.patch(id, { op: v })}
-            />
-            <datalist id="registered-ops">
-              {ops.map((o) => (
-                <option key={o.name} value={o.name}>
-                  {o.description}
-                </option>
-              ))}
-            </datalist>
-            <span className="field-hint" data-testid="node-op-hint">
-              {opInfo ? (
-                opInfo.description || "A registered op."
-              ) : (
-                <>
-                  A registered op, e.g. <code>diamond.square</code> (a <code>module:function</code> only where the
-                  operator allows module ops).
-                </>
-              )}
-            </span>
-          </label>
-        )}
+        {kind?.op === "required" && <OpField id={id} op={spec.op ?? ""} ops={ops} issues={issues} edits={edits} />}
         <label className="field">
           <span className="field-label">Description</span>
           <CommitTextArea rows={2} value={spec.description ?? ""} onCommit={(v) => edits.patch(id, { description: v })} />
@@ -172,6 +144,110 @@ export function NodeInspector({
       </section>
 
       <ControlFlow doc={doc} spec={spec} patch={(p) => edits.patch(id, p)} />
+    </div>
+  );
+}
+
+const OTHER = "__other__";
+
+/**
+ * The node's op: a picker of the registered ops (choosing one gives the node the op's ports
+ * and params), or, under "Other", a `module:function` where the operator allows module ops.
+ */
+function OpField({
+  id,
+  op,
+  ops,
+  issues,
+  edits,
+}: {
+  id: string;
+  op: string;
+  ops: OpInfo[];
+  issues: { code: string; message: string; path?: string }[];
+  edits: NodeEdits;
+}) {
+  const info = ops.find((o) => o.name === op);
+  const [other, setOther] = useState(op !== "" && !info);
+  const groups = useMemo(() => {
+    const by = new Map<string, OpInfo[]>();
+    for (const o of ops) {
+      const group = o.name.split(".")[0];
+      if (!by.has(group)) by.set(group, []);
+      by.get(group)!.push(o);
+    }
+    return [...by.entries()];
+  }, [ops]);
+  const fieldIssues = issues.filter((i) => i.path === "op");
+  return (
+    <div className="field">
+      <label className="field-label" htmlFor={`op-${id}`}>
+        Operation
+      </label>
+      <select
+        id={`op-${id}`}
+        value={info ? op : other || op ? OTHER : ""}
+        aria-label="Operation"
+        data-testid="node-op-select"
+        className={fieldIssues.length ? "field-bad" : undefined}
+        onChange={(e) => {
+          const value = e.target.value;
+          if (value === OTHER) {
+            setOther(true);
+            return;
+          }
+          setOther(false);
+          const chosen = ops.find((o) => o.name === value);
+          if (chosen) edits.applyOp(id, chosen);
+          else edits.patch(id, { op: "" });
+        }}
+      >
+        <option value="">— choose a registered op —</option>
+        {groups.map(([group, items]) => (
+          <optgroup key={group} label={group}>
+            {items.map((o) => (
+              <option key={o.name} value={o.name} title={o.description}>
+                {o.name}
+                {o.stream ? " (streams)" : ""}
+              </option>
+            ))}
+          </optgroup>
+        ))}
+        <option value={OTHER}>Other (a name not in the list)…</option>
+      </select>
+      {(other || (op && !info)) && (
+        <CommitInput
+          className="mono"
+          value={op}
+          placeholder="a registered op, or module:function"
+          aria-label="Operation name"
+          data-testid="node-op-input"
+          onCommit={(v) => {
+            const chosen = ops.find((o) => o.name === v);
+            if (chosen) {
+              setOther(false);
+              edits.applyOp(id, chosen);
+            } else edits.patch(id, { op: v });
+          }}
+        />
+      )}
+      {fieldIssues.map((i, n) => (
+        <span key={n} className="field-error" data-testid="node-op-issue">
+          {i.message}
+        </span>
+      ))}
+      <span className="field-hint" data-testid="node-op-hint">
+        {info ? (
+          <>
+            {info.description || "A registered op."} Its ports and parameters come from its signature.
+          </>
+        ) : (
+          <>
+            The registered ops (<code>/api/ops/</code>); choosing one sets the node's ports and parameters. A{" "}
+            <code>module:function</code> runs only where the operator allows module ops.
+          </>
+        )}
+      </span>
     </div>
   );
 }

@@ -8,7 +8,18 @@ export const DRAG_MIME = "application/x-omniflow-kind";
 const CATEGORY_LABEL: Record<string, string> = { io: "Inputs & outputs", general: "Functions", model: "Models" };
 const CATEGORY_ORDER = ["io", "general", "model"];
 
-export function Palette({ kinds, onAdd }: { kinds: NodeKind[]; onAdd: (kind: NodeKind) => void }) {
+export function Palette({
+  kinds,
+  onAdd,
+  open = true,
+  onToggle,
+}: {
+  kinds: NodeKind[];
+  onAdd: (kind: NodeKind) => void;
+  /** Folded, it is a narrow rail with a button to unfold it (the canvas takes the room). */
+  open?: boolean;
+  onToggle?: () => void;
+}) {
   const [filter, setFilter] = useState("");
   const groups = useMemo(() => {
     const f = filter.toLowerCase();
@@ -22,9 +33,40 @@ export function Palette({ kinds, onAdd }: { kinds: NodeKind[]; onAdd: (kind: Nod
     return [...by.entries()].sort((a, b) => rank(a[0]) - rank(b[0]) || a[0].localeCompare(b[0]));
   }, [kinds, filter]);
 
+  if (!open) {
+    return (
+      <aside className="panel-rail" aria-label="Node kinds (folded)">
+        <button
+          type="button"
+          className="icon-btn"
+          title="Show the node kinds"
+          aria-label="Show the node kinds"
+          onClick={onToggle}
+          data-testid="palette-toggle"
+        >
+          <Icon name="plus" />
+        </button>
+        <span className="rail-label">Nodes</span>
+      </aside>
+    );
+  }
   return (
     <aside className="palette" aria-label="Node kinds">
-      <div className="panel-title">Nodes</div>
+      <div className="panel-title palette-head">
+        <span>Nodes</span>
+        {onToggle && (
+          <button
+            type="button"
+            className="icon-btn"
+            title="Fold the node kinds (more room for the graph)"
+            aria-label="Fold the node kinds"
+            onClick={onToggle}
+            data-testid="palette-fold"
+          >
+            <Icon name="chevron" size={14} style={{ transform: "rotate(180deg)" }} />
+          </button>
+        )}
+      </div>
       <div className="search compact">
         <Icon name="search" size={14} />
         <input placeholder="Filter" value={filter} onChange={(e) => setFilter(e.target.value)} aria-label="Filter node kinds" />

@@ -1,5 +1,5 @@
 /** The editor's other side panels: the selected edge, roles, the workflow document, issues. */
-import { BALANCE_POLICIES, IDENT, type Issue, type RoleKind, type RoleSpec } from "../api/types";
+import { BALANCE_POLICIES, IDENT, type Issue, type ModelInfo, type RoleKind, type RoleSpec } from "../api/types";
 import { CommitInput, CommitTextArea, JsonInput, SchemaForm } from "../components/forms";
 import { Icon } from "../components/icons";
 import { Button } from "../components/ui";
@@ -58,6 +58,7 @@ export function EdgeInspector({
 export function RolesPanel({
   doc,
   roleKinds,
+  models,
   placed,
   onAdd,
   onChange,
@@ -65,6 +66,8 @@ export function RolesPanel({
 }: {
   doc: EditorDoc;
   roleKinds: RoleKind[];
+  /** What the Model field offers (`/api/models/`). */
+  models: ModelInfo[];
   placed: PlacedIssues;
   onAdd: (kind: string) => void;
   onChange: (name: string, role: RoleSpec) => string | null;
@@ -100,6 +103,7 @@ export function RolesPanel({
           key={role.name}
           role={role}
           kinds={roleKinds}
+          models={models}
           users={doc.nodes.filter((n) => n.data.spec.role === role.name).map((n) => n.id)}
           issues={placed.byRole.get(role.name) ?? []}
           onChange={(next) => onChange(role.name, next)}
@@ -113,6 +117,7 @@ export function RolesPanel({
 function RoleCard({
   role,
   kinds,
+  models,
   users,
   issues,
   onChange,
@@ -120,6 +125,7 @@ function RoleCard({
 }: {
   role: RoleSpec;
   kinds: RoleKind[];
+  models: ModelInfo[];
   users: string[];
   issues: Issue[];
   onChange: (role: RoleSpec) => string | null;
@@ -156,14 +162,13 @@ function RoleCard({
             ))}
           </select>
         </label>
-        <label className="field">
-          <span className="field-label">Model</span>
-          <CommitInput
-            value={role.model ?? ""}
-            placeholder={role.kind === "python" ? "—" : "tiny config or checkpoint path"}
-            onCommit={(v) => set({ model: v || null })}
-          />
-        </label>
+        <ModelField
+          role={role}
+          kind={kind}
+          models={models}
+          issues={issues.filter((i) => i.path === "model")}
+          onChange={(model) => set({ model })}
+        />
         <label className="field">
           <span className="field-label">Replicas</span>
           <CommitInput
@@ -250,8 +255,83 @@ function RoleCard({
           Remove
         </Button>
       </div>
-      <IssueList issues={issues} />
+      <IssueList issues={issues.filter((i) => i.path !== "model")} />
     </div>
+  );
+}
+
+const MODEL_GROUPS: { label: string; pick: (m: ModelInfo) => boolean }[] = [
+  { label: "Built-in, real weights", pick: (m) => m.source === "builtin" && !m.random_weights },
+  { label: "Built-in, random weights (for testing)", pick: (m) => m.source === "builtin" && m.random_weights },
+  { label: "Checkpoints in the model directories", pick: (m) => m.source === "checkpoint" },
+];
+
+/** A role's model: a picker of what the studio can load for its kind (`/api/models/`). */
+function ModelField({
+  role,
+  kind,
+  models,
+  issues,
+  onChange,
+}: {
+  role: RoleSpec;
+  kind: RoleKind | undefined;
+  models: ModelInfo[];
+  issues: Issue[];
+  onChange: (model: string | null) => void;
+}) {
+  const fitting = models.filter((m) => m.role_kinds.includes(role.kind));
+  const current = role.model ?? "";
+  const chosen = fitting.find((m) => m.name === current);
+  const takesNone = kind?.model === "none" || (kind !== undefined && kind.model === undefined && fitting.length === 0);
+  if (takesNone && !current) {
+    return (
+      <label className="field span-all" title={`${role.kind} roles take no model`}>
+        <span className="field-label">Model</span>
+        <select disabled value="" aria-label="Model" data-testid={`role-${role.name}-model`}>
+          <option value="">— none —</option>
+        </select>
+      </label>
+    );
+  }
+  return (
+    <label className="field span-all">
+      <span className="field-label">Model</span>
+      <select
+        value={current}
+        aria-label="Model"
+        data-testid={`role-${role.name}-model`}
+        className={issues.length ? "field-bad" : undefined}
+        onChange={(e) => onChange(e.target.value || null)}
+      >
+        <option value="">{kind?.model === "required" ? "— choose a model —" : "— default —"}</option>
+        {current && !chosen && <option value={current}>{current} (not available here)</option>}
+        {MODEL_GROUPS.map(({ label, pick }) => {
+          const items = fitting.filter(pick);
+          return items.length ? (
+            <optgroup key={label} label={label}>
+              {items.map((m) => (
+                <option key={m.name} value={m.name} title={m.description}>
+                  {m.name}
+                  {m.random_weights ? " — random weights (for testing)" : ""}
+                </option>
+              ))}
+            </optgroup>
+          ) : null;
+        })}
+      </select>
+      {issues.map((i, n) => (
+        <span key={n} className="field-error" data-testid={`role-${role.name}-model-issue`}>
+          {i.message}
+        </span>
+      ))}
+      {chosen && (
+        <span className="field-hint" data-testid={`role-${role.name}-model-label`}>
+          {chosen.label}
+          {chosen.description ? `: ${chosen.description}` : ""}
+        </span>
+      )}
+    </label>
   );
 }
 

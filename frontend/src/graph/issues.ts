@@ -42,8 +42,9 @@ export function placeIssues(issues: Issue[], doc: EditorDoc): PlacedIssues {
 export function withIssues(doc: EditorDoc, placed: PlacedIssues): { nodes: SpecNode[]; edges: SpecEdge[] } {
   const nodes = doc.nodes.map((n) => {
     const issues = placed.byNode.get(n.id);
-    if (!issues && !n.data.issues) return n;
-    return { ...n, data: { ...n.data, issues } };
+    const roleIssues = n.data.spec.role ? placed.byRole.get(n.data.spec.role) : undefined;
+    if (!issues && !n.data.issues && !roleIssues && !n.data.roleIssues) return n;
+    return { ...n, data: { ...n.data, issues, roleIssues } };
   });
   const edges = doc.edges.map((e) => {
     const issues = placed.byEdge.get(e.id);

@@ -28,6 +28,8 @@ export interface NodeRunView {
 export type SpecNodeData = {
   spec: NodeSpec;
   issues?: Issue[];
+  /** Issues of the role the node runs on (a role without a model…): shown on the node too. */
+  roleIssues?: Issue[];
   run?: NodeRunView;
 };
 export type SpecNode = Node<SpecNodeData, "spec">;

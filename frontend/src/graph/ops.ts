@@ -3,7 +3,7 @@
  * modified), so undo/redo can keep the old one.
  */
 import type { Connection } from "@xyflow/react";
-import type { NodeKind, NodeSpec, PortSpec, PortType, RoleSpec } from "../api/types";
+import type { NodeKind, NodeSpec, OpInfo, PortSpec, PortType, RoleSpec } from "../api/types";
 import { IDENT } from "../api/types";
 import { edgeId } from "./canonical";
 import { type EditorDoc, type SpecEdge, type SpecNode, flowEdge, flowNode } from "./model";
@@ -250,4 +250,35 @@ export function updateRole(doc: EditorDoc, name: string, next: RoleSpec): Editor
 
 export function removeRole(doc: EditorDoc, name: string): EditorDoc {
   return { ...doc, roles: doc.roles.filter((r) => r.name !== name) };
+}
+
+/**
+ * Make a python node call the registered `op`: its ports become the op's declared ones
+ * (edges on ports that remain stay; the others go), its params the op's defaults over the
+ * values it already had for the op's params, and it streams when the op is a generator.
+ */
+export function applyOp(doc: EditorDoc, id: string, op: OpInfo): EditorDoc {
+  const node = doc.nodes.find((n) => n.id === id);
+  if (!node) return doc;
+  const ports = (declared: OpInfo["inputs"]): Record<string, PortSpec> => {
+    const out: Record<string, PortSpec> = {};
+    for (const [name, p] of Object.entries(declared)) {
+      const port: PortSpec = { type: p.type };
+      if (p.optional) port.optional = true;
+      if (p.join) port.join = p.join;
+      out[name] = port;
+    }
+    return out;
+  };
+  const properties = op.params_schema.properties ?? {};
+  const old = node.data.spec.params ?? {};
+  const params: Record<string, unknown> = {};
+  for (const [name, schema] of Object.entries(properties)) {
+    if (name in old) params[name] = old[name];
+    else if (schema.default !== undefined) params[name] = schema.default;
+  }
+  let next = setPorts(doc, id, "inputs", ports(op.inputs));
+  next = setPorts(next, id, "outputs", ports(op.outputs));
+  const stream = op.stream || undefined;
+  return updateNodeSpec(next, id, { op: op.name, params, stream, ...(stream ? { routes: null } : {}) });
 }

@@ -1,115 +1,159 @@
 /**
- * Workers and their live metrics: KV hit rate per tier, tier occupancy, GPU memory and
- * tokens/s. Built against the interface documented in `api/cluster.ts`; when the studio
- * does not serve it, the page says so and shows nothing made up.
+ * Workers and their metrics over time: KV hit rate and occupancy per tier (each tier a worker
+ * has), GPU memory per device (process memory on a CPU-only cluster) and tokens/s, for the whole
+ * cluster and per worker. The studio keeps the history (`api/metrics.ts`): the page opens with
+ * the last 5 minutes or hour of it (the range picker, kept in the URL) and follows the live
+ * stream from there, so a reload keeps the charts. Built against the interface documented in
+ * `api/cluster.ts`; when the studio does not serve it, the page says so and shows nothing made up.
  */
-import { useEffect, useMemo, useRef, useState } from "react";
-import { cluster, type MetricsMessage, sampleOf, TIERS, type WorkerSample, type WorkerSnapshot } from "../api/cluster";
+import { useEffect, useMemo, useState } from "react";
+import { useSearchParams } from "react-router-dom";
+import { cluster, type MetricsMessage, type Tier, type WorkerSample, type WorkerSnapshot } from "../api/cluster";
 import { describeError, wsUrl } from "../api/client";
-import { LiveChart } from "../components/LiveChart";
+import {
+  EMPTY_TIMELINE,
+  type HistoryBody,
+  type HistoryMessage,
+  RANGES,
+  type Timeline,
+  type WorkerTrack,
+  appendLive,
+  column,
+  fromHistory,
+  hasGpu,
+  mean,
+  metrics,
+  rangeOf,
+  sum,
+  tiersOf,
+} from "../api/metrics";
+import { type ChartSeries, LiveChart } from "../components/LiveChart";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatBytes } from "../components/ui";
+import { NodesPanel } from "../nodes/NodesPanel";
+import "./cluster.css";
 
-const WINDOW = 300;
 const TIER_COLORS: Record<string, string> = { device: "#4f46e5", host: "#0891b2", disk: "#d97706" };
+const DEVICE_COLORS = ["#7c3aed", "#db2777", "#059669", "#ea580c", "#2563eb", "#65a30d"];
+const percent = (v: number) => `${Math.round(v * 100)}%`;
+const CPU_ONLY = "CPU-only cluster: no worker runs on a GPU, so this charts the workers' process memory (RSS).";
 
-interface Series {
-  times: number[];
-  /** worker id -> samples aligned with `times` (null before the worker appeared). */
-  samples: Map<string, (WorkerSample | null)[]>;
+function tierSeries(tiers: Tier[]): ChartSeries[] {
+  return tiers.map((t) => ({ label: t, color: TIER_COLORS[t] }));
 }
 
-function push(series: Series, time: number, workers: WorkerSnapshot[]): Series {
-  const times = [...series.times, time].slice(-WINDOW);
-  const samples = new Map<string, (WorkerSample | null)[]>();
-  for (const w of workers) {
-    const old = series.samples.get(w.info.worker_id) ?? new Array(series.times.length).fill(null);
-    const prev = [...old].reverse().find((s) => s !== null) ?? undefined;
-    samples.set(w.info.worker_id, [...old, sampleOf(w, time, prev)].slice(-WINDOW));
-  }
-  return { times, samples };
-}
-
-function mean(values: number[]): number | null {
-  return values.length ? values.reduce((a, b) => a + b, 0) / values.length : null;
-}
-function sum(values: number[]): number | null {
-  return values.length ? values.reduce((a, b) => a + b, 0) : null;
-}
-
-/** One aligned data row per chart series, aggregating the workers at each time. */
-function aggregate(series: Series, pick: (s: WorkerSample) => number | null | undefined, combine: (v: number[]) => number | null) {
-  return series.times.map((_, i) => {
-    const values: number[] = [];
-    for (const rows of series.samples.values()) {
-      const v = rows[i] ? pick(rows[i]!) : null;
-      if (typeof v === "number") values.push(v);
-    }
-    return combine(values);
-  });
+/** The charts' rows: the tiers present (the device tier when none is), memory by GPU device or RSS. */
+function chartsOf(timeline: Timeline, only?: (track: WorkerTrack) => boolean) {
+  const t = timeline.times;
+  const found = tiersOf(only ? { times: t, tracks: new Map([...timeline.tracks].filter(([, v]) => only(v))) } : timeline);
+  const tiers: Tier[] = found.length ? found : ["device"];
+  const byTier = (pick: (s: WorkerSample, tier: Tier) => number | undefined) =>
+    tiers.map((tier) => column(timeline, (s) => pick(s, tier), mean, only));
+  const deviceOf = (tr: WorkerTrack) => `${tr.host} ${tr.device}`;
+  const gpuDevices = [
+    ...new Set(
+      [...timeline.tracks.values()]
+        .filter((tr) => (!only || only(tr)) && tr.samples.some((s) => s?.gpuMemoryBytes != null))
+        .map(deviceOf),
+    ),
+  ].sort();
+  const gpu = hasGpu(timeline) && gpuDevices.length > 0;
+  const onDevice = (d: string) => (tr: WorkerTrack) => (!only || only(tr)) && deviceOf(tr) === d;
+  return {
+    tiers,
+    hit: [t, ...byTier((s, tier) => s.hitRate[tier])],
+    occupancy: [t, ...byTier((s, tier) => s.occupancy[tier])],
+    gpu,
+    memorySeries: gpu
+      ? gpuDevices.map((d, i) => ({ label: d, color: DEVICE_COLORS[i % DEVICE_COLORS.length] }))
+      : [{ label: "rss", color: "#7c3aed" }],
+    memory: gpu
+      ? [t, ...gpuDevices.map((d) => column(timeline, (s) => s.gpuMemoryBytes, sum, onDevice(d)))]
+      : [t, column(timeline, (s) => s.rssBytes, sum, only)],
+    tokens: [t, column(timeline, (s) => s.tokensPerS, sum, only)],
+  };
 }
 
 export function ClusterPage() {
+  const [params, setParams] = useSearchParams();
+  const range = rangeOf(params.get("range"));
   const [workers, setWorkers] = useState<WorkerSnapshot[] | null | undefined>(undefined);
   const [error, setError] = useState<string | null>(null);
-  const [series, setSeries] = useState<Series>({ times: [], samples: new Map() });
+  const [historyError, setHistoryError] = useState<string | null>(null);
+  const [timeline, setTimeline] = useState<Timeline>(EMPTY_TIMELINE);
+  const [historyLoaded, setHistoryLoaded] = useState(false);
   const [source, setSource] = useState<"websocket" | "polling" | null>(null);
   const [attempt, setAttempt] = useState(0);
-  const available = useRef(false);
 
   useEffect(() => {
     let stopped = false;
     let socket: WebSocket | null = null;
     let timer: number | undefined;
-    const take = (time: number, list: WorkerSnapshot[]) => {
+    setTimeline(EMPTY_TIMELINE);
+    setHistoryLoaded(false);
+    const live = (time: number, list: WorkerSnapshot[]) => {
       setWorkers(list);
-      setSeries((s) => push(s, time, list));
+      setTimeline((t) => appendLive(t, time, list, range.seconds));
+    };
+    const takeHistory = (body: HistoryBody) => {
+      setTimeline(fromHistory(body));
+      setHistoryError(body.error ?? null);
+      setHistoryLoaded(true);
     };
     const poll = async () => {
       if (stopped) return;
       try {
         const list = await cluster.workers();
+        if (stopped) return;
         if (list === null) {
           setWorkers(null);
           return; // not available: no polling of a missing endpoint
         }
-        available.current = true;
-        take(Date.now() / 1000, list);
+        live(Date.now() / 1000, list);
         setError(null);
       } catch (err) {
         setError(describeError(err));
       }
       timer = window.setTimeout(poll, 2000);
     };
+    const fallback = async () => {
+      setSource("polling");
+      try {
+        const body = await metrics.history(range.id);
+        if (!stopped) takeHistory(body);
+      } catch (err) {
+        if (!stopped) setHistoryError(describeError(err));
+      }
+      poll();
+    };
     (async () => {
       try {
         const first = await cluster.workers();
         if (stopped) return;
-        if (first === null) {
-          setWorkers(null);
-          return;
-        }
-        available.current = true;
-        take(Date.now() / 1000, first);
+        setWorkers(first);
+        if (first === null) return;
       } catch (err) {
         setError(describeError(err));
         setWorkers(null);
         return;
       }
-      socket = new WebSocket(wsUrl("/ws/metrics/"));
+      socket = new WebSocket(wsUrl(`/ws/metrics/?range=${range.id}`));
       let opened = false;
       socket.onopen = () => {
         opened = true;
         setSource("websocket");
       };
       socket.onmessage = (m) => {
-        const msg = JSON.parse(m.data as string) as MetricsMessage;
-        if (msg.type === "workers") take(msg.time, msg.workers);
+        const msg = JSON.parse(m.data as string) as MetricsMessage | HistoryMessage;
+        if (msg.type === "history") takeHistory(msg);
+        else if (msg.type === "workers") live(msg.time, msg.workers);
       };
       socket.onclose = () => {
         if (stopped) return;
-        setSource("polling");
-        if (!opened) poll();
-        else timer = window.setTimeout(poll, 2000);
+        if (!opened) fallback();
+        else {
+          setSource("polling");
+          timer = window.setTimeout(poll, 2000);
+        }
       };
     })();
     return () => {
@@ -117,30 +161,58 @@ export function ClusterPage() {
       window.clearTimeout(timer);
       socket?.close();
     };
-  }, [attempt]);
+  }, [attempt, range.id, range.seconds]);
 
-  const charts = useMemo(() => {
-    const t = series.times;
-    return {
-      hit: [t, ...TIERS.map((tier) => aggregate(series, (s) => s.hitRate[tier], mean))],
-      occupancy: [t, ...TIERS.map((tier) => aggregate(series, (s) => s.occupancy[tier], mean))],
-      gpu: [t, aggregate(series, (s) => s.gpuMemoryBytes, sum)],
-      tokens: [t, aggregate(series, (s) => s.tokensPerS, sum)],
-    };
-  }, [series]);
+  const charts = useMemo(() => chartsOf(timeline), [timeline]);
+  const tracks = useMemo(
+    () =>
+      [...timeline.tracks.values()]
+        .filter((t) => t.samples.some((s) => s !== null))
+        .sort((a, b) => a.role.localeCompare(b.role) || a.workerId.localeCompare(b.workerId)),
+    [timeline],
+  );
 
   return (
-    <div className="page">
+    <div
+      className="page"
+      data-testid="cluster-page"
+      data-range={range.id}
+      data-history={historyLoaded ? "loaded" : "pending"}
+    >
       <header className="page-head">
         <div>
           <h1>Cluster</h1>
-          <p className="muted">Role workers, their KV cache tiers, GPU memory and throughput, live.</p>
+          <p className="muted">Role workers, their KV cache tiers, memory and throughput, with the studio's history.</p>
         </div>
-        {workers !== undefined && (
-          <Button icon="refresh" onClick={() => setAttempt((a) => a + 1)}>
-            Retry
-          </Button>
-        )}
+        <div className="cluster-actions">
+          <div className="range-picker" role="group" aria-label="Time range">
+            {RANGES.map((r) => (
+              <button
+                key={r.id}
+                type="button"
+                className={`range-btn${r.id === range.id ? " active" : ""}`}
+                aria-pressed={r.id === range.id}
+                data-testid={`range-${r.id}`}
+                onClick={() =>
+                  setParams(
+                    (p) => {
+                      p.set("range", r.id);
+                      return p;
+                    },
+                    { replace: true },
+                  )
+                }
+              >
+                {r.label}
+              </button>
+            ))}
+          </div>
+          {workers !== undefined && (
+            <Button icon="refresh" onClick={() => setAttempt((a) => a + 1)}>
+              Retry
+            </Button>
+          )}
+        </div>
       </header>
       {error && <ErrorBox>{error}</ErrorBox>}
       {workers === undefined && <Spinner label="Asking the studio for workers" />}
@@ -166,6 +238,7 @@ export function ClusterPage() {
       )}
       {workers && (
         <>
+          <NodesPanel workers={workers} />
           <div className="card">
             <table className="table" data-testid="workers-table">
               <thead>
@@ -219,34 +292,52 @@ export function ClusterPage() {
             </table>
           </div>
           <div className="muted small source-note">
-            {source === "websocket" ? "Live over /ws/metrics/" : "Refreshed every 2 s from /api/workers/"} · averages across
-            workers for rates, sums for memory and throughput
+            {source === "websocket" ? "Live over /ws/metrics/" : "Refreshed every 2 s from /api/workers/"} · the last{" "}
+            {range.label} kept by the studio · averages across workers for rates, sums for memory and throughput
           </div>
+          {historyError && <ErrorBox>The studio's metrics history: {historyError}</ErrorBox>}
           <div className="charts">
             <LiveChart
+              span={range.seconds}
               title="KV hit rate by tier"
               testId="chart-hit-rate"
-              series={TIERS.map((t) => ({ label: t, color: TIER_COLORS[t] }))}
+              series={tierSeries(charts.tiers)}
               data={charts.hit}
               yRange={[0, 1]}
-              format={(v) => `${Math.round(v * 100)}%`}
+              format={percent}
             />
             <LiveChart
+              span={range.seconds}
               title="Tier occupancy"
               testId="chart-occupancy"
-              series={TIERS.map((t) => ({ label: t, color: TIER_COLORS[t] }))}
+              series={tierSeries(charts.tiers)}
               data={charts.occupancy}
-              yRange={[0, 1]}
-              format={(v) => `${Math.round(v * 100)}%`}
+              yRange={[0, null]}
+              format={percent}
             />
+            {charts.gpu ? (
+              <LiveChart
+                span={range.seconds}
+                title="GPU memory by device"
+                testId="chart-gpu-memory"
+                series={charts.memorySeries}
+                data={charts.memory}
+                format={(v) => formatBytes(v)}
+              />
+            ) : (
+              <LiveChart
+                span={range.seconds}
+                title="Process memory (RSS)"
+                testId="chart-process-memory"
+                note={CPU_ONLY}
+                series={charts.memorySeries}
+                data={charts.memory}
+                yRange={[0, null]}
+                format={(v) => formatBytes(v)}
+              />
+            )}
             <LiveChart
-              title="GPU memory"
-              testId="chart-gpu-memory"
-              series={[{ label: "used", color: "#7c3aed" }]}
-              data={charts.gpu}
-              format={(v) => formatBytes(v)}
-            />
-            <LiveChart
+              span={range.seconds}
               title="Tokens / s"
               testId="chart-tokens"
               series={[{ label: "generated", color: "#16a34a" }]}
@@ -254,9 +345,76 @@ export function ClusterPage() {
               format={(v) => v.toFixed(0)}
             />
           </div>
+          <h2 className="section-heading">Per worker</h2>
+          {tracks.length === 0 && (
+            <p className="muted" data-testid="worker-charts-empty">
+              {historyLoaded ? `No worker reported metrics in the last ${range.label}.` : "Loading the history…"}
+            </p>
+          )}
+          <div className="worker-charts" data-testid="worker-charts">
+            {tracks.map((track) => (
+              <WorkerCharts key={track.key} timeline={timeline} track={track} span={range.seconds} />
+            ))}
+          </div>
         </>
       )}
     </div>
+  );
+}
+
+/** One worker's charts: its tiers' hit rate and occupancy (when it has a KV cache), its memory. */
+function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: WorkerTrack; span: number }) {
+  const charts = useMemo(() => chartsOf(timeline, (t) => t.key === track.key), [timeline, track.key]);
+  const hasKv = track.samples.some((s) => s && s.tiers.length > 0);
+  const live = timeline.tracks.get(track.key)?.samples.at(-1) != null;
+  const id = `worker-card-${track.workerId}`;
+  return (
+    <section className="card worker-card" data-testid={id} data-role={track.role} data-live={live}>
+      <header className="worker-card-head">
+        <strong>{track.role}</strong> <span className="mono small">{track.workerId}</span>
+        <span className="muted small">
+          {" "}
+          · {track.host} · {track.device}
+          {!live && " · gone"}
+        </span>
+      </header>
+      <div className="worker-card-charts">
+        {hasKv && (
+          <>
+            <LiveChart
+              span={span}
+              title="KV hit rate"
+              testId={`${id}-hit-rate`}
+              series={tierSeries(charts.tiers)}
+              data={charts.hit}
+              yRange={[0, 1]}
+              format={percent}
+              height={120}
+            />
+            <LiveChart
+              span={span}
+              title="Tier occupancy"
+              testId={`${id}-occupancy`}
+              series={tierSeries(charts.tiers)}
+              data={charts.occupancy}
+              yRange={[0, null]}
+              format={percent}
+              height={120}
+            />
+          </>
+        )}
+        <LiveChart
+          span={span}
+          title={charts.gpu ? "GPU memory" : "Process memory (RSS)"}
+          testId={`${id}-memory`}
+          series={charts.memorySeries}
+          data={charts.memory}
+          yRange={[0, null]}
+          format={(v) => formatBytes(v)}
+          height={120}
+        />
+      </div>
+    </section>
   );
 }
 

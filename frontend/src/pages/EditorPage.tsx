@@ -22,15 +22,18 @@ import { type DragEvent, useCallback, useEffect, useMemo, useRef, useState } fro
 import { Link, useNavigate, useParams } from "react-router-dom";
 import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
-import type { GraphSpec, Issue, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
+import type { GraphSpec, Issue, ModelInfo, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Modal, Spinner } from "../components/ui";
+import { LEGIBLE_ZOOM } from "../graph/viewport";
 import { DeployDialog } from "../editor/DeployDialog";
 import { NodeInspector, type NodeEdits } from "../editor/NodeInspector";
 import { DRAG_MIME, Palette } from "../editor/Palette";
+import { SaveDialog } from "../editor/SaveDialog";
 import { EdgeInspector, IssueList, RolesPanel, WorkflowPanel } from "../editor/SidePanels";
+import { useReadableFit } from "../editor/useReadableFit";
 import { VersionHistory } from "../editor/VersionHistory";
 import { jsonEqual } from "../graph/canonical";
 import { placeIssues, withIssues } from "../graph/issues";
@@ -39,6 +42,7 @@ import { type EditorDoc, type SpecEdge, type SpecNode, docLayout, docToSpec, emp
 import {
   addNode,
   addRole,
+  applyOp,
   checkConnection,
   connect,
   removeElements,
@@ -57,6 +61,8 @@ interface Loaded {
   roleKinds: RoleKind[];
   /** The registered ops a python node may name. */
   ops: OpInfo[];
+  /** The models a role may name (built-in ones and checkpoints under the model roots). */
+  models: ModelInfo[];
   version: Version | null;
 }
 
@@ -70,16 +76,17 @@ export function EditorPage() {
     setLoaded(null);
     (async () => {
       try {
-        const [workflow, kinds, roleKinds, ops] = await Promise.all([
+        const [workflow, kinds, roleKinds, ops, models] = await Promise.all([
           workflows.get(id),
           catalogue.nodeKinds(),
           catalogue.roleKinds(),
           catalogue.ops(),
+          catalogue.models(),
         ]);
         const version = workflow.latest_version
           ? await workflows.version(id, workflow.latest_version.number)
           : null;
-        setLoaded({ workflow, kinds, roleKinds, ops, version });
+        setLoaded({ workflow, kinds, roleKinds, ops, models: models.models, version });
       } catch (err) {
         setError({ status: (err as ApiError).status, message: describeError(err) });
       }
@@ -120,7 +127,10 @@ type Tab = "inspect" | "roles" | "workflow" | "issues";
 /** What a saved version holds, to tell whether the editor has unsaved changes. */
 const savedKey = (spec: GraphSpec, layout: ReturnType<typeof docLayout>) => ({ spec, nodes: layout.nodes });
 
-function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
+/** Below this window width the side panels start folded, so the canvas gets the room. */
+const WIDE_WINDOW = 1280;
+
+function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const navigate = useNavigate();
   const toast = useToast();
   const flow = useReactFlow<SpecNode, SpecEdge>();
@@ -178,10 +188,19 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
   const selectedEdge = selectedEdges.length === 1 && selectedNodes.length === 0 ? selectedEdges[0] : null;
   const [tab, setTab] = useState<Tab>("workflow");
   const selectionKey = `${selectedNode?.id ?? ""}|${selectedEdge?.id ?? ""}`;
+  const [paletteOpen, setPaletteOpen] = useState(() => window.innerWidth >= WIDE_WINDOW);
+  const [panelOpen, setPanelOpen] = useState(() => window.innerWidth >= WIDE_WINDOW);
   useEffect(() => {
-    if (selectedNode || selectedEdge) setTab("inspect");
+    if (selectedNode || selectedEdge) {
+      setTab("inspect");
+      setPanelOpen(true);
+    }
     // Only a change of selection switches the tab, not edits of the selected node.
   }, [selectionKey]);
+  const showTab = (t: Tab) => {
+    setTab(t);
+    setPanelOpen(true);
+  };
 
   const select = useCallback(
     (nodeId: string | null) => {
@@ -301,10 +320,14 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
     [add, catalogueMap, flow],
   );
 
+  const canvasRef = useRef<HTMLDivElement>(null);
+  // A saved view too far out to read opens fitted readably instead.
+  const savedView = version?.layout.viewport && version.layout.viewport.zoom >= LEGIBLE_ZOOM ? version.layout.viewport : undefined;
+  const fit = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
   const layout = useCallback(() => {
     history.commit((d) => ({ ...d, nodes: autoLayout(d.nodes, d.edges) }));
-    window.setTimeout(() => flow.fitView({ padding: 0.1, maxZoom: 1.1, duration: 300 }), 50);
-  }, [flow, history]);
+    window.setTimeout(() => fit(300), 50);
+  }, [fit, history]);
 
   // ---------------------------------------------------------------- edits from panels
   const nodeEdits: NodeEdits = useMemo(
@@ -325,6 +348,7 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
         history.commit(result.doc);
         return result.name;
       },
+      applyOp: (nodeId, op) => history.commit((d) => applyOp(d, nodeId, op)),
       remove: (nodeId) => history.commit((d) => removeElements(d, [nodeId], [])),
     }),
     [history],
@@ -347,7 +371,7 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
     history.commit(specToDoc(v.spec, v.layout));
     setShowHistory(false);
     toast(`Opened version ${v.number}; saving makes it the newest version`, "info");
-    window.setTimeout(() => flow.fitView({ padding: 0.2 }), 50);
+    window.setTimeout(() => fit(), 50);
   };
 
   // ---------------------------------------------------------------- keyboard
@@ -393,7 +417,7 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
   const focusIssue = (issue: Issue) => {
     const nodeId = issue.node ?? (issue.edge ? issue.edge.split(".")[0] : null);
     if (issue.role && !issue.node) {
-      setTab("roles");
+      showTab("roles");
       return;
     }
     if (!nodeId) return;
@@ -468,7 +492,7 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
           <button
             type="button"
             className={`validity ${!checked ? "checking" : issueCount ? "bad" : "good"}`}
-            onClick={() => setTab("issues")}
+            onClick={() => showTab("issues")}
             data-testid="validity"
             data-checking={validating}
             title={validating ? "Checking the latest edit…" : "Validation by the studio"}
@@ -509,8 +533,9 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
       </header>
 
       <div className="editor-body">
-        <Palette kinds={kinds} onAdd={(k) => add(k)} />
+        <Palette kinds={kinds} onAdd={(k) => add(k)} open={paletteOpen} onToggle={() => setPaletteOpen((o) => !o)} />
         <div
+          ref={canvasRef}
           className="canvas"
           onDragOver={(e) => {
             e.preventDefault();
@@ -528,20 +553,21 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
             onConnect={onConnect}
             onConnectEnd={onConnectEnd}
             isValidConnection={isValidConnection}
+            onNodeClick={() => showTab("inspect")}
+            onEdgeClick={() => showTab("inspect")}
             onNodeDragStart={onNodeDragStart}
             onNodeDragStop={onNodeDragStop}
             deleteKeyCode={["Backspace", "Delete"]}
-            defaultViewport={version?.layout.viewport}
-            // Fitting an empty canvas would fit the first dropped node instead, moving the view under the user.
-            fitView={!version?.layout.viewport && initial.nodes.length > 0}
-            fitViewOptions={{ padding: 0.1, maxZoom: 1.1 }}
+            // Fitted by `useReadableFit` once measured (an empty canvas is not: that would fit the
+            // first dropped node instead, moving the view under the user).
+            defaultViewport={savedView}
             minZoom={0.2}
             maxZoom={2}
             proOptions={{ hideAttribution: true }}
             connectionRadius={28}
           >
             <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#cfd5de" />
-            <Controls showInteractive={false} />
+            <Controls showInteractive={false} onFitView={() => fit(300)} />
             {doc.nodes.length > 0 && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor={(n) => ((n.data as SpecNode["data"]).issues?.length ? "#fca5a5" : "#c7d2fe")} />}
             {hint && (
               <Panel position="top-center">
@@ -563,7 +589,36 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
             </div>
           )}
         </div>
-        <aside className="sidepanel">
+        {!panelOpen && (
+          <aside className="panel-rail panel-rail-right" aria-label="Side panel (folded)">
+            <button
+              type="button"
+              className="icon-btn"
+              title="Show the side panel"
+              aria-label="Show the side panel"
+              onClick={() => setPanelOpen(true)}
+              data-testid="sidepanel-toggle"
+            >
+              <Icon name="panel" />
+            </button>
+            {issueCount > 0 && (
+              <button type="button" className="rail-badge bad" onClick={() => showTab("issues")} title="Show the issues">
+                {issueCount}
+              </button>
+            )}
+          </aside>
+        )}
+        <aside className="sidepanel" hidden={!panelOpen} data-testid="sidepanel">
+          <button
+            type="button"
+            className="panel-fold"
+            title="Fold the side panel (more room for the graph)"
+            aria-label="Fold the side panel"
+            onClick={() => setPanelOpen(false)}
+            data-testid="sidepanel-fold"
+          >
+            <Icon name="chevron" size={12} />
+          </button>
           <div className="tabs" role="tablist">
             {(
               [
@@ -618,6 +673,7 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
               <RolesPanel
                 doc={doc}
                 roleKinds={roleKinds}
+                models={models}
                 placed={placed}
                 onAdd={(kind) => history.commit((d) => addRole(d, kind).doc)}
                 onChange={(name, role: RoleSpec) => {
@@ -670,7 +726,14 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
         <VersionHistory workflowId={workflow.id} current={base} onClose={() => setShowHistory(false)} onOpen={openVersion} />
       )}
       {showDeploy && (
-        <DeployDialog workflowId={workflow.id} version={base} roles={doc.roles} dirty={dirty} onClose={() => setShowDeploy(false)} />
+        <DeployDialog
+          workflowId={workflow.id}
+          workflowName={workflow.name}
+          version={base}
+          roles={doc.roles}
+          dirty={dirty}
+          onClose={() => setShowDeploy(false)}
+        />
       )}
       {showPython !== null && (
         <Modal title={`${workflow.name} v${base} as Python`} onClose={() => setShowPython(null)} wide testId="python-dialog">
@@ -680,78 +743,5 @@ function Editor({ workflow, kinds, roleKinds, ops, version }: Loaded) {
         </Modal>
       )}
     </div>
-  );
-}
-
-function SaveDialog({
-  workflowId,
-  spec,
-  layout,
-  base,
-  issueCount,
-  onClose,
-  onSaved,
-}: {
-  workflowId: string;
-  spec: GraphSpec;
-  layout: ReturnType<typeof docLayout>;
-  base: number | null;
-  issueCount: number;
-  onClose: () => void;
-  onSaved: (v: Version, created: boolean) => void;
-}) {
-  const [message, setMessage] = useState("");
-  const [error, setError] = useState<string | null>(null);
-  const [busy, setBusy] = useState(false);
-  const save = async () => {
-    setBusy(true);
-    setError(null);
-    try {
-      const v = await workflows.saveVersion(workflowId, { spec, layout, message, base: base ?? undefined });
-      onSaved(v, v.number !== base);
-    } catch (err) {
-      setError(describeError(err));
-      setBusy(false);
-    }
-  };
-  return (
-    <Modal
-      title={`Save as version ${(base ?? 0) + 1}`}
-      onClose={onClose}
-      testId="save-dialog"
-      footer={
-        <>
-          <Button onClick={onClose}>Cancel</Button>
-          <Button variant="primary" icon="save" onClick={save} disabled={busy} data-testid="save-submit">
-            Save version
-          </Button>
-        </>
-      }
-    >
-      <form
-        className="stack"
-        onSubmit={(e) => {
-          e.preventDefault();
-          save();
-        }}
-      >
-        {error && <ErrorBox>{error}</ErrorBox>}
-        {issueCount > 0 && (
-          <div className="info-box">
-            The workflow has {issueCount} validation issue{issueCount === 1 ? "" : "s"}. It is saved as a draft and cannot
-            run until they are fixed.
-          </div>
-        )}
-        <label className="field">
-          <span className="field-label">Message</span>
-          <input
-            value={message}
-            onChange={(e) => setMessage(e.target.value)}
-            placeholder="What changed?"
-            data-testid="save-message"
-          />
-        </label>
-      </form>
-    </Modal>
   );
 }

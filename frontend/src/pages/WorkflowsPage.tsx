@@ -326,8 +326,8 @@ function ImportDialog({ onClose }: { onClose: () => void }) {
         />
         <p className="muted small">
           Python sources are read, not executed: only <code>Workflow(…)</code> and its <code>role</code>,{" "}
-          <code>node</code>, <code>input</code>, <code>output</code> and <code>edge</code> calls with literal
-          arguments are accepted.
+          <code>node</code>, <code>python</code>, <code>input</code>, <code>output</code> and <code>edge</code>{" "}
+          calls with literal arguments are accepted, and imports of registered ops (<code>@op</code> functions).
         </p>
       </div>
     </Modal>

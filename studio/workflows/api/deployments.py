@@ -32,11 +32,12 @@ from studio.workflows.deployments.workers import (
     active_deployments,
     listing,
     recorded_statuses,
+    replica_seats,
     snapshots_sync,
 )
-from studio.workflows.models import CacheScope, Deployment, DeploymentStatus, Session
+from studio.workflows.models import MAX_DEPLOYMENT_NAME, CacheScope, Deployment, DeploymentStatus, Session
 
-MAX_NAME = 100
+MAX_NAME = MAX_DEPLOYMENT_NAME
 
 
 # ----------------------------------------------------------------------- serializers
@@ -45,7 +46,9 @@ class DeploymentCreateSerializer(serializers.Serializer):
     version = serializers.IntegerField(required=False, min_value=1, help_text="defaults to the latest")
     replicas = serializers.DictField(child=serializers.JSONField(), required=False,
                                      help_text="role name -> replica count (default: the spec's)")
-    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME, default="")
+    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME, default="",
+                                 help_text="the OpenAI model id of a chat deployment; default: the workflow's name"
+                                           " (numbered -2, -3 ... past the names of your live deployments)")
     node = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", required=False,
                                   help_text="distributed mode: the node whose Celery worker starts the workers")
     cache_scope = serializers.ChoiceField(choices=CacheScope.choices, default=CacheScope.USER,
@@ -79,18 +82,26 @@ class DeploymentSerializer(serializers.ModelSerializer):
     workflow_name = serializers.CharField(source="version.workflow.name", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True)
     roles = serializers.SerializerMethodField()
+    inputs = serializers.SerializerMethodField()
     chat = serializers.SerializerMethodField()
     links = serializers.SerializerMethodField()
 
     class Meta:
         model = Deployment
         fields = ["id", "workflow", "workflow_name", "version", "name", "status", "replicas", "error", "node",
-                  "namespace", "cache_scope", "roles", "chat", "created_at", "updated_at", "links"]
+                  "placement", "namespace", "cache_scope", "roles", "inputs", "chat", "created_at", "updated_at",
+                  "links"]
         read_only_fields = fields
 
     def get_roles(self, obj: Deployment) -> list[dict[str, Any]]:
         return [{"name": r["name"], "kind": r["kind"], "model": r.get("model"), "device": r.get("device", "cpu")}
                 for r in obj.version.spec.get("roles", [])]
+
+    def get_inputs(self, obj: Deployment) -> list[dict[str, Any]]:
+        """The workflow's inputs (what a run of it names): name, port type, and default where it has one."""
+        return [{"name": n["id"], "type": n.get("outputs", {}).get("value", {}).get("type", "any"),
+                 **({"default": n["params"]["default"]} if "default" in n.get("params", {}) else {})}
+                for n in obj.version.spec.get("nodes", []) if n.get("kind") == "input"]
 
     def get_chat(self, obj: Deployment) -> bool:
         """Whether `/v1/chat/completions` serves it (its spec is a chat workflow)."""
@@ -116,18 +127,23 @@ class DeploymentDetailSerializer(DeploymentSerializer):
         read_only_fields = fields
 
     def get_workers(self, obj: Deployment) -> list[dict[str, Any]]:
-        """Worker rows (those this studio started), each with its live registry snapshot (or null)."""
+        """Worker rows (those this studio started), each with its replica number among its role's
+        live ones and its tensor-parallel rank (`replica_seats`), and its live registry snapshot (or null)."""
         live = {s.worker_id: s for s in self.context.get("live", [])}
+        records = list(obj.workers.all())
+        seats = replica_seats(records)
         rows = []
-        for row in obj.workers.all():
+        for row in records:
             body = dict(WorkerRowSerializer(row).data)
+            body["replica"], body["rank"] = seats[row.worker_id].replica, seats[row.worker_id].rank
             snap = live.pop(row.worker_id, None)
             body["live"] = None if snap is None else snap.to_dict()
             rows.append(body)
         for snap in live.values():  # joined by hand (omniflow worker --namespace ...)
             rows.append({"worker_id": snap.worker_id, "role": snap.role, "host": snap.info.host,
                          "address": snap.info.address, "device": snap.info.device, "pid": snap.info.pid,
-                         "status": "joined", "started_at": None, "last_seen_at": None, "live": snap.to_dict()})
+                         "status": "joined", "started_at": None, "last_seen_at": None, "replica": None, "rank": 0,
+                         "live": snap.to_dict()})
         return rows
 
     def get_join(self, obj: Deployment) -> str:

@@ -249,5 +249,7 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
 
 
-def model_entry(model_id: str, created: int, owner: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owner}
+def model_entry(model_id: str, created: int, owner: str, **extra: Any) -> dict[str, Any]:
+    """OpenAI's model object; `extra` keys (the deployment, its workflow, version and status) follow
+    OpenAI's own, which clients read and ignore the rest."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owner, **extra}

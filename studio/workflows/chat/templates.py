@@ -1,40 +1,47 @@
-"""OpenAI chat messages to one prompt text.
+"""OpenAI chat messages to one prompt text: the model's own chat template, or the simple one.
 
-* A model given as a checkpoint directory with a chat template (`chat_template` in its
-  `tokenizer_config.json`, or a `chat_template.jinja` file beside it) is rendered with
-  that template, the way `transformers`' `apply_chat_template` does: Jinja in a sandbox,
-  with `messages`, `add_generation_prompt`, `bos_token` and `eos_token`.
-* Any other model (the built-in tiny models have no template) gets the simple template:
+A `ChatTemplate` is the text side of the model a chat deployment's llm role runs
+(`engine.compute.models.ModelTokenizer`, loaded without the weights): where the model's tokenizer
+carries a chat template (the packaged `smollm2-135m`; a checkpoint whose `tokenizer_config.json` or
+`chat_template.jinja` has one) the messages are rendered by `transformers`' `apply_chat_template`
+(Jinja in its sandbox), exactly as `tokenizer.apply_chat_template(messages, tokenize=False,
+add_generation_prompt=True)` renders them; any other model (the tiny built-in ones) gets the
+simple template:
 
-      ### System:\\n{content}\\n\\n      (role system or developer)
-      ### User:\\n{content}\\n\\n
-      ### Assistant:\\n{content}\\n\\n
+    ### System:\\n{content}\\n\\n      (role system or developer)
+    ### User:\\n{content}\\n\\n
+    ### Assistant:\\n{content}\\n\\n
 
-  and the generation prompt `### Assistant:\\n`.
+and the generation prompt `### Assistant:\\n`.
 
-A session turn sends the LLM only what is new (`ChatTemplate.turn`): the engine already
-holds the history as the previous prompt plus the tokens it generated.
+A session turn sends the LLM only what is new (`ChatTemplate.turn`): the LLM holds the history as
+the previous prompt plus the tokens it generated, the EOS token included when the reply ended on it
+(the studio keeps that token's text on the stored assistant message as `eos`, see `held`). So the
+turn is what rendering the whole conversation adds after that: with SmolLM2's template, after
+`...reply<|im_end|>` (held) the turn is `\\n<|im_start|>user\\n...`; after a reply cut by
+`max_tokens` (no EOS held) it starts with the `<|im_end|>` the template closes the reply with.
+A template that does not close a reply with the EOS token (the simple one) has the rest of its
+text follow the EOS the LLM holds. A template whose rendering is not prefix-stable at all (one that
+rewrites earlier turns) gets the new messages rendered alone, and says so in the log.
+
+`ChatTemplates` holds one template per model reference for the process (on `StudioEngine`).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from engine.compute.models.loader import eos_token_ids, load_tokenizer
+from engine.compute.models.text import ChatPromptError, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
-"""`{"role": ..., "content": <text>}`"""
-
-_SIMPLE_HEADERS = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-SIMPLE_GENERATION_PROMPT = "### Assistant:\n"
+Message = dict[str, Any]
+"""`{"role": ..., "content": <text>}`; a stored assistant message may carry `eos` (see `held`)."""
 
 
 class TemplateError(ValueError):
@@ -43,86 +50,72 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ChatTemplate:
-    source: str | None
-    """Jinja source of the model's template; None: the simple template."""
-    bos_token: str = ""
-    eos_token: str = ""
+    """A model's chat rendering and end-of-sequence tokens; does not modify the tokenizer."""
+
+    codec: ModelTokenizer
+    eos_token_ids: frozenset[int]
 
     @property
     def name(self) -> str:
-        return "model" if self.source is not None else "simple"
+        return "model" if self.codec.has_chat_template else "simple"
 
-    def render(self, messages: list[Message], *, add_generation_prompt: bool = True) -> str:
-        if self.source is None:
-            text = "".join(f"### {_SIMPLE_HEADERS[m['role']]}:\n{m['content']}\n\n" for m in messages)
-            return text + (SIMPLE_GENERATION_PROMPT if add_generation_prompt else "")
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        # OpenAI's `developer` role is its newer name for `system`, which chat templates know.
+        plain = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                 for m in messages]
         try:
-            return _compiled(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 bos_token=self.bos_token, eos_token=self.eos_token)
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"the model's chat template failed: {exc}") from None
+            return self.codec.chat_prompt(plain, add_generation_prompt=add_generation_prompt)
+        except ChatPromptError as exc:
+            raise TemplateError(str(exc)) from None
 
-    def held(self, history: list[Message]) -> str:
-        """What the LLM holds of a session with `history`: the last turn's prompt and reply;
-        nothing before the first reply."""
+    def count(self, text: str) -> int:
+        """How many tokens the LLM reads `text` as."""
+        return len(self.codec.encode(text))
+
+    def eos_text(self, token: int | None) -> str | None:
+        """The text of `token` when it is one of the model's EOS tokens (a reply that ended on it),
+        else None."""
+        if token is None or token not in self.eos_token_ids:
+            return None
+        return str(self.codec.tokenizer.decode([token], skip_special_tokens=False))
+
+    def held(self, history: Sequence[Message]) -> str:
+        """What the LLM holds of a session with `history`: the last turn's prompt, its reply and the
+        EOS token the reply ended on (`eos` on the assistant message); nothing before the first reply."""
         if not history or history[-1]["role"] != "assistant":
             return ""
-        return self.render(history[:-1]) + history[-1]["content"]
+        return self.render(history[:-1]) + history[-1]["content"] + (history[-1].get("eos") or "")
 
-    def turn(self, history: list[Message], new: list[Message]) -> str:
-        """The text a session turn sends: what rendering `history + new` adds to what the
-        LLM holds (`held`). A template whose rendering is not prefix-stable there falls back
-        to rendering `new` alone."""
+    def turn(self, history: Sequence[Message], new: Sequence[Message]) -> str:
+        """The text a session turn sends: what rendering `history + new` adds to what the LLM holds."""
         held = self.held(history)
+        full = self.render([*history, *new])
         if not held:
-            return self.render(history + new)  # the LLM holds nothing yet: a session's first turn
-        full = self.render(history + new)
+            return full  # the LLM holds nothing yet: a session's first turn
         if full.startswith(held):
             return full[len(held):]
+        reply = self.render(history[:-1]) + history[-1]["content"]
+        if history[-1].get("eos") and full.startswith(reply):
+            return full[len(reply):]  # the template's own end of a reply follows the EOS the LLM holds
         log.info("the chat template is not prefix-stable; the turn is rendered alone")
         return self.render(new)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+class ChatTemplates:
+    """`model reference -> ChatTemplate`, loaded once per reference (tokenizer files only: a packaged
+    model's from the model cache, built there first if need be). Thread-safe."""
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._templates: dict[str, ChatTemplate] = {}
 
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
-
-
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
-@functools.lru_cache(maxsize=64)
-def template_for(model: str | None) -> ChatTemplate:
-    """The chat template of `model` (a role's model reference), or the simple one."""
-    if not model:
-        return ChatTemplate(None)
-    folder = Path(model)
-    if not folder.is_dir():
-        return ChatTemplate(None)
-    config: dict[str, Any] = {}
-    config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("%s: unreadable (%s); using the simple chat template", config_path, exc)
-    source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: take "default"
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default") or next(iter(named.values()), None)
-    jinja_path = folder / "chat_template.jinja"
-    if not isinstance(source, str) and jinja_path.is_file():
-        source = jinja_path.read_text()
-    if not isinstance(source, str) or not source.strip():
-        return ChatTemplate(None)
-    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")),
-                        eos_token=_token_text(config.get("eos_token")))
+    def get(self, model: str) -> ChatTemplate:
+        """The template of `model` (a built-in name or a checkpoint directory); `ModelLoadError` for
+        an unknown name or an unreadable checkpoint."""
+        with self._lock:
+            template = self._templates.get(model)
+            if template is None:
+                tokenizer = load_tokenizer(model)
+                template = ChatTemplate(ModelTokenizer(tokenizer), frozenset(eos_token_ids(model, tokenizer)))
+                self._templates[model] = template
+            return template

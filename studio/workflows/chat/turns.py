@@ -9,9 +9,12 @@ the LLM keeps the history (tokens and KV) server-side; the studio keeps the mess
 
 `follow_turn` yields the reply's text deltas as the run's events bring them (the llm
 node's `text` frames when it streams; its whole text at once when it does not), then one
-`TurnResult`: the reply (the run's reply output), token usage and finish reason. A run
-executed again after its executor stopped (`run_restarted`) yields `TurnRestarted`, and the
-deltas start over.
+`TurnResult`: the reply (the run's reply output), token usage and finish reason. The finish
+reason is "stop" when the reply's last token (the llm node's `tokens` frames) is one of the
+model's EOS tokens or the reply is shorter than `max_new_tokens` (a stop string), else "length";
+a reply that ended on the EOS token carries its text (`eos`), which the session keeps, since the
+LLM holds that token. A run executed again after its executor stopped (`run_restarted`) yields
+`TurnRestarted`, and the deltas start over.
 
 A session has a turn in flight while `Session.turn` names a run that is pending or running;
 any end of that run (done, failed, cancelled, or failed after its lease lapsed) frees it.
@@ -20,21 +23,26 @@ any end of that run (done, failed, cancelled, or failed after its lease lapsed) 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from channels.db import database_sync_to_async
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.db.models import Q
 
-from studio.errors import BadRequest, Conflict
+from engine.compute.builtin_models import role_weights
+from engine.compute.models.catalog import Weights
+from engine.compute.models.errors import ModelLoadError
+from studio.dbcalls import orm
+from studio.errors import BadRequest, Conflict, Unavailable
+from studio.workflows.apps import engine
 from studio.workflows.chat.openai import ChatMessages
 from studio.workflows.chat.shape import ChatShape, NotAChatWorkflow, chat_shape
-from studio.workflows.chat.templates import Message, template_for
+from studio.workflows.chat.templates import ChatTemplate, Message, TemplateError
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, Session
 from studio.workflows.operations import create_run
+from studio.workflows.paths import PathRefused, PathRoots, model_reference
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.follow import follow_run
 from studio.workflows.runs.lease import RUN_RESTARTED
@@ -53,6 +61,7 @@ class TurnStart:
     run_id: str
     shape: ChatShape
     max_new_tokens: int
+    template: ChatTemplate
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +78,17 @@ class TurnResult:
     usage: dict[str, int] | None
     finish_reason: str
     error: str = ""
+    eos: str = ""
+    """The text of the EOS token the reply ended on ("" when it did not end on one)."""
 
 
 # ------------------------------------------------------------------------- deployments
 def chat_deployments(user: Any) -> list[Deployment]:
-    """The running deployments of chat workflows `user` can use."""
+    """The deployments of chat workflows `user` can use: running, or on their way to it."""
     out = []
-    for deployment in (Deployment.objects.visible_to(user).filter(status=DeploymentStatus.RUNNING)
-                       .select_related("version", "version__workflow").order_by("created_at")):
+    coming = [DeploymentStatus.PENDING, DeploymentStatus.STARTING, DeploymentStatus.RUNNING]
+    for deployment in (Deployment.objects.visible_to(user).filter(status__in=coming)
+                       .select_related("version", "version__workflow", "owner").order_by("created_at")):
         try:
             chat_shape(deployment.version.spec)
         except NotAChatWorkflow:
@@ -86,18 +98,50 @@ def chat_deployments(user: Any) -> list[Deployment]:
 
 
 def model_id(deployment: Deployment) -> str:
-    """The OpenAI model id of a deployment: its name, or its id when it has none."""
+    """The OpenAI model id of a deployment: its name (every deployment made since names were given
+    has one), or its id when it has none."""
     return deployment.name or str(deployment.pk)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    """What a chat deployment computes with, as `/v1/models` says it: `weights` "real" when every
+    role with a model has real weights, else "random" (for testing), with those roles named."""
+
+    weights: Weights
+    random_roles: tuple[str, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"weights": str(self.weights), "weights_label": self.weights.label,
+                "random_weights_roles": list(self.random_roles)}
+
+
+def model_weights(spec: dict[str, Any]) -> ModelWeights:
+    random = tuple(r["name"] for r in spec.get("roles", [])
+                   if role_weights(r.get("kind", ""), r.get("model")) is Weights.RANDOM)
+    return ModelWeights(Weights.RANDOM if random else Weights.REAL, random)
+
+
+COMING = (DeploymentStatus.PENDING, DeploymentStatus.STARTING)
+"""Statuses of a deployment on its way to running (e.g. deployed again as the studio started)."""
+
+
 def find_model(user: Any, model: str) -> Deployment | None:
-    """A running chat deployment named `model` (or with that id); the newest wins a name clash."""
-    qs = Deployment.objects.visible_to(user).filter(status=DeploymentStatus.RUNNING).select_related("version")
+    """The chat deployment `model` names, by its name or its id: a running one, or one on its way
+    (see `COMING`; the caller waits for it). Names are unique among a user's live deployments; where
+    `user` sees others' too (staff), their own comes first."""
+    qs = (Deployment.objects.visible_to(user).filter(status__in=[DeploymentStatus.RUNNING, *COMING])
+          .select_related("version"))
     try:
         qs = qs.filter(Q(name=model) | Q(pk=uuid.UUID(model)))
     except ValueError:
         qs = qs.filter(name=model)
-    return qs.order_by("-created_at").first()
+    mine = qs.filter(owner=user).order_by("-created_at").first()
+    return mine or qs.order_by("-created_at").first()
+
+
+def deployment_status(deployment_id: Any) -> str | None:
+    return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
 
 
 def _max_new_tokens(spec: dict[str, Any], node: str) -> int:
@@ -112,13 +156,35 @@ def _image_files(shape: ChatShape, images: list[bytes]) -> dict[str, SimpleUploa
             for name, data in zip(shape.image_inputs, images, strict=False)}
 
 
-def _start(user: Any, deployment: Deployment, shape: ChatShape, prompt: str, images: list[bytes],
-           params: dict[str, Any], timeout_s: float) -> TurnStart:
+def chat_template(deployment: Deployment, shape: ChatShape) -> ChatTemplate:
+    """The chat template of the model the deployment's llm role runs (BadRequest when the model is
+    no longer where the deployment found it; Unavailable when it cannot be loaded here)."""
+    if not shape.model:
+        raise BadRequest(f"the llm role of deployment {deployment.pk} names no model")
+    try:
+        model = model_reference(PathRoots.of(engine().config), "llm", shape.model)
+        return engine().templates.get(model)
+    except PathRefused as exc:
+        raise BadRequest(str(exc)) from None
+    except ModelLoadError as exc:
+        raise Unavailable(f"the chat template of model {shape.model!r} cannot be loaded: {exc}") from None
+
+
+def _rendered(render: Callable[[], str]) -> str:
+    """A rendering of the messages; BadRequest when the model's template refuses them."""
+    try:
+        return render()
+    except TemplateError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _start(user: Any, deployment: Deployment, shape: ChatShape, template: ChatTemplate, prompt: str,
+           images: list[bytes], params: dict[str, Any], timeout_s: float) -> TurnStart:
     node_params = {shape.llm_node: params} if params else {}
     run = create_run(user, deployment.version, {shape.prompt_input: prompt}, files=_image_files(shape, images),
                      deployment=deployment, timeout_s=timeout_s, node_params=node_params)
     spec = with_node_params(deployment.version.spec, node_params)
-    return TurnStart(str(run.pk), shape, _max_new_tokens(spec, shape.llm_node))
+    return TurnStart(str(run.pk), shape, _max_new_tokens(spec, shape.llm_node), template)
 
 
 def start_completion(user: Any, deployment: Deployment, conversation: ChatMessages, sampling: dict[str, Any],
@@ -126,8 +192,9 @@ def start_completion(user: Any, deployment: Deployment, conversation: ChatMessag
     """Submit a stateless completion of `conversation` (NotAChatWorkflow, or the API errors
     of `create_run`)."""
     shape = chat_shape(deployment.version.spec)
-    prompt = template_for(shape.model).render(conversation.messages)
-    return _start(user, deployment, shape, prompt, conversation.images, sampling, timeout_s)
+    template = chat_template(deployment, shape)
+    prompt = _rendered(lambda: template.render(conversation.messages))
+    return _start(user, deployment, shape, template, prompt, conversation.images, sampling, timeout_s)
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -159,14 +226,14 @@ def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: 
                 pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists():
             raise Conflict(f"session {session.pk} has a turn in flight (run {session.turn_id})")
         shape = chat_shape(deployment.version.spec)
-        template = template_for(shape.model)
-        prompt = template.turn(session.messages, new.messages)
+        template = chat_template(deployment, shape)
+        prompt = _rendered(lambda: template.turn(session.messages, new.messages))
         params = {**sampling, "session": engine_session_id(session)}
-        held = template.held(session.messages)
+        held = _rendered(lambda: template.held(session.messages))
         if held:  # a worker without the session (its replica was replaced), or with a stale copy, rebuilds it
             params["session_history"] = held
             params["session_turns"] = sum(1 for m in session.messages if m["role"] == "assistant")
-        start = _start(user, deployment, shape, prompt, new.images, params, timeout_s)
+        start = _start(user, deployment, shape, template, prompt, new.images, params, timeout_s)
         session.turn_id = start.run_id
         session.save(update_fields=["turn", "updated_at"])
     return start
@@ -178,7 +245,10 @@ def finish_session_turn(session_id: Any, run_id: str, new: list[Message], result
         session = Session.objects.select_for_update().get(pk=session_id)
         if str(session.turn_id) == run_id:
             if result.status == RunStatus.DONE:
-                session.messages = [*session.messages, *new, {"role": "assistant", "content": result.text}]
+                reply: Message = {"role": "assistant", "content": result.text}
+                if result.eos:  # the LLM holds the EOS token the reply ended on: the next turn follows it
+                    reply["eos"] = result.eos
+                session.messages = [*session.messages, *new, reply]
             session.turn = None
             session.save(update_fields=["messages", "turn", "updated_at"])
     return session
@@ -202,28 +272,39 @@ def _usage_from_kv(kv: Any) -> dict[str, int] | None:
             "cached_tokens": int(kv.get("cached_tokens") or 0)}
 
 
-@database_sync_to_async
+@orm
 def _stored_outputs(run_id: str) -> dict[str, Any]:
     outputs = Run.objects.filter(pk=run_id).values_list("outputs", flat=True).first() or {}
     return {k: v for k, v in outputs.items() if not (isinstance(v, dict) and "$file" in v)}
+
+
+def _last_token(value: Any) -> int | None:
+    """The last id of a `tokens` frame or output (None: empty, or cut short in the event)."""
+    if isinstance(value, list) and value and isinstance(value[-1], int):
+        return value[-1]
+    return None
 
 
 async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str | TurnRestarted | TurnResult]:
     shape = start.shape
     deltas: list[str] = []
     kv_usage = None
+    last_token: int | None = None
     async for event in follow_run(start.run_id, bus):
         kind = event.get("type")
         if kind == RUN_RESTARTED:
-            deltas, kv_usage = [], None
+            deltas, kv_usage, last_token = [], None, None
             yield TurnRestarted(str(event.get("error") or ""))
         elif kind == "node_output" and event.get("node") == shape.llm_node:
-            if event.get("port") == "text" and (shape.streams == (event.get("frame") is not None)):
+            port = event.get("port")
+            if port == "text" and (shape.streams == (event.get("frame") is not None)):
                 delta = _text(event.get("value"))
                 if delta:
                     deltas.append(delta)
                     yield delta
-            elif event.get("port") == "kv":
+            elif port == "tokens" and (shape.streams == (event.get("frame") is not None)):
+                last_token = _last_token(event.get("value")) if event.get("value") else last_token
+            elif port == "kv":
                 kv_usage = _usage_from_kv(event.get("value")) or kv_usage
         elif kind == "run_finished":
             # The stored outputs are whole; the event's are previews (long texts cut short).
@@ -234,7 +315,8 @@ async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str |
             if not (isinstance(usage, dict) and all(isinstance(usage.get(k), int) for k in
                                                     ("prompt_tokens", "completion_tokens", "total_tokens"))):
                 usage = kv_usage
-            length = usage is not None and usage["completion_tokens"] >= start.max_new_tokens
+            eos = start.template.eos_text(last_token)
+            length = eos is None and usage is not None and usage["completion_tokens"] >= start.max_new_tokens
             yield TurnResult(status=status, text=text, usage=usage, finish_reason="length" if length else "stop",
-                             error=event.get("error") or "")
+                             error=event.get("error") or "", eos=eos or "")
             return

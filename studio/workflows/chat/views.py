@@ -18,13 +18,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import sync_to_async
-from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.views.decorators.csrf import csrf_exempt
 
 from studio.accounts.auth import bearer_token, user_for_token
+from studio.dbcalls import orm
 from studio.errors import ApiError, error_body
 from studio.jsonbody import JsonRefused, load_json
 from studio.throttles import run_throttle_wait
@@ -41,9 +40,12 @@ from studio.workflows.chat.openai import (
     sampling_params,
 )
 from studio.workflows.chat.shape import NotAChatWorkflow
-from studio.workflows.models import Session
+from studio.workflows.models import DeploymentStatus, Session
 
 log = logging.getLogger(__name__)
+
+_STARTING_POLL_S = 0.1
+_STARTING_POLL_MAX_S = 1.0
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -56,7 +58,7 @@ async def _user(request: HttpRequest, *, allow_session: bool) -> Any:
     header = request.headers.get("Authorization")
     if header and header.lower().startswith("bearer"):
         secret = bearer_token(header)
-        user = None if secret is None else await database_sync_to_async(user_for_token)(secret)
+        user = None if secret is None else await orm(user_for_token)(secret)
         if user is None:
             raise _Unauthorized("invalid or revoked API token")
         return user
@@ -118,15 +120,17 @@ def openai_view(method: str) -> Callable[[View], View]:
 # ------------------------------------------------------------------------------ models
 @openai_view("GET")
 async def models(request: HttpRequest, user: Any) -> HttpResponse:
-    deployments = await database_sync_to_async(turns.chat_deployments)(user)
-    data = [model_entry(turns.model_id(d), int(d.created_at.timestamp()), "omniflow") for d in deployments]
+    deployments = await orm(turns.chat_deployments)(user)
+    data = [model_entry(turns.model_id(d), int(d.created_at.timestamp()), d.owner.username,
+                        deployment=str(d.pk), workflow=d.version.workflow.name, version=d.version.number,
+                        status=d.status, **turns.model_weights(d.version.spec).fields()) for d in deployments]
     return JsonResponse({"object": "list", "data": data})
 
 
 # -------------------------------------------------------------------- chat completions
 @openai_view("POST")
 async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
-    wait = await sync_to_async(run_throttle_wait, thread_sensitive=False)(request, user)
+    wait = await orm(run_throttle_wait, thread_sensitive=False)(request, user)
     if wait is not None:
         raise OpenAIError(429, f"too many runs submitted: retry in {wait:.0f} s (OMNIFLOW_THROTTLE_RUN)",
                           type="rate_limit_error", code="rate_limit_exceeded")
@@ -135,13 +139,15 @@ async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None
     chat = parse_chat_request(body)
-    deployment = await database_sync_to_async(turns.find_model)(user, chat.model)
+    deployment = await orm(turns.find_model)(user, chat.model)
     if deployment is None:
         raise OpenAIError(404, f"the model {chat.model!r} does not exist or is not running (see /v1/models)",
                           param="model", code="model_not_found")
     eng = engine()
+    if deployment.status != DeploymentStatus.RUNNING:
+        await _until_running(deployment.pk, chat.model, eng.config.chat_timeout_s)
     try:
-        start = await database_sync_to_async(turns.start_completion)(user, deployment, chat.conversation,
+        start = await orm(turns.start_completion)(user, deployment, chat.conversation,
                                                                      chat.sampling, eng.config.chat_timeout_s)
     except NotAChatWorkflow as exc:
         raise OpenAIError(400, f"model {chat.model!r}: {exc}", param="model") from None
@@ -154,6 +160,27 @@ async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
         raise OpenAIError(500, f"the run {start.run_id} {result.status}: {result.error}", type="server_error")
     return JsonResponse(completion(completion_id, chat.model, created, result.text, result.finish_reason,
                                    result.usage))
+
+
+async def _until_running(deployment_id: Any, model: str, timeout_s: float) -> None:
+    """Wait for a deployment on its way to running (its workers start: after a deploy, or as the
+    studio starts again and deploys what it hosted); 503 when it fails or stops instead, 504 when
+    it is not running within `timeout_s`. The status is read from the database, where whatever
+    hosts the workers (this process or a node's agent) writes it."""
+    deadline = time.monotonic() + timeout_s
+    pause = _STARTING_POLL_S
+    while True:
+        status = await orm(turns.deployment_status)(deployment_id)
+        if status == DeploymentStatus.RUNNING:
+            return
+        if status not in turns.COMING:
+            raise OpenAIError(503, f"the model {model!r} did not start (its deployment is {status})",
+                              type="server_error", param="model")
+        if time.monotonic() + pause > deadline:
+            raise OpenAIError(504, f"the model {model!r} is still starting after {timeout_s} s; try again",
+                              type="server_error", param="model")
+        await asyncio.sleep(pause)  # its workers load the model: seconds; the database says when
+        pause = min(pause * 2, _STARTING_POLL_MAX_S)
 
 
 async def _last(stream: AsyncIterator[str | turns.TurnRestarted | turns.TurnResult],
@@ -228,7 +255,7 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         return JsonResponse(error_body(str(exc)), status=401, headers={"WWW-Authenticate": "Bearer"})
     except PermissionError as exc:
         return JsonResponse(error_body(str(exc)), status=403)
-    wait = await sync_to_async(run_throttle_wait, thread_sensitive=False)(request, user)
+    wait = await orm(run_throttle_wait, thread_sensitive=False)(request, user)
     if wait is not None:
         return JsonResponse(error_body(f"too many runs submitted: retry in {wait:.0f} s (OMNIFLOW_THROTTLE_RUN)"),
                             status=429, headers={"Retry-After": str(int(wait) or 1)})
@@ -239,7 +266,7 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         new = parse_messages([{"role": "user", "content": body["content"]}], "content", roles=("user",))
         sampling = sampling_params(body)
         eng = engine()
-        start = await database_sync_to_async(turns.start_session_turn)(user, pk, new, sampling,
+        start = await orm(turns.start_session_turn)(user, pk, new, sampling,
                                                                        eng.config.chat_timeout_s)
     except ValueError as exc:  # bad JSON
         return JsonResponse(error_body(str(exc)), status=400)
@@ -254,8 +281,8 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         result = await _last(turns.follow_turn(start, eng.runs.bus), eng.config.chat_timeout_s)
     except OpenAIError as exc:
         result = turns.TurnResult(status="failed", text="", usage=None, finish_reason="stop", error=exc.message)
-    session = await database_sync_to_async(turns.finish_session_turn)(pk, start.run_id, new.messages, result)
-    data = await database_sync_to_async(lambda: ChatSessionSerializer(session).data)()
+    session = await orm(turns.finish_session_turn)(pk, start.run_id, new.messages, result)
+    data = await orm(lambda: ChatSessionSerializer(session).data)()
     if result.status != "done":
         return JsonResponse(error_body(f"the turn's run {result.status}: {result.error}",
                                        [{"run": start.run_id}]), status=502)

@@ -12,7 +12,12 @@ this user, removed when the deployment stops here). A worker row records its pid
 seen in Redis, never a sleep.
 
 Both operations are idempotent: `reconcile` starts what is missing and stops what is
-beyond the replica counts; `stop` ends whatever is left.
+beyond this node's share of the replicas (the deployment's placement: `DeploymentTicket.share`);
+`stop` ends whatever is left. `reap` ends workers whose rows were marked lost or stopped while
+the node was away (a node that comes back stops what it no longer owns).
+
+Its workers get the node's host identity (`OMNIFLOW_HOST_ID`, default `node:<name>`): they use
+shared memory and local streams among themselves, TCP with every other peer.
 
 A replica of a role with `tp_size` N > 1 is N processes, its tensor-parallel ranks: rank 0
 registers (it does so only once every other rank has joined it), ranks 1.. are rows whose
@@ -38,6 +43,7 @@ from pathlib import Path
 import psutil
 
 from engine.data.rendezvous import listening_socket
+from engine.data.shm import HOST_ID_ENV
 from engine.flow.discovery import RegistryError, make_registry
 from engine.spec.graph import encode_spec
 from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id
@@ -174,21 +180,22 @@ class NodeAgent:
 
     def reconcile(self, ticket: DeploymentTicket, *, start_roles: set[str] | None = None,
                   scan: Scan | None = None) -> Reconciled:
-        """Run exactly the replicas `ticket.spec` asks for on this node (starting missing ones
+        """Run exactly this node's share of the replicas (`ticket.share`) (starting missing ones
         only for `start_roles`, when given), from `scan` when given (one the caller decided
         `start_roles` on: a worker lost since is left for the next sweep), else from a fresh
         sweep; raises LaunchError (after stopping what it started) when a worker does not come up."""
         if scan is None:
             scan = self.sweep(ticket)
         replicas, lost = scan.replicas, scan.lost
+        share = ticket.share(self.node)
         stop: list[_Replica] = []
         wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
         for role in ticket.spec.roles:
-            mine = replicas.get(role.name, [])
-            stop += mine[role.replicas:]
+            mine, count = replicas.get(role.name, []), share.get(role.name, 0)
+            stop += mine[count:]
             if start_roles is None or role.name in start_roles:
                 wanted += [(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}")
-                           for _ in range(role.replicas - len(mine))]
+                           for _ in range(count - len(mine))]
         stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
             # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.
@@ -205,6 +212,20 @@ class NodeAgent:
                 raise
             records.add_workers(ticket.deployment_id, started)
         return Reconciled(started=[w for _, w in wanted], stopped=stopped, lost=lost)
+
+    def reap(self) -> list[str]:
+        """End the workers on this node whose rows say they should not run (marked lost while the
+        node was away, or stopped) but whose process still does: what a node that comes back no
+        longer owns. Their ids."""
+        ended = []
+        for row in records.unowned_workers(self.node):
+            process = _process_of(row)
+            if process is not None:
+                log.warning("node %s: worker %s (%s) is %s here but still runs; stopping it", self.node,
+                            row.worker_id, row.role, row.status)
+                _terminate([process])
+                ended.append(row.worker_id)
+        return ended
 
     def stop(self, deployment_id: str) -> list[str]:
         """End every worker of the deployment on this node; their ids."""
@@ -223,7 +244,10 @@ class NodeAgent:
         spec_path = folder / "workflow.json"
         spec_path.write_bytes(encode_spec(ticket.spec))
         keys_dir = ticket.keys.write(folder / "keys")  # 0700, files 0600; removed with the folder on stop
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        # The node's host identity: its workers use shared memory and local streams among themselves
+        # and TCP with everyone else, even other nodes sharing this machine's /dev/shm and hostname.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+               HOST_ID_ENV: self.config.node.worker_host_id(self.node)}
         processes: dict[str, subprocess.Popen[bytes]] = {}
         followers: dict[str, str] = {}  # follower rank's worker id -> role
         with contextlib.ExitStack() as undo:

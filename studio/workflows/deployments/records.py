@@ -6,7 +6,7 @@ the node agent from its Celery task.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from engine.data.curve import PlaneKeys
+from engine.flow.placement import Placement
 from engine.flow.validate import parse_spec
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import leader_worker_id
@@ -23,6 +24,7 @@ from studio.workflows.models import Deployment, DeploymentStatus, Worker, Worker
 from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
 
 _KEYLESS = (DeploymentStatus.STOPPED, DeploymentStatus.FAILED)
+_ENDING = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
 """Deployments whose keys are cleared: they have no workers."""
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
 
@@ -39,6 +41,14 @@ class DeploymentTicket:
     node: str
     keys: PlaneKeys
     """The CURVE keys of the deployment's worker plane."""
+    placement: Placement = field(default_factory=Placement)
+    """Which node runs each replica (empty: the deployment is `node`'s alone, or the studio's)."""
+
+    def share(self, node: str) -> dict[str, int]:
+        """Role -> how many of its replicas `node` runs."""
+        if not self.placement.slots:
+            return {r.name: r.replicas for r in self.spec.roles} if node == self.node else {}
+        return self.placement.counts(node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +79,11 @@ def _keys_for_start(deployment_id: str) -> PlaneKeys:
         deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
         keys = deployment.plane_keys()
         if keys is None:
-            keys = PlaneKeys.generate()
-            deployment.plane_public, deployment.plane_secret = keys.public, keys.secret
+            fresh = PlaneKeys.generate()
+            deployment.plane_public, deployment.plane_secret = fresh.public, fresh.secret
             deployment.save(update_fields=["plane_public", "plane_secret"])
+            keys = deployment.plane_keys()
+            assert keys is not None
     return keys
 
 
@@ -87,7 +99,8 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
         keys = _keys_for_start(deployment_id)
     document = deployment.version.spec
     try:
-        document = resolve_spec_paths(document, deployment.owner_id, PathRoots.of(engine().config))
+        document = resolve_spec_paths(document, deployment.owner_id, PathRoots.of(engine().config),
+                                      engine().ops.registry)
     except PathRefused as exc:
         if set_status(deployment_id, DeploymentStatus.FAILED, f"cannot start: {exc}",
                       unless=(DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)):
@@ -99,6 +112,7 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
         namespace=deployment.namespace,
         node=deployment.node,
         keys=keys if keys is not None else PlaneKeys.generate(),  # an ended one starts nothing with them
+        placement=Placement.from_list((deployment.placement or {}).get("slots", [])),
     )
 
 
@@ -149,6 +163,14 @@ def live_workers(deployment_id: str, host: str | None = None) -> list[Worker]:
     return list(qs.order_by("role", "worker_id"))
 
 
+def unowned_workers(host: str) -> list[Worker]:
+    """Rows of workers on `host` marked lost or stopped recently (within a day) whose pid was
+    recorded: a process may still run for them (its node was away when it was marked)."""
+    since = timezone.now() - datetime.timedelta(days=1)
+    return list(Worker.objects.filter(host=host, status__in=(WorkerStatus.LOST, WorkerStatus.STOPPED),
+                                      pid__isnull=False, last_seen_at__gte=since))
+
+
 def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str]]) -> None:
     """Rows, lost at once, for replicas ((role, rank 0's worker id)) that did not come up."""
     now = timezone.now()
@@ -159,9 +181,66 @@ def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, st
 
 
 def running_on(node: str) -> list[str]:
-    """The running deployments placed on `node`."""
-    return [str(pk) for pk in Deployment.objects.filter(node=node, status=DeploymentStatus.RUNNING)
-            .values_list("pk", flat=True)]
+    """The running deployments with a share on `node`: replicas placed there, or live workers
+    there (a share that moved away, to be stopped)."""
+    ids = set()
+    for pk, placed_on, placement in (Deployment.objects.filter(status=DeploymentStatus.RUNNING)
+                                     .values_list("pk", "node", "placement")):
+        slots = (placement or {}).get("slots", [])
+        if any(slot.get("node") == node for slot in slots) or (not slots and placed_on == node):
+            ids.add(str(pk))
+    ids |= {str(pk) for pk in Worker.objects.filter(host=node, status__in=LIVE_WORKER_STATUSES,
+                                                     deployment__status=DeploymentStatus.RUNNING)
+            .values_list("deployment_id", flat=True)}
+    return sorted(ids)
+
+
+def placed_replicas_live(deployment: Deployment) -> bool:
+    """Whether every replica of the deployment's placement has a live worker on its node (rank 0
+    of each replica: followers of a tensor-parallel one are not endpoints)."""
+    placement = Placement.from_list((deployment.placement or {}).get("slots", []))
+    live: dict[tuple[str, str], int] = {}
+    for role, host, worker_id in (Worker.objects.filter(deployment=deployment, status__in=LIVE_WORKER_STATUSES)
+                                  .values_list("role", "host", "worker_id")):
+        if leader_worker_id(worker_id) is None:
+            live[(role, host)] = live.get((role, host), 0) + 1
+    return all(live.get((role, node), 0) >= count for node in placement.nodes()
+               for role, count in placement.counts(node).items())
+
+
+def settle_started(deployment_id: str) -> bool:
+    """After a node started its share: the deployment is running once every placed replica is
+    live (one placed on a single node: at once). False when it ended meanwhile (stopping,
+    stopped or failed): the caller stops what it started."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None or deployment.status in (*_ENDING, DeploymentStatus.FAILED):
+            return False
+        if deployment.status != DeploymentStatus.RUNNING and (
+                not (deployment.placement or {}).get("slots") or placed_replicas_live(deployment)):
+            deployment.status = DeploymentStatus.RUNNING
+            deployment.error = ""
+            deployment.save(update_fields=["status", "error", "updated_at"])
+    return True
+
+
+def settle_stopped(deployment_id: str) -> bool:
+    """After a node stopped its share: a stopping deployment is stopped once no worker of it is
+    live on any node (each node marks its own rows before it takes the row lock, so the last
+    one to get here sees every other's). Whether it is stopped now."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            return True
+        if deployment.status not in (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED):
+            return False  # failed (its keys are gone already), or started again meanwhile
+        if Worker.objects.filter(deployment=deployment, status__in=LIVE_WORKER_STATUSES).exists():
+            return False
+        if deployment.status != DeploymentStatus.STOPPED:
+            deployment.status = DeploymentStatus.STOPPED
+            deployment.plane_public = deployment.plane_secret = ""
+            deployment.save(update_fields=["status", "plane_public", "plane_secret", "updated_at"])
+    return True
 
 
 def loss_streak(deployment_id: str, host: str, role: str, healthy_s: float) -> tuple[int, datetime.datetime | None]:

@@ -5,12 +5,15 @@ work to whatever hosts role workers in this configuration:
 
 * `OMNIFLOW_DISPATCH=local` (embedded): this process's `EmbeddedDeployments`, on the
   engine loop (`LocalCluster`s of worker subprocesses);
-* `OMNIFLOW_DISPATCH=celery` (distributed): the Celery tasks `deploy` and
-  `stop_deployment`, routed to the queue `node.<node>` of the node the deployment was
-  placed on, whose Celery worker starts the role workers there (`NodeAgent`).
+* `OMNIFLOW_DISPATCH=celery` (distributed): the deployment is placed first (`placing`: each
+  replica on a live node whose free resources and labels fit its role, or a 409 naming every
+  role that fits nowhere, what it needs and the best node's free resources), then the Celery
+  tasks `deploy` and `stop_deployment` go to the queue `node.<node>` of every node involved,
+  whose Celery worker starts (or stops) its share of the role workers there (`NodeAgent`).
 
-Scaling is "set the replica count, then deploy again": deploying reconciles the
-workers with the counts, so every step is idempotent.
+Scaling is "set the replica count (and place the new count, keeping the replicas that run),
+then deploy again": deploying reconciles the workers with the counts, so every step is
+idempotent; a node that no longer has a share stops what it had.
 
 A deployment's `cache_scope` says whose runs share its caches: `user` (the default: each user's
 runs are their own tenant) or `shared` (every user's runs of it are one tenant, e.g. for a public
@@ -20,22 +23,32 @@ system prompt). Only staff may make a deployment's users share a cache.
 from __future__ import annotations
 
 import logging
+import uuid
 from concurrent.futures import Future
 from typing import Any
 
 from django.db import transaction
 
 from engine.data.curve import PlaneKeys
+from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
+from engine.flow.placement import Placement, PlacementError
+from engine.spec.graph import GraphSpec
 from studio.config import Dispatch
-from studio.errors import BadRequest, Conflict, Forbidden, Unprocessable
+from studio.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from studio.workflows import quotas
 from studio.workflows.apps import engine
+from studio.workflows.deployments import placing
 from studio.workflows.deployments.node import node_queue
+from studio.workflows.deployments.placing import DeploymentPlacement, NodeNotLive
+from studio.workflows.deployments.records import LIVE_WORKER_STATUSES
 from studio.workflows.models import (
     ACTIVE_DEPLOYMENT_STATUSES,
+    MAX_DEPLOYMENT_NAME,
     CacheScope,
     Deployment,
     DeploymentStatus,
+    Worker,
+    WorkerStatus,
     WorkflowVersion,
     deployment_namespace,
 )
@@ -75,13 +88,8 @@ def _checked_cache_scope(user: Any, scope: CacheScope) -> CacheScope:
     return scope
 
 
-def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str, Any] | None = None,
-                      name: str = "", node: str | None = None,
-                      cache_scope: CacheScope = CacheScope.USER) -> Deployment:
-    """Deploy a valid version; Unprocessable when it cannot run here, Forbidden when `user`
-    may not give it `cache_scope`."""
-    eng = engine()
-    _checked_cache_scope(user, cache_scope)
+def _deployable(user: Any, version: WorkflowVersion) -> GraphSpec:
+    """The version's spec, checked for deploying by `user`; Unprocessable when it cannot run here."""
     try:
         spec = read_spec(spec=version.spec)
     except BadRequest as exc:
@@ -92,21 +100,127 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
         raise Unprocessable(f"version {version.number} of {version.workflow.name!r} cannot be deployed",
                             checked.issue_dicts())
     check_paths(user, checked.document, f"version {version.number} of {version.workflow.name!r} cannot be deployed")
-    counts = _checked_replicas(version, replicas)
+    return spec
+
+
+def _pin(node: str | None) -> str | None:
+    """The node a deployment is pinned to: the one it names, else OMNIFLOW_DEPLOY_NODE (distributed
+    mode); the embedded mode takes none."""
+    eng = engine()
     if eng.config.dispatch is Dispatch.CELERY:
-        node = node or eng.config.deploy_node
-    elif node:
+        return node or eng.config.deploy_node
+    if node:
         raise BadRequest("this studio hosts deployments itself (OMNIFLOW_DISPATCH=local): give no node")
+    return None
+
+
+def _live_nodes() -> list[NodeRecord]:
+    nodes = placing.directory(engine().config)
+    try:
+        return nodes.live()
+    except NodeDirectoryError as exc:
+        raise Unavailable(f"the node directory cannot be read: {exc}") from None
+    finally:
+        nodes.close()
+
+
+def _place(spec: GraphSpec, counts: dict[str, int], *, only: str | None = None, exclude: Any = None,
+           keep: Placement | None = None) -> Placement:
+    """Where the replicas go (under the placement lock, until the transaction ends); Conflict
+    naming every role that fits no live node."""
+    placing.lock()
+    try:
+        return placing.plan(_live_nodes(), spec, counts, only=only, exclude=exclude, keep=keep)
+    except PlacementError as exc:
+        raise Conflict(placing.summary(exc), placing.refusal_details(exc)) from None
+    except NodeNotLive as exc:
+        raise Conflict(str(exc), [{"field": "node", "message": str(exc)}]) from None
+
+
+def preview_placement(user: Any, version: WorkflowVersion, *, replicas: dict[str, Any] | None = None,
+                      node: str | None = None) -> dict[str, Any]:
+    """Where deploying `version` would put its replicas now (the deploy dialog shows it before
+    the user confirms): `{"distributed", "placement", "refusals", "error", "nodes"}`. Nothing is
+    reserved: a deployment created later is placed afresh."""
+    spec = _deployable(user, version)
+    counts = _checked_replicas(version, replicas)
+    pin = _pin(node)
+    if engine().config.dispatch is not Dispatch.CELERY:
+        return {"distributed": False, "placement": [], "refusals": [], "error": "", "nodes": []}
+    records = _live_nodes()
+    body: dict[str, Any] = {"distributed": True, "placement": [], "refusals": [], "error": "",
+                            "nodes": [r.name for r in records]}
+    try:
+        body["placement"] = placing.plan(records, spec, counts, only=pin).to_list()
+    except PlacementError as exc:
+        body["error"], body["refusals"] = placing.summary(exc), placing.refusal_details(exc)
+    except NodeNotLive as exc:
+        body["error"] = str(exc)
+    return body
+
+
+def _checked_name(name: str) -> str:
+    """A deployment's name as given, or BadRequest naming what is wrong with it: it is the OpenAI
+    model id of a chat deployment, so never one that reads as another deployment's id."""
+    name = name.strip()
+    try:
+        uuid.UUID(name)
+    except ValueError:
+        return name
+    raise BadRequest("a deployment's name must not read as a deployment id (a UUID)", [{"field": "name"}])
+
+
+def _unique_name(user: Any, wanted: str, default: str) -> str:
+    """The name a new deployment of `user` takes: `wanted`, which no live deployment of theirs may
+    hold already (Conflict), or else `default` (the workflow's name), numbered `-2`, `-3` ... past
+    the names their live deployments hold. Called with the user's row locked."""
+    taken = set(Deployment.objects.filter(owner=user, status__in=ACTIVE_DEPLOYMENT_STATUSES)
+                .values_list("name", flat=True))
+    if wanted:
+        if wanted in taken:
+            raise Conflict(f"you have a live deployment named {wanted!r} already: choose another name or stop it",
+                           [{"field": "name", "name": wanted}])
+        return wanted
+    base = default[:MAX_DEPLOYMENT_NAME - 4]
+    number = 1
+    name = base
+    while name in taken:
+        number += 1
+        name = f"{base}-{number}"
+    return name
+
+
+def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str, Any] | None = None,
+                      name: str = "", node: str | None = None,
+                      cache_scope: CacheScope = CacheScope.USER, start_workers: bool = True) -> Deployment:
+    """Deploy a valid version; Unprocessable when it cannot run here, Forbidden when `user`
+    may not give it `cache_scope`, Conflict when its replicas fit no live node (distributed).
+    `start_workers=False` (embedded mode) only records it, pending: a process that is not the
+    studio's (`manage.py setup_demo`) leaves the workers to the studio, which starts the pending
+    deployments it hosts as it starts (`resume_embedded`)."""
+    eng = engine()
+    _checked_cache_scope(user, cache_scope)
+    name = _checked_name(name)
+    spec = _deployable(user, version)
+    counts = _checked_replicas(version, replicas)
+    pin = _pin(node)
     with transaction.atomic():
         quotas.lock_user(user)
         quotas.deployment_check(user, spec, counts, eng.config.quotas).enforce()
+        name = _unique_name(user, name, version.workflow.name)
+        placed = DeploymentPlacement()
+        if eng.config.dispatch is Dispatch.CELERY:
+            placed = DeploymentPlacement(_place(spec, counts, only=pin))
         keys = PlaneKeys.generate()  # the deployment's worker plane: its workers and its dispatchers only
+        nodes = placed.placement.nodes()
         deployment = Deployment.objects.create(owner=user, version=version, name=name, replicas=counts,
-                                               node=node or "", cache_scope=cache_scope,
+                                               node=nodes[0] if nodes else "", placement=placed.to_json(),
+                                               cache_scope=cache_scope,
                                                plane_public=keys.public, plane_secret=keys.secret)
         deployment.namespace = deployment_namespace(eng.config.redis_prefix, deployment.pk)
         deployment.save(update_fields=["namespace"])
-        transaction.on_commit(lambda: start(str(deployment.pk)))
+        if start_workers or eng.config.dispatch is Dispatch.CELERY:  # a node's agent hosts them
+            transaction.on_commit(lambda: start(str(deployment.pk)))
     return deployment
 
 
@@ -117,10 +231,17 @@ def scale_deployment(deployment: Deployment, role: str, replicas: Any) -> Deploy
             raise Conflict(f"deployment {locked.pk} is {locked.status}; only a running deployment scales")
         counts = _checked_replicas(locked.version, {**locked.replicas, role: replicas})
         quotas.lock_user(locked.owner)
-        quotas.deployment_check(locked.owner, read_spec(spec=locked.version.spec), counts, engine().config.quotas,
-                                deployment=locked).enforce()
+        spec = read_spec(spec=locked.version.spec)
+        quotas.deployment_check(locked.owner, spec, counts, engine().config.quotas, deployment=locked).enforce()
+        fields = ["replicas", "updated_at"]
+        current = DeploymentPlacement.of(locked.placement)
+        if not current.empty:  # placed (distributed): the new count too, keeping the replicas that run
+            placement = _place(spec, counts, exclude=locked.pk, keep=current.placement)
+            locked.placement = DeploymentPlacement(placement, current.moved).to_json()
+            locked.node = placement.nodes()[0] if placement.slots else locked.node
+            fields += ["placement", "node"]
         locked.replicas = counts
-        locked.save(update_fields=["replicas", "updated_at"])
+        locked.save(update_fields=fields)
         transaction.on_commit(lambda: start(str(locked.pk)))
     return locked
 
@@ -147,6 +268,21 @@ def stop_deployment(deployment: Deployment) -> Deployment:
     return locked
 
 
+def involved_nodes(deployment_id: Any) -> list[str]:
+    """The nodes a deployment's tasks go to: those its placement names, those with its live
+    workers (a share that went away), or its `node` (one placed before placements were kept)."""
+    row = Deployment.objects.filter(pk=deployment_id).values_list("node", "placement").first()
+    if row is None:
+        return []
+    node, raw = row
+    nodes = set(DeploymentPlacement.of(raw).placement.nodes())
+    nodes |= set(Worker.objects.filter(deployment_id=deployment_id, status__in=LIVE_WORKER_STATUSES)
+                 .exclude(host="").values_list("host", flat=True))
+    if not nodes and node:
+        nodes.add(node)
+    return sorted(nodes)
+
+
 # ----------------------------------------------------------------------- hand-off
 def _log_failure(what: str) -> Any:
     def done(future: Future[Any]) -> None:
@@ -162,8 +298,7 @@ def start(deployment_id: str) -> None:
     if eng.config.dispatch is Dispatch.CELERY:
         from studio.workflows.tasks import deploy
 
-        node = Deployment.objects.filter(pk=deployment_id).values_list("node", flat=True).first()
-        if node is not None:
+        for node in involved_nodes(deployment_id):
             deploy.apply_async(args=[deployment_id], queue=node_queue(node))
         return
     eng.runs.call(eng.deployments.deploy(deployment_id)).add_done_callback(_log_failure(f"deploy {deployment_id}"))
@@ -174,7 +309,8 @@ def stop(deployment_id: str, node: str) -> None:
     if node and eng.config.dispatch is Dispatch.CELERY:
         from studio.workflows.tasks import stop_deployment as stop_task
 
-        stop_task.apply_async(args=[deployment_id], queue=node_queue(node))
+        for each in involved_nodes(deployment_id):
+            stop_task.apply_async(args=[deployment_id], queue=node_queue(each))
         return
     eng.runs.call(eng.deployments.undeploy(deployment_id)).add_done_callback(_log_failure(f"stop {deployment_id}"))
 
@@ -184,8 +320,6 @@ def resume_embedded() -> list[str]:
     exited with it). Returns the deployment ids."""
     if engine().config.dispatch is not Dispatch.LOCAL:
         return []
-    from studio.workflows.models import Worker, WorkerStatus
-
     ids = [str(pk) for pk in Deployment.objects.filter(node="", status__in=ACTIVE_DEPLOYMENT_STATUSES)
            .values_list("pk", flat=True)]
     for deployment_id in ids:

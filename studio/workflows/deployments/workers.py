@@ -18,6 +18,7 @@ from typing import Any
 from django.db.models import QuerySet
 
 from engine.flow.discovery import WorkerSnapshot
+from engine.worker.launcher import TP_RANK_SUFFIX, leader_worker_id
 from studio.workflows.apps import StudioEngine
 from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker, WorkerStatus
 
@@ -92,3 +93,37 @@ def listing(live: dict[str, list[WorkerSnapshot]], recorded: dict[str, str], *,
                for deployment_id, snaps in live.items() for s in snaps if role is None or s.role == role]
     workers.sort(key=lambda w: (w["info"]["role"], w["info"]["worker_id"]))
     return WorkerListing(time=time.time(), workers=workers)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSeat:
+    """Which replica of its role a worker row is, and which tensor-parallel rank of it."""
+
+    replica: int | None
+    """0, 1, ... among the role's replicas still up (oldest first); None once the row ended."""
+    rank: int
+
+
+ENDED_WORKER_STATUSES = frozenset({WorkerStatus.STOPPED, WorkerStatus.LOST})
+
+
+def replica_seats(rows: list[Worker]) -> dict[str, ReplicaSeat]:
+    """Worker id -> its seat. A replica is numbered by its rank 0's start among the role's live
+    replicas (a replacement takes the number of the one it replaced only by coming up in its
+    place), and its follower ranks share its number."""
+    leaders = sorted((r for r in rows if leader_worker_id(r.worker_id) is None), key=lambda r: (r.started_at, r.worker_id))
+    numbers: dict[str, int | None] = {}
+    counts: dict[str, int] = {}
+    for row in leaders:
+        if row.status in ENDED_WORKER_STATUSES:
+            numbers[row.worker_id] = None
+        else:
+            numbers[row.worker_id] = counts.get(row.role, 0)
+            counts[row.role] = numbers[row.worker_id] + 1
+    seats = {}
+    for row in rows:
+        leader = leader_worker_id(row.worker_id)
+        rank = 0 if leader is None else int(row.worker_id.rpartition(TP_RANK_SUFFIX)[2])
+        replica = numbers.get(leader or row.worker_id)
+        seats[row.worker_id] = ReplicaSeat(None if row.status in ENDED_WORKER_STATUSES else replica, rank)
+    return seats

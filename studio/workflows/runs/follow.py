@@ -12,9 +12,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
+from studio.dbcalls import orm
 from studio.workflows.models import RunEvent
 from studio.workflows.runs.bus import ChannelLayerRunEventBus, RunEventBus
 
@@ -28,7 +28,7 @@ def _stored_sync(run_id: str, first: int, last: int | None) -> list[dict[str, An
     return [e.data for e in qs[:PAGE]]
 
 
-_stored = database_sync_to_async(_stored_sync, thread_sensitive=False)  # read-only: any thread
+_stored = orm(_stored_sync, thread_sensitive=False)  # read-only: any thread
 
 
 class _Subscriber:

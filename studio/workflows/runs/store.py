@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from asgiref.sync import sync_to_async
 from django.core.files.base import ContentFile
 from django.db import close_old_connections, connections, transaction
 from django.db.models import F
@@ -33,6 +32,7 @@ from django.utils import timezone
 
 from engine.data.curve import PlaneKeys
 from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
+from studio.dbcalls import orm
 from studio.workflows.apps import engine
 from studio.workflows.models import (
     FileRole,
@@ -165,7 +165,7 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
     spec = with_node_params(run.version.spec, run.node_params)
     # The names become server paths only here (a deployment's workers got their roles' when it
     # started, records.ticket; its runs' nodes, `out_dir`, get theirs here too).
-    spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config))
+    spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config), engine().ops.registry)
     deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
@@ -378,7 +378,7 @@ class ThreadedRunStore:
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._executor is None:
-            return await sync_to_async(fn, thread_sensitive=True)(*args, **kwargs)
+            return await orm(fn)(*args, **kwargs)
 
         def call() -> Any:
             close_old_connections()

@@ -29,11 +29,17 @@ def test_models_list_marks_real_and_random_weights_without_building_anything(cap
     monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(tmp_path / "cache"))
     code, out, _ = run_cli(capsys, "models", "list", "--json")
     rows = {m["name"]: m for m in json.loads(out)["models"]}
-    assert code == 0 and rows["smollm2-135m"]["weights"] == "real weights"
+    assert code == 0 and (rows["smollm2-135m"]["weights"], rows["smollm2-135m"]["weights_label"]) == (
+        "real", "real weights")
     assert (rows["smollm2-135m"]["layers"], rows["smollm2-135m"]["hidden"]) == (30, 576)
-    assert {rows[n]["weights"] for n in ("tiny-llama", "tiny-qwen2")} == {"random weights (for testing)"}
+    assert "llm" in rows["smollm2-135m"]["role_kinds"]
+    random = ("tiny-llama", "tiny-qwen2", "tiny-vit", "tiny-audio-encoder", "tiny-vae", "tiny-audio-decoder")
+    assert {(rows[n]["weights"], rows[n]["weights_label"]) for n in random} == {
+        ("random", "random weights (for testing)")}
+    assert rows["tiny-vit"]["role_kinds"] == ["vision_encoder"] and rows["tiny-vit"]["layers"] is None
     code, out, _ = run_cli(capsys, "models", "list")
     assert code == 0 and "smollm2-135m" in out and "[random weights (for testing)]" in out
+    assert "tiny-vae" in out and "vae_decoder" in out
     assert not (tmp_path / "cache").exists()
 
 
@@ -71,6 +77,12 @@ def test_seeded_sampling_from_the_command_line_is_reproducible(capsys):
     first = json.loads(run_cli(capsys, *argv)[1])["results"][0]["output_ids"]
     second = json.loads(run_cli(capsys, *argv)[1])["results"][0]["output_ids"]
     assert first == second
+
+
+def test_generate_in_bfloat16(capsys):
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny-llama", "--prompt", "hello", "--max-new-tokens", "6",
+                           "--dtype", "bfloat16", "--json")
+    assert code == 0 and len(json.loads(out)["results"][0]["output_ids"]) == 6
 
 
 @pytest.mark.parametrize(

@@ -66,9 +66,13 @@ def test_prompt_kv_is_the_llms_own(tiny_llama, runner: DiffusionRunner):
 
 
 def test_transformer_modules_are_the_llms(tiny_llama, runner: DiffusionRunner):
+    """The image steps run the LLM's own tensors: each bound weight is the LLM modules' memory."""
     layers = tiny_llama.model.model.layers
-    assert all(a is b for a, b in zip(runner.transformer.layers, layers, strict=True))
-    assert runner.transformer.norm is tiny_llama.model.model.norm
+    for bound, layer in zip(runner.transformer.weights.layers, layers, strict=True):
+        assert bound.qkv_weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert bound.gate_up_weight.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+        assert bound.o_weight is layer.self_attn.o_proj.weight and bound.down_weight is layer.mlp.down_proj.weight
+    assert runner.transformer.weights.lm_weight is tiny_llama.model.lm_head.weight
     engine = LLMEngine(tiny_llama, EngineConfig(page_size=4))
     try:
         assert engine.forward.model is runner.prefill.model is tiny_llama.model  # one copy of the weights

@@ -28,6 +28,7 @@ from engine.flow.validate import GraphValidationError
 from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import default_kinds
+from tests.examples import example_doc
 from tests.unit.compute.conftest import prompt_ids
 
 PAGE = 4
@@ -295,8 +296,11 @@ async def test_one_role_can_prefill_and_decode_itself(executor, tiny_llama):
     assert result.outputs["kv"]["pulled_pages"] == 0
 
 
-def test_pd_chat_example_runs_and_matches_one_llm(capsys, tiny_llama):
-    path = Path(__file__).resolve().parents[3] / "workflows" / "pd_chat.py"
+def test_pd_chat_example_runs_and_matches_one_llm(capsys, tiny_llama, tmp_path: Path):
+    """The example's graph on the tiny model (the shipped one runs smollm2-135m: tests/integration)."""
+    doc = example_doc("pd_chat", tiny=True)
+    path = tmp_path / "pd_chat.json"
+    path.write_text(json.dumps(doc))
     assert cli_main(["run", str(path), "--workers", "inproc", "--json", "-q"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "done"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine.compute.kinds import register
 from engine.compute.llm import EngineConfig, LLMEngine
+from engine.compute.llm.unit import LLMUnit, LLMUnitError
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
@@ -103,6 +105,30 @@ def test_kv_tier_params_are_checked_with_the_role(kinds, tmp_path):
         with pytest.raises(GraphValidationError) as err:
             build_plan(tiered_workflow(**params).to_spec(), kinds)
         assert {(issue.code, issue.role) for issue in err.value.issues} == {("bad_param", "llm")}, params
+
+
+def test_the_dtype_param_is_checked_with_the_role(kinds):
+    build_plan(tiered_workflow(dtype="bfloat16").to_spec(), kinds)
+    for bad in ("float16", "fp32", 32):
+        with pytest.raises(GraphValidationError) as err:
+            build_plan(tiered_workflow(dtype=bad).to_spec(), kinds)
+        issues = err.value.issues
+        assert {(issue.code, issue.role) for issue in issues} == {("bad_param", "llm")}, bad
+        assert any("dtype" in issue.message for issue in issues), [issue.message for issue in issues]
+
+
+async def test_a_bfloat16_role_runs_its_model_and_kv_in_bfloat16():
+    """The role's dtype reaches the model it loads and the KV layout of its engine; a dtype the unit
+    does not know is refused by name (the catalogue refuses it first in a workflow)."""
+    role = tiered_workflow(dtype="bfloat16").to_spec().roles[0]
+    unit = LLMUnit(role)
+    try:
+        assert unit.engine.model.dtype == torch.bfloat16 and unit.engine.layout.dtype == "bfloat16"
+        assert unit.kv_meta()["layout"].endswith("bfloat16")
+    finally:
+        await unit.close()
+    with pytest.raises(LLMUnitError, match=r"dtype must be one of \['bfloat16', 'float32'\], got 'float16'"):
+        LLMUnit(tiered_workflow(dtype="float16").to_spec().roles[0])
 
 
 async def test_a_role_with_host_and_disk_tiers_keeps_its_pages_on_disk(kinds, tiny_llama, tmp_path):

@@ -131,6 +131,41 @@ def test_a_corrupt_cache_is_a_clear_error_naming_the_fix(tmp_path: Path, damage:
     assert writer.calls == 1  # a corrupt cache is reported, not silently rebuilt
 
 
+def test_a_verified_file_is_hashed_again_only_once_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from engine.compute.models import cache as cache_module
+
+    cache = make_cache(tmp_path, Writer())
+    path = cache.checkpoint(SPEC).path  # built just now: too recent to be stamped, hashed at every load
+    hashed: list[str] = []
+    real = cache_module._sha256
+
+    def counting(file: Path) -> str:
+        hashed.append(file.name)
+        return real(file)
+
+    monkeypatch.setattr(cache_module, "_sha256", counting)
+    cache.checkpoint(SPEC)
+    assert sorted(hashed) == ["config.json", "model.safetensors"]
+    assert not (tmp_path / "models" / f".{path.name}.verified").exists()
+    monkeypatch.setattr(cache_module, "_RACY_NS", 0)  # as if the files were written long ago
+    cache.checkpoint(SPEC)
+    assert (tmp_path / "models" / f".{path.name}.verified").is_file()
+    hashed.clear()
+    cache.checkpoint(SPEC)
+    cache.text_files(SPEC)
+    assert hashed == []  # stamped: not read through SHA-256 again
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[7] ^= 0x01
+    # A new file of the same size (with the racy-write guard off, an in-place write in the stamp's own
+    # clock tick could look unchanged; the guard is what catches that in use).
+    (path / "damaged").write_bytes(bytes(data))
+    (path / "damaged").replace(path / "model.safetensors")
+    with pytest.raises(CorruptCacheError, match="model.safetensors fails its checksum"):
+        cache.checkpoint(SPEC)
+    cache.text_files(SPEC)  # the tokenizer's side is intact; the weights are not looked at
+    assert hashed == ["model.safetensors"]
+
+
 def test_cache_dir_from_the_environment(tmp_path: Path):
     assert ModelCacheConfig.from_env({"OMNIFLOW_CACHE_DIR": str(tmp_path / "c")}).root == tmp_path / "c"
     assert ModelCacheConfig.from_env({"OMNIFLOW_DATA_DIR": str(tmp_path / "d")}).root == tmp_path / "d" / "cache"

@@ -164,7 +164,10 @@ async def test_roles_of_one_model_in_one_worker_share_the_module(tiny_llama):
     try:
         llm = shared.llm("tiny-llama")  # what an llm role of this worker gets
         assert units[0].runner.model is units[1].runner.model is llm
-        assert units[0].runner.transformer.layers[0] is llm.model.model.layers[0]
+        layer = llm.model.model.layers[0]
+        bound = units[0].runner.transformer.weights.layers[0]
+        assert bound.qkv_weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert bound.o_weight is layer.self_attn.o_proj.weight
         assert units[0].runner.head is units[1].runner.head
         assert vision[0].encoder is vision[1].encoder
         assert shared.users(WeightStore.llm_key("tiny-llama")) == 3

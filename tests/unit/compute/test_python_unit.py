@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from engine.compute.python import OperationError, resolve_function
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.events import NodeOutputEvent, NodeProgressEvent
@@ -19,7 +20,7 @@ from engine.flow.executor import Executor, RunResult
 from engine.spec.calls import NodeContext
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import KindRegistry, default_kinds
-from engine.spec.ops import OpConfig, OpRegistry, op
+from engine.spec.ops import OpConfig, OpNotAllowedError, OpRegistry, op
 
 DEADLINE_S = 20.0
 """Every wait's bound: far above what any of them needs (a broken unit fails instead of hanging)."""
@@ -75,6 +76,34 @@ async def test_module_ops_are_refused_unless_allowed(kinds, op_name: str) -> Non
                             " path, which this process does not run (module ops are off: name a registered op"
                             " instead)")
     assert "omniflow_absent_pkg" not in set(sys.modules) - before
+
+
+@pytest.mark.parametrize("op_name", ["workflows.ops.common:Path.write_text", "os:path.join",
+                                     "omniflow_absent_pkg:a.b.c"])
+async def test_module_ops_never_walk_attribute_paths_even_where_trusted(kinds, op_name: str, tmp_path) -> None:
+    """The command line runs any `module:function`, but only a function of that module: not an
+    attribute path through what the module imported (the issue's two-run escape)."""
+    before = set(sys.modules)
+    trusted = OpConfig(OpRegistry([twice]), allow_module_ops=True)
+    result = await run_once(trusted, kinds, one_node(op_name), str(tmp_path / "pwned"))
+    module, _, path = op_name.partition(":")
+    assert result.error == (f"node 'f' failed: OpNotAllowedError: node 'f': op {op_name!r} walks the attribute"
+                            f" path {path!r} through module {module!r}: a module op names one function defined"
+                            f" in its module ('{module}:{path.split('.')[-1]}' if it is defined there)")
+    assert not (tmp_path / "pwned").exists()
+    assert "omniflow_absent_pkg" not in set(sys.modules) - before
+    with pytest.raises(OpNotAllowedError, match="walks the attribute path"):
+        resolve_function(op_name)  # the unit's own resolver refuses too, before importing anything
+    assert "omniflow_absent_pkg" not in set(sys.modules) - before
+
+
+async def test_a_trusted_module_op_names_one_function_of_its_module(kinds) -> None:
+    trusted = OpConfig(OpRegistry(), allow_module_ops=True)
+    result = await run_once(trusted, kinds, one_node(f"{__name__}:twice"), 4)
+    assert result.outputs == {"y": 8}, result.error
+    assert resolve_function("os.path:basename")("a/b") == "b"
+    with pytest.raises(OperationError, match="has no 'nothing'"):
+        resolve_function("os.path:nothing")
 
 
 async def test_unknown_ops_name_close_ones_and_import_nothing(kinds) -> None:

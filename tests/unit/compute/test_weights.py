@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import torch
 
+from engine.compute.llm.layers import DecoderWeights
 from engine.compute.models.catalog import ModelConfig
 from engine.compute.models.loader import build_model
 from engine.compute.models.tokenizer import build_byte_tokenizer
@@ -80,6 +81,29 @@ def test_host_weights_publish_and_attach_in_place(prefix: str, tiny_llama):
         first.close()
         second.close()
     assert list_segments(prefix=prefix) == []
+
+
+def test_a_runner_over_attached_weights_fuses_them_in_place(prefix: str):
+    """The host segment lays a layer's q/k/v (and gate/up) weights out side by side, so the model
+    runner's fused projections over an attached model are views of the segment, not copies (the
+    host holds one copy of the weights however many processes run them); a bfloat16 model is
+    published under its own key."""
+    first, second = WeightStore(HostWeights(prefix=prefix)), WeightStore(HostWeights(prefix=prefix))
+    try:
+        first.llm("tiny-llama", dtype="bfloat16")
+        attached = second.llm("tiny-llama", dtype="bfloat16")
+        assert second.origin(WeightStore.llm_key("tiny-llama", dtype="bfloat16")) == "attached"
+        assert second.origin(WeightStore.llm_key("tiny-llama")) is None
+        assert attached.dtype == torch.bfloat16
+        layer = attached.model.model.layers[0]
+        before = layer.self_attn.q_proj.weight.data_ptr(), layer.mlp.gate_proj.weight.data_ptr()
+        bound = DecoderWeights.of(attached.model).layers[0]
+        assert (bound.qkv_weight.data_ptr(), bound.gate_up_weight.data_ptr()) == before
+        assert torch.equal(bound.qkv_weight, torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                                        layer.self_attn.v_proj.weight]))
+    finally:
+        first.close()
+        second.close()
 
 
 def test_attach_refuses_a_mismatched_module_and_ignores_dead_owners(prefix: str):
@@ -227,3 +251,27 @@ def test_two_processes_hold_one_copy(tmp_path, prefix: str):
     finally:
         codes = [child.stop() for child in (publisher, attacher)]
     assert codes[0] == 0
+
+
+def test_processes_loading_at_once_load_one_copy(tmp_path, prefix: str):
+    """Workers of one model start together (a deployment's replicas, an llm and a diffusion role):
+    the first to take the model's host lock loads and publishes it, the others wait and attach."""
+    build_model(ModelConfig(name="race-llama", family="llama", hidden_size=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=128, seed=2)).save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    children = [_Child(str(tmp_path), prefix) for _ in range(3)]
+    try:
+        for child in children:
+            child.ask()
+        for child in children:  # every one asks before any has answered
+            assert child.proc.stdin is not None
+            child.proc.stdin.write("load\n")
+            child.proc.stdin.flush()
+        loaded = [child.ask() for child in children]
+        assert sorted(r["origin"] for r in loaded) == ["attached", "attached", "published"]
+        assert all(r["logits"] == loaded[0]["logits"] for r in loaded)
+        assert len(list_segments(prefix=prefix)) == 1
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"{prefix}-lock-")]  # the lock went
+    finally:
+        codes = [child.stop() for child in children]
+    assert codes == [0, 0, 0]

@@ -16,8 +16,10 @@ import zmq
 from engine.data.channel import TransferError
 from engine.data.curve import (
     AUTHORISED_FILE,
+    BULK_FILE,
     PUBLIC_FILE,
     SECRET_FILE,
+    BulkMode,
     PlaneGuard,
     PlaneKeyError,
     PlaneKeys,
@@ -38,6 +40,24 @@ def test_keys_round_trip_through_private_files(tmp_path: Path) -> None:
     assert PlaneKeys.load(directory) == keys
     assert keys.authorised == {keys.public}
     assert keys.secret not in repr(keys)
+
+
+def test_the_bulk_mode_travels_with_the_keys(tmp_path: Path) -> None:
+    keys = PlaneKeys.generate(BulkMode.ENCRYPTED)
+    directory = keys.write(tmp_path / "keys")
+    assert (directory / BULK_FILE).read_text() == "encrypted\n"
+    assert os.stat(directory / BULK_FILE).st_mode & 0o777 == 0o600
+    assert PlaneKeys.load(directory).bulk is BulkMode.ENCRYPTED
+    assert "bulk=encrypted" in repr(keys)
+    (directory / BULK_FILE).unlink()  # keys written before the file existed
+    assert PlaneKeys.load(directory).bulk is BulkMode.CLEAR
+    (directory / BULK_FILE).write_text("plaintext\n")
+    os.chmod(directory / BULK_FILE, 0o600)
+    with pytest.raises(PlaneKeyError, match=r"bulk: 'plaintext' is not a bulk mode \(one of clear, mac, encrypted\)"):
+        PlaneKeys.load(directory)
+    os.chmod(directory / BULK_FILE, 0o644)
+    with pytest.raises(PlaneKeyError, match="lets group or others in"):
+        PlaneKeys.load(directory)
 
 
 @pytest.mark.parametrize(("target", "mode"), [("", 0o750), ("", 0o705), (SECRET_FILE, 0o640),
@@ -109,6 +129,19 @@ def test_a_peer_without_the_key_pulls_nothing(owner: Peer, intruder: str | None)
     assert owner.keys is not None
     with Peer.start(PeerConfig(keys=owner.keys)) as member:
         assert member.client.fetch(ref, (Transport.TCP, Transport.INLINE), 5.0).numpy()[-1] == 99_999.0
+
+
+@pytest.mark.timeout(60)
+def test_calls_of_a_client_the_owner_refused_fail_and_never_hang(owner: Peer) -> None:
+    """Once the owner refused its handshake, a plaintext client's socket may have no connection to
+    send on: its sends must end with the call's deadline (a plain DEALER send blocked forever)."""
+    ref = owner.put(np.arange(1000, dtype=np.float32))
+    with Peer.start(PeerConfig(keys=None)) as foreign:
+        for _ in range(6):  # the refusal races the send: a few rounds make the dead socket likely
+            with pytest.raises(TransferError):
+                foreign.client.fetch(ref, (Transport.TCP, Transport.INLINE), 0.3)
+            with pytest.raises(TransferError):
+                foreign.client.pull(ref, (Transport.TCP, Transport.INLINE), 0.3).wait(5.0)
 
 
 def test_a_curve_peer_knowing_the_server_key_but_not_authorised_gets_no_answer() -> None:

@@ -273,6 +273,19 @@ def test_segment_names_encode_pid_and_start_time() -> None:
         segment.unlink()
 
 
+def test_two_allocators_of_one_process_never_take_the_same_name() -> None:
+    """Two stores in one process (a worker's and a unit's own peer) allocate side by side."""
+    first, second = SegmentAllocator(pool_bytes=0), SegmentAllocator(pool_bytes=0)
+    segments = [first.take(10_000), second.take(10_000), second.take(10_000), first.take(10_000)]
+    try:
+        assert len({s.name for s in segments}) == 4
+        segments[0].array[:1] = 7
+        assert segments[1].array[0] == 0  # its own file, not a second mapping of the first
+    finally:
+        for segment in segments:
+            segment.unlink()
+
+
 def dead_process_token() -> tuple[int, str]:
     proc = subprocess.Popen([sys.executable, "-c", "import os; print(open(f'/proc/{os.getpid()}/stat').read())"],
                             stdout=subprocess.PIPE, text=True)

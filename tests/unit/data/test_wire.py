@@ -63,6 +63,9 @@ EXAMPLES: list[wire.Message] = [
     wire.HelloRequest(PROTOCOL_VERSION, "client-1", "h/boot"),
     wire.HelloReply(PROTOCOL_VERSION, "tcp://127.0.0.1:1", "h/boot", 8 << 20, 65536),
     wire.PullRequest(1, RefId("a.1"), (Transport.SHM, Transport.TCP)),
+    wire.PullRequest(1, RefId("a.1"), (Transport.TCP,), bulk=True),
+    wire.PullReply(1, RefId("a.1"), Transport.TCP, HEADER, 1.7e9,
+                   bulk=wire.BulkGrant("tcp://127.0.0.1:2", b"\x03" * 16, b"\x04" * 32)),
     wire.PullReply(1, RefId("a.1"), Transport.SHM, HEADER, 1.7e9, "omniflow-1-2-3", 4096),
     wire.PullReply(1, RefId("a.2"), Transport.CUDA_IPC, HEADER, 1.7e9,
                    cuda=wire.CudaIpcHandle(0, b"\x01" * 64, 2 << 20, 512, b"/torch_123_456", 8, b"\x02" * 64, True)),
@@ -85,6 +88,27 @@ EXAMPLES: list[wire.Message] = [
 
 def test_examples_cover_every_message_type() -> None:
     assert {type(m) for m in EXAMPLES} == set(Message.__args__)
+
+
+BULK_EXAMPLES: list[wire.BulkMessage] = [
+    wire.BulkChunkRequest(1, b"\x03" * 16, RefId("a.1"), 0, 24),
+    wire.BulkChunkReply(1, 0, 24, b"\x05" * 16),
+    wire.ErrorReply(1, ErrorCode.REFUSED, "refused: no live grant"),
+]
+
+
+@pytest.mark.parametrize("message", BULK_EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_bulk_message_round_trips_and_no_other_is_read_there(message: wire.BulkMessage) -> None:
+    assert {type(m) for m in BULK_EXAMPLES} == set(wire.BulkMessage.__args__)
+    codec = WireCodec(Limits().max_request_bytes, wire.BulkMessage)
+    assert codec.decode(codec.encode(message)) == message
+    with pytest.raises(UnknownMessage):
+        codec.decode(codec.encode(wire.ChunkRequest(2, RefId("a.1"), 0, 24)))
+
+
+def test_a_pull_request_of_an_older_client_reads_without_bulk() -> None:
+    older = msgspec.msgpack.encode({"type": "PullRequest", "request_id": 1, "ref_id": "a.1", "transports": ["tcp"]})
+    assert WireCodec(Limits().max_request_bytes).decode(older) == wire.PullRequest(1, RefId("a.1"), (Transport.TCP,))
 
 
 _INLINE = wire.PortValue(wire.ValueKind.INLINE, data={"x": [1, 2.5, "three", None, b"raw"]})

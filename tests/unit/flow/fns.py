@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.spec.calls import NodeContext, Route
+from engine.spec.kinds import BuiltinModel
 
 
 class Gates:
@@ -346,3 +347,8 @@ async def first_frames(items: AsyncIterator[Any], k: int) -> list[Any]:
 async def stream_and_list(items: AsyncIterator[int], listed: list[int]) -> dict[str, int]:
     """A reader that fires only once `listed`, made from the end of the same stream, arrived."""
     return {"streamed": sum([i async for i in items]), "listed": sum(listed)}
+
+
+def two_models() -> list[BuiltinModel]:
+    """The built-in models of the validation tests' `lm` role kind."""
+    return [BuiltinModel("real-lm", False, "real weights"), BuiltinModel("tiny-lm", True, "seeded")]

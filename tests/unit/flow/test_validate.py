@@ -17,7 +17,7 @@ from engine.flow.dsl import Workflow
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec, validate
 from engine.spec.graph import EdgeSpec, GraphSpec, NodeSpec, PortSpec, RoleSpec, encode_spec, spec_to_dict
-from engine.spec.kinds import KindRegistry, RoleKind, default_kinds
+from engine.spec.kinds import KindRegistry, RoleKind, RoleModels, default_kinds
 from tests.unit.flow import fns
 
 OP = "tests.unit.flow.fns:identity"
@@ -141,6 +141,27 @@ def test_unknown_balance_policy(kinds):
     assert all(name in issues[0].message for name in POLICY_NAMES)
 
 
+def test_resources_are_read_and_every_bad_field_named(kinds):
+    wf = chain()
+    wf.role("gpu", resources={"gpus": 1, "cpus": 2, "memory_gb": 4.5, "labels": {"kind": "gpu"}, "colocate": "w"})
+    assert check_spec(wf.to_spec(), kinds) == []
+    wf.role("bad", resources={"gpus": -1, "labels": {"zone": 7}, "disks": 2})
+    issues = check_spec(wf.to_spec(), kinds)
+    assert [(i.code, i.role, i.path) for i in issues] == [
+        ("bad_resources", "bad", "resources.disks"), ("bad_resources", "bad", "resources.gpus"),
+        ("bad_resources", "bad", "resources.labels.zone")]
+    assert issues[1].message == "role 'bad': resources.gpus: must be between 0 and 1024, not -1"
+
+
+def test_a_colocate_group_asking_for_two_values_of_a_label_is_refused(kinds):
+    wf = chain()
+    wf.role("lm", resources={"labels": {"zone": "a"}, "colocate": "w"})
+    wf.role("dit", resources={"labels": {"zone": "b"}, "colocate": "w"})
+    (issue,) = check_spec(wf.to_spec(), kinds)
+    assert (issue.code, issue.role) == ("colocate_conflict", "dit")
+    assert "asks for label zone=b and 'lm' for zone=a" in issue.message
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_known_policy_is_accepted(kinds, policy):
     wf = chain()
@@ -159,6 +180,64 @@ def test_node_kind_role_kind_mismatch(kinds):
     ]
 
 
+def model_kinds() -> KindRegistry:
+    """The test kinds plus `lm`, whose roles need a model (`real-lm`, `tiny-lm` or a checkpoint), and
+    `enc`, whose model is optional and built-in only."""
+    registry = default_kinds(load_entry_points=False)
+    registry.add_role_kind(RoleKind(name="lm", description="test-only", runner="tests.unit.flow.fns:no_such_unit",
+                                    models=RoleModels(required=True, builtin="tests.unit.flow.fns:two_models",
+                                                      checkpoints=True)))
+    registry.add_role_kind(RoleKind(name="enc", description="test-only", runner="tests.unit.flow.fns:no_such_unit",
+                                    models=RoleModels(required=False, builtin="tests.unit.flow.fns:two_models")))
+    return registry
+
+
+def test_a_role_whose_kind_needs_a_model_names_one():
+    wf = chain()
+    wf.role("lm", kind="lm")
+    wf.role("enc", kind="enc")  # optional: the kind has a default
+    assert check_spec(wf.to_spec(), model_kinds()) == [
+        Issue("model_missing", "role 'lm' of kind 'lm' needs a model: a built-in one (real-lm, tiny-lm) or a"
+              " checkpoint folder", role="lm", path="model"),
+    ]
+
+
+def test_model_names_are_built_in_or_checkpoints_the_lookup_finds():
+    wf = chain()
+    wf.role("a", kind="lm", model="tiny-lm")
+    wf.role("b", kind="lm", model="org/ckpt")
+    wf.role("c", kind="lm", model="no-such-model")
+    wf.role("d", kind="enc", model="org/ckpt")  # built-in names only
+    spec = wf.to_spec()
+    asked: list[str] = []
+
+    def lookup(name: str) -> bool:
+        asked.append(name)
+        return name == "org/ckpt"
+
+    assert check_spec(spec, model_kinds(), checkpoints=lookup) == [
+        Issue("model_unknown", "role 'c': model 'no-such-model' is neither a built-in model of kind 'lm' (real-lm,"
+              " tiny-lm) nor a checkpoint folder in the model directories", role="c", path="model"),
+        Issue("model_unknown", "role 'd': model 'org/ckpt' is neither a built-in model of kind 'enc' (real-lm,"
+              " tiny-lm)", role="d", path="model"),
+    ]
+    assert asked == ["org/ckpt", "no-such-model"]  # built-in names never reach the file system
+    assert check_spec(spec, model_kinds()) == []  # without a lookup only missing models are found
+
+
+def test_the_llm_kinds_know_the_catalogues_models():
+    kinds = default_kinds()
+    llm = kinds.role_kind("llm").models
+    assert llm is not None and llm.required and llm.checkpoints
+    weights = {m.name: m.random_weights for m in llm.builtin_models()}
+    assert weights["tiny-llama"] is True and weights["smollm2-135m"] is False
+    assert kinds.role_kind("diffusion").models == llm  # the LLM whose transformer denoises
+    vae = kinds.role_kind("vae_decoder").models
+    assert vae is not None and not vae.required and not vae.checkpoints
+    assert [m.name for m in vae.builtin_models()] == ["tiny-vae"]
+    assert kinds.role_kind("python").models is None
+
+
 def test_executor_node_takes_no_role_and_no_op(kinds):
     spec = chain().to_spec()
     n = replace(spec.node("n"), role="py", op=OP)
@@ -174,7 +253,7 @@ def test_missing_op(kinds):
     wf.node("noop", "python", role="py", inputs={"x": "json"}, outputs={"out": "json"})
     wf.edge("n", "noop")
     assert check_spec(wf.to_spec(), kinds) == [
-        Issue("missing_op", "node 'noop' of kind 'python' needs an op", node="noop"),
+        Issue("missing_op", "node 'noop' of kind 'python' needs an op", node="noop", path="op"),
     ]
 
 

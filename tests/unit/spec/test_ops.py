@@ -110,13 +110,49 @@ def test_registry_lookups_duplicates_and_suggestions() -> None:
         registry.add(lambda x: x)
 
 
+def test_output_folders_are_declared_with_the_op() -> None:
+    @op("media.keep", output_dirs=("out_dir",))
+    def keep(text: str, out_dir: str = "here", level: int = 1) -> str:
+        return text
+
+    info = op_info(keep)
+    assert info is not None and info.output_dirs == ("out_dir",) and info.to_dict()["output_dirs"] == ["out_dir"]
+    assert op_info(_plain_op).output_dirs == ()
+    for wrong in ("text", "level", "missing"):  # an input port, a non-string param, no param at all
+        with pytest.raises(OpDefinitionError, match=f"output_dirs names {wrong!r}, which is not a string param"):
+            op("media.bad", output_dirs=(wrong,))(keep)
+
+
+@op("test.plain")
+def _plain_op(x: int) -> int:
+    return x
+
+
+def test_registry_finds_an_op_by_name_or_by_its_function_without_importing() -> None:
+    registry = OpRegistry([_plain_op])
+    before = set(sys.modules)
+    assert registry.find("test.plain").fn is _plain_op
+    assert registry.find(f"{__name__}:_plain_op").fn is _plain_op
+    assert registry.find(f"{__name__}:other") is None
+    assert registry.find("omniflow_absent_pkg:_plain_op") is None
+    assert registry.find(f"{__name__}:_plain_op.attr") is None
+    assert registry.find(None) is None and registry.find("test.missing") is None
+    assert not {m for m in set(sys.modules) - before if m.startswith("omniflow_absent_pkg")}
+
+
 def test_policy_never_imports_what_a_spec_names() -> None:
     registry = OpRegistry()
     before = set(sys.modules)
     strict, trusted = OpConfig(registry, allow_module_ops=False), OpConfig(registry, allow_module_ops=True)
     assert isinstance(strict.problem("omniflow_absent_pkg.mod"), UnknownOpError)
     assert isinstance(strict.problem("omniflow_absent_pkg.sub:a.b"), OpNotAllowedError)
-    assert trusted.problem("omniflow_absent_pkg.sub:a.b") is None  # checked by its form: imported only when run
+    assert trusted.problem("omniflow_absent_pkg.sub:a") is None  # checked by its form: imported only when run
+    walk = trusted.problem("omniflow_absent_pkg.sub:a.b")  # an attribute path: refused even where trusted
+    assert isinstance(walk, OpNotAllowedError)
+    assert str(walk) == ("op 'omniflow_absent_pkg.sub:a.b' walks the attribute path 'a.b' through module"
+                         " 'omniflow_absent_pkg.sub': a module op names one function defined in its module"
+                         " ('omniflow_absent_pkg.sub:b' if it is defined there)")
+    assert isinstance(trusted.problem("workflows.ops.common:Path.write_text"), OpNotAllowedError)
     assert isinstance(strict.problem("os:system"), OpNotAllowedError)
     assert isinstance(strict.problem("workflows.ops.common:Path.write_text"), OpNotAllowedError)
     assert trusted.problem("os:system") is None

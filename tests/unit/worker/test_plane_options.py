@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.data.curve import PlaneKeys
+from engine.data.curve import BulkMode, PlaneKeys
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import LocalCluster
 from engine.worker.options import WorkerOptionError, add_worker_arguments, plane_keys
@@ -32,6 +32,16 @@ def test_keys_generate_writes_keys_a_worker_loads(capsys, tmp_path: Path) -> Non
     assert "not empty" in capsys.readouterr().err
     assert main(["keys", "generate", str(directory), "--force"]) == 0
     assert PlaneKeys.load(directory) != keys
+    assert keys.bulk is BulkMode.CLEAR
+
+
+def test_keys_generate_takes_the_planes_bulk_mode(capsys, tmp_path: Path) -> None:
+    """An operator on a network others can read keeps tensors and KV pages inside CURVE."""
+    assert main(["keys", "generate", str(tmp_path / "plane"), "--bulk", "encrypted"]) == 0
+    assert "bulk encrypted" in capsys.readouterr().out
+    assert plane_keys(parse("--keys", str(tmp_path / "plane"))).bulk is BulkMode.ENCRYPTED
+    with pytest.raises(SystemExit):
+        main(["keys", "generate", str(tmp_path / "other"), "--bulk", "plaintext"])
 
 
 def test_a_worker_needs_keys_or_an_explicit_plaintext(tmp_path: Path) -> None:

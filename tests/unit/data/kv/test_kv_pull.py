@@ -112,6 +112,30 @@ def test_pull_is_bit_exact_on_every_channel_and_leaves_the_holder_as_it_was(
     metrics = local.metrics()
     assert (metrics["pull.pages"], metrics["pull.bytes"], metrics["pull.failures"]) == (6, result.nbytes, 0)
     assert metrics["pull.seconds"] == pytest.approx(result.seconds)
+    assert {k: v for k, v in metrics.items() if k.startswith("pull.") and k.endswith(".pages")
+            and k != "pull.pages"} == {f"pull.{expected.value}.pages": 6}  # the path the pages took
+    if transport is None:  # the peer's own choice of path is counted there too
+        assert puller.transfers.metrics() == {f"transfer.{expected.value}.pulls": 1.0,
+                                              f"transfer.{expected.value}.bytes": float(result.nbytes)}
+    pages_server.close()
+
+
+def test_peers_of_different_hosts_pull_pages_over_tcp_even_where_shared_memory_would_work(
+    make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nodes made of network namespaces of one machine share /dev/shm; their host identities
+    (OMNIFLOW_HOST_ID, which a node agent gives its workers) keep them on TCP."""
+    keys = make_keys(6, page_size=BIG.page_size)
+    monkeypatch.setenv("OMNIFLOW_HOST_ID", "node:a")
+    holder = make_peer()
+    monkeypatch.setenv("OMNIFLOW_HOST_ID", "node:b")
+    puller = make_peer()
+    assert (holder.host, puller.host) == ("node:a", "node:b")
+    pages_server = KVPageServer(holder_store(make_store, tmp_path, BIG, keys), holder.server)
+    local = make_store(device=8, host=None, disk=None, layout=BIG)
+    result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S)
+    assert result.transports == (Transport.TCP,) and local.metrics()["pull.tcp.pages"] == 6
+    assert_holds_written_pages(local, keys, BIG)
     pages_server.close()
 
 

@@ -1,0 +1,139 @@
+"""The node directory: the machines (nodes) that host role workers, what they have, what is free.
+
+A node agent announces its `NodeRecord` more often than `ttl_s`; a node whose announcements
+stop is *lost* once the lease lapses. Redis layout under `<namespace>:`:
+
+* ``node:<name>``: the record's JSON, ``SET ... PX ttl``: the key's TTL is the liveness lease;
+* ``nodes``: a hash, name -> the last record announced (no TTL), so a node whose lease lapsed
+  is still known, and listed as lost, until it is forgotten (`forget`).
+
+Records are msgspec JSON; nothing is pickled. Synchronous (the node agent's thread and the
+studio's views call it); every call is bounded by `op_timeout_s` and raises
+`NodeDirectoryError` when Redis cannot be reached.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+import redis
+import redis.exceptions as redis_exc
+
+from engine.spec.resources import Amounts
+
+
+class NodeDirectoryError(RuntimeError):
+    """Redis could not be reached, or answered with something that is not a node record."""
+
+
+class GpuInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    index: int
+    model: str
+    memory_gb: float
+
+
+class NodeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One node as its agent describes it. `total` counts what the node offers deployments
+    (its GPUs, CPUs, memory, or the operator's overrides); `free` is `total` less what the
+    deployments placed on it take; `hosting` is deployment id -> role -> replicas there."""
+
+    name: str
+    address: str
+    total: Amounts
+    free: Amounts
+    gpus: tuple[GpuInfo, ...] = ()
+    labels: dict[str, str] = {}
+    hosting: dict[str, dict[str, int]] = {}
+    agent_pid: int = 0
+    started_at: float = 0.0
+    seen_at: float = 0.0
+    """Wall-clock time of this announcement."""
+    ttl_s: float = 0.0
+
+    @property
+    def gpu_memory_gb(self) -> float:
+        """Memory of its smallest GPU (0 without GPUs)."""
+        return min((g.memory_gb for g in self.gpus), default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    record: NodeRecord
+    live: bool
+    """False: its lease lapsed (lost), its last record is shown."""
+
+
+_DECODER = msgspec.json.Decoder(NodeRecord)
+
+
+class NodeDirectory:
+    """The node records of one Redis namespace."""
+
+    def __init__(self, url: str, namespace: str, *, op_timeout_s: float = 2.0) -> None:
+        if not namespace or ":" in namespace:
+            raise ValueError(f"namespace must be non-empty and contain no ':', got {namespace!r}")
+        self.namespace = namespace
+        self._client = redis.Redis.from_url(url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s)
+
+    def _key(self, name: str) -> str:
+        return f"{self.namespace}:node:{name}"
+
+    @property
+    def _known(self) -> str:
+        return f"{self.namespace}:nodes"
+
+    def announce(self, record: NodeRecord) -> None:
+        """Publish `record` for `record.ttl_s` (> 0) and remember it as the node's last."""
+        if not record.ttl_s > 0:
+            raise ValueError(f"a node record needs a positive ttl_s, not {record.ttl_s}")
+        data = msgspec.json.encode(record)
+        try:
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.set(self._key(record.name), data, px=max(1, math.ceil(record.ttl_s * 1000)))
+                pipe.hset(self._known, record.name, data)
+                pipe.execute()
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"announcing node {record.name!r} failed: {exc}") from exc
+
+    def withdraw(self, name: str) -> None:
+        """The node stops on purpose: its lease ends now (it stays known, as lost)."""
+        try:
+            self._client.delete(self._key(name))
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"withdrawing node {name!r} failed: {exc}") from exc
+
+    def forget(self, name: str) -> None:
+        """Drop the node altogether (live or not)."""
+        try:
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.delete(self._key(name))
+                pipe.hdel(self._known, name)
+                pipe.execute()
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"forgetting node {name!r} failed: {exc}") from exc
+
+    def known(self) -> list[NodeState]:
+        """Every node announced and not forgotten, by name; live ones with their current record."""
+        try:
+            last = self._client.hgetall(self._known)
+            names = sorted(n.decode() for n in last)
+            current = self._client.mget([self._key(n) for n in names]) if names else []
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"reading the node directory failed: {exc}") from exc
+        out = []
+        for name, now in zip(names, current, strict=True):
+            raw = now if now is not None else last[name.encode()]
+            try:
+                record = _DECODER.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise NodeDirectoryError(f"node {name!r} has a malformed record: {exc}") from exc
+            out.append(NodeState(record, live=now is not None))
+        return out
+
+    def live(self) -> list[NodeRecord]:
+        return [s.record for s in self.known() if s.live]
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,145 @@
+// The cluster page's metrics history in a real Chromium, driven by Playwright: the aggregate and
+// per-worker charts of a chat deployment's llm worker carry its device, host and disk tiers, the
+// memory panel says the cluster is CPU-only and charts process memory, a reload keeps the charts
+// (the points from before it come back from the studio's history), and the range picker switches
+// to an hour, kept in the URL across a reload.
+//
+//   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... LLM_WORKER=<worker id> E2E_ARTIFACTS=... \
+//   node e2e/metrics.e2e.mjs
+//
+// tests/e2e/test_metrics_e2e.py deploys workflows/chat.py, puts it under load and runs this
+// script. Every step leaves a screenshot; a failing one FAILED-<step>.png, and exits 1.
+
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { chromium } from "playwright-core";
+
+const BASE = process.env.STUDIO_URL;
+const WORKER = process.env.LLM_WORKER;
+const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
+const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
+const WAIT = 30_000;
+const TIERS = ["device", "host", "disk"];
+
+mkdirSync(ART, { recursive: true });
+const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-metrics-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: CHROMIUM,
+  headless: true,
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"],
+  viewport: { width: 1500, height: 1400 },
+});
+context.setDefaultTimeout(WAIT);
+const page = context.pages()[0] ?? (await context.newPage());
+const consoleErrors = [];
+page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
+page.on("pageerror", (e) => consoleErrors.push(String(e)));
+const tid = (id) => `[data-testid="${id}"]`;
+function expect(cond, message) {
+  if (!cond) throw new Error(message);
+}
+let shots = 0;
+const shot = async (name) => {
+  shots += 1;
+  await page.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), fullPage: true,
+                          animations: "disabled" });
+};
+async function step(name, fn) {
+  try {
+    await fn();
+    console.log(`ok   ${name}`);
+  } catch (err) {
+    console.log(`FAIL ${name}: ${err.stack ?? err}`);
+    await page.screenshot({ path: join(ART, `FAILED-${name}.png`), fullPage: true }).catch(() => {});
+    throw err;
+  }
+}
+/** A chart's rows and its first time (`LiveChart`'s data-points, data-first). */
+async function chartRows(testId) {
+  const el = page.locator(tid(testId));
+  return { points: Number(await el.getAttribute("data-points")), first: Number(await el.getAttribute("data-first")) };
+}
+/** Wait until each tier series of `testId` shows a value (and, with `positive`, one above 0). */
+async function tiersShown(testId, positive) {
+  await page.waitForFunction(
+    ([id, tiers, positive]) => tiers.every((t) => {
+      const v = document.querySelector(`[data-testid="${id}-${t}"]`)?.dataset.value;
+      return v !== undefined && v !== "" && (!positive || Number(v) > 0);
+    }),
+    [testId, TIERS, positive],
+  );
+}
+const card = `worker-card-${WORKER}`;
+
+try {
+  await step("login", async () => {
+    await page.goto(`${BASE}/login`);
+    await page.fill('input[name="username"]', process.env.STUDIO_USER);
+    await page.fill('input[name="password"]', process.env.STUDIO_PASSWORD);
+    await page.click('button[type="submit"]');
+    await page.waitForURL(/\/workflows$/);
+  });
+
+  let before;
+  await step("the cluster page charts the host and disk tiers, overall and per worker", async () => {
+    await page.goto(`${BASE}/cluster`);
+    await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="5m"]`);
+    await page.waitForSelector(`${tid(card)}[data-role="llm"][data-live="true"]`);
+    await tiersShown("chart-occupancy", true);
+    await tiersShown("chart-hit-rate", false);
+    await tiersShown(`${card}-occupancy`, true);
+    await tiersShown(`${card}-hit-rate`, false);
+    expect(Number(await page.getAttribute(tid(`${card}-hit-rate-device`), "data-value")) > 0,
+      "the repeated prompts hit the device tier");
+    // a CPU-only cluster: the memory panel says so and charts the processes' RSS
+    await page.waitForSelector(tid("chart-process-memory-note"));
+    expect(await page.locator(tid("chart-gpu-memory")).count() === 0, "no GPU memory chart on a CPU-only cluster");
+    expect(Number(await page.getAttribute(tid("chart-process-memory-rss"), "data-value")) > 0, "RSS is charted");
+    expect(Number(await page.getAttribute(tid(`${card}-memory-rss`), "data-value")) > 0, "the worker's RSS");
+    await page.waitForFunction((id) => Number(document.querySelector(`[data-testid="${id}"]`)?.dataset.points) >= 8,
+      "chart-occupancy");
+    await page.locator(tid("worker-charts")).scrollIntoViewIfNeeded();
+    await shot("cluster-tiers");
+    before = await chartRows("chart-occupancy");
+  });
+
+  await step("a reload keeps the charts: the history comes back from the studio", async () => {
+    const reloadedAt = Date.now() / 1000;
+    await page.reload();
+    await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"]`);
+    await tiersShown(`${card}-occupancy`, true);
+    const after = await chartRows("chart-occupancy");
+    expect(after.first <= before.first && after.first < reloadedAt - 2,
+      `the charts start at ${after.first}, before the reload at ${reloadedAt} (first point before: ${before.first})`);
+    expect(after.points >= before.points, `${after.points} rows after the reload, ${before.points} before`);
+    await tiersShown("chart-occupancy", true);
+    await shot("cluster-after-reload");
+  });
+
+  await step("the range picker switches to the last hour, kept across a reload", async () => {
+    await page.click(tid("range-1h"));
+    await page.waitForURL(/range=1h/);
+    await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="1h"]`);
+    expect(await page.getAttribute(tid("range-1h"), "aria-pressed") === "true", "1 h is the pressed range");
+    expect(await page.getAttribute(tid("range-5m"), "aria-pressed") === "false", "5 min is not");
+    await tiersShown(`${card}-occupancy`, true);
+    const hour = await chartRows("chart-occupancy");
+    // an hour is thinned to the last point of every 5 s: it starts within 5 s of the first point
+    expect(hour.points > 0 && hour.first <= before.first + 5, `the hour's chart starts at ${hour.first}, not with ${before.first}`);
+    await page.reload();
+    await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="1h"]`);
+    await tiersShown("chart-occupancy", true);
+    await shot("cluster-range-1h");
+    await page.click(tid("range-5m"));
+    await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="5m"]`);
+  });
+
+  const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
+  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
+console.log(`${shots} screenshots in ${ART}`);

@@ -1,0 +1,31 @@
+import { describe, expect, it } from "vitest";
+import { FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, union } from "./viewport";
+
+const canvas = { width: 800, height: 600 };
+
+describe("the view a graph opens with", () => {
+  it("fits a small graph whole, centred, at most MAX_FIT_ZOOM", () => {
+    const vp = readableViewport({ x: 0, y: 0, width: 200, height: 100 }, null, canvas);
+    expect(vp.zoom).toBe(MAX_FIT_ZOOM);
+    expect(vp.x + 100 * vp.zoom).toBeCloseTo(400);
+    expect(vp.y + 50 * vp.zoom).toBeCloseTo(300);
+  });
+
+  it("never goes below a legible zoom: it shows the inputs instead", () => {
+    const all = { x: 0, y: 0, width: 4000, height: 1500 };
+    const inputs = { x: 20, y: 100, width: 210, height: 400 };
+    const vp = readableViewport(all, inputs, canvas);
+    expect(vp.zoom).toBe(LEGIBLE_ZOOM);
+    expect(vp.x + inputs.x * vp.zoom).toBeCloseTo(FOCUS_MARGIN); // the inputs at the left edge
+    expect(vp.y + (inputs.y + inputs.height / 2) * vp.zoom).toBeCloseTo(300); // centred when they fit
+    const tall = { x: 20, y: 0, width: 210, height: 2000 };
+    expect(readableViewport(all, tall, canvas).y).toBeCloseTo(FOCUS_MARGIN); // from the top when they do not
+  });
+
+  it("unites rectangles", () => {
+    expect(union([])).toBeNull();
+    expect(union([{ x: 0, y: 5, width: 10, height: 10 }, { x: -5, y: 0, width: 5, height: 30 }])).toEqual({
+      x: -5, y: 0, width: 15, height: 30,
+    });
+  });
+});

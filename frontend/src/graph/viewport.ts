@@ -1,0 +1,64 @@
+/**
+ * Where the editor's view opens on a graph: the whole graph when that keeps node titles
+ * legible, else the graph's inputs at a legible zoom (the minimap shows the rest).
+ */
+
+/** The smallest zoom a fit goes to: node titles (13 px) stay at least ~10 px tall on screen. */
+export const LEGIBLE_ZOOM = 0.75;
+export const MAX_FIT_ZOOM = 1.1;
+/** Room around a fitted graph, as a share of its size. */
+export const FIT_PADDING = 0.1;
+/** Room left of (and above) the inputs when the view focuses them. */
+export const FOCUS_MARGIN = 40;
+
+export interface Rect {
+  x: number;
+  y: number;
+  width: number;
+  height: number;
+}
+
+export interface Viewport {
+  x: number;
+  y: number;
+  zoom: number;
+}
+
+/**
+ * The viewport for a graph whose nodes span `all`, on a canvas of `canvas` pixels: `all`
+ * fitted and centred when that zoom is at least LEGIBLE_ZOOM, else LEGIBLE_ZOOM with `focus`
+ * (the inputs; `all` when null) at the left edge, centred vertically when it fits, from its
+ * top otherwise.
+ */
+export function readableViewport(all: Rect, focus: Rect | null, canvas: { width: number; height: number }): Viewport {
+  const fit = Math.min(
+    canvas.width / Math.max(1, all.width * (1 + 2 * FIT_PADDING)),
+    canvas.height / Math.max(1, all.height * (1 + 2 * FIT_PADDING)),
+    MAX_FIT_ZOOM,
+  );
+  if (fit >= LEGIBLE_ZOOM) {
+    return {
+      zoom: fit,
+      x: canvas.width / 2 - (all.x + all.width / 2) * fit,
+      y: canvas.height / 2 - (all.y + all.height / 2) * fit,
+    };
+  }
+  const zoom = LEGIBLE_ZOOM;
+  const target = focus ?? all;
+  const fitsTall = target.height * zoom <= canvas.height - 2 * FOCUS_MARGIN;
+  return {
+    zoom,
+    x: FOCUS_MARGIN - target.x * zoom,
+    y: fitsTall ? canvas.height / 2 - (target.y + target.height / 2) * zoom : FOCUS_MARGIN - target.y * zoom,
+  };
+}
+
+/** The smallest rectangle holding every one of `rects` (null for none). */
+export function union(rects: Rect[]): Rect | null {
+  if (rects.length === 0) return null;
+  const x = Math.min(...rects.map((r) => r.x));
+  const y = Math.min(...rects.map((r) => r.y));
+  const right = Math.max(...rects.map((r) => r.x + r.width));
+  const bottom = Math.max(...rects.map((r) => r.y + r.height));
+  return { x, y, width: right - x, height: bottom - y };
+}

@@ -1,0 +1,90 @@
+/** The user's deployments, live ones first: each by name, with its workflow, version and status. */
+import { useCallback, useEffect, useState } from "react";
+import { Link } from "react-router-dom";
+import { cluster, type Deployment } from "../api/cluster";
+import { describeError } from "../api/client";
+import { ACTIVE_STATUSES } from "../api/deployments";
+import { EmptyState, ErrorBox, Spinner, StatusBadge, formatTime } from "../components/ui";
+
+type Row = Deployment & { workflow_name?: string; chat?: boolean };
+
+export function DeploymentsPage() {
+  const [rows, setRows] = useState<Row[] | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const load = useCallback(
+    () =>
+      cluster
+        .deployments()
+        .then((d) => {
+          setRows((d ?? []) as Row[]);
+          setError(null);
+        })
+        .catch((err) => setError(describeError(err))),
+    [],
+  );
+  useEffect(() => {
+    load();
+  }, [load]);
+  const settling = rows?.some((d) => ["pending", "starting", "stopping"].includes(d.status)) ?? false;
+  useEffect(() => {
+    if (!settling) return;
+    const timer = window.setInterval(load, 1000);
+    return () => window.clearInterval(timer);
+  }, [settling, load]);
+  const sorted = rows && [...rows].sort((a, b) => Number(!ACTIVE_STATUSES.includes(a.status)) - Number(!ACTIVE_STATUSES.includes(b.status)));
+  return (
+    <div className="page" data-testid="deployments-page">
+      <header className="page-head">
+        <div>
+          <h1>Deployments</h1>
+          <p className="muted">
+            Saved versions running on role workers. A chat deployment is an OpenAI model named after it: open one for
+            its endpoint and snippets.
+          </p>
+        </div>
+      </header>
+      {error && <ErrorBox>{error}</ErrorBox>}
+      {!sorted && !error && <Spinner label="Loading deployments" />}
+      {sorted && sorted.length === 0 && (
+        <EmptyState icon="rocket" title="No deployments yet">
+          Open a workflow and press <strong>Deploy</strong>.
+        </EmptyState>
+      )}
+      {sorted && sorted.length > 0 && (
+        <div className="card">
+          <table className="table" data-testid="deployments-table">
+            <thead>
+              <tr>
+                <th>Name</th>
+                <th>Workflow</th>
+                <th>Status</th>
+                <th>Serves</th>
+                <th>Created</th>
+              </tr>
+            </thead>
+            <tbody>
+              {sorted.map((d) => (
+                <tr key={d.id} data-testid="deployment-list-row" data-status={d.status}>
+                  <td>
+                    <Link to={`/deployments/${d.id}`} className="row-title">
+                      {d.name}
+                    </Link>
+                  </td>
+                  <td>
+                    {d.workflow ? <Link to={`/workflows/${d.workflow}`}>{d.workflow_name ?? "workflow"}</Link> : "—"}{" "}
+                    <span className="pill">v{d.version}</span>
+                  </td>
+                  <td>
+                    <StatusBadge status={d.status} />
+                  </td>
+                  <td className="small">{d.chat ? <code>/v1 · model “{d.name}”</code> : <span className="muted">runs</span>}</td>
+                  <td className="muted small">{formatTime(d.created_at)}</td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+        </div>
+      )}
+    </div>
+  );
+}

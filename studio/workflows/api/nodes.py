@@ -1,0 +1,97 @@
+"""Nodes (distributed mode): `GET /api/nodes/` lists the machines of the node directory, live
+and lost, with their resources, labels, free capacity and the workers of your deployments on
+each; `POST /api/nodes/placement/` says where deploying a version would put its replicas now
+(the deploy dialog shows it before you confirm), or every reason it cannot.
+
+Every signed-in user sees the nodes themselves (names, labels, resources); the workers and
+deployments on them only where the deployment is theirs (staff: all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
+from studio.errors import Conflict, Unavailable
+from studio.workflows.api.deployments import DeploymentCreateSerializer
+from studio.workflows.api.serializers import ErrorSerializer
+from studio.workflows.api.workflows import ERRORS, get_workflow
+from studio.workflows.apps import engine
+from studio.workflows.deployments import placing, service
+from studio.workflows.deployments.records import LIVE_WORKER_STATUSES
+from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker
+
+
+def node_json(record: NodeRecord, live: bool, workers: list[dict[str, Any]],
+              hosting_names: Mapping[str, str]) -> dict[str, Any]:
+    """A node as `/api/nodes/` shows it."""
+    return {
+        "name": record.name,
+        "status": "live" if live else "lost",
+        "address": record.address,
+        "labels": dict(record.labels),
+        "total": record.total.to_dict(),
+        "free": record.free.to_dict(),
+        "gpus": [{"index": g.index, "model": g.model, "memory_gb": g.memory_gb} for g in record.gpus],
+        "hosting": [{"deployment": d, "name": hosting_names.get(d, ""), "replicas": roles}
+                    for d, roles in sorted(record.hosting.items()) if d in hosting_names],
+        "seen_at": record.seen_at,
+        "started_at": record.started_at,
+        "ttl_s": record.ttl_s,
+        "workers": workers,
+    }
+
+
+class NodesView(APIView):
+    @extend_schema(summary="The nodes of the cluster, live and lost, with your workers on each",
+                   responses={200: OpenApiTypes.OBJECT, 503: ErrorSerializer, **ERRORS})
+    def get(self, request: Request) -> Response:
+        config = engine().config
+        if config.redis_url is None:
+            return Response([])  # the embedded studio hosts its workers itself: no nodes
+        directory = placing.directory(config)
+        try:
+            states = directory.known()
+        except NodeDirectoryError as exc:
+            raise Unavailable(f"the node directory cannot be read: {exc}") from None
+        finally:
+            directory.close()
+        visible = dict(Deployment.objects.visible_to(request.user).filter(status__in=ACTIVE_DEPLOYMENT_STATUSES)
+                       .values_list("pk", "name"))
+        names = {str(pk): name for pk, name in visible.items()}
+        workers: dict[str, list[dict[str, Any]]] = {}
+        for row in (Worker.objects.filter(deployment_id__in=list(visible), status__in=LIVE_WORKER_STATUSES)
+                    .order_by("role", "worker_id")):
+            workers.setdefault(row.host, []).append({
+                "worker_id": row.worker_id, "role": row.role, "deployment": str(row.deployment_id),
+                "status": row.status, "address": row.address, "pid": row.pid, "device": row.device})
+        return Response([node_json(s.record, s.live, workers.get(s.record.name, []), names) for s in states])
+
+
+class PlacementPreviewView(APIView):
+    @extend_schema(summary="Where deploying a version would place its replicas now",
+                   request=DeploymentCreateSerializer,
+                   responses={200: OpenApiTypes.OBJECT, 409: ErrorSerializer, 422: ErrorSerializer,
+                              503: ErrorSerializer, **ERRORS})
+    def post(self, request: Request) -> Response:
+        body = DeploymentCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        attrs = body.validated_data
+        workflow = get_workflow(request, attrs["workflow"])
+        versions = workflow.versions.all()
+        if "version" in attrs:
+            version = get_object_or_404(versions, number=attrs["version"])
+        else:
+            version = versions.order_by("-number").first()
+            if version is None:
+                raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
+        return Response(service.preview_placement(request.user, version, replicas=attrs.get("replicas"),
+                                                  node=attrs.get("node")))

@@ -1,0 +1,182 @@
+"""Nodes that fail: their replicas placed again on the nodes left.
+
+Every node agent's supervision tick (`studio.workflows.tasks.supervise_node`, every
+OMNIFLOW_NODE_SUPERVISE_S) calls `sweep`. A node is lost once the node directory no longer has
+it live: its agent stopped announcing it (killed, cut off from Redis, or stopped and not back)
+for OMNIFLOW_NODE_TTL_S. With a tick shorter than the TTL, a node is acted on within two TTLs.
+
+For each deployment with replicas on a lost node (under the placement lock and the row's lock,
+so one agent does it, once):
+
+* the node's live worker rows are marked lost (and taken off the deployment's registry);
+* a starting or running deployment's replicas there are placed again on the live nodes,
+  keeping every other replica where it is (`engine.flow.placement.place` with `keep`); those
+  that fit no node left stay unplaced, said in the deployment's `error` and its placement's
+  `unplaced`, and are tried again at every tick (a node that comes back, or frees room);
+  `placement.moved` says which replicas moved where and why;
+* the nodes involved get `deploy` (starting what moved to them);
+* a stopping deployment is settled (stopped once no worker of it is live).
+
+Runs in flight on a lost worker are the dispatcher's: retried on another replica, or failed
+naming the worker, never left waiting. A lost node that comes back finds its rows lost and
+stops those processes (`NodeAgent.reap`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from django.db import transaction
+
+from engine.flow.discovery import RegistryError, make_registry
+from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
+from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
+from engine.flow.validate import parse_spec
+from engine.spec.resources import ResourcesError
+from studio.config import StudioConfig
+from studio.workflows.deployments import placing, records
+from studio.workflows.deployments.placing import DeploymentPlacement
+from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+_WATCHED = (DeploymentStatus.STARTING, DeploymentStatus.RUNNING, DeploymentStatus.STOPPING)
+UNPLACED = "replicas lost with their node fit no node left"
+
+
+@dataclass(frozen=True, slots=True)
+class Rehomed:
+    deployment_id: str
+    lost_nodes: tuple[str, ...]
+    lost_workers: tuple[str, ...]
+    placement: Placement
+    unplaced: tuple[Refusal, ...]
+
+
+def sweep(config: StudioConfig) -> list[Rehomed]:
+    """Place again the replicas of lost nodes, for every deployment that has some (see the module
+    docstring); what it changed."""
+    directory = placing.directory(config)
+    try:
+        live = {s.record.name: s.record for s in directory.known() if s.live}
+    except NodeDirectoryError as exc:
+        log.warning("cannot read the node directory (%s): no node is declared lost meanwhile", exc)
+        return []
+    finally:
+        directory.close()
+    done = []
+    for pk, raw in Deployment.objects.filter(status__in=_WATCHED).exclude(placement={}).values_list("pk", "placement"):
+        current = DeploymentPlacement.of(raw)
+        if set(current.placement.nodes()) <= set(live) and not current.unplaced:
+            continue
+        result = _rehome(config, str(pk), live)
+        if result is not None:
+            done.append(result)
+    return done
+
+
+def _partial(demands: Sequence[RoleDemand], offers: Sequence[NodeOffer], keep: Placement,
+             missing: Sequence[tuple[str, int]]) -> tuple[Placement, list[Refusal]]:
+    """Place the `missing` replicas one at a time (lowest replica first), keeping each that fits."""
+    counts = {d.role: 0 for d in demands}
+    for slot in keep.slots:
+        counts[slot.role] = max(counts.get(slot.role, 0), slot.replica + 1)
+    by_role = {d.role: d for d in demands}
+    current, refused = keep, []
+    for role, index in sorted(missing, key=lambda m: (m[1], m[0])):
+        trial = {**counts, role: max(counts[role], index + 1)}
+        try:
+            current = place([replace(by_role[r], replicas=n) for r, n in trial.items()], offers, keep=current)
+        except PlacementError as exc:
+            refused += [r for r in exc.refusals if role in r.roles]
+            continue
+        counts = trial
+    return current, refused
+
+
+def _rehome(config: StudioConfig, deployment_id: str, live: Mapping[str, NodeRecord]) -> Rehomed | None:
+    with transaction.atomic():
+        placing.lock()
+        deployment = Deployment.objects.select_for_update().select_related("version").filter(pk=deployment_id).first()
+        if deployment is None or deployment.status not in _WATCHED:
+            return None
+        current = DeploymentPlacement.of(deployment.placement)
+        lost = sorted(set(current.placement.nodes()) - set(live))
+        if not lost and not current.unplaced:
+            return None
+        lost_rows = list(Worker.objects.filter(deployment=deployment, host__in=lost,
+                                               status__in=records.LIVE_WORKER_STATUSES)
+                         .values_list("worker_id", flat=True))
+        records.set_worker_status(lost_rows, WorkerStatus.LOST)
+        stopping = deployment.status == DeploymentStatus.STOPPING
+        placement, refused = current.placement, []
+        if not stopping:
+            placement, refused = _placed_again(deployment, current, lost, live)
+            unplaced = tuple(r.to_dict() for r in refused)
+            if placement == current.placement and unplaced == current.unplaced and not lost_rows:
+                return None  # still no room for what waits: nothing to record, nothing to start
+            reason = f"node {', '.join(lost)} lost" if lost else "a node has room for it again"
+            deployment.placement = current.replaced(placement, reason, unplaced).to_json()
+            if placement.slots:
+                deployment.node = placement.nodes()[0]
+            if refused:
+                deployment.error = f"{UNPLACED}: {'; '.join(r.message for r in refused)}"
+            elif deployment.error.startswith(UNPLACED):
+                deployment.error = ""
+            deployment.save(update_fields=["placement", "node", "error", "updated_at"])
+        namespace = deployment.namespace
+        transaction.on_commit(lambda: _after(config, deployment_id, namespace, lost_rows, stopping))
+    if lost:
+        log.warning("deployment %s: node %s lost; workers %s lost; placement now %s%s", deployment_id,
+                    ", ".join(lost), lost_rows, placement.to_list(),
+                    f"; unplaced: {[r.message for r in refused]}" if refused else "")
+    return Rehomed(deployment_id, tuple(lost), tuple(lost_rows), placement, tuple(refused))
+
+
+def _placed_again(deployment: Deployment, current: DeploymentPlacement, lost: Sequence[str],
+                  live: Mapping[str, NodeRecord]) -> tuple[Placement, list[Refusal]]:
+    try:
+        wanted = placing.demands(parse_spec(deployment.version.spec), deployment.replicas)
+    except ResourcesError as exc:  # validated when deployed; a stored spec from before is placed as it was
+        log.warning("deployment %s: cannot read its roles' resources (%s); its replicas stay unplaced",
+                    deployment.pk, exc)
+        return current.placement.without(lost), []
+    offers = placing.offers(live.values(), placing.usage(exclude=deployment.pk))
+    keep = current.placement.without(lost)
+    try:
+        return place(wanted, offers, keep=keep), []
+    except PlacementError:
+        placed = {(s.role, s.replica) for s in keep.slots}
+        missing = [(d.role, i) for d in wanted for i in range(d.replicas) if (d.role, i) not in placed]
+        return _partial(wanted, offers, keep, missing)
+
+
+def _after(config: StudioConfig, deployment_id: str, namespace: str, lost_rows: list[str], stopping: bool) -> None:
+    if lost_rows and namespace and config.redis_url:
+        asyncio.run(_deregister(config.redis_url, namespace, lost_rows))
+    if stopping:
+        records.settle_stopped(deployment_id)
+        return
+    from studio.workflows.deployments.service import start
+
+    start(deployment_id)
+
+
+async def _deregister(url: str, namespace: str, worker_ids: list[str]) -> None:
+    registry = make_registry(url, namespace=namespace)
+    try:
+        for worker_id in worker_ids:
+            with contextlib.suppress(RegistryError):  # gone already (their TTL ended), or Redis is away
+                await registry.deregister(worker_id)
+    finally:
+        await registry.close()
+
+
+def describe(rehomed: Rehomed) -> dict[str, Any]:
+    return {"lost_nodes": list(rehomed.lost_nodes), "lost_workers": list(rehomed.lost_workers),
+            "placement": rehomed.placement.to_list(), "unplaced": [r.message for r in rehomed.unplaced]}

@@ -1,0 +1,204 @@
+"""Placement in a distributed studio, against node records in the real Redis and the real
+database, without node agents: what each node has free counts the deployments already placed,
+a deployment is refused (409) when it fits nowhere, pinned to a node that must be live,
+scaled with its running replicas kept, and a lost node's replicas are placed again (or wait,
+said on the deployment, until a node has room). The `deploy`/`stop_deployment` tasks these send
+go to queues no agent consumes here; the test removes them."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from django.apps import apps
+from django.conf import settings
+
+from engine.flow.discovery.nodes import NodeDirectory, NodeRecord
+from engine.spec.resources import Amounts
+from studio.config import Dispatch
+from studio.workflows.apps import build_engine
+from studio.workflows.deployments import failover, records
+from studio.workflows.deployments.node import NodeAgent
+from studio.workflows.models import Deployment, Worker, WorkerStatus
+from tests.studio.conftest import client_for
+from tests.studio.factories import create_workflow, spec_doc
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
+              pytest.mark.skipif(not settings.OMNIFLOW.redis_url, reason="needs REDIS_URL (the node directory)")]
+
+
+@dataclasses.dataclass
+class Nodes:
+    directory: NodeDirectory
+    tag: str
+    config: Any
+
+    def up(self, name: str, *, gpus: int = 0, cpus: float = 4, memory_gb: float = 16, ttl_s: float = 30,
+           **labels: str) -> str:
+        node = f"{self.tag}-{name}"
+        total = Amounts(gpus, cpus, memory_gb)
+        self.directory.announce(NodeRecord(name=node, address="10.0.0.1", total=total, free=total, labels=labels,
+                                           seen_at=time.time(), ttl_s=ttl_s))
+        return node
+
+    def down(self, name: str) -> None:
+        self.directory.withdraw(f"{self.tag}-{name}")
+
+
+@pytest.fixture
+def nodes() -> Iterator[Nodes]:
+    tag = uuid.uuid4().hex[:6]
+    config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY, deploy_node=None,
+                                 redis_prefix=f"pt{tag}", run_queue=f"pt{tag}-runs")
+    app = apps.get_app_config("workflows")
+    engine = build_engine(config)
+    previous = app.install(engine)
+    directory = NodeDirectory(config.redis_url, config.nodes_namespace)
+    try:
+        yield Nodes(directory, tag, config)
+    finally:
+        engine.runs.stop()
+        app.install(previous)
+        directory.close()
+        client = redis.Redis.from_url(config.redis_url)
+        for key in [*client.scan_iter(f"pt{tag}*"), *client.scan_iter(f"node.{tag}-*")]:
+            client.delete(key)  # the node directory, and the tasks sent to nobody's queue
+        client.close()
+
+
+def spec(*roles: dict[str, Any]) -> dict[str, Any]:
+    doc = spec_doc(name="placed", op="tests.studio.fns:echo")
+    doc["roles"] = [{"name": "py", "kind": "python", **roles[0]}, *[{"kind": "python", **r} for r in roles[1:]]]
+    return doc
+
+
+def slots(deployment: dict[str, Any] | Deployment) -> list[tuple[str, int, str]]:
+    placement = deployment.placement if isinstance(deployment, Deployment) else deployment["placement"]
+    return [(s["role"], s["replica"], s["node"]) for s in placement["slots"]]
+
+
+def test_free_resources_count_what_is_placed_and_a_full_cluster_refuses(nodes: Nodes, api: Any) -> None:
+    a, b = nodes.up("a", cpus=2), nodes.up("b", cpus=3)
+    wf = create_workflow(api, spec({"replicas": 2, "resources": {"cpus": 1}}))
+    first = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(first) == [("py", 0, b), ("py", 1, a)]  # spread, the roomier node first
+    assert first["node"] == a and first["status"] == "pending"
+    second = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(second) == [("py", 0, b), ("py", 1, a)]
+    # b has one CPU left, a none: a third pair fits only half; the replica left out is named, with
+    # the best node's free resources once the other replica took b's last CPU
+    response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert response.status_code == 409
+    (refusal,) = response.json()["details"]
+    assert (refusal["role"], refusal["replicas"], refusal["best_node"], refusal["best_free"]) == (
+        "py", [1], a, {"gpus": 0, "cpus": 0.0, "memory_gb": 16.0})
+    assert Deployment.objects.count() == 2
+    # what the nodes page says is free comes from the placements
+    listed = {n["name"]: n for n in api.get("/api/nodes/").json()}
+    assert set(listed) == {a, b} and listed[a]["status"] == "live"
+    assert {h["deployment"] for h in listed[b]["hosting"]} <= {first["id"], second["id"]}
+
+
+def test_a_pinned_node_must_be_live_and_the_preview_says_where(nodes: Nodes, api: Any) -> None:
+    a = nodes.up("a", gpus=1, kind="gpu")
+    wf = create_workflow(api, spec({"resources": {"labels": {"kind": "gpu"}}}))
+    response = api.post("/api/deployments/", {"workflow": wf["id"], "node": f"{nodes.tag}-gone"}, format="json")
+    assert response.status_code == 409
+    assert response.json()["details"] == [{"field": "node", "message": response.json()["error"]}]
+    assert f"node '{nodes.tag}-gone' is not live" in response.json()["error"]
+    preview = api.post("/api/nodes/placement/", {"workflow": wf["id"], "replicas": {"py": 2}}, format="json").json()
+    assert preview == {"distributed": True, "placement": [{"role": "py", "replica": 0, "node": a},
+                                                          {"role": "py", "replica": 1, "node": a}],
+                       "refusals": [], "error": "", "nodes": [a]}
+    assert not Deployment.objects.exists()  # a preview reserves nothing
+
+
+def test_scaling_keeps_running_replicas_and_refuses_what_does_not_fit(nodes: Nodes, api: Any) -> None:
+    a, b = nodes.up("a", cpus=2), nodes.up("b", cpus=1)
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, a)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    scaled = api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 3}, format="json").json()
+    assert slots(scaled) == [("py", 0, a), ("py", 1, b), ("py", 2, a)]
+    response = api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 4}, format="json")
+    assert response.status_code == 409 and "replica 3: cannot be placed" in response.json()["error"]
+    assert Deployment.objects.get(pk=d["id"]).replicas == {"py": 3}  # unchanged
+    down = api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1}, format="json").json()
+    assert slots(down) == [("py", 0, a)]
+
+
+def test_a_lost_nodes_replicas_move_or_wait_for_room(nodes: Nodes, api: Any) -> None:
+    a, b = nodes.up("a", cpus=1), nodes.up("b", cpus=1)
+    wf = create_workflow(api, spec({"replicas": 2, "resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, a), ("py", 1, b)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    records.add_workers(d["id"], [records.StartedWorker(f"py-{b}-1", "py", "tcp://10.0.0.1:1", b, 999_999)])
+    nodes.down("b")
+    # no node has room for the lost replica: it waits, said on the deployment
+    (rehomed,) = failover.sweep(nodes.config)
+    assert rehomed.lost_nodes == (b,) and rehomed.lost_workers == (f"py-{b}-1",)
+    waiting = Deployment.objects.get(pk=d["id"])
+    assert slots(waiting) == [("py", 0, a)]
+    assert waiting.error.startswith(failover.UNPLACED) and "role 'py', replica 1: cannot be placed" in waiting.error
+    assert Worker.objects.get(worker_id=f"py-{b}-1").status == WorkerStatus.LOST
+    before = Deployment.objects.get(pk=d["id"]).updated_at
+    assert failover.sweep(nodes.config) == []  # tried again at every tick: still no room, nothing to record
+    assert Deployment.objects.get(pk=d["id"]).updated_at == before
+    # a node with room appears: the replica goes there, the deployment says it moved, the error clears
+    c = nodes.up("c", cpus=2)
+    (rehomed,) = failover.sweep(nodes.config)
+    placed = Deployment.objects.get(pk=d["id"])
+    assert slots(placed) == [("py", 0, a), ("py", 1, c)] and placed.error == ""
+    assert [(m["role"], m["replica"], m["from"], m["to"]) for m in placed.placement["moved"]] == [("py", 1, None, c)]
+    assert failover.sweep(nodes.config) == []  # nothing lost any more
+    # a node lost with room elsewhere: moved at once, from where to where and why
+    nodes.down("a")
+    failover.sweep(nodes.config)
+    moved = Deployment.objects.get(pk=d["id"]).placement
+    assert [(s["role"], s["replica"], s["node"]) for s in moved["slots"]] == [("py", 0, c), ("py", 1, c)]
+    assert moved["moved"][-1] | {"at": ""} == {"role": "py", "replica": 0, "from": a, "to": c, "at": "",
+                                               "reason": f"node {a} lost"}
+
+
+def test_a_node_back_from_being_lost_stops_what_it_no_longer_owns(nodes: Nodes, api: Any, tmp_path: Any) -> None:
+    """Rows marked lost while the node was away (its workers cut off, not dead) end the processes
+    still running for them when its agent sweeps again; live rows and other nodes' are left alone."""
+    a = nodes.up("a")
+    wf = create_workflow(api, spec({}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    procs = {name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", name])
+             for name in (f"py-{a}-lost", f"py-{a}-live", "py-elsewhere-lost")}
+    try:
+        for name, proc in procs.items():
+            host = "elsewhere" if "elsewhere" in name else a
+            records.add_workers(d["id"], [records.StartedWorker(name, "py", "", host, proc.pid)])
+        records.set_worker_status([f"py-{a}-lost", "py-elsewhere-lost"], WorkerStatus.LOST)
+        agent = NodeAgent(dataclasses.replace(nodes.config, node_name=a, data_dir=tmp_path))
+        assert agent.reap() == [f"py-{a}-lost"]
+        assert procs[f"py-{a}-lost"].wait(timeout=30) is not None
+        assert procs[f"py-{a}-live"].poll() is None and procs["py-elsewhere-lost"].poll() is None
+        assert agent.reap() == []  # gone: nothing more to do
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_nodes_show_only_your_workers(nodes: Nodes, api: Any, other_user: Any) -> None:
+    a = nodes.up("a")
+    wf = create_workflow(api, spec({}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    records.add_workers(d["id"], [records.StartedWorker(f"py-{a}-1", "py", "tcp://10.0.0.1:1", a, 1234)])
+    mine = {n["name"]: n for n in api.get("/api/nodes/").json()}[a]
+    assert [w["worker_id"] for w in mine["workers"]] == [f"py-{a}-1"]
+    theirs = {n["name"]: n for n in client_for(other_user).get("/api/nodes/").json()}[a]
+    assert theirs["workers"] == [] and theirs["hosting"] == [] and theirs["labels"] == mine["labels"]

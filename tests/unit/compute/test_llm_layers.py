@@ -1,0 +1,149 @@
+"""The model runner's bound weights and its paged forward, against the `transformers` modules
+they are bound from (independent references: the modules' own forward, a full recomputation)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine.compute.llm import EngineConfig, LLMEngine
+from engine.compute.llm.forward import DecodeBatch, PagedForward, PrefillChunk
+from engine.compute.llm.layers import (
+    DecoderWeights,
+    RotaryTable,
+    UnsupportedModelError,
+    fuse_rows,
+    rms_norm,
+    rotate,
+)
+from engine.compute.models import LoadedModel, ModelLoadError, build_model, load_builtin, model_dtype
+from engine.compute.models.catalog import BUILTIN_MODELS
+from engine.compute.sampling import SamplingParams
+from engine.data.kv.layout import KVLayout
+
+
+def linears(*rows: int, bias: bool = False) -> list[torch.nn.Linear]:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(8, n, bias=bias) for n in rows]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_rows_copy_once_and_the_modules_become_views_of_the_copy(bias):
+    mods = linears(4, 2, 2, bias=bias)
+    x = torch.randn(3, 8)
+    before = [m(x) for m in mods]
+    weight, fused_bias = fuse_rows(mods)
+    assert weight.shape == (8, 8)
+    # One GEMM over the fused rows against three: the BLAS may block them differently, so rounding
+    # (never more) may differ.
+    torch.testing.assert_close(torch.nn.functional.linear(x, weight, fused_bias), torch.cat(before, dim=1),
+                               rtol=1e-6, atol=1e-6)
+    # Each module now reads its rows of the fused weight: held once, computing what it did.
+    assert [m.weight.data_ptr() for m in mods] == [weight.data_ptr() + i * 8 * 4 for i in (0, 4, 6)]
+    assert all(torch.equal(m(x), b) for m, b in zip(mods, before, strict=True))
+    if bias:
+        assert fused_bias is not None and mods[1].bias.data_ptr() == fused_bias.data_ptr() + 4 * 4
+    else:
+        assert fused_bias is None
+
+
+def test_rows_already_side_by_side_are_fused_without_a_copy():
+    mods = linears(4, 2)
+    base = torch.randn(6, 8)
+    with torch.no_grad():
+        mods[0].weight = torch.nn.Parameter(base[:4], requires_grad=False)
+        mods[1].weight = torch.nn.Parameter(base[4:], requires_grad=False)
+    mods[0].bias = mods[1].bias = None
+    weight, _ = fuse_rows(mods)
+    assert weight.data_ptr() == base.data_ptr() and torch.equal(weight, base)
+
+
+def test_a_mixed_set_of_biases_is_padded_with_zeros_and_left_alone():
+    mods = linears(4, 2, bias=True)
+    mods[1].bias = None
+    weight, bias = fuse_rows(mods)
+    assert bias is not None and torch.equal(bias[4:], torch.zeros(2)) and torch.equal(bias[:4], mods[0].bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_computes_what_the_module_does(dtype):
+    norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64) + 0.5)
+    x = (torch.randn(5, 64) * 3).to(dtype)
+    fused = rms_norm(norm)
+    assert fused is not norm
+    tolerance = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(fused(x), norm(x), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_rotates_as_transformers_does(dtype):
+    model = build_model(BUILTIN_MODELS["tiny-llama"]).to(dtype)
+    rotary = model.model.rotary_emb
+    table = RotaryTable(rotary, 16, dtype, torch.device("cpu"), capacity=8)
+    positions = torch.tensor([0, 3, 7, 40, 9000])  # past the table: it grows
+    cos, sin = rotary(torch.empty(1, 1, 16, dtype=dtype), positions[None])
+    x = torch.randn(5, 4, 16).to(dtype)
+    ours = rotate(x, *table.at(positions))
+    theirs, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    tolerance = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(ours, theirs[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
+    span_cos, span_sin = table.span(3, 8)
+    at_cos, at_sin = table.at(torch.arange(3, 8))
+    assert torch.equal(span_cos, at_cos) and torch.equal(span_sin, at_sin)
+
+
+def test_only_llama_style_decoders_and_matching_layouts_are_taken(tiny_llama: LoadedModel):
+    with pytest.raises(UnsupportedModelError, match="not a Llama/Qwen2-style decoder"):
+        DecoderWeights.of(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError, match="dtype bfloat16 is not the model's"):
+        PagedForward(tiny_llama.model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads,
+                                                tiny_llama.head_dim, "bfloat16"))
+    with pytest.raises(ModelLoadError, match=r"dtype 'float16' is not supported \(supported: float32, bfloat16\)"):
+        model_dtype("float16")
+
+
+def test_decode_steps_equal_a_full_recomputation_and_reuse_their_buffer(tiny_llama: LoadedModel):
+    """Logits of decode steps over pages and a tail page equal those of prefilling the whole
+    sequence at once; the buffer is kept while the batch keeps its members and regathered
+    when it changes."""
+    forward = PagedForward(tiny_llama.model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads,
+                                                      tiny_llama.head_dim, "float32"))
+    rng = random.Random(0)
+    seqs = [[rng.randrange(32, 127) for _ in range(n)] for n in (9, 6)]
+    pool = torch.zeros((16, *forward.layout.page_shape))
+    tails = torch.zeros((2, *forward.layout.page_shape))
+    slots: list[list[int]] = []
+    free = iter(range(16))
+    for row, seq in enumerate(seqs):  # prefill all but the last token; full pages to the pool
+        _, fresh = forward.prefill(PrefillChunk(seq[:-1], 0, [], None), pool, want_logits=False)
+        full = (len(seq) - 1) // 4
+        slots.append([next(free) for _ in range(full)])
+        for slot, page in zip(slots[row], fresh[:full], strict=False):
+            pool[slot] = page
+        tails[row] = fresh[full] if full < len(fresh) else 0
+    batch = DecodeBatch([s[-1] for s in seqs], [len(s) - 1 for s in seqs], slots, [0, 1], keys=["a", "b"])
+    logits, buffer = forward.decode(batch, pool, tails)
+    for row, seq in enumerate(seqs):
+        whole, _ = forward.prefill(PrefillChunk(seq, 0, [], None), torch.zeros_like(pool), want_logits=True)
+        torch.testing.assert_close(logits[row], whole, atol=1e-5, rtol=1e-5)
+    nxt = DecodeBatch([1, 2], [len(s) for s in seqs], slots, [0, 1], keys=["a", "b"])
+    assert forward.decode(nxt, pool, tails, buffer)[1] is buffer
+    other = DecodeBatch([1], [len(seqs[0]) + 1], slots[:1], [0], keys=["a"])
+    assert forward.decode(other, pool, tails, buffer)[1] is not buffer
+
+
+def test_bfloat16_runs_end_to_end_with_a_bfloat16_kv_layout():
+    model = load_builtin("tiny-llama", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model.model_id.endswith(":bfloat16")
+    engine = LLMEngine(model, EngineConfig(page_size=4))
+    try:
+        out = engine.generate([[65, 66, 67, 68, 69, 70]], SamplingParams(max_new_tokens=5))[0]
+        assert engine.layout.dtype == "bfloat16" and engine.store.device_pool.dtype == torch.bfloat16
+    finally:
+        engine.close()
+    assert len(out.output_ids) == 5
