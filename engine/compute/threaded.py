@@ -13,14 +13,15 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.spec.calls import ComputeUnit, NodeCall
+from engine.spec.calls import ComputeUnit, FinalNodeError, NodeCall
 from engine.spec.graph import RoleSpec
 
 T = TypeVar("T")
 
 
-class UnitInputError(ValueError):
-    """A node call whose inputs or params the unit cannot take; the message names the node."""
+class UnitInputError(FinalNodeError, ValueError):
+    """A node call whose inputs or params the unit cannot take; the message names the node.
+    Final: the same call fails the same way on any replica, so it is never retried."""
 
 
 class ThreadedUnit(ComputeUnit):

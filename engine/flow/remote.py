@@ -103,6 +103,11 @@ class RemoteNodeError(RuntimeError):
     """The node's own code failed on the worker."""
 
 
+class FinalRemoteNodeError(RemoteNodeError, FinalNodeError):
+    """The node failed on the worker in a way no retry mends (`ExecuteFailed.retryable` false):
+    an op the worker refuses, inputs its unit cannot take."""
+
+
 class _Lost:
     """Put into a call's inbox when its worker is lost; `reached`: after the request went out
     (else the worker was lost, or unreachable, before it had the call)."""
@@ -645,7 +650,7 @@ class WorkerDispatcher:
                         return
                     elif isinstance(message, ExecuteFailed):
                         finished = True
-                        raise RemoteNodeError(message.error)
+                        raise (RemoteNodeError if message.retryable else FinalRemoteNodeError)(message.error)
                     elif isinstance(message, ErrorReply):
                         finished = True
                         if message.code in (ErrorCode.DRAINING,):

@@ -36,7 +36,7 @@ from engine.data.wire import (
     WorkerMessage,
 )
 from engine.flow.discovery import WorkerLoad
-from engine.spec.calls import ComputeUnit, NodeCall, NodeContext
+from engine.spec.calls import ComputeUnit, FinalNodeError, NodeCall, NodeContext
 from engine.spec.graph import RoleSpec
 
 Send = Callable[[bytes, WorkerMessage], None]
@@ -282,7 +282,8 @@ class RoleWorkerCore:
                 raise
             except Exception as exc:  # noqa: BLE001 - the node's failure, reported back to the executor
                 self.stats.failed += 1
-                reply(ExecuteFailed(rid, f"{type(exc).__name__}: {exc}"))
+                # A final error (an op refused, inputs the unit cannot take) fails the same way anywhere.
+                reply(ExecuteFailed(rid, f"{type(exc).__name__}: {exc}", retryable=not isinstance(exc, FinalNodeError)))
             finally:
                 self.running -= 1
                 self.stats.busy_s += time.perf_counter() - started

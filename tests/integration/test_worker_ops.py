@@ -16,6 +16,7 @@ import zmq.asyncio
 from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import ExecuteFailed, ExecuteResult, ExecuteStarted, PortValue, ValueKind
 from engine.flow.dsl import Workflow
+from engine.flow.events import NodeState, NodeStateEvent
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import default_kinds
@@ -75,6 +76,7 @@ async def test_a_strict_worker_refuses_module_ops_sent_to_it(raw: RawClient, op:
     reply = await answer(raw, request)
     assert isinstance(reply, ExecuteFailed), reply
     assert reply.error.startswith("OpNotAllowedError: node 'evil': op ") and op in reply.error, reply
+    assert reply.retryable is False  # refused anywhere alike: the executor must not try again
     assert not (tmp_path / "pwned").exists()
 
 
@@ -86,12 +88,14 @@ async def test_a_strict_worker_runs_registered_ops_and_refuses_unknown_ones(raw:
     assert isinstance(reply, ExecuteFailed), reply
     assert "UnknownOpError: node 'square': op 'diamond.sqare' is not a registered op" in reply.error
     assert "did you mean 'diamond.square'" in reply.error
+    assert reply.retryable is False
 
 
 async def test_an_executor_that_never_checked_gets_the_worker_refusal(strict_cluster: LocalCluster) -> None:
     spec = strict_spec()
-    nodes = [msgspec.structs.replace(n, op="tests.integration.workerfns:whoami") if n.id == "square" else n
-             for n in spec.nodes]
+    # Retries asked for, but a refusal is final: one attempt, not four refusals.
+    nodes = [msgspec.structs.replace(n, op="tests.integration.workerfns:whoami", retries=3) if n.id == "square"
+             else n for n in spec.nodes]
     evil = msgspec.structs.replace(spec, nodes=nodes)
     kinds = default_kinds()
     with Peer.start(PeerConfig(keys=strict_cluster.keys)) as peer:
@@ -105,3 +109,6 @@ async def test_an_executor_that_never_checked_gets_the_worker_refusal(strict_clu
             await executor.aclose()
     assert result.outputs == {}
     assert result.error is not None and "OpNotAllowedError: node 'square'" in result.error, result.error
+    attempts = [e for e in run.log.snapshot()
+                if isinstance(e, NodeStateEvent) and e.node == "square" and e.state == NodeState.RUNNING]
+    assert len(attempts) == 1, attempts
