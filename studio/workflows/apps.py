@@ -11,6 +11,7 @@ from django.apps import AppConfig, apps
 from django.conf import settings
 
 if TYPE_CHECKING:
+    from engine.flow.kvroute import PromptTokenizer
     from engine.spec.kinds import KindRegistry
     from engine.spec.ops import OpConfig
     from studio.config import StudioConfig
@@ -34,9 +35,12 @@ class StudioEngine:
     """The chat templates of the models chat deployments run, loaded once per model."""
     history: MetricsSampler
     """The workers' metrics over time: its `store`, and the sampler that fills it once started."""
+    prompt_tokenizer: PromptTokenizer
+    """The llm roles' tokenizers, loaded once per model, for KV-aware routing of text prompts."""
 
 
 def build_engine(config: StudioConfig) -> StudioEngine:
+    from engine.compute.llm.routing import RoleTokenizers
     from engine.spec.kinds import default_kinds
     from engine.spec.ops import OpConfig, default_ops
     from studio.workflows.chat.templates import ChatTemplates
@@ -48,10 +52,12 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     kinds = default_kinds()
     ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
     bus = ChannelLayerRunEventBus() if config.redis_url else LocalRunEventBus()
-    deployments = EmbeddedDeployments(config, kinds)
+    prompt_tokenizer = RoleTokenizers()
+    deployments = EmbeddedDeployments(config, kinds, prompt_tokenizer)
     runs = RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s)
     return StudioEngine(config=config, kinds=kinds, ops=ops, runs=runs, deployments=deployments,
-                        templates=ChatTemplates(), history=build_sampler(config, runs, deployments))
+                        templates=ChatTemplates(), history=build_sampler(config, runs, deployments),
+                        prompt_tokenizer=prompt_tokenizer)
 
 
 class WorkflowsConfig(AppConfig):

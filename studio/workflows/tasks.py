@@ -86,7 +86,8 @@ LEASE_LOST = "lease-lost"
 
 async def _execute(run_id: str, owner: str) -> str | None:
     eng = engine()
-    executors = NamespaceExecutors(eng.kinds, eng.config.redis_url, max_namespaces=1)
+    executors = NamespaceExecutors(eng.kinds, eng.config.redis_url, max_namespaces=1,
+                                   prompt_tokenizer=eng.prompt_tokenizer)
     store = ThreadedRunStore(None, LeaseTerms(owner, eng.config.run_lease_s))
     keeper = LeaseKeeper(store, store.lease)
     try:

@@ -27,9 +27,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine.compute.models import export_model
 from engine.data.kv.index import RedisKVIndex
 from engine.flow.dsl import Workflow
-from engine.flow.kvroute import KV_META_KEY, kv_index_namespace, prompt_pages
-from engine.flow.remote import RemoteNodeError
-from engine.spec.calls import NodeCall
+from engine.compute.llm.routing import RoleTokenizers
+from engine.flow.kvroute import KV_META_KEY, KVRouter, kv_index_namespace, prompt_pages
+from engine.flow.remote import RemoteNodeError, WorkerDispatcher
+from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import GraphSpec
 from tests.integration import deployments
 from tests.integration.deployments import deployed, equals, hf_greedy, text_ids
@@ -171,6 +172,49 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
     for handoff, moved in ((first["kv"], 5), (second["kv"], 1)):
         out = await deployment.execute("decode", {"kv": handoff}, ("kv",))
         assert out["kv"]["pulled_pages"] == moved
+
+
+async def test_kv_aware_routing_sends_a_text_prompt_to_the_worker_holding_its_prefix(deployment: Deployment):
+    """What the studio's dispatchers do (`dispatcher_for`): a `kv_aware` role's text prompts are
+    tokenized with the role's own tokenizer, so they route by their cached pages too (without a
+    tokenizer a text prompt has no page keys and load alone decides: the first worker)."""
+    first_id, second_id = deployment.worker_ids("prefill")
+    router = KVRouter.for_registry(deployment.cluster.registry, tokenizer=RoleTokenizers())
+    dispatcher = WorkerDispatcher(deployment.cluster.registry, deployment.peer, heartbeat_s=HB,
+                                  connect_timeout_s=5.0, kv_router=router)
+    role = deployment.spec.role("prefill")
+
+    async def execute(inputs: dict, started: asyncio.Event | None = None) -> dict:
+        call = NodeCall(f"r{uuid.uuid4().hex[:8]}", "pre", None, {}, inputs, ("kv",), False, False, 1, 1)
+        ctx = NodeContext(call.run_id, "pre", 1, 1, lambda f, m: None)
+        result = await dispatcher.execute(role, call, ctx, started.set if started is not None else lambda: None)
+        return result.outputs
+
+    shared = "You are a helpful assistant. Answer briefly. "  # 44 bytes: eleven pages
+    # The first worker busy with a streamed prompt: the prefix is computed on the second.
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_prompt() -> AsyncIterator[list[int]]:
+        await gate.wait()
+        yield text_ids(40, 6)
+
+    blocker = asyncio.create_task(execute({"tokens": slow_prompt()}, started))
+    try:
+        await asyncio.wait_for(started.wait(), 10.0)
+        first = await execute({"prompt": shared + "What is 2 + 2?"})
+        assert first["kv"]["worker_id"] == second_id
+        gate.set()
+        assert (await asyncio.wait_for(blocker, 10.0))["kv"]["worker_id"] == first_id
+        held = tuple(first["kv"]["page_hashes"][:11])
+        await wait_until(lambda: deployment.index.lookup(held).get(second_id) == 11, 10.0,
+                         "the index to show the shared prefix on the second worker")
+        # Both idle: load alone would pick the first worker; the text's cached pages pick the second.
+        again = await execute({"prompt": shared + "Name a colour."})
+        assert again["kv"]["worker_id"] == second_id and again["kv"]["cached_tokens"] == 44
+    finally:
+        gate.set()
+        await asyncio.gather(blocker, return_exceptions=True)
+        await dispatcher.close()
 
 
 async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_index(deployment: Deployment):

@@ -8,13 +8,15 @@ only the tokenizer of the role's model (the byte tokenizer of the tiny built-in 
 packaged model, built there first if need be: `engine.compute.models.load_tokenizer`), once per
 model.
 
-The composition root (the CLI, the studio) builds one and hands it to `WorkerDispatcher`
-through `KVRouter.for_registry(registry, tokenizer=RoleTokenizers())`; the flow layer itself
-never imports this module.
+The composition root builds one per process and hands it to every `WorkerDispatcher` it makes
+through `KVRouter.for_registry(registry, tokenizer=...)`: the studio does (`StudioEngine.prompt_tokenizer`,
+for its embedded deployments and the executors reaching other processes' deployments); the
+command line's runs have no KV index to route by. The flow layer itself never imports this module.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from transformers import PreTrainedTokenizerBase
@@ -22,20 +24,28 @@ from transformers import PreTrainedTokenizerBase
 from engine.compute.models.loader import ModelLoadError, load_tokenizer
 from engine.spec.graph import RoleSpec
 
+log = logging.getLogger(__name__)
+
 
 class RoleTokenizers:
     """`(role, text) -> token ids` for llm roles; thread-safe (the router calls it off its event loop)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._tokenizers: dict[str, PreTrainedTokenizerBase | None] = {}
 
-    def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
+    def tokenizer(self, model: str) -> PreTrainedTokenizerBase | None:
+        """`model`'s tokenizer, loaded once; None where it cannot be loaded (said once, in the log:
+        the router then balances that model's text prompts on load alone; the call itself goes on
+        to the worker, which reports the model's problem as the node's error)."""
         with self._lock:
-            tokenizer = self._tokenizers.get(model)
-            if tokenizer is None:
-                tokenizer = self._tokenizers[model] = self._load(model)
-            return tokenizer
+            if model not in self._tokenizers:
+                try:
+                    self._tokenizers[model] = self._load(model)
+                except ModelLoadError as exc:
+                    log.warning("KV-aware routing of %r's text prompts falls back to load: %s", model, exc)
+                    self._tokenizers[model] = None
+            return self._tokenizers[model]
 
     @staticmethod
     def _load(model: str) -> PreTrainedTokenizerBase:
@@ -44,4 +54,5 @@ class RoleTokenizers:
     def __call__(self, role: RoleSpec, text: str) -> list[int]:
         if not role.model:
             raise ModelLoadError(f"role {role.name!r} names no model")
-        return list(self.tokenizer(role.model)(text).input_ids)
+        tokenizer = self.tokenizer(role.model)
+        return [] if tokenizer is None else list(tokenizer(text).input_ids)

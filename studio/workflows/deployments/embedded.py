@@ -31,13 +31,13 @@ from django.db import close_old_connections, connections
 from engine.data.peer import Peer, PeerConfig
 from engine.flow.discovery import RegistryError, WorkerSnapshot
 from engine.flow.executor import Executor
-from engine.flow.remote import WorkerDispatcher
+from engine.flow.kvroute import PromptTokenizer
 from engine.spec.kinds import KindRegistry
 from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
-from studio.workflows.deployments.reach import NamespaceExecutors, pull_outputs
+from studio.workflows.deployments.reach import NamespaceExecutors, dispatcher_for, pull_outputs
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
 from studio.workflows.models import DeploymentStatus, WorkerStatus
 from studio.workflows.runs.execution import DeploymentUnavailable
@@ -70,10 +70,11 @@ def _started(worker: LaunchedWorker, device: str) -> list[StartedWorker]:
 
 
 class EmbeddedDeployments:
-    def __init__(self, config: StudioConfig, kinds: KindRegistry) -> None:
+    def __init__(self, config: StudioConfig, kinds: KindRegistry, prompt_tokenizer: PromptTokenizer | None = None) -> None:
         self.config = config
         self.kinds = kinds
-        self.reach = NamespaceExecutors(kinds, config.redis_url)
+        self.prompt_tokenizer = prompt_tokenizer
+        self.reach = NamespaceExecutors(kinds, config.redis_url, prompt_tokenizer=prompt_tokenizer)
         self._hosted: dict[str, _Hosted] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
@@ -164,7 +165,7 @@ class EmbeddedDeployments:
             )
             await cluster.start()  # stops what it started when one worker fails
             peer = Peer.start(PeerConfig(keys=ticket.keys))
-            dispatcher = WorkerDispatcher(cluster.registry, peer)
+            dispatcher = dispatcher_for(cluster.registry, peer, self.prompt_tokenizer)
             hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, Executor(dispatcher, self.kinds), peer,
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
             self._hosted[ticket.deployment_id] = hosted

@@ -26,6 +26,7 @@ from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import TensorRef
 from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot, make_registry
 from engine.flow.executor import Executor
+from engine.flow.kvroute import KVRouter, PromptTokenizer
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.kinds import KindRegistry
 from studio.workflows.runs.execution import DeploymentUnavailable
@@ -58,12 +59,19 @@ class _Reach:
     """This process's seat on the deployment's worker plane (its keys)."""
 
 
+def dispatcher_for(registry: Registry, peer: Peer, prompt_tokenizer: PromptTokenizer | None) -> WorkerDispatcher:
+    """The studio's dispatcher to the workers of `registry`: `kv_aware` roles route text prompts
+    by their cached pages, tokenized with `prompt_tokenizer` (the llm roles' own tokenizers)."""
+    return WorkerDispatcher(registry, peer, kv_router=KVRouter.for_registry(registry, tokenizer=prompt_tokenizer))
+
+
 class NamespaceExecutors:
     """Executors over registry namespaces (Redis), at most `max_namespaces` kept open."""
 
     def __init__(self, kinds: KindRegistry, registry_url: str | None, *, max_namespaces: int = 64,
-                 registry_ttl_s: float = 2.0) -> None:
+                 registry_ttl_s: float = 2.0, prompt_tokenizer: PromptTokenizer | None = None) -> None:
         self._kinds = kinds
+        self._tokenizer = prompt_tokenizer
         self._url = registry_url
         self._max = max_namespaces
         self._ttl_s = registry_ttl_s
@@ -91,7 +99,7 @@ class NamespaceExecutors:
             asyncio.get_running_loop().create_task(self._close(reach))
         registry = make_registry(self._url, namespace=namespace, ttl_s=self._ttl_s)
         peer = Peer.start(PeerConfig(keys=keys))
-        executor = Executor(WorkerDispatcher(registry, peer), self._kinds)
+        executor = Executor(dispatcher_for(registry, peer, self._tokenizer), self._kinds)
         reach = self._reach[namespace] = _Reach(registry, executor, peer)
         while len(self._reach) > self._max:
             _, old = self._reach.popitem(last=False)

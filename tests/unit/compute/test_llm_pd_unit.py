@@ -278,6 +278,17 @@ async def test_router_prompt_keys_are_the_engines_page_keys(make_unit, tiny_llam
     assert prompt_pages(role, call("g", {"tokens": ids}, (), {"session": "s"}), meta) == ()
 
 
+def test_a_model_whose_tokenizer_cannot_load_routes_its_text_on_load(tmp_path, caplog):
+    """The router's tokenizer failing costs the hint (no page keys: load decides), never the call;
+    the failure is said once in the log, not at every call."""
+    tokenizers = RoleTokenizers()
+    role = RoleSpec(name="llm", kind="llm", model=str(tmp_path / "no-such-checkpoint"))
+    with caplog.at_level("WARNING", logger="engine.compute.llm.routing"):
+        assert tokenizers(role, "a prompt") == []
+        assert tokenizers(role, "another prompt") == []
+    assert len([r for r in caplog.records if "falls back to load" in r.getMessage()]) == 1
+
+
 async def test_one_role_can_prefill_and_decode_itself(executor, tiny_llama):
     """Both nodes on the same workers: the decode finds every page at home and pulls none."""
     wf = Workflow("pd_one_role")
