@@ -193,6 +193,12 @@ LLM_MODELS = RoleModels(required=True, builtin="engine.compute.builtin_models:ll
 """An `llm` (and a `diffusion`) role's model: a built-in LLM or a checkpoint folder."""
 
 
+_USAGE_OUTPUT = PortSpec(
+    type="json", optional=True,
+    description="prompt, completion and cached token counts and the finish reason ('stop' or 'length'),"
+    " with the last frame (engine.spec.usage.Usage)")
+
+
 def register(registry: KindRegistry) -> None:
     registry.add_role_kind(
         RoleKind(
@@ -229,6 +235,7 @@ def register(registry: KindRegistry) -> None:
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
                 "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "usage": _USAGE_OUTPUT,
             },
         )
     )
@@ -260,6 +267,7 @@ def register(registry: KindRegistry) -> None:
                 "text": PortSpec(type="text", description="generated text, first token included (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
                 "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "usage": _USAGE_OUTPUT,
             },
         )
     )

@@ -327,8 +327,8 @@ def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: Ki
                           node=node.id, port=port))
         if fixed is None:
             continue
-        # A node may leave out the kind's optional inputs (graphs written before the kind grew them).
-        needed = {p for p, spec in fixed.items() if direction == "output" or not spec.optional}
+        # A node may leave out the kind's optional ports (graphs written before the kind grew them).
+        needed = {p for p, spec in fixed.items() if not spec.optional}
         if not needed <= set(declared) <= set(fixed):
             add(Issue("wrong_ports", f"node {node.id!r} of kind {kind.name!r} must have {direction} ports"
                       f" {sorted(fixed) or 'none'}, not {sorted(declared) or 'none'}", node=node.id))

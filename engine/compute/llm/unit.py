@@ -82,6 +82,7 @@ from engine.data.tensor_store import RefNotFound
 from engine.data.wire import ReleaseRequest, TensorRef
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -525,7 +526,8 @@ class LLMUnit(ComputeUnit):
             last = item
         assert last is not None
         final, extra = last
-        values = {"text": final.text, "tokens": list(final.output_ids), "kv": {**self._kv_ref(final), **extra}}
+        values = {"text": final.text, "tokens": list(final.output_ids), "kv": {**self._kv_ref(final), **extra},
+                  "usage": _usage(final)}
         ports = call.output_ports
         value = values[ports[0]] if len(ports) == 1 else {p: values[p] for p in ports if p in values}
         return NodeResult(outputs=map_outputs(value, ports, call.node_id))
@@ -538,6 +540,7 @@ class LLMUnit(ComputeUnit):
             frame: dict[str, Any] = {"text": out.text_delta, "tokens": list(out.new_token_ids)}
             if out.finished:
                 frame["kv"] = {**self._kv_ref(out), **extra}
+                frame["usage"] = _usage(out)
             yield map_frame({p: v for p, v in frame.items() if p in call.output_ports}, call.output_ports,
                             call.node_id)
 
@@ -699,6 +702,15 @@ class LLMUnit(ComputeUnit):
         self.engine.close()
         if self.shared is not None and self._weight_key is not None:
             self.shared.release(self._weight_key)
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    """The `usage` output of a finished generation (see `engine.spec.usage`)."""
+    reason = out.finish_reason
+    if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        raise LLMUnitError(f"request {out.request_id}: a generation that ended as {reason} has no usage")
+    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(out.output_ids),
+                 cached_tokens=out.cached_tokens, finish_reason=str(reason)).to_value()
 
 
 def _after_history(engine: LLMEngine, history: str | list[int], prompt: str | list[int] | None,

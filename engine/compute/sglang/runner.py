@@ -39,6 +39,7 @@ from engine.compute.sampling import SamplingParams, SamplingParamsError
 from engine.data.kv.keys import page_hashes
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.usage import Usage
 
 SAMPLING_PARAMS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -240,7 +241,8 @@ class SGLangLLMUnit(ComputeUnit):
         values: dict[str, Any] = {}
         async for out, ids in self._generate(call, stream=False):
             output_ids = list(out["output_ids"])
-            values = {"text": out.get("text") or "", "tokens": output_ids, "kv": self._kv_ref(out, ids, output_ids)}
+            values = {"text": out.get("text") or "", "tokens": output_ids, "kv": self._kv_ref(out, ids, output_ids),
+                      "usage": _usage(out, ids, output_ids)}
         ports = call.output_ports
         value = values[ports[0]] if len(ports) == 1 else {p: values[p] for p in ports if p in values}
         return NodeResult(outputs=map_outputs(value, ports, call.node_id))
@@ -253,6 +255,7 @@ class SGLangLLMUnit(ComputeUnit):
             frame: dict[str, Any] = {"text": out.get("text") or "", "tokens": new}
             if out.get("meta_info", {}).get("finish_reason") is not None:
                 frame["kv"] = self._kv_ref(out, ids, generated)
+                frame["usage"] = _usage(out, ids, generated)
             yield map_frame({p: v for p, v in frame.items() if p in call.output_ports}, call.output_ports,
                             call.node_id)
 
@@ -266,3 +269,14 @@ class SGLangLLMUnit(ComputeUnit):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
+
+
+def _usage(out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
+    """The `usage` output (`engine.spec.usage`) of SGLang's last output of a request."""
+    meta = out.get("meta_info", {})
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    if reason not in ("stop", "length"):
+        raise SGLangRunnerError(f"a generation that ended as {finish!r} has no usage")
+    return Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids),
+                 cached_tokens=int(meta.get("cached_tokens", 0)), finish_reason=reason).to_value()

@@ -30,6 +30,8 @@ class ChatShape:
     """Whether the llm node streams (its text deltas arrive as events)."""
     reply_output: str
     usage_output: str | None
+    llm_usage: bool
+    """Whether the llm node has its `usage` output (graphs saved before it had one do not)."""
 
 
 def _port_type(node: dict[str, Any], side: str, port: str) -> str | None:
@@ -64,4 +66,5 @@ def chat_shape(spec: dict[str, Any]) -> ChatShape:
         streams=bool(llm.get("stream")),
         reply_output=replies[0],
         usage_output=usage,
+        llm_usage="usage" in (llm.get("outputs") or {}),
     )

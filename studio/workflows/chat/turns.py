@@ -9,11 +9,13 @@ the LLM keeps the history (tokens and KV) server-side; the studio keeps the mess
 
 `follow_turn` yields the reply's text deltas as the run's events bring them (the llm
 node's `text` frames when it streams; its whole text at once when it does not), then one
-`TurnResult`: the reply (the run's reply output), token usage and finish reason. The finish
-reason is "stop" when the reply's last token (the llm node's `tokens` frames) is one of the
-model's EOS tokens or the reply is shorter than `max_new_tokens` (a stop string), else "length";
-a reply that ended on the EOS token carries its text (`eos`), which the session keeps, since the
-LLM holds that token. A run executed again after its executor stopped (`run_restarted`) yields
+`TurnResult`: the reply (the run's reply output), token usage and finish reason, both as the
+llm node's `usage` output says (`engine.spec.usage.Usage`). A graph saved before that output
+existed has its usage counted from its `usage` output or the node's `kv` reference, and its
+finish reason inferred: "stop" when the reply's last token is one of the model's EOS tokens or
+the reply is shorter than `max_new_tokens` (a stop string), else "length". A reply that ended on
+the EOS token (the llm node's last `tokens` frame) carries its text (`eos`), which the session
+keeps, since the LLM holds that token. A run executed again after its executor stopped (`run_restarted`) yields
 `TurnRestarted`, and the deltas start over.
 
 A session has a turn in flight while `Session.turn` names a run that is pending or running;
@@ -34,6 +36,7 @@ from django.db.models import Q
 from engine.compute.builtin_models import role_weights
 from engine.compute.models.catalog import Weights
 from engine.compute.models.errors import ModelLoadError
+from engine.spec.usage import Usage
 from studio.dbcalls import orm
 from studio.errors import BadRequest, Conflict, Unavailable
 from studio.workflows.apps import engine
@@ -272,6 +275,11 @@ def _usage_from_kv(kv: Any) -> dict[str, int] | None:
             "cached_tokens": int(kv.get("cached_tokens") or 0)}
 
 
+def _openai_usage(usage: Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "cached_tokens": usage.cached_tokens}
+
+
 @orm
 def _stored_outputs(run_id: str) -> dict[str, Any]:
     outputs = Run.objects.filter(pk=run_id).values_list("outputs", flat=True).first() or {}
@@ -289,11 +297,12 @@ async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str |
     shape = start.shape
     deltas: list[str] = []
     kv_usage = None
+    llm_usage: Usage | None = None
     last_token: int | None = None
     async for event in follow_run(start.run_id, bus):
         kind = event.get("type")
         if kind == RUN_RESTARTED:
-            deltas, kv_usage, last_token = [], None, None
+            deltas, kv_usage, llm_usage, last_token = [], None, None, None
             yield TurnRestarted(str(event.get("error") or ""))
         elif kind == "node_output" and event.get("node") == shape.llm_node:
             port = event.get("port")
@@ -304,19 +313,26 @@ async def follow_turn(start: TurnStart, bus: RunEventBus) -> AsyncIterator[str |
                     yield delta
             elif port == "tokens" and (shape.streams == (event.get("frame") is not None)):
                 last_token = _last_token(event.get("value")) if event.get("value") else last_token
-            elif port == "kv":
+            elif port == "usage":
+                llm_usage = Usage.from_value(event.get("value"))
+            elif port == "kv" and not shape.llm_usage:
                 kv_usage = _usage_from_kv(event.get("value")) or kv_usage
         elif kind == "run_finished":
             # The stored outputs are whole; the event's are previews (long texts cut short).
             outputs = {**(event.get("outputs") or {}), **await _stored_outputs(start.run_id)}
             status = event.get("status", "failed")
             text = _text(outputs.get(shape.reply_output)) or "".join(deltas)
-            usage = outputs.get(shape.usage_output) if shape.usage_output else None
-            if not (isinstance(usage, dict) and all(isinstance(usage.get(k), int) for k in
-                                                    ("prompt_tokens", "completion_tokens", "total_tokens"))):
-                usage = kv_usage
             eos = start.template.eos_text(last_token)
-            length = eos is None and usage is not None and usage["completion_tokens"] >= start.max_new_tokens
-            yield TurnResult(status=status, text=text, usage=usage, finish_reason="length" if length else "stop",
+            if shape.llm_usage:  # the llm node says what it took and why it ended
+                usage = None if llm_usage is None else _openai_usage(llm_usage)
+                finish = "stop" if llm_usage is None else llm_usage.finish_reason
+            else:  # a graph saved before the llm node had `usage`: counted from its outputs or kv reference
+                usage = outputs.get(shape.usage_output) if shape.usage_output else None
+                if not (isinstance(usage, dict) and all(isinstance(usage.get(k), int) for k in
+                                                        ("prompt_tokens", "completion_tokens", "total_tokens"))):
+                    usage = kv_usage
+                length = eos is None and usage is not None and usage["completion_tokens"] >= start.max_new_tokens
+                finish = "length" if length else "stop"
+            yield TurnResult(status=status, text=text, usage=usage, finish_reason=finish,
                              error=event.get("error") or "", eos=eos or "")
             return

@@ -16,6 +16,7 @@ from engine.flow.executor import Executor
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
 from engine.spec.kinds import default_kinds
+from engine.spec.usage import Usage
 from tests.unit.compute.conftest import prompt_ids
 
 LLM_IN = {"prompt": {"type": "text", "optional": True}, "tokens": {"type": "tokens", "optional": True}}
@@ -69,8 +70,10 @@ def reference(tiny_llama, prompts: list[list[int]], max_new: int = 8) -> list[li
 def test_kinds_register_the_llm_role_and_node(kinds):
     assert kinds.role_kind("llm").runner == "engine.compute.llm.unit:LLMUnit"
     node = kinds.node_kind("llm")
-    assert set(node.inputs) == {"prompt", "tokens", "items", "embeds"} and set(node.outputs) == {"text", "tokens", "kv"}
+    assert set(node.inputs) == {"prompt", "tokens", "items", "embeds"}
+    assert set(node.outputs) == {"text", "tokens", "kv", "usage"}
     assert node.to_dict()["outputs"]["kv"] == {"type": "kv", "optional": False}
+    assert node.to_dict()["outputs"]["usage"] == {"type": "json", "optional": True}  # older graphs lack it
     build_plan(chat_workflow().to_spec(), kinds)
     with pytest.raises(GraphValidationError) as err:
         build_plan(chat_workflow({"temperature": -1, "bogus": 1}).to_spec(), kinds)
@@ -86,6 +89,44 @@ async def test_a_workflow_generates_with_the_llm_node(executor, tiny_llama):
     assert result.outputs["text"] == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
     kv = result.outputs["kv"]
     assert kv["model_id"] == tiny_llama.model_id and kv["tokens"] == 20 and len(kv["pages"]) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_usage_output_says_what_a_generation_took_and_why_it_ended(executor, tiny_llama, stream):
+    prompt = "".join(chr(t) for t in prompt_ids(32, 10))
+    expected = reference(tiny_llama, [list(prompt.encode())])[0]
+
+    def usage_of(params: dict) -> Usage:
+        wf = Workflow("usage")
+        llm = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": 4})
+        source = wf.input("prompt", "text")
+        gen = wf.node("gen", "llm", role=llm, stream=stream, params={"max_new_tokens": 8, **params})
+        wf.edge(source, gen.inp("prompt"))
+        if stream:
+            out = wf.node("usage", "output", inputs={"value": {"type": "json", "join": "ordered"}})
+            wf.edge(gen.out("usage"), out.inp("value"))
+        else:
+            wf.output("usage", gen.out("usage"), "json")
+        return wf.to_spec()
+
+    by_length = await (await executor.submit(usage_of({}), {"prompt": prompt})).wait()
+    assert by_length.status == "done", by_length.error
+    value = by_length.outputs["usage"]
+    (value,) = value if stream else [value]  # streamed: the last frame alone carries it
+    assert Usage.from_value(value) == Usage(prompt_tokens=10, completion_tokens=8, cached_tokens=0,
+                                            finish_reason="length")
+    assert value["total_tokens"] == 18
+    at = next(i for i in range(1, 8) if expected[i] not in expected[:i])  # the first token not seen before
+    stopped = await (await executor.submit(usage_of({"stop_token_ids": [expected[at]]}), {"prompt": prompt})).wait()
+    value = stopped.outputs["usage"]
+    (value,) = value if stream else [value]
+    usage = Usage.from_value(value)
+    assert usage.finish_reason == "stop" and usage.completion_tokens == at + 1 and usage.cached_tokens == 8
+
+
+def test_a_usage_value_of_another_shape_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"finish_reason"):
+        Usage.from_value({"prompt_tokens": 1, "completion_tokens": 2, "cached_tokens": 0, "finish_reason": "abort"})
 
 
 def tiered_workflow(**role_params) -> Workflow:

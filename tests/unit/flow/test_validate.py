@@ -17,7 +17,7 @@ from engine.flow.dsl import Workflow
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError, Issue, check_spec, parse_spec, validate
 from engine.spec.graph import EdgeSpec, GraphSpec, NodeSpec, PortSpec, RoleSpec, encode_spec, spec_to_dict
-from engine.spec.kinds import KindRegistry, RoleKind, RoleModels, default_kinds
+from engine.spec.kinds import KindRegistry, NodeKind, RoleKind, RoleModels, default_kinds
 from tests.unit.flow import fns
 
 OP = "tests.unit.flow.fns:identity"
@@ -349,6 +349,21 @@ def test_fixed_ports_of_a_kind(kinds):
         Issue("wrong_ports", "node 'out' of kind 'output' must have input ports ['value'], not ['extra', 'value']",
               node="out"),
     ]
+
+
+def test_a_node_may_leave_out_a_kinds_optional_outputs_but_no_other(kinds):
+    """Graphs saved before a kind grew an optional output (the llm node's `usage`) stay valid."""
+    kinds.add_node_kind(NodeKind(name="gen", description="a generator", role_kinds=("python",), inputs={},
+                                 outputs={"out": PortSpec(type="json"), "extra": PortSpec(type="json", optional=True)}))
+    wf = Workflow("older")
+    wf.role("py")
+    wf.node("g", "gen", role="py", inputs={}, outputs={"out": "json"})
+    wf.output("y", "g.out")
+    assert check_spec(wf.to_spec(), kinds) == []
+    spec = wf.to_spec()
+    spec = replace(spec, nodes=[replace(n, outputs={"extra": PortSpec(type="json", optional=True)}) if n.id == "g"
+                                else n for n in spec.nodes])
+    assert [i.code for i in check_spec(spec, kinds)][:1] == ["wrong_ports"]
 
 
 # ------------------------------------------------------------------ cycles and reachability
