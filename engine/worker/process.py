@@ -368,207 +368,243 @@ def process_metrics(device: str) -> dict[str, float]:
     return metrics
 
 
-async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],
-                kv_store: Any = None) -> int:
-    """Run the worker until SIGTERM/SIGINT or the parent's death; returns the exit status.
+class RoleWorkerProc:
+    """One role worker process's endpoints around its `RoleWorkerCore`: the control socket
+    (ZeroMQ ROUTER, with CURVE when the plane has keys) and the local stream listener feed
+    `receive`; the liveness thread heartbeats `load()` and asks `check()`; `run()` serves until
+    stopped and returns the exit status (see the module docstring).
 
     Units are built with the process's `WeightStore` (`shared=`) and `kv_store` (the worker's
     KV store, when it has one) if their constructor takes them; else as `Unit(role)`."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    host = _host_of(config.listen)
-    peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{host}:0"), keys=config.keys))
-    context = zmq.Context()
-    guard = None if config.keys is None else PlaneGuard(context, config.keys, name="control")
-    sock = context.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
-    if guard is not None:
-        guard.serve(sock)
-    sock.bind(config.listen)
-    address = _bound(sock, host)
-    codec = WireCodec(config.max_message_bytes, WorkerMessage)
-    control: LoopSocket | None = None
-    streams: dict[bytes, framed.FramedStream] = {}
-    """Executors connected on the local socket, by the identity their messages carry here."""
 
-    def send(identity: bytes, message: WorkerMessage) -> None:
+    def __init__(self, config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],
+                 kv_store: Any = None) -> None:
+        self.config = config
+        self.kinds = kinds
+        self._ready = ready
+        self._kv_store = kv_store
+        self.host = _host_of(config.listen)
+        self.codec = WireCodec(config.max_message_bytes, WorkerMessage)
+        self.stop = asyncio.Event()
+        self.unhealthy: list[str] = []
+        """Why the worker cannot go on serving, when its unit or weights said so."""
+        self._streams: dict[bytes, framed.FramedStream] = {}
+        """Executors connected on the local socket, by the identity their messages carry here."""
+        self._greeted: set[bytes] = set()
+        self._identities = itertools.count(1)
+        self._control: LoopSocket | None = None
+        self._local_server: Any = None
+        self._local_refusals = framed.RefusalCounter()
+
+    # -- start ------------------------------------------------------------------------------------
+    def _bind_control(self) -> None:
+        config = self.config
+        self.peer = Peer.start(PeerConfig(server=ServerConfig(bind=f"tcp://{self.host}:0"), keys=config.keys))
+        self.context = zmq.Context()
+        self.guard = None if config.keys is None else PlaneGuard(self.context, config.keys, name="control")
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        if self.guard is not None:
+            self.guard.serve(self.sock)
+        self.sock.bind(config.listen)
+        self.address = _bound(self.sock, self.host)
+
+    def _build_unit(self) -> None:
+        """One weight store per process (roles of one model share weights; segments and indexes of
+        dead publishers are reclaimed first; GPU weights are served by CUDA IPC through the peer)
+        and, when given, one KV store for the units that take them."""
+        from engine.compute.weights.cuda import DeviceWeights  # torch: imported by the worker only
+        from engine.compute.weights.shared import HostWeights
+        from engine.compute.weights.store import WeightStore
+
+        config, peer = self.config, self.peer
+        HostWeights().reclaim()
+        DeviceWeights(peer).reclaim()
+        self.weights = WeightStore(HostWeights() if config.host_weights else None, DeviceWeights(peer))
+        self.capacity = config.capacity or int(config.role.params.get("capacity", 64))
+        # The units see the capacity this worker runs at (`--capacity` overrides the role's).
+        role = msgspec.structs.replace(config.role, params={**config.role.params, "capacity": self.capacity})
+        if config.role.tp_size > 1:
+            # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
+            # serve them to other workers as if they were whole (`engine.compute.tp.unit`).
+            tp_unit, _ = self.kinds.role_kind(config.role.kind).load_tp_runner()
+            self.unit = tp_unit(role, tp=tp_seat(config))
+            self.kv = KVHosting()
+        else:
+            self.unit = build_unit(self.kinds.role_kind(config.role.kind).load_runner(), role, shared=self.weights,
+                                   kv_store=self._kv_store,
+                                   ops=OpConfig(default_ops(), allow_module_ops=config.allow_module_ops))
+            # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
+            self.kv = KVHosting.start(self.unit, peer, config.worker_id, registry_url=config.registry_url,
+                                      namespace=config.namespace, heartbeat_s=config.heartbeat_s,
+                                      ttl_s=config.registry_ttl_s)
+        self.core = RoleWorkerCore(config.role, self.unit, peer, config.worker_id, self.send,
+                                   capacity=self.capacity, pull_timeout_s=config.pull_timeout_s)
+
+    async def _listen_locally(self) -> dict[str, str]:
+        """Executors in the same network namespace reach the worker on an abstract Unix socket
+        (`engine.data.framed`: no ZeroMQ I/O thread on either side, no file to clean up); the
+        address and namespace it advertises, or nothing outside a namespace."""
+        namespace = local_namespace()
+        if namespace is None:
+            return {}
+        # Named by pid and a digest of the worker id: a worker id of a long workflow and role
+        # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
+        digest = hashlib.blake2b(self.config.worker_id.encode(), digest_size=8).hexdigest()
+        local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
+        self._local_server = await framed.listen(local["local"], self._accept, counter=self._local_refusals)
+        return local
+
+    def info(self, liveness_address: str, local: dict[str, str]) -> WorkerInfo:
+        """What the registry lists for this worker."""
+        config = self.config
+        return WorkerInfo(
+            worker_id=config.worker_id, role=config.role.name, address=self.address, capacity=self.capacity,
+            model=config.role.model, device=config.role.device, host=self.host, pid=os.getpid(),
+            meta={"liveness": liveness_address, "data": self.peer.address, "workflow": config.workflow, **local,
+                  **self.kv.meta},
+        )
+
+    # -- messages ---------------------------------------------------------------------------------
+    def send(self, identity: bytes, message: WorkerMessage) -> None:
         # Never waits: a ROUTER drops a message to a peer that is gone or over its high-water
         # mark (no ROUTER_MANDATORY); a local stream buffers it (without back-pressure: the
         # executor reads as answers come), or drops it once its caller has gone (who then
-        # cancels what it started here, see `accept`).
-        stream = streams.get(identity)
+        # cancels what it started here, see `_accept`).
+        stream = self._streams.get(identity)
         if stream is None:
-            assert control is not None
-            control.send_nowait([identity, codec.encode(message)])
+            assert self._control is not None
+            self._control.send_nowait([identity, self.codec.encode(message)])
         elif not stream.closed:
-            stream.send_nowait(codec.encode(message), waiter=False)
+            stream.send_nowait(self.codec.encode(message), waiter=False)
 
-    # One weight store per process (roles of one model share weights; segments and indexes of
-    # dead publishers are reclaimed first; GPU weights are served by CUDA IPC through `peer`)
-    # and, when given, one KV store for the units that take them.
-    from engine.compute.weights.cuda import DeviceWeights  # torch: imported by the worker only
-    from engine.compute.weights.shared import HostWeights
-    from engine.compute.weights.store import WeightStore
-
-    HostWeights().reclaim()
-    DeviceWeights(peer).reclaim()
-    weights = WeightStore(HostWeights() if config.host_weights else None, DeviceWeights(peer))
-    capacity = config.capacity or int(config.role.params.get("capacity", 64))
-    # The units see the capacity this worker runs at (`--capacity` overrides the role's).
-    role = msgspec.structs.replace(config.role, params={**config.role.params, "capacity": capacity})
-    if config.role.tp_size > 1:
-        # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
-        # serve them to other workers as if they were whole (`engine.compute.tp.unit`).
-        tp_unit, _ = kinds.role_kind(config.role.kind).load_tp_runner()
-        unit = tp_unit(role, tp=tp_seat(config))
-        kv = KVHosting()
-    else:
-        unit = build_unit(kinds.role_kind(config.role.kind).load_runner(), role, shared=weights,
-                          kv_store=kv_store, ops=OpConfig(default_ops(), allow_module_ops=config.allow_module_ops))
-        # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
-        kv = KVHosting.start(unit, peer, config.worker_id, registry_url=config.registry_url,
-                             namespace=config.namespace, heartbeat_s=config.heartbeat_s,
-                             ttl_s=config.registry_ttl_s)
-    core = RoleWorkerCore(config.role, unit, peer, config.worker_id, send, capacity=capacity,
-                          pull_timeout_s=config.pull_timeout_s)
-
-    def refused() -> dict[str, float]:
-        # Connections refused on every server socket of the worker: for want of the plane's key
-        # (ZeroMQ), or from another uid (the local socket).
-        guards = (guard, liveness.guard)
-        return {REFUSED_METRIC: float(peer.server.refused + sum(g.refused for g in guards if g is not None)
-                                      + local_refusals.refused)}
-
-    def load() -> WorkerLoad:
-        base = core.load()
-        return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
-                          metrics={**base.metrics, **process_metrics(config.role.device), **kv.metrics(),
-                                   **unit.metrics(), **peer.transfers.metrics(), **refused()})
-
-    greeted: set[bytes] = set()
-
-    def receive(identity: bytes, payload: bytes) -> None:
+    def receive(self, identity: bytes, payload: bytes) -> None:
         try:
-            message = codec.decode(payload)
+            message = self.codec.decode(payload)
         except WireError as exc:
-            send(identity, ErrorReply(None, exc.code, str(exc)))
+            self.send(identity, ErrorReply(None, exc.code, str(exc)))
             return
         if isinstance(message, HelloRequest):
             if message.protocol_version != PROTOCOL_VERSION:
-                send(identity, ErrorReply(None, ErrorCode.VERSION_MISMATCH,
-                                          f"protocol {message.protocol_version}; this worker speaks"
-                                          f" {PROTOCOL_VERSION}"))
+                self.send(identity, ErrorReply(None, ErrorCode.VERSION_MISMATCH,
+                                               f"protocol {message.protocol_version}; this worker speaks"
+                                               f" {PROTOCOL_VERSION}"))
                 return
-            greeted.add(identity)
-            send(identity, HelloReply(PROTOCOL_VERSION, config.worker_id, host, 0, config.max_message_bytes))
-        elif identity not in greeted:
-            send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.HANDSHAKE_REQUIRED,
-                                      "the first message of a connection must be HelloRequest"))
+            self._greeted.add(identity)
+            self.send(identity, HelloReply(PROTOCOL_VERSION, self.config.worker_id, self.host, 0,
+                                           self.config.max_message_bytes))
+        elif identity not in self._greeted:
+            self.send(identity, ErrorReply(getattr(message, "request_id", None), ErrorCode.HANDSHAKE_REQUIRED,
+                                           "the first message of a connection must be HelloRequest"))
         elif isinstance(message, PingRequest):
-            send(identity, PingReply(message.request_id))
+            self.send(identity, PingReply(message.request_id))
         else:
-            core.handle(identity, message)
+            self.core.handle(identity, message)
 
-    def receive_frames(frames: list[bytes]) -> None:
+    def _receive_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            send(frames[0], ErrorReply(None, ErrorCode.MALFORMED, f"expected 1 message frame, got {len(frames) - 1}"))
+            self.send(frames[0], ErrorReply(None, ErrorCode.MALFORMED,
+                                            f"expected 1 message frame, got {len(frames) - 1}"))
             return
-        receive(frames[0], frames[1])
+        self.receive(frames[0], frames[1])
 
-    identities = itertools.count(1)
-
-    def accept() -> framed.FramedStream:
-        identity = f"local-{next(identities)}".encode()
+    def _accept(self) -> framed.FramedStream:
+        identity = f"local-{next(self._identities)}".encode()
+        limit = self.config.max_message_bytes
 
         def closed(reason: str) -> None:
             # The executor went away: nothing it started here has anyone to answer to.
-            streams.pop(identity, None)
-            greeted.discard(identity)
-            core.disconnected(identity)
+            self._streams.pop(identity, None)
+            self._greeted.discard(identity)
+            self.core.disconnected(identity)
 
-        stream = streams[identity] = framed.FramedStream(
-            lambda payload: receive(identity, payload),
-            max_message_bytes=config.max_message_bytes,
-            on_oversized=lambda size: send(identity, ErrorReply(
-                None, ErrorCode.OVERSIZED, f"message of {size} bytes is over the limit of"
-                                           f" {config.max_message_bytes}; closing the connection")),
+        stream = self._streams[identity] = framed.FramedStream(
+            lambda payload: self.receive(identity, payload),
+            max_message_bytes=limit,
+            on_oversized=lambda size: self.send(identity, ErrorReply(
+                None, ErrorCode.OVERSIZED, f"message of {size} bytes is over the limit of {limit};"
+                                           " closing the connection")),
             on_closed=closed,
         )
         return stream
 
-    # Executors in the same network namespace reach the worker on an abstract Unix socket
-    # (`engine.data.framed`: no ZeroMQ I/O thread on either side, no file to clean up).
-    local: dict[str, str] = {}
-    namespace = local_namespace()
-    local_server = None
-    local_refusals = framed.RefusalCounter()
-    if namespace is not None:
-        # Named by pid and a digest of the worker id: a worker id of a long workflow and role
-        # name would pass the 107 bytes a Unix socket name may have, and fail the bind.
-        digest = hashlib.blake2b(config.worker_id.encode(), digest_size=8).hexdigest()
-        local = {"local": framed.local_address(f"omniflow-{os.getpid()}-{digest}"), "local_ns": namespace}
-        local_server = await framed.listen(local["local"], accept, counter=local_refusals)
+    # -- health and load (from the liveness thread) -----------------------------------------------
+    def _refused(self) -> dict[str, float]:
+        # Connections refused on every server socket of the worker: for want of the plane's key
+        # (ZeroMQ), or from another uid (the local socket).
+        guards = (self.guard, self.liveness.guard)
+        return {REFUSED_METRIC: float(self.peer.server.refused + sum(g.refused for g in guards if g is not None)
+                                      + self._local_refusals.refused)}
 
-    unhealthy: list[str] = []
+    def load(self) -> WorkerLoad:
+        base = self.core.load()
+        return WorkerLoad(outstanding=base.outstanding, queue_depth=base.queue_depth, busy=base.busy,
+                          metrics={**base.metrics, **process_metrics(self.config.role.device), **self.kv.metrics(),
+                                   **self.unit.metrics(), **self.peer.transfers.metrics(), **self._refused()})
 
-    def stop_worker(reason: str) -> None:  # from the liveness thread, which logged the reason
-        loop.call_soon_threadsafe(stop.set)
-
-    def check() -> str | None:  # from the liveness thread, each heartbeat
-        problem = unit.health()
-        if problem is None and (orphaned := weights.orphaned()):
+    def check(self) -> str | None:
+        """Each heartbeat: why the worker cannot go on serving, or None."""
+        problem = self.unit.health()
+        if problem is None and (orphaned := self.weights.orphaned()):
             problem = f"the publisher of GPU weights this worker attached is gone: {', '.join(orphaned)}"
         if problem is not None:
-            unhealthy.append(problem)
+            self.unhealthy.append(problem)
         return problem
 
-    liveness = _Liveness(config, host, load, stop_worker, check, _LoopWatch(loop, config.stall_timeout_s).stalled)
-    liveness_address = liveness.start_and_bind()
-    info = WorkerInfo(
-        worker_id=config.worker_id,
-        role=config.role.name,
-        address=address,
-        capacity=capacity,
-        model=config.role.model,
-        device=config.role.device,
-        host=host,
-        pid=os.getpid(),
-        meta={"liveness": liveness_address, "data": peer.address, "workflow": config.workflow, **local, **kv.meta},
-    )
-    liveness.register(info)
+    # -- run --------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT, the parent's death or an unhealthy unit; the exit status."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        config = self.config
+        self._bind_control()
+        self._build_unit()
+        local = await self._listen_locally()
+        # The liveness thread logged why it stops the worker.
+        self.liveness = _Liveness(config, self.host, self.load, lambda reason: loop.call_soon_threadsafe(
+            self.stop.set), self.check, _LoopWatch(loop, config.stall_timeout_s).stalled)
+        liveness_address = self.liveness.start_and_bind()
+        self.liveness.register(self.info(liveness_address, local))
+        setproctitle.setproctitle(f"omniflow-worker role={config.role.name} id={config.worker_id}"
+                                  f" listen={self.address}")
+        self._control = LoopSocket(self.sock, self._receive_frames)
+        self._ready({"worker_id": config.worker_id, "role": config.role.name, "address": self.address,
+                     "liveness": liveness_address, "data": self.peer.address, "pid": os.getpid(),
+                     "host": self.host, "capacity": self.capacity, **local})
+        await self.stop.wait()
+        return await self._shutdown()
 
-    setproctitle.setproctitle(
-        f"omniflow-worker role={config.role.name} id={config.worker_id} listen={address}"
-    )
-    control = LoopSocket(sock, receive_frames)
-    ready({"worker_id": config.worker_id, "role": config.role.name, "address": address,
-           "liveness": liveness_address, "data": peer.address, "pid": os.getpid(), "host": host,
-           "capacity": capacity, **local})
-    await stop.wait()
-    log.info("worker %s draining", config.worker_id)
-    # Unhealthy (a failed unit, or weights gone and what runs would compute on freed memory):
-    # cancel what runs at once.
-    cancelled = await core.drain(0.0 if unhealthy else config.drain_timeout_s)
-    liveness.stop()
-    kv.close()
-    await unit.close()
-    weights.close()
-    # A linger lets the answers of drained executions leave before the context ends.
-    control.close(linger=_ANSWER_LINGER_MS)
-    if local_server is not None:
-        local_server.close()
-    for stream in list(streams.values()):
-        stream.close()
-    if guard is not None:
-        guard.close()
-    context.term()
-    peer.close()
-    if unhealthy:
-        return 4  # it could not go on serving (its unit failed, or its attached weights are gone)
-    return 0 if not cancelled else 3
+    async def _shutdown(self) -> int:
+        log.info("worker %s draining", self.config.worker_id)
+        # Unhealthy (a failed unit, or weights gone and what runs would compute on freed memory):
+        # cancel what runs at once.
+        cancelled = await self.core.drain(0.0 if self.unhealthy else self.config.drain_timeout_s)
+        self.liveness.stop()
+        self.kv.close()
+        await self.unit.close()
+        self.weights.close()
+        # A linger lets the answers of drained executions leave before the context ends.
+        assert self._control is not None
+        self._control.close(linger=_ANSWER_LINGER_MS)
+        if self._local_server is not None:
+            self._local_server.close()
+        for stream in list(self._streams.values()):
+            stream.close()
+        if self.guard is not None:
+            self.guard.close()
+        self.context.term()
+        self.peer.close()
+        if self.unhealthy:
+            return 4  # it could not go on serving (its unit failed, or its attached weights are gone)
+        return 0 if not cancelled else 3
+
+
+async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],
+                kv_store: Any = None) -> int:
+    """Run the worker until SIGTERM/SIGINT or the parent's death; returns the exit status."""
+    return await RoleWorkerProc(config, kinds, ready=ready, kv_store=kv_store).run()
 
 
 def tp_seat(config: WorkerConfig) -> Any:
