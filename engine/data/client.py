@@ -36,7 +36,7 @@ from engine.data.channel import (
 )
 from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header, contiguous_strides
 from engine.data.curve import PlaneKeys, connect_as_client
-from engine.data.pulls import Outgoing, OwnerInfo, PullState, release_discarded
+from engine.data.pulls import ChunkSink, Outgoing, OwnerInfo, PullState, release_discarded
 from engine.data.shm import SegmentError, SegmentMapper, host_id, parse_segment_name
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -214,16 +214,32 @@ class ZmqClient:
 
     def fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float) -> TensorData:
         """Pull `ref` in the calling thread; returns by `timeout` or raises a `TransferError`."""
+        data = self._fetch(ref, transports, timeout, None, 1)
+        assert data is not None
+        return data
+
+    def fetch_to(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink,
+                 align: int = 1) -> TensorData | None:
+        """`fetch`, but bytes that come as TCP chunks go to `sink` as each arrives (see
+        `engine.data.pulls`), in chunks of a multiple of `align` bytes where the owner allows:
+        returns None then. Bytes readable in place (shared memory, CUDA IPC, an inline reply)
+        are returned as `fetch` returns them, and `sink` is not called."""
+        if align < 1:
+            raise ValueError(f"align must be positive, got {align}")
+        return self._fetch(ref, transports, timeout, sink, align)
+
+    def _fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink | None,
+               align: int) -> TensorData | None:
         in_place = self._read_in_place(ref, transports)
         if in_place is not None:
             return in_place
 
-        def drive(link: _DirectLink, deadline: float) -> TensorData:
+        def drive(link: _DirectLink, deadline: float) -> TensorData | None:
             assert link.peer is not None
             pull = PullState(ref, transports, next(self._request_ids), self._mapper, self.config.window,
-                         bulk=self._bulk)
+                             bulk=self._bulk, sink=sink, align=align)
             self._direct_send(link, pull.start(link.peer, self.host, self.config.chunk_bytes), deadline)
-            while pull.result is None:
+            while not pull.finished:
                 if pull.grant is None:
                     message, frames = self._direct_reply(link, pull.request_id, deadline)
                 else:

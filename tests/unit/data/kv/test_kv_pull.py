@@ -155,6 +155,37 @@ def test_long_pulls_go_in_several_requests(
     assert local.metrics()["pull.pages"] == 6
 
 
+@pytest.mark.parametrize(("held", "expected"), [
+    (6, (Transport.TCP,) * 3), (4, (Transport.TCP,) * 2), (3, (Transport.TCP, Transport.INLINE))],
+    ids=["all", "two-requests", "mid-request"])
+def test_tcp_pulls_ask_ahead_and_store_pages_split_over_chunks(
+    make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path, held: int, expected: tuple[Transport, ...]
+) -> None:
+    """Requests of two 48 KiB pages (past the inline limit), each asked for while the one before
+    travels; 20 KiB chunks split every page in three, and each page is stored once whole. A run
+    that ends (at a request's end, or inside one: one page, inline) asks no further, and every
+    reply's buffer is released at the holder."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    keys = make_keys(6, page_size=16)
+    holder = make_peer()
+    served = make_store(device=8, host=None, disk=None, layout=layout)
+    for seed in range(held):
+        served.put(keys[seed], make_page(layout, seed))
+    KVPageServer(served, holder.server)
+    puller = make_peer(ClientConfig(chunk_bytes=20 * KiB, window=2))
+    local = make_store(device=8, host=None, disk=None, layout=layout)
+
+    result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP, max_pages=2)
+
+    assert result.pages == tuple(keys[:held])
+    assert result.transports == expected
+    assert set(local.resident_pages()) == set(keys[:held])
+    assert_holds_written_pages(local, keys[:held], layout)
+    assert local.metrics()["pull.pages"] == held
+    assert puller.transfers.metrics()["transfer.tcp.bytes"] == 2 * expected.count(Transport.TCP) * layout.page_nbytes
+    assert released_at_holder(puller, holder) == 0
+
+
 def test_only_the_holders_leading_run_comes(
     make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path
 ) -> None:
