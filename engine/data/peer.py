@@ -39,6 +39,7 @@ from engine.data.server import ServerConfig, TensorServer
 from engine.data.tensor_store import StoreConfig, TensorStore
 from engine.data.transfers import TransferTally
 from engine.data.wire import (
+    BulkGrant,
     LeaseReply,
     LeaseRequest,
     Message,
@@ -151,6 +152,18 @@ class Peer:
             return data
         transports = (Transport.TCP, Transport.INLINE) if tcp else self._transports(ref)
         got = self.client.fetch_to(ref, transports, timeout, sink, align)
+        if got is None:
+            self.transfers.add(Transport.TCP, ref.nbytes)
+        else:
+            self.transfers.record(got)
+        return got
+
+    def pull_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float | None, sink: ChunkSink | None = None,
+                     *, align: int = 1) -> TensorData | None:
+        """Pull `ref` over its owner's bulk channel under `grant`, given in another reply on the
+        CURVE connection (`ZmqClient.fetch_granted`); with `sink`, the chunks go there (None returned)."""
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        got = self.client.fetch_granted(ref, grant, timeout, sink, align)
         if got is None:
             self.transfers.add(Transport.TCP, ref.nbytes)
         else:

@@ -23,7 +23,7 @@ import zmq
 from engine.data import cuda_ipc
 from engine.data.bulk import chunk_tag, copy_intact
 from engine.data.channel import RemoteError, TransportUnavailable, remote_error
-from engine.data.codec import TensorData, WireError, check_header
+from engine.data.codec import TensorData, WireError, check_header, contiguous_strides
 from engine.data.curve import BulkMode
 from engine.data.shm import SegmentError, SegmentMapper
 from engine.data.wire import (
@@ -101,10 +101,40 @@ class PullState:
         if not transports:
             raise TransportUnavailable(f"{self.ref.owner} is not on this host (or this process has no CUDA):"
                                        f" {', '.join(t.value for t in self.accepted)} impossible")
+        self._chunking(peer, chunk_bytes)
+        return [PullRequest(self.request_id, self.ref.id, transports, bulk=self.bulk is not None and Transport.TCP in transports)]
+
+    def start_granted(self, peer: OwnerInfo, chunk_bytes: int, grant: BulkGrant) -> list[Outgoing]:
+        """Start past the `PullRequest`: the owner granted this ref's bytes over its bulk channel
+        already, in another reply on the CURVE connection (a `KVFetchReply`), so the chunks are
+        asked at once."""
+        if self.bulk is None:
+            raise RemoteError(ErrorCode.BAD_REQUEST, "a bulk grant on a plane without the bulk channel")
+        if self.bulk is BulkMode.MAC and not grant.key:
+            raise RemoteError(ErrorCode.BAD_REQUEST, "a bulk grant without a MAC key on a `mac` plane")
+        header = TensorHeader(self.ref.dtype, self.ref.shape, contiguous_strides(self.ref.shape), self.ref.nbytes)
+        try:
+            check_header(header)
+        except WireError as exc:
+            raise RemoteError(ErrorCode.MALFORMED, str(exc)) from exc
+        self._chunking(peer, chunk_bytes)
+        self.header = header
+        self.grant = grant
+        return self._tcp_start()
+
+    def _chunking(self, peer: OwnerInfo, chunk_bytes: int) -> None:
         self.chunk = max(1, min(chunk_bytes, peer.max_chunk or chunk_bytes))
         if self.align > 1 and self.chunk >= self.align:
             self.chunk -= self.chunk % self.align
-        return [PullRequest(self.request_id, self.ref.id, transports, bulk=self.bulk is not None and Transport.TCP in transports)]
+
+    def _tcp_start(self) -> list[Outgoing]:
+        assert self.header is not None
+        if self.header.nbytes == 0:
+            self.result = TensorData(self.header, np.empty(0, np.uint8), Transport.TCP)
+            return []
+        if self.sink is None:
+            self.dest = np.empty(self.header.nbytes, np.uint8)
+        return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
 
     def on_reply(self, message: Message | BulkMessage, frames: list[zmq.Frame]) -> list[Outgoing]:
         if isinstance(message, ErrorReply):
@@ -157,12 +187,7 @@ class PullState:
         if reply.transport is Transport.TCP:
             self.header = header
             self.grant = reply.bulk
-            if header.nbytes == 0:
-                self.result = TensorData(header, np.empty(0, np.uint8), Transport.TCP)
-                return []
-            if self.sink is None:
-                self.dest = np.empty(header.nbytes, np.uint8)
-            return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
+            return self._tcp_start()
         raise TransportUnavailable(f"the owner offered {reply.transport}, which was not asked for")
 
     def _open_cuda(self, shared: CudaIpcHandle, header: TensorHeader) -> list[Outgoing]:

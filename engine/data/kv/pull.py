@@ -6,7 +6,9 @@ that holds them, over the transfer plane (shared memory on one host, ZeroMQ acro
     result = fetch_pages(store, peer, address, pages, 2.0)  # or fetch from a known holder
 
 One fetch is one `KVFetchRequest` -> `KVFetchReply` round trip to the holder's
-`TensorServer`, then an ordinary pull of the reply's ref. The holder answers with the
+`TensorServer`, then an ordinary pull of the reply's ref (across hosts on a plane with bulk
+channels, the reply carries the one-time bulk grant a `PullRequest` would have got, so the
+chunks are asked at once: `engine.data.bulk`). The holder answers with the
 longest leading run of the asked pages that it holds intact (a page after a gap is useless
 to a prefix cache), read where they are (`KVStore.get(promote=False)`: serving a peer does
 not reshuffle its tiers) straight into one `[n, *page_shape]` buffer of its tensor store.
@@ -124,7 +126,8 @@ class KVPageServer:
         finally:
             if not reservation.committed:
                 tensors.abort(reservation)
-        return KVFetchReply(request.request_id, request.pages[:read], ref)
+        grant = self.server.grant_bulk(ref) if request.bulk and ref is not None else None
+        return KVFetchReply(request.request_id, request.pages[:read], ref, grant)
 
     def close(self) -> None:
         """Stop serving pages (later requests are refused as UNSUPPORTED)."""
@@ -303,11 +306,20 @@ def _batches(pages: Sequence[PageHash], page_nbytes: int, max_pages: int) -> lis
     return batches
 
 
-def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str,
+def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str, bulk: bool,
          deadline: float) -> Transfer:
     """Ask `holder` for `batch` on the client's I/O thread: the answer comes while this thread
     pulls the batch before."""
-    return peer.client.call(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint), _remaining(deadline, holder))
+    return peer.client.call(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
+                            _remaining(deadline, holder))
+
+
+def _wants_bulk(peer: Peer, transport: Transport | None, holder_host: str | None) -> bool:
+    """Whether to take a bulk grant with the pages: the bytes will come over TCP on a plane
+    with bulk channels (forced, or the holder is known to be on another host)."""
+    if peer.client.bulk_mode is None or transport is Transport.SHM:
+        return False
+    return transport is Transport.TCP or (holder_host is not None and holder_host != peer.host)
 
 
 def _fetch_run(
@@ -328,7 +340,8 @@ def _fetch_run(
     layout = store.layout
     fingerprint = layout.fingerprint()
     batch = batches[0]
-    reply = peer.client.request(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint),
+    bulk = _wants_bulk(peer, transport, peer.client.owner_host(holder))
+    reply = peer.client.request(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
                                 _remaining(deadline, holder))
     for n, batch in enumerate(batches):
         if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
@@ -340,19 +353,23 @@ def _fetch_run(
         if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
             raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
         following = batches[n + 1] if len(found) == len(batch) and n + 1 < len(batches) else None
+        bulk = _wants_bulk(peer, transport, ref.host)
         asked: list[Transfer] = []
 
-        def ask_next(following: tuple[PageHash, ...] | None = following, asked: list[Transfer] = asked) -> None:
+        def ask_next(following: tuple[PageHash, ...] | None = following, asked: list[Transfer] = asked,
+                     bulk: bool = bulk) -> None:
             if following is not None and not asked:
-                asked.append(_ask(peer, holder, following, fingerprint, deadline))
+                asked.append(_ask(peer, holder, following, fingerprint, bulk, deadline))
 
         try:
             timeout = _remaining(deadline, holder)
+            sink = _PageSink(store, found, ask_next)
             if transport is Transport.SHM:
                 data: TensorData | None = peer.shm.fetch(ref, timeout)
+            elif reply.bulk is not None:  # granted with the pages: the chunks are asked at once
+                data = peer.pull_granted(ref, reply.bulk, timeout, sink, align=layout.page_nbytes)
             else:  # TCP chunks go straight into the store, page by page, as they arrive
-                data = peer.pull_to(ref, timeout, _PageSink(store, found, ask_next), align=layout.page_nbytes,
-                                    tcp=transport is Transport.TCP)
+                data = peer.pull_to(ref, timeout, sink, align=layout.page_nbytes, tcp=transport is Transport.TCP)
             ask_next()
             if data is not None:
                 store.put_many(found, data.torch())  # copies: a shared-memory view is the holder's
