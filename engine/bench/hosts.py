@@ -18,7 +18,8 @@ drift on a small machine hits all alike), in GB/s = bytes / seconds / 1e9:
   KV pages (a 24-layer, 8-KV-head, 128-dim, fp16 layout of 16-token pages: 1.5 MiB a page)
   from the producer's `KVPageServer` into the consumer's `KVStore`, as workers pull them: in
   requests of 8 then 16 MiB, each asked while the one before travels, the holder gathering its
-  pages into one buffer, the consumer storing each page from the received chunk as it comes;
+  pages into one buffer and (authenticated plane) granting its bulk channel in the same reply,
+  the consumer storing each page from the received chunk as it comes;
 * `raw_tensor_gbps`, `raw_kv_gbps`: bare pyzmq between the same namespaces, a DEALER asking
   a ROUTER that answers with the same number of bytes as one `copy=False` frame;
 * `kv_enc_gbps`: the KV run with every byte inside CURVE;
