@@ -35,8 +35,8 @@ from engine.data.channel import (
     remote_error,
 )
 from engine.data.codec import Limits, MiB, TensorData, WireCodec, WireError, check_header, contiguous_strides
-from engine.data.curve import PlaneKeys, connect_as_client
-from engine.data.pulls import Outgoing, OwnerInfo, PullState, release_discarded
+from engine.data.curve import BulkMode, PlaneKeys, connect_as_client
+from engine.data.pulls import ChunkSink, Outgoing, OwnerInfo, PullState, release_discarded
 from engine.data.shm import SegmentError, SegmentMapper, host_id, parse_segment_name
 from engine.data.wire import (
     PROTOCOL_VERSION,
@@ -214,29 +214,81 @@ class ZmqClient:
 
     def fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float) -> TensorData:
         """Pull `ref` in the calling thread; returns by `timeout` or raises a `TransferError`."""
+        data = self._fetch(ref, transports, timeout, None, 1)
+        assert data is not None
+        return data
+
+    def fetch_to(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink,
+                 align: int = 1) -> TensorData | None:
+        """`fetch`, but bytes that come as TCP chunks go to `sink` as each arrives (see
+        `engine.data.pulls`), in chunks of a multiple of `align` bytes where the owner allows:
+        returns None then. Bytes readable in place (shared memory, CUDA IPC, an inline reply)
+        are returned as `fetch` returns them, and `sink` is not called."""
+        if align < 1:
+            raise ValueError(f"align must be positive, got {align}")
+        return self._fetch(ref, transports, timeout, sink, align)
+
+    def _fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink | None,
+               align: int) -> TensorData | None:
         in_place = self._read_in_place(ref, transports)
         if in_place is not None:
             return in_place
 
-        def drive(link: _DirectLink, deadline: float) -> TensorData:
+        def drive(link: _DirectLink, deadline: float) -> TensorData | None:
             assert link.peer is not None
             pull = PullState(ref, transports, next(self._request_ids), self._mapper, self.config.window,
-                         bulk=self._bulk)
-            self._direct_send(link, pull.start(link.peer, self.host, self.config.chunk_bytes), deadline)
-            while pull.result is None:
-                if pull.grant is None:
-                    message, frames = self._direct_reply(link, pull.request_id, deadline)
-                else:
-                    message, frames = self._direct_bulk_reply(link, pull.request_id, deadline)
-                requests = pull.on_reply(message, frames)
-                if pull.shm_failed:
-                    link.peer.shm_ok = False
-                if pull.cuda_failed:
-                    link.peer.cuda_ok = False
-                self._direct_send(link, requests, deadline, pull.grant)
-            return pull.result
+                             bulk=self._bulk, sink=sink, align=align)
+            return self._drive(link, pull, pull.start(link.peer, self.host, self.config.chunk_bytes), deadline)
 
         return self._with_direct(ref.owner, timeout, drive)
+
+    def fetch_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float, sink: ChunkSink | None = None,
+                      align: int = 1) -> TensorData | None:
+        """Pull `ref` over its owner's bulk channel under `grant`, which the owner gave in another
+        reply (a `KVFetchReply`): no `PullRequest` round trip. As `fetch_to` with `sink` (None
+        returned), as `fetch` without."""
+        if align < 1:
+            raise ValueError(f"align must be positive, got {align}")
+
+        def drive(link: _DirectLink, deadline: float) -> TensorData | None:
+            assert link.peer is not None
+            pull = PullState(ref, (Transport.TCP,), next(self._request_ids), self._mapper, self.config.window,
+                             bulk=self._bulk, sink=sink, align=align)
+            return self._drive(link, pull, pull.start_granted(link.peer, self.config.chunk_bytes, grant), deadline)
+
+        return self._with_direct(ref.owner, timeout, drive)
+
+    @property
+    def bulk_mode(self) -> BulkMode | None:
+        """How TCP bytes travel on this plane: over owners' bulk channels (`clear`, `mac`), or
+        None: inside the connection (plaintext, or `encrypted`)."""
+        return self._bulk
+
+    def owner_host(self, address: str) -> str | None:
+        """The host the owner at `address` named when this client's blocking calls greeted it
+        (None: not greeted yet)."""
+        with self._direct_lock:
+            link = self._direct.get(address)
+        peer = None if link is None else link.peer
+        return None if peer is None else peer.host
+
+    def _drive(self, link: _DirectLink, pull: PullState, requests: list[Outgoing],
+               deadline: float) -> TensorData | None:
+        """Send a pull's first requests, then feed it replies until it is done."""
+        assert link.peer is not None
+        self._direct_send(link, requests, deadline, pull.grant)
+        while not pull.finished:
+            if pull.grant is None:
+                message, frames = self._direct_reply(link, pull.request_id, deadline)
+            else:
+                message, frames = self._direct_bulk_reply(link, pull.request_id, deadline)
+            requests = pull.on_reply(message, frames)
+            if pull.shm_failed:
+                link.peer.shm_ok = False
+            if pull.cuda_failed:
+                link.peer.cuda_ok = False
+            self._direct_send(link, requests, deadline, pull.grant)
+        return pull.result
 
     def request(self, address: str, message: Callable[[int], Message], timeout: float) -> Message:
         """`call`, blocking in the calling thread; returns the reply."""

@@ -34,10 +34,12 @@ from engine.data.channel import (
 from engine.data.client import ClientConfig, ZmqClient
 from engine.data.codec import TensorData
 from engine.data.curve import PlaneKeys
+from engine.data.pulls import ChunkSink
 from engine.data.server import ServerConfig, TensorServer
 from engine.data.tensor_store import StoreConfig, TensorStore
 from engine.data.transfers import TransferTally
 from engine.data.wire import (
+    BulkGrant,
     LeaseReply,
     LeaseRequest,
     Message,
@@ -137,6 +139,36 @@ class Peer:
             data = self.client.fetch(ref, self._transports(ref), timeout)
         self.transfers.record(data)
         return data
+
+    def pull_to(self, ref: TensorRef, timeout: float | None, sink: ChunkSink, *, align: int = 1,
+                tcp: bool = False) -> TensorData | None:
+        """`pull`, but bytes that come as TCP chunks go to `sink` (`ZmqClient.fetch_to`): None
+        then; bytes readable in place come back as `pull` returns them. `tcp`: TCP (or an
+        inline reply) even on this host."""
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        if ref.owner == self.address and not tcp:
+            data = self.local.fetch(ref, timeout)
+            self.transfers.record(data)
+            return data
+        transports = (Transport.TCP, Transport.INLINE) if tcp else self._transports(ref)
+        got = self.client.fetch_to(ref, transports, timeout, sink, align)
+        if got is None:
+            self.transfers.add(Transport.TCP, ref.nbytes)
+        else:
+            self.transfers.record(got)
+        return got
+
+    def pull_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float | None, sink: ChunkSink | None = None,
+                     *, align: int = 1) -> TensorData | None:
+        """Pull `ref` over its owner's bulk channel under `grant`, given in another reply on the
+        CURVE connection (`ZmqClient.fetch_granted`); with `sink`, the chunks go there (None returned)."""
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        got = self.client.fetch_granted(ref, grant, timeout, sink, align)
+        if got is None:
+            self.transfers.add(Transport.TCP, ref.nbytes)
+        else:
+            self.transfers.record(got)
+        return got
 
     async def pull_async(self, ref: TensorRef, timeout: float | None = None) -> TensorData:
         """Pull without blocking the event loop (carried by the client's I/O thread)."""

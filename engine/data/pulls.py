@@ -3,19 +3,27 @@
 Fed each reply of the owner (on its connection, or its bulk channel: `engine.data.bulk`), a
 `PullState` answers with the requests to send next, raises a `TransferError`, or sets `result`.
 `engine.data.client.ZmqClient` drives it from its I/O thread or from a blocking caller's.
+
+A pull with a `sink` (a blocking caller's `ZmqClient.fetch_to`) hands each TCP chunk to it as it
+arrives (its offset and the received frame's bytes, MAC checked first on a `mac` plane) instead of
+copying it into a buffer of the whole tensor: the caller puts the bytes where they belong with
+one copy (a KV pull: straight into its store's pages), overlapped with the chunks still on the
+wire. `align` rounds the chunk size down to a multiple (a KV page), so a chunk holds whole pages.
 """
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import copy_intact
+from engine.data.bulk import chunk_tag, copy_intact
 from engine.data.channel import RemoteError, TransportUnavailable, remote_error
-from engine.data.codec import TensorData, WireError, check_header
+from engine.data.codec import TensorData, WireError, check_header, contiguous_strides
 from engine.data.curve import BulkMode
 from engine.data.shm import SegmentError, SegmentMapper
 from engine.data.wire import (
@@ -38,6 +46,9 @@ from engine.data.wire import (
 
 Outgoing = Message | BulkChunkRequest
 """A request a pull sends: on the owner's connection, or (a `BulkChunkRequest`) its bulk channel."""
+
+ChunkSink = Callable[[int, memoryview], None]
+"""Takes the bytes of a TCP pull's chunk at an offset (a view of the received frame, valid during the call)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +82,13 @@ class PullState:
     cuda_failed: bool = False  # opening failed: this owner's GPU memory is not reachable from here
     bulk: BulkMode | None = None  # ask for the owner's bulk channel for TCP bytes (`mac`: insist on MACs)
     grant: BulkGrant | None = None  # given: the chunks are BulkChunkRequests to `grant.address`
+    sink: ChunkSink | None = None  # TCP chunks go here, not into `dest`
+    align: int = 1  # the chunk size is a multiple of this where the owner's limit allows
+    sunk: bool = False  # every byte went to `sink`: done, without a `result`
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.sunk
 
     def start(self, peer: OwnerInfo, host: str, chunk_bytes: int) -> list[Outgoing]:
         transports = self.accepted
@@ -83,8 +101,40 @@ class PullState:
         if not transports:
             raise TransportUnavailable(f"{self.ref.owner} is not on this host (or this process has no CUDA):"
                                        f" {', '.join(t.value for t in self.accepted)} impossible")
-        self.chunk = max(1, min(chunk_bytes, peer.max_chunk or chunk_bytes))
+        self._chunking(peer, chunk_bytes)
         return [PullRequest(self.request_id, self.ref.id, transports, bulk=self.bulk is not None and Transport.TCP in transports)]
+
+    def start_granted(self, peer: OwnerInfo, chunk_bytes: int, grant: BulkGrant) -> list[Outgoing]:
+        """Start past the `PullRequest`: the owner granted this ref's bytes over its bulk channel
+        already, in another reply on the CURVE connection (a `KVFetchReply`), so the chunks are
+        asked at once."""
+        if self.bulk is None:
+            raise RemoteError(ErrorCode.BAD_REQUEST, "a bulk grant on a plane without the bulk channel")
+        if self.bulk is BulkMode.MAC and not grant.key:
+            raise RemoteError(ErrorCode.BAD_REQUEST, "a bulk grant without a MAC key on a `mac` plane")
+        header = TensorHeader(self.ref.dtype, self.ref.shape, contiguous_strides(self.ref.shape), self.ref.nbytes)
+        try:
+            check_header(header)
+        except WireError as exc:
+            raise RemoteError(ErrorCode.MALFORMED, str(exc)) from exc
+        self._chunking(peer, chunk_bytes)
+        self.header = header
+        self.grant = grant
+        return self._tcp_start()
+
+    def _chunking(self, peer: OwnerInfo, chunk_bytes: int) -> None:
+        self.chunk = max(1, min(chunk_bytes, peer.max_chunk or chunk_bytes))
+        if self.align > 1 and self.chunk >= self.align:
+            self.chunk -= self.chunk % self.align
+
+    def _tcp_start(self) -> list[Outgoing]:
+        assert self.header is not None
+        if self.header.nbytes == 0:
+            self.result = TensorData(self.header, np.empty(0, np.uint8), Transport.TCP)
+            return []
+        if self.sink is None:
+            self.dest = np.empty(self.header.nbytes, np.uint8)
+        return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
 
     def on_reply(self, message: Message | BulkMessage, frames: list[zmq.Frame]) -> list[Outgoing]:
         if isinstance(message, ErrorReply):
@@ -137,11 +187,7 @@ class PullState:
         if reply.transport is Transport.TCP:
             self.header = header
             self.grant = reply.bulk
-            if header.nbytes == 0:
-                self.result = TensorData(header, np.empty(0, np.uint8), Transport.TCP)
-                return []
-            self.dest = np.empty(header.nbytes, np.uint8)
-            return [r for r in (self._next_chunk() for _ in range(self.window)) if r is not None]
+            return self._tcp_start()
         raise TransportUnavailable(f"the owner offered {reply.transport}, which was not asked for")
 
     def _open_cuda(self, shared: CudaIpcHandle, header: TensorHeader) -> list[Outgoing]:
@@ -174,26 +220,41 @@ class PullState:
         return request
 
     def _on_chunk(self, reply: ChunkReply | BulkChunkReply, frames: list[zmq.Frame]) -> list[Outgoing]:
-        if self.header is None or self.dest is None:
+        if self.header is None or (self.dest is None and self.sink is None):
             raise RemoteError(ErrorCode.MALFORMED, "a chunk before the pull reply")
         if reply.offset not in self.outstanding or len(frames) != 1 or len(frames[0].buffer) != reply.length:
             raise RemoteError(ErrorCode.MALFORMED, f"unexpected chunk at offset {reply.offset}")
         if (self.grant is None) != isinstance(reply, ChunkReply):
             raise RemoteError(ErrorCode.MALFORMED, f"a {type(reply).__name__} on the wrong channel")
-        dest = self.dest[reply.offset : reply.offset + reply.length]
-        if isinstance(reply, BulkChunkReply) and self.grant is not None and self.grant.key:
-            if not copy_intact(self.grant.key, self.ref.id, reply.offset, frames[0].buffer, reply.tag, dest):
-                raise RemoteError(ErrorCode.MALFORMED, f"the chunk at offset {reply.offset} fails its MAC:"
-                                                       " altered on its way from the owner")
+        key = self.grant.key if isinstance(reply, BulkChunkReply) and self.grant is not None else b""
+        if self.sink is not None:
+            data = frames[0].buffer
+            if key and not hmac.compare_digest(chunk_tag(key, self.ref.id, reply.offset, data), reply.tag):
+                raise _altered(reply.offset)
+            self.sink(reply.offset, data)
         else:
-            dest[:] = np.frombuffer(frames[0].buffer, np.uint8)
+            assert self.dest is not None
+            dest = self.dest[reply.offset : reply.offset + reply.length]
+            if key:
+                if not copy_intact(key, self.ref.id, reply.offset, frames[0].buffer, reply.tag, dest):
+                    raise _altered(reply.offset)
+            else:
+                dest[:] = np.frombuffer(frames[0].buffer, np.uint8)
         self.outstanding.discard(reply.offset)
         self.received += reply.length
         if self.received == self.header.nbytes:
-            self.result = TensorData(self.header, self.dest, Transport.TCP)
+            if self.dest is None:
+                self.sunk = True
+            else:
+                self.result = TensorData(self.header, self.dest, Transport.TCP)
             return []
         request = self._next_chunk()
         return [] if request is None else [request]
+
+
+def _altered(offset: int) -> RemoteError:
+    return RemoteError(ErrorCode.MALFORMED, f"the chunk at offset {offset} fails its MAC: altered on its way"
+                                            " from the owner")
 
 
 def release_discarded(message: Message) -> None:

@@ -38,6 +38,7 @@ from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
 from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
 from engine.data.wire import (
     PROTOCOL_VERSION,
+    BulkGrant,
     ChunkReply,
     ChunkRequest,
     ErrorCode,
@@ -55,6 +56,7 @@ from engine.data.wire import (
     ReleaseRequest,
     StatsReply,
     StatsRequest,
+    TensorRef,
     Transport,
 )
 
@@ -176,6 +178,14 @@ class TensorServer:
     def bulk_address(self) -> str | None:
         """The bulk channel's endpoint; None without one."""
         return None if self._bulk is None else self._bulk.address
+
+    def grant_bulk(self, ref: TensorRef) -> BulkGrant | None:
+        """A one-time grant to read `ref`'s bytes over the bulk channel, for a handler's reply on
+        the CURVE connection (handlers run on the serving thread, which keeps the grants); None
+        without a bulk channel, or for an empty ref."""
+        if self._bulk is None or ref.nbytes == 0:
+            return None
+        return self._bulk.grant(ref.id, ref.nbytes)
 
     @property
     def bulk_bytes(self) -> int:

@@ -250,11 +250,13 @@ class PingReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """Ask a worker for KV cache pages, in chain order. `pages` are page keys (hex SHA-256,
     `engine.data.kv.keys.PageHash`); `layout` is the asker's `KVLayout.fingerprint()`: a holder
-    with another layout refuses with BAD_REQUEST rather than hand out pages of another shape."""
+    with another layout refuses with BAD_REQUEST rather than hand out pages of another shape.
+    `bulk`: the asker will pull the reply's ref over TCP and takes a bulk grant in the reply."""
 
     request_id: int
     pages: tuple[str, ...]
     layout: str
+    bulk: bool = False
 
 
 class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -262,11 +264,14 @@ class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     that it holds intact (a page after a gap is useless to a prefix cache), so `found` is a
     prefix of the request's `pages`. `ref` names them stacked as one tensor
     `[len(found), *page_shape]` in the holder's tensor store, under a short lease; pull it like
-    any ref, then release it. `ref` is None when `found` is empty."""
+    any ref, then release it. `ref` is None when `found` is empty. `bulk`: asked for, and the
+    holder has a bulk channel: a one-time grant to read `ref` there (as a `PullReply` would give),
+    so the asker asks for the chunks at once."""
 
     request_id: int
     found: tuple[str, ...]
     ref: TensorRef | None = None
+    bulk: BulkGrant | None = None
 
 
 class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):

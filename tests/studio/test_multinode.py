@@ -328,3 +328,73 @@ def test_a_spec_no_node_can_hold_is_refused_with_its_reason(cluster: NodeCluster
     # the deploy dialog's preview says the same, with a 200
     preview = api.post("/api/nodes/placement/", {"workflow": wf["id"]}, format="json").json()
     assert preview["placement"] == [] and preview["error"] == body["error"]
+
+
+def two_held_calls(gate: Path) -> dict[str, Any]:
+    """One run, two calls at once of a two-replica role (round robin: one on each replica),
+    each held at `gate` until the test opens it."""
+    held = {"kind": "python", "role": "hold", "op": "tests.studio.fns:gate_file", "params": {"gate": str(gate)},
+            "inputs": {"text": {"type": "text"}}, "outputs": {"out": {"type": "text"}}}
+    return {
+        "version": 1, "name": "held-across-nodes",
+        "roles": [{"name": "hold", "kind": "python", "replicas": 2, "resources": {"cpus": 1}}],
+        "nodes": [
+            {"id": "text", "kind": "input", "params": {"default": "held"}, "outputs": {"value": {"type": "text"}}},
+            {"id": "first", **held}, {"id": "second", **held},
+            {"id": "one", "kind": "output", "inputs": {"value": {"type": "text"}}},
+            {"id": "two", "kind": "output", "inputs": {"value": {"type": "text"}}},
+        ],
+        "edges": [
+            {"source": "text", "source_port": "value", "target": "first", "target_port": "text"},
+            {"source": "text", "source_port": "value", "target": "second", "target_port": "text"},
+            {"source": "first", "source_port": "out", "target": "one", "target_port": "value"},
+            {"source": "second", "source_port": "out", "target": "two", "target_port": "value"},
+        ],
+    }
+
+
+def started_pids(gate: Path) -> list[int]:
+    """The processes that started a held call, in the order the markers were made."""
+    return [int(p.name.split("-")[1]) for p in sorted(gate.glob("started-*"), key=lambda p: p.stat().st_mtime_ns)]
+
+
+@pytest.mark.timeout(600)  # a node agent's restart and four worker starts on two busy cores
+def test_a_run_in_flight_on_a_node_that_dies_is_retried_on_the_other_node(
+        cluster: NodeCluster, studio: None, api: Any, tmp_path: Path) -> None:
+    """Node b is SIGKILLed with its workers while a call of the run waits there: the run's
+    dispatcher (on node a) finds the worker lost and sends the call to the replica on node a,
+    and the run ends done, with nothing hung."""
+    a, b = node_of(cluster, "a"), node_of(cluster, "b")
+    if b not in cluster.live():  # an earlier test left it dead
+        cluster.start("b")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    wf = create_workflow(api, two_held_calls(gate))
+    response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert response.status_code == 201, response.content
+    d = response.json()
+    assert sorted(s["node"] for s in d["placement"]["slots"]) == [a, b]  # spread: one replica a node
+    cluster.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running", 300)
+    rows = live_rows(d["id"])
+    worker_on = {r.pid: r.host for r in rows}
+    assert sorted(worker_on.values()) == [a, b]
+    try:
+        run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {}}, format="json").json()
+        cluster.wait_for("both calls held", lambda: len(started_pids(gate)) == 2, 120)
+        assert sorted(worker_on[p] for p in started_pids(gate)) == [a, b]  # one call on each node
+
+        killed = cluster.nodes["b"].kill()
+        cluster.wait_for("node b lost", lambda: b not in cluster.live(), 2 * NODE_TTL_S + 1)
+        assert not Run.objects.get(pk=run["id"]).finished
+        (gate / "open").touch()
+        cluster.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished, 120)
+        done = Run.objects.get(pk=run["id"])
+        assert done.status == "done", done.error
+        assert done.outputs == {"one": "held", "two": "held"}
+        pids = started_pids(gate)
+        assert len(pids) == 3 and worker_on[pids[2]] == a, pids  # the lost call, again on node a's replica
+        assert gone(killed)
+    finally:
+        (gate / "open").touch()
+        api.post(f"/api/deployments/{d['id']}/stop/")
+        cluster.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped", 120)

@@ -6,14 +6,18 @@ that holds them, over the transfer plane (shared memory on one host, ZeroMQ acro
     result = fetch_pages(store, peer, address, pages, 2.0)  # or fetch from a known holder
 
 One fetch is one `KVFetchRequest` -> `KVFetchReply` round trip to the holder's
-`TensorServer`, then an ordinary pull of the reply's ref. The holder answers with the
+`TensorServer`, then an ordinary pull of the reply's ref (across hosts on a plane with bulk
+channels, the reply carries the one-time bulk grant a `PullRequest` would have got, so the
+chunks are asked at once: `engine.data.bulk`). The holder answers with the
 longest leading run of the asked pages that it holds intact (a page after a gap is useless
 to a prefix cache), read where they are (`KVStore.get(promote=False)`: serving a peer does
 not reshuffle its tiers) straight into one `[n, *page_shape]` buffer of its tensor store.
 That buffer sits in shared memory once it is larger than the store's inline limit, so a
 puller on the same host maps it and copies each page once, into its own store; across hosts
-(or with `transport=Transport.TCP`) the bytes come as chunked ZeroMQ frames. The puller then
-releases the ref; its short lease frees it anyway if the puller dies first.
+(or with `transport=Transport.TCP`) the bytes come as ZeroMQ frames of whole pages (chunks
+aligned to the page size), each put into the store straight from the received frame as it
+arrives, while the next ones are on the wire (`Peer.pull_to`): one copy on each side, as on one
+host. The puller then releases the ref; its short lease frees it anyway if the puller dies first.
 
 Every fetch has a deadline and ends by it: a dead or silent holder, a refusal (another
 layout) or a reply that describes other pages raise `KVTransferError`, and the store's pull
@@ -26,11 +30,13 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.data.channel import TransferError
+import torch
+
+from engine.data.channel import Transfer, TransferError
 from engine.data.codec import TensorData
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.keys import PageHash
@@ -47,6 +53,11 @@ log = logging.getLogger(__name__)
 # Page keys per request: 256 keys are ~17 KiB of msgpack, well inside the default 64 KiB request
 # limit, and bound how long one request holds the holder's serving thread.
 MAX_PAGES_PER_REQUEST = 256
+FIRST_BATCH_BYTES = 8 << 20
+BATCH_BYTES = 16 << 20
+"""A run of pages is asked for in requests of about this many bytes (at least a page, at most
+`max_pages`; the first of about `FIRST_BATCH_BYTES`, so that bytes move while the holder gathers
+the rest), each asked for while the one before is on the wire."""
 REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
 RELEASE_TIMEOUT_S = 5.0
 
@@ -115,7 +126,8 @@ class KVPageServer:
         finally:
             if not reservation.committed:
                 tensors.abort(reservation)
-        return KVFetchReply(request.request_id, request.pages[:read], ref)
+        grant = self.server.grant_bulk(ref) if request.bulk and ref is not None else None
+        return KVFetchReply(request.request_id, request.pages[:read], ref, grant)
 
     def close(self) -> None:
         """Stop serving pages (later requests are refused as UNSUPPORTED)."""
@@ -211,15 +223,9 @@ def fetch_pages(
     pulled = False
     try:
         try:
-            for first in range(0, len(pages), max_pages):
-                batch = tuple(pages[first : first + max_pages])
-                got, how = _fetch_batch(store, peer, holder, batch, deadline, transport)
-                fetched.extend(got)
-                if how is not None:
-                    used.append(how)
-                    paths[how.value] += len(got)
-                if len(got) < len(batch):
-                    break  # the holder's run ends here
+            batches = _batches(pages, store.layout.page_nbytes, max_pages)
+            if batches:
+                _fetch_run(store, peer, holder, batches, deadline, transport, fetched, used, paths)
         except TransferError as exc:
             raise KVTransferError(f"pulling KV pages from {holder} failed: {exc}") from exc
         pulled = True
@@ -290,40 +296,124 @@ def _remaining(deadline: float, holder: str) -> float:
     return remaining
 
 
-def _fetch_batch(
+def _batches(pages: Sequence[PageHash], page_nbytes: int, max_pages: int) -> list[tuple[PageHash, ...]]:
+    batches: list[tuple[PageHash, ...]] = []
+    first, size = 0, FIRST_BATCH_BYTES
+    while first < len(pages):
+        step = max(1, min(max_pages, size // page_nbytes))
+        batches.append(tuple(pages[first : first + step]))
+        first, size = first + step, BATCH_BYTES
+    return batches
+
+
+def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str, bulk: bool,
+         deadline: float) -> Transfer:
+    """Ask `holder` for `batch` on the client's I/O thread: the answer comes while this thread
+    pulls the batch before."""
+    return peer.client.call(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
+                            _remaining(deadline, holder))
+
+
+def _wants_bulk(peer: Peer, transport: Transport | None, holder_host: str | None) -> bool:
+    """Whether to take a bulk grant with the pages: the bytes will come over TCP on a plane
+    with bulk channels (forced, or the holder is known to be on another host)."""
+    if peer.client.bulk_mode is None or transport is Transport.SHM:
+        return False
+    return transport is Transport.TCP or (holder_host is not None and holder_host != peer.host)
+
+
+def _fetch_run(
     store: KVStore,
     peer: Peer,
     holder: str,
-    batch: tuple[PageHash, ...],
+    batches: list[tuple[PageHash, ...]],
     deadline: float,
     transport: Transport | None,
-) -> tuple[tuple[PageHash, ...], Transport | None]:
+    fetched: list[PageHash],
+    used: list[Transport],
+    paths: Counter[str],
+) -> None:
+    """Pull `batches` in order into `store` until the holder's run ends, each batch asked for
+    while the one before is on the wire: the holder gathers batch n + 1 into its reply buffer
+    while the bytes of batch n travel, and this side stores them. An answer left unused by a
+    failure is freed by its lease (`REPLY_LEASE_S`)."""
     layout = store.layout
     fingerprint = layout.fingerprint()
-    reply = peer.client.request(
-        holder, lambda rid: KVFetchRequest(rid, batch, fingerprint), _remaining(deadline, holder)
-    )
-    if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
-        raise KVTransferError(f"{holder} answered a KV fetch with other pages than a prefix of those asked")
-    found = batch[: len(reply.found)]
-    if not found:
-        return (), None
-    ref = reply.ref
-    if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
-        raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
-    try:
-        data = _pull(peer, ref, _remaining(deadline, holder), transport)
-        store.put_many(found, data.torch())  # copies: a shared-memory view is the holder's
-    finally:
-        _release(peer, ref)
-    return found, data.transport
+    batch = batches[0]
+    bulk = _wants_bulk(peer, transport, peer.client.owner_host(holder))
+    reply = peer.client.request(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
+                                _remaining(deadline, holder))
+    for n, batch in enumerate(batches):
+        if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
+            raise KVTransferError(f"{holder} answered a KV fetch with other pages than a prefix of those asked")
+        found = batch[: len(reply.found)]
+        if not found:
+            return
+        ref = reply.ref
+        if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
+            raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
+        following = batches[n + 1] if len(found) == len(batch) and n + 1 < len(batches) else None
+        bulk = _wants_bulk(peer, transport, ref.host)
+        asked: list[Transfer] = []
+
+        def ask_next(following: tuple[PageHash, ...] | None = following, asked: list[Transfer] = asked,
+                     bulk: bool = bulk) -> None:
+            if following is not None and not asked:
+                asked.append(_ask(peer, holder, following, fingerprint, bulk, deadline))
+
+        try:
+            timeout = _remaining(deadline, holder)
+            sink = _PageSink(store, found, ask_next)
+            if transport is Transport.SHM:
+                data: TensorData | None = peer.shm.fetch(ref, timeout)
+            elif reply.bulk is not None:  # granted with the pages: the chunks are asked at once
+                data = peer.pull_granted(ref, reply.bulk, timeout, sink, align=layout.page_nbytes)
+            else:  # TCP chunks go straight into the store, page by page, as they arrive
+                data = peer.pull_to(ref, timeout, sink, align=layout.page_nbytes, tcp=transport is Transport.TCP)
+            ask_next()
+            if data is not None:
+                store.put_many(found, data.torch())  # copies: a shared-memory view is the holder's
+        finally:
+            _release(peer, ref)
+        how = Transport.TCP if data is None else data.transport
+        fetched.extend(found)
+        used.append(how)
+        paths[how.value] += len(found)
+        if not asked:
+            return  # the holder's run ends here, or every batch came
+        reply = asked[0].wait(_remaining(deadline, holder))
 
 
-def _pull(peer: Peer, ref: TensorRef, timeout: float, transport: Transport | None) -> TensorData:
-    if transport is None:
-        return peer.pull(ref, timeout)
-    channel = peer.tcp if transport is Transport.TCP else peer.shm
-    return channel.fetch(ref, timeout)
+class _PageSink:
+    """Puts the pages of a TCP pull's chunks into `store` as they arrive: a page wholly inside a
+    chunk straight from the received frame (its only copy on this side); the pieces of a page
+    split over chunks (an owner whose chunk limit is not a multiple of a page) are gathered first."""
+
+    def __init__(self, store: KVStore, pages: tuple[PageHash, ...], first: Callable[[], None]) -> None:
+        """`first` is called when the first bytes arrive (before they are stored)."""
+        self._store = store
+        self._pages = pages
+        self._first: Callable[[], None] | None = first
+        self._size = store.layout.page_nbytes
+        self._partial: dict[int, tuple[torch.Tensor, list[int]]] = {}
+
+    def __call__(self, offset: int, data: memoryview) -> None:
+        if self._first is not None:
+            first, self._first = self._first, None
+            first()
+        size, end = self._size, offset + len(data)
+        for index in range(offset // size, (end - 1) // size + 1):
+            lo, hi = max(offset, index * size), min(end, (index + 1) * size)
+            piece = torch.frombuffer(data, dtype=torch.uint8, count=hi - lo, offset=lo - offset)
+            if hi - lo == size:
+                self._store.put(self._pages[index], piece)
+                continue
+            page, filled = self._partial.setdefault(index, (torch.empty(size, dtype=torch.uint8), [0]))
+            page[lo - index * size : hi - index * size] = piece
+            filled[0] += hi - lo
+            if filled[0] == size:
+                del self._partial[index]
+                self._store.put(self._pages[index], page)
 
 
 def _release(peer: Peer, ref: TensorRef) -> None:

@@ -22,7 +22,7 @@ from engine.data.channel import RemoteError, TransferError
 from engine.data.codec import Limits, WireCodec
 from engine.data.curve import BulkMode, PlaneKeys, connect_as_client
 from engine.data.peer import Peer, PeerConfig
-from engine.data.pulls import OwnerInfo, PullState
+from engine.data.pulls import ChunkSink, OwnerInfo, PullState
 from engine.data.server import ServerConfig
 from engine.data.shm import SegmentMapper
 from engine.data.wire import (
@@ -304,9 +304,10 @@ def test_an_encrypted_member_never_asks_for_the_bulk_channel(owner: Peer, keys: 
 
 
 # ------------------------------------------------------------------------- the client's checks
-def granted_pull(mode: BulkMode, grant: BulkGrant) -> tuple[PullState, TensorRef, list[object]]:
+def granted_pull(mode: BulkMode, grant: BulkGrant,
+                 sink: ChunkSink | None = None) -> tuple[PullState, TensorRef, list[object]]:
     ref = TensorRef("tcp://owner:1", RefId("a.1"), "uint8", (64,), 64, time.time() + 60, "elsewhere")
-    pull = PullState(ref, TCP, 1, SegmentMapper(), 4, bulk=mode)
+    pull = PullState(ref, TCP, 1, SegmentMapper(), 4, bulk=mode, sink=sink)
     [request] = pull.start(OwnerInfo("elsewhere", 1 << 20), "here", 1 << 20)
     assert isinstance(request, PullRequest) and request.bulk
     header = TensorHeader("uint8", (64,), (1,), 64)
@@ -329,6 +330,24 @@ def test_a_macd_chunk_altered_on_the_way_fails_the_pull() -> None:
     pull, ref, _ = granted_pull(BulkMode.MAC, BulkGrant("tcp://owner:2", bytes(16), key))
     assert pull.on_reply(BulkChunkReply(1, 0, 64, tag), [FakeFrame(data)]) == []
     assert pull.result is not None and pull.result.numpy().tobytes() == data
+
+
+def test_a_sink_gets_only_chunks_that_pass_their_mac() -> None:
+    """A pull that hands its chunks to a sink (a KV pull storing pages as they come) checks
+    each one's MAC before the sink sees a byte."""
+    key = bytes(range(32))
+    data = bytes(range(64))
+    tag = chunk_tag(key, RefId("a.1"), 0, data)
+    got: list[tuple[int, bytes]] = []
+    pull, _, _ = granted_pull(BulkMode.MAC, BulkGrant("tcp://owner:2", bytes(16), key),
+                              sink=lambda offset, view: got.append((offset, bytes(view))))
+    with pytest.raises(RemoteError, match="fails its MAC"):
+        pull.on_reply(BulkChunkReply(1, 0, 64, tag), [FakeFrame(bytes([1]) + data[1:])])
+    assert got == []
+    pull, _, _ = granted_pull(BulkMode.MAC, BulkGrant("tcp://owner:2", bytes(16), key),
+                              sink=lambda offset, view: got.append((offset, bytes(view))))
+    assert pull.on_reply(BulkChunkReply(1, 0, 64, tag), [FakeFrame(data)]) == []
+    assert got == [(0, data)] and pull.finished and pull.result is None
 
 
 def test_a_mac_client_refuses_a_grant_without_a_key_and_chunks_on_the_wrong_channel() -> None:

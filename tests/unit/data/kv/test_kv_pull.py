@@ -8,12 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from kv_factories import StoreFactory, make_keys, make_page, raw, small_layout
 
 from engine.data.codec import KiB
+from engine.data.curve import BulkMode, PlaneKeys
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.index import WorkerPrefix
 from engine.data.kv.keys import PageHash
@@ -23,7 +25,15 @@ from engine.data.kv.store import KVStore
 from engine.data.kv.tier import Tier
 from engine.data.peer import ClientConfig, Peer, PeerConfig
 from engine.data.server import TensorServer
-from engine.data.wire import KVFetchReply, KVFetchRequest, PingRequest, StatsReply, StatsRequest, Transport
+from engine.data.wire import (
+    KVFetchReply,
+    KVFetchRequest,
+    PingRequest,
+    StatsReply,
+    StatsRequest,
+    TensorRef,
+    Transport,
+)
 
 # 16 KiB pages: six of them (96 KiB) are above the tensor store's 64 KiB inline limit, so a
 # reply travels through shared memory or TCP; `small_layout` pages (1 KiB) travel inline.
@@ -153,6 +163,72 @@ def test_long_pulls_go_in_several_requests(
     assert result.transports == (Transport.INLINE, Transport.INLINE)  # 4 + 2 pages of 16 KiB: inline both
     assert_holds_written_pages(local, KEYS, BIG)
     assert local.metrics()["pull.pages"] == 6
+
+
+@pytest.mark.parametrize(("held", "expected"), [
+    (6, (Transport.TCP,) * 3), (4, (Transport.TCP,) * 2), (3, (Transport.TCP, Transport.INLINE))],
+    ids=["all", "two-requests", "mid-request"])
+def test_tcp_pulls_ask_ahead_and_store_pages_split_over_chunks(
+    make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path, held: int, expected: tuple[Transport, ...]
+) -> None:
+    """Requests of two 48 KiB pages (past the inline limit), each asked for while the one before
+    travels; 20 KiB chunks split every page in three, and each page is stored once whole. A run
+    that ends (at a request's end, or inside one: one page, inline) asks no further, and every
+    reply's buffer is released at the holder."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    keys = make_keys(6, page_size=16)
+    holder = make_peer()
+    served = make_store(device=8, host=None, disk=None, layout=layout)
+    for seed in range(held):
+        served.put(keys[seed], make_page(layout, seed))
+    KVPageServer(served, holder.server)
+    puller = make_peer(ClientConfig(chunk_bytes=20 * KiB, window=2))
+    local = make_store(device=8, host=None, disk=None, layout=layout)
+
+    result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP, max_pages=2)
+
+    assert result.pages == tuple(keys[:held])
+    assert result.transports == expected
+    assert set(local.resident_pages()) == set(keys[:held])
+    assert_holds_written_pages(local, keys[:held], layout)
+    assert local.metrics()["pull.pages"] == held
+    assert puller.transfers.metrics()["transfer.tcp.bytes"] == 2 * expected.count(Transport.TCP) * layout.page_nbytes
+    assert released_at_holder(puller, holder) == 0
+
+
+@pytest.mark.parametrize("mode", [BulkMode.CLEAR, BulkMode.MAC])
+def test_on_an_authenticated_plane_the_pages_come_with_their_bulk_grant(
+    make_store: StoreFactory, tmp_path: Path, mode: BulkMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TCP pull on a plane with bulk channels takes the one-time grant in the holder's reply
+    (no `PullRequest` round trip): every byte comes over the bulk channel, each grant used up."""
+    keys = PlaneKeys.generate().with_bulk(mode)
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    pages = make_keys(6, page_size=16)
+    with Peer.start(PeerConfig(keys=keys)) as holder, \
+            Peer.start(PeerConfig(keys=keys, client=ClientConfig(chunk_bytes=64 * KiB))) as puller:
+        served = make_store(device=8, host=None, disk=None, layout=layout)
+        for seed, key in enumerate(pages):
+            served.put(key, make_page(layout, seed))
+        KVPageServer(served, holder.server)
+        local = make_store(device=8, host=None, disk=None, layout=layout)
+        granted: list[str] = []
+        pull_granted = puller.pull_granted
+
+        def spy(ref: TensorRef, *args: Any, **kwargs: Any) -> Any:
+            granted.append(ref.id)
+            return pull_granted(ref, *args, **kwargs)
+
+        monkeypatch.setattr(puller, "pull_granted", spy)
+
+        result = fetch_pages(local, puller, holder.address, pages, TIMEOUT_S, transport=Transport.TCP, max_pages=2)
+
+        assert result.pages == tuple(pages) and result.transports == (Transport.TCP,) * 3
+        assert len(set(granted)) == 3  # each request's pages pulled under the grant of its reply
+        assert_holds_written_pages(local, pages, layout)
+        assert holder.server.bulk_bytes == 6 * layout.page_nbytes
+        assert holder.server.refused == 0
+        assert released_at_holder(puller, holder) == 0
 
 
 def test_only_the_holders_leading_run_comes(
