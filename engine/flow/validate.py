@@ -21,7 +21,7 @@ import jsonschema
 import msgspec
 
 from engine.flow.balance import POLICY_NAMES
-from engine.flow.topology import reachable_from_roots, topology
+from engine.flow.topology import Topology, reachable_from_roots, topology
 from engine.spec.graph import GraphSpec, NodeSpec, json_schema
 from engine.spec.kinds import KindRegistry, NodeKind, RoleKind
 from engine.spec.ops import OpConfig, OpNotAllowedError
@@ -123,10 +123,21 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
     needing a model has one)."""
     issues: list[Issue] = []
     add = issues.append
-
     if not spec.nodes:
         add(Issue("empty", "the workflow has no nodes"))
+    roles = _check_roles(spec, kinds, checkpoints, add)
+    _check_resources(spec, add)
+    nodes = _check_nodes(spec, kinds, roles, ops, add)
+    topo = topology(spec)
+    incoming = _check_edges(spec, nodes, add)
+    _check_wiring(nodes, incoming, topo, add)
+    _check_cycles(nodes, topo, add)
+    return issues
 
+
+def _check_roles(spec: GraphSpec, kinds: KindRegistry, checkpoints: CheckpointLookup | None,
+                 add: Callable[[Issue], None]) -> dict[str, Any]:
+    """The roles by name (the first of a duplicated name), each checked against its kind."""
     roles: dict[str, Any] = {}
     for role in spec.roles:
         if role.name in roles:
@@ -156,10 +167,13 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
         if role.balance not in POLICY_NAMES:
             add(Issue("unknown_policy", f"role {role.name!r} names unknown load-balancing policy {role.balance!r}"
                       f" (known: {', '.join(POLICY_NAMES)})", role=role.name))
-    _check_resources(spec, add)
+    return roles
 
+
+def _check_nodes(spec: GraphSpec, kinds: KindRegistry, roles: dict[str, Any], ops: OpConfig | None,
+                 add: Callable[[Issue], None]) -> dict[str, NodeSpec]:
+    """The nodes by id (the first of a duplicated id), each checked against its kind (and op)."""
     nodes: dict[str, NodeSpec] = {}
-    node_kinds: dict[str, NodeKind] = {}
     for node in spec.nodes:
         if node.id in nodes:
             add(Issue("duplicate_id", f"node id {node.id!r} is used twice", node=node.id))
@@ -169,12 +183,15 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
             add(Issue("unknown_kind", f"node {node.id!r} has unknown kind {node.kind!r}", node=node.id))
             continue
         kind = kinds.node_kind(node.kind)
-        node_kinds[node.id] = kind
         _check_node(node, kind, roles, kinds, add)
         if ops is not None and kind.name == "python" and node.op:
             _check_op(node, ops, add)
+    return nodes
 
-    topo = topology(spec)
+
+def _check_edges(spec: GraphSpec, nodes: dict[str, NodeSpec],
+                 add: Callable[[Issue], None]) -> dict[tuple[str, str], list[str]]:
+    """Each edge's ends, ports, types and stream mode; the edges into each (node, input port)."""
     seen_edges: set[str] = set()
     incoming: dict[tuple[str, str], list[str]] = {}
     for edge in spec.edges:
@@ -215,7 +232,12 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
             add(Issue("stream_needs_join", f"edge {eid}: node {src.id!r} streams frames; subscribe in stream"
                       f" mode or give port {dst.id}.{edge.target_port} join 'ordered' or 'dynamic'", edge=eid,
                       node=dst.id, port=edge.target_port))
+    return incoming
 
+
+def _check_wiring(nodes: dict[str, NodeSpec], incoming: dict[tuple[str, str], list[str]], topo: Topology,
+                  add: Callable[[Issue], None]) -> None:
+    """Required inputs connected; triggers name predecessors and routes successors."""
     for node in nodes.values():
         for port, pspec in node.inputs.items():
             if (node.id, port) not in incoming and not pspec.optional:
@@ -235,6 +257,9 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
                 add(Issue("route_not_successor", f"router {node.id!r} names {target!r}, which is not one of its"
                           f" successors ({', '.join(sorted(succs)) or 'none'})", node=node.id))
 
+
+def _check_cycles(nodes: dict[str, NodeSpec], topo: Topology, add: Callable[[Issue], None]) -> None:
+    """Every cycle bounded; every node reachable from a root."""
     for index in sorted(topo.cyclic):
         members = topo.components[index]
         if not any(nodes[m].max_iterations for m in members if m in nodes):
@@ -247,7 +272,6 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
             if node_id not in reached:
                 add(Issue("unreachable", f"node {node_id!r} can never run: nothing outside its cycle leads to it",
                           node=node_id))
-    return issues
 
 
 def _check_model(role: Any, kind: RoleKind, checkpoints: CheckpointLookup | None, add) -> None:

@@ -82,7 +82,7 @@ def until(read: Callable[[], Any], ready: Callable[[Any], bool], what: str, dead
 def demo_token(studio: LiveStudio) -> str:
     """A new API token of the demo user (its password is set again, to the same one)."""
     out = subprocess.run([sys.executable, str(ROOT / "manage.py"), "setup_demo", "--username", studio.user,
-                          "--password", studio.password, "--no-examples", "--token"], cwd=ROOT,
+                          "--password", studio.password, "--no-examples", "--no-chat", "--token"], cwd=ROOT,
                          env=studio.env, check=True, timeout=120, capture_output=True, text=True)
     return re.search(r"^token: (\S+)$", out.stdout, re.M).group(1)
 
