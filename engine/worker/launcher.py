@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -98,6 +99,83 @@ def leader_worker_id(worker_id: str) -> str | None:
 async def _relay(stream: asyncio.StreamReader, worker_id: str) -> None:
     while line := await stream.readline():
         sys.stderr.write(f"[{worker_id}] {line.decode('utf-8', 'replace')}")
+
+
+async def _ready_details(process: asyncio.subprocess.Process | ForkedProcess, role: str, worker_id: str,
+                         timeout_s: float) -> dict[str, Any]:
+    """What a starting worker's READY line says, once it printed it; a worker that exits first, is
+    not ready within `timeout_s`, or is cancelled meanwhile (another rank failed) is ended."""
+    assert process.stdout is not None
+    settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
+    try:
+        while True:
+            async with asyncio.timeout(timeout_s):
+                line = await process.stdout.readline()
+            if not line:
+                code = await process.wait()
+                raise LaunchError(f"worker {worker_id} of role {role!r} exited with status {code}"
+                                  " before it was ready (its error is on standard error above)")
+            text = line.decode("utf-8", "replace")
+            if text.startswith(READY_PREFIX):
+                try:
+                    details = json.loads(text[len(READY_PREFIX):])
+                except json.JSONDecodeError as exc:
+                    raise LaunchError(f"worker {worker_id} of role {role!r} printed a malformed READY line:"
+                                      f" {exc}") from None
+                break
+        settled = True
+    except TimeoutError:
+        settled = True
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            process.kill()
+        await process.wait()
+        raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within {timeout_s} s") from None
+    finally:
+        if not settled:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
+            # A rank that failed the same way may have exited already: kill() raising
+            # ProcessLookupError would replace the cancellation (and the replica's real error).
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+    return details
+
+
+async def _poll_loads(registry: InProcessRegistry, workers: list[LaunchedWorker], keys: PlaneKeys | None,
+                      interval_s: float) -> None:
+    """Heartbeat the in-process registry on the workers' behalf with the load each reports on its
+    liveness endpoint, every `interval_s`; a worker that does not answer keeps its last load."""
+    context = zmq.asyncio.Context()
+    codec = WireCodec(16 * 1024 * 1024, WorkerMessage)
+    sockets: dict[str, zmq.asyncio.Socket] = {}
+    ids = itertools.count(1)
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            for worker in list(workers):
+                sock = sockets.get(worker.worker_id)
+                if sock is None:
+                    sock = sockets[worker.worker_id] = context.socket(zmq.DEALER)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    connect_as_client(sock, keys)
+                    sock.connect(worker.details["liveness"])
+                rid = next(ids)
+                await sock.send(codec.encode(LoadRequest(rid)))
+                try:
+                    while True:
+                        async with asyncio.timeout(interval_s):
+                            reply = codec.decode(await sock.recv())
+                        if isinstance(reply, LoadReply) and reply.request_id == rid:
+                            break
+                except (TimeoutError, WireError):
+                    continue
+                load = WorkerLoad(outstanding=reply.outstanding, queue_depth=reply.queue_depth,
+                                  busy=reply.busy, metrics=reply.metrics)
+                with contextlib.suppress(UnknownWorkerError):
+                    await registry.heartbeat(worker.worker_id, load)
+    finally:
+        for sock in sockets.values():
+            sock.close()
+        context.term()
 
 
 class LocalCluster:
@@ -274,39 +352,7 @@ class LocalCluster:
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
                                                            stdout=asyncio.subprocess.PIPE, env=self._env(),
                                                            pass_fds=() if inherit is None else (inherit,))
-        assert process.stdout is not None
-        settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
-        try:
-            while True:
-                async with asyncio.timeout(self.ready_timeout_s):
-                    line = await process.stdout.readline()
-                if not line:
-                    code = await process.wait()
-                    raise LaunchError(f"worker {worker_id} of role {role!r} exited with status {code}"
-                                      " before it was ready (its error is on standard error above)")
-                text = line.decode("utf-8", "replace")
-                if text.startswith(READY_PREFIX):
-                    try:
-                        details = json.loads(text[len(READY_PREFIX):])
-                    except json.JSONDecodeError as exc:
-                        raise LaunchError(f"worker {worker_id} of role {role!r} printed a malformed READY line:"
-                                          f" {exc}") from None
-                    break
-            settled = True
-        except TimeoutError:
-            settled = True
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                process.kill()
-            await process.wait()
-            raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within"
-                              f" {self.ready_timeout_s} s") from None
-        finally:
-            if not settled:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
-                # A rank that failed the same way may have exited already: kill() raising
-                # ProcessLookupError would replace the cancellation (and the replica's real error).
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        details = await _ready_details(process, role, worker_id, self.ready_timeout_s)
         worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
         # Keep reading what the worker prints (node code may print), so its pipe never fills.
         worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))
@@ -336,43 +382,8 @@ class LocalCluster:
                 await asyncio.gather(*spawns, return_exceptions=True)
                 await self.stop()
         if isinstance(self.registry, InProcessRegistry):
-            self._poller = asyncio.get_running_loop().create_task(self._poll_loads(self.registry))
-
-    async def _poll_loads(self, registry: InProcessRegistry) -> None:
-        """Heartbeat the in-process registry on the workers' behalf with the load each
-        reports on its liveness endpoint; a worker that does not answer keeps its last load."""
-        context = zmq.asyncio.Context()
-        codec = WireCodec(16 * 1024 * 1024, WorkerMessage)
-        sockets: dict[str, zmq.asyncio.Socket] = {}
-        ids = itertools.count(1)
-        try:
-            while True:
-                await asyncio.sleep(self.heartbeat_s)
-                for worker in list(self.workers):
-                    sock = sockets.get(worker.worker_id)
-                    if sock is None:
-                        sock = sockets[worker.worker_id] = context.socket(zmq.DEALER)
-                        sock.setsockopt(zmq.LINGER, 0)
-                        connect_as_client(sock, self.keys)
-                        sock.connect(worker.details["liveness"])
-                    rid = next(ids)
-                    await sock.send(codec.encode(LoadRequest(rid)))
-                    try:
-                        while True:
-                            async with asyncio.timeout(self.heartbeat_s):
-                                reply = codec.decode(await sock.recv())
-                            if isinstance(reply, LoadReply) and reply.request_id == rid:
-                                break
-                    except (TimeoutError, WireError):
-                        continue
-                    load = WorkerLoad(outstanding=reply.outstanding, queue_depth=reply.queue_depth,
-                                      busy=reply.busy, metrics=reply.metrics)
-                    with contextlib.suppress(UnknownWorkerError):
-                        await registry.heartbeat(worker.worker_id, load)
-        finally:
-            for sock in sockets.values():
-                sock.close()
-            context.term()
+            self._poller = asyncio.get_running_loop().create_task(
+                _poll_loads(self.registry, self.workers, self.keys, self.heartbeat_s))
 
     async def stop(self) -> None:
         if self._supervisor is not None:
