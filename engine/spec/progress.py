@@ -30,6 +30,7 @@ class ProgressMeter:
     total: int
     unit: str
     interval_s: float = PROGRESS_INTERVAL_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     done: int = 0
     _last: float = -math.inf
 
@@ -39,13 +40,13 @@ class ProgressMeter:
 
     def start(self) -> ProgressMeter:
         """Report none done yet (the bar appears before the first unit is)."""
-        self._last = time.monotonic()
+        self._last = self.clock()
         self.report(0.0, f"0/{self.total} {self.unit}")
         return self
 
     def advance(self, count: int = 1) -> None:
         self.done += count
-        now = time.monotonic()
+        now = self.clock()
         if self.done < self.total and now - self._last < self.interval_s:
             return
         self._last = now

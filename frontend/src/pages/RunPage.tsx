@@ -413,12 +413,29 @@ function StreamsPanel({ state }: { state: RunState }) {
             {text !== null ? (
               <div className={`output-text stream-text${running ? " typing" : ""}`}>{text}</div>
             ) : (
-              <pre className="output-json">{JSON.stringify(s.frames.slice(-20), null, 1)}</pre>
+              <FramesView frames={s.frames} />
             )}
           </div>
         );
       })}
     </section>
+  );
+}
+
+/**
+ * Frames that are not text: token ids (lists of numbers) read as one list on a line or two;
+ * anything else as its latest frame, the earlier ones counted.
+ */
+function FramesView({ frames }: { frames: unknown[] }) {
+  if (frames.every((f) => Array.isArray(f) && f.every((x) => typeof x === "number"))) {
+    const ids = (frames as number[][]).flat();
+    return <div className="output-text mono small">{ids.join(" ")}</div>;
+  }
+  return (
+    <details className="details">
+      <summary className="muted small">latest of {frames.length} frame{frames.length === 1 ? "" : "s"}</summary>
+      <pre className="output-json">{JSON.stringify(frames[frames.length - 1], null, 1)}</pre>
+    </details>
   );
 }
 
@@ -486,7 +503,7 @@ function NodeDetail({
             <div className="output-name mono">
               {k} <span className="muted small">streamed</span>
             </div>
-            {text !== null ? <div className="output-text">{text}</div> : <ValueView value={s.frames} />}
+            {text !== null ? <div className="output-text">{text}</div> : <FramesView frames={s.frames} />}
           </div>
         );
       })}
