@@ -192,6 +192,14 @@ class Run:
             self._finished.set_result((RunStatus.CANCELLED, "cancelled by request", None))
         await self.wait()
 
+    def _previewed(self, spec: NodeSpec, port: str) -> bool:
+        """Whether a blob on `port` is kept for `take_blob`: not an input's (an upload), nor one
+        that only output nodes take (it becomes the run's output: stored once, as that)."""
+        if spec.kind == "input":
+            return False
+        targets = [e.spec.target for e in self.plan.out_edges[spec.id] if e.spec.source_port == port]
+        return not targets or any(self.plan.nodes[t].kind != "output" for t in targets)
+
     def take_blob(self, seq: int) -> Any:
         """The byte blob a `node_output` event (by its seq) only previews, once, or None. Kept
         only for runs submitted with `keep_blobs` (a server showing every node's images and
@@ -563,7 +571,7 @@ class Run:
                                        value=preview(output_value), iteration=node.fired))
         elif not spec.stream:
             for port, value in result.outputs.items():
-                if self._keep_blobs and spec.kind != "input" and is_blob(value):
+                if self._keep_blobs and is_blob(value) and self._previewed(spec, port):
                     self._blobs[self.log.next_seq] = value
                 self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=wall, node=nid, port=port,
                                            value=preview(value), iteration=node.fired))

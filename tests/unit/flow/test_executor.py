@@ -1060,8 +1060,13 @@ async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
     wf, py = new_workflow()
     x = wf.input("x", "text", default="abc")
     blob = wf.python(fns.to_bytes, role=py, id="blob")
+    last = wf.python(fns.to_bytes, role=py, id="tail")
+    same = wf.python(fns.identity, role=py, id="same", inputs={"x": "any"})
     wf.edge(x, blob)
-    wf.output("out", blob)
+    wf.edge(blob, same)
+    wf.edge(x, last)
+    wf.output("out", same)
+    wf.output("last", last)
     kept = await submit(executor, wf, keep_blobs=True)
     plain = await submit(executor, wf)
     await kept.wait()
@@ -1069,6 +1074,6 @@ async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
     [event] = [e for e in kept.log.snapshot() if isinstance(e, NodeOutputEvent) and e.node == "blob"]
     assert event.value == {"bytes": 3}
     assert kept.take_blob(event.seq) == b"abc" and kept.take_blob(event.seq) is None  # taken once
-    # Neither the input's value nor the output node's (the run's output) is kept: they have their own files.
+    # Not the input's value, nor what only output nodes take (`tail`'s, `same`'s): the run's outputs.
     assert all(kept.take_blob(e.seq) is None for e in kept.log.snapshot())
     assert all(plain.take_blob(e.seq) is None for e in plain.log.snapshot())
