@@ -211,6 +211,9 @@ def test_a_node_image_is_a_run_file_of_its_owner_and_each_node_says_where_it_ran
     assert download.status_code == 200 and download["Content-Type"] == "image/png"
     assert b"".join(download.streaming_content) == fns.png("pixels")
     assert other_api.get(kept["url"]).status_code == 404
+    import time
+
+    assert abs(api.get(f"/api/runs/{done['id']}/").json()["server_time"] - time.time()) < 5  # the live clock
     running = [e for e in events if e["type"] == "node_state" and e["state"] == "running"]
     assert {e["node"] for e in running} == {"paint", "step"}
     assert all(e["worker"].startswith("in-process:") and e["host"] for e in running)

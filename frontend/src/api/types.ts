@@ -279,6 +279,8 @@ export interface RunDetail extends Run {
   nodes: NodeRun[];
   files: RunFile[];
   output_links: Record<string, string>;
+  /** The server's clock (UNIX seconds) when it answered. */
+  server_time: number;
 }
 
 interface EventBase {

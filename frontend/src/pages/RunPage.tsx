@@ -32,20 +32,23 @@ export function RunPage() {
   const [detail, setDetail] = useState<RunDetail | null>(null);
   const [version, setVersion] = useState<Version | null>(null);
   const [error, setError] = useState<string | null>(null);
+  /** Browser clock minus server clock (upper bound; see `clockSkew`): live times count on the server's clock. */
+  const skew = useRef<number | null>(null);
   const [loadError, setLoadError] = useState<{ status?: number; message: string } | null>(null);
   const [state, apply] = useReducer(reducer, undefined, () => initialRunState());
   const [selected, setSelected] = useState<string | null>(null);
   const [cancelling, setCancelling] = useState(false);
   const [now, setNow] = useState(Date.now());
-  /** Browser clock minus server clock (upper bound; see `clockSkew`): live times count on the server's clock. */
-  const skew = useRef<number | null>(null);
   const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
   const toast = useToast();
 
   const refresh = useCallback(async () => {
     if (!id) return;
     try {
-      setDetail(await runs.get(id));
+      const got = await runs.get(id);
+      // Stamped as the server answered: a bound on the skew before any live event comes.
+      skew.current = clockSkew(skew.current, [{ time: got.server_time }], Date.now());
+      setDetail(got);
     } catch (err) {
       setLoadError({ status: (err as ApiError).status, message: describeError(err) });
     }

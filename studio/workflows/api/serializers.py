@@ -3,6 +3,7 @@ by the engine's validator (see `studio.workflows.specs`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.urls import reverse
@@ -203,10 +204,16 @@ class RunDetailSerializer(RunSerializer):
     nodes = NodeRunSerializer(many=True, read_only=True)
     files = RunFileSerializer(many=True, read_only=True)
     output_links = serializers.SerializerMethodField(help_text="output name -> download URL, for file outputs")
+    server_time = serializers.SerializerMethodField(
+        help_text="the server's clock (UNIX seconds) as it answered: what live times count on, with event times")
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links"]
+        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.FloatField())
+    def get_server_time(self, obj: Run) -> float:
+        return time.time()
 
     @extend_schema_field(serializers.DictField(child=serializers.CharField()))
     def get_output_links(self, obj: Run) -> dict[str, str]:
