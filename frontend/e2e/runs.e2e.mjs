@@ -7,7 +7,7 @@
 //  - e2e-watch (watch.json) run from the form: its llm node (the real smollm2-135m, 120 tokens) draws a
 //    progress bar that moves, "n/120 tokens" beside it; live times never negative;
 //  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size,
-//    served as the run's file; no server path anywhere on the page;
+//    served as the run's file, and the tone of its `voice` node in a player; no server path on the page;
 //  - the streamed reply reads as text; each node says where it ran;
 //  - "Run again" starts from the previous run's inputs;
 //  - the runs list, open in another tab, shows the new run without a reload, and cancels it.
@@ -116,7 +116,7 @@ try {
     await shot("run-progress-moving");
   });
 
-  await step("the intermediate image: a thumbnail that opens full size", async () => {
+  await step("the intermediate image: a thumbnail that opens full size; a node's audio: a player", async () => {
     const thumb = tid("media-thumb-paint.picture");
     await page.waitForSelector(thumb);
     await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 256, thumb);
@@ -130,6 +130,12 @@ try {
     await shot("intermediate-image-full-size");
     await page.click(tid("lightbox"));
     await page.waitForSelector(tid("lightbox"), { state: "detached" });
+    // The tone its `voice` node makes, which no node takes: a player.
+    const audio = tid("media-audio-voice.sound");
+    await page.waitForSelector(audio);
+    await page.waitForFunction((s) => document.querySelector(s)?.readyState >= 1, audio);
+    const seconds = await page.$eval(audio, (a) => a.duration);
+    expect(seconds > 0.3 && seconds < 0.5, `the node's WAV plays in a player (${seconds} s)`);
   });
 
   await step("the run ends: the reply reads as text, each node says where it ran", async () => {
@@ -147,7 +153,9 @@ try {
     expect(!DATA_DIR || !body.includes(DATA_DIR), "no server path on the run page");
     const detail = await runDetail(firstRun);
     const nodeFiles = detail.files.filter((f) => f.role === "node");
-    expect(nodeFiles.length === 1 && nodeFiles[0].content_type === "image/png", `one node image kept: ${JSON.stringify(detail.files)}`);
+    const kinds = nodeFiles.map((f) => `${f.name}:${f.content_type}`).sort();
+    expect(JSON.stringify(kinds) === JSON.stringify(["paint.picture:image/png", "voice.sound:audio/wav"]),
+      `the node image and tone kept: ${JSON.stringify(kinds)}`);
     await shot("run-watch-done");
   });
 

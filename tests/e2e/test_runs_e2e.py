@@ -1,8 +1,8 @@
 """Runs people can watch, in real Chromium (`frontend/e2e/runs.e2e.mjs`) against the live studio of
 `tests/e2e/conftest.py`: a progress bar seen moving on the real model's llm node, an image no
-workflow output carries previewed full size from the run's files, the streamed reply read as
-text, where each node ran, "Run again" from the previous inputs, and the runs list updating
-(and cancelling) without a reload. Screenshots land in tests/e2e/artifacts/runs/.
+workflow output carries previewed full size from the run's files and a node's tone in a player,
+the streamed reply read as text, where each node ran, "Run again" from the previous inputs, and
+the runs list updating (and cancelling) without a reload. Screenshots land in tests/e2e/artifacts/runs/.
 """
 
 from __future__ import annotations
