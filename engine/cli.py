@@ -167,15 +167,23 @@ def _printable(value: Any) -> Any:
     return repr(value)
 
 
+PROGRESS_BAR = 20
+"""Characters of the progress bar `omniflow run` draws on standard error."""
+
+
 def _show_progress(event: Any, out: TextIO) -> None:
     if isinstance(event, NodeStateEvent) and event.state in ("running", "done", "failed", "skipped", "cancelled"):
         extra = f" {event.duration_ms:.1f} ms" if event.duration_ms is not None else ""
         extra += f" ({event.error})" if event.error else ""
+        extra += f" on {event.worker} ({event.host})" if event.worker else ""
         iteration = f" #{event.iteration}" if event.iteration > 1 else ""
         print(f"  {event.node}{iteration}: {event.state}{extra}", file=out, flush=True)
     elif isinstance(event, NodeProgressEvent):
-        pct = f" {event.progress * 100:.0f}%" if event.progress is not None else ""
-        print(f"  {event.node}:{pct} {event.message}", file=out, flush=True)
+        bar = ""
+        if event.progress is not None:
+            filled = round(event.progress * PROGRESS_BAR)
+            bar = f" [{'#' * filled}{'-' * (PROGRESS_BAR - filled)}] {event.progress * 100:.0f}%"
+        print(f"  {event.node}:{bar} {event.message}", file=out, flush=True)
     elif isinstance(event, RunFinished):
         print(f"run {event.run_id} {event.status} in {event.duration_ms:.1f} ms", file=out, flush=True)
 

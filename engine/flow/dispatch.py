@@ -8,10 +8,12 @@ embedded mode and tests); the worker dispatcher sends them to role worker proces
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult
+from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig, default_ops
@@ -19,13 +21,13 @@ from engine.spec.ops import OpConfig, default_ops
 
 class Dispatcher(Protocol):
     async def execute(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
-        """Run `call` on a unit of `role`; call `started()` when it leaves the queue."""
+        """Run `call` on a unit of `role`; call `started(where)` when it leaves the queue."""
         ...
 
     def execute_stream(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
         """Run a streaming node: yields its frames (port -> value)."""
         ...
@@ -52,6 +54,8 @@ class InProcessDispatcher:
         self._build = build if build is not None else self._runner
         self._units: dict[tuple[str, str], ComputeUnit] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
+        self.where = RanOn(worker=f"in-process:{os.getpid()}", host=socket.gethostname())
+        """Where its calls run: this process."""
 
     def _runner(self, role: RoleSpec) -> ComputeUnit:
         runner = self._kinds.role_kind(role.kind).load_runner()
@@ -75,19 +79,19 @@ class InProcessDispatcher:
         return unit, self._slots[key]
 
     async def execute(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
         unit, slots = self._unit(role)
         async with slots:
-            started()
+            started(self.where)
             return await unit.execute(call, ctx)
 
     async def execute_stream(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
         unit, slots = self._unit(role)
         async with slots:
-            started()
+            started(self.where)
             async for frame in unit.execute_stream(call, ctx):
                 yield frame
 

@@ -57,6 +57,9 @@ class NodeStateEvent(msgspec.Struct, tag="node_state", kw_only=True, omit_defaul
     iteration: int = 0
     error: str | None = None
     duration_ms: float | None = None
+    worker: str | None = None
+    """With `running`: the worker that runs this attempt (`RanOn`), and its host."""
+    host: str | None = None
 
 
 class NodeOutputEvent(msgspec.Struct, tag="node_output", kw_only=True, omit_defaults=True):
@@ -126,6 +129,15 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
     if len(encoded) <= limit:
         return msgspec.json.decode(encoded)
     return {"truncated": encoded[:limit].decode("utf-8", "replace"), "bytes": len(encoded)}
+
+
+def is_blob(value: Any) -> bool:
+    """Whether a port value is a byte blob (an encoded image or audio clip, say): bytes, or a
+    1-D uint8 tensor or reference to one, which is how a worker's bytes cross the wire."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return True
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) == 1 and str(getattr(value, "dtype", "")) in ("uint8", "torch.uint8")
 
 
 class EventLog:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 import uuid
@@ -36,11 +37,12 @@ from engine.flow.events import (
     RunFinished,
     RunStarted,
     RunStatus,
+    is_blob,
     preview,
 )
 from engine.flow.plan import Plan, build_plan
 from engine.flow.streams import StreamChannel, StreamGroup
-from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult, node_tenant
+from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult, RanOn, node_tenant
 from engine.spec.graph import GraphSpec, NodeSpec
 from engine.spec.kinds import KindRegistry
 
@@ -134,8 +136,11 @@ class Run:
         timeout_s: float | None,
         stream_capacity: int = 0,
         tenant: str | None = None,
+        keep_blobs: bool = False,
     ) -> None:
         self.id = run_id
+        self._keep_blobs = keep_blobs
+        self._blobs: dict[int, Any] = {}
         self.tenant = tenant
         """Whose run this is (`NodeCall.tenant`); None: the nodes' `tenant` params, if any."""
         self._stream_capacity = stream_capacity
@@ -186,6 +191,20 @@ class Run:
         if self._result is None and not self._finished.done():
             self._finished.set_result((RunStatus.CANCELLED, "cancelled by request", None))
         await self.wait()
+
+    def _previewed(self, spec: NodeSpec, port: str) -> bool:
+        """Whether a blob on `port` is kept for `take_blob`: not an input's (an upload), nor one
+        that only output nodes take (it becomes the run's output: stored once, as that)."""
+        if spec.kind == "input":
+            return False
+        targets = [e.spec.target for e in self.plan.out_edges[spec.id] if e.spec.source_port == port]
+        return not targets or any(self.plan.nodes[t].kind != "output" for t in targets)
+
+    def take_blob(self, seq: int) -> Any:
+        """The byte blob a `node_output` event (by its seq) only previews, once, or None. Kept
+        only for runs submitted with `keep_blobs` (a server showing every node's images and
+        audio), until taken."""
+        return self._blobs.pop(seq, None)
 
     def node_state(self, node_id: str) -> NodeState:
         return self._nodes[node_id].state
@@ -263,12 +282,14 @@ class Run:
     def _emit(self, event: RunEvent) -> None:
         self.log.append(event)
 
-    def _set_state(self, node: _Node, state: NodeState, duration_ms: float | None = None) -> None:
+    def _set_state(self, node: _Node, state: NodeState, duration_ms: float | None = None,
+                   where: RanOn | None = None) -> None:
         node.state = state
         self._emit(NodeStateEvent(seq=self.log.next_seq, run_id=self.id, time=time.time(), node=node.spec.id,
                                   state=state, attempt=node.attempt, iteration=node.fired,
                                   error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
-                                  duration_ms=duration_ms))
+                                  duration_ms=duration_ms, worker=None if where is None else where.worker,
+                                  host=None if where is None else where.host))
 
     def _progress(self, node_id: str, fraction: float | None, message: str) -> None:
         if self._result is None:
@@ -391,8 +412,9 @@ class Run:
         if kind == "output":
             now = time.perf_counter()
             node.first_started = node.first_started or now
-            self.outputs[spec.id] = inputs.get("value")
-            self._complete(node, NodeResult(outputs={}), now, output_value=inputs.get("value"))
+            value = _output_value(spec, inputs.get("value"))
+            self.outputs[spec.id] = value
+            self._complete(node, NodeResult(outputs={}), now, output_value=value)
             return
         self._launch(node, inputs)
 
@@ -402,7 +424,7 @@ class Run:
         self._set_state(node, NodeState.QUEUED)
         node.task = asyncio.get_running_loop().create_task(self._execute(node, inputs))
 
-    def _started(self, node: _Node, inputs: dict[str, Any]) -> None:
+    def _started(self, node: _Node, inputs: dict[str, Any], where: RanOn) -> None:
         # Its stream inputs bound their producers only now that it runs: queued for a slot,
         # it might wait for one its own producer holds.
         for value in inputs.values():
@@ -411,7 +433,7 @@ class Run:
         node.started = time.perf_counter()
         if node.first_started is None:
             node.first_started = node.started
-        self._set_state(node, NodeState.RUNNING)
+        self._set_state(node, NodeState.RUNNING, where=where)
 
     async def _execute(self, node: _Node, inputs: dict[str, Any]) -> None:
         spec = node.spec
@@ -432,16 +454,17 @@ class Run:
         )
         ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
                           report_progress=lambda f, m: self._progress(spec.id, f, m))
+        started = functools.partial(self._started, node, inputs)
         try:
             async with asyncio.timeout(spec.timeout_s):
                 if spec.stream:
                     frames = 0
-                    async for frame in self._dispatcher.execute_stream(role, call, ctx, lambda: self._started(node, inputs)):
+                    async for frame in self._dispatcher.execute_stream(role, call, ctx, started):
                         await self._on_frame(node, frames, frame)
                         frames += 1
                     result = NodeResult(outputs={})
                 else:
-                    result = await self._dispatcher.execute(role, call, ctx, lambda: self._started(node, inputs))
+                    result = await self._dispatcher.execute(role, call, ctx, started)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -548,6 +571,8 @@ class Run:
                                        value=preview(output_value), iteration=node.fired))
         elif not spec.stream:
             for port, value in result.outputs.items():
+                if self._keep_blobs and is_blob(value) and self._previewed(spec, port):
+                    self._blobs[self.log.next_seq] = value
                 self._emit(NodeOutputEvent(seq=self.log.next_seq, run_id=self.id, time=wall, node=nid, port=port,
                                            value=preview(value), iteration=node.fired))
         targets: dict[str, None] = {}
@@ -676,17 +701,19 @@ class Executor:
         run_id: str | None = None,
         timeout_s: float | None = None,
         tenant: str | None = None,
+        keep_blobs: bool = False,
     ) -> Run:
         """Start a run of `workflow`. `tenant`: whose run it is (a server's user, or a sharing
         scope); every cache its nodes touch is namespaced by it, whatever the nodes' params say.
-        None (the command line): a node's `tenant` param, if it has one."""
+        None (the command line): a node's `tenant` param, if it has one. `keep_blobs`: keep the
+        byte blobs nodes produce for `Run.take_blob`."""
         plan = workflow if isinstance(workflow, Plan) else self.plan(workflow)
         values = resolve_inputs(plan, inputs or {})
         rid = run_id or uuid.uuid4().hex[:12]
         if rid in self._runs:
             raise ValueError(f"run id {rid!r} is already in use")
         run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s,
-                  stream_capacity=self._stream_capacity, tenant=tenant)
+                  stream_capacity=self._stream_capacity, tenant=tenant, keep_blobs=keep_blobs)
         self._runs[rid] = run
         run.start()
         return run
@@ -710,6 +737,17 @@ class Executor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await run.cancel()
         await self._dispatcher.close()
+
+
+def _output_value(spec: NodeSpec, value: Any) -> Any:
+    """What an output node gives the run: a `text` output that gathered a stream's text frames
+    (a joining port) is their text, joined as a stream-mode reader joins them, not a list of
+    deltas (a chat reply reads as text)."""
+    port = spec.inputs.get("value")
+    if (port is not None and port.type == "text" and port.join in ("ordered", "dynamic") and isinstance(value, list)
+            and all(isinstance(v, str) for v in value)):
+        return "".join(value)
+    return value
 
 
 def resolve_inputs(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ from engine.flow.discovery import Registry, RegistryError, WorkerSnapshot
 from engine.flow.kvroute import NO_HINT, KVRouter
 from engine.flow.links import ControlLink, DealerLink, LoopSocket
 from engine.flow.streams import StreamChannel
-from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult
+from engine.spec.calls import FinalNodeError, NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import RoleSpec
 
 log = logging.getLogger(__name__)
@@ -605,7 +605,7 @@ class WorkerDispatcher:
         return {port: decode_value(v, self._peer, timeout=0.0, materialize=False) for port, v in outputs.items()}
 
     async def _messages(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[ExecuteFrame | ExecuteResult]:
         """Frames and the final result of `call`, moving to another replica when a worker is lost
         before it produced anything."""
@@ -630,7 +630,7 @@ class WorkerDispatcher:
                     if isinstance(message, _ANSWERS):
                         if not announced:
                             announced = True
-                            started()
+                            started(RanOn(worker=conn.worker.info.worker_id, host=conn.worker.info.host))
                         if outbound and not forwarders:
                             # The worker took the call: a refusal (draining, say) would have
                             # moved it elsewhere with none of its stream's frames gone.
@@ -683,7 +683,7 @@ class WorkerDispatcher:
                 await self._close_call(conn, rid, forwarders, finished)
 
     async def execute(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
         async with contextlib.aclosing(self._messages(role, call, ctx, started)) as messages:
             async for message in messages:
@@ -692,7 +692,7 @@ class WorkerDispatcher:
         raise WorkerLost(f"node {call.node_id!r} ended without a result")
 
     async def execute_stream(
-        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]
+        self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.aclosing(self._messages(role, call, ctx, started)) as messages:
             async for message in messages:

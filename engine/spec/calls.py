@@ -36,6 +36,14 @@ class Route:
         object.__setattr__(self, "value", value)
 
 
+@dataclass(frozen=True, slots=True)
+class RanOn:
+    """Where a node execution ran: the worker that took it and that worker's host."""
+
+    worker: str
+    host: str
+
+
 @dataclass(slots=True)
 class NodeContext:
     """What a running node may ask of the executor. Passed to functions that take `ctx`."""

@@ -337,6 +337,8 @@ class RunEvent(models.Model):
 class FileRole(models.TextChoices):
     INPUT = "input"
     OUTPUT = "output"
+    NODE = "node"
+    """An image or audio clip a node produced (not a run output), kept for the run view's previews."""
 
 
 def _run_file_path(instance: RunFile, filename: str) -> str:

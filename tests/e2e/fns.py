@@ -1,6 +1,6 @@
 """Node functions of the browser tests' workflows (the studio under test allows ops in
 `tests.e2e.fns`): a pause to watch states change and to cancel, a word stream, a PNG
-made from an uploaded image and a WAV tone made from a caption."""
+made from an uploaded image, a WAV tone made from a caption, and a gradient PNG with its measure."""
 
 from __future__ import annotations
 
@@ -63,3 +63,15 @@ def tone(caption: str) -> bytes:
         wav.setframerate(rate)
         wav.writeframes(samples)
     return out.getvalue()
+
+
+def gradient(caption: str) -> bytes:
+    """A 256x128 PNG whose colour follows the caption: an image no workflow output carries."""
+    digest = hashlib.sha256(caption.encode()).digest()
+    return png(256, 128, (64 + digest[0] % 192, 64 + digest[1] % 192, 64 + digest[2] % 192))
+
+
+def measure(picture: bytes) -> dict[str, int]:
+    """The PNG's size as its header says it."""
+    width, height = struct.unpack(">II", picture[16:24])
+    return {"width": width, "height": height, "bytes": len(picture)}

@@ -27,7 +27,7 @@ from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import LoadReply, LoadRequest, TensorRef, WorkerMessage
 from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
-from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.calls import NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchedWorker, LocalCluster
@@ -45,13 +45,13 @@ class Recording:
         self.outputs: dict[str, dict[str, Any]] = {}
 
     async def execute(self, role: RoleSpec, call: NodeCall, ctx: NodeContext,
-                      started: Callable[[], None]) -> NodeResult:
+                      started: Callable[[RanOn], None]) -> NodeResult:
         self.inputs[call.node_id] = dict(call.inputs)
         result = await self.inner.execute(role, call, ctx, started)
         self.outputs[call.node_id] = dict(result.outputs)
         return result
 
-    def execute_stream(self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]):
+    def execute_stream(self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]):
         return self.inner.execute_stream(role, call, ctx, started)
 
     async def close(self) -> None:

@@ -47,7 +47,7 @@ from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor, RunResult
 from engine.flow.loader import load_workflow
 from engine.flow.remote import WorkerDispatcher
-from engine.spec.calls import NodeCall, NodeContext, NodeResult
+from engine.spec.calls import NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import GraphSpec, RoleSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchedWorker, LocalCluster
@@ -73,13 +73,13 @@ class RecordingDispatcher:
         self.outputs: list[tuple[str, str, Any]] = []
 
     async def execute(self, role: RoleSpec, call: NodeCall, ctx: NodeContext,
-                      started: Callable[[], None]) -> NodeResult:
+                      started: Callable[[RanOn], None]) -> NodeResult:
         self.inputs += [(call.node_id, port, v) for port, v in call.inputs.items()]
         result = await self.inner.execute(role, call, ctx, started)
         self.outputs += [(call.node_id, port, v) for port, v in result.outputs.items()]
         return result
 
-    def execute_stream(self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[], None]):
+    def execute_stream(self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]):
         return self.inner.execute_stream(role, call, ctx, started)
 
     async def close(self) -> None:

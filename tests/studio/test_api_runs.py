@@ -177,3 +177,63 @@ def test_metrics_and_health(api, client, staff) -> None:
     assert "omniflow_runs_active 0.0" in text
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["checks"]["database"] == "ok"
+
+
+def media_spec() -> dict:
+    """text -> `paint` (a PNG, fns.png) -> `step` (its digest) -> result: the image is no output."""
+    spec = image_spec()
+    spec["nodes"][0]["outputs"]["value"]["type"] = "text"
+    spec["nodes"].append({"id": "paint", "kind": "python", "role": "py", "op": "tests.studio.fns:png",
+                          "inputs": {"text": {"type": "text"}}, "outputs": {"out": {"type": "image"}}})
+    spec["edges"] = [
+        {"source": "text", "source_port": "value", "target": "paint", "target_port": "text"},
+        {"source": "paint", "source_port": "out", "target": "step", "target_port": "image"},
+        *spec["edges"][1:],
+    ]
+    return spec
+
+
+def test_a_node_image_is_a_run_file_of_its_owner_and_each_node_says_where_it_ran(api, other_api) -> None:
+    wf = create_workflow(api, media_spec())
+    done = finished(api, submit(api, wf["id"], {"text": "pixels"}))
+    import hashlib
+
+    assert done["status"] == "done" and done["outputs"] == {"result": hashlib.sha256(fns.png("pixels")).hexdigest()}
+    [kept] = [f for f in done["files"] if f["role"] == "node"]
+    assert kept["content_type"] == "image/png" and kept["name"] == "paint.out" and kept["size"] == len(fns.png("pixels"))
+    paint = next(n for n in done["nodes"] if n["node"] == "paint")
+    assert paint["outputs"] == {"out": {"$file": kept["id"], "url": kept["url"], "content_type": "image/png",
+                                        "bytes": kept["size"]}}
+    events = [e["data"] for e in api.get(f"/api/runs/{done['id']}/events/").json()]
+    [output] = [e for e in events if e["type"] == "node_output" and e["node"] == "paint"]
+    assert output["value"]["url"] == kept["url"]
+    download = api.get(kept["url"])
+    assert download.status_code == 200 and download["Content-Type"] == "image/png"
+    assert b"".join(download.streaming_content) == fns.png("pixels")
+    assert other_api.get(kept["url"]).status_code == 404
+    import time
+
+    assert abs(api.get(f"/api/runs/{done['id']}/").json()["server_time"] - time.time()) < 5  # the live clock
+    running = [e for e in events if e["type"] == "node_state" and e["state"] == "running"]
+    assert {e["node"] for e in running} == {"paint", "step"}
+    assert all(e["worker"].startswith("in-process:") and e["host"] for e in running)
+    # Run again from its inputs: a new run, its own file for the same image.
+    again = finished(api, submit(api, wf["id"], done["inputs"]))
+    assert again["inputs"] == {"text": "pixels"}
+    [copy] = [f for f in again["files"] if f["role"] == "node"]
+    assert copy["id"] != kept["id"] and copy["sha256"] == kept["sha256"]
+
+
+def test_pending_runs_list_their_place_in_the_queue(api, other_api) -> None:
+    wf = create_workflow(api, spec_doc())
+    first, second, third = (finished(api, submit(api, wf["id"], {"text": t})) for t in "abc")
+    # The embedded engine starts runs at once: wait them out, then queue two as a busy studio would.
+    Run.objects.filter(pk__in=[first["id"], third["id"]]).update(status="pending")
+    listed = {r["id"]: r["queue_position"] for r in api.get("/api/runs/").json()["results"]}
+    assert listed == {first["id"]: 1, second["id"]: None, third["id"]: 2}
+    assert api.get(f"/api/runs/{third['id']}/").json()["queue_position"] == 2
+    other = create_workflow(other_api, spec_doc())
+    theirs = finished(other_api, submit(other_api, other["id"], {"text": "d"}))
+    Run.objects.filter(pk=theirs["id"]).update(status="pending")
+    # Everyone's pending runs count: the queue is shared, so theirs is behind ours.
+    assert other_api.get(f"/api/runs/{theirs['id']}/").json()["queue_position"] == 3

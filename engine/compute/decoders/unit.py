@@ -19,6 +19,7 @@ from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.progress import ProgressMeter
 
 
 class _DecoderUnit(ThreadedUnit):
@@ -49,7 +50,9 @@ class _DecoderUnit(ThreadedUnit):
             except DecoderError as exc:
                 raise UnitInputError(f"node {call.node_id!r}: input {self.port!r}: {exc}") from exc
 
+        meter = ProgressMeter(ctx.progress, 1, "items").start()
         data = await self.run_blocking(run)
+        meter.advance()
         return NodeResult(outputs=map_outputs(data, call.output_ports, call.node_id))
 
     async def close(self) -> None:

@@ -16,7 +16,7 @@ steps the latents.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -237,8 +237,10 @@ class DiffusionRunner:
 
     @torch.inference_mode()
     def denoise(self, branches: Sequence[PromptKV], *, seed: int = 0, steps: int | None = None,
-                guidance_scale: float | None = None, latents: torch.Tensor | None = None) -> torch.Tensor:
+                guidance_scale: float | None = None, latents: torch.Tensor | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Latents `(1, C, h, w)` denoised from `latents` (default: noise from `seed`).
+        `on_step(i, steps)` is called after each step i (1-based), on this thread.
 
         `branches`: `[cond]`, or `[cond, uncond]` for classifier-free guidance. Their K/V are
         read, never modified, and reused by every step.
@@ -260,6 +262,8 @@ class DiffusionRunner:
             velocity = self._guide(self.head.velocity(out), guidance)
             v = unpatchify(velocity, cfg.latent_channels, cfg.latent_size, cfg.latent_size, cfg.patch_size)
             x = scheduler.step(v, t, x, return_dict=False)[0]
+            if on_step is not None:
+                on_step(i + 1, steps)
         self.stats.steps += steps
         self.stats.images += 1
         return x

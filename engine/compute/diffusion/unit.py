@@ -18,6 +18,7 @@ its pages are found by key). Output: `latents`, a `(C, h, w)` float32 tensor for
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from engine.data.kv.tier import Capacity
 from engine.data.peer import Peer
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.progress import ProgressMeter, Report, on_loop
 
 CONFIG_PARAMS = ("latent_channels", "latent_size", "patch_size", "steps", "guidance_scale", "shift",
                  "page_size", "head_seed")
@@ -125,7 +127,7 @@ class DiffusionUnit(ThreadedUnit):
             return HolderPageSource(self._peer, holder)
         return self.page_source
 
-    def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
+    def _generate(self, call: NodeCall, inputs: dict[str, Any], report: Report) -> torch.Tensor:
         params = call.params
         prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
         if (prompt is None) == (tokens is None):
@@ -144,13 +146,15 @@ class DiffusionUnit(ThreadedUnit):
         source = self._source(inputs.get("kv"))
         kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
                for p in branches]
-        latents = self.runner.denoise(kvs, seed=int(params.get("seed", 0)), steps=params.get("steps"),
-                                      guidance_scale=guidance)
+        steps = int(params.get("steps") or self.config.steps)
+        meter = ProgressMeter(report, steps, "steps").start()
+        latents = self.runner.denoise(kvs, seed=int(params.get("seed", 0)), steps=steps,
+                                      guidance_scale=guidance, on_step=lambda i, n: meter.advance())
         return latents[0]
 
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
         inputs = await self.joined_inputs(call)
-        latents = await self.run_blocking(self._generate, call, inputs)
+        latents = await self.run_blocking(self._generate, call, inputs, on_loop(ctx, asyncio.get_running_loop()))
         return NodeResult(outputs=map_outputs(latents, call.output_ports, call.node_id))
 
     def metrics(self) -> dict[str, float]:

@@ -22,6 +22,7 @@ from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.progress import ProgressMeter
 
 
 def projection_size(role: RoleSpec) -> int:
@@ -64,7 +65,9 @@ class _EncoderUnit(ThreadedUnit):
         value = inputs.get(self.port)
         if value is None:
             raise UnitInputError(f"node {call.node_id!r}: input {self.port!r} is required")
+        meter = ProgressMeter(ctx.progress, 1, "items").start()
         item = await self.run_blocking(self._encode, call, value)
+        meter.advance()
         values = {"embeds": item.embeds, "item": item.describe()}
         ports = call.output_ports
         return NodeResult(outputs=map_outputs(values[ports[0]] if len(ports) == 1 else

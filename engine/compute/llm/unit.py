@@ -82,6 +82,7 @@ from engine.data.tensor_store import RefNotFound
 from engine.data.wire import ReleaseRequest, TensorRef
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.progress import ProgressMeter
 from engine.spec.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -517,12 +518,18 @@ class LLMUnit(ComputeUnit):
         async for out in self._run(call, request_id, inbox):
             yield out, {}
 
+    def _meter(self, call: NodeCall, ctx: NodeContext) -> ProgressMeter:
+        """Tokens generated out of the node's `max_new_tokens`, reported as the engine makes them."""
+        return ProgressMeter(ctx.progress, self._sampling(call.node_id, call.params).max_new_tokens, "tokens").start()
+
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
         if node_mode(call) is NodeMode.PREFILL:
             ref = await self._prefill(await self._joined(call))
             return NodeResult(outputs=map_outputs(ref, call.output_ports, call.node_id))
         last = None
+        meter = self._meter(call, ctx)
         async for item in self._outputs(call, stream=False):
+            meter.advance(len(item[0].new_token_ids))
             last = item
         assert last is not None
         final, extra = last
@@ -536,7 +543,9 @@ class LLMUnit(ComputeUnit):
         if node_mode(call) is NodeMode.PREFILL:
             yield map_frame(await self._prefill(await self._joined(call)), call.output_ports, call.node_id)
             return
+        meter = self._meter(call, ctx)
         async for out, extra in self._outputs(call, stream=True):
+            meter.advance(len(out.new_token_ids))
             frame: dict[str, Any] = {"text": out.text_delta, "tokens": list(out.new_token_ids)}
             if out.finished:
                 frame["kv"] = {**self._kv_ref(out), **extra}

@@ -241,6 +241,8 @@ export interface Run {
   finished_at: string | null;
   duration_ms: number | null;
   last_seq: number;
+  /** A pending run's place in the queue (1: next to start); null once it runs. */
+  queue_position: number | null;
   links: { self: string; events: string; cancel: string; websocket: string };
 }
 
@@ -262,7 +264,8 @@ export interface NodeRun {
 
 export interface RunFile {
   id: string;
-  role: "input" | "output";
+  /** "node": an image or audio clip a node produced, kept for the run view's previews. */
+  role: "input" | "output" | "node";
   name: string;
   filename: string;
   content_type: string;
@@ -276,6 +279,8 @@ export interface RunDetail extends Run {
   nodes: NodeRun[];
   files: RunFile[];
   output_links: Record<string, string>;
+  /** The server's clock (UNIX seconds) when it answered. */
+  server_time: number;
 }
 
 interface EventBase {
@@ -297,6 +302,9 @@ export interface NodeStateEvent extends EventBase {
   iteration?: number;
   error?: string | null;
   duration_ms?: number | null;
+  /** With `running`: the worker that runs the attempt, and its host. */
+  worker?: string | null;
+  host?: string | null;
 }
 export interface NodeOutputEvent extends EventBase {
   type: "node_output";

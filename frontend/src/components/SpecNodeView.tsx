@@ -140,10 +140,27 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
           {run.iterations !== undefined && run.iterations > 1 && <span className="muted">×{run.iterations}</span>}
           <span className="timing">{formatMs(run.durationMs)}</span>
           {run.progress !== null && run.progress !== undefined && run.state === "running" && (
-            <div className="progress">
+            <div
+              className="progress"
+              role="progressbar"
+              aria-valuemin={0}
+              aria-valuemax={100}
+              aria-valuenow={Math.round(run.progress * 100)}
+              data-testid="node-progress"
+            >
               <div style={{ width: `${Math.round(run.progress * 100)}%` }} />
             </div>
           )}
+        </div>
+      )}
+      {run?.state === "running" && run.message && (
+        <div className="spec-node-progress muted" data-testid="node-progress-text">
+          {run.message}
+        </div>
+      )}
+      {run?.worker && (
+        <div className="spec-node-where muted" title={`ran on worker ${run.worker}${run.host ? ` on host ${run.host}` : ""}`}>
+          <Icon name="cpu" size={11} /> {run.host ?? ""} · {run.worker}
         </div>
       )}
       {run?.error && (

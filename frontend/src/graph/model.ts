@@ -23,6 +23,9 @@ export interface NodeRunView {
   message?: string;
   error?: string | null;
   iterations?: number;
+  /** Where its latest attempt ran. */
+  worker?: string | null;
+  host?: string | null;
 }
 
 export type SpecNodeData = {

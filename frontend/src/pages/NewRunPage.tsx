@@ -8,7 +8,7 @@ import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom"
 import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { workflows, runs } from "../api/studio";
-import type { NodeSpec, PortType, Version, Workflow } from "../api/types";
+import type { NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { Button, ErrorBox, Spinner, formatBytes } from "../components/ui";
@@ -35,7 +35,18 @@ function inputsOf(nodes: NodeSpec[]): InputField[] {
 
 type Draft = { text: string; file: File | null; asJson: boolean };
 
-function initialDraft(field: InputField): Draft {
+function previousFile(run: RunDetail, name: string): RunFile | undefined {
+  const value = run.inputs[name];
+  if (!value || typeof value !== "object" || !("$file" in value)) return undefined;
+  return run.files.find((f) => f.id === (value as { $file: string }).$file);
+}
+
+/** A field's draft: from `given` (a previous run's value) when there is one, else its default. */
+function initialDraft(field: InputField, given?: unknown): Draft {
+  if (given !== undefined && !(given && typeof given === "object" && "$file" in given)) {
+    if (typeof given === "string" && (field.type === "text" || field.type === "any")) return { text: given, file: null, asJson: false };
+    return { text: JSON.stringify(given), file: null, asJson: true };
+  }
   const d = field.defaultValue;
   if (d === undefined) return { text: "", file: null, asJson: field.type !== "text" };
   if (typeof d === "string" && (field.type === "text" || field.type === "any")) return { text: d, file: null, asJson: false };
@@ -87,9 +98,35 @@ export function NewRunPage() {
   }, [id, number, versions]);
 
   const fields = useMemo(() => (version ? inputsOf(version.spec.nodes) : []), [version]);
+  // "Run again" (`?from=<run>`): the drafts start from that run's inputs, its uploaded files too.
+  const from = params.get("from");
+  const [previous, setPrevious] = useState<RunDetail | null>(null);
   useEffect(() => {
-    setDrafts(Object.fromEntries(fields.map((f) => [f.name, initialDraft(f)])));
-  }, [fields]);
+    if (!from) return;
+    runs.get(from).then(setPrevious).catch((err) => setError(describeError(err)));
+  }, [from]);
+  useEffect(() => {
+    if (from && !previous) return;
+    let stale = false;
+    setDrafts(Object.fromEntries(fields.map((f) => [f.name, initialDraft(f, previous?.inputs[f.name])])));
+    if (previous) {
+      for (const f of fields) {
+        const file = previousFile(previous, f.name);
+        if (!file) continue;
+        fetch(file.url, { credentials: "same-origin" })
+          .then((r) => (r.ok ? r.blob() : Promise.reject(new Error(`${file.filename}: ${r.status}`))))
+          .then((blob) => {
+            if (stale) return;
+            const picked = new File([blob], file.filename, { type: file.content_type });
+            setDrafts((d) => ({ ...d, [f.name]: { ...d[f.name], file: picked } }));
+          })
+          .catch((err) => setError(`The previous run's file for “${f.name}” could not be read: ${describeError(err)}`));
+      }
+    }
+    return () => {
+      stale = true;
+    };
+  }, [fields, from, previous]);
 
   const submit = async (e: FormEvent) => {
     e.preventDefault();
@@ -153,6 +190,11 @@ export function NewRunPage() {
             <Link to="/workflows">Workflows</Link> / <Link to={`/workflows/${workflow.id}`}>{workflow.name}</Link> /
           </div>
           <h1>New run</h1>
+          {previous && (
+            <p className="muted small" data-testid="run-again-from">
+              Inputs from run <Link to={`/runs/${previous.id}`} className="mono">{previous.id.slice(0, 8)}</Link>; change any before you start it.
+            </p>
+          )}
         </div>
       </header>
       {versions.length === 0 ? (

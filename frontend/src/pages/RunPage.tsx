@@ -2,7 +2,7 @@
  * One run, live: the graph coloured by node state with timings, outputs as they arrive
  * (streamed text, images, audio), the event log, and cancel.
  */
-import { useCallback, useEffect, useMemo, useReducer, useState } from "react";
+import { useCallback, useEffect, useMemo, useReducer, useRef, useState } from "react";
 import { Link, useParams } from "react-router-dom";
 import { ApiError, describeError } from "../api/client";
 import { runs, workflows } from "../api/studio";
@@ -12,7 +12,16 @@ import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
 import { useRunEvents } from "../hooks/useRunEvents";
-import { initialRunState, isTerminal, reduceRun, type RunState, streamText } from "../run/state";
+import {
+  clockSkew,
+  initialRunState,
+  isTerminal,
+  type MediaValue,
+  mediaOf,
+  reduceRun,
+  type RunState,
+  streamText,
+} from "../run/state";
 
 function reducer(state: RunState, events: RunEvent[]): RunState {
   return events.reduce(reduceRun, state);
@@ -23,17 +32,23 @@ export function RunPage() {
   const [detail, setDetail] = useState<RunDetail | null>(null);
   const [version, setVersion] = useState<Version | null>(null);
   const [error, setError] = useState<string | null>(null);
+  /** Browser clock minus server clock (upper bound; see `clockSkew`): live times count on the server's clock. */
+  const skew = useRef<number | null>(null);
   const [loadError, setLoadError] = useState<{ status?: number; message: string } | null>(null);
   const [state, apply] = useReducer(reducer, undefined, () => initialRunState());
   const [selected, setSelected] = useState<string | null>(null);
   const [cancelling, setCancelling] = useState(false);
   const [now, setNow] = useState(Date.now());
+  const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
   const toast = useToast();
 
   const refresh = useCallback(async () => {
     if (!id) return;
     try {
-      setDetail(await runs.get(id));
+      const got = await runs.get(id);
+      // Stamped as the server answered: a bound on the skew before any live event comes.
+      skew.current = clockSkew(skew.current, [{ time: got.server_time }], Date.now());
+      setDetail(got);
     } catch (err) {
       setLoadError({ status: (err as ApiError).status, message: describeError(err) });
     }
@@ -55,6 +70,7 @@ export function RunPage() {
 
   const onEvents = useCallback(
     (events: RunEvent[]) => {
+      skew.current = clockSkew(skew.current, events, Date.now());
       apply(events);
       if (events.some((e) => e.type === "run_finished")) refresh();
     },
@@ -70,16 +86,17 @@ export function RunPage() {
     return () => window.clearInterval(t);
   }, [live]);
 
+  const serverNow = now - (skew.current ?? 0);
   const nodeStates = useMemo(() => {
     const out: RunState["nodes"] = {};
     for (const [node, view] of Object.entries(state.nodes)) {
       out[node] =
         view.state === "running" && view.since
-          ? { ...view, durationMs: Math.max(0, now - view.since * 1000) }
+          ? { ...view, durationMs: Math.max(0, serverNow - view.since * 1000) }
           : view;
     }
     return out;
-  }, [state.nodes, now]);
+  }, [state.nodes, serverNow]);
 
   const cancel = async () => {
     if (!id) return;
@@ -119,7 +136,12 @@ export function RunPage() {
   }
 
   const startedMs = state.startedAt ? state.startedAt * 1000 : detail.started_at ? Date.parse(detail.started_at) : null;
-  const duration = state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? now - startedMs : null);
+  const duration =
+    state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? Math.max(0, serverNow - startedMs) : null);
+  const media = Object.entries(state.values).flatMap(([key, value]) => {
+    const m = mediaOf(value);
+    return m ? [{ key, media: m }] : [];
+  });
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
 
@@ -153,7 +175,11 @@ export function RunPage() {
               {cancelling ? "Cancelling…" : "Cancel"}
             </Button>
           )}
-          <Link className="btn btn-secondary" to={`/workflows/${detail.workflow}/run?version=${detail.version}`}>
+          <Link
+            className="btn btn-secondary"
+            data-testid="run-again"
+            to={`/workflows/${detail.workflow}/run?version=${detail.version}&from=${detail.id}${detail.deployment ? `&deployment=${detail.deployment}` : ""}`}
+          >
             <Icon name="refresh" /> Run again
           </Link>
         </div>
@@ -199,6 +225,17 @@ export function RunPage() {
             ))}
           </section>
 
+          {media.length > 0 && (
+            <section className="card pad-card" data-testid="run-media">
+              <div className="section-title">Images and audio from the nodes</div>
+              <div className="media-grid">
+                {media.map(({ key, media: m }) => (
+                  <MediaView key={key} name={key} media={m} onZoom={() => setZoomed({ name: key, media: m })} />
+                ))}
+              </div>
+            </section>
+          )}
+
           <StreamsPanel state={state} />
 
           <section className="card pad-card">
@@ -220,6 +257,11 @@ export function RunPage() {
                       <td>
                         <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
                         {v?.iterations && v.iterations > 1 ? <span className="muted small"> ×{v.iterations}</span> : null}
+                        {v?.state === "running" && v.progress !== null && v.progress !== undefined && (
+                          <span className="table-progress" title={v.message} data-testid={`table-progress-${n.id}`}>
+                            <div style={{ width: `${Math.round(v.progress * 100)}%` }} />
+                          </span>
+                        )}
                       </td>
                       <td className="right mono small">{formatMs(v?.durationMs)}</td>
                     </tr>
@@ -229,7 +271,7 @@ export function RunPage() {
             </table>
           </section>
 
-          {selected && <NodeDetail node={selected} state={state} />}
+          {selected && <NodeDetail node={selected} state={state} now={nodeStates[selected]} onZoom={(name, m) => setZoomed({ name, media: m })} />}
 
           <section className="card pad-card">
             <div className="section-title">Inputs</div>
@@ -253,6 +295,31 @@ export function RunPage() {
           </details>
         </aside>
       </div>
+      {zoomed && (
+        <div className="lightbox" role="dialog" aria-label={`${zoomed.name} full size`} onClick={() => setZoomed(null)} data-testid="lightbox">
+          <img src={zoomed.media.url} alt={`${zoomed.name} full size`} data-testid="lightbox-image" />
+          <div className="lightbox-caption">{zoomed.name} · click anywhere to close</div>
+        </div>
+      )}
+    </div>
+  );
+}
+
+/** A node's image (a thumbnail that opens full size) or audio clip (a player). */
+function MediaView({ name, media, onZoom }: { name: string; media: MediaValue; onZoom: () => void }) {
+  return (
+    <div className="media-item" data-testid={`media-${name}`}>
+      {media.content_type.startsWith("image/") ? (
+        <button type="button" className="media-thumb" onClick={onZoom} title={`${name}: open full size`}>
+          <img src={media.url} alt={name} data-testid={`media-thumb-${name}`} />
+        </button>
+      ) : (
+        <audio controls src={media.url} className="audio" data-testid={`media-audio-${name}`} />
+      )}
+      <span className="mono small muted">
+        {name}
+        {media.bytes ? ` · ${formatBytes(media.bytes)}` : ""}
+      </span>
     </div>
   );
 }
@@ -349,7 +416,7 @@ function StreamsPanel({ state }: { state: RunState }) {
             {text !== null ? (
               <div className={`output-text stream-text${running ? " typing" : ""}`}>{text}</div>
             ) : (
-              <pre className="output-json">{JSON.stringify(s.frames.slice(-20), null, 1)}</pre>
+              <FramesView frames={s.frames} />
             )}
           </div>
         );
@@ -358,9 +425,37 @@ function StreamsPanel({ state }: { state: RunState }) {
   );
 }
 
-function NodeDetail({ node, state }: { node: string; state: RunState }) {
-  const view = state.nodes[node];
+/**
+ * Frames that are not text: token ids (lists of numbers) read as one list on a line or two;
+ * anything else as its latest frame, the earlier ones counted.
+ */
+function FramesView({ frames }: { frames: unknown[] }) {
+  if (frames.every((f) => Array.isArray(f) && f.every((x) => typeof x === "number"))) {
+    const ids = (frames as number[][]).flat();
+    return <div className="output-text mono small">{ids.join(" ")}</div>;
+  }
+  return (
+    <details className="details">
+      <summary className="muted small">latest of {frames.length} frame{frames.length === 1 ? "" : "s"}</summary>
+      <pre className="output-json">{JSON.stringify(frames[frames.length - 1], null, 1)}</pre>
+    </details>
+  );
+}
+
+function NodeDetail({
+  node,
+  state,
+  now,
+  onZoom,
+}: {
+  node: string;
+  state: RunState;
+  now?: RunState["nodes"][string];
+  onZoom: (name: string, media: MediaValue) => void;
+}) {
+  const view = now ?? state.nodes[node];
   const values = Object.entries(state.values).filter(([k]) => k.startsWith(`${node}.`));
+  const streams = Object.entries(state.streams).filter(([, s]) => s.node === node);
   return (
     <section className="card pad-card" data-testid="node-detail">
       <div className="section-title">
@@ -373,6 +468,15 @@ function NodeDetail({ node, state }: { node: string; state: RunState }) {
         </dd>
         <dt>Time</dt>
         <dd>{formatMs(view?.durationMs) || "—"}</dd>
+        {view?.worker && (
+          <>
+            <dt>Ran on</dt>
+            <dd className="mono small" data-testid="node-where">
+              {view.worker}
+              {view.host ? ` on ${view.host}` : ""}
+            </dd>
+          </>
+        )}
         {view?.message && (
           <>
             <dt>Progress</dt>
@@ -386,13 +490,27 @@ function NodeDetail({ node, state }: { node: string; state: RunState }) {
           </>
         )}
       </dl>
-      {values.map(([k, v]) => (
-        <div className="output" key={k}>
-          <div className="output-name mono">{k}</div>
-          <ValueView value={v} />
-        </div>
-      ))}
-      {values.length === 0 && <p className="muted small">No output yet.</p>}
+      {values.map(([k, v]) => {
+        const m = mediaOf(v);
+        return (
+          <div className="output" key={k}>
+            <div className="output-name mono">{k}</div>
+            {m ? <MediaView name={k} media={m} onZoom={() => onZoom(k, m)} /> : <ValueView value={v} />}
+          </div>
+        );
+      })}
+      {streams.map(([k, s]) => {
+        const text = streamText(s);
+        return (
+          <div className="output" key={k}>
+            <div className="output-name mono">
+              {k} <span className="muted small">streamed</span>
+            </div>
+            {text !== null ? <div className="output-text">{text}</div> : <FramesView frames={s.frames} />}
+          </div>
+        );
+      })}
+      {values.length === 0 && streams.length === 0 && <p className="muted small">No output yet.</p>}
     </section>
   );
 }

@@ -1,10 +1,19 @@
-/** Every run of the user's workflows, newest first, with status and workflow filters. */
+/**
+ * Every run of the user's workflows, newest first, with status and workflow filters. The list
+ * updates itself (every second while a run is pending or running, every few seconds otherwise,
+ * and not while the tab is hidden): a run started anywhere appears, a pending run shows its place
+ * in the queue, and any unfinished run can be cancelled from its row.
+ */
 import { useCallback, useEffect, useState } from "react";
 import { Link, useNavigate, useSearchParams } from "react-router-dom";
-import { describeError } from "../api/client";
+import { ApiError, describeError } from "../api/client";
 import { runs, workflows } from "../api/studio";
 import { type Page, RUN_STATUSES, type Run, type Workflow } from "../api/types";
+import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, formatTime } from "../components/ui";
+
+const POLL_ACTIVE_MS = 1000;
+const POLL_IDLE_MS = 3000;
 
 export function RunsPage() {
   const [params, setParams] = useSearchParams();
@@ -15,6 +24,8 @@ export function RunsPage() {
   const [flows, setFlows] = useState<Workflow[]>([]);
   const [error, setError] = useState<string | null>(null);
   const navigate = useNavigate();
+  const toast = useToast();
+  const [cancelling, setCancelling] = useState<string | null>(null);
 
   const load = useCallback(async () => {
     try {
@@ -33,10 +44,24 @@ export function RunsPage() {
   }, []);
   const active = data?.results.some((r) => r.status === "pending" || r.status === "running");
   useEffect(() => {
-    if (!active) return;
-    const t = window.setInterval(load, 2000);
+    const t = window.setInterval(() => {
+      if (document.visibilityState === "visible") load();
+    }, active ? POLL_ACTIVE_MS : POLL_IDLE_MS);
     return () => window.clearInterval(t);
   }, [active, load]);
+
+  const cancel = async (run: Run) => {
+    setCancelling(run.id);
+    try {
+      await runs.cancel(run.id);
+      toast(`Run ${run.id.slice(0, 8)} cancelled`, "success");
+    } catch (err) {
+      toast(err instanceof ApiError && err.status === 409 ? err.message : describeError(err), "error");
+    } finally {
+      setCancelling(null);
+      load();
+    }
+  };
 
   const set = (key: string, value: string) => {
     const next = new URLSearchParams(params);
@@ -99,11 +124,12 @@ export function RunsPage() {
                 <th>Status</th>
                 <th>Created</th>
                 <th className="right">Duration</th>
+                <th />
               </tr>
             </thead>
             <tbody>
               {data.results.map((r) => (
-                <tr key={r.id} onClick={() => navigate(`/runs/${r.id}`)} data-testid="run-row">
+                <tr key={r.id} onClick={() => navigate(`/runs/${r.id}`)} data-testid="run-row" data-status={r.status}>
                   <td>
                     <Link to={`/runs/${r.id}`} className="mono row-title" onClick={(e) => e.stopPropagation()}>
                       {r.id.slice(0, 8)}
@@ -115,9 +141,32 @@ export function RunsPage() {
                   <td>
                     <StatusBadge status={r.status} />
                     {r.failed_node && <span className="muted small"> at {r.failed_node}</span>}
+                    {r.queue_position !== null && r.queue_position !== undefined && (
+                      <span className="muted small" data-testid="queue-position">
+                        {" "}
+                        #{r.queue_position} in the queue
+                      </span>
+                    )}
                   </td>
                   <td className="muted small nowrap">{formatTime(r.created_at)}</td>
                   <td className="right mono small">{formatMs(r.duration_ms)}</td>
+                  <td className="right">
+                    {(r.status === "pending" || r.status === "running") && (
+                      <Button
+                        small
+                        variant="danger"
+                        icon="stop"
+                        disabled={cancelling === r.id}
+                        data-testid="cancel-row"
+                        onClick={(e) => {
+                          e.stopPropagation();
+                          cancel(r);
+                        }}
+                      >
+                        {cancelling === r.id ? "Cancelling…" : "Cancel"}
+                      </Button>
+                    )}
+                  </td>
                 </tr>
               ))}
             </tbody>

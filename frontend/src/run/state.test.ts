@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { initialRunState, reduceRun, streamText } from "./state";
+import { clockSkew, initialRunState, mediaOf, reduceRun, streamText } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -71,5 +71,36 @@ describe("reduceRun over a recorded run of workflows/stream.py", () => {
     const again = all.map((e) => ({ ...e, seq: e.seq + 11 }) as RunEvent).reduce(reduceRun, s);
     expect(again.status).toBe("done");
     expect(again.streams["shout.word"].frames).toEqual(["HI", "THERE"]);
+  });
+});
+
+describe("watching a run", () => {
+  it("says where a node runs and restarts its progress with each attempt", () => {
+    let s = initialRunState(["gen"]);
+    s = reduceRun(s, { type: "node_state", seq: 0, run_id: "r", time: 10, node: "gen", state: "running", worker: "llm-0", host: "gpu-1" });
+    s = reduceRun(s, { type: "node_progress", seq: 1, run_id: "r", time: 11, node: "gen", progress: 0.5, message: "4/8 tokens" });
+    expect(s.nodes.gen).toMatchObject({ worker: "llm-0", host: "gpu-1", progress: 0.5, message: "4/8 tokens", since: 10 });
+    s = reduceRun(s, { type: "node_state", seq: 2, run_id: "r", time: 12, node: "gen", state: "failed", error: "lost" });
+    s = reduceRun(s, { type: "node_state", seq: 3, run_id: "r", time: 13, node: "gen", state: "running", worker: "llm-1", host: "gpu-2" });
+    expect(s.nodes.gen).toMatchObject({ worker: "llm-1", host: "gpu-2", progress: null, since: 13 });
+  });
+
+  it("reads the server's clock from event times, so live times are never negative", () => {
+    // The browser runs 5 s behind the server: an event stamped 1000.0 s arrives at 995.2 s local.
+    const skew = clockSkew(null, [{ time: 1000 }, { time: 999.9 }], 995_200);
+    expect(skew).toBeCloseTo(-4800, 6);
+    const serverNow = 995_300 - (skew ?? 0);
+    expect(serverNow - 1000 * 1000).toBeGreaterThanOrEqual(0);
+    // A later, faster arrival tightens it; a replayed old event does not loosen it.
+    expect(clockSkew(skew, [{ time: 1001 }], 996_100)).toBeCloseTo(-4900, 6);
+    expect(clockSkew(skew, [{ time: 900 }], 996_100)).toBeCloseTo(-4800, 6);
+  });
+
+  it("knows a node's image or audio file from other values", () => {
+    const image = { $file: "f1", url: "/api/runs/r/files/f1/", content_type: "image/png", bytes: 10 };
+    expect(mediaOf(image)).toEqual(image);
+    expect(mediaOf({ ...image, content_type: "application/json" })).toBeNull();
+    expect(mediaOf({ bytes: 10 })).toBeNull();
+    expect(mediaOf("a")).toBeNull();
   });
 });

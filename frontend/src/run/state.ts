@@ -57,6 +57,10 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
         view.since = event.time;
         view.durationMs = null;
         view.error = null;
+        view.progress = null;
+        view.message = undefined;
+        if (event.worker) view.worker = event.worker;
+        if (event.host) view.host = event.host;
       }
       if (event.duration_ms !== undefined && event.duration_ms !== null) view.durationMs = event.duration_ms;
       if (event.error) view.error = event.error;
@@ -96,6 +100,35 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
       break;
   }
   return next;
+}
+
+/**
+ * The server's clock as this browser reads it: the smallest (arrival - event time) seen. Every
+ * event is stamped by the server, so `serverNow(skew) >= time` of every event seen and a live
+ * duration counted from an event's time is never negative, whatever the browser's clock says.
+ */
+export function clockSkew(skew: number | null, events: { time: number }[], arrivedAt: number): number | null {
+  let out = skew;
+  for (const e of events) {
+    const seen = arrivedAt - e.time * 1000;
+    if (out === null || seen < out) out = seen;
+  }
+  return out;
+}
+
+/** An image or audio value a node produced, kept as a file of the run (`{$file, url, content_type}`). */
+export interface MediaValue {
+  $file: string;
+  url: string;
+  content_type: string;
+  bytes?: number;
+}
+
+export function mediaOf(value: unknown): MediaValue | null {
+  if (!value || typeof value !== "object") return null;
+  const v = value as Partial<MediaValue>;
+  if (typeof v.$file !== "string" || typeof v.url !== "string" || typeof v.content_type !== "string") return null;
+  return /^(image|audio)\//.test(v.content_type) ? (v as MediaValue) : null;
 }
 
 /**

@@ -3,6 +3,7 @@ by the engine's validator (see `studio.workflows.specs`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.urls import reverse
@@ -172,13 +173,22 @@ class RunSerializer(serializers.ModelSerializer):
     owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
     status = serializers.ChoiceField(choices=RunStatus.choices, read_only=True)
     links = serializers.SerializerMethodField()
+    queue_position = serializers.SerializerMethodField(
+        help_text="a pending run's place in the queue (1: next to start), counting every user's pending runs;"
+                  " null once it runs")
 
     class Meta:
         model = Run
         fields = ["id", "workflow", "workflow_name", "version", "deployment", "owner", "status", "inputs", "outputs",
                   "error", "failed_node", "timeout_s", "created_at", "started_at", "finished_at", "duration_ms",
-                  "last_seq", "links"]
+                  "last_seq", "queue_position", "links"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
+    def get_queue_position(self, obj: Run) -> int | None:
+        if obj.status != RunStatus.PENDING:
+            return None
+        return Run.objects.filter(status=RunStatus.PENDING, created_at__lt=obj.created_at).count() + 1
 
     @extend_schema_field(OpenApiTypes.OBJECT)
     def get_links(self, obj: Run) -> dict[str, str]:
@@ -194,10 +204,16 @@ class RunDetailSerializer(RunSerializer):
     nodes = NodeRunSerializer(many=True, read_only=True)
     files = RunFileSerializer(many=True, read_only=True)
     output_links = serializers.SerializerMethodField(help_text="output name -> download URL, for file outputs")
+    server_time = serializers.SerializerMethodField(
+        help_text="the server's clock (UNIX seconds) as it answered: what live times count on, with event times")
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links"]
+        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.FloatField())
+    def get_server_time(self, obj: Run) -> float:
+        return time.time()
 
     @extend_schema_field(serializers.DictField(child=serializers.CharField()))
     def get_output_links(self, obj: Run) -> dict[str, str]:

@@ -25,8 +25,9 @@ import contextlib
 import logging
 from typing import Any, Protocol
 
+from engine.data.channel import TransferError
 from engine.flow.dispatch import InProcessDispatcher
-from engine.flow.events import EventLog, RunFinished, RunStatus, event_to_dict
+from engine.flow.events import EventLog, NodeOutputEvent, RunEvent, RunFinished, RunStatus, event_to_dict
 from engine.flow.executor import Executor, Run, RunInputError
 from engine.flow.validate import GraphValidationError, parse_spec
 from engine.spec.kinds import KindRegistry
@@ -71,7 +72,8 @@ class OwnExecutor:
 class RunStore(Protocol):
     async def claim(self, run_id: str) -> RunTicket | None: ...
 
-    async def record(self, run_id: str, events: list[dict], final_outputs: dict | None = None) -> list[dict]: ...
+    async def record(self, run_id: str, events: list[dict], final_outputs: dict | None = None,
+                     blobs: dict[int, bytes] | None = None) -> list[dict]: ...
 
     async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *,
                                only_pending: bool) -> list[dict] | None: ...
@@ -84,6 +86,23 @@ async def _next_event(log_: EventLog, position: int) -> None:
         await anext(follower, None)
     finally:
         await follower.aclose()
+
+
+async def _blobs(run: Run, batch: list[RunEvent], ticket: RunTicket,
+                 executors: ExecutorSource) -> dict[int, bytes]:
+    """The byte blobs (images, audio) the `node_output` events of `batch` only preview, by
+    stored seq, pulled from the workers that hold them. A blob that cannot be pulled any more
+    (its worker gone, its lease over) keeps its preview: the run goes on without it."""
+    held = {str(e.seq + ticket.seq_base): blob for e in batch if isinstance(e, NodeOutputEvent)
+            and (blob := run.take_blob(e.seq)) is not None}
+    if not held:
+        return {}
+    try:
+        pulled = await executors.materialize(ticket, held)
+    except (TransferError, DeploymentUnavailable) as exc:
+        log.warning("run %s: node outputs %s could not be pulled for previews: %s", ticket.run_id, sorted(held), exc)
+        return {}
+    return {int(seq): bytes(v) for seq, v in pulled.items() if isinstance(v, bytes | bytearray | memoryview)}
 
 
 async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: RunStore, bus: RunEventBus,
@@ -111,7 +130,8 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
             final = isinstance(batch[-1], RunFinished)
             outputs = await executors.materialize(ticket, (await run.wait()).outputs) if final else None
             events = [{**event_to_dict(e), "seq": e.seq + ticket.seq_base} for e in batch]
-            stored = await store.record(run_id, events, outputs)
+            blobs = await _blobs(run, batch, ticket, executors)
+            stored = await store.record(run_id, events, outputs, blobs)
             await bus.publish(run_id, stored)
             metrics.observe(batch, ticket.node_kinds)
             position += len(batch)
@@ -167,7 +187,7 @@ async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | N
             executor = await executors.executor_for(ticket)
             plan = executor.plan(parse_spec(ticket.spec))
             run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s,
-                                        tenant=ticket.tenant)
+                                        tenant=ticket.tenant, keep_blobs=True)
         except GraphValidationError as exc:
             error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
         except RunInputError as exc:

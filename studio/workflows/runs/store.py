@@ -207,7 +207,7 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
         node.state, node.attempts, node.iterations = NodeState.PENDING, 0, 0
         node.started_at = node.finished_at = node.duration_ms = node.progress = None
         node.error, node.message, node.outputs, node.frames = "", "", {}, 0
-    outputs = run.files.filter(role=FileRole.OUTPUT)
+    outputs = run.files.filter(role__in=[FileRole.OUTPUT, FileRole.NODE])
     for produced in outputs:
         produced.delete()  # its file goes with it (`models`); the new execution makes its own
     run.status, run.outputs, run.error, run.failed_node = DbRunStatus.PENDING, {}, "", ""
@@ -231,10 +231,12 @@ def _server_paths(run: Run) -> ServerPaths:
     return ServerPaths(PathRoots.of(engine().config).users / str(run.owner_id), save)
 
 
-def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None, *,
-           owner: str | None = None) -> list[dict]:
+def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None,
+           blobs: dict[int, bytes] | None = None, *, owner: str | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
-    up to date. `final_outputs` (the run's real output values) comes with `run_finished`.
+    up to date. `final_outputs` (the run's real output values) comes with `run_finished`;
+    `blobs` (by seq) the bytes that `node_output` events only preview, kept as the run's
+    files when they are images or audio (`_node_media`).
     With `owner`, the writer must still hold the run's lease (else `LeaseLost`, nothing
     written). Returns the events as stored, which is what followers are sent."""
     with transaction.atomic():
@@ -275,6 +277,8 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
                     node.error = event.get("error") or ("" if state == NodeState.DONE else node.error)
                 touched[node.node] = node
             elif kind == "node_output" and event["node"] in nodes:
+                if blobs and event["seq"] in blobs:
+                    event = {**event, "value": _node_media(run, event, blobs[event["seq"]])}
                 node = nodes[event["node"]]
                 node.outputs = {**node.outputs, event["port"]: event.get("value")}
                 if event.get("frame") is not None:
@@ -313,6 +317,32 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
             )
         run.save(update_fields=sorted(run_fields))
     return stored
+
+
+NODE_MEDIA_LIMIT = 64
+"""At most this many images and audio clips that nodes produce are kept per run (a loop
+making one per iteration keeps its first ones)."""
+
+NODE_MEDIA_BYTES = 32 * 1024 * 1024
+"""A bigger blob is not kept for a preview."""
+
+
+def _node_media(run: Run, event: dict[str, Any], data: bytes) -> Any:
+    """A node's image or audio output as a file of the run, for the run view's previews
+    (downloaded by the run's owner only, like every run file): `{"$file", "url",
+    "content_type", "bytes"}`. Other blobs, and those past the limits, keep their preview."""
+    content_type, ext = sniff_content_type(data)
+    if not content_type.startswith(("image/", "audio/")) or len(data) > NODE_MEDIA_BYTES:
+        return event.get("value")
+    digest = hashlib.sha256(data).hexdigest()
+    files = RunFile.objects.filter(run=run, role=FileRole.NODE)
+    record = files.filter(sha256=digest).first()  # the same image passed along several nodes: one file
+    if record is None:
+        if files.count() >= NODE_MEDIA_LIMIT:
+            return event.get("value")
+        port = f"{event['node']}.{event['port']}"
+        record = store_file(run, FileRole.NODE, port[-64:], data, f"{port}{ext}", content_type)
+    return {**file_ref(record), "url": file_url(run.pk, record.pk), "content_type": content_type, "bytes": len(data)}
 
 
 def _hide_paths(event: dict[str, Any], paths: ServerPaths) -> dict[str, Any]:
@@ -389,8 +419,9 @@ class ThreadedRunStore:
     async def claim(self, run_id: str) -> RunTicket | None:
         return await self._call(claim, run_id, self.lease)
 
-    async def record(self, run_id: str, events: list[dict], final_outputs: dict[str, Any] | None = None) -> list:
-        return await self._call(record, run_id, events, final_outputs,
+    async def record(self, run_id: str, events: list[dict], final_outputs: dict[str, Any] | None = None,
+                     blobs: dict[int, bytes] | None = None) -> list:
+        return await self._call(record, run_id, events, final_outputs, blobs,
                                 owner=None if self.lease is None else self.lease.owner)
 
     async def renew(self, run_ids: list[str]) -> LeaseCheck:

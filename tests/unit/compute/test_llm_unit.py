@@ -12,6 +12,7 @@ from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.llm.unit import LLMUnit, LLMUnitError
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
+from engine.flow.events import NodeOutputEvent, NodeProgressEvent, NodeStateEvent
 from engine.flow.executor import Executor
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
@@ -262,9 +263,31 @@ async def test_streaming_node_yields_text_as_it_goes(executor, tiny_llama):
     result = await run.wait()
     assert result.status == "done", result.error
     expected = reference(tiny_llama, [list(prompt.encode())])[0]
-    deltas = result.outputs["text"]
+    deltas = [e.value for e in run.log.snapshot() if isinstance(e, NodeOutputEvent) and e.node == "gen"
+              and e.port == "text" and e.frame is not None]
     assert len(deltas) == 8  # one frame per token
-    assert "".join(deltas) == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
+    # The `text` output that gathered them reads as text, not as a list of deltas.
+    assert result.outputs["text"] == "".join(deltas) == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_llm_node_reports_tokens_made_of_max_new_tokens(executor, tiny_llama, stream):
+    prompt = "".join(chr(t) for t in prompt_ids(32, 9))
+    run = await executor.submit(chat_workflow({"max_new_tokens": 8, "ignore_eos": True}, stream=stream).to_spec(),
+                                {"prompt": prompt})
+    result = await run.wait()
+    assert result.status == "done", result.error
+    events = run.log.snapshot()
+    progress = [(e.progress, e.message) for e in events if isinstance(e, NodeProgressEvent)]
+    # The bar starts at 0 before the first token and ends full; between them at most one report a
+    # tenth of a second (ProgressMeter), however fast the tokens come.
+    assert progress[0] == (0.0, "0/8 tokens") and progress[-1] == (1.0, "8/8 tokens")
+    assert [p for p, _ in progress] == sorted(p for p, _ in progress)
+    assert all(m == f"{round(p * 8)}/8 tokens" for p, m in progress)
+    running = next(e for e in events if isinstance(e, NodeStateEvent) and e.node == "gen" and e.state == "running")
+    assert running.worker.startswith("in-process:") and running.host
+    first_progress = next(i for i, e in enumerate(events) if isinstance(e, NodeProgressEvent))
+    assert events.index(running) < first_progress
 
 
 async def test_session_param_keeps_history_server_side(executor, tiny_llama):

@@ -19,6 +19,7 @@ from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.weights import WeightKey, WeightStore
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
+from engine.flow.events import NodeProgressEvent
 from engine.flow.executor import Executor
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
@@ -107,6 +108,23 @@ async def test_image_generation_workflow_returns_a_png(executor, tiny_llama):
     expected = runner.generate(Prompt.of(list(tiny_llama.tokenizer("a red disc").input_ids)), Prompt.of([BOS_ID]),
                                seed=1)
     assert torch.allclose(result.outputs["latents"], expected[0], atol=1e-5)
+
+
+async def test_diffusion_reports_its_steps_and_decoders_and_encoders_their_items(executor, tiny_llama):
+    run = await executor.submit(image_generation().to_spec(), {"prompt": "a red disc"})
+    assert (await run.wait()).status == "done"
+    media = await executor.submit(media_roundtrip().to_spec(), {"image": png_bytes(sample_picture()),
+                                                                "sound": wav_bytes(sample_sound(0.5)),
+                                                                "codes": [11, 12, 13]})
+    assert (await media.wait()).status == "done"
+    progress: dict[str, list[tuple[float | None, str]]] = {}
+    for event in [*run.log.snapshot(), *media.log.snapshot()]:
+        if isinstance(event, NodeProgressEvent):
+            progress.setdefault(event.node, []).append((event.progress, event.message))
+    # Whatever the pace of the steps, the first report and the last are sent.
+    assert progress["gen"][0] == (0.0, "0/4 steps") and progress["gen"][-1] == (1.0, "4/4 steps")
+    for node in ("decode", "see", "hear", "speak"):
+        assert progress[node] == [(0.0, "0/1 items"), (1.0, "1/1 items")], node
 
 
 async def test_diffusion_prompt_pages_are_kept_per_tenant(kinds, tiny_llama):

@@ -352,3 +352,7 @@ async def stream_and_list(items: AsyncIterator[int], listed: list[int]) -> dict[
 def two_models() -> list[BuiltinModel]:
     """The built-in models of the validation tests' `lm` role kind."""
     return [BuiltinModel("real-lm", False, "real weights"), BuiltinModel("tiny-lm", True, "seeded")]
+
+
+def to_bytes(x: str) -> bytes:
+    return x.encode()

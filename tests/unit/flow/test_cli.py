@@ -3,6 +3,7 @@ run of the installed entry point in a subprocess."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.cli import _show_progress, main
+from engine.flow.events import NodeProgressEvent
 from engine.flow.loader import load_workflow
 from engine.spec.graph import encode_spec
 
@@ -209,8 +211,16 @@ def test_run_prints_progress_on_stderr(capsys):
     out, err = capsys.readouterr()
     assert out == "sum: 252\n"
     lines = err.splitlines()
-    assert "  total: running" in lines
+    assert any(line.startswith("  total: running on diamond-py-") for line in lines), lines  # its worker
     assert lines[-1].startswith("run ") and " done in " in lines[-1]
+
+
+def test_progress_reads_as_a_bar_with_its_count():
+    out = io.StringIO()
+    _show_progress(NodeProgressEvent(seq=3, run_id="r", time=1.0, node="reply", progress=0.25,
+                                     message="30/120 tokens"), out)
+    _show_progress(NodeProgressEvent(seq=4, run_id="r", time=1.0, node="op", message="warming up"), out)
+    assert out.getvalue() == "  reply: [#####---------------] 25% 30/120 tokens\n  op: warming up\n"
 
 
 def test_run_loop(capsys):

@@ -1039,3 +1039,41 @@ async def test_role_capacity_queues_the_rest(executor, gates):
     assert result.status == RunStatus.DONE
     assert fns.LOG == ["started:first", "started:second"]
 
+
+
+async def test_a_text_output_of_a_stream_reads_as_text_and_other_joins_stay_lists(executor):
+    wf, py = new_workflow()
+    words = wf.input("items", default=["Hel", "lo", "!"])
+    src = wf.python(fns.frames, role=py, id="src", stream=True, outputs={"out": "text"})
+    wf.edge(words, src)
+    text = wf.node("text", "output", inputs={"value": {"type": "text", "join": "ordered"}})
+    listed = wf.node("listed", "output", inputs={"value": {"type": "any", "join": "ordered"}})
+    wf.edge(src, text.inp("value"))
+    wf.edge(src, listed.inp("value"))
+    result, events = await finish(executor, wf)
+    assert result.outputs == {"text": "Hello!", "listed": ["Hel", "lo", "!"]}
+    final = [e for e in events if isinstance(e, NodeOutputEvent) and e.node == "text"]
+    assert [e.value for e in final] == ["Hello!"]
+
+
+async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
+    wf, py = new_workflow()
+    x = wf.input("x", "text", default="abc")
+    blob = wf.python(fns.to_bytes, role=py, id="blob")
+    last = wf.python(fns.to_bytes, role=py, id="tail")
+    same = wf.python(fns.identity, role=py, id="same", inputs={"x": "any"})
+    wf.edge(x, blob)
+    wf.edge(blob, same)
+    wf.edge(x, last)
+    wf.output("out", same)
+    wf.output("last", last)
+    kept = await submit(executor, wf, keep_blobs=True)
+    plain = await submit(executor, wf)
+    await kept.wait()
+    await plain.wait()
+    [event] = [e for e in kept.log.snapshot() if isinstance(e, NodeOutputEvent) and e.node == "blob"]
+    assert event.value == {"bytes": 3}
+    assert kept.take_blob(event.seq) == b"abc" and kept.take_blob(event.seq) is None  # taken once
+    # Not the input's value, nor what only output nodes take (`tail`'s, `same`'s): the run's outputs.
+    assert all(kept.take_blob(e.seq) is None for e in kept.log.snapshot())
+    assert all(plain.take_blob(e.seq) is None for e in plain.log.snapshot())

@@ -1,0 +1,202 @@
+// Runs people can watch, in a real Chromium driven by Playwright, against a live studio.
+//
+//   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... E2E_ARTIFACTS=... E2E_FIXTURES=<tests/e2e/workflows>
+//   E2E_DATA_DIR=<the studio's data folder> node e2e/runs.e2e.mjs
+//
+// tests/e2e/test_runs_e2e.py runs it against the studio of tests/e2e/conftest.py:
+//  - e2e-watch (watch.json) run from the form: its llm node (the real smollm2-135m, 120 tokens) draws a
+//    progress bar that moves, "n/120 tokens" beside it; live times never negative;
+//  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size,
+//    served as the run's file, and the tone of its `voice` node in a player; no server path on the page;
+//  - the streamed reply reads as text; each node says where it ran;
+//  - "Run again" starts from the previous run's inputs;
+//  - the runs list, open in another tab, shows the new run without a reload, and cancels it.
+// Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
+
+import { mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { chromium } from "playwright-core";
+
+const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
+const USER = process.env.STUDIO_USER ?? "demo";
+const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
+const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
+const FIXTURES = resolve(process.env.E2E_FIXTURES ?? "../tests/e2e/workflows");
+const DATA_DIR = process.env.E2E_DATA_DIR ?? "";
+const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
+const WAIT = 30_000;
+const CAPTION = "a lighthouse at dusk";
+
+mkdirSync(ART, { recursive: true });
+const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-runs-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: CHROMIUM,
+  headless: true,
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+  viewport: { width: 1440, height: 960 },
+});
+context.setDefaultTimeout(WAIT);
+const page = context.pages()[0] ?? (await context.newPage());
+const consoleErrors = [];
+page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
+page.on("pageerror", (e) => consoleErrors.push(String(e)));
+
+let shots = 0;
+const shot = async (name, on = page) => {
+  shots += 1;
+  await on.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), animations: "disabled" });
+};
+async function step(name, fn) {
+  const t0 = Date.now();
+  try {
+    await fn();
+    console.log(`ok   ${name} (${Date.now() - t0} ms)`);
+  } catch (err) {
+    console.log(`FAIL ${name}: ${err.stack ?? err}`);
+    await page.screenshot({ path: join(ART, `FAILED-${name}.png`) }).catch(() => {});
+    throw err;
+  }
+}
+function expect(cond, message) {
+  if (!cond) throw new Error(message);
+}
+const tid = (id) => `[data-testid="${id}"]`;
+async function waitText(selector, text, timeout = WAIT, on = page) {
+  await on.waitForFunction(([s, t]) => document.querySelector(s)?.textContent?.includes(t), [selector, text], { timeout });
+}
+const runIdOf = (url) => url.split("/runs/")[1].replace(/[/?#].*$/, "");
+async function runDetail(id) {
+  return page.evaluate(async (runId) => (await fetch(`/api/runs/${runId}/`)).json(), id);
+}
+/** No live time on the page reads negative (node table, node cards, the run's own). */
+async function noNegativeTimes() {
+  const times = await page.$$eval(
+    `${tid("node-table")} td.right, .spec-node-run .timing, ${tid("run-duration")}`,
+    (els) => els.map((e) => e.textContent ?? ""),
+  );
+  expect(times.every((t) => !t.includes("-")), `a negative time is shown: ${JSON.stringify(times)}`);
+}
+
+let firstRun = "";
+try {
+  await step("login", async () => {
+    await page.goto(`${BASE}/login`);
+    await page.fill('input[name="username"]', USER);
+    await page.fill('input[name="password"]', PASSWORD);
+    await page.click('button[type="submit"]');
+    await page.waitForURL(/\/workflows$/);
+  });
+
+  await step("run e2e-watch and see the llm node's progress bar move", async () => {
+    await page.click(tid("import-workflow"));
+    await page.fill('textarea[aria-label="GraphSpec JSON or Python DSL source"]', readFileSync(join(FIXTURES, "watch.json"), "utf8"));
+    await page.click(tid("import-submit"));
+    await page.waitForSelector(tid("editor"));
+    await page.click(tid("run"));
+    await page.waitForSelector(tid("run-form"));
+    await page.fill(`${tid("input-caption")} textarea`, CAPTION);
+    await page.click(tid("submit-run"));
+    await page.waitForSelector(tid("run-page"));
+    firstRun = runIdOf(page.url());
+    // The graph is there from the first paint of the run page, every node pending or further.
+    await page.waitForSelector(`${tid("node-reply")}`);
+    const bar = `${tid("node-reply")} ${tid("node-progress")}`;
+    await page.waitForSelector(bar, { timeout: 60_000 }); // the first run loads the model
+    const first = Number(await page.getAttribute(bar, "aria-valuenow"));
+    await page.waitForFunction(
+      ([s, v]) => Number(document.querySelector(s)?.getAttribute("aria-valuenow")) > v, [bar, first], { timeout: WAIT });
+    // A quarter of the way, so the screenshot shows the bar as a user sees it mid-reply.
+    await page.waitForFunction((s) => Number(document.querySelector(s)?.getAttribute("aria-valuenow")) >= 25, bar);
+    const later = Number(await page.getAttribute(bar, "aria-valuenow"));
+    const label = await page.textContent(`${tid("node-reply")} ${tid("node-progress-text")}`);
+    expect(/^\d+\/120 tokens$/.test(label.trim()), `the progress reads "${label}"`);
+    expect((await page.locator(tid("table-progress-reply")).count()) === 1, "the node table draws the bar too");
+    await noNegativeTimes();
+    console.log(`     progress moved ${first}% -> ${later}% (${label})`);
+    await shot("run-progress-moving");
+  });
+
+  await step("the intermediate image: a thumbnail that opens full size; a node's audio: a player", async () => {
+    const thumb = tid("media-thumb-paint.picture");
+    await page.waitForSelector(thumb);
+    await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 256, thumb);
+    const src = await page.getAttribute(thumb, "src");
+    expect(/^\/api\/runs\/[0-9a-f-]+\/files\/[0-9a-f-]+\/$/.test(src), `the thumbnail is a run file: ${src}`);
+    await page.click(thumb);
+    await page.waitForSelector(tid("lightbox-image"));
+    await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 256, tid("lightbox-image"));
+    const shown = await page.$eval(tid("lightbox-image"), (img) => img.getBoundingClientRect().width);
+    expect(shown >= 256, `the full-size view is ${shown}px wide`);
+    await shot("intermediate-image-full-size");
+    await page.click(tid("lightbox"));
+    await page.waitForSelector(tid("lightbox"), { state: "detached" });
+    // The tone its `voice` node makes, which no node takes: a player.
+    const audio = tid("media-audio-voice.sound");
+    await page.waitForSelector(audio);
+    await page.waitForFunction((s) => document.querySelector(s)?.readyState >= 1, audio);
+    const seconds = await page.$eval(audio, (a) => a.duration);
+    expect(seconds > 0.3 && seconds < 0.5, `the node's WAV plays in a player (${seconds} s)`);
+  });
+
+  await step("the run ends: the reply reads as text, each node says where it ran", async () => {
+    await waitText(tid("run-status"), "done", 90_000);
+    const story = page.locator(`${tid("output-story")} .output-text`);
+    await story.waitFor();
+    const text = (await story.textContent()) ?? "";
+    expect(text.length > 100 && !text.trim().startsWith("["), `the story reads as text: ${text.slice(0, 80)}`);
+    await noNegativeTimes();
+    await page.click(`${tid("node-table")} td.mono >> text=reply`);
+    await page.waitForSelector(tid("node-where"));
+    const where = (await page.textContent(tid("node-where"))) ?? "";
+    expect(/\S+ on \S+/.test(where), `the node says where it ran: ${where}`);
+    const body = (await page.textContent("body")) ?? "";
+    expect(!DATA_DIR || !body.includes(DATA_DIR), "no server path on the run page");
+    const detail = await runDetail(firstRun);
+    const nodeFiles = detail.files.filter((f) => f.role === "node");
+    const kinds = nodeFiles.map((f) => `${f.name}:${f.content_type}`).sort();
+    expect(JSON.stringify(kinds) === JSON.stringify(["paint.picture:image/png", "voice.sound:audio/wav"]),
+      `the node image and tone kept: ${JSON.stringify(kinds)}`);
+    await shot("run-watch-done");
+  });
+
+  await step("Run again starts from the previous run's inputs; the runs list shows it live and cancels it", async () => {
+    const list = await context.newPage();
+    await list.goto(`${BASE}/runs`);
+    await list.waitForSelector(tid("runs-table"));
+    await list.evaluate(() => {
+      window.__notReloaded = true;
+    });
+    const before = await list.locator(tid("run-row")).count();
+    await page.click(tid("run-again"));
+    await page.waitForSelector(tid("run-again-from"));
+    await page.waitForFunction((s) => document.querySelector(s)?.value !== "", `${tid("input-caption")} textarea`);
+    const caption = await page.inputValue(`${tid("input-caption")} textarea`);
+    expect(caption === CAPTION, `the caption starts from the previous run's: "${caption}"`);
+    await shot("run-again-form");
+    await page.click(tid("submit-run"));
+    await page.waitForURL((url) => url.pathname.startsWith("/runs/") && !url.pathname.includes(firstRun));
+    const second = runIdOf(page.url());
+    expect((await runDetail(second)).inputs.caption === CAPTION, "the new run has the previous run's inputs");
+    // The other tab, never reloaded, lists it as it runs.
+    const row = `${tid("run-row")}:has(a[href="/runs/${second}"])`;
+    await list.waitForSelector(`${row}[data-status="running"], ${row}[data-status="pending"]`, { timeout: 10_000 });
+    expect((await list.locator(tid("run-row")).count()) === before + 1, "one more row");
+    await list.bringToFront();
+    await shot("runs-list-live", list);
+    await list.click(`${row} ${tid("cancel-row")}`);
+    await list.waitForSelector(`${row}[data-status="cancelled"]`, { timeout: 15_000 });
+    expect(await list.evaluate(() => window.__notReloaded === true), "the runs list was never reloaded");
+    await shot("runs-list-cancelled", list);
+    await list.close();
+  });
+
+  // The login page's session probe answers 401 before the login: expected, as in studio.e2e.mjs.
+  const unexpected = consoleErrors.filter((e) => !/status of 401|Failed to load resource: the server responded with a status of 401/.test(e));
+  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  console.log(`PASS ${shots} screenshots in ${ART}`);
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
