@@ -173,6 +173,9 @@ class StudioConfig:
     run_lease_s: float = 30.0
     """A run's lease: whoever executes it renews it every third of this; a Celery worker of the
     run queue that finds it expired re-executes the run (or fails it, see `run_lease_retries`)."""
+    max_runs: int = 0
+    """`OMNIFLOW_MAX_RUNS`: how many runs this process executes at once (0: no limit); the rest wait,
+    pending, in the order they came (the runs list shows each one's place)."""
     run_lease_retries: int = 1
     """How often a run whose executor stopped is executed again before it is failed."""
     metrics_token: str | None = None
@@ -522,6 +525,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         max_json_depth=env_int(env, "OMNIFLOW_MAX_JSON_DEPTH", 64, minimum=8),
         max_ws_message_bytes=env_int(env, "OMNIFLOW_MAX_WS_MESSAGE_BYTES", 1 << 20, minimum=1024),
         run_lease_s=env_seconds(env, "OMNIFLOW_RUN_LEASE_S", 30.0),
+        max_runs=env_int(env, "OMNIFLOW_MAX_RUNS", 0, minimum=0),
         run_lease_retries=env_int(env, "OMNIFLOW_RUN_LEASE_RETRIES", 1),
         metrics_token=_metrics_token(env),
         metrics_history_s=_metrics_history_s(env),

@@ -183,8 +183,27 @@ try {
     const row = `${tid("run-row")}:has(a[href="/runs/${second}"])`;
     await list.waitForSelector(`${row}[data-status="running"], ${row}[data-status="pending"]`, { timeout: 10_000 });
     expect((await list.locator(tid("run-row")).count()) === before + 1, "one more row");
+    // The studio runs two at a time (OMNIFLOW_MAX_RUNS=2): two more of the same, and the last waits
+    // in the queue, its place in its row, and leaves it when cancelled there.
+    const more = await list.evaluate(async ({ workflow, inputs }) => {
+      const { csrf_token: csrf } = await (await fetch("/api/auth/session/")).json();
+      const post = async () => (await fetch("/api/runs/", {
+        method: "POST", headers: { "Content-Type": "application/json", "X-CSRFToken": csrf },
+        body: JSON.stringify({ workflow, inputs }),
+      })).json();
+      return [(await post()).id, (await post()).id];
+    }, { workflow: (await runDetail(second)).workflow, inputs: { caption: CAPTION } });
+    const queued = `${tid("run-row")}:has(a[href="/runs/${more[1]}"])`;
+    await list.waitForSelector(`${queued}[data-status="pending"] ${tid("queue-position")}`, { timeout: 10_000 });
+    const place = (await list.textContent(`${queued} ${tid("queue-position")}`)).trim();
+    expect(place === "#1 in the queue", `the waiting run's place: ${place}`);
     await list.bringToFront();
     await shot("runs-list-live", list);
+    await list.click(`${queued} ${tid("cancel-row")}`);
+    await list.waitForSelector(`${queued}[data-status="cancelled"]`, { timeout: 15_000 });
+    const third = `${tid("run-row")}:has(a[href="/runs/${more[0]}"])`;
+    await list.click(`${third} ${tid("cancel-row")}`);
+    await list.waitForSelector(`${third}[data-status="cancelled"]`, { timeout: 15_000 });
     await list.click(`${row} ${tid("cancel-row")}`);
     await list.waitForSelector(`${row}[data-status="cancelled"]`, { timeout: 15_000 });
     expect(await list.evaluate(() => window.__notReloaded === true), "the runs list was never reloaded");

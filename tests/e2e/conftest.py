@@ -57,6 +57,7 @@ def studio_env(data_dir: Path, model_cache: ModelCache) -> dict[str, str]:
         OMNIFLOW_ALLOW_MODULE_OPS="1",
         OMNIFLOW_METRICS_INTERVAL_S="0.25",  # the cluster page's readings follow the workers closely
         OMNIFLOW_METRICS_TOKEN=METRICS_TOKEN,  # what Prometheus would send to /metrics
+        OMNIFLOW_MAX_RUNS="2",  # two runs at a time: the runs list's queue is seen in the browser
         PYTHONPATH=str(ROOT),
     )
     return env

@@ -3,10 +3,16 @@ files, cancel, filters, limits, metrics and health."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable
+
 import pytest
+from django.apps import apps
+from django.conf import settings as django_settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from studio.workflows.apps import engine
+from studio.workflows.apps import build_engine, engine
 from studio.workflows.models import Run, RunEvent
 from tests.studio import fns
 from tests.studio.factories import create_workflow, example_spec, spec_doc
@@ -23,6 +29,13 @@ def submit(api, workflow_id: str, inputs: dict | None = None, **extra) -> dict:
 def finished(api, run: dict) -> dict:
     engine().runs.wait(run["id"])
     return api.get(f"/api/runs/{run['id']}/").json()
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
 
 
 def image_spec() -> dict:
@@ -237,3 +250,34 @@ def test_pending_runs_list_their_place_in_the_queue(api, other_api) -> None:
     Run.objects.filter(pk=theirs["id"]).update(status="pending")
     # Everyone's pending runs count: the queue is shared, so theirs is behind ours.
     assert other_api.get(f"/api/runs/{theirs['id']}/").json()["queue_position"] == 3
+
+
+def test_a_studio_running_one_run_at_a_time_queues_the_rest_in_order(api, other_api) -> None:
+    """`OMNIFLOW_MAX_RUNS=1`: a second and third run wait, pending, with their places; cancelling one
+    takes it out of the queue at once; the next starts when the running one ends."""
+    app = apps.get_app_config("workflows")
+    studio = build_engine(dataclasses.replace(django_settings.OMNIFLOW, allow_module_ops=True, max_runs=1))
+    previous = app.install(studio)
+    fns.GATE.clear()
+    try:
+        wf = create_workflow(api, spec_doc(op="tests.studio.fns:gated"))
+        first = submit(api, wf["id"], {"text": "a"})
+        wait_until(lambda: api.get(f"/api/runs/{first['id']}/").json()["status"] == "running", "the first run starts")
+        second = submit(api, wf["id"], {"text": "b"})
+        theirs = submit(other_api, create_workflow(other_api, spec_doc(op="tests.studio.fns:gated"))["id"],
+                        {"text": "c"})
+        assert api.get(f"/api/runs/{second['id']}/").json()["queue_position"] == 1
+        assert other_api.get(f"/api/runs/{theirs['id']}/").json()["queue_position"] == 2
+        cancelled = api.post(f"/api/runs/{second['id']}/cancel/")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.content
+        assert other_api.get(f"/api/runs/{theirs['id']}/").json()["queue_position"] == 1
+        assert other_api.get(f"/api/runs/{theirs['id']}/").json()["status"] == "pending"
+        fns.GATE.set()
+        assert finished(api, first)["outputs"] == {"result": "A"}
+        done = finished(other_api, theirs)
+        assert done["status"] == "done" and done["outputs"] == {"result": "C"}
+        assert done["started_at"] >= api.get(f"/api/runs/{first['id']}/").json()["finished_at"]
+    finally:
+        fns.GATE.set()
+        studio.runs.stop()
+        app.install(previous)

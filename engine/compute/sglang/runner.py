@@ -39,6 +39,7 @@ from engine.compute.sampling import SamplingParams, SamplingParamsError
 from engine.data.kv.keys import page_hashes
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
+from engine.spec.progress import ProgressMeter
 from engine.spec.usage import Usage
 
 SAMPLING_PARAMS = (
@@ -237,10 +238,18 @@ class SGLangLLMUnit(ComputeUnit):
             "cached_tokens_details": {k: v for k, v in details.items() if isinstance(v, int)},
         }
 
+    @staticmethod
+    def _meter(call: NodeCall, ctx: NodeContext) -> ProgressMeter:
+        """Tokens generated out of the node's `max_new_tokens`, as the llm unit reports them."""
+        total = sglang_sampling(call.node_id, call.params)["max_new_tokens"]
+        return ProgressMeter(ctx.progress, total, "tokens").start()
+
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
         values: dict[str, Any] = {}
+        meter = self._meter(call, ctx)
         async for out, ids in self._generate(call, stream=False):
             output_ids = list(out["output_ids"])
+            meter.advance(len(output_ids) - meter.done)  # a whole output: its ids so far
             values = {"text": out.get("text") or "", "tokens": output_ids, "kv": self._kv_ref(out, ids, output_ids),
                       "usage": _usage(out, ids, output_ids)}
         ports = call.output_ports
@@ -249,9 +258,11 @@ class SGLangLLMUnit(ComputeUnit):
 
     async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
         generated: list[int] = []
+        meter = self._meter(call, ctx)
         async for out, ids in self._generate(call, stream=True):
             new = list(out["output_ids"])
             generated += new
+            meter.advance(len(new))
             frame: dict[str, Any] = {"text": out.get("text") or "", "tokens": new}
             if out.get("meta_info", {}).get("finish_reason") is not None:
                 frame["kv"] = self._kv_ref(out, ids, generated)

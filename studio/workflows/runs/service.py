@@ -16,6 +16,10 @@ Its runs are claimed under a lease of its own (`lease.LeaseKeeper`, renewed on t
 loop), so a run it executes can be cancelled from another process, and one it no longer
 executes (it stopped mid-run) is cancelled at once (`recovery.request_cancel`).
 
+With `max_runs` (`OMNIFLOW_MAX_RUNS`) at most that many runs execute at once; the others wait,
+pending, first come first served (the order `queue_position` counts), and a cancelled one leaves
+the queue at once. Stopping the service leaves waiting runs pending, for the next start.
+
 `submit(run_id)` and `cancel(run_id)` may be called from any thread (request threads
 call them). The loop starts on first use; `stop()` cancels what still runs, closes the
 dispatcher and joins both threads, after which the service can start again.
@@ -95,8 +99,11 @@ class _Executors:
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
                  *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
-                 lease_s: float = 30.0) -> None:
-        """`ops`: what the python units of runs without a deployment may run."""
+                 lease_s: float = 30.0, max_runs: int = 0) -> None:
+        """`ops`: what the python units of runs without a deployment may run. `max_runs`: how many
+        runs execute at once (0: no limit); the others wait, pending, first come first served."""
+        if max_runs < 0:
+            raise ValueError(f"max_runs must be >= 0, not {max_runs}")
         self.kinds = kinds
         self.ops = ops
         self.bus = bus
@@ -114,6 +121,10 @@ class RunService:
         self._executors: _Executors | None = None
         self._tasks: dict[str, asyncio.Task[RunStatus | None]] = {}
         self._cancels: dict[str, asyncio.Event] = {}
+        self._max_runs = max_runs
+        self._slots: asyncio.Semaphore | None = None
+        self._queued: set[str] = set()
+        """Runs waiting for a slot (pending: nothing of theirs started)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -142,6 +153,7 @@ class RunService:
         self._executor = Executor(InProcessDispatcher(self.kinds, build=SharedUnits(self.kinds, ops=self.ops)),
                                   self.kinds)
         self._executors = _Executors(self._executor, self.deployments)
+        self._slots = asyncio.Semaphore(self._max_runs) if self._max_runs else None  # FIFO: runs start in turn
         self._loop = loop
         ready.set()
         try:
@@ -152,6 +164,8 @@ class RunService:
             loop.close()
 
     async def _shutdown(self) -> None:
+        for run_id in self._queued:
+            self._tasks[run_id].cancel()  # still pending: the next start (`resume_stale`) takes it up
         for event in self._cancels.values():
             event.set()
         if self._tasks:
@@ -223,13 +237,24 @@ class RunService:
             return
         assert self._executors is not None and self._store is not None
         cancel = self._cancels[run_id] = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(
-            execute_run(run_id, executors=self._executors, store=self._store, bus=self.bus, metrics=self.metrics,
-                        cancel=cancel, keeper=self._keeper),
-            name=f"omniflow-run-{run_id}",
-        )
+        task = asyncio.get_running_loop().create_task(self._execute(run_id, cancel), name=f"omniflow-run-{run_id}")
         self._tasks[run_id] = task
         task.add_done_callback(lambda t: self._finished(run_id, t))
+
+    async def _execute(self, run_id: str, cancel: asyncio.Event) -> RunStatus | None:
+        assert self._executors is not None and self._store is not None
+        if self._slots is not None:
+            self._queued.add(run_id)
+            try:
+                await self._slots.acquire()
+            finally:
+                self._queued.discard(run_id)
+        try:
+            return await execute_run(run_id, executors=self._executors, store=self._store, bus=self.bus,
+                                     metrics=self.metrics, cancel=cancel, keeper=self._keeper)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
 
     def _finished(self, run_id: str, task: asyncio.Task[RunStatus | None]) -> None:
         self._tasks.pop(run_id, None)
@@ -245,6 +270,11 @@ class RunService:
     async def _cancel(self, run_id: str) -> CancelOutcome:
         assert self._db is not None
         task = self._tasks.get(run_id)
+        if task is not None and run_id in self._queued:
+            # Waiting for a slot, nothing of it started: it leaves the queue, and ends as any pending run.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            task = None
         if task is not None:
             self._cancels[run_id].set()
             status = await asyncio.shield(task)
