@@ -393,7 +393,7 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
             await wait_until(lambda: "ExecuteRequest" in received, 5, "the fake worker got the request")
             assert received[:2] == ["HelloRequest", "ExecuteRequest"]
             # The lost worker's sockets are closed (its liveness socket would keep reconnecting).
-            lost = dispatcher._connections["mute-1"]
+            lost = dispatcher._connections.by_worker["mute-1"]
             await wait_until(lambda: lost.liveness.closed, 5, "the lost worker's liveness socket closed")
         finally:
             server.cancel()
@@ -705,9 +705,9 @@ async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispa
                                 iteration=1, attempt=1)
                 ctx = NodeContext("r1", f"n{i}", 1, 1, lambda f, m: None)
                 calls.append(asyncio.create_task(dispatcher.execute(ROLE, call, ctx, lambda: None)))
-            await wait_until(lambda: "stuck-1" in dispatcher._connections
-                             and isinstance(dispatcher._connections["stuck-1"].control, framed.FramedStream)
-                             and dispatcher._connections["stuck-1"].control.paused, 10, "sends waiting for room")
+            await wait_until(lambda: "stuck-1" in dispatcher._connections.by_worker
+                             and isinstance(dispatcher._connections.by_worker["stuck-1"].control, framed.FramedStream)
+                             and dispatcher._connections.by_worker["stuck-1"].control.paused, 10, "sends waiting for room")
         finally:
             await dispatcher.close()
         async with asyncio.timeout(5):
