@@ -50,7 +50,7 @@ class Deployment:
                         False, False, 1, 1)
         ctx = NodeContext(call.run_id, node_id, 1, 1, lambda f, m: None)
         result = await self.dispatcher.execute(self.spec.role(role), call, ctx,
-                                               started.set if started is not None else lambda: None)
+                                               (lambda ran_on: started.set()) if started is not None else (lambda ran_on: None))
         return result.outputs
 
 

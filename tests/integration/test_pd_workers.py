@@ -187,7 +187,7 @@ async def test_kv_aware_routing_sends_a_text_prompt_to_the_worker_holding_its_pr
     async def execute(inputs: dict, started: asyncio.Event | None = None) -> dict:
         call = NodeCall(f"r{uuid.uuid4().hex[:8]}", "pre", None, {}, inputs, ("kv",), False, False, 1, 1)
         ctx = NodeContext(call.run_id, "pre", 1, 1, lambda f, m: None)
-        result = await dispatcher.execute(role, call, ctx, started.set if started is not None else lambda: None)
+        result = await dispatcher.execute(role, call, ctx, (lambda ran_on: started.set()) if started is not None else (lambda ran_on: None))
         return result.outputs
 
     shared = "You are a helpful assistant. Answer briefly. "  # 44 bytes: eleven pages

@@ -32,7 +32,7 @@ async def deployment() -> AsyncIterator[Deployment]:
 async def pid_of(deployment: Deployment, params: dict[str, Any]) -> int:
     call = NodeCall(f"r{uuid.uuid4().hex[:8]}", "who", OP, params, {"x": 1}, ("out",), False, False, 1, 1)
     ctx = NodeContext(call.run_id, "who", 1, 1, lambda f, m: None)
-    result = await deployment.dispatcher.execute(deployment.spec.role("py"), call, ctx, lambda: None)
+    result = await deployment.dispatcher.execute(deployment.spec.role("py"), call, ctx, lambda ran_on: None)
     return result.outputs["out"]["pid"]
 
 

@@ -367,7 +367,7 @@ async def test_silent_peer_is_lost_within_the_connect_timeout(context):
             call, ctx = call_for("never")
             t0 = time.monotonic()
             with pytest.raises(WorkerLost) as caught:
-                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda: None), 10)
+                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda ran_on: None), 10)
             assert time.monotonic() - t0 < 1.0 + 1.0
             assert "silent-1" in str(caught.value) and "'never'" in str(caught.value)
         finally:
@@ -386,7 +386,7 @@ async def test_peer_that_stops_answering_after_hello_is_lost(context):
             call, ctx = call_for("muted")
             t0 = time.monotonic()
             with pytest.raises(WorkerLost) as caught:
-                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda: None), 10)
+                await asyncio.wait_for(dispatcher.execute(ROLE, call, ctx, lambda ran_on: None), 10)
             elapsed = time.monotonic() - t0
             assert elapsed < 3 * HB + 0.5, elapsed
             assert "mute-1" in str(caught.value) and "'muted'" in str(caught.value)
@@ -432,7 +432,7 @@ async def test_dispatcher_uses_the_local_socket_only_within_one_network_namespac
     codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
     with Peer.start() as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=5.0, no_worker_wait_s=0.5)
-        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda: None))
+        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda ran_on: None))
         try:
             async with asyncio.timeout(5):
                 if same_namespace:
@@ -536,7 +536,7 @@ async def test_the_dispatcher_stops_polling_at_the_first_answer(worker, tmp_path
         asyncio.get_running_loop().call_later(held_s, workerfns.mark, tmp_path, "release")
         cpu0, wall0 = time.process_time(), time.monotonic()
         try:
-            result = await dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None)
+            result = await dispatcher.execute(ROLE, *held_call(tmp_path), lambda ran_on: None)
         finally:
             await dispatcher.close()
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
@@ -557,7 +557,7 @@ async def test_polling_for_an_answer_that_does_not_come_ends_with_the_window(con
         cpu0, wall0 = time.process_time(), time.monotonic()
         try:
             with pytest.raises(WorkerLost):
-                await dispatcher.execute(ROLE, *call_for("muted"), lambda: None)
+                await dispatcher.execute(ROLE, *call_for("muted"), lambda ran_on: None)
         finally:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
@@ -595,9 +595,9 @@ async def test_a_connection_attempt_cancelled_midway_is_withdrawn_not_left_hangi
     with Peer.start() as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=30.0)
         try:
-            first = asyncio.create_task(dispatcher.execute(ROLE, *call_for("a"), lambda: None))
+            first = asyncio.create_task(dispatcher.execute(ROLE, *call_for("a"), lambda ran_on: None))
             await wait_until(lambda: len(hellos) == 1, 5, "the first hello")
-            second = asyncio.create_task(dispatcher.execute(ROLE, *call_for("b"), lambda: None))
+            second = asyncio.create_task(dispatcher.execute(ROLE, *call_for("b"), lambda ran_on: None))
             await asyncio.sleep(0)  # B finds A's attempt and waits on it
             first.cancel()
             async with asyncio.timeout(10):
@@ -629,7 +629,7 @@ async def test_a_local_address_of_an_unknown_kind_is_not_used(context):
     codec = WireCodec(CONTROL_LIMIT, WorkerMessage)
     with Peer.start() as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB, connect_timeout_s=5.0)
-        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda: None))
+        call = asyncio.create_task(dispatcher.execute(ROLE, *call_for("where"), lambda ran_on: None))
         try:
             async with asyncio.timeout(5):
                 _, payload = await tcp.recv_multipart()
@@ -653,7 +653,7 @@ async def test_closing_the_dispatcher_ends_the_calls_it_carries(worker, tmp_path
     ))
     with Peer.start(PeerConfig(keys=worker["keys"])) as peer:
         dispatcher = WorkerDispatcher(registry, peer, heartbeat_s=HB)
-        call = asyncio.create_task(dispatcher.execute(ROLE, *held_call(tmp_path), lambda: None))
+        call = asyncio.create_task(dispatcher.execute(ROLE, *held_call(tmp_path), lambda ran_on: None))
         await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
         await dispatcher.close()
         async with asyncio.timeout(5):
@@ -704,7 +704,7 @@ async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispa
                                 inputs={"x": big}, output_ports=("out",), stream=False, router=False,
                                 iteration=1, attempt=1)
                 ctx = NodeContext("r1", f"n{i}", 1, 1, lambda f, m: None)
-                calls.append(asyncio.create_task(dispatcher.execute(ROLE, call, ctx, lambda: None)))
+                calls.append(asyncio.create_task(dispatcher.execute(ROLE, call, ctx, lambda ran_on: None)))
             await wait_until(lambda: "stuck-1" in dispatcher._connections.by_worker
                              and isinstance(dispatcher._connections.by_worker["stuck-1"].control, framed.FramedStream)
                              and dispatcher._connections.by_worker["stuck-1"].control.paused, 10, "sends waiting for room")
