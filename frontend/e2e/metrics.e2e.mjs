@@ -10,52 +10,15 @@
 // tests/e2e/test_metrics_e2e.py deploys workflows/chat.py, puts it under load and runs this
 // script. Every step leaves a screenshot; a failing one FAILED-<step>.png, and exits 1.
 
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+import { expect, openBrowser, tid } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL;
 const WORKER = process.env.LLM_WORKER;
-const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
-const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const WAIT = 30_000;
 const TIERS = ["device", "host", "disk"];
 
-mkdirSync(ART, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-metrics-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1500, height: 1400 },
-});
-context.setDefaultTimeout(WAIT);
-const page = context.pages()[0] ?? (await context.newPage());
-const consoleErrors = [];
-page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
-page.on("pageerror", (e) => consoleErrors.push(String(e)));
-const tid = (id) => `[data-testid="${id}"]`;
-function expect(cond, message) {
-  if (!cond) throw new Error(message);
-}
-let shots = 0;
-const shot = async (name) => {
-  shots += 1;
-  await page.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), fullPage: true,
-                          animations: "disabled" });
-};
-async function step(name, fn) {
-  try {
-    await fn();
-    console.log(`ok   ${name}`);
-  } catch (err) {
-    console.log(`FAIL ${name}: ${err.stack ?? err}`);
-    await page.screenshot({ path: join(ART, `FAILED-${name}.png`), fullPage: true }).catch(() => {});
-    throw err;
-  }
-}
+const { page, ART, consoleErrors, shot, step, shotCount, close } = await openBrowser(
+  "metrics", { viewport: { width: 1500, height: 1400 }, wait: WAIT, fullPage: true });
 /** A chart's rows and its first time (`LiveChart`'s data-points, data-first). */
 async function chartRows(testId) {
   const el = page.locator(tid(testId));
@@ -139,7 +102,6 @@ try {
   const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
   expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
 } finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }
-console.log(`${shots} screenshots in ${ART}`);
+console.log(`${shotCount()} screenshots in ${ART}`);

@@ -9,45 +9,19 @@
 // tests/studio/test_multinode.py starts the studio and its nodes (network namespaces) and runs
 // this script. A failing step leaves FAILED-<step>.png in E2E_ARTIFACTS and exits 1.
 
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+import { join } from "node:path";
+
+import { expect, openBrowser, tid } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL;
 const WORKFLOW = process.env.WORKFLOW_ID;
 const EXPECT = JSON.parse(process.env.EXPECT);
-const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
-const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 // Generous: on two cores shared with other test runs, the editor's first render alone took
 // over 20 s at a load of 18.
 const WAIT = 60_000;
 
-mkdirSync(ART, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-nodes-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1500, height: 1000 },
-});
-context.setDefaultTimeout(WAIT);
-const page = context.pages()[0] ?? (await context.newPage());
-const tid = (id) => `[data-testid="${id}"]`;
-function expect(cond, message) {
-  if (!cond) throw new Error(message);
-}
-async function step(name, fn) {
-  try {
-    await fn();
-    console.log(`ok   ${name}`);
-  } catch (err) {
-    console.log(`FAIL ${name}: ${err.stack ?? err}`);
-    await page.screenshot({ path: join(ART, `FAILED-${name}.png`) }).catch(() => {});
-    throw err;
-  }
-}
+const { page, ART, step, close } = await openBrowser(
+  "nodes", { viewport: { width: 1500, height: 1000 }, wait: WAIT });
 /** Node -> sorted roles, as a table or list on the page shows them. */
 async function rolesByNode(rowSelector, nodeAttr, roleSelector) {
   return page.evaluate(([rows, attr, roles]) => {
@@ -117,6 +91,5 @@ try {
     await page.screenshot({ path: join(ART, "03-deploy-refused.png"), animations: "disabled" });
   });
 } finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }

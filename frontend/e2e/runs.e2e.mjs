@@ -13,59 +13,21 @@
 //  - the runs list, open in another tab, shows the new run without a reload, and cancels it.
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+
+import { expect, logIn, openBrowser, tid } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
-const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
 const FIXTURES = resolve(process.env.E2E_FIXTURES ?? "../tests/e2e/workflows");
 const DATA_DIR = process.env.E2E_DATA_DIR ?? "";
-const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const WAIT = 30_000;
 const CAPTION = "a lighthouse at dusk";
 
-mkdirSync(ART, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-runs-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1440, height: 960 },
-});
-context.setDefaultTimeout(WAIT);
-const page = context.pages()[0] ?? (await context.newPage());
-const consoleErrors = [];
-page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
-page.on("pageerror", (e) => consoleErrors.push(String(e)));
-
-let shots = 0;
-const shot = async (name, on = page) => {
-  shots += 1;
-  await on.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), animations: "disabled" });
-};
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-    console.log(`ok   ${name} (${Date.now() - t0} ms)`);
-  } catch (err) {
-    console.log(`FAIL ${name}: ${err.stack ?? err}`);
-    await page.screenshot({ path: join(ART, `FAILED-${name}.png`) }).catch(() => {});
-    throw err;
-  }
-}
-function expect(cond, message) {
-  if (!cond) throw new Error(message);
-}
-const tid = (id) => `[data-testid="${id}"]`;
-async function waitText(selector, text, timeout = WAIT, on = page) {
-  await on.waitForFunction(([s, t]) => document.querySelector(s)?.textContent?.includes(t), [selector, text], { timeout });
-}
+const { context, page, ART, consoleErrors, shot, step, waitText, shotCount, close } = await openBrowser(
+  "runs", { wait: WAIT });
 const runIdOf = (url) => url.split("/runs/")[1].replace(/[/?#].*$/, "");
 async function runDetail(id) {
   return page.evaluate(async (runId) => (await fetch(`/api/runs/${runId}/`)).json(), id);
@@ -81,13 +43,7 @@ async function noNegativeTimes() {
 
 let firstRun = "";
 try {
-  await step("login", async () => {
-    await page.goto(`${BASE}/login`);
-    await page.fill('input[name="username"]', USER);
-    await page.fill('input[name="password"]', PASSWORD);
-    await page.click('button[type="submit"]');
-    await page.waitForURL(/\/workflows$/);
-  });
+  await step("login", () => logIn(page, BASE, USER, PASSWORD));
 
   await step("run e2e-watch and see the llm node's progress bar move", async () => {
     await page.click(tid("import-workflow"));
@@ -214,8 +170,7 @@ try {
   // The login page's session probe answers 401 before the login: expected, as in studio.e2e.mjs.
   const unexpected = consoleErrors.filter((e) => !/status of 401|Failed to load resource: the server responded with a status of 401/.test(e));
   expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
-  console.log(`PASS ${shots} screenshots in ${ART}`);
+  console.log(`PASS ${shotCount()} screenshots in ${ART}`);
 } finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }

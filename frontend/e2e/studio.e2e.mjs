@@ -8,75 +8,19 @@
 // screenshot in E2E_ARTIFACTS; a failing step leaves FAILED-<step>.png and exits 1.
 // CHROMIUM names the browser (default /usr/bin/chromium, Debian's package).
 
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { readFileSync, writeFileSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+
+import { expect, openBrowser, tid, validityShows } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
-const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
 const FIXTURES = resolve(process.env.E2E_FIXTURES ?? "../tests/e2e/workflows");
-const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const WAIT = 15_000;
 
-mkdirSync(ART, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-"));
-// A fresh profile per run (Playwright passes it to Chromium as --user-data-dir).
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: CHROMIUM,
-  headless: true,
-  args: [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-  viewport: { width: 1600, height: 1000 },
-  acceptDownloads: true,
-});
-context.setDefaultTimeout(WAIT);
-const page = context.pages()[0] ?? (await context.newPage());
-const consoleErrors = [];
-page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
-page.on("pageerror", (e) => consoleErrors.push(String(e)));
-
-let shots = 0;
-const shot = async (name) => {
-  shots += 1;
-  // Finished animations (modals fading in, toasts sliding) so each picture shows the settled page.
-  await page.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), animations: "disabled" });
-};
-const results = [];
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-    results.push({ name, ok: true, ms: Date.now() - t0 });
-    console.log(`ok   ${name} (${Date.now() - t0} ms)`);
-  } catch (err) {
-    results.push({ name, ok: false, ms: Date.now() - t0 });
-    console.log(`FAIL ${name}: ${err.stack ?? err}`);
-    await page.screenshot({ path: join(ART, `FAILED-${name}.png`) }).catch(() => {});
-    throw err;
-  }
-}
-function expect(cond, message) {
-  if (!cond) throw new Error(message);
-}
-const tid = (id) => `[data-testid="${id}"]`;
-async function waitText(selector, text, timeout = WAIT) {
-  await page.waitForFunction(
-    ([s, t]) => document.querySelector(s)?.textContent?.includes(t),
-    [selector, text],
-    { timeout },
-  );
-}
+const { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount, close } = await openBrowser(
+  "studio", { viewport: { width: 1600, height: 1000 }, wait: WAIT, acceptDownloads: true });
 async function center(selector) {
   const box = await page.locator(selector).first().boundingBox();
   expect(box, `${selector} is not on screen`);
@@ -101,17 +45,7 @@ async function setField(selector, value) {
   await input.fill(value);
   await input.press("Enter");
 }
-/** Wait until the validity pill shows `text` for the current document (no check in flight). */
-async function validity(text) {
-  await page.waitForFunction(
-    ([s, t]) => {
-      const pill = document.querySelector(s);
-      return pill?.dataset.checking === "false" && pill.textContent.includes(t);
-    },
-    [tid("validity"), text],
-    { timeout: WAIT },
-  );
-}
+const validity = (text) => validityShows(page, text, WAIT);
 /** Click an empty spot of the canvas: deselects, and takes focus out of the side panel. */
 async function clickPane() {
   const box = await page.locator(".react-flow__pane").boundingBox();
@@ -529,7 +463,6 @@ try {
   expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
 } finally {
   writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }
-console.log(`${results.filter((r) => r.ok).length} steps passed, ${shots} screenshots in ${ART}`);
+console.log(`${results.filter((r) => r.ok).length} steps passed, ${shotCount()} screenshots in ${ART}`);

@@ -16,71 +16,21 @@
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
 import { spawnSync } from "node:child_process";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+import { readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+
+import { expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
-const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
 const PYTHON = process.env.E2E_PYTHON ?? "python3";
 const HELLO = process.env.E2E_HELLO ?? "../workflows/hello.py";
-const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const WAIT = 30_000;
 
-mkdirSync(ART, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "omniflow-e2e-ux-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1440, height: 960 },
-});
-context.setDefaultTimeout(WAIT);
-await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: BASE });
-const page = context.pages()[0] ?? (await context.newPage());
-const consoleErrors = [];
-page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
-page.on("pageerror", (e) => consoleErrors.push(String(e)));
-
-let shots = 0;
-const shot = async (name) => {
-  shots += 1;
-  await page.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${name}.png`), animations: "disabled" });
-};
-const results = [];
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-    results.push({ name, ok: true, ms: Date.now() - t0 });
-    console.log(`ok   ${name} (${Date.now() - t0} ms)`);
-  } catch (err) {
-    results.push({ name, ok: false, ms: Date.now() - t0 });
-    console.log(`FAIL ${name}: ${err.stack ?? err}`);
-    await page.screenshot({ path: join(ART, `FAILED-${name}.png`) }).catch(() => {});
-    throw err;
-  }
-}
-function expect(cond, message) {
-  if (!cond) throw new Error(message);
-}
-const tid = (id) => `[data-testid="${id}"]`;
-async function waitText(selector, text, timeout = WAIT) {
-  await page.waitForFunction(([s, t]) => document.querySelector(s)?.textContent?.includes(t), [selector, text], { timeout });
-}
-async function validity(text) {
-  await page.waitForFunction(
-    ([s, t]) => {
-      const pill = document.querySelector(s);
-      return pill?.dataset.checking === "false" && pill.textContent.includes(t);
-    },
-    [tid("validity"), text],
-  );
-}
+const { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount, close } = await openBrowser(
+  "ux", { wait: WAIT, clipboardOrigin: BASE });
+const validity = (text) => validityShows(page, text);
 async function openWorkflow(name) {
   await page.goto(`${BASE}/workflows`);
   await page.locator(`${tid(`workflow-row-${name}`)} .row-title`).click();
@@ -103,13 +53,7 @@ let model = "";
 let deploymentPath = "";
 
 try {
-  await step("login", async () => {
-    await page.goto(`${BASE}/login`);
-    await page.fill('input[name="username"]', USER);
-    await page.fill('input[name="password"]', PASSWORD);
-    await page.click('button[type="submit"]');
-    await page.waitForURL(/\/workflows$/);
-  });
+  await step("login", () => logIn(page, BASE, USER, PASSWORD));
 
   await step("make an API token from the user menu and copy it", async () => {
     await page.click(tid("user-menu"));
@@ -331,7 +275,6 @@ try {
   expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
 } finally {
   writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }
-console.log(`${results.filter((r) => r.ok).length} steps passed, ${shots} screenshots in ${ART}`);
+console.log(`${results.filter((r) => r.ok).length} steps passed, ${shotCount()} screenshots in ${ART}`);

@@ -1,0 +1,93 @@
+// What every browser test script shares: a headless Debian Chromium driven by Playwright, in a
+// profile of its own (removed by close()), with the page's console errors collected, numbered
+// screenshots in E2E_ARTIFACTS (default e2e-artifacts), and named steps that log "ok"/"FAIL" and
+// leave FAILED-<step>.png when they throw.
+
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { chromium } from "playwright-core";
+
+export const tid = (id) => `[data-testid="${id}"]`;
+
+export function expect(cond, message) {
+  if (!cond) throw new Error(message);
+}
+
+/**
+ * A browser for the script `name`: { context, page, ART, consoleErrors, results, shot, step,
+ * waitText, shotCount, close }. Options: `viewport`, `wait` (the default timeout, ms),
+ * `fullPage` screenshots, `acceptDownloads`, `clipboardOrigin` (granted clipboard access).
+ */
+export async function openBrowser(name, { viewport = { width: 1440, height: 960 }, wait = 30_000, fullPage = false,
+                                          acceptDownloads = false, clipboardOrigin = null } = {}) {
+  const ART = resolve(process.env.E2E_ARTIFACTS ?? "e2e-artifacts");
+  mkdirSync(ART, { recursive: true });
+  const profile = mkdtempSync(join(tmpdir(), `omniflow-e2e-${name}-`));
+  const context = await chromium.launchPersistentContext(profile, {
+    executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+    headless: true,
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    viewport,
+    acceptDownloads,
+  });
+  context.setDefaultTimeout(wait);
+  if (clipboardOrigin) await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: clipboardOrigin });
+  const page = context.pages()[0] ?? (await context.newPage());
+  const consoleErrors = [];
+  page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
+  page.on("pageerror", (e) => consoleErrors.push(String(e)));
+
+  let shots = 0;
+  // Finished animations (modals fading in, toasts sliding): each picture shows the settled page.
+  const shot = async (label, on = page) => {
+    shots += 1;
+    await on.screenshot({ path: join(ART, `${String(shots).padStart(2, "0")}-${label}.png`), fullPage,
+                          animations: "disabled" });
+  };
+  const results = [];
+  async function step(label, fn) {
+    const t0 = Date.now();
+    try {
+      await fn();
+      results.push({ name: label, ok: true, ms: Date.now() - t0 });
+      console.log(`ok   ${label} (${Date.now() - t0} ms)`);
+    } catch (err) {
+      results.push({ name: label, ok: false, ms: Date.now() - t0 });
+      console.log(`FAIL ${label}: ${err.stack ?? err}`);
+      await page.screenshot({ path: join(ART, `FAILED-${label}.png`), fullPage }).catch(() => {});
+      throw err;
+    }
+  }
+  async function waitText(selector, text, timeout = wait, on = page) {
+    await on.waitForFunction(([s, t]) => document.querySelector(s)?.textContent?.includes(t), [selector, text],
+                             { timeout });
+  }
+  async function close() {
+    await context.close();
+    rmSync(profile, { recursive: true, force: true });
+  }
+  return { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount: () => shots, close };
+}
+
+/** Log in on the studio's login page; the workflows list opens. */
+export async function logIn(page, base, user, password) {
+  await page.goto(`${base}/login`);
+  await page.fill('input[name="username"]', user);
+  await page.fill('input[name="password"]', password);
+  await page.click('button[type="submit"]');
+  await page.waitForURL(/\/workflows$/);
+}
+
+/** Wait until the editor's validity pill shows `text` for the current document (no check in flight). */
+export async function validityShows(page, text, timeout) {
+  await page.waitForFunction(
+    ([s, t]) => {
+      const pill = document.querySelector(s);
+      return pill?.dataset.checking === "false" && pill.textContent.includes(t);
+    },
+    [tid("validity"), text],
+    timeout === undefined ? {} : { timeout },
+  );
+}
