@@ -443,8 +443,14 @@ try {
     // postdates the run, so it carries the worker's counters after that run.
     const first = await hitRateAfter(await finishedAt());
     await runOnDeployment(workflowIds.imageGeneration);
-    const second = await hitRateAfter(await finishedAt());
-    expect(second > first, `the device hit rate went from ${first} to ${second}`);
+    await hitRateAfter(await finishedAt());
+    // The chart's rows follow the heartbeats the table shows: wait for the one after the run to land.
+    const rose = await page.waitForFunction(
+      ([s, before]) => Number(document.querySelector(s)?.dataset.value ?? "") > before,
+      [tid("chart-hit-rate-device"), first], { timeout: 30_000 },
+    ).then(() => true, () => false);
+    const second = Number(await page.getAttribute(tid("chart-hit-rate-device"), "data-value"));
+    expect(rose, `the device hit rate went from ${first} to ${second}`);
     await waitText('[data-testid="worker-row"][data-role="llm"]', "smollm2-135m"); // the role's model
     await shot("cluster-kv-hit-rate-rise");
     await openWorkflow("image_generation");

@@ -14,40 +14,24 @@ Grafana dashboard in deploy/ names a series it serves. Screenshots land in tests
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.browser import ARTIFACTS, assert_shots, needs_browser, run_script
 from tests.e2e.conftest import METRICS_TOKEN, ROOT, LiveStudio
 
-FRONTEND = ROOT / "frontend"
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "metrics"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 TIERS = ("device", "host", "disk")
 
-
-def _missing_tool() -> str | None:
-    if shutil.which("node") is None:
-        return "node is not installed"
-    if not Path(CHROMIUM).exists():
-        return f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)"
-    if not (FRONTEND / "node_modules" / "playwright-core").is_dir():
-        return "frontend packages are not installed (bash scripts/frontend.sh install)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing_tool() is not None, reason=str(_missing_tool()))
+pytestmark = needs_browser
 
 
 class Api:
@@ -107,7 +91,6 @@ def served(text: str) -> tuple[set[str], list[Any]]:
 
 @pytest.mark.timeout(420)
 def test_cluster_page_history_tiers_and_range_in_chromium(live_studio: LiveStudio) -> None:
-    assert (FRONTEND / "dist" / "index.html").is_file(), "build the frontend first: bash scripts/frontend.sh build"
     api = Api(live_studio.url, demo_token(live_studio))
     status, found = api.call("GET", "/api/workflows/?search=chat")
     assert status == 200, found
@@ -133,19 +116,9 @@ def test_cluster_page_history_tiers_and_range_in_chromium(live_studio: LiveStudi
         points = next(w for w in history["workers"] if w["worker_id"] == llm["worker_id"])["points"]
         assert len(points) >= 2 and points[-1]["rss_bytes"] > 0 and "gpu" not in points[-1]
 
-        shutil.rmtree(ARTIFACTS, ignore_errors=True)
-        env = {**os.environ, "STUDIO_URL": live_studio.url, "STUDIO_USER": live_studio.user,
-               "STUDIO_PASSWORD": live_studio.password, "E2E_ARTIFACTS": str(ARTIFACTS), "CHROMIUM": CHROMIUM,
-               "LLM_WORKER": llm["worker_id"]}
-        result = subprocess.run(["node", "e2e/metrics.e2e.mjs"], cwd=FRONTEND, env=env, capture_output=True,
-                                text=True, timeout=240)
-        if result.returncode != 0:
-            server_log = live_studio.log.read_text(errors="replace")[-4000:]
-            pytest.fail(f"browser test failed (screenshots in {ARTIFACTS}):\n{result.stdout[-6000:]}\n"
-                        f"{result.stderr[-3000:]}\n--- studio log ---\n{server_log}")
-        shots = sorted(p.name for p in ARTIFACTS.glob("*.png"))
-        for page in ("cluster-tiers", "cluster-after-reload", "cluster-range-1h"):
-            assert any(name.endswith(f"-{page}.png") for name in shots), f"no screenshot of {page}: {shots}"
+        shots = run_script("metrics.e2e.mjs", live_studio, ARTIFACTS / "metrics", timeout_s=240,
+                           env={"LLM_WORKER": llm["worker_id"]})
+        assert_shots(shots, ("cluster-tiers", "cluster-after-reload", "cluster-range-1h"))
 
         # Prometheus sees the same series: every tier of the llm worker, its RSS; the dashboard's names
         request = urllib.request.Request(live_studio.url + "/metrics",
