@@ -275,13 +275,11 @@ class LLMEngine:
         self.stats.steps += 1
         ready: list[Sequence] = []
         logits: list[torch.Tensor] = []
-        for seq, planned in plan.prefill:
-            if not seq.matched and not self._match(seq, outputs):
-                continue
-            row = self._prefill(seq, min(planned, seq.pending), outputs)
-            if row is not None:
-                ready.append(seq)
-                logits.append(row[None])
+        prefill = [(seq, planned) for seq, planned in plan.prefill
+                   if seq.matched or self._match(seq, outputs)]
+        for seq, row in self._prefill(prefill, outputs):
+            ready.append(seq)
+            logits.append(row[None])
         decode = [seq for seq in plan.decode if seq.request_id in self._requests]
         for seq in decode:
             seq.matched = True  # one token left: nothing to match
@@ -346,21 +344,34 @@ class LLMEngine:
             self.stats.cached_tokens += seq.cached_tokens
         return True
 
-    def _prefill(self, seq: Sequence, tokens: int, outputs: list[RequestOutput]) -> torch.Tensor | None:
-        start = seq.num_computed
-        chunk = PrefillChunk(
-            token_ids=seq.token_ids[start : start + tokens],
-            start=start,
-            prefix_slots=seq.slots,
-            tail=self.cache.tail(seq),
-            embeds=seq.embeds_in(start, start + tokens),
-        )
-        want = tokens == seq.pending
-        logits, fresh = self.forward.prefill(chunk, self.store.device_pool, want)
-        self.stats.computed_prompt_tokens += tokens
-        if not self._grow(seq, outputs, lambda: self.cache.commit_prefill(seq, fresh, tokens)):
-            return None
-        return logits
+    def _prefill(self, planned: list[tuple[Sequence, int]],
+                 outputs: list[RequestOutput]) -> list[tuple[Sequence, torch.Tensor]]:
+        """One forward pass over the step's prefill chunks; commits their K/V and returns the
+        logits of the sequences whose prompt is now computed."""
+        if not planned:
+            return []
+        chunks, wants, counts = [], [], []
+        for seq, budget in planned:
+            tokens = min(budget, seq.pending)
+            start = seq.num_computed
+            chunks.append(PrefillChunk(
+                token_ids=seq.token_ids[start : start + tokens],
+                start=start,
+                prefix_slots=seq.slots,
+                tail=self.cache.tail(seq),
+                embeds=seq.embeds_in(start, start + tokens),
+            ))
+            wants.append(tokens == seq.pending)
+            counts.append(tokens)
+        results = self.forward.prefill_batch(chunks, self.store.device_pool, wants)
+        ready = []
+        for (seq, _), tokens, (logits, fresh) in zip(planned, counts, results, strict=True):
+            self.stats.computed_prompt_tokens += tokens
+            if not self._grow(seq, outputs, lambda s=seq, f=fresh, t=tokens: self.cache.commit_prefill(s, f, t)):
+                continue
+            if logits is not None:
+                ready.append((seq, logits))
+        return ready
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         decode = DecodeBatch(

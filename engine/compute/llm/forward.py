@@ -158,7 +158,13 @@ class PagedForward:
             kv[:, :, :, tail_start : chunk.start] = chunk.tail[:, :, :offset].permute(1, 0, 3, 2, 4)
         return kv
 
-    @torch.inference_mode()
+    def _chunk_mask(self, start: int, total: int, device: torch.device) -> torch.Tensor:
+        """Additive mask of a chunk after a prefix: query i sits at position start + i and sees
+        keys 0..start + i."""
+        rows = torch.arange(start, total, device=device)[:, None]
+        hidden_keys = torch.arange(total, device=device)[None, :] > rows
+        return torch.zeros(hidden_keys.shape, dtype=self.dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
+
     def prefill(self, chunk: PrefillChunk, pool: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run `chunk`; returns the last position's logits (if wanted) and the fresh pages.
 
@@ -166,43 +172,68 @@ class PagedForward:
         page_size` to `start + len(token_ids)`: the old tail's tokens, then the chunk's
         (zeros after them in the last page).
         """
+        return self.prefill_batch([chunk], pool, [want_logits])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: Sequence[PrefillChunk], pool: torch.Tensor,
+                      want_logits: Sequence[bool]) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Run the chunks of several sequences in one forward pass; per chunk what `prefill` returns.
+
+        The chunks' tokens go through the norms, projections and MLPs as one block of rows (each
+        weight is read once per step, not once per sequence); attention runs per chunk, over
+        that chunk's own prefix and tokens.
+        """
         page = self.page_size
-        n = len(chunk.token_ids)
-        start = chunk.start
-        tail_start = start // page * page
-        if len(chunk.prefix_slots) * page != tail_start:
-            raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
-        total = start + n
-        kv = self._prefill_buffer(chunk, pool, total)
-        ids = torch.tensor(list(chunk.token_ids), dtype=torch.long, device=pool.device)
-        hidden = self._embed(ids, chunk.embeds)
-        cos, sin = self.weights.rotary.span(start, total)
-        mask = None
-        if start and n > 1:
-            # Query i sits at position start + i and sees keys 0..start + i (additive: built once).
-            rows = torch.arange(start, total, device=pool.device)[:, None]
-            hidden_mask = torch.arange(total, device=pool.device)[None, :] > rows
-            mask = torch.zeros(hidden_mask.shape, dtype=self.dtype, device=pool.device).masked_fill_(
-                hidden_mask, float("-inf"))
-        heads = self.num_heads
+        device = pool.device
+        spans: list[tuple[int, int]] = []  # each chunk's rows in the block
+        buffers, masks, cos_parts, sin_parts, embeds = [], [], [], [], []
+        ids: list[int] = []
+        for chunk in chunks:
+            n, start = len(chunk.token_ids), chunk.start
+            if len(chunk.prefix_slots) * page != start // page * page:
+                raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
+            total = start + n
+            buffers.append(self._prefill_buffer(chunk, pool, total))
+            masks.append(self._chunk_mask(start, total, device) if start and n > 1 else None)
+            cos, sin = self.weights.rotary.span(start, total)
+            cos_parts.append(cos)
+            sin_parts.append(sin)
+            embeds.extend((len(ids) + row, rows) for row, rows in chunk.embeds)
+            spans.append((len(ids), len(ids) + n))
+            ids.extend(chunk.token_ids)
+        hidden = self._embed(torch.tensor(ids, dtype=torch.long, device=device), embeds)
+        single = len(chunks) == 1
+        cos = cos_parts[0] if single else torch.cat(cos_parts)
+        sin = sin_parts[0] if single else torch.cat(sin_parts)
+        heads, rows = self.num_heads, len(ids)
+        attn = torch.empty((rows, self.q_width), dtype=hidden.dtype, device=device)
         for index, layer in enumerate(self.weights.layers):
             qk, v = self._qkv(layer, hidden, cos, sin)
-            kv[index, 0, :, start:total] = qk[:, heads:].transpose(0, 1)
-            kv[index, 1, :, start:total] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                qk[:, :heads].transpose(0, 1)[None],
-                kv[index, 0, :, :total][None],
-                kv[index, 1, :, :total][None],
-                attn_mask=mask,
-                is_causal=mask is None and n > 1,
-                scale=self.weights.scaling,
-                enable_gqa=self.group > 1,
-            )
-            hidden = layer.mlp(layer.attention_out(hidden, out[0].transpose(0, 1).reshape(n, self.q_width)))
-        logits = self.weights.logits(hidden[-1:])[0] if want_logits else None
-        # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
-        fresh = kv[:, :, :, tail_start:].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
-        return logits, fresh
+            for chunk, kv, mask, (first, last) in zip(chunks, buffers, masks, spans, strict=True):
+                start, n = chunk.start, last - first
+                total = start + n
+                kv[index, 0, :, start:total] = qk[first:last, heads:].transpose(0, 1)
+                kv[index, 1, :, start:total] = v[first:last].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    qk[first:last, :heads].transpose(0, 1)[None],
+                    kv[index, 0, :, :total][None],
+                    kv[index, 1, :, :total][None],
+                    attn_mask=mask,
+                    is_causal=mask is None and n > 1,
+                    scale=self.weights.scaling,
+                    enable_gqa=self.group > 1,
+                )
+                attn[first:last] = out[0].transpose(0, 1).reshape(n, self.q_width)
+            hidden = layer.mlp(layer.attention_out(hidden, attn))
+        wanted = [last - 1 for (_, last), want in zip(spans, want_logits, strict=True) if want]
+        logits = iter(self.weights.logits(hidden[wanted]) if wanted else ())
+        results: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for chunk, kv, want in zip(chunks, buffers, want_logits, strict=True):
+            tail_start = chunk.start // page * page
+            # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
+            fresh = kv[:, :, :, tail_start:].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
+            results.append((next(logits) if want else None, fresh))
+        return results
 
     # -- decode ----------------------------------------------------------------------------------
 
