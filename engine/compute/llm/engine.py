@@ -1,8 +1,8 @@
 """`LLMEngine`: the in-process LLM runner loop (schedule -> forward -> sample -> update).
 
 Requests join the running batch as soon as there is room and leave it the step they
-finish; every step runs prefill chunks for sequences with prompt left to compute and
-one decode forward for all the others, then one sampling pass for every sequence that
+finish; every step runs one forward over the prefill chunks of all sequences with prompt
+left to compute and one decode forward for all the others, then one sampling pass for every sequence that
 produced logits. The engine is single-threaded: one owner calls `add_request`, `abort`
 and `step` (the `llm` compute unit runs it in its own thread).
 

@@ -17,7 +17,8 @@ head_dim)`, in the model's dtype):
   does not have yet).
 
 Attention needs each layer's keys as one `(heads, tokens, dim)` block per sequence. A
-prefill chunk lays its prefix pages out so once per chunk; a decode batch keeps a
+prefill chunk lays its prefix pages out so once per chunk (a step's chunks share one
+forward pass: their tokens are one block of rows outside attention); a decode batch keeps a
 `DecodeBuffer` from step to step, in which each step writes one token per sequence, so
 its K/V are gathered from the pages only when the batch changes (see `DecodeBuffer`).
 Attention itself is `scaled_dot_product_attention` on views of those buffers; a decode
