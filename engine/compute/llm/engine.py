@@ -277,10 +277,10 @@ class LLMEngine:
         logits: list[torch.Tensor] = []
         prefill = [(seq, planned) for seq, planned in plan.prefill
                    if seq.matched or self._match(seq, outputs)]
-        for seq, row in self._prefill(prefill, outputs):
+        decode = [seq for seq in plan.decode if seq.request_id in self._requests]
+        for seq, row in self._prefill(prefill, outputs, hand_over=not decode):
             ready.append(seq)
             logits.append(row[None])
-        decode = [seq for seq in plan.decode if seq.request_id in self._requests]
         for seq in decode:
             seq.matched = True  # one token left: nothing to match
             seq.first_match = False
@@ -344,10 +344,12 @@ class LLMEngine:
             self.stats.cached_tokens += seq.cached_tokens
         return True
 
-    def _prefill(self, planned: list[tuple[Sequence, int]],
-                 outputs: list[RequestOutput]) -> list[tuple[Sequence, torch.Tensor]]:
+    def _prefill(self, planned: list[tuple[Sequence, int]], outputs: list[RequestOutput],
+                 hand_over: bool) -> list[tuple[Sequence, torch.Tensor]]:
         """One forward pass over the step's prefill chunks; commits their K/V and returns the
-        logits of the sequences whose prompt is now computed."""
+        logits of the sequences whose prompt is now computed. With `hand_over` (no decode batch
+        this step), a lone sequence that finishes its prompt leaves its attention buffer as the
+        next decode step's (see `PagedForward.prefill_batch`)."""
         if not planned:
             return []
         chunks, wants, counts = [], [], []
@@ -363,14 +365,17 @@ class LLMEngine:
             ))
             wants.append(tokens == seq.pending)
             counts.append(tokens)
-        results = self.forward.prefill_batch(chunks, self.store.device_pool, wants)
+        key = planned[0][0].request_id if hand_over and len(planned) == 1 else None
+        output = self.forward.prefill_batch(chunks, self.store.device_pool, wants, decode_key=key)
         ready = []
-        for (seq, _), tokens, (logits, fresh) in zip(planned, counts, results, strict=True):
+        for (seq, _), tokens, (logits, fresh) in zip(planned, counts, output.results, strict=True):
             self.stats.computed_prompt_tokens += tokens
             if not self._grow(seq, outputs, lambda s=seq, f=fresh, t=tokens: self.cache.commit_prefill(s, f, t)):
                 continue
             if logits is not None:
                 ready.append((seq, logits))
+        if output.buffer is not None and ready:  # its K/V are committed: the buffer agrees with the pages
+            self._decode_buffer = output.buffer
         return ready
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, project, rotate
 from engine.data.kv.layout import KVLayout
 
-__all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "UnsupportedModelError"]
+__all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "PrefillOutput", "UnsupportedModelError"]
 
 
 @dataclass(slots=True)
@@ -99,6 +99,15 @@ class DecodeBuffer:
         return self.kv.shape[4]
 
 
+@dataclass(slots=True)
+class PrefillOutput:
+    """Per chunk of a `prefill_batch`, in order: its last position's logits (None unless wanted)
+    and its fresh pages; and the decode buffer handed over, if any (see `prefill_batch`)."""
+
+    results: list[tuple[torch.Tensor | None, torch.Tensor]]
+    buffer: DecodeBuffer | None = None
+
+
 class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
@@ -137,16 +146,19 @@ class PagedForward:
 
     # -- prefill -----------------------------------------------------------------------------------
 
-    def _prefill_buffer(self, chunk: PrefillChunk, pool: torch.Tensor, total: int) -> torch.Tensor:
-        """`(layers, K/V, kv_heads, padded, head_dim)` holding the prefix pages and the old tail;
-        positions from `total` to the page-padded end are zeros."""
+    def _prefill_buffer(self, chunk: PrefillChunk, pool: torch.Tensor, total: int,
+                        capacity: int | None = None) -> torch.Tensor:
+        """`(layers, K/V, 1, kv_heads, capacity, head_dim)` (capacity: the page-padded end by
+        default) holding the prefix pages and the old tail; positions from `total` on are zeros.
+        Laid out as a one-sequence `DecodeBuffer`'s `kv`."""
         page = self.page_size
         padded = -(-total // page) * page
         tail_start = chunk.start // page * page
         offset = chunk.start - tail_start
         layout = self.layout
-        kv = torch.empty((layout.num_layers, 2, self.num_kv_heads, padded, self.head_dim), dtype=pool.dtype,
-                         device=pool.device)
+        whole = torch.empty((layout.num_layers, 2, 1, self.num_kv_heads, capacity or padded, self.head_dim),
+                            dtype=pool.dtype, device=pool.device)
+        kv = whole[:, :, 0]
         kv[:, :, :, total:].zero_()
         if tail_start:
             slots = torch.tensor(list(chunk.prefix_slots), dtype=torch.long, device=pool.device)
@@ -157,7 +169,7 @@ class PagedForward:
             if chunk.tail is None:
                 raise ValueError(f"a chunk starting at {chunk.start} mid-page needs the tail page")
             kv[:, :, :, tail_start : chunk.start] = chunk.tail[:, :, :offset].permute(1, 0, 3, 2, 4)
-        return kv
+        return whole
 
     def _chunk_mask(self, start: int, total: int, device: torch.device) -> torch.Tensor:
         """Additive mask of a chunk after a prefix: query i sits at position start + i and sees
@@ -173,16 +185,21 @@ class PagedForward:
         page_size` to `start + len(token_ids)`: the old tail's tokens, then the chunk's
         (zeros after them in the last page).
         """
-        return self.prefill_batch([chunk], pool, [want_logits])[0]
+        return self.prefill_batch([chunk], pool, [want_logits]).results[0]
 
     @torch.inference_mode()
     def prefill_batch(self, chunks: Sequence[PrefillChunk], pool: torch.Tensor,
-                      want_logits: Sequence[bool]) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+                      want_logits: Sequence[bool], decode_key: str | None = None) -> PrefillOutput:
         """Run the chunks of several sequences in one forward pass; per chunk what `prefill` returns.
 
         The chunks' tokens go through the norms, projections and MLPs as one block of rows (each
         weight is read once per step, not once per sequence); attention runs per chunk, over
         that chunk's own prefix and tokens.
+
+        With `decode_key` (the sequence's key in a `DecodeBatch`), one chunk that completes its
+        prompt (logits wanted) keeps its attention buffer, sized as `decode` sizes one, and hands
+        it over as `PrefillOutput.buffer`: a decode step of that sequence alone, next, reuses it
+        instead of gathering its whole history from the pages again.
         """
         page = self.page_size
         device = pool.device
@@ -194,7 +211,10 @@ class PagedForward:
             if len(chunk.prefix_slots) * page != start // page * page:
                 raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
             total = start + n
-            buffers.append(self._prefill_buffer(chunk, pool, total))
+            capacity = None
+            if decode_key is not None and len(chunks) == 1 and want_logits[0]:
+                capacity = (total // page + 1 + HEADROOM_PAGES) * page
+            buffers.append(self._prefill_buffer(chunk, pool, total, capacity)[:, :, 0])
             masks.append(self._chunk_mask(start, total, device) if start and n > 1 else None)
             cos, sin = self.weights.rotary.span(start, total)
             cos_parts.append(cos)
@@ -231,10 +251,16 @@ class PagedForward:
         results: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for chunk, kv, want in zip(chunks, buffers, want_logits, strict=True):
             tail_start = chunk.start // page * page
+            padded = -(-(chunk.start + len(chunk.token_ids)) // page) * page
             # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
-            fresh = kv[:, :, :, tail_start:].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
+            fresh = kv[:, :, :, tail_start:padded].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
             results.append((next(logits) if want else None, fresh))
-        return results
+        buffer = None
+        if decode_key is not None and len(chunks) == 1 and want_logits[0]:
+            last = chunks[0].start + len(chunks[0].token_ids) - 1
+            buffer = DecodeBuffer(keys=(decode_key,), kv=buffers[0][:, :, None], positions=[last],
+                                  rows=torch.arange(1, device=device))
+        return PrefillOutput(results, buffer)
 
     # -- decode ----------------------------------------------------------------------------------
 
