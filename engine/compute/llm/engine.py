@@ -1,8 +1,8 @@
 """`LLMEngine`: the in-process LLM runner loop (schedule -> forward -> sample -> update).
 
 Requests join the running batch as soon as there is room and leave it the step they
-finish; every step runs prefill chunks for sequences with prompt left to compute and
-one decode forward for all the others, then one sampling pass for every sequence that
+finish; every step runs one forward over the prefill chunks of all sequences with prompt
+left to compute and one decode forward for all the others, then one sampling pass for every sequence that
 produced logits. The engine is single-threaded: one owner calls `add_request`, `abort`
 and `step` (the `llm` compute unit runs it in its own thread).
 
@@ -275,14 +275,12 @@ class LLMEngine:
         self.stats.steps += 1
         ready: list[Sequence] = []
         logits: list[torch.Tensor] = []
-        for seq, planned in plan.prefill:
-            if not seq.matched and not self._match(seq, outputs):
-                continue
-            row = self._prefill(seq, min(planned, seq.pending), outputs)
-            if row is not None:
-                ready.append(seq)
-                logits.append(row[None])
+        prefill = [(seq, planned) for seq, planned in plan.prefill
+                   if seq.matched or self._match(seq, outputs)]
         decode = [seq for seq in plan.decode if seq.request_id in self._requests]
+        for seq, row in self._prefill(prefill, outputs, hand_over=not decode):
+            ready.append(seq)
+            logits.append(row[None])
         for seq in decode:
             seq.matched = True  # one token left: nothing to match
             seq.first_match = False
@@ -346,21 +344,39 @@ class LLMEngine:
             self.stats.cached_tokens += seq.cached_tokens
         return True
 
-    def _prefill(self, seq: Sequence, tokens: int, outputs: list[RequestOutput]) -> torch.Tensor | None:
-        start = seq.num_computed
-        chunk = PrefillChunk(
-            token_ids=seq.token_ids[start : start + tokens],
-            start=start,
-            prefix_slots=seq.slots,
-            tail=self.cache.tail(seq),
-            embeds=seq.embeds_in(start, start + tokens),
-        )
-        want = tokens == seq.pending
-        logits, fresh = self.forward.prefill(chunk, self.store.device_pool, want)
-        self.stats.computed_prompt_tokens += tokens
-        if not self._grow(seq, outputs, lambda: self.cache.commit_prefill(seq, fresh, tokens)):
-            return None
-        return logits
+    def _prefill(self, planned: list[tuple[Sequence, int]], outputs: list[RequestOutput],
+                 hand_over: bool) -> list[tuple[Sequence, torch.Tensor]]:
+        """One forward pass over the step's prefill chunks; commits their K/V and returns the
+        logits of the sequences whose prompt is now computed. With `hand_over` (no decode batch
+        this step), a lone sequence that finishes its prompt leaves its attention buffer as the
+        next decode step's (see `PagedForward.prefill_batch`)."""
+        if not planned:
+            return []
+        chunks, wants, counts = [], [], []
+        for seq, budget in planned:
+            tokens = min(budget, seq.pending)
+            start = seq.num_computed
+            chunks.append(PrefillChunk(
+                token_ids=seq.token_ids[start : start + tokens],
+                start=start,
+                prefix_slots=seq.slots,
+                tail=self.cache.tail(seq),
+                embeds=seq.embeds_in(start, start + tokens),
+            ))
+            wants.append(tokens == seq.pending)
+            counts.append(tokens)
+        key = planned[0][0].request_id if hand_over and len(planned) == 1 else None
+        output = self.forward.prefill_batch(chunks, self.store.device_pool, wants, decode_key=key)
+        ready = []
+        for (seq, _), tokens, (logits, fresh) in zip(planned, counts, output.results, strict=True):
+            self.stats.computed_prompt_tokens += tokens
+            if not self._grow(seq, outputs, lambda s=seq, f=fresh, t=tokens: self.cache.commit_prefill(s, f, t)):
+                continue
+            if logits is not None:
+                ready.append((seq, logits))
+        if output.buffer is not None and ready:  # its K/V are committed: the buffer agrees with the pages
+            self._decode_buffer = output.buffer
+        return ready
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         decode = DecodeBatch(

@@ -17,7 +17,8 @@ head_dim)`, in the model's dtype):
   does not have yet).
 
 Attention needs each layer's keys as one `(heads, tokens, dim)` block per sequence. A
-prefill chunk lays its prefix pages out so once per chunk; a decode batch keeps a
+prefill chunk lays its prefix pages out so once per chunk (a step's chunks share one
+forward pass: their tokens are one block of rows outside attention); a decode batch keeps a
 `DecodeBuffer` from step to step, in which each step writes one token per sequence, so
 its K/V are gathered from the pages only when the batch changes (see `DecodeBuffer`).
 Attention itself is `scaled_dot_product_attention` on views of those buffers; a decode
@@ -34,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate
+from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, project, rotate
 from engine.data.kv.layout import KVLayout
 
-__all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "UnsupportedModelError"]
+__all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "PrefillOutput", "UnsupportedModelError"]
 
 
 @dataclass(slots=True)
@@ -98,6 +99,15 @@ class DecodeBuffer:
         return self.kv.shape[4]
 
 
+@dataclass(slots=True)
+class PrefillOutput:
+    """Per chunk of a `prefill_batch`, in order: its last position's logits (None unless wanted)
+    and its fresh pages; and the decode buffer handed over, if any (see `prefill_batch`)."""
+
+    results: list[tuple[torch.Tensor | None, torch.Tensor]]
+    buffer: DecodeBuffer | None = None
+
+
 class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
@@ -130,22 +140,25 @@ class PagedForward:
         """Normed projections of `hidden` `(tokens, hidden)`: rotated q+k `(tokens, Hq + Hkv, D)`
         and v `(tokens, Hkv, D)`."""
         tokens = hidden.shape[0]
-        qkv = F.linear(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
+        qkv = project(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
         qk = rotate(qkv[:, : self.qk_width].view(tokens, -1, self.head_dim), cos, sin)
         return qk, qkv[:, self.qk_width :].view(tokens, self.num_kv_heads, self.head_dim)
 
     # -- prefill -----------------------------------------------------------------------------------
 
-    def _prefill_buffer(self, chunk: PrefillChunk, pool: torch.Tensor, total: int) -> torch.Tensor:
-        """`(layers, K/V, kv_heads, padded, head_dim)` holding the prefix pages and the old tail;
-        positions from `total` to the page-padded end are zeros."""
+    def _prefill_buffer(self, chunk: PrefillChunk, pool: torch.Tensor, total: int,
+                        capacity: int | None = None) -> torch.Tensor:
+        """`(layers, K/V, 1, kv_heads, capacity, head_dim)` (capacity: the page-padded end by
+        default) holding the prefix pages and the old tail; positions from `total` on are zeros.
+        Laid out as a one-sequence `DecodeBuffer`'s `kv`."""
         page = self.page_size
         padded = -(-total // page) * page
         tail_start = chunk.start // page * page
         offset = chunk.start - tail_start
         layout = self.layout
-        kv = torch.empty((layout.num_layers, 2, self.num_kv_heads, padded, self.head_dim), dtype=pool.dtype,
-                         device=pool.device)
+        whole = torch.empty((layout.num_layers, 2, 1, self.num_kv_heads, capacity or padded, self.head_dim),
+                            dtype=pool.dtype, device=pool.device)
+        kv = whole[:, :, 0]
         kv[:, :, :, total:].zero_()
         if tail_start:
             slots = torch.tensor(list(chunk.prefix_slots), dtype=torch.long, device=pool.device)
@@ -156,9 +169,15 @@ class PagedForward:
             if chunk.tail is None:
                 raise ValueError(f"a chunk starting at {chunk.start} mid-page needs the tail page")
             kv[:, :, :, tail_start : chunk.start] = chunk.tail[:, :, :offset].permute(1, 0, 3, 2, 4)
-        return kv
+        return whole
 
-    @torch.inference_mode()
+    def _chunk_mask(self, start: int, total: int, device: torch.device) -> torch.Tensor:
+        """Additive mask of a chunk after a prefix: query i sits at position start + i and sees
+        keys 0..start + i."""
+        rows = torch.arange(start, total, device=device)[:, None]
+        hidden_keys = torch.arange(total, device=device)[None, :] > rows
+        return torch.zeros(hidden_keys.shape, dtype=self.dtype, device=device).masked_fill_(hidden_keys, float("-inf"))
+
     def prefill(self, chunk: PrefillChunk, pool: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run `chunk`; returns the last position's logits (if wanted) and the fresh pages.
 
@@ -166,43 +185,82 @@ class PagedForward:
         page_size` to `start + len(token_ids)`: the old tail's tokens, then the chunk's
         (zeros after them in the last page).
         """
+        return self.prefill_batch([chunk], pool, [want_logits]).results[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: Sequence[PrefillChunk], pool: torch.Tensor,
+                      want_logits: Sequence[bool], decode_key: str | None = None) -> PrefillOutput:
+        """Run the chunks of several sequences in one forward pass; per chunk what `prefill` returns.
+
+        The chunks' tokens go through the norms, projections and MLPs as one block of rows (each
+        weight is read once per step, not once per sequence); attention runs per chunk, over
+        that chunk's own prefix and tokens.
+
+        With `decode_key` (the sequence's key in a `DecodeBatch`), one chunk that completes its
+        prompt (logits wanted) keeps its attention buffer, sized as `decode` sizes one, and hands
+        it over as `PrefillOutput.buffer`: a decode step of that sequence alone, next, reuses it
+        instead of gathering its whole history from the pages again.
+        """
         page = self.page_size
-        n = len(chunk.token_ids)
-        start = chunk.start
-        tail_start = start // page * page
-        if len(chunk.prefix_slots) * page != tail_start:
-            raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
-        total = start + n
-        kv = self._prefill_buffer(chunk, pool, total)
-        ids = torch.tensor(list(chunk.token_ids), dtype=torch.long, device=pool.device)
-        hidden = self._embed(ids, chunk.embeds)
-        cos, sin = self.weights.rotary.span(start, total)
-        mask = None
-        if start and n > 1:
-            # Query i sits at position start + i and sees keys 0..start + i (additive: built once).
-            rows = torch.arange(start, total, device=pool.device)[:, None]
-            hidden_mask = torch.arange(total, device=pool.device)[None, :] > rows
-            mask = torch.zeros(hidden_mask.shape, dtype=self.dtype, device=pool.device).masked_fill_(
-                hidden_mask, float("-inf"))
-        heads = self.num_heads
+        device = pool.device
+        spans: list[tuple[int, int]] = []  # each chunk's rows in the block
+        buffers, masks, cos_parts, sin_parts, embeds = [], [], [], [], []
+        ids: list[int] = []
+        for chunk in chunks:
+            n, start = len(chunk.token_ids), chunk.start
+            if len(chunk.prefix_slots) * page != start // page * page:
+                raise ValueError(f"{len(chunk.prefix_slots)} prefix pages for a chunk starting at {start}")
+            total = start + n
+            capacity = None
+            if decode_key is not None and len(chunks) == 1 and want_logits[0]:
+                capacity = (total // page + 1 + HEADROOM_PAGES) * page
+            buffers.append(self._prefill_buffer(chunk, pool, total, capacity)[:, :, 0])
+            masks.append(self._chunk_mask(start, total, device) if start and n > 1 else None)
+            cos, sin = self.weights.rotary.span(start, total)
+            cos_parts.append(cos)
+            sin_parts.append(sin)
+            embeds.extend((len(ids) + row, rows) for row, rows in chunk.embeds)
+            spans.append((len(ids), len(ids) + n))
+            ids.extend(chunk.token_ids)
+        hidden = self._embed(torch.tensor(ids, dtype=torch.long, device=device), embeds)
+        single = len(chunks) == 1
+        cos = cos_parts[0] if single else torch.cat(cos_parts)
+        sin = sin_parts[0] if single else torch.cat(sin_parts)
+        heads, rows = self.num_heads, len(ids)
+        attn = torch.empty((rows, self.q_width), dtype=hidden.dtype, device=device)
         for index, layer in enumerate(self.weights.layers):
             qk, v = self._qkv(layer, hidden, cos, sin)
-            kv[index, 0, :, start:total] = qk[:, heads:].transpose(0, 1)
-            kv[index, 1, :, start:total] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                qk[:, :heads].transpose(0, 1)[None],
-                kv[index, 0, :, :total][None],
-                kv[index, 1, :, :total][None],
-                attn_mask=mask,
-                is_causal=mask is None and n > 1,
-                scale=self.weights.scaling,
-                enable_gqa=self.group > 1,
-            )
-            hidden = layer.mlp(layer.attention_out(hidden, out[0].transpose(0, 1).reshape(n, self.q_width)))
-        logits = self.weights.logits(hidden[-1:])[0] if want_logits else None
-        # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
-        fresh = kv[:, :, :, tail_start:].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
-        return logits, fresh
+            for chunk, kv, mask, (first, last) in zip(chunks, buffers, masks, spans, strict=True):
+                start, n = chunk.start, last - first
+                total = start + n
+                kv[index, 0, :, start:total] = qk[first:last, heads:].transpose(0, 1)
+                kv[index, 1, :, start:total] = v[first:last].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    qk[first:last, :heads].transpose(0, 1)[None],
+                    kv[index, 0, :, :total][None],
+                    kv[index, 1, :, :total][None],
+                    attn_mask=mask,
+                    is_causal=mask is None and n > 1,
+                    scale=self.weights.scaling,
+                    enable_gqa=self.group > 1,
+                )
+                attn[first:last] = out[0].transpose(0, 1).reshape(n, self.q_width)
+            hidden = layer.mlp(layer.attention_out(hidden, attn))
+        wanted = [last - 1 for (_, last), want in zip(spans, want_logits, strict=True) if want]
+        logits = iter(self.weights.logits(hidden[wanted]) if wanted else ())
+        results: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for chunk, kv, want in zip(chunks, buffers, want_logits, strict=True):
+            tail_start = chunk.start // page * page
+            padded = -(-(chunk.start + len(chunk.token_ids)) // page) * page
+            # (L, 2, H, F * page, D) -> (F, 2, L, page, H, D): the pages' own layout.
+            fresh = kv[:, :, :, tail_start:padded].unflatten(3, (-1, page)).permute(3, 1, 0, 4, 2, 5).contiguous()
+            results.append((next(logits) if want else None, fresh))
+        buffer = None
+        if decode_key is not None and len(chunks) == 1 and want_logits[0]:
+            last = chunks[0].start + len(chunks[0].token_ids) - 1
+            buffer = DecodeBuffer(keys=(decode_key,), kv=buffers[0][:, :, None], positions=[last],
+                                  rows=torch.arange(1, device=device))
+        return PrefillOutput(results, buffer)
 
     # -- decode ----------------------------------------------------------------------------------
 

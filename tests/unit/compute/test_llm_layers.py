@@ -137,6 +137,63 @@ def test_decode_steps_equal_a_full_recomputation_and_reuse_their_buffer(tiny_lla
     assert forward.decode(other, pool, tails, buffer)[1] is not buffer
 
 
+def _paged(forward: PagedForward, seq: list[int], pool: torch.Tensor, free) -> tuple[list[int], torch.Tensor]:
+    """Prefill `seq` alone; its full pages into `pool` (slots from `free`), and its tail page."""
+    _, fresh = forward.prefill(PrefillChunk(seq, 0, [], None), pool, want_logits=False)
+    full = len(seq) // forward.page_size
+    slots = [next(free) for _ in range(full)]
+    for slot, page in zip(slots, fresh[:full], strict=False):
+        pool[slot] = page
+    return slots, fresh[full] if full < len(fresh) else torch.zeros_like(fresh[0])
+
+
+def test_a_batch_of_prefill_chunks_computes_what_each_chunk_alone_does(tiny_llama: LoadedModel):
+    """Chunks of several sequences in one forward pass (one after a cached prefix and a
+    mid-page tail, one from the start): the same logits and fresh pages as run one by one."""
+    forward = PagedForward(tiny_llama.model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads,
+                                                      tiny_llama.head_dim, "float32"))
+    rng = random.Random(1)
+    pool = torch.zeros((16, *forward.layout.page_shape))
+    history = [rng.randrange(32, 127) for _ in range(10)]
+    slots, tail = _paged(forward, history, pool, iter(range(16)))
+    chunks = [PrefillChunk([rng.randrange(32, 127) for _ in range(7)], 10, slots, tail),
+              PrefillChunk([rng.randrange(32, 127) for _ in range(5)], 0, [], None),
+              PrefillChunk([rng.randrange(32, 127)], 10, slots, tail)]
+    batched = forward.prefill_batch(chunks, pool, [True, False, True]).results
+    assert batched[1][0] is None
+    # Products over more rows are blocked differently: equal within float32 rounding.
+    for chunk, want, (logits, fresh) in zip(chunks, [True, False, True], batched, strict=True):
+        alone, pages = forward.prefill(chunk, pool, want)
+        torch.testing.assert_close(fresh, pages, atol=1e-4, rtol=1e-4)
+        if want:
+            torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_a_lone_prefill_hands_its_buffer_to_the_next_decode_step(tiny_llama: LoadedModel):
+    """With a decode key, a prefill that completes a prompt keeps its attention buffer; the next
+    decode step of that sequence reuses it (no regathering) and computes what a step that
+    gathers its K/V from the pages does."""
+    forward = PagedForward(tiny_llama.model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads,
+                                                      tiny_llama.head_dim, "float32"))
+    rng = random.Random(2)
+    pool = torch.zeros((16, *forward.layout.page_shape))
+    history = [rng.randrange(32, 127) for _ in range(6)]
+    slots, tail = _paged(forward, history, pool, iter(range(16)))
+    chunk = PrefillChunk([rng.randrange(32, 127) for _ in range(5)], 6, slots, tail)
+    output = forward.prefill_batch([chunk], pool, [True], decode_key="a")
+    assert forward.prefill_batch([chunk], pool, [False], decode_key="a").buffer is None
+    assert output.buffer is not None and output.buffer.positions == [10]
+    _, fresh = output.results[0]  # positions 4-7 (a full page) and 8-10 (the new tail)
+    pool[15] = fresh[0]
+    pages = [*slots, 15]
+    tails = fresh[1:2].clone()
+    batch = DecodeBatch([7], [11], [pages], [0], keys=["a"])
+    handed_logits, handed = forward.decode(batch, pool, tails.clone(), output.buffer)
+    gathered_logits, gathered = forward.decode(batch, pool, tails.clone())
+    assert handed is output.buffer and gathered is not output.buffer
+    torch.testing.assert_close(handed_logits, gathered_logits, atol=1e-6, rtol=1e-6)
+
+
 def test_bfloat16_runs_end_to_end_with_a_bfloat16_kv_layout():
     model = load_builtin("tiny-llama", dtype="bfloat16")
     assert model.dtype == torch.bfloat16 and model.model_id.endswith(":bfloat16")
