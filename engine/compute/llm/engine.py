@@ -39,7 +39,7 @@ from engine.compute.llm.sessions import Session, SessionInfo
 from engine.compute.llm.transfer import KVHandoff, PageSource
 from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem, cache_key
-from engine.compute.prefix.radix import RadixNode
+from engine.compute.prefix.radix import Namespace, RadixNode
 from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.errors import DiskTierBusy, KVCapacityError
@@ -275,8 +275,7 @@ class LLMEngine:
         self.stats.steps += 1
         ready: list[Sequence] = []
         logits: list[torch.Tensor] = []
-        prefill = [(seq, planned) for seq, planned in plan.prefill
-                   if seq.matched or self._match(seq, outputs)]
+        prefill = self._matched_prefill(plan.prefill, outputs)
         decode = [seq for seq in plan.decode if seq.request_id in self._requests]
         for seq, row in self._prefill(prefill, outputs, hand_over=not decode):
             ready.append(seq)
@@ -330,6 +329,27 @@ class LLMEngine:
             return False
         self.scheduler.requeue(seq)
         return True
+
+    def _matched_prefill(self, planned: list[tuple[Sequence, int]],
+                         outputs: list[RequestOutput]) -> list[tuple[Sequence, int]]:
+        """The step's prefill chunks, each sequence matched against the cache first. One forward
+        pass computes the chunks together, so a sequence whose first page another computes in this
+        step waits a step, to find that page cached then instead of computing it again (two equal
+        prompts arriving together: the second is a prefix hit, as SGLang's scheduler makes it)."""
+        page = self.config.page_size
+        computing: set[tuple[Namespace, tuple[int, ...]]] = set()
+        chosen = []
+        for seq, budget in planned:
+            first = (seq.namespace, tuple(seq.token_ids[:page])) if len(seq.token_ids) > page else None
+            if not seq.matched:
+                if first is not None and first in computing:
+                    continue
+                if not self._match(seq, outputs):
+                    continue
+            if first is not None and seq.num_computed < page:
+                computing.add(first)
+            chosen.append((seq, budget))
+        return chosen
 
     def _match(self, seq: Sequence, outputs: list[RequestOutput]) -> bool:
         try:

@@ -127,10 +127,10 @@ def locked(unit: LLMUnit) -> int:
 def test_prefill_and_decode_kinds_fix_their_ports_and_the_dsl_fills_them(kinds):
     prefill, decode = kinds.node_kind("llm.prefill"), kinds.node_kind("llm.decode")
     assert set(prefill.inputs) == {"prompt", "tokens"} and set(prefill.outputs) == {"kv"}
-    assert set(decode.inputs) == {"kv"} and set(decode.outputs) == {"text", "tokens", "kv"}
+    assert set(decode.inputs) == {"kv"} and set(decode.outputs) == {"text", "tokens", "kv", "usage"}
     assert prefill.role_kinds == decode.role_kinds == ("llm",)
     spec = pd_workflow().to_spec()
-    assert set(spec.node("decode").outputs) == {"text", "tokens", "kv"}
+    assert set(spec.node("decode").outputs) == {"text", "tokens", "kv", "usage"}
     build_plan(spec, kinds)
     wf = Workflow("bad", kinds=kinds)
     role = wf.role("llm", kind="llm", model="tiny-llama")
