@@ -243,16 +243,21 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0
     return value
 
 
-def env_float_or_none(env: Mapping[str, str], name: str) -> float | None:
+def _env_float(env: Mapping[str, str], name: str) -> float | None:
+    """`name`'s value as a number, None when unset or empty."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        value = float(raw)
+        return float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ImproperlyConfigured(f"{name}={raw!r} must be a positive number of seconds")
+
+
+def env_float_or_none(env: Mapping[str, str], name: str) -> float | None:
+    value = _env_float(env, name)
+    if value is not None and not value > 0:
+        raise ImproperlyConfigured(f"{name}={env[name]!r} must be a positive number of seconds")
     return value
 
 
@@ -275,15 +280,9 @@ _HOST_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
 def env_float_at_least(env: Mapping[str, str], name: str, minimum: float) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
-    if not minimum <= value < float("inf"):
-        raise ImproperlyConfigured(f"{name}={raw!r} must be a number of at least {minimum:g}")
+    value = _env_float(env, name)
+    if value is not None and not minimum <= value < float("inf"):
+        raise ImproperlyConfigured(f"{name}={env[name]!r} must be a number of at least {minimum:g}")
     return value
 
 

@@ -35,7 +35,14 @@ from studio.workflows.deployments.workers import (
     replica_seats,
     snapshots_sync,
 )
-from studio.workflows.models import MAX_DEPLOYMENT_NAME, CacheScope, Deployment, DeploymentStatus, Session
+from studio.workflows.models import (
+    MAX_DEPLOYMENT_NAME,
+    CacheScope,
+    Deployment,
+    DeploymentStatus,
+    Session,
+    WorkflowVersion,
+)
 
 MAX_NAME = MAX_DEPLOYMENT_NAME
 
@@ -55,6 +62,22 @@ class DeploymentCreateSerializer(serializers.Serializer):
                                           help_text="user: each user's runs keep their own caches; shared (staff"
                                                     " only): every user's runs of it share one")
 
+
+
+def deploy_request(request: Request) -> tuple[dict[str, Any], WorkflowVersion]:
+    """A deploy request's fields and the version it names (the workflow's latest when it names
+    none; 404 when the caller cannot see it, Conflict when the workflow has no saved version)."""
+    body = DeploymentCreateSerializer(data=request.data)
+    body.is_valid(raise_exception=True)
+    attrs = body.validated_data
+    workflow = get_workflow(request, attrs["workflow"])
+    versions = workflow.versions.all()
+    if "version" in attrs:
+        return attrs, get_object_or_404(versions, number=attrs["version"])
+    version = versions.order_by("-number").first()
+    if version is None:
+        raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
+    return attrs, version
 
 class CacheScopeSerializer(serializers.Serializer):
     cache_scope = serializers.ChoiceField(choices=CacheScope.choices)
@@ -231,17 +254,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     @extend_schema(summary="Deploy a version onto role workers", request=DeploymentCreateSerializer,
                    responses={201: DeploymentDetailSerializer, 409: ErrorSerializer, 422: ErrorSerializer, **ERRORS})
     def create(self, request: Request) -> Response:
-        body = DeploymentCreateSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        attrs = body.validated_data
-        workflow = get_workflow(request, attrs["workflow"])
-        versions = workflow.versions.all()
-        if "version" in attrs:
-            version = get_object_or_404(versions, number=attrs["version"])
-        else:
-            version = versions.order_by("-number").first()
-            if version is None:
-                raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
+        attrs, version = deploy_request(request)
         deployment = service.create_deployment(request.user, version, replicas=attrs.get("replicas"),
                                                name=attrs["name"], node=attrs.get("node"),
                                                cache_scope=CacheScope(attrs["cache_scope"]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
@@ -20,10 +19,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
-from studio.errors import Conflict, Unavailable
-from studio.workflows.api.deployments import DeploymentCreateSerializer
+from studio.errors import Unavailable
+from studio.workflows.api.deployments import DeploymentCreateSerializer, deploy_request
 from studio.workflows.api.serializers import ErrorSerializer
-from studio.workflows.api.workflows import ERRORS, get_workflow
+from studio.workflows.api.workflows import ERRORS
 from studio.workflows.apps import engine
 from studio.workflows.deployments import placing, service
 from studio.workflows.deployments.records import LIVE_WORKER_STATUSES
@@ -82,16 +81,6 @@ class PlacementPreviewView(APIView):
                    responses={200: OpenApiTypes.OBJECT, 409: ErrorSerializer, 422: ErrorSerializer,
                               503: ErrorSerializer, **ERRORS})
     def post(self, request: Request) -> Response:
-        body = DeploymentCreateSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        attrs = body.validated_data
-        workflow = get_workflow(request, attrs["workflow"])
-        versions = workflow.versions.all()
-        if "version" in attrs:
-            version = get_object_or_404(versions, number=attrs["version"])
-        else:
-            version = versions.order_by("-number").first()
-            if version is None:
-                raise Conflict(f"workflow {workflow.name!r} has no saved version to deploy")
+        attrs, version = deploy_request(request)
         return Response(service.preview_placement(request.user, version, replicas=attrs.get("replicas"),
                                                   node=attrs.get("node")))
