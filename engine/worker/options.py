@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
+import sys
 import uuid
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
-from engine.worker.process import WorkerConfig
+from engine.worker.process import WorkerConfig, run_role_worker
 
 
 class WorkerOptionError(ValueError):
@@ -133,3 +135,15 @@ def _listening_tcp(fd: int) -> bool:
     with sock:
         return sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6) \
             and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """The worker of parsed options until it stops (its exit status); 1 for options that do not
+    make one, said on standard error. Both entry points end here."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        config = worker_config(args)
+    except WorkerOptionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return run_role_worker(config)
