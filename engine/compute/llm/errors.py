@@ -29,3 +29,7 @@ class SessionBusyError(SessionError):
 
 class HandoffError(LLMError):
     """A prefill handoff does not fit this engine (other model or KV layout) or its pages could not be pulled."""
+
+
+class LLMUnitError(LLMError):
+    """A node call the llm unit cannot run (bad inputs, a failed generation or KV pull)."""

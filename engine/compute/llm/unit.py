@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -55,10 +54,11 @@ from typing import Any
 
 import torch
 
-from engine.compute.encoders.items import PLACEHOLDER_IDS, EncodedItem, SplicedPrompt, splice_prompt
+from engine.compute.encoders.items import PLACEHOLDER_IDS, splice_prompt
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
-from engine.compute.llm.errors import LLMError, RequestError
+from engine.compute.llm.errors import LLMError, LLMUnitError, RequestError
+from engine.compute.llm.media import encoded_items, splice_marked, splice_marked_text
 from engine.compute.llm.sequence import FinishReason, RequestOutput
 from engine.compute.llm.transfer import (
     HolderPageSource,
@@ -97,10 +97,6 @@ _IDLE_WAIT_S = 1.0
 _HOLD_POLL_S = 0.05
 """How often the engine thread looks whether a decode side let go of a handoff."""
 _RELEASE_TIMEOUT_S = 5.0
-
-
-class LLMUnitError(LLMError):
-    """A node call the unit cannot run (bad inputs, a failed generation or KV pull)."""
 
 
 class NodeMode(StrEnum):
@@ -731,88 +727,6 @@ def _after_history(engine: LLMEngine, history: str | list[int], prompt: str | li
         raise RequestError("a request needs a prompt")
     tail = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     return head + tail, tuple(item.shifted(len(head)) for item in items)
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
-
-
-def encoded_items(node_id: str, items: Any, embeds: Any) -> list[EncodedItem]:
-    """The `items` (json: one `{kind, hash, length, hidden}` or a list, e.g. a join of encoder
-    nodes) and `embeds` (a `(rows, hidden)` tensor or a list, aligned with `items`; one tensor
-    for several items holds their rows in order) inputs of an `llm` node as `EncodedItem`s."""
-    descs, tensors = _as_list(items), [t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
-                                       for t in _as_list(embeds)]
-    if not descs and not tensors:
-        return []
-    if not descs or not tensors:
-        raise LLMUnitError(f"node {node_id!r}: the inputs 'items' and 'embeds' go together")
-    for desc in descs:
-        if not isinstance(desc, dict) or desc.get("kind") not in PLACEHOLDER_IDS or "hash" not in desc \
-                or not isinstance(desc.get("length"), int):
-            raise LLMUnitError(f"node {node_id!r}: input 'items': expected encoder items"
-                               f" {{kind, hash, length, hidden}}, got {desc!r}")
-    if len(tensors) == 1 and len(descs) > 1:
-        tensors = list(torch.split(tensors[0], [d["length"] for d in descs]))
-    if len(tensors) != len(descs):
-        raise LLMUnitError(f"node {node_id!r}: {len(descs)} items but {len(tensors)} embeddings tensors")
-    out = []
-    for desc, rows in zip(descs, tensors, strict=True):
-        if rows.ndim != 2 or rows.shape[0] != desc["length"]:
-            raise LLMUnitError(f"node {node_id!r}: a {desc['kind']} item of length {desc['length']} needs"
-                               f" ({desc['length']}, hidden) embeddings, got {tuple(rows.shape)}")
-        out.append(EncodedItem(desc["kind"], str(desc["hash"]), rows.to(torch.float32)))
-    return out
-
-
-_MARKER = re.compile(r"<\|(image|audio)\|>")
-
-
-def splice_marked_text(prompt: str, items: list[EncodedItem], encode: Any) -> SplicedPrompt:
-    """Replace each `<|image|>`/`<|audio|>` marker in the text `prompt` with the next item of its
-    kind (in order), encoding the text between markers on its own; a prompt with no markers gets
-    the items in front of it. Markers are found in the text, not among the token ids, so a model
-    whose tokenizer has no such special tokens (a real one) takes them too."""
-    pieces = _MARKER.split(prompt)  # text, kind, text, kind, ..., text
-    kinds = pieces[1::2]
-    if not kinds:
-        return splice_prompt([*items, prompt], encode)
-    if len(kinds) != len(items):
-        raise ValueError(f"the prompt has {len(kinds)} media markers for {len(items)} items")
-    queues = {kind: [it for it in items if it.kind == kind] for kind in PLACEHOLDER_IDS}
-    parts: list[Any] = [pieces[0]] if pieces[0] else []
-    for kind, text in zip(kinds, pieces[2::2], strict=True):
-        if not queues[kind]:
-            raise ValueError(f"the prompt has more <|{kind}|> markers than {kind} items")
-        parts.append(queues[kind].pop(0))
-        if text:
-            parts.append(text)
-    return splice_prompt(parts, encode)
-
-
-def splice_marked(ids: list[int], items: list[EncodedItem], encode: Any) -> SplicedPrompt:
-    """Replace each `<|image|>`/`<|audio|>` marker in `ids` with the next item of its kind (in
-    order); a prompt with no markers gets the items in front of it."""
-    kinds = {v: k for k, v in PLACEHOLDER_IDS.items()}
-    markers = [i for i, t in enumerate(ids) if t in kinds]
-    if not markers:
-        return splice_prompt([*items, ids], encode)
-    if len(markers) != len(items):
-        raise ValueError(f"the prompt has {len(markers)} media markers for {len(items)} items")
-    queues = {kind: [it for it in items if it.kind == kind] for kind in PLACEHOLDER_IDS}
-    parts: list[Any] = []
-    last = 0
-    for pos in markers:
-        kind = kinds[ids[pos]]
-        if not queues[kind]:
-            raise ValueError(f"the prompt has more <|{kind}|> markers than {kind} items")
-        parts.append(ids[last:pos])
-        parts.append(queues[kind].pop(0))
-        last = pos + 1
-    parts.append(ids[last:])
-    return splice_prompt(parts, encode)
 
 
 __all__ = ["LLMUnit", "LLMUnitError", "NodeMode", "RequestError", "node_mode"]
