@@ -114,7 +114,7 @@ class Lan:
             lan._bridge()
             for i, name in enumerate(names):
                 lan._node(i, name)
-        except BaseException:
+        except BaseException:  # an interrupt too: namespaces half made are deleted, then it goes on
             lan.close()
             raise
         return lan
