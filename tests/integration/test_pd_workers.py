@@ -174,11 +174,18 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
         assert out["kv"]["pulled_pages"] == moved
 
 
+async def idle(deployment: Deployment, role: str) -> bool:
+    return all(s.load.outstanding == 0 for s in await deployment.cluster.registry.workers(role))
+
+
 async def test_kv_aware_routing_sends_a_text_prompt_to_the_worker_holding_its_prefix(deployment: Deployment):
     """What the studio's dispatchers do (`dispatcher_for`): a `kv_aware` role's text prompts are
     tokenized with the role's own tokenizer, so they route by their cached pages too (without a
     tokenizer a text prompt has no page keys and load alone decides: the first worker)."""
     first_id, second_id = deployment.worker_ids("prefill")
+    # A new dispatcher knows other dispatchers' calls only from the workers' heartbeats: wait
+    # until those say the earlier tests' calls ended, or a stale count ties the two workers.
+    await wait_until(lambda: idle(deployment, "prefill"), 10.0, "the prefill workers' heartbeats to report them idle")
     router = KVRouter.for_registry(deployment.cluster.registry, tokenizer=RoleTokenizers())
     dispatcher = WorkerDispatcher(deployment.cluster.registry, deployment.peer, heartbeat_s=HB,
                                   connect_timeout_s=5.0, kv_router=router)
