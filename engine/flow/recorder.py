@@ -1,0 +1,93 @@
+"""What a run tells those who watch it: its events, in order, in one `EventLog`.
+
+A `RunRecorder` stamps each event with the run id, the next sequence number and the server's
+clock, and keeps a node's state (`RunNode.state`) and its state events in step. Node outputs go
+out as previews (`engine.flow.events.preview`); for a run that keeps blobs (a server showing
+every node's images and audio) the byte blob a preview stands for is kept, by the event's
+sequence number, until `take_blob` takes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.flow.events import (
+    EventLog,
+    NodeOutputEvent,
+    NodeProgressEvent,
+    NodeState,
+    NodeStateEvent,
+    RunFinished,
+    RunStarted,
+    RunStatus,
+    is_blob,
+    preview,
+)
+from engine.flow.firing import RunNode
+from engine.flow.plan import Plan
+from engine.spec.calls import RanOn
+
+
+class RunRecorder:
+    def __init__(self, run_id: str, plan: Plan, *, keep_blobs: bool) -> None:
+        self.run_id = run_id
+        self.log = EventLog()
+        self._plan = plan
+        self._keep_blobs = keep_blobs
+        self._blobs: dict[int, Any] = {}
+
+    def started(self) -> None:
+        self.log.append(RunStarted(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),
+                                   workflow=self._plan.name, nodes=list(self._plan.order)))
+
+    def state(self, node: RunNode, state: NodeState, duration_ms: float | None = None,
+              where: RanOn | None = None) -> None:
+        """`node` is now in `state` (where it runs, for a running one)."""
+        node.state = state
+        self.log.append(NodeStateEvent(
+            seq=self.log.next_seq, run_id=self.run_id, time=time.time(), node=node.spec.id, state=state,
+            attempt=node.attempt, iteration=node.fired,
+            error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
+            duration_ms=duration_ms, worker=None if where is None else where.worker,
+            host=None if where is None else where.host))
+
+    def progress(self, node_id: str, fraction: float | None, message: str) -> None:
+        self.log.append(NodeProgressEvent(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),
+                                          node=node_id, progress=fraction, message=message))
+
+    def frame(self, node: RunNode, index: int, frame: dict[str, Any]) -> None:
+        """A streaming node's `index`-th frame."""
+        now = time.time()
+        for port, value in frame.items():
+            self.log.append(NodeOutputEvent(seq=self.log.next_seq, run_id=self.run_id, time=now, node=node.spec.id,
+                                            port=port, value=preview(value), frame=index, iteration=node.fired))
+
+    def outputs(self, node: RunNode, outputs: dict[str, Any]) -> None:
+        """What a node that finished produced (an output node: the value it gives the run, as
+        `value`)."""
+        now = time.time()
+        spec = node.spec
+        for port, value in outputs.items():
+            if self._keep_blobs and spec.kind != "output" and is_blob(value) and self._previewed(spec.id, port):
+                self._blobs[self.log.next_seq] = value
+            self.log.append(NodeOutputEvent(seq=self.log.next_seq, run_id=self.run_id, time=now, node=spec.id,
+                                            port=port, value=preview(value), iteration=node.fired))
+
+    def finished(self, status: RunStatus, outputs: dict[str, Any], error: str | None, failed_node: str | None,
+                 duration_ms: float) -> None:
+        self.log.append(RunFinished(seq=self.log.next_seq, run_id=self.run_id, time=time.time(), status=status,
+                                    outputs={k: preview(v) for k, v in outputs.items()}, error=error,
+                                    failed_node=failed_node, duration_ms=duration_ms))
+
+    def take_blob(self, seq: int) -> Any:
+        """The byte blob a `node_output` event (by its seq) only previews, once, or None."""
+        return self._blobs.pop(seq, None)
+
+    def _previewed(self, node_id: str, port: str) -> bool:
+        """Whether a blob on `port` is kept: not an input's (an upload), nor one that only output
+        nodes take (it becomes the run's output: stored once, as that)."""
+        if self._plan.nodes[node_id].kind == "input":
+            return False
+        targets = [e.spec.target for e in self._plan.out_edges[node_id] if e.spec.source_port == port]
+        return not targets or any(self._plan.nodes[t].kind != "output" for t in targets)
