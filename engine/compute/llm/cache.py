@@ -12,11 +12,18 @@
 A page that fills is hashed (`page_hashes`, continuing the sequence's chain), put into
 the store, locked and inserted into the tree, so requests admitted later reuse it even
 while its sequence still runs.
+
+A prompt whose next pages no tier holds asks its peers (`PageSource`s, e.g. the workers the
+distributed KV index names) for them off the engine thread: the sequence waits in a pulling
+state (`Sequence.pull`, vLLM's waiting-for-remote-KV) while the batch runs on, and takes the
+pages at the first step after they arrived (or computes them, if no peer had them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +35,15 @@ from engine.data.kv.errors import KVPageNotFound, KVTransferError
 from engine.data.kv.keys import PageHash, page_hashes
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.store import KVStore
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPull:
+    """Pages of a prompt being pulled from peers for a sequence: `result()` of `future` is
+    (pages the store now holds from the start of `pages`, of which it held before)."""
+
+    pages: tuple[PageHash, ...]
+    future: Future[tuple[int, int]]
 
 
 class PagedKVCache:
@@ -54,6 +70,9 @@ class PagedKVCache:
         self.peers = list(peers)
         self.pull_timeout_s = pull_timeout_s
         self.pulled_pages = 0
+        self._puller: ThreadPoolExecutor | None = None
+        self._pulls: dict[int, Future[tuple[int, int]]] = {}
+        """The pulls in flight, by id of the sequence waiting for them."""
         self._unindexed = store.config.disk is not None
         """The store may hold pages the tree does not know: those its disk tier recovered."""
 
@@ -62,6 +81,9 @@ class PagedKVCache:
         return len(self._free_tails)
 
     def close(self) -> None:
+        if self._puller is not None:
+            self._puller.shutdown(wait=False, cancel_futures=True)
+            self._puller = None
         if self._listener is not None:
             self.store.remove_listener(self._listener)
             self._listener = None
@@ -72,30 +94,47 @@ class PagedKVCache:
         """Give an admitted `seq` its tail page."""
         seq.tail_slot = self._free_tails.pop()
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Lock the longest cached prefix of `seq`'s key (promoting pages from lower tiers, pulling
-        from peers what no tier holds) and set `num_computed` to it.
+    def match_prefix(self, seq: Sequence) -> bool:
+        """Lock the longest cached prefix of `seq`'s key (promoting pages from lower tiers) and
+        set `num_computed` to it; True when done. False when its next pages are being pulled
+        from peers: ask again at a later step (`pulling` says whether any pull is in flight).
 
         At least the last token is left to compute: its logits give the next token. Done
         just before the sequence's first prefill, so it sees pages that sequences ahead
         of it in the same step have just computed.
         """
-        limit = (len(seq.token_ids) - 1) // self.page_size
-        if self.tree is not None and limit:
-            self._match(seq, limit)
-            chain: list[PageHash] = []
-            if len(seq.pages) < limit and (self._unindexed or self.peers):
-                # The prompt's page keys, hashed once for both searches beyond the tree.
-                chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size,
-                                    extra_keys=seq.extra_keys)
-            if len(seq.pages) < limit and self._unindexed:
-                self._resident(seq, chain)
-            if len(seq.pages) < limit:
-                self.store.record_miss()  # the search for the next page of the prompt found nothing
-                if self.peers:
-                    self._pull(seq, chain)
+        if seq.pull is not None:
+            if not seq.pull.future.done():
+                return False
+            self._take_pulled(seq)
+        else:
+            limit = (len(seq.token_ids) - 1) // self.page_size
+            if self.tree is not None and limit:
+                self._match(seq, limit)
+                chain: list[PageHash] = []
+                if len(seq.pages) < limit and (self._unindexed or self.peers):
+                    # The prompt's page keys, hashed once for both searches beyond the tree.
+                    chain = page_hashes(seq.key_ids[: limit * self.page_size], self.page_size,
+                                        extra_keys=seq.extra_keys)
+                if len(seq.pages) < limit and self._unindexed:
+                    self._resident(seq, chain)
+                if len(seq.pages) < limit:
+                    self.store.record_miss()  # the search for the next page of the prompt found nothing
+                    if self.peers:
+                        self._start_pull(seq, tuple(chain[len(seq.pages):]))
+                        return False
         seq.num_computed = len(seq.pages) * self.page_size
         seq.matched = True
+        return True
+
+    @property
+    def pulling(self) -> bool:
+        return bool(self._pulls)
+
+    def wait_pulls(self, timeout_s: float) -> None:
+        """Block until a pull in flight ends, or `timeout_s` (an engine with nothing else to do)."""
+        if self._pulls:
+            wait(list(self._pulls.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _match(self, seq: Sequence, limit: int) -> None:
         assert self.tree is not None
@@ -121,8 +160,15 @@ class PagedKVCache:
         if run:
             self._take(seq, missing[:run], lookup=True)
 
-    def _pull(self, seq: Sequence, chain: Seq[PageHash]) -> None:
-        missing = chain[len(seq.pages) :]
+    def _start_pull(self, seq: Sequence, missing: tuple[PageHash, ...]) -> None:
+        if self._puller is None:
+            self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull")
+        future = self._puller.submit(self._pull, missing)
+        seq.pull = PendingPull(missing, future)
+        self._pulls[id(seq)] = future
+
+    def _pull(self, missing: Seq[PageHash]) -> tuple[int, int]:
+        """On the pull thread: ask each peer in turn for `missing` until one has some."""
         for peer in self.peers:
             before = resident_run(self.store, missing)
             try:
@@ -130,9 +176,17 @@ class PagedKVCache:
             except KVTransferError:
                 continue  # the source counted the failure; recomputing is always possible
             if got:
-                self.pulled_pages += max(0, got - before)
-                self._take(seq, missing[:got])
-                return
+                return got, before
+        return 0, 0
+
+    def _take_pulled(self, seq: Sequence) -> None:
+        assert seq.pull is not None
+        pull, seq.pull = seq.pull, None
+        self._pulls.pop(id(seq), None)
+        got, before = pull.future.result()
+        if got:
+            self.pulled_pages += max(0, got - before)
+            self._take(seq, pull.pages[:got])
 
     def _adopt(self, seq: Sequence, pages: Seq[PageHash], data: Seq[torch.Tensor]) -> None:
         """Store `pages` as the next full pages of `seq`, lock them and record them in the tree."""
@@ -268,6 +322,9 @@ class PagedKVCache:
     def release(self, seq: Sequence) -> None:
         """Drop every hold of `seq`: page locks, tree lock, tail page. Without a prefix cache its
         pages are freed too (nobody will look them up)."""
+        if seq.pull is not None:  # what it pulls stays in the store, for whoever asks next
+            self._pulls.pop(id(seq), None)
+            seq.pull = None
         pages, seq.pages, seq.slots = seq.pages, [], []
         if pages:
             self.store.unlock(pages)

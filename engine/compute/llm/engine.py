@@ -52,6 +52,9 @@ from engine.data.kv.tier import Capacity
 Prompt = str | Seq[int]
 
 
+_PULL_WAIT_S = 0.01
+"""How long a step with nothing to run but sequences waiting for peers' pages waits for them."""
+
 DISK_SLOTS = 1024
 """The most engines that may share one `disk_path` (see `EngineConfig`)."""
 
@@ -287,6 +290,8 @@ class LLMEngine:
             logits.append(self._decode(decode))
             ready.extend(decode)
         if not ready:
+            if self.cache.pulling:  # all there is waits for peers' pages: wait for one, briefly
+                self.cache.wait_pulls(_PULL_WAIT_S)
             return outputs
         rows = [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids) for seq in ready]
         tokens = self.sampler.sample(torch.cat(logits), rows)
@@ -352,8 +357,11 @@ class LLMEngine:
         return chosen
 
     def _match(self, seq: Sequence, outputs: list[RequestOutput]) -> bool:
+        """Match `seq`'s prompt against the cache; False when it cannot prefill this step (its
+        pages are being pulled from a peer, or it was preempted)."""
         try:
-            self.cache.match_prefix(seq)
+            if not self.cache.match_prefix(seq):
+                return False
         except KVCapacityError as exc:
             self._preempt(seq, outputs, str(exc))
             return False

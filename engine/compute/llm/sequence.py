@@ -12,6 +12,7 @@ from engine.compute.sampling import SamplingParams
 from engine.data.kv.keys import ExtraKeys, PageHash
 
 if TYPE_CHECKING:
+    from engine.compute.llm.cache import PendingPull
     from engine.compute.llm.transfer import KVHandoff, PageSource
     from engine.compute.models.text import IncrementalDetokenizer
 
@@ -91,6 +92,8 @@ class Sequence:
     num_computed: int = 0
     matched: bool = False
     first_match: bool = True
+    pull: PendingPull | None = None
+    """Its prompt's next pages, while peers are asked for them (`PagedKVCache.match_prefix`)."""
     cached_tokens: int = 0
     pages: list[PageHash] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)

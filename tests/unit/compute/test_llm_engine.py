@@ -7,6 +7,7 @@ matter) here; against `transformers` in tests/integration/test_llm_vs_hf.py.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -186,6 +187,65 @@ def test_pages_missing_locally_are_pulled_from_a_peer(make_engine, tiny_llama):
     assert out.cached_tokens == 32 and puller.cache.pulled_pages == 8
     assert puller.store.metrics()["pull.pages"] == 8
     assert out.output_ids == computed.output_ids
+
+
+class GatedSource:
+    """A peer that answers only once `gate` is set (a slow holder across the network)."""
+
+    def __init__(self, store, gate: threading.Event) -> None:
+        self._source = StorePageSource(store)
+        self._gate = gate
+        self.asked = threading.Event()
+
+    def pull(self, store, pages, timeout_s):
+        self.asked.set()
+        assert self._gate.wait(10.0), "the test never opened the gate"
+        return self._source.pull(store, pages, timeout_s)
+
+
+def test_a_prompt_waits_for_a_peers_pages_while_the_batch_runs_on(make_engine):
+    prompt = prompt_ids(14, 33)
+    owner = make_engine()
+    computed = owner.generate([prompt], GREEDY)[0]
+    gate = threading.Event()
+    source = GatedSource(owner.store, gate)
+    engine = make_engine(peers=[source])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    running = engine.add_request(prompt_ids(40, 4), params)
+    engine.step()  # a prompt of one page: nothing to match, nobody asked
+    waiting = engine.add_request(prompt, GREEDY)
+    decoded = 0
+    for _ in range(6):
+        decoded += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == running)
+        assert source.asked.wait(10.0)
+    # Six steps while the peer had not answered: the other request decoded a token each.
+    assert decoded == 6 and engine.cache.pulling
+    gate.set()
+    out = {o.request_id: o for o in engine.run_until_finished([running, waiting])}
+    assert out[waiting].cached_tokens == 32 and engine.cache.pulled_pages == 8
+    assert out[waiting].output_ids == computed.output_ids
+    assert list(out[running].output_ids) == run_alone(make_engine, prompt_ids(40, 4), params)
+    assert not engine.cache.pulling
+
+
+def test_a_request_aborted_while_it_waits_for_pages_ends_and_frees_its_hold(make_engine):
+    owner = make_engine()
+    prompt = prompt_ids(14, 33)
+    owner.generate([prompt], GREEDY)
+    gate = threading.Event()
+    source = GatedSource(owner.store, gate)
+    engine = make_engine(peers=[source])
+    rid = engine.add_request(prompt, GREEDY)
+    engine.step()
+    assert source.asked.wait(10.0) and engine.cache.pulling
+    engine.abort(rid)
+    final = [o for o in engine.step() if o.request_id == rid]
+    assert final and final[0].finished and not engine.cache.pulling
+    gate.set()
+    assert locked(engine) == 0 and not engine.has_unfinished()
+    # What the pull brought stays for the next asker.
+    again = engine.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens == 32
 
 
 def test_without_prefix_cache_nothing_is_reused_or_kept(make_engine):
