@@ -28,29 +28,25 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.errors import (
     HandoffError,
     RequestError,
-    SessionBusyError,
-    SessionNotFoundError,
     UnknownRequestError,
 )
 from engine.compute.llm.forward import DecodeBatch, DecodeBuffer, PagedForward, PrefillChunk
+from engine.compute.llm.handoffs import Handoffs
+from engine.compute.llm.requests import Prompt, SequenceBuilder
 from engine.compute.llm.scheduler import Scheduler
-from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings, Sequence, held_back
-from engine.compute.llm.sessions import Session, SessionInfo
+from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings, Sequence, take_token
+from engine.compute.llm.sessions import SessionInfo, Sessions
 from engine.compute.llm.transfer import KVHandoff, PageSource
 from engine.compute.models.loader import LoadedModel
-from engine.compute.prefix.keys import MultimodalItem, cache_key
-from engine.compute.prefix.radix import Namespace, RadixNode
+from engine.compute.prefix.keys import MultimodalItem
+from engine.compute.prefix.radix import Namespace
 from engine.compute.sampling import Sampler, SamplingParams, SamplingRow
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.errors import DiskTierBusy, KVCapacityError
-from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.policy import EvictionPolicy
 from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.tier import Capacity
-
-Prompt = str | Seq[int]
-
 
 _PULL_WAIT_S = 0.01
 """How long a step with nothing to run but sequences waiting for peers' pages waits for them."""
@@ -85,12 +81,6 @@ def _own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
         except DiskTierBusy:
             continue  # taken between the probe and the store
     raise DiskTierBusy(f"every one of the {DISK_SLOTS} disk slots in {config.disk_path} is held by a live process")
-
-
-@dataclass(slots=True)
-class _Lease:
-    pages: list[PageHash]
-    node: RadixNode | None
 
 
 @dataclass(slots=True)
@@ -134,14 +124,13 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
-        self._sessions: dict[str, Session] = {}
-        self._leases: dict[str, _Lease] = {}
+        self.sessions = Sessions(self.cache, model.model_id, config.session_ttl_s, clock)
+        self.handoffs = Handoffs(self.cache, model.model_id, self.layout)
         self._outbox: list[RequestOutput] = []
         self._decode_buffer: DecodeBuffer | None = None
         self._ids = itertools.count()
         self._eos = frozenset(model.eos_token_ids)
-        self._codec = model.codec
-        self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._builder = SequenceBuilder(model, self.layout, config, self.sessions)
 
     @property
     def model_id(self) -> str:
@@ -150,17 +139,10 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        return self._codec.encode(text)
+        return self._builder.encode(text)
 
     def decode_text(self, token_ids: Seq[int]) -> str:
-        return self._codec.decode(token_ids)
-
-    def _check_ids(self, ids: Seq[int], what: str) -> list[int]:
-        out = [int(t) for t in ids]
-        bad = [t for t in out if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise RequestError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.model.vocab_size})")
-        return out
+        return self._builder.decode(token_ids)
 
     def add_request(
         self,
@@ -187,66 +169,16 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        salt = tenant_salt
-        if handoff is not None:
-            if session_id is not None or prefill_only or prompt is not None:
-                raise RequestError("a handoff request takes no prompt, session or prefill_only")
-            self._check_handoff(handoff)
-            new_ids, key_ids, items, salt = list(handoff.prompt_ids), list(handoff.key_ids), [], handoff.tenant_salt
-        else:
-            if prompt is None:
-                raise RequestError("a request needs a prompt")
-            new_ids = self.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
-            if not new_ids:
-                raise RequestError("the prompt is empty")
-            items = list(mm_items)
-            key_ids = cache_key(new_ids, items)
-        session = None
-        if session_id is not None:
-            session = self._session(session_id)
-            if session.busy:
-                raise SessionBusyError(f"session {session_id!r} already has a turn in flight")
-            offset = len(session.token_ids)
-            items = session.mm_items + [item.shifted(offset) for item in items]
-            new_ids = session.token_ids + new_ids
-            key_ids = session.key_ids + key_ids
-            salt = session.namespace[1]
-        if len(new_ids) + params.max_new_tokens > self._max_positions:
-            raise RequestError(
-                f"prompt of {len(new_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's"
-                f" {self._max_positions} positions"
-            )
-        if not self.config.prefix_cache:
-            salt = f"{salt or ''}|nocache:{request_id}"
-        seq = Sequence(
-            request_id=request_id,
-            prompt_len=len(new_ids),
-            token_ids=new_ids,
-            key_ids=key_ids,
-            params=params,
-            namespace=(self.model_id, salt),
-            mm_items=tuple(items),
-            session_id=session_id,
-            prefill_only=prefill_only,
-            stream_text=stream_text,
-            handoff=handoff,
-            source=source,
-            arrival=self.clock(),
-            detokenizer=self._codec.detokenizer() if stream_text or params.stop else None,
-        )
+        seq, session = self._builder.build(
+            request_id, prompt, params, arrival=self.clock(), session_id=session_id, tenant_salt=tenant_salt,
+            mm_items=mm_items, prefill_only=prefill_only, handoff=handoff, source=source, stream_text=stream_text)
         if session is not None:
             session.busy = True
             session.last_used = seq.arrival
         self._requests[request_id] = seq
         self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(new_ids)
+        self.stats.prompt_tokens += seq.prompt_len
         return request_id
-
-    def _check_handoff(self, handoff: KVHandoff) -> None:
-        if handoff.model_id != self.model_id:
-            raise HandoffError(f"handoff of model {handoff.model_id!r} given to an engine of {self.model_id!r}")
-        if handoff.layout != self.layout.to_dict():
-            raise HandoffError(f"handoff KV layout {handoff.layout} is not this engine's {self.layout.to_dict()}")
 
     def abort(self, request_id: str) -> None:
         """End a request now; its final output (reason `abort`) comes with the next step."""
@@ -260,7 +192,7 @@ class LLMEngine:
         return request_id in self._requests
 
     def has_session(self, session_id: str) -> bool:
-        return session_id in self._sessions
+        return session_id in self.sessions
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._outbox)
@@ -302,7 +234,8 @@ class LLMEngine:
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
         while True:
-            seq = self.scheduler.next_admissible(self.cache.free_tail_slots, self._pinned_pages())
+            pinned = self.sessions.pinned_pages + self.handoffs.pinned_pages
+            seq = self.scheduler.next_admissible(self.cache.free_tail_slots, pinned)
             if seq is None:
                 return
             self.scheduler.start(seq)
@@ -365,7 +298,7 @@ class LLMEngine:
         except KVCapacityError as exc:
             self._preempt(seq, outputs, str(exc))
             return False
-        self._restore_session_tail(seq)
+        self.sessions.restore_tail(seq, self.config.page_size)
         if seq.first_match:
             seq.first_match = False
             seq.cached_tokens = seq.num_computed
@@ -431,46 +364,14 @@ class LLMEngine:
             return False
 
     def _append(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> None:
-        now = self.clock()
-        seq.token_ids.append(token)
-        seq.key_ids.append(token)
-        self.stats.generated_tokens += 1
         if seq.first_token_at is None:
-            seq.first_token_at = now
-        params = seq.params
-        reason: FinishReason | None = None
-        stop_reason: int | str | None = None
-        if not params.ignore_eos and token in self._eos:
-            reason, stop_reason = FinishReason.STOP, token
-        elif token in params.stop_token_ids:
-            reason, stop_reason = FinishReason.STOP, token
-        delta = ""
-        detok = seq.detokenizer
-        if detok is not None:
-            seq.text += detok.step(seq.output_ids)
-        if reason is None and seq.num_output >= params.max_new_tokens:
-            reason = FinishReason.LENGTH
-        if reason is None and seq.prefill_only:
-            reason = FinishReason.PREFILLED
-        if detok is not None and reason is not None:
-            seq.text += detok.flush(seq.output_ids)
-        if params.stop and stop_reason is None:  # neither EOS nor a stop token ended it
-            window = max(0, seq.emitted_chars - max(len(s) for s in params.stop))
-            hits = [(seq.text.find(s, window), s) for s in params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
-                seq.text = seq.text[:index]
-                reason, stop_reason = FinishReason.STOP, stop
-        if detok is not None:
-            visible = len(seq.text) if reason is not None else len(seq.text) - held_back(seq.text, params.stop)
-            if visible > seq.emitted_chars:
-                delta = seq.text[seq.emitted_chars : visible]
-                seq.emitted_chars = visible
-        if reason is None:
-            outputs.append(RequestOutput(seq.request_id, (token,), delta, session_id=seq.session_id))
+            seq.first_token_at = self.clock()
+        self.stats.generated_tokens += 1
+        taken = take_token(seq, token, self._eos)
+        if taken.reason is None:
+            outputs.append(RequestOutput(seq.request_id, (token,), taken.delta, session_id=seq.session_id))
             return
-        self._finish(seq, reason, stop_reason, outputs, last=(token,), delta=delta)
+        self._finish(seq, taken.reason, taken.stop_reason, outputs, last=(token,), delta=taken.delta)
 
     def _finish(
         self,
@@ -485,10 +386,9 @@ class LLMEngine:
     ) -> None:
         now = self.clock()
         handoff = None
-        if seq.session_id is not None and seq.session_id in self._sessions:
-            self._end_turn(seq, reason, now)
+        self.sessions.end_turn(seq, reason, now, self.config.prefix_cache)
         if reason is FinishReason.PREFILLED:
-            handoff = self._make_handoff(seq)
+            handoff = self.handoffs.make(seq)
         if seq.detokenizer is None:
             seq.text = self.decode_text(seq.output_ids)
         kv_pages = tuple(seq.pages) if self.config.prefix_cache else ()
@@ -551,107 +451,26 @@ class LLMEngine:
                      ttl_s: float | None = None, turns: int = 0) -> str:
         """Open a session (`turns`: how many turns it holds already, when its first turn here
         brings the history of turns served elsewhere)."""
-        session_id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        if session_id in self._sessions:
-            raise RequestError(f"session {session_id!r} is already open")
-        self._sessions[session_id] = Session(
-            session_id=session_id,
-            namespace=(self.model_id, tenant_salt),
-            ttl_s=ttl_s if ttl_s is not None else self.config.session_ttl_s,
-            last_used=self.clock(),
-            turns=turns,
-        )
-        return session_id
-
-    def _session(self, session_id: str) -> Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFoundError(session_id) from None
+        return self.sessions.open(session_id, tenant_salt, ttl_s, turns)
 
     def session_info(self, session_id: str) -> SessionInfo:
-        return SessionInfo.of(self._session(session_id))
+        return SessionInfo.of(self.sessions.get(session_id))
 
     def session_history(self, session_id: str) -> list[int]:
-        return list(self._session(session_id).token_ids)
+        return list(self.sessions.get(session_id).token_ids)
 
     def close_session(self, session_id: str) -> None:
-        session = self._session(session_id)
-        if session.busy:
-            raise SessionBusyError(f"session {session_id!r} has a turn in flight; abort it first")
-        self._unpin_session(session)
-        del self._sessions[session_id]
-
-    def _unpin_session(self, session: Session) -> None:
-        if session.pinned:
-            self.cache.unpin(session.pages, session.node)
-        session.pinned = False
-        session.tail = None
+        self.sessions.close(session_id)
 
     def expire_sessions(self, now: float | None = None) -> list[str]:
         """Unpin sessions idle for longer than their TTL; returns their ids."""
-        now = self.clock() if now is None else now
-        expired = [s for s in self._sessions.values() if s.idle_expired(now)]
-        for session in expired:
-            self._unpin_session(session)
-        return [s.session_id for s in expired]
-
-    def _restore_session_tail(self, seq: Sequence) -> None:
-        if seq.session_id is None:
-            return
-        session = self._sessions.get(seq.session_id)
-        if session is None or not session.pinned or session.tail is None or seq.pages != session.pages:
-            return
-        tokens = session.kv_len - len(session.pages) * self.config.page_size
-        if 0 < tokens and session.kv_len < len(seq.token_ids):
-            self.cache.restore_tail(seq, session.tail, tokens)
-
-    def _end_turn(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        session = self._sessions[seq.session_id]  # type: ignore[index]
-        session.busy = False
-        session.last_used = now
-        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            return  # an aborted or failed turn leaves the history as it was
-        if self.config.prefix_cache and seq.tail_slot is not None:
-            self.cache.pin(seq.pages, seq.node)
-            tail = self.cache.copy_tail(seq)
-            self._unpin_session(session)
-            session.pages, session.node, session.tail, session.pinned = list(seq.pages), seq.node, tail, True
-            session.kv_len = seq.num_computed
-        session.token_ids = list(seq.token_ids)
-        session.key_ids = list(seq.key_ids)
-        session.mm_items = list(seq.mm_items)
-        session.turns += 1
-
-    def _pinned_pages(self) -> int:
-        sessions = sum(len(s.pages) for s in self._sessions.values() if s.pinned)
-        return sessions + sum(len(lease.pages) for lease in self._leases.values())
+        return self.sessions.expire(now)
 
     # -- prefill/decode handoff -------------------------------------------------------------------------
 
-    def _make_handoff(self, seq: Sequence) -> KVHandoff:
-        self.cache.pin(seq.pages, seq.node)
-        self._leases[seq.request_id] = _Lease(list(seq.pages), seq.node)
-        tail_len = self.cache.tail_len(seq)
-        return KVHandoff(
-            handoff_id=seq.request_id,
-            model_id=self.model_id,
-            layout=self.layout.to_dict(),
-            tenant_salt=seq.namespace[1],
-            prompt_ids=tuple(seq.prompt_ids),
-            key_ids=tuple(seq.key_ids[: seq.prompt_len]),
-            page_hashes=tuple(seq.pages),
-            tail_len=tail_len,
-            tail=self.cache.copy_tail(seq),
-            first_token=seq.output_ids[0],
-        )
-
     def release_handoff(self, handoff_id: str) -> None:
         """The decode side has the pages: drop the hold the handoff kept on them."""
-        lease = self._leases.pop(handoff_id, None)
-        if lease is None:
-            raise UnknownRequestError(handoff_id)
-        self.cache.unpin(lease.pages, lease.node)
+        self.handoffs.release(handoff_id)
 
     # -- metrics and shutdown -------------------------------------------------------------------------------
 
@@ -667,7 +486,7 @@ class LLMEngine:
             "llm.preemptions": s.preemptions,
             "llm.running": len(self.scheduler.running),
             "llm.waiting": len(self.scheduler.waiting),
-            "llm.sessions": len(self._sessions),
+            "llm.sessions": len(self.sessions),
             "llm.pulled_pages": self.cache.pulled_pages,
         }
         out.update(self.store.metrics())
@@ -677,10 +496,8 @@ class LLMEngine:
         for request_id in list(self._requests):
             self.abort(request_id)
         self._outbox.clear()
-        for session_id in list(self._sessions):
-            self.close_session(session_id)
-        for handoff_id in list(self._leases):
-            self.release_handoff(handoff_id)
+        self.sessions.close_all()
+        self.handoffs.release_all()
         self.cache.close()
         if self._own_store:
             self.store.close()

@@ -141,6 +141,55 @@ class Sequence:
         return rows
 
 
+@dataclass(frozen=True, slots=True)
+class TokenTaken:
+    """What a sampled token did to its sequence: why the sequence ends now (None: it goes on),
+    the EOS/stop token or stop string that ended it, and the text it made visible."""
+
+    reason: FinishReason | None
+    stop_reason: int | str | None
+    delta: str
+
+
+def take_token(seq: Sequence, token: int, eos: frozenset[int]) -> TokenTaken:
+    """Append the sampled `token` to `seq`: its text (where detokenized), and whether it ends
+    the sequence (EOS, a stop token or string, `max_new_tokens`, or a prefill-only request's
+    first token). A stop string is cut from the text; a suffix that may begin one is held back."""
+    seq.token_ids.append(token)
+    seq.key_ids.append(token)
+    params = seq.params
+    reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    if not params.ignore_eos and token in eos:
+        reason, stop_reason = FinishReason.STOP, token
+    elif token in params.stop_token_ids:
+        reason, stop_reason = FinishReason.STOP, token
+    delta = ""
+    detok = seq.detokenizer
+    if detok is not None:
+        seq.text += detok.step(seq.output_ids)
+    if reason is None and seq.num_output >= params.max_new_tokens:
+        reason = FinishReason.LENGTH
+    if reason is None and seq.prefill_only:
+        reason = FinishReason.PREFILLED
+    if detok is not None and reason is not None:
+        seq.text += detok.flush(seq.output_ids)
+    if params.stop and stop_reason is None:  # neither EOS nor a stop token ended it
+        window = max(0, seq.emitted_chars - max(len(s) for s in params.stop))
+        hits = [(seq.text.find(s, window), s) for s in params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            index, stop = min(hits)
+            seq.text = seq.text[:index]
+            reason, stop_reason = FinishReason.STOP, stop
+    if detok is not None:
+        visible = len(seq.text) if reason is not None else len(seq.text) - held_back(seq.text, params.stop)
+        if visible > seq.emitted_chars:
+            delta = seq.text[seq.emitted_chars : visible]
+            seq.emitted_chars = visible
+    return TokenTaken(reason, stop_reason, delta)
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many trailing characters of `text` to hold back from a stream: a suffix that may be
     the start of a stop string. (`text` never ends in an incomplete character: the sequence's

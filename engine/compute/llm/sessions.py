@@ -11,13 +11,21 @@ whatever is left of its prefix.
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.compute.llm.errors import RequestError, SessionBusyError, SessionNotFoundError
+from engine.compute.llm.sequence import FinishReason, Sequence
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.prefix.radix import Namespace, RadixNode
 from engine.data.kv.keys import PageHash
+
+if TYPE_CHECKING:
+    from engine.compute.llm.cache import PagedKVCache
 
 
 @dataclass(slots=True, eq=False)
@@ -65,3 +73,107 @@ class SessionInfo:
             pinned=session.pinned,
             busy=session.busy,
         )
+
+
+class Sessions:
+    """An engine's open sessions, and the KV each pins between turns in `cache` (full pages
+    and the tree node over them; the partial last page as a copy). Owned by the engine thread."""
+
+    def __init__(self, cache: PagedKVCache, model_id: str, ttl_s: float, clock: Callable[[], float]) -> None:
+        self._cache = cache
+        self._model_id = model_id
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._open: dict[str, Session] = {}
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._open
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(self, session_id: str | None, tenant_salt: str | None, ttl_s: float | None, turns: int) -> str:
+        session_id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        if session_id in self._open:
+            raise RequestError(f"session {session_id!r} is already open")
+        self._open[session_id] = Session(
+            session_id=session_id,
+            namespace=(self._model_id, tenant_salt),
+            ttl_s=ttl_s if ttl_s is not None else self._ttl_s,
+            last_used=self._clock(),
+            turns=turns,
+        )
+        return session_id
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self._open[session_id]
+        except KeyError:
+            raise SessionNotFoundError(session_id) from None
+
+    def for_turn(self, session_id: str) -> Session:
+        """The session a new turn goes to; SessionBusyError while its last turn runs."""
+        session = self.get(session_id)
+        if session.busy:
+            raise SessionBusyError(f"session {session_id!r} already has a turn in flight")
+        return session
+
+    def close(self, session_id: str) -> None:
+        session = self.get(session_id)
+        if session.busy:
+            raise SessionBusyError(f"session {session_id!r} has a turn in flight; abort it first")
+        self._unpin(session)
+        del self._open[session_id]
+
+    def close_all(self) -> None:
+        for session_id in list(self._open):
+            self.close(session_id)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Unpin sessions idle for longer than their TTL; returns their ids."""
+        now = self._clock() if now is None else now
+        expired = [s for s in self._open.values() if s.idle_expired(now)]
+        for session in expired:
+            self._unpin(session)
+        return [s.session_id for s in expired]
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(len(s.pages) for s in self._open.values() if s.pinned)
+
+    def restore_tail(self, seq: Sequence, page_size: int) -> None:
+        """A turn that matched exactly its session's pinned pages gets the pinned partial last
+        page back, so it computes only its new tokens."""
+        session = self._open.get(seq.session_id) if seq.session_id is not None else None
+        if session is None or not session.pinned or session.tail is None or seq.pages != session.pages:
+            return
+        tokens = session.kv_len - len(session.pages) * page_size
+        if 0 < tokens and session.kv_len < len(seq.token_ids):
+            self._cache.restore_tail(seq, session.tail, tokens)
+
+    def end_turn(self, seq: Sequence, reason: FinishReason, now: float, prefix_cache: bool) -> None:
+        """`seq`, a turn of an open session, ended: a finished turn becomes the session's history
+        (and its KV is pinned in place of the last turn's); an aborted or failed one leaves it."""
+        session = self._open.get(seq.session_id) if seq.session_id is not None else None
+        if session is None:
+            return
+        session.busy = False
+        session.last_used = now
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        if prefix_cache and seq.tail_slot is not None:
+            self._cache.pin(seq.pages, seq.node)
+            tail = self._cache.copy_tail(seq)
+            self._unpin(session)
+            session.pages, session.node, session.tail, session.pinned = list(seq.pages), seq.node, tail, True
+            session.kv_len = seq.num_computed
+        session.token_ids = list(seq.token_ids)
+        session.key_ids = list(seq.key_ids)
+        session.mm_items = list(seq.mm_items)
+        session.turns += 1
+
+    def _unpin(self, session: Session) -> None:
+        if session.pinned:
+            self._cache.unpin(session.pages, session.node)
+        session.pinned = False
+        session.tail = None
