@@ -34,7 +34,7 @@ from engine.compute.llm.forward import DecodeBatch, DecodeBuffer, PagedForward, 
 from engine.compute.llm.handoffs import Handoffs
 from engine.compute.llm.requests import Prompt, SequenceBuilder
 from engine.compute.llm.scheduler import Scheduler
-from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings, Sequence, take_token
+from engine.compute.llm.sequence import FinishReason, RequestOutput, Sequence, take_token
 from engine.compute.llm.sessions import SessionInfo, Sessions
 from engine.compute.llm.transfer import KVHandoff, PageSource
 from engine.compute.models.loader import LoadedModel
@@ -104,7 +104,10 @@ class LLMEngine:
         store: KVStore | None = None,
         peers: Seq[PageSource] = (),
         clock: Callable[[], float] = time.monotonic,
+        make_cache: Callable[[KVStore, KVLayout], PagedKVCache] | None = None,
     ) -> None:
+        """`make_cache`: the page bookkeeping over the store (default: a `PagedKVCache` with
+        `peers`; a tensor-parallel rank's agrees its prefix hits with the group)."""
         self.model = model
         self.config = config = config or EngineConfig()
         self.clock = clock
@@ -118,7 +121,10 @@ class LLMEngine:
             raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         self.store = store
         self.forward = PagedForward(model.model, self.layout)
-        self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)
+        if make_cache is None:
+            self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)
+        else:
+            self.cache = make_cache(store, self.layout)
         capacity = int(store.metrics()["device.capacity_pages"])
         self.scheduler = Scheduler(config.page_size, config.max_running, config.max_prefill_tokens, capacity)
         self.sampler = Sampler(config.seed)
@@ -313,19 +319,10 @@ class LLMEngine:
         next decode step's (see `PagedForward.prefill_batch`)."""
         if not planned:
             return []
-        chunks, wants, counts = [], [], []
-        for seq, budget in planned:
-            tokens = min(budget, seq.pending)
-            start = seq.num_computed
-            chunks.append(PrefillChunk(
-                token_ids=seq.token_ids[start : start + tokens],
-                start=start,
-                prefix_slots=seq.slots,
-                tail=self.cache.tail(seq),
-                embeds=seq.embeds_in(start, start + tokens),
-            ))
-            wants.append(tokens == seq.pending)
-            counts.append(tokens)
+        seqs = [seq for seq, _ in planned]
+        counts = [min(budget, seq.pending) for seq, budget in planned]
+        chunks = [_prefill_chunk(seq, n, self.cache.tail(seq)) for seq, n in zip(seqs, counts, strict=True)]
+        wants = [n == seq.pending for seq, n in zip(seqs, counts, strict=True)]
         key = planned[0][0].request_id if hand_over and len(planned) == 1 else None
         output = self.forward.prefill_batch(chunks, self.store.device_pool, wants, decode_key=key)
         ready = []
@@ -340,15 +337,8 @@ class LLMEngine:
         return ready
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
-        decode = DecodeBatch(
-            token_ids=[seq.token_ids[seq.num_computed] for seq in batch],
-            positions=[seq.num_computed for seq in batch],
-            page_slots=[seq.slots for seq in batch],
-            tail_slots=[seq.tail_slot for seq in batch],  # type: ignore[misc]
-            keys=[seq.request_id for seq in batch],
-        )
         logits, self._decode_buffer = self.forward.decode(
-            decode, self.store.device_pool, self.cache.tails, self._decode_buffer
+            _decode_batch(batch), self.store.device_pool, self.cache.tails, self._decode_buffer
         )
         for seq in batch:
             self._grow(seq, self._outbox, lambda s=seq: self.cache.commit_decoded(s))
@@ -395,27 +385,8 @@ class LLMEngine:
         self.cache.release(seq)
         self.scheduler.remove(seq)
         self._requests.pop(seq.request_id, None)
-        admitted = seq.admitted if seq.admitted is not None else now
-        first = seq.first_token_at if seq.first_token_at is not None else now
-        outputs.append(
-            RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=last,
-                text_delta=delta,
-                finished=True,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-                output_ids=tuple(seq.output_ids),
-                text=seq.text,
-                prompt_tokens=seq.prompt_len,
-                cached_tokens=seq.cached_tokens,
-                timings=RequestTimings(admitted - seq.arrival, first - seq.arrival, now - seq.arrival),
-                handoff=handoff,
-                error=error,
-                session_id=seq.session_id,
-                kv_pages=kv_pages,
-            )
-        )
+        outputs.append(seq.final_output(reason, stop_reason, now, last=last, delta=delta, handoff=handoff,
+                                        error=error, kv_pages=kv_pages))
 
     # -- driving helpers ---------------------------------------------------------------------------
 
@@ -501,3 +472,21 @@ class LLMEngine:
         self.cache.close()
         if self._own_store:
             self.store.close()
+
+
+def _prefill_chunk(seq: Sequence, tokens: int, tail: torch.Tensor | None) -> PrefillChunk:
+    """The next `tokens` of `seq`'s prompt to compute, over its cached pages and `tail`."""
+    start = seq.num_computed
+    return PrefillChunk(token_ids=seq.token_ids[start : start + tokens], start=start, prefix_slots=seq.slots,
+                        tail=tail, embeds=seq.embeds_in(start, start + tokens))
+
+
+def _decode_batch(batch: Seq[Sequence]) -> DecodeBatch:
+    """One token of each of `batch`: the last one sampled, whose K/V go into its tail page."""
+    return DecodeBatch(
+        token_ids=[seq.token_ids[seq.num_computed] for seq in batch],
+        positions=[seq.num_computed for seq in batch],
+        page_slots=[seq.slots for seq in batch],
+        tail_slots=[seq.tail_slot for seq in batch],  # type: ignore[misc]
+        keys=[seq.request_id for seq in batch],
+    )

@@ -130,6 +130,31 @@ class Sequence:
     def extra_keys(self) -> ExtraKeys:
         return ExtraKeys(model_id=self.namespace[0], tenant_salt=self.namespace[1])
 
+    def final_output(self, reason: FinishReason, stop_reason: int | str | None, now: float, *,
+                     last: tuple[int, ...], delta: str, handoff: KVHandoff | None, error: str | None,
+                     kv_pages: tuple[PageHash, ...]) -> RequestOutput:
+        """Its last output, as it ends at `now` for `reason` (`last`: the tokens and `delta` the
+        text that come with it)."""
+        admitted = self.admitted if self.admitted is not None else now
+        first = self.first_token_at if self.first_token_at is not None else now
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=last,
+            text_delta=delta,
+            finished=True,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            output_ids=tuple(self.output_ids),
+            text=self.text,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached_tokens,
+            timings=RequestTimings(admitted - self.arrival, first - self.arrival, now - self.arrival),
+            handoff=handoff,
+            error=error,
+            session_id=self.session_id,
+            kv_pages=kv_pages,
+        )
+
     def embeds_in(self, start: int, end: int) -> list[tuple[int, object]]:
         """Rows of item embeddings overlapping positions `[start, end)`, relative to `start`."""
         rows = []

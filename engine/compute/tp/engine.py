@@ -38,7 +38,9 @@ class AgreedPrefixCache(PagedKVCache):
         match = self.tree.match(seq.key_ids, seq.namespace, max_pages=limit)
         return sum(1 for _ in _resident_prefix(self, match.pages))
 
-    def match_prefix(self, seq: Sequence) -> None:
+    def match_prefix(self, seq: Sequence) -> bool:
+        """As `PagedKVCache.match_prefix`, never pulling from peers (a TP group has none), so
+        always done at once."""
         limit = (len(seq.token_ids) - 1) // self.page_size
         agreed = self.group.min_int(self._local_hit(seq, limit))
         while True:
@@ -52,6 +54,7 @@ class AgreedPrefixCache(PagedKVCache):
             agreed = got
         seq.num_computed = len(seq.pages) * self.page_size
         seq.matched = True
+        return True
 
     def _drop_match(self, seq: Sequence) -> None:
         pages, seq.pages, seq.slots = seq.pages, [], []
@@ -79,8 +82,7 @@ class TPEngine(LLMEngine):
             # Each rank's pages hold its own heads under the whole model's page keys: a rank
             # must never take over another rank's disk slot.
             config = dataclasses.replace(config, disk_path=str(Path(config.disk_path) / f"rank-{group.rank}"))
-        super().__init__(shard, config, **kwargs)
         self.group = group
-        self.cache.close()
-        cfg = self.config
-        self.cache = AgreedPrefixCache(self.store, self.layout, cfg.max_running, cfg.prefix_cache, group=group)
+        cfg = config or EngineConfig()
+        super().__init__(shard, cfg, make_cache=lambda store, layout: AgreedPrefixCache(
+            store, layout, cfg.max_running, cfg.prefix_cache, group=group), **kwargs)
