@@ -3,19 +3,19 @@ engine kwargs and sampling params checked against the installed SGLang's own typ
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
 from sglang.srt.server_args import ServerArgs
 
+from engine.bench import sglang as sglang_bench
 from engine.compute.sglang import runner
 from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
@@ -100,32 +100,35 @@ def test_calls_it_cannot_serve_fail_clearly() -> None:
             runner.prompt_of(bad)
 
 
-def bench_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sglang_engine_bench", ROOT / "bench" / "sglang_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sglang_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
-def test_bench_arguments_and_cpu_exit(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = bench_module()
-    args = bench.parse_args(["--prompts", "3", "--prompt-tokens", "64", "--shared-prefix", "32"])
+def test_bench_arguments_and_cpu_exit() -> None:
+    args = bench_args("--prompts", "3", "--prompt-tokens", "64", "--shared-prefix", "32")
     assert (args.prompts, args.prompt_tokens, args.shared_prefix, args.timeout_s) == (3, 64, 32, 450.0)
     assert args.timeout_s < 8 * 60
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--shared-prefix", "600", "--prompt-tokens", "512"])
-    assert bench.main(["--prompts", "2"]) == bench.EXIT_NO_GPU
-    assert "needs a GPU" in capsys.readouterr().err
-    prompts = bench.make_prompts(3, 64, 32, 512, seed=1)
+    with pytest.raises(SystemExit, match="--shared-prefix must be between"):
+        sglang_bench.check_arguments(bench_args("--shared-prefix", "600", "--prompt-tokens", "512"))
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        sglang_bench.run(bench_args("--prompts", "2"))
+    prompts = sglang_bench.make_prompts(3, 64, 32, 512, seed=1)
     assert len({tuple(p[:32]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == 3
     assert all(len(p) == 64 and 3 <= min(p) and max(p) < 512 for p in prompts)
+
+
+def test_bench_is_listed_by_the_command_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "sglang", "--prompts", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0 and "needs a GPU" in out.stderr, out.stderr
 
 
 def test_bench_seeded_checkpoint_reads_as_sglang_model(tmp_path: Path) -> None:
     from sglang.srt.configs.model_config import ModelConfig
 
-    directory = bench_module().build_seeded_checkpoint(tmp_path / "seeded", seed=0)
+    directory = sglang_bench.build_seeded_checkpoint(tmp_path / "seeded", seed=0)
     config = ModelConfig(str(directory))
     assert (config.num_attention_heads, config.head_dim, config.get_num_kv_heads(1)) == (8, 64, 4)
     assert config.dtype == torch.bfloat16

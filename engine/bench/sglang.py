@@ -1,18 +1,18 @@
-"""The SGLang role runner on a GPU machine: throughput, and prompts served again from the HiCache.
+"""The SGLang role runner on a GPU: throughput, and prompts served again from our HiCache tier.
 
-    python bench/sglang_engine.py                      # a seeded model written to a temp dir
-    python bench/sglang_engine.py --model /models/x    # a local checkpoint (never downloaded)
+    omniflow bench sglang --json                   # a seeded model written to a temp dir
+    omniflow bench sglang --model /models/x        # a local checkpoint (never downloaded)
 
 Builds (or loads) a model, starts `engine.compute.sglang.runner.SGLangLLMUnit` (`sglang.Engine`
-with our HiCache backend as its storage tier), runs the prompts, drops the device cache, runs
-the same prompts again, and prints one JSON line per round: tokens/s and the share of prompt
-tokens served from cache (`hit_rate`), split into device, host and storage (our backend).
-The seeded model is a 4-layer Llama (head dim 64) over token-id prompts
-(`skip_tokenizer_init`): no tokenizer, nothing fetched. A watchdog ends the run after
-`--timeout-s` (default 450 s, inside the 8 minutes the bench is allowed).
+with our HiCache backend as its storage tier), runs the prompts (the anchor: a cold round),
+drops the device cache, runs the same prompts again, and reports both rounds: tokens/s and the
+share of prompt tokens served from cache (`hit_rate`), split into device, host and storage
+(our backend), and `again_vs_cold` (tokens/s of the second round over the first). The seeded
+model is a 4-layer Llama (head dim 64) over token-id prompts (`skip_tokenizer_init`): no
+tokenizer, nothing fetched. A watchdog ends the run after `--timeout-s` (default 450 s).
 
-Needs a CUDA GPU and a complete SGLang 0.5.23 install (its CUDA kernels); on any other
-machine it exits with status 2 and says so.
+Needs a CUDA GPU and a complete SGLang install (its CUDA kernels); on any other machine it
+stops at once, saying so.
 """
 
 from __future__ import annotations
@@ -22,20 +22,17 @@ import asyncio
 import faulthandler
 import json
 import random
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-EXIT_NO_GPU = 2
 SEEDED_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="a local checkpoint directory (default: a seeded model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the seeded model and of the prompts")
     parser.add_argument("--device", default="cuda", help="cuda or cuda:N")
@@ -47,15 +44,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mem-fraction", type=float, default=0.3, help="mem_fraction_static of the engine")
     parser.add_argument("--attention-backend", help="SGLang attention backend (default: SGLang's choice)")
     parser.add_argument("--timeout-s", type=float, default=450.0, help="watchdog: the whole run, seconds")
-    args = parser.parse_args(argv)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """SystemExit naming the first option out of range."""
     if not 0 <= args.shared_prefix <= args.prompt_tokens:
-        parser.error("--shared-prefix must be between 0 and --prompt-tokens")
+        raise SystemExit("omniflow bench sglang: --shared-prefix must be between 0 and --prompt-tokens")
     for name in ("prompts", "prompt_tokens", "max_new_tokens", "page_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            raise SystemExit(f"omniflow bench sglang: --{name.replace('_', '-')} must be at least 1")
     if args.model is not None and not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model} is not a checkpoint directory (no config.json)")
-    return args
+        raise SystemExit(f"omniflow bench sglang: --model {args.model} is not a checkpoint directory (no config.json)")
 
 
 def build_seeded_checkpoint(directory: Path, seed: int) -> Path:
@@ -115,7 +114,7 @@ async def run_round(unit: Any, name: str, prompts: list[list[int]], max_new_toke
                        cached, round(cached / prompt_tokens, 4), detail["device"], detail["host"], detail["storage"])
 
 
-async def bench(args: argparse.Namespace, model_dir: Path) -> list[RoundResult]:
+async def bench(args: argparse.Namespace, model_dir: Path) -> tuple[RoundResult, RoundResult]:
     from engine.compute.sglang.runner import SGLangLLMUnit
     from engine.spec.graph import RoleSpec
 
@@ -138,33 +137,28 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> list[RoundResult]:
             raise RuntimeError("SGLang refused to flush its cache: requests still running")
         second = await run_round(unit, "again", prompts, args.max_new_tokens)
         print(json.dumps(asdict(second)), flush=True)
-        return [first, second]
+        return first, second
     finally:
         await unit.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.compute.sglang.runner import GPURequired, require_gpu
 
-    args = parse_args(argv)
+    check_arguments(args)
     try:
         require_gpu(args.device)
     except GPURequired as exc:
-        print(f"sglang_engine: {exc}", file=sys.stderr)
-        return EXIT_NO_GPU
+        raise SystemExit(f"omniflow bench sglang: {exc}") from None
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
     try:
         with tempfile.TemporaryDirectory(prefix="omniflow-sglang-bench-") as tmp:
             model_dir = args.model or build_seeded_checkpoint(Path(tmp) / "seeded-llama", args.seed)
-            rounds = asyncio.run(bench(args, model_dir))
+            cold, again = asyncio.run(bench(args, model_dir))
     finally:
         faulthandler.cancel_dump_traceback_later()
-    cold, again = rounds
-    print(f"tokens/s: {cold.tokens_per_s} cold, {again.tokens_per_s} again; "
-          f"hit rate again: {again.hit_rate:.1%} (storage {again.storage_hits} of {again.prompt_tokens} tokens)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: import `engine`
-    sys.exit(main())
+    result: dict[str, Any] = {}
+    for round_ in (cold, again):
+        result.update({f"{round_.name}_{key}": value for key, value in asdict(round_).items() if key != "name"})
+    result["again_vs_cold"] = round(again.tokens_per_s / cold.tokens_per_s, 3)
+    return result
