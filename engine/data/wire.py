@@ -43,7 +43,9 @@ from typing import NewType
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+from engine.spec.calls import CallHeader
+
+PROTOCOL_VERSION = 4
 
 RefId = NewType("RefId", str)
 
@@ -344,26 +346,17 @@ class PortValue(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Run one node execution of `role` on this worker."""
+    """Run one node execution of `role` on this worker: the call's header as it is
+    (`engine.spec.calls.CallHeader`, its tenant included: the worker's unit namespaces its caches
+    by it) and its input values as `PortValue`s."""
 
     request_id: int
     role: str
-    run_id: str
-    node_id: str
-    op: str | None
-    params: dict[str, object]
+    call: CallHeader
     inputs: dict[str, PortValue]
-    output_ports: tuple[str, ...]
-    stream: bool
-    router: bool
-    iteration: int
-    attempt: int
     window: int = 0
     """Stream frames a side may send ahead of the other's credit: output frames of a stream
     node, and the frames of each stream-mode input port. 0: no limit."""
-    tenant: str | None = None
-    """Whose run this is: the worker's unit namespaces its caches by it (`NodeCall.tenant`).
-    Added in version 3: a worker of version 2 would drop it and serve every tenant from one cache."""
 
 
 class ExecuteStarted(msgspec.Struct, tag=True, tag_field="type", frozen=True):

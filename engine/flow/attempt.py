@@ -41,6 +41,7 @@ def node_call(run_id: str, tenant: str | None, spec: NodeSpec, inputs: dict[str,
         iteration=iteration,
         attempt=attempt,
         tenant=node_tenant(tenant, spec.params),
+        kind=spec.kind,
     )
 
 

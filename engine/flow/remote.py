@@ -177,9 +177,7 @@ class WorkerDispatcher:
                     streams.append((port, value))
                 else:
                     inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
-            request = ExecuteRequest(rid, role.name, call.run_id, call.node_id, call.op, call.params, inputs,
-                                     call.output_ports, call.stream, call.router, call.iteration, call.attempt,
-                                     self._stream_window, call.tenant)
+            request = ExecuteRequest(rid, role.name, call.header(), inputs, self._stream_window)
             windows = {port: CreditWindow(self._stream_window) for port, _ in streams} if self._stream_window else {}
             if windows:
                 conn.windows[rid] = windows

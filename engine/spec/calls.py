@@ -8,6 +8,9 @@ A call carries its run's tenant (`NodeCall.tenant`): whoever submits the run say
 (the studio: the owning user, or a deployment's sharing scope), never the graph. Every unit that
 keeps a cache across calls keys it by the tenant (page keys, prefix tree roots, sessions), so one
 tenant's cached state is never a hit for another's call.
+
+A call is its `CallHeader` (what the node is and what it is asked) and its input values; the
+header travels to a role worker as one struct inside the wire's `ExecuteRequest`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
+
+import msgspec
 
 SessionKey = NewType("SessionKey", str)
 """Where a session lives in a unit: a session id within its tenant (`session_key`)."""
@@ -59,6 +64,22 @@ class NodeContext:
         self.report_progress(fraction, message)
 
 
+class CallHeader(msgspec.Struct, frozen=True):
+    """A node call apart from its input values (see `NodeCall` for the fields)."""
+
+    run_id: str
+    node_id: str
+    op: str | None
+    params: dict[str, Any]
+    output_ports: tuple[str, ...]
+    stream: bool
+    router: bool
+    iteration: int
+    attempt: int
+    tenant: str | None = None
+    kind: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeCall:
     run_id: str
@@ -74,6 +95,18 @@ class NodeCall:
     tenant: str | None = None
     """Whose run this is: the salt of every cache the call reads or fills (`node_tenant`).
     None: no tenant (one person's own runs)."""
+    kind: str | None = None
+    """The node's kind (`llm`, `python`, ...), as the graph says; None where the caller did not."""
+
+    def header(self) -> CallHeader:
+        return CallHeader(self.run_id, self.node_id, self.op, self.params, self.output_ports, self.stream,
+                          self.router, self.iteration, self.attempt, self.tenant, self.kind)
+
+    @classmethod
+    def of(cls, header: CallHeader, inputs: dict[str, Any]) -> NodeCall:
+        """The call `header` describes, with `inputs`."""
+        return cls(header.run_id, header.node_id, header.op, header.params, inputs, header.output_ports,
+                   header.stream, header.router, header.iteration, header.attempt, header.tenant, header.kind)
 
     def session_key(self) -> SessionKey | None:
         """The key of the session the call is a turn of (its `session` param, a string, within

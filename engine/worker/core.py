@@ -236,7 +236,7 @@ class RoleWorkerCore:
         for port, value in request.inputs.items():
             if value.kind == ValueKind.STREAM:
                 streams[port] = _InboundStream(port, self._decode, request.window, grant, streams)
-        frames = CreditWindow(request.window) if request.stream and request.window > 0 else None
+        frames = CreditWindow(request.window) if request.call.stream and request.window > 0 else None
         task = asyncio.get_running_loop().create_task(self._execute(identity, request, streams, frames))
         self._executions[key] = _Execution(task, streams, frames)
 
@@ -297,37 +297,25 @@ class RoleWorkerCore:
                    frames: CreditWindow | None) -> None:
         rid = request.request_id
         inputs = await self._inputs(request, streams)
-        call = NodeCall(
-            run_id=request.run_id,
-            node_id=request.node_id,
-            op=request.op,
-            params=request.params,
-            inputs=inputs,
-            output_ports=request.output_ports,
-            stream=request.stream,
-            router=request.router,
-            iteration=request.iteration,
-            attempt=request.attempt,
-            tenant=request.tenant,
-        )
+        call = NodeCall.of(request.call, inputs)
         ctx = NodeContext(
-            run_id=request.run_id,
-            node_id=request.node_id,
-            iteration=request.iteration,
-            attempt=request.attempt,
+            run_id=call.run_id,
+            node_id=call.node_id,
+            iteration=call.iteration,
+            attempt=call.attempt,
             report_progress=lambda f, m: reply(ExecuteProgress(rid, f, m)),
         )
-        if request.stream:
+        if call.stream:
             index = 0
             async for frame in self.unit.execute_stream(call, ctx):
                 if frames is not None:  # out of credit: the unit waits with its frame until the executor takes more
                     await frames.wait(index)
-                reply(ExecuteFrame(rid, index, self._outputs(frame, request.node_id)))
+                reply(ExecuteFrame(rid, index, self._outputs(frame, call.node_id)))
                 index += 1
             reply(ExecuteResult(rid, {}))
             return
         result = await self.unit.execute(call, ctx)
-        reply(ExecuteResult(rid, self._outputs(result.outputs, request.node_id), result.route))
+        reply(ExecuteResult(rid, self._outputs(result.outputs, call.node_id), result.route))
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> WorkerLoad:

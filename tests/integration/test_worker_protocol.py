@@ -55,7 +55,7 @@ from engine.data.wire import (
 )
 from engine.flow.discovery import InProcessRegistry, WorkerInfo
 from engine.flow.remote import WorkerDispatcher, WorkerLost
-from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.calls import CallHeader, NodeCall, NodeContext
 from engine.spec.graph import RoleSpec, encode_spec
 from engine.worker.process import READY_PREFIX, REFUSED_METRIC
 from tests.integration import workerfns
@@ -217,8 +217,8 @@ async def test_execute_for_another_role_is_refused(open_client, worker):
 async def test_request_id_already_running_is_refused(open_client, worker, tmp_path: Path):
     raw = await open_client()
     await raw.hello()
-    hold = ExecuteRequest(11, "py", "raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
-                          {"x": PortValue(ValueKind.INLINE, data=1)}, ("out",), False, False, 1, 1)
+    hold = ExecuteRequest(11, "py", CallHeader("raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
+                                               ("out",), False, False, 1, 1), {"x": PortValue(ValueKind.INLINE, data=1)})
     assert isinstance(await raw.call(hold), ExecuteStarted)
     refused(await raw.call(hold), ErrorCode.BAD_REQUEST, 11)
     workerfns.mark(tmp_path, "release")
@@ -242,8 +242,9 @@ async def frames_until(raw: RawClient | LocalClient, count: int) -> list[Execute
 async def test_a_stream_node_sends_frames_only_as_credit_allows(open_client, worker, tmp_path: Path):
     raw = await open_client()
     await raw.hello()
-    await raw.send(ExecuteRequest(41, "py", "raw", "frames", f"{workerfns.__name__}:counted_frames",
-                                  {"n": 10, "dir": str(tmp_path)}, {}, ("out",), True, False, 1, 1, window=2))
+    await raw.send(ExecuteRequest(41, "py", CallHeader("raw", "frames", f"{workerfns.__name__}:counted_frames",
+                                                       {"n": 10, "dir": str(tmp_path)}, ("out",), True, False, 1, 1),
+                                  {}, window=2))
     assert [f.index for f in await frames_until(raw, 2)] == [0, 1]
     # The generator made frame 2 and waits with it: no later frame exists before credit comes.
     await wait_until(lambda: workerfns.counted(tmp_path, "produced") == 3, 10.0, "the producer makes frame 2")
@@ -259,8 +260,9 @@ async def test_a_stream_node_sends_frames_only_as_credit_allows(open_client, wor
 async def test_a_worker_credits_stream_input_frames_as_its_node_reads_them(open_client, worker):
     raw = await open_client()
     await raw.hello()
-    await raw.send(ExecuteRequest(42, "py", "raw", "read", "tests.unit.flow.fns:consume_all", {},
-                                  {"items": PortValue(ValueKind.STREAM)}, ("out",), False, False, 1, 1, window=2))
+    await raw.send(ExecuteRequest(42, "py", CallHeader("raw", "read", "tests.unit.flow.fns:consume_all", {},
+                                                       ("out",), False, False, 1, 1),
+                                  {"items": PortValue(ValueKind.STREAM)}, window=2))
     for i in range(2):
         await raw.send(InputFrame(42, "items", PortValue(ValueKind.INLINE, data=i)))
     credits = 0
@@ -283,8 +285,8 @@ async def test_a_worker_credits_stream_input_frames_as_its_node_reads_them(open_
 async def test_bad_windows_and_stray_credits_are_refused_or_ignored(open_client, worker):
     raw = await open_client()
     await raw.hello()
-    bad = ExecuteRequest(43, "py", "raw", "frames", f"{workerfns.__name__}:counted_frames", {"n": 1, "dir": "."},
-                         {}, ("out",), True, False, 1, 1, window=-1)
+    bad = ExecuteRequest(43, "py", CallHeader("raw", "frames", f"{workerfns.__name__}:counted_frames",
+                                              {"n": 1, "dir": "."}, ("out",), True, False, 1, 1), {}, window=-1)
     reply = await raw.call(bad)
     refused(reply, ErrorCode.BAD_REQUEST, 43)
     assert reply.message == "request 43: window must be 0 (no limit) or more, not -1"
@@ -493,8 +495,8 @@ async def test_an_executor_that_disconnects_cancels_its_executions(worker, tmp_p
     started is cancelled, since nobody is left to take the answer."""
     raw = await LocalClient.connect(worker["local"])
     await raw.hello()
-    hold = ExecuteRequest(31, "py", "raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
-                          {"x": PortValue(ValueKind.INLINE, data=1)}, ("out",), False, False, 1, 1)
+    hold = ExecuteRequest(31, "py", CallHeader("raw", "hold", f"{workerfns.__name__}:hold", {"dir": str(tmp_path)},
+                                               ("out",), False, False, 1, 1), {"x": PortValue(ValueKind.INLINE, data=1)})
     assert isinstance(await raw.call(hold), ExecuteStarted)
     await wait_until(lambda: markers(tmp_path, "started") == [worker["pid"]], 5, "the node started")
     raw.close()
@@ -722,8 +724,9 @@ async def test_calls_blocked_on_a_worker_that_stopped_reading_end_when_the_dispa
 # ------------------------------------------------------------------ who may use the worker
 def touch_request(request_id: int, directory: Path) -> ExecuteRequest:
     """A valid ExecuteRequest for `touch`: it leaves an `executed-<pid>` marker when it runs."""
-    return ExecuteRequest(request_id, "py", "raw", "touch", f"{workerfns.__name__}:touch", {"dir": str(directory)},
-                          {"x": PortValue(ValueKind.INLINE, data=request_id)}, ("out",), False, False, 1, 1)
+    return ExecuteRequest(request_id, "py", CallHeader("raw", "touch", f"{workerfns.__name__}:touch",
+                                                       {"dir": str(directory)}, ("out",), False, False, 1, 1),
+                          {"x": PortValue(ValueKind.INLINE, data=request_id)})
 
 
 async def refusals(context: zmq.asyncio.Context, worker: dict[str, Any]) -> int:

@@ -41,6 +41,7 @@ from engine.data.wire import (
     WorkerMessage,
 )
 from engine.flow.dsl import Workflow
+from engine.spec.calls import CallHeader
 from engine.spec.graph import GraphSpec
 
 POLL_S = 0.005
@@ -272,9 +273,9 @@ class LocalClient:
 
 def whoami_request(request_id: int, role: str = "py", x: Any = None) -> ExecuteRequest:
     """An ExecuteRequest for `whoami` with input `x` (default: the request id)."""
-    return ExecuteRequest(request_id, role, "raw", "whoami", f"{__name__}:whoami", {},
-                          {"x": PortValue(ValueKind.INLINE, data=request_id if x is None else x)},
-                          ("out",), False, False, 1, 1)
+    return ExecuteRequest(request_id, role, CallHeader("raw", "whoami", f"{__name__}:whoami", {}, ("out",), False,
+                                                       False, 1, 1),
+                          {"x": PortValue(ValueKind.INLINE, data=request_id if x is None else x)})
 
 
 def _parent(args: list[str]) -> int:

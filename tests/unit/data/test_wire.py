@@ -37,6 +37,7 @@ from engine.data.wire import (
     TensorRef,
     Transport,
 )
+from engine.spec.calls import CallHeader
 
 ENGINE_DATA = Path(__file__).resolve().parents[3] / "engine" / "data"
 WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "server.py", "client.py",
@@ -120,9 +121,10 @@ WORKER_EXAMPLES: list[wire.WorkerMessage] = [
     wire.LoadRequest(2),
     wire.LoadReply(2, 3, 1, True, {"rss_bytes": 1.5e8, "llm.generated_tokens": 12.0}),
     wire.ErrorReply(3, ErrorCode.DRAINING, "draining"),
-    wire.ExecuteRequest(4, "py", "run-1", "square", "workflows.diamond:square", {"k": 1},
+    wire.ExecuteRequest(4, "py", CallHeader("run-1", "square", "workflows.diamond:square", {"k": 1}, ("out",), False,
+                                            False, 1, 1, "user:1", "python"),
                         {"x": _INLINE, "t": wire.PortValue(wire.ValueKind.TENSOR, ref=make_ref()),
-                         "s": wire.PortValue(wire.ValueKind.STREAM)}, ("out",), False, False, 1, 1, window=64),
+                         "s": wire.PortValue(wire.ValueKind.STREAM)}, window=64),
     wire.ExecuteStarted(4, "py-0"),
     wire.ExecuteProgress(4, 0.5, "half"),
     wire.ExecuteFrame(4, 0, {"out": _INLINE}),

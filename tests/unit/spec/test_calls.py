@@ -28,8 +28,12 @@ def test_a_session_is_keyed_within_its_tenant():
     assert session_key("user:1", "s1") != session_key("user:1:s1", "") != session_key("user", "1:s1")
 
 
-def test_the_tenant_travels_to_workers():
-    request = wire.ExecuteRequest(1, "llm", "r", "n", None, {}, {}, ("out",), False, False, 1, 1, 0, "user:1")
+def test_the_call_travels_to_workers_as_one_header():
+    """The worker's call is the dispatcher's, field for field: tenant and kind included."""
+    sent = NodeCall("r", "n", None, {"max_new_tokens": 3}, {"prompt": "hi"}, ("out",), False, False, 2, 1,
+                    tenant="user:1", kind="llm")
+    request = wire.ExecuteRequest(1, "llm", sent.header(), {})
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=wire.ExecuteRequest)
-    assert decoded.tenant == "user:1"
-    assert wire.ExecuteRequest(1, "llm", "r", "n", None, {}, {}, ("out",), False, False, 1, 1).tenant is None
+    assert NodeCall.of(decoded.call, {"prompt": "hi"}) == sent
+    bare = NodeCall("r", "n", None, {}, {}, ("out",), False, False, 1, 1)
+    assert (bare.header().tenant, bare.header().kind) == (None, None)
