@@ -119,12 +119,6 @@ def test_bench_arguments_and_cpu_exit() -> None:
     assert all(len(p) == 64 and 3 <= min(p) and max(p) < 512 for p in prompts)
 
 
-def test_bench_is_listed_by_the_command_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "sglang", "--prompts", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode != 0 and "needs a GPU" in out.stderr, out.stderr
-
-
 def test_bench_seeded_checkpoint_reads_as_sglang_model(tmp_path: Path) -> None:
     from sglang.srt.configs.model_config import ModelConfig
 
