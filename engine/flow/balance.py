@@ -152,10 +152,8 @@ class RoundRobin:
         return choice.worker_id
 
 
-class RandomChoice:
-    """Uniformly random candidate, from a private RNG seeded by ``seed``."""
-
-    name = "random"
+class _Seeded:
+    """A policy that draws from a private RNG seeded by its ``seed`` param."""
 
     def __init__(self, *, role: str, seed: int | None = None) -> None:
         self.role = role
@@ -165,6 +163,12 @@ class RandomChoice:
     @staticmethod
     def param_schema() -> dict[str, Any]:
         return {"seed": _seed_schema()}
+
+
+class RandomChoice(_Seeded):
+    """Uniformly random candidate, from a private RNG seeded by ``seed``."""
+
+    name = "random"
 
     def choose(self, request: BalanceRequest, candidates: Sequence[Candidate]) -> str:
         return self._rng.choice(_sorted(candidates, self.role)).worker_id
@@ -186,7 +190,7 @@ class LeastOutstanding:
         return min(_sorted(candidates, self.role), key=_least_loaded_key).worker_id
 
 
-class PowerOfTwoChoices:
+class PowerOfTwoChoices(_Seeded):
     """Samples two distinct candidates at random and keeps the less loaded one.
 
     "Less loaded" is fewer outstanding, then lower outstanding/capacity; an exact tie goes to
@@ -195,15 +199,6 @@ class PowerOfTwoChoices:
     """
 
     name = "power_of_two"
-
-    def __init__(self, *, role: str, seed: int | None = None) -> None:
-        self.role = role
-        self.seed = seed
-        self._rng = random.Random(seed)  # load spreading, not cryptography
-
-    @staticmethod
-    def param_schema() -> dict[str, Any]:
-        return {"seed": _seed_schema()}
 
     def choose(self, request: BalanceRequest, candidates: Sequence[Candidate]) -> str:
         ordered = _sorted(candidates, self.role)
