@@ -68,6 +68,9 @@ class WorkerOptions:
     registry_ttl_s: float
     keys_dir: Path
     """The deployment's worker-plane keys (`PlaneKeys.write`)."""
+    allow_module_ops: bool = False
+    """Whether its python nodes may name `module:function` ops (the studio's setting of the same
+    name); by default a worker runs registered ops only, whatever a graph names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ def replica_processes(role: str, worker_id: str, tp_size: int, options: WorkerOp
     common = (sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(options.workflow),
               "--registry", options.registry_url, "--namespace", options.namespace, "--listen", options.listen,
               "--heartbeat", str(options.heartbeat_s), "--registry-ttl", str(options.registry_ttl_s),
-              "--keys", str(options.keys_dir))
+              "--keys", str(options.keys_dir), "--module-ops" if options.allow_module_ops else "--no-module-ops")
     if tp_size <= 1:
         yield [WorkerProcess(worker_id, (*common, "--worker-id", worker_id))]
         return

@@ -245,7 +245,8 @@ class NodeAgent:
             undo.callback(lambda: _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None]))
             options = WorkerOptions(workflow=spec_path, registry_url=self.registry_url, namespace=ticket.namespace,
                                     listen=self.config.worker_listen, heartbeat_s=HEARTBEAT_S,
-                                    registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir)
+                                    registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir,
+                                    allow_module_ops=self.config.allow_module_ops)
             for role, worker_id in wanted:
                 with replica_processes(role, worker_id, ticket.spec.role(role).tp_size, options) as ranks:
                     for rank in ranks:

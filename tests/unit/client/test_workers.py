@@ -5,6 +5,7 @@ id and the plane's keys; rank 0 alone inherits the rendezvous socket, which the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,15 @@ def test_a_replica_without_tensor_parallelism_is_one_process(options: WorkerOpti
     assert plane_keys(args) == PlaneKeys.load(options.keys_dir)
     config = worker_config(args)
     assert (config.role.name, config.tp_rank, config.tp_address) == ("one", 0, None)
+    assert not config.allow_module_ops  # registered ops only, unless the operator says otherwise
+
+
+def test_module_ops_reach_a_worker_only_where_the_operator_allows_them(options: WorkerOptions):
+    allowed = dataclasses.replace(options, allow_module_ops=True)
+    with replica_processes("two", "two-n1-cd", 3, allowed) as processes:
+        assert all(worker_config(parse(p.argv)).allow_module_ops for p in processes)
+    with replica_processes("two", "two-n1-cd", 3, options) as processes:
+        assert not any(worker_config(parse(p.argv)).allow_module_ops for p in processes)
 
 
 def test_the_ranks_of_a_tensor_parallel_replica_meet_on_a_socket_handed_to_rank_0(options: WorkerOptions):
