@@ -28,10 +28,10 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
-from engine.data.curve import BulkMode
+from engine.client.keys import BulkMode
 
 if TYPE_CHECKING:  # settings load before the engine: imported where it is used
-    from engine.worker.supervise import RestartPolicy
+    from engine.client.workers import RestartPolicy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -202,7 +202,7 @@ class StudioConfig:
     @property
     def restart_policy(self) -> RestartPolicy:
         """How lost role workers are replaced, in both modes (when `worker_restart`)."""
-        from engine.worker.supervise import RestartPolicy
+        from engine.client.workers import RestartPolicy
 
         backoff_s = self.worker_restart_backoff_s
         return RestartPolicy(backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),

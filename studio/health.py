@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.flow.discovery import RegistryError
-from engine.worker.process import REFUSED_METRIC
+from engine.client.cluster import RegistryError
+from engine.client.workers import REFUSED_METRIC
 from studio.accounts.auth import bearer_token, user_for_token
 from studio.errors import error_body
 from studio.workflows.apps import engine

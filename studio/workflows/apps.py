@@ -11,7 +11,7 @@ from django.apps import AppConfig, apps
 from django.conf import settings
 
 if TYPE_CHECKING:
-    from engine.flow.kvroute import PromptTokenizer
+    from engine.client.plane import PromptTokenizer
     from engine.spec.kinds import KindRegistry
     from engine.spec.ops import OpConfig
     from studio.config import StudioConfig
@@ -40,7 +40,7 @@ class StudioEngine:
 
 
 def build_engine(config: StudioConfig) -> StudioEngine:
-    from engine.compute.llm.routing import RoleTokenizers
+    from engine.client.models import RoleTokenizers
     from engine.spec.kinds import default_kinds
     from engine.spec.ops import OpConfig, default_ops
     from studio.workflows.chat.templates import ChatTemplates

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from engine.flow.discovery import RegistryError
+from engine.client.cluster import RegistryError
 from studio.dbcalls import orm
 from studio.jsonbody import JsonRefused, load_json
 from studio.workflows.apps import engine

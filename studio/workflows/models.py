@@ -17,7 +17,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.signals import post_delete
 from django.dispatch import receiver
 
-from engine.data.curve import PlaneKeys
+from engine.client.keys import PlaneKeys
 
 
 class OwnedQuerySet(QuerySet):

@@ -12,9 +12,8 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 from rest_framework.exceptions import NotFound
 
-from engine.flow.executor import RunInputError, resolve_inputs
-from engine.flow.plan import build_plan
-from engine.flow.validate import GraphValidationError
+from engine.client.graphs import GraphValidationError, build_plan
+from engine.client.runs import RunInputError, resolve_inputs
 from engine.spec.graph import GraphSpec
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Unprocessable

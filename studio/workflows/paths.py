@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from engine.flow.validate import Issue
+from engine.client.graphs import Issue
 from engine.spec.graph import GraphSpec
 from engine.spec.ops import OpRegistry
 
@@ -166,10 +166,9 @@ def list_checkpoints(roots: tuple[Path, ...]) -> Checkpoints:
 
 
 def _builtin_model(name: str) -> bool:
-    from engine.compute.models.catalog import BUILTIN_MODELS
-    from engine.compute.models.packaged import PACKAGED_MODELS
+    from engine.client.models import is_builtin_model
 
-    return name in BUILTIN_MODELS or name in PACKAGED_MODELS
+    return is_builtin_model(name)
 
 
 def _output_dirs(registry: OpRegistry, node_kind: Any, op: Any) -> tuple[str, ...]:

@@ -29,8 +29,17 @@ from typing import Any
 import msgspec
 from django.conf import settings
 
-from engine.flow.dsl import NodeRef, PortRef, RoleRef, Workflow
-from engine.flow.validate import CheckpointLookup, GraphValidationError, Issue, check_spec, parse_spec
+from engine.client.graphs import (
+    CheckpointLookup,
+    GraphValidationError,
+    Issue,
+    NodeRef,
+    PortRef,
+    RoleRef,
+    Workflow,
+    check_spec,
+    parse_spec,
+)
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig, OpRegistry

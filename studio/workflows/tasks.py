@@ -53,9 +53,8 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils import timezone
 
-from engine.flow.discovery import RegistryUnavailableError
-from engine.worker.launcher import LaunchError
-from engine.worker.supervise import RestartPolicy
+from engine.client.cluster import RegistryUnavailableError
+from engine.client.workers import LaunchError, RestartPolicy
 from studio.config import Dispatch
 from studio.workflows.apps import engine
 from studio.workflows.deployments import failover, records

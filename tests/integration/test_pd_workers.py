@@ -179,9 +179,10 @@ async def idle(deployment: Deployment, role: str) -> bool:
 
 
 async def test_kv_aware_routing_sends_a_text_prompt_to_the_worker_holding_its_prefix(deployment: Deployment):
-    """What the studio's dispatchers do (`dispatcher_for`): a `kv_aware` role's text prompts are
-    tokenized with the role's own tokenizer, so they route by their cached pages too (without a
-    tokenizer a text prompt has no page keys and load alone decides: the first worker)."""
+    """What the studio's dispatchers do (`engine.client.plane.WorkerPlane`): a `kv_aware` role's
+    text prompts are tokenized with the role's own tokenizer, so they route by their cached pages
+    too (without a tokenizer a text prompt has no page keys and load alone decides: the first
+    worker)."""
     first_id, second_id = deployment.worker_ids("prefill")
     # A new dispatcher knows other dispatchers' calls only from the workers' heartbeats: wait
     # until those say the earlier tests' calls ended, or a stale count ties the two workers.

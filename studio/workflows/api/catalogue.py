@@ -12,8 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from engine.compute.builtin_models import model_catalogue
-from engine.compute.models.catalog import Weights
+from engine.client.models import Weights, model_catalogue
 from engine.spec.graph import PORT_TYPES, json_schema
 from engine.spec.kinds import KindRegistry
 from studio.workflows.apps import engine

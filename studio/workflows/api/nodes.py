@@ -18,7 +18,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
+from engine.client.cluster import NodeDirectoryError, NodeRecord
 from studio.errors import Unavailable
 from studio.workflows.api.deployments import DeploymentCreateSerializer, deploy_request
 from studio.workflows.api.serializers import ErrorSerializer

@@ -16,8 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from engine.flow.pysrc import to_python
-from engine.flow.validate import parse_spec
+from engine.client.graphs import parse_spec, to_python
 from studio.errors import BadRequest, Conflict
 from studio.jsonbody import LimitedJSONParser
 from studio.workflows.api.serializers import (

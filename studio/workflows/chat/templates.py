@@ -1,7 +1,7 @@
 """OpenAI chat messages to one prompt text: the model's own chat template, or the simple one.
 
 A `ChatTemplate` is the text side of the model a chat deployment's llm role runs
-(`engine.compute.models.ModelTokenizer`, loaded without the weights): where the model's tokenizer
+(`engine.client.models.ModelTokenizer`, loaded without the weights): where the model's tokenizer
 carries a chat template (the packaged `smollm2-135m`; a checkpoint whose `tokenizer_config.json` or
 `chat_template.jinja` has one) the messages are rendered by `transformers`' `apply_chat_template`
 (Jinja in its sandbox), exactly as `tokenizer.apply_chat_template(messages, tokenize=False,
@@ -35,8 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.compute.models.loader import eos_token_ids, load_tokenizer
-from engine.compute.models.text import ChatPromptError, ModelTokenizer
+from engine.client.models import ChatPromptError, ModelTokenizer, load_model_text
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class ChatTemplates:
         with self._lock:
             template = self._templates.get(model)
             if template is None:
-                tokenizer = load_tokenizer(model)
-                template = ChatTemplate(ModelTokenizer(tokenizer), frozenset(eos_token_ids(model, tokenizer)))
+                text = load_model_text(model)
+                template = ChatTemplate(text.tokenizer, text.eos_token_ids)
                 self._templates[model] = template
             return template

@@ -33,9 +33,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.db.models import Q
 
-from engine.compute.builtin_models import role_weights
-from engine.compute.models.catalog import Weights
-from engine.compute.models.errors import ModelLoadError
+from engine.client.models import ModelLoadError, Weights, role_weights
 from engine.spec.usage import Usage
 from studio.dbcalls import orm
 from studio.errors import BadRequest, Conflict, Unavailable

@@ -23,7 +23,7 @@ import time
 import psutil
 from django.db import DatabaseError, connections
 
-from engine.flow.discovery.nodes import GpuInfo, NodeDirectoryError, NodeRecord
+from engine.client.cluster import GpuInfo, NodeDirectoryError, NodeRecord
 from engine.spec.resources import Amounts
 from studio.config import NodeSettings, StudioConfig
 from studio.workflows.deployments import placing

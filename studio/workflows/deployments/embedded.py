@@ -1,8 +1,8 @@
 """Deployments hosted by the studio process itself (the embedded mode).
 
 `EmbeddedDeployments` keeps, per deployment, a `LocalCluster` of role workers spawned
-from this process (they exit with it) and an `Executor` whose `WorkerDispatcher` sends
-the deployment's runs to them. Workers register in Redis under the deployment's
+from this process (they exit with it) and a `WorkerPlane` over its registry, whose
+`Executor` sends the deployment's runs to them. Workers register in Redis under the deployment's
 namespace when REDIS_URL is set (so their heartbeats carry metrics, other processes reach
 them, and workers on other machines can join); otherwise in an in-process registry
 filled from their READY lines (no load metrics then: nothing heartbeats into it).
@@ -28,16 +28,14 @@ from typing import Any, TypeVar
 
 from django.db import close_old_connections, connections
 
-from engine.data.peer import Peer, PeerConfig
-from engine.flow.discovery import RegistryError, WorkerSnapshot
-from engine.flow.executor import Executor
-from engine.flow.kvroute import PromptTokenizer
+from engine.client.cluster import RegistryError, WorkerSnapshot
+from engine.client.plane import PromptTokenizer, WorkerPlane
+from engine.client.runs import Executor
+from engine.client.workers import LaunchedWorker, LaunchError, LocalCluster, ReplicaEvent, ReplicaEventKind
 from engine.spec.kinds import KindRegistry
-from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
-from engine.worker.supervise import ReplicaEvent, ReplicaEventKind
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
-from studio.workflows.deployments.reach import NamespaceExecutors, dispatcher_for, pull_outputs
+from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
 from studio.workflows.models import DeploymentStatus, WorkerStatus
 from studio.workflows.runs.execution import DeploymentUnavailable
@@ -55,9 +53,9 @@ class _Hosted:
     deployment_id: str
     namespace: str
     cluster: LocalCluster
-    executor: Executor
-    peer: Peer
-    """This process's seat on the deployment's worker plane (its keys)."""
+    plane: WorkerPlane
+    """Over the cluster's registry (which the cluster closes), with this process's seat on the
+    deployment's worker plane (its keys)."""
     next_index: dict[str, int] = field(default_factory=dict)
 
 
@@ -164,9 +162,8 @@ class EmbeddedDeployments:
                 on_event=functools.partial(self._replica_event, ticket),
             )
             await cluster.start()  # stops what it started when one worker fails
-            peer = Peer.start(PeerConfig(keys=ticket.keys))
-            dispatcher = dispatcher_for(cluster.registry, peer, self.prompt_tokenizer)
-            hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, Executor(dispatcher, self.kinds), peer,
+            plane = WorkerPlane.over(cluster.registry, ticket.keys, self.kinds, prompt_tokenizer=self.prompt_tokenizer)
+            hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, plane,
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
             self._hosted[ticket.deployment_id] = hosted
             devices = {r.name: r.device for r in ticket.spec.roles}
@@ -208,9 +205,8 @@ class EmbeddedDeployments:
         if hosted is None:
             return []
         ids = [w.worker_id for worker in hosted.cluster.workers for w in worker.processes]
-        await hosted.executor.aclose()
+        await hosted.plane.aclose()
         await hosted.cluster.stop()
-        hosted.peer.close()
         return ids
 
     # ----------------------------------------------------------- ExecutorSource
@@ -218,7 +214,7 @@ class EmbeddedDeployments:
         assert ticket.deployment_id is not None
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is not None:
-            return hosted.executor
+            return hosted.plane.executor
         if not self.reach.available:
             raise DeploymentUnavailable(f"deployment {ticket.deployment_id} is not running in this process")
         return await self.reach.executor_for(ticket)
@@ -227,7 +223,7 @@ class EmbeddedDeployments:
         assert ticket.deployment_id is not None
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is not None:
-            return await pull_outputs(hosted.peer, outputs)
+            return await hosted.plane.pull_outputs(outputs)
         return await self.reach.materialize(ticket, outputs)
 
     # ------------------------------------------------------------------ workers

@@ -25,7 +25,6 @@ stops those processes (`NodeAgent.reap`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -33,10 +32,18 @@ from typing import Any
 
 from django.db import transaction
 
-from engine.flow.discovery import RegistryError, make_registry
-from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
-from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
-from engine.flow.validate import parse_spec
+from engine.client.cluster import (
+    NodeDirectoryError,
+    NodeOffer,
+    NodeRecord,
+    Placement,
+    PlacementError,
+    Refusal,
+    RoleDemand,
+    deregister_workers,
+    place,
+)
+from engine.client.graphs import parse_spec
 from engine.spec.resources import ResourcesError
 from studio.config import StudioConfig
 from studio.workflows.deployments import placing, records
@@ -158,23 +165,13 @@ def _placed_again(deployment: Deployment, current: DeploymentPlacement, lost: Se
 
 def _after(config: StudioConfig, deployment_id: str, namespace: str, lost_rows: list[str], stopping: bool) -> None:
     if lost_rows and namespace and config.redis_url:
-        asyncio.run(_deregister(config.redis_url, namespace, lost_rows))
+        asyncio.run(deregister_workers(config.redis_url, namespace, lost_rows))
     if stopping:
         records.settle_stopped(deployment_id)
         return
     from studio.workflows.deployments.service import start
 
     start(deployment_id)
-
-
-async def _deregister(url: str, namespace: str, worker_ids: list[str]) -> None:
-    registry = make_registry(url, namespace=namespace)
-    try:
-        for worker_id in worker_ids:
-            with contextlib.suppress(RegistryError):  # gone already (their TTL ended), or Redis is away
-                await registry.deregister(worker_id)
-    finally:
-        await registry.close()
 
 
 def describe(rehomed: Rehomed) -> dict[str, Any]:

@@ -42,11 +42,9 @@ from pathlib import Path
 
 import psutil
 
-from engine.data.rendezvous import listening_socket
-from engine.data.shm import HOST_ID_ENV
-from engine.flow.discovery import RegistryError, make_registry
+from engine.client.cluster import RegistryError, deregister_workers, make_registry
+from engine.client.workers import HOST_ID_ENV, LaunchError, WorkerOptions, leader_worker_id, replica_processes
 from engine.spec.graph import encode_spec
-from engine.worker.launcher import LaunchError, leader_worker_id, rank_worker_id
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
@@ -122,6 +120,7 @@ class NodeAgent:
         if config.redis_url is None:
             raise RuntimeError("the node agent needs REDIS_URL: its workers register there")
         self.config = config
+        self.registry_url: str = config.redis_url
         self.node = config.node_name
 
     def _dir(self, deployment_id: str) -> Path:
@@ -147,7 +146,7 @@ class NodeAgent:
         deployment_id, spec = ticket.deployment_id, ticket.spec
         live, lost = self._live(deployment_id)
         if lost:  # dead: off the registry before anything else (ending broken replicas may take a while)
-            asyncio.run(self._deregister(ticket.namespace, lost))
+            asyncio.run(deregister_workers(self.registry_url, ticket.namespace, lost))
         ranks: dict[str, list[tuple[Worker, psutil.Process]]] = {}
         for row, process in live:
             ranks.setdefault(leader_worker_id(row.worker_id) or row.worker_id, []).append((row, process))
@@ -163,20 +162,11 @@ class NodeAgent:
             replicas.setdefault(role, []).append(_Replica(members))
         if broken:
             ids = [row.worker_id for row, _ in broken]
-            asyncio.run(self._deregister(ticket.namespace, ids))
+            asyncio.run(deregister_workers(self.registry_url, ticket.namespace, ids))
             _terminate([p for _, p in broken])
             records.set_worker_status(ids, WorkerStatus.LOST)
             lost += ids
         return Scan(replicas, lost)
-
-    async def _deregister(self, namespace: str, worker_ids: list[str]) -> None:
-        registry = make_registry(self.config.redis_url, namespace=namespace)
-        try:
-            for worker_id in worker_ids:
-                with contextlib.suppress(RegistryError):  # gone already, or Redis is away: the TTL ends it
-                    await registry.deregister(worker_id)
-        finally:
-            await registry.close()
 
     def reconcile(self, ticket: DeploymentTicket, *, start_roles: set[str] | None = None,
                   scan: Scan | None = None) -> Reconciled:
@@ -253,32 +243,19 @@ class NodeAgent:
         with contextlib.ExitStack() as undo:
             # A start that fails (or is cancelled) leaves none of its processes running.
             undo.callback(lambda: _terminate([psutil.Process(p.pid) for p in processes.values() if p.poll() is None]))
+            options = WorkerOptions(workflow=spec_path, registry_url=self.registry_url, namespace=ticket.namespace,
+                                    listen=self.config.worker_listen, heartbeat_s=HEARTBEAT_S,
+                                    registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir,
+                                    allow_module_ops=self.config.allow_module_ops)
             for role, worker_id in wanted:
-                tp_size = ticket.spec.role(role).tp_size
-                # One process per tensor-parallel rank, all meeting on a socket bound here and
-                # handed to rank 0, whose rendezvous store serves on it.
-                with contextlib.ExitStack() as rendezvous:
-                    ranks: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [(worker_id, (), ())]
-                    if tp_size > 1:
-                        listener, address = listening_socket()
-                        rendezvous.enter_context(listener)
-                        ranks = [(rank_worker_id(worker_id, rank),
-                                  ("--tp-rank", str(rank), "--tp-address", address,
-                                   *(("--tp-listen-fd", str(listener.fileno())) if rank == 0 else ())),
-                                  (listener.fileno(),) if rank == 0 else ())
-                                 for rank in range(tp_size)]
-                    for rank_id, tp_args, passed in ranks:
-                        if rank_id != worker_id:
-                            followers[rank_id] = role
-                        with (folder / f"{rank_id}.log").open("ab") as out:
-                            processes[rank_id] = subprocess.Popen(
-                                [sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(spec_path),
-                                 "--worker-id", rank_id, "--registry", str(self.config.redis_url),
-                                 "--namespace", ticket.namespace, "--listen", self.config.worker_listen,
-                                 "--heartbeat", str(HEARTBEAT_S), "--registry-ttl", str(REGISTRY_TTL_S),
-                                 "--keys", str(keys_dir), *tp_args],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, pass_fds=passed,
+                with replica_processes(role, worker_id, ticket.spec.role(role).tp_size, options) as ranks:
+                    for rank in ranks:
+                        if rank.worker_id != worker_id:
+                            followers[rank.worker_id] = role
+                        with (folder / f"{rank.worker_id}.log").open("ab") as out:
+                            processes[rank.worker_id] = subprocess.Popen(
+                                rank.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, pass_fds=rank.pass_fds,
                             )
             registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
                                                       [w for _, w in wanted]))

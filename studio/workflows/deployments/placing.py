@@ -24,8 +24,15 @@ from typing import Any
 from django.db import connection
 from django.utils import timezone
 
-from engine.flow.discovery.nodes import NodeDirectory, NodeRecord
-from engine.flow.placement import NodeOffer, Placement, PlacementError, RoleDemand, place
+from engine.client.cluster import (
+    NodeDirectory,
+    NodeOffer,
+    NodeRecord,
+    Placement,
+    PlacementError,
+    RoleDemand,
+    place,
+)
 from engine.spec.graph import GraphSpec
 from engine.spec.resources import Amounts, ResourcesError, role_resources
 from studio.config import StudioConfig

@@ -14,11 +14,11 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from engine.data.curve import PlaneKeys
-from engine.flow.placement import Placement
-from engine.flow.validate import parse_spec
+from engine.client.cluster import Placement
+from engine.client.graphs import parse_spec
+from engine.client.keys import PlaneKeys
+from engine.client.workers import leader_worker_id
 from engine.spec.graph import GraphSpec
-from engine.worker.launcher import leader_worker_id
 from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
 from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths

@@ -29,9 +29,8 @@ from typing import Any
 
 from django.db import transaction
 
-from engine.data.curve import PlaneKeys
-from engine.flow.discovery.nodes import NodeDirectoryError, NodeRecord
-from engine.flow.placement import Placement, PlacementError
+from engine.client.cluster import NodeDirectoryError, NodeRecord, Placement, PlacementError
+from engine.client.keys import PlaneKeys
 from engine.spec.graph import GraphSpec
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable

@@ -17,8 +17,8 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from engine.flow.discovery import WorkerSnapshot
-from engine.worker.launcher import TP_RANK_SUFFIX, leader_worker_id
+from engine.client.cluster import WorkerSnapshot
+from engine.client.workers import TP_RANK_SUFFIX, leader_worker_id
 from studio.workflows.apps import StudioEngine
 from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker, WorkerStatus
 

@@ -16,7 +16,7 @@ from studio.workflows.history.sampler import MetricsSampler
 from studio.workflows.history.store import HistoryLimits, HistoryStore, MemoryHistory, RedisHistory
 
 if TYPE_CHECKING:
-    from engine.flow.discovery import WorkerSnapshot
+    from engine.client.cluster import WorkerSnapshot
     from studio.config import StudioConfig
     from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.runs.service import RunService

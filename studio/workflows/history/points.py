@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from engine.flow.discovery import WorkerSnapshot
+from engine.client.cluster import WorkerSnapshot
 
 TIERS = ("device", "host", "disk")
 

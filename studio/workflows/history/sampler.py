@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from django.db import DatabaseError, close_old_connections, connections
 
-from engine.flow.discovery import RegistryError, WorkerSnapshot
+from engine.client.cluster import RegistryError, WorkerSnapshot
 from studio.workflows.history.points import point_of
 from studio.workflows.history.store import HistoryStore, HistoryUnavailable, Sample, WorkerMeta
 

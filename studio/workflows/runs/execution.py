@@ -25,11 +25,20 @@ import contextlib
 import logging
 from typing import Any, Protocol
 
-from engine.data.channel import TransferError
-from engine.flow.dispatch import InProcessDispatcher
-from engine.flow.events import EventLog, NodeOutputEvent, RunEvent, RunFinished, RunStatus, event_to_dict
-from engine.flow.executor import Executor, Run, RunInputError
-from engine.flow.validate import GraphValidationError, parse_spec
+from engine.client.graphs import GraphValidationError, parse_spec
+from engine.client.runs import (
+    EventLog,
+    Executor,
+    NodeOutputEvent,
+    Run,
+    RunEvent,
+    RunFinished,
+    RunInputError,
+    RunStatus,
+    TransferError,
+    event_to_dict,
+    in_process_executor,
+)
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
 from studio.workflows.runs.bus import RunEventBus
@@ -218,9 +227,7 @@ async def execute_standalone(run_id: str, *, kinds: KindRegistry, ops: OpConfig,
                              keeper: LeaseKeeper | None = None) -> RunStatus | None:
     """Execute one run with an executor of its own (a Celery worker's task). `ops`: what its
     python units may run. `executors` (when given) serves runs of deployments; the caller closes it."""
-    from engine.worker.units import SharedUnits  # torch: when a run executes, not at import
-
-    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
+    executor = in_process_executor(kinds, ops=ops)  # torch: when a run executes, not at import
     source = executors or OwnExecutor(executor)
     try:
         return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,

@@ -28,7 +28,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from engine.flow.events import RunStatus
+from engine.client.runs import RunStatus
 from studio.workflows.models import Run
 from studio.workflows.models import RunStatus as DbRunStatus
 from studio.workflows.runs.lease import RUN_RESTARTED

@@ -4,9 +4,9 @@ One per process, owned by the workflows AppConfig (`studio.workflows.apps.engine
 reaches it); there is no module-level instance. It owns:
 
 * the **engine loop**: an asyncio loop on its own thread (`omniflow-engine`) with one
-  `Executor` and its `InProcessDispatcher`. The loop belongs to the service, not to the
-  web server, so the same code runs under daphne, uvicorn, `runserver`, Django's test
-  client and a Celery worker;
+  in-process `Executor` (`engine.client.runs.in_process_executor`). The loop belongs to
+  the service, not to the web server, so the same code runs under daphne, uvicorn,
+  `runserver`, Django's test client and a Celery worker;
 * the **database thread** (`omniflow-db`) every event write goes through, in order;
 * the **deployments** it hosts (`EmbeddedDeployments`, given to it): their role workers'
   clusters and executors live on the engine loop, and runs submitted against a
@@ -37,9 +37,7 @@ from typing import Any, Protocol
 
 from django.db import close_old_connections
 
-from engine.flow.dispatch import InProcessDispatcher
-from engine.flow.events import RunStatus
-from engine.flow.executor import Executor
+from engine.client.runs import Executor, RunStatus, in_process_executor
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
 from studio.workflows.models import Run
@@ -148,10 +146,7 @@ class RunService:
     def _main(self, ready: threading.Event) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        from engine.worker.units import SharedUnits  # torch: on the engine thread, not at import
-
-        self._executor = Executor(InProcessDispatcher(self.kinds, build=SharedUnits(self.kinds, ops=self.ops)),
-                                  self.kinds)
+        self._executor = in_process_executor(self.kinds, ops=self.ops)  # torch: on the engine thread, not at import
         self._executors = _Executors(self._executor, self.deployments)
         self._slots = asyncio.Semaphore(self._max_runs) if self._max_runs else None  # FIFO: runs start in turn
         self._loop = loop

@@ -30,8 +30,8 @@ from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
-from engine.data.curve import PlaneKeys
-from engine.flow.events import RunFinished, RunStatus, event_to_dict, preview
+from engine.client.keys import PlaneKeys
+from engine.client.runs import RunFinished, RunStatus, event_to_dict, preview
 from studio.dbcalls import orm
 from studio.workflows.apps import engine
 from studio.workflows.models import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from engine.data.curve import PlaneKeyError
+from engine.client.keys import PlaneKeyError
 from studio.workflows.models import Deployment
 
 

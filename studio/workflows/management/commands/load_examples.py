@@ -10,8 +10,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from engine.flow.loader import WorkflowLoadError, load_workflow
-from engine.flow.validate import GraphValidationError
+from engine.client.graphs import GraphValidationError, WorkflowLoadError, load_workflow
 from studio.workflows.models import Workflow
 from studio.workflows.operations import check_spec_for_studio, create_workflow, save_version
 

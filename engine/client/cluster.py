@@ -1,0 +1,60 @@
+"""The live view of a cluster: which role workers run (and how loaded they are), which nodes
+host them, and where a deployment's replicas go.
+
+* the worker registry (`engine.flow.discovery`): `make_registry(url, namespace=...)` opens a
+  deployment's namespace (Redis, or in process without a url); `Registry` its protocol;
+  `WorkerSnapshot` a live worker, its load and metrics as last heartbeated; `RegistryError`, and
+  `RegistryUnavailableError` when the registry cannot be reached (transient);
+  `deregister_workers` takes lost workers off a namespace at once;
+* the node directory (`engine.flow.discovery.nodes`): `NodeDirectory`, the `NodeRecord` each
+  node agent announces, with its `GpuInfo`; `NodeDirectoryError`;
+* placement (`engine.flow.placement`, pure): `place` puts each `RoleDemand` on a `NodeOffer`,
+  giving a `Placement` or `PlacementError` with a `Refusal` per replica it could not place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+from engine.flow.discovery import (
+    Registry,
+    RegistryError,
+    RegistryUnavailableError,
+    WorkerSnapshot,
+    make_registry,
+)
+from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord
+from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
+
+__all__ = [
+    "GpuInfo",
+    "NodeDirectory",
+    "NodeDirectoryError",
+    "NodeOffer",
+    "NodeRecord",
+    "Placement",
+    "PlacementError",
+    "Refusal",
+    "Registry",
+    "RegistryError",
+    "RegistryUnavailableError",
+    "RoleDemand",
+    "WorkerSnapshot",
+    "deregister_workers",
+    "make_registry",
+    "place",
+]
+
+
+async def deregister_workers(registry_url: str, namespace: str, worker_ids: Iterable[str]) -> None:
+    """Take `worker_ids` off the registry namespace now, so no run goes to them while their
+    registration's TTL runs out. One that is gone already, or a registry that cannot be reached,
+    is left to that TTL: this never raises `RegistryError`."""
+    registry = make_registry(registry_url, namespace=namespace)
+    try:
+        for worker_id in worker_ids:
+            with contextlib.suppress(RegistryError):  # gone already, or Redis is away: the TTL ends it
+                await registry.deregister(worker_id)
+    finally:
+        await registry.close()

@@ -1,0 +1,61 @@
+"""Models: the catalogue, what a role's weights are, and a model's text side without its weights.
+
+* `model_catalogue` -- every role kind's built-in models (packaged real LLMs, then the tiny seeded
+  ones, encoders and decoders); `is_builtin_model` -- whether a name is one of them;
+* `role_weights`, `Weights` -- whether a role computes with trained or seeded (random) weights;
+* `load_model_text`, `ModelText` -- a model's tokenizer (`ModelTokenizer`: encode, decode, chat
+  prompts, `ChatPromptError`) and the token ids that end its generations, read without loading
+  its weights; `ModelLoadError` for an unknown name or an unreadable checkpoint;
+* `RoleTokenizers` -- `(role, text) -> token ids` for the llm roles, loaded once per model: the
+  `PromptTokenizer` that KV-aware routing (`engine.client.plane`) tokenizes text prompts with.
+
+Loads torch and transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.compute.builtin_models import model_catalogue, role_weights
+from engine.compute.llm.routing import RoleTokenizers
+from engine.compute.models.catalog import BUILTIN_MODELS, Weights
+from engine.compute.models.errors import ModelLoadError
+from engine.compute.models.loader import eos_token_ids, load_tokenizer
+from engine.compute.models.packaged import PACKAGED_MODELS
+from engine.compute.models.text import ChatPromptError, ModelTokenizer
+
+__all__ = [
+    "ChatPromptError",
+    "ModelLoadError",
+    "ModelText",
+    "ModelTokenizer",
+    "RoleTokenizers",
+    "Weights",
+    "is_builtin_model",
+    "load_model_text",
+    "model_catalogue",
+    "role_weights",
+]
+
+
+def is_builtin_model(name: str) -> bool:
+    """Whether `name` names a built-in model (a tiny seeded one or a packaged real one) rather
+    than a checkpoint directory."""
+    return name in BUILTIN_MODELS or name in PACKAGED_MODELS
+
+
+@dataclass(frozen=True, slots=True)
+class ModelText:
+    """A model's text side: its tokenizer and the ids that end its generations (the ids the
+    loaded model's `eos_token_ids` would hold)."""
+
+    tokenizer: ModelTokenizer
+    eos_token_ids: frozenset[int]
+
+
+def load_model_text(model: str) -> ModelText:
+    """The text side of `model` (a built-in name or a checkpoint directory), from its tokenizer
+    files only: a packaged model's from the model cache, built there first if need be. Raises
+    `ModelLoadError` for an unknown name or an unreadable checkpoint."""
+    tokenizer = load_tokenizer(model)
+    return ModelText(ModelTokenizer(tokenizer), frozenset(eos_token_ids(model, tokenizer)))

@@ -1,0 +1,63 @@
+"""Runs: submit a workflow to an `Executor` and follow it as typed events.
+
+* `Executor` -- runs plans over a dispatcher: `submit(spec, inputs)` starts a `Run`; `aclose()`
+  ends its runs and its dispatcher. `in_process_executor` makes one whose units run in this
+  process; `engine.client.plane.WorkerPlane` one whose calls go to a deployment's workers;
+* `Run` -- one run: `events(since=...)` follows it, `cancel()`, `done`, `outputs`;
+* `RunInputError`, `resolve_inputs` -- a run's inputs checked against its plan before submitting;
+* the events, in order, with contiguous sequence numbers (`RunStarted` first, `RunFinished`
+  last): `RunEvent` (their union), `NodeStateEvent`, `NodeOutputEvent`, `NodeProgressEvent`,
+  `NodeState`, `RunStatus`; `EventLog` keeps a run's events for late readers; `event_to_dict`
+  and `preview` shape them for JSON;
+* `TransferError` -- a tensor that could not be moved between workers (a run fails with it).
+"""
+
+from __future__ import annotations
+
+from engine.data.channel import TransferError
+from engine.flow.dispatch import InProcessDispatcher
+from engine.flow.events import (
+    EventLog,
+    NodeOutputEvent,
+    NodeProgressEvent,
+    NodeState,
+    NodeStateEvent,
+    RunEvent,
+    RunFinished,
+    RunStarted,
+    RunStatus,
+    event_to_dict,
+    preview,
+)
+from engine.flow.executor import Executor, Run, RunInputError, resolve_inputs
+from engine.spec.kinds import KindRegistry
+from engine.spec.ops import OpConfig
+
+__all__ = [
+    "EventLog",
+    "Executor",
+    "NodeOutputEvent",
+    "NodeProgressEvent",
+    "NodeState",
+    "NodeStateEvent",
+    "Run",
+    "RunEvent",
+    "RunFinished",
+    "RunInputError",
+    "RunStarted",
+    "RunStatus",
+    "TransferError",
+    "event_to_dict",
+    "in_process_executor",
+    "preview",
+    "resolve_inputs",
+]
+
+
+def in_process_executor(kinds: KindRegistry, *, ops: OpConfig) -> Executor:
+    """An executor whose units all run in this process, sharing one copy of each model's
+    weights; python units may run `ops`. Loads torch: call it where runs execute, not at import.
+    The caller owns it (`aclose()`)."""
+    from engine.worker.units import SharedUnits  # torch: when an executor is made, not at import
+
+    return Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
