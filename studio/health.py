@@ -64,30 +64,30 @@ def healthz(request: HttpRequest) -> HttpResponse:
                         status=200 if healthy else 503)
 
 
+def _by_status(model: Any, statuses: list[str], name: str, documentation: str) -> GaugeMetricFamily:
+    """A gauge of `model`'s rows by their `status` (every one of `statuses`, zero included)."""
+    family = GaugeMetricFamily(name, documentation, labels=["status"])
+    counts = dict.fromkeys(statuses, 0)
+    for row in model.objects.values("status").annotate(n=Count("id")):
+        counts[row["status"]] = row["n"]
+    for status, n in counts.items():
+        family.add_metric([status], n)
+    return family
+
+
 class _RunsByStatus:
     """Run counts by status, read from the database at scrape time (all processes' runs)."""
 
     def collect(self):
-        family = GaugeMetricFamily("omniflow_runs", "Runs stored, by status", labels=["status"])
-        counts = dict.fromkeys(RunStatus.values, 0)
-        for row in Run.objects.values("status").annotate(n=Count("id")):
-            counts[row["status"]] = row["n"]
-        for status, n in counts.items():
-            family.add_metric([status], n)
-        yield family
+        yield _by_status(Run, RunStatus.values, "omniflow_runs", "Runs stored, by status")
 
 
 class _Deployments:
     """Deployments by status (database) and their live workers' gauges (registry)."""
 
     def collect(self):
-        family = GaugeMetricFamily("omniflow_deployments", "Deployments stored, by status", labels=["status"])
-        counts = dict.fromkeys(DeploymentStatus.values, 0)
-        for row in Deployment.objects.values("status").annotate(n=Count("id")):
-            counts[row["status"]] = row["n"]
-        for status, n in counts.items():
-            family.add_metric([status], n)
-        yield family
+        yield _by_status(Deployment, DeploymentStatus.values, "omniflow_deployments",
+                         "Deployments stored, by status")
         try:
             live = snapshots_sync(engine(), active_deployments(Deployment.objects.all()))
         except (TimeoutError, RegistryError) as exc:

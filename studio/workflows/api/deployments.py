@@ -24,7 +24,7 @@ from rest_framework.views import APIView
 
 from studio.errors import BadRequest, Conflict
 from studio.workflows.api.serializers import ErrorSerializer
-from studio.workflows.api.workflows import ERRORS, get_workflow
+from studio.workflows.api.workflows import ERRORS, get_workflow, statuses_param
 from studio.workflows.apps import engine
 from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
 from studio.workflows.deployments import service
@@ -228,11 +228,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
                 except serializers.ValidationError:
                     raise BadRequest(f"workflow must be a UUID, not {params['workflow']!r}") from None
             if params.get("status"):
-                wanted = [s.strip() for s in params["status"].split(",") if s.strip()]
-                unknown = sorted(set(wanted) - set(DeploymentStatus.values))
-                if unknown:
-                    raise BadRequest(f"unknown status {unknown}; known: {', '.join(DeploymentStatus.values)}")
-                qs = qs.filter(status__in=wanted)
+                qs = qs.filter(status__in=statuses_param(params["status"], DeploymentStatus.values))
         else:
             qs = qs.prefetch_related("workers")
         return qs

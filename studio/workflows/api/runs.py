@@ -28,7 +28,7 @@ from studio.workflows.api.serializers import (
     RunEventSerializer,
     RunSerializer,
 )
-from studio.workflows.api.workflows import ERRORS, get_workflow
+from studio.workflows.api.workflows import ERRORS, get_workflow, statuses_param
 from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, Run, RunFile, RunStatus
 from studio.workflows.operations import (
@@ -91,11 +91,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
             return qs.prefetch_related("nodes", "files")
         params = self.request.query_params
         if params.get("status"):
-            wanted = [s.strip() for s in params["status"].split(",") if s.strip()]
-            unknown = sorted(set(wanted) - set(RunStatus.values))
-            if unknown:
-                raise BadRequest(f"unknown status {unknown}; known: {', '.join(RunStatus.values)}")
-            qs = qs.filter(status__in=wanted)
+            qs = qs.filter(status__in=statuses_param(params["status"], RunStatus.values))
         for field in ("workflow", "deployment"):
             if params.get(field):
                 qs = qs.filter(**{f"{field}_id": _uuid(params[field], field)})

@@ -62,6 +62,16 @@ class PlainTextParser(PythonSourceParser):
     media_type = "text/plain"
 
 
+def statuses_param(value: str, known: list[str]) -> list[str]:
+    """A list query parameter `status=a,b`: its statuses, each one of `known` (BadRequest naming
+    those that are not)."""
+    wanted = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise BadRequest(f"unknown status {unknown}; known: {', '.join(known)}")
+    return wanted
+
+
 def visible_workflows(request: Request) -> QuerySet[Workflow]:
     return Workflow.objects.visible_to(request.user).select_related("owner")
 
