@@ -107,7 +107,7 @@ class ReplicaChooser:
         hint = (await self._kv_router.hint(role, call, snapshots)
                 if role.balance == KVAware.name and session is None else NO_HINT)
         candidates = candidates_from(snapshots, outstanding=self.outstanding, cached=hint.cached)
-        request = BalanceRequest(request_id=f"{call.run_id}/{call.node_id}/{call.iteration}",
+        request = BalanceRequest(request_id=call.call_id,
                                  session_key=session, prefix_pages=hint.pages)
         policy = self.policy(role) if session is None else self.session_policy(role)
         return by_id[policy.choose(request, candidates)]

@@ -98,6 +98,12 @@ class NodeCall:
     kind: str | None = None
     """The node's kind (`llm`, `python`, ...), as the graph says; None where the caller did not."""
 
+    @property
+    def call_id(self) -> str:
+        """The call's id, one format wherever a call is named (a dispatcher's balancing request,
+        a unit's engine requests): `run/node/iteration/attempt`."""
+        return f"{self.run_id}/{self.node_id}/{self.iteration}/{self.attempt}"
+
     def header(self) -> CallHeader:
         return CallHeader(self.run_id, self.node_id, self.op, self.params, self.output_ports, self.stream,
                           self.router, self.iteration, self.attempt, self.tenant, self.kind)

@@ -455,7 +455,7 @@ class LLMUnit(ComputeUnit):
             raise LLMUnitError(self.failed)
         with self._lock:
             self._counter += 1
-            request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
+            request_id = f"{call.call_id}#{self._counter}"
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         session = None if handoff is not None else call.session_key()

@@ -521,7 +521,7 @@ class TPLLMUnit(LLMUnit):
         peer = self._transfer()
         with self._lock:
             self._counter += 1
-            request_id = f"{call.run_id}:{call.node_id}:{call.iteration}:{call.attempt}:{self._counter}"
+            request_id = f"{call.call_id}#{self._counter}"
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
         self._commands.put(_AddHandoff(request_id, ref, sampling, stream))
