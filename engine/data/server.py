@@ -32,10 +32,16 @@ import msgspec
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import GRANT_S, BulkEndpoint
+from engine.data.bulk import GRANT_S, BulkEndpoint, send_frames
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
-from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
+from engine.data.tensor_store import (
+    RefNotFound,
+    SendHandle,
+    StoreConfig,
+    StoredTensor,
+    TensorStore,
+)
 from engine.data.wire import (
     PROTOCOL_VERSION,
     BulkGrant,
@@ -325,7 +331,7 @@ class TensorServer:
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
         transport = self._choose(self.store.get(request.ref_id), request.transports)
 
-        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+        def send(entry: StoredTensor) -> SendHandle | None:
             header = entry.header
             if transport is Transport.CUDA_IPC:
                 assert entry.cuda is not None
@@ -352,12 +358,14 @@ class TensorServer:
                 location.segment if location is not None else None,
                 location.size if location is not None else 0,
             )
-            return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
+            inline = transport is Transport.INLINE and entry.data is not None
+            return self._reply(identity, reply, [entry.data] if inline else None)
 
         self.store.serve(request.ref_id, send, host=transport is not Transport.CUDA_IPC)
 
     def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
-        small = entry.header.nbytes <= self.store.config.inline_max_bytes
+        # A lent tensor (several buffers, not in a segment) travels as TCP chunks only.
+        small = entry.header.nbytes <= self.store.config.inline_max_bytes and entry.parts is None
         if (entry.cuda is not None and entry.header.nbytes > 0 and Transport.CUDA_IPC in accepted
                 and not (small and Transport.INLINE in accepted)):
             # The consumer opens it where it is, no host copy at all; a small one is cheaper
@@ -381,27 +389,27 @@ class TensorServer:
         if request.length > self.config.limits.max_chunk_bytes:
             raise RequestRefused(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
 
-        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+        def send(entry: StoredTensor) -> SendHandle | None:
             end = request.offset + request.length
             if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
                 raise RequestRefused(
                     ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor"
                 )
             reply = ChunkReply(request.request_id, request.offset, request.length)
-            return self._reply(identity, reply, entry.data[request.offset : end])
+            return self._reply(identity, reply, entry.byte_range(request.offset, end))
 
         self.store.serve(request.ref_id, send)
 
-    def _reply(self, identity: bytes, message: Message, data: Any = None) -> zmq.MessageTracker | None:
-        """Send `message` (and `data` as a raw frame, zero-copy); returns the data frame's
-        tracker, done once ZeroMQ no longer reads `data`."""
+    def _reply(self, identity: bytes, message: Message, data: list[Any] | None = None) -> SendHandle | None:
+        """Send `message` (and each buffer of `data` as a raw frame, zero-copy); returns a
+        handle done once ZeroMQ no longer reads `data`."""
         try:
             self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             if data is None:
                 self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
                 return None
             self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            return self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
+            return send_frames(self._socket, data)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

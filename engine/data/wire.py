@@ -10,7 +10,8 @@ else is answered with an `ErrorReply`. Then, per request id:
 
     PullRequest   -> PullReply (+1 raw frame when transport is INLINE)
                      | ErrorReply
-    ChunkRequest  -> ChunkReply + 1 raw frame (TCP transport, one per chunk)
+    ChunkRequest  -> ChunkReply + 1 or more raw frames (TCP transport, one reply per chunk;
+                     several frames when the owner sends the chunk from several buffers)
     LeaseRequest  -> LeaseReply        ReleaseRequest -> ReleaseReply
     StatsRequest  -> StatsReply        PingRequest    -> PingReply
     KVFetchRequest -> KVFetchReply     (only owners that serve a KV cache; see below)
@@ -21,7 +22,7 @@ On the authenticated plane a TCP pull may move its bytes over the owner's bulk c
 `BulkGrant`, and the chunks are asked of the grant's address, another socket that speaks
 only `BulkMessage`:
 
-    BulkChunkRequest -> BulkChunkReply + 1 raw frame | ErrorReply (REFUSED: no valid grant)
+    BulkChunkRequest -> BulkChunkReply + 1 or more raw frames | ErrorReply (REFUSED: no valid grant)
 
 The same messages serve role workers (`WorkerMessage`), over ZeroMQ or, within one network
 namespace, a length-prefixed Unix stream (`engine.data.framed`): after the hello, the executor's
@@ -43,7 +44,7 @@ from typing import NewType
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: a chunk may come in several frames
 
 RefId = NewType("RefId", str)
 
@@ -198,7 +199,7 @@ class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 
 class ChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Followed by exactly one raw frame of `length` bytes."""
+    """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from)."""
 
     request_id: int
     offset: int
@@ -251,12 +252,16 @@ class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """Ask a worker for KV cache pages, in chain order. `pages` are page keys (hex SHA-256,
     `engine.data.kv.keys.PageHash`); `layout` is the asker's `KVLayout.fingerprint()`: a holder
     with another layout refuses with BAD_REQUEST rather than hand out pages of another shape.
-    `bulk`: the asker will pull the reply's ref over TCP and takes a bulk grant in the reply."""
+    `bulk`: the asker will pull the reply's ref over TCP and takes a bulk grant in the reply.
+    `tcp`: the asker will pull the reply's ref over TCP (another host, or forced), so the holder
+    may serve the pages from its own slots rather than copy them into shared memory (implied
+    by `bulk`)."""
 
     request_id: int
     pages: tuple[str, ...]
     layout: str
     bulk: bool = False
+    tcp: bool = False
 
 
 class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -285,8 +290,9 @@ class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 
 class BulkChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Followed by exactly one raw frame of `length` bytes; `tag` is their MAC under the
-    grant's key (`engine.data.bulk.chunk_tag`), empty when the grant has none."""
+    """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from);
+    `tag` is their MAC under the grant's key (`engine.data.bulk.parts_tag`), empty when the
+    grant has none."""
 
     request_id: int
     offset: int
