@@ -397,3 +397,60 @@ def test_pull_missing_completes_the_local_run_from_the_best_holder(
     assert (again.pages, again.holder, again.worker_id, again.local_pages) == ((), None, None, 5)
     done = pull_missing(local, puller, index, KEYS[:5], TIMEOUT_S)
     assert (done.pages, done.holder, done.local_pages) == ((), None, 5)
+
+
+def wait_for(ready: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("plane", [None, BulkMode.CLEAR, BulkMode.MAC], ids=["plaintext", "bulk", "bulk-mac"])
+def test_pages_freed_and_evicted_mid_send_reach_the_puller_as_written(
+    make_store: StoreFactory, tmp_path: Path, plane: BulkMode | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TCP puller gets the pages straight from the holder's slots (lent, no copy there). Asked
+    one page a chunk, one chunk at a time, the rest are still to be sent when the first arrives;
+    then the holder's compute frees every one of them and writes twice its capacity of other
+    pages. What the puller stores is still, byte for byte, what was written: no write lands in
+    a lent slot until the holder has sent it and the puller released the ref."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")  # 48 KiB pages
+    keys = make_keys(6, page_size=16)
+    others = make_keys(16, page_size=16, start=90_000)
+    plane_keys = None if plane is None else PlaneKeys.generate().with_bulk(plane)
+    one_by_one = ClientConfig(chunk_bytes=layout.page_nbytes, window=1)
+    with Peer.start(PeerConfig(keys=plane_keys)) as holder, \
+            Peer.start(PeerConfig(keys=plane_keys, client=one_by_one)) as puller:
+        served = make_store(device=8, host=None, disk=None, layout=layout)
+        for seed, key in enumerate(keys):
+            served.put(key, make_page(layout, seed))
+        KVPageServer(served, holder.server)
+        local = make_store(device=8, host=None, disk=None, layout=layout)
+        put = local.put
+        meddled: list[dict[PageHash, Tier]] = []
+
+        def meddle_then_put(page: PageHash, data: torch.Tensor) -> None:
+            if not meddled:
+                assert served.metrics()["device.lent_pages"] == 6  # served in place
+                for key in keys:
+                    served.remove(key)
+                for seed, key in enumerate(others):
+                    served.put(key, make_page(layout, 100 + seed))
+                meddled.append(served.resident_pages())
+            put(page, data)
+
+        monkeypatch.setattr(local, "put", meddle_then_put)
+
+        result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP)
+
+        assert result.pages == tuple(keys) and result.transports == (Transport.TCP,)
+        assert_holds_written_pages(local, keys, layout)
+        # the six lent slots stayed out of use: the other pages turned over in the two left
+        assert meddled == [{others[-2]: Tier.DEVICE, others[-1]: Tier.DEVICE}]
+        assert released_at_holder(puller, holder) == 0
+        wait_for(lambda: served.metrics()["device.lent_pages"] == 0, "the holder to get its pages back")
+        for seed, key in enumerate(others[:8]):  # every slot is free for use again
+            served.put(key, make_page(layout, 200 + seed))
+        assert set(served.resident_pages()) == set(others[:8])
