@@ -271,12 +271,14 @@ class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     `[len(found), *page_shape]` in the holder's tensor store, under a short lease; pull it like
     any ref, then release it. `ref` is None when `found` is empty. `bulk`: asked for, and the
     holder has a bulk channel: a one-time grant to read `ref` there (as a `PullReply` would give),
-    so the asker asks for the chunks at once."""
+    so the asker asks for the chunks at once. `lent`: `ref` reads the pages in the holder's own
+    slots (no copy there), so the asker may ask for the rest of its run at once."""
 
     request_id: int
     found: tuple[str, ...]
     ref: TensorRef | None = None
     bulk: BulkGrant | None = None
+    lent: bool = False
 
 
 class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):

@@ -59,7 +59,8 @@ FIRST_BATCH_BYTES = 8 << 20
 BATCH_BYTES = 16 << 20
 """A run of pages is asked for in requests of about this many bytes (at least a page, at most
 `max_pages`; the first of about `FIRST_BATCH_BYTES`, so that bytes move while the holder gathers
-the rest), each asked for while the one before is on the wire."""
+the rest; once the holder lends its pages in place, the rest at once: `_Batches`), each asked
+for while the one before is on the wire."""
 REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
 RELEASE_TIMEOUT_S = 5.0
 
@@ -120,11 +121,12 @@ class KVPageServer:
         ref = None
         if (request.bulk or request.tcp) and held * self.store.layout.page_nbytes > self._inline_max:
             ref = self._lend(pages[:held])
+        lent = ref is not None
         read = held
         if ref is None:
             ref, read = self._gather(pages[:held])
         grant = self.server.grant_bulk(ref) if request.bulk and ref is not None else None
-        return KVFetchReply(request.request_id, request.pages[:read], ref, grant)
+        return KVFetchReply(request.request_id, request.pages[:read], ref, grant, lent)
 
     def _lend(self, pages: list[PageHash]) -> TensorRef | None:
         """The pages as a ref over their own slots (TCP pullers: no copy here); None unless all
@@ -257,8 +259,8 @@ def fetch_pages(
     pulled = False
     try:
         try:
-            batches = _batches(pages, store.layout.page_nbytes, max_pages)
-            if batches:
+            batches = _Batches(pages, store.layout.page_nbytes, max_pages)
+            if batches.left:
                 _fetch_run(store, peer, holder, batches, deadline, transport, fetched, used, paths)
         except TransferError as exc:
             raise KVTransferError(f"pulling KV pages from {holder} failed: {exc}") from exc
@@ -330,14 +332,29 @@ def _remaining(deadline: float, holder: str) -> float:
     return remaining
 
 
-def _batches(pages: Sequence[PageHash], page_nbytes: int, max_pages: int) -> list[tuple[PageHash, ...]]:
-    batches: list[tuple[PageHash, ...]] = []
-    first, size = 0, FIRST_BATCH_BYTES
-    while first < len(pages):
-        step = max(1, min(max_pages, size // page_nbytes))
-        batches.append(tuple(pages[first : first + step]))
-        first, size = first + step, BATCH_BYTES
-    return batches
+@dataclass(slots=True)
+class _Batches:
+    """A run of pages cut into requests: the first of about `FIRST_BATCH_BYTES`, each next one of
+    about `BATCH_BYTES` while the holder copies the pages it serves (bytes move while it gathers
+    the next), or the rest (up to `max_pages`) once it lends them in place: nothing to gather,
+    and a request less is one wait less between the end of one pull and the start of the next."""
+
+    pages: Sequence[PageHash]
+    page_nbytes: int
+    max_pages: int
+    taken: int = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.pages) - self.taken
+
+    def take(self, *, lent: bool | None) -> tuple[PageHash, ...]:
+        """The next request's pages; `lent`: whether the holder lent the last one (None: first)."""
+        size = FIRST_BATCH_BYTES if lent is None else BATCH_BYTES
+        step = self.max_pages if lent else max(1, min(self.max_pages, size // self.page_nbytes))
+        batch = tuple(self.pages[self.taken : self.taken + step])
+        self.taken += len(batch)
+        return batch
 
 
 def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str, tcp: bool,
@@ -366,7 +383,7 @@ def _fetch_run(
     store: KVStore,
     peer: Peer,
     holder: str,
-    batches: list[tuple[PageHash, ...]],
+    batches: _Batches,
     deadline: float,
     transport: Transport | None,
     fetched: list[PageHash],
@@ -375,15 +392,15 @@ def _fetch_run(
 ) -> None:
     """Pull `batches` in order into `store` until the holder's run ends, each batch asked for
     while the one before is on the wire: the holder gathers batch n + 1 into its reply buffer
-    while the bytes of batch n travel, and this side stores them. An answer left unused by a
-    failure is freed by its lease (`REPLY_LEASE_S`)."""
+    (or lends it) while the bytes of batch n travel, and this side stores them. An answer left
+    unused by a failure is freed by its lease (`REPLY_LEASE_S`)."""
     layout = store.layout
     fingerprint = layout.fingerprint()
-    batch = batches[0]
+    batch = batches.take(lent=None)
     tcp = _over_tcp(peer, transport, peer.client.owner_host(holder))
     reply = peer.client.request(holder, lambda rid: _request(rid, peer, batch, fingerprint, tcp),
                                 _remaining(deadline, holder))
-    for n, batch in enumerate(batches):
+    while True:
         if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
             raise KVTransferError(f"{holder} answered a KV fetch with other pages than a prefix of those asked")
         found = batch[: len(reply.found)]
@@ -392,7 +409,7 @@ def _fetch_run(
         ref = reply.ref
         if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
             raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
-        following = batches[n + 1] if len(found) == len(batch) and n + 1 < len(batches) else None
+        following = batches.take(lent=reply.lent) if len(found) == len(batch) and batches.left else None
         tcp = _over_tcp(peer, transport, ref.host)
         asked: list[Transfer] = []
 
@@ -419,9 +436,10 @@ def _fetch_run(
         fetched.extend(found)
         used.append(how)
         paths[how.value] += len(found)
-        if not asked:
+        if not asked or following is None:
             return  # the holder's run ends here, or every batch came
         reply = asked[0].wait(_remaining(deadline, holder))
+        batch = following
 
 
 class _PageSink:

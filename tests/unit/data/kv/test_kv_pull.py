@@ -454,3 +454,30 @@ def test_pages_freed_and_evicted_mid_send_reach_the_puller_as_written(
         for seed, key in enumerate(others[:8]):  # every slot is free for use again
             served.put(key, make_page(layout, 200 + seed))
         assert set(served.resident_pages()) == set(others[:8])
+
+
+@pytest.mark.parametrize(("device", "requests"), [(8, 2), (1, 3)], ids=["lent", "copied"])
+def test_a_holder_that_lends_its_pages_is_asked_for_the_rest_of_the_run_at_once(
+    make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    device: int, requests: int
+) -> None:
+    """Requests of two 48 KiB pages while the holder copies what it serves (pages on its disk);
+    once it has lent one request's pages from its slots, the next asks for all the rest."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    monkeypatch.setattr("engine.data.kv.pull.FIRST_BATCH_BYTES", 2 * layout.page_nbytes)
+    monkeypatch.setattr("engine.data.kv.pull.BATCH_BYTES", 2 * layout.page_nbytes)
+    keys = make_keys(6, page_size=16)
+    holder = make_peer()
+    served = make_store(device=device, host=None, disk=8 if device == 1 else None, layout=layout,
+                        disk_dir=tmp_path / "holder")
+    for seed, key in enumerate(keys[::-1]):  # the last page put is the first asked: all on the disk but it
+        served.put(key, make_page(layout, 5 - seed))
+    KVPageServer(served, holder.server)
+    puller = make_peer(ClientConfig(chunk_bytes=layout.page_nbytes, window=2))
+    local = make_store(device=8, host=None, disk=None, layout=layout)
+
+    result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP)
+
+    assert result.pages == tuple(keys) and result.transports == (Transport.TCP,) * requests
+    assert_holds_written_pages(local, keys, layout)
+    assert released_at_holder(puller, holder) == 0
