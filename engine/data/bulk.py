@@ -215,8 +215,9 @@ class BulkEndpoint:
     `limits.max_request_bytes` (ZeroMQ drops a connection that sends a larger one)."""
 
     def __init__(self, context: zmq.Context, bind: str, store: TensorStore, *, mac: bool, limits: Limits,
-                 grant_s: float = GRANT_S, advertise: Callable[[str], str] = lambda endpoint: endpoint) -> None:
-        """`mac`: each chunk carries its MAC (`BulkMode.MAC`)."""
+                 grant_s: float = GRANT_S, advertise: Callable[[str], str] = lambda endpoint: endpoint,
+                 peer_timeout_s: float = 10.0) -> None:
+        """`mac`: each chunk carries its MAC (`BulkMode.MAC`); `peer_timeout_s`: see `drop_stalled`."""
         self._store = store
         self._mac = mac
         self.grants = BulkGrants(grant_s)
@@ -229,6 +230,7 @@ class BulkEndpoint:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by the grants
         socket.setsockopt(zmq.MAXMSGSIZE, limits.max_request_bytes)
+        drop_stalled(socket, peer_timeout_s)
         socket.bind(bind)
         self.socket = socket
         self.address = advertise(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -325,6 +327,16 @@ class _SendHold:
     @property
     def done(self) -> bool:
         return self.taken and (self.tracker is None or self.tracker.done)
+
+
+def drop_stalled(socket: zmq.Socket, peer_timeout_s: float) -> None:
+    """Close a connection of `socket` whose peer acknowledges none of the bytes sent to it for
+    `peer_timeout_s` (TCP_USER_TIMEOUT, through ZeroMQ's TCP_MAXRT), dropping what is queued for
+    it: a zero-copy send to a peer that stopped reading, or whose host vanished, ends then (and
+    what it read is freed), not when TCP's retransmissions give up, many minutes later."""
+    if peer_timeout_s <= 0:
+        raise ValueError(f"peer_timeout_s must be positive, got {peer_timeout_s}")
+    socket.setsockopt(zmq.TCP_MAXRT, max(1, int(peer_timeout_s * 1000)))
 
 
 def send_frames(socket: zmq.Socket, data: list[Any]) -> SendHandle:

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import GRANT_S, BulkEndpoint, send_frames
+from engine.data.bulk import GRANT_S, BulkEndpoint, drop_stalled, send_frames
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
 from engine.data.tensor_store import (
@@ -89,6 +89,11 @@ class ServerConfig:
     interface of a `tcp://` `bind`, any free port (no bulk channel for other schemes)."""
     bulk_grant_s: float = GRANT_S
     """A bulk grant unused for this long is gone."""
+    peer_timeout_s: float = 10.0
+    """A connection whose peer acknowledges no byte sent to it for this long is dropped with the
+    replies queued for it (`engine.data.bulk.drop_stalled`), so zero-copy sends end and what they
+    read is freed (a released segment, KV pages lent from their slots) even when the peer stopped
+    reading or its host vanished without closing its connections."""
 
     def bulk_endpoint(self) -> str | None:
         if self.bulk_bind is not None:
@@ -129,6 +134,7 @@ class TensorServer:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by what clients ask for
         socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
+        drop_stalled(socket, self.config.peer_timeout_s)
         socket.bind(self.config.bind)
         self._socket = socket
         self.address = self._advertised(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -138,7 +144,8 @@ class TensorServer:
         if keys is not None and keys.bulk.bulk_channel and bulk_bind is not None:
             self._bulk = BulkEndpoint(self._context, bulk_bind, self.store, mac=keys.bulk is BulkMode.MAC,
                                       limits=self.config.limits,
-                                      grant_s=self.config.bulk_grant_s, advertise=self._advertised)
+                                      grant_s=self.config.bulk_grant_s, advertise=self._advertised,
+                                      peer_timeout_s=self.config.peer_timeout_s)
         self._codec = WireCodec(self.config.limits.max_request_bytes)
         self._clients: dict[bytes, _ClientState] = {}
         self._handlers: dict[type, Callable[[Any], Message]] = {}

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 from kv_factories import StoreFactory, make_keys, make_page, raw, small_layout
 
-from engine.data.codec import KiB
+from engine.data.codec import KiB, WireCodec
 from engine.data.curve import BulkMode, PlaneKeys
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.index import WorkerPrefix
@@ -23,9 +24,13 @@ from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import HolderChoice, KVPageServer, choose_holder, fetch_pages, pull_missing
 from engine.data.kv.store import KVStore
 from engine.data.kv.tier import Tier
-from engine.data.peer import ClientConfig, Peer, PeerConfig
+from engine.data.peer import ClientConfig, Peer, PeerConfig, ServerConfig
 from engine.data.server import TensorServer
 from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ChunkRequest,
+    HelloReply,
+    HelloRequest,
     KVFetchReply,
     KVFetchRequest,
     PingRequest,
@@ -481,3 +486,37 @@ def test_a_holder_that_lends_its_pages_is_asked_for_the_rest_of_the_run_at_once(
     assert result.pages == tuple(keys) and result.transports == (Transport.TCP,) * requests
     assert_holds_written_pages(local, keys, layout)
     assert released_at_holder(puller, holder) == 0
+
+
+def test_pages_lent_to_a_puller_that_stops_reading_come_back_once_its_connection_is_dropped(
+    make_store: StoreFactory
+) -> None:
+    """A puller that stops reading mid-send (or whose host vanished) acknowledges nothing more:
+    the holder drops its connection after `peer_timeout_s`, with the chunks still queued for it,
+    so the lent pages come back (their lease alone could not free them while a send reads them)."""
+    layout = KVLayout(page_size=64, num_layers=16, num_kv_heads=8, head_dim=128, dtype="float16")  # 4 MiB pages
+    keys = make_keys(12, page_size=64)
+    config = PeerConfig(server=ServerConfig(peer_timeout_s=0.5))
+    with Peer.start(config) as holder, zmq.Context() as context:
+        served = make_store(device=12, host=None, disk=None, layout=layout)
+        for seed, key in enumerate(keys):
+            served.put(key, make_page(layout, seed))
+        KVPageServer(served, holder.server, lease_s=0.5)
+        vanished = context.socket(zmq.DEALER)  # a puller that reads one reply and then nothing
+        vanished.setsockopt(zmq.LINGER, 0)
+        vanished.setsockopt(zmq.RCVHWM, 1)
+        vanished.setsockopt(zmq.RCVBUF, 64 * KiB)
+        vanished.connect(holder.address)
+        codec = WireCodec(1 << 20)
+        vanished.send(codec.encode(HelloRequest(PROTOCOL_VERSION, "vanished", "elsewhere")))
+        assert isinstance(codec.decode(vanished.recv()), HelloReply)
+        vanished.send(codec.encode(KVFetchRequest(1, tuple(keys), layout.fingerprint(), tcp=True)))
+        reply = codec.decode(vanished.recv())
+        assert isinstance(reply, KVFetchReply) and reply.lent and reply.ref is not None
+        chunk = 8 << 20
+        for n, offset in enumerate(range(0, reply.ref.nbytes, chunk)):
+            vanished.send(codec.encode(ChunkRequest(2 + n, reply.ref.id, offset, chunk)))
+        assert served.metrics()["device.lent_pages"] == 12
+
+        wait_for(lambda: served.metrics()["device.lent_pages"] == 0, "the lent pages to come back")
+        vanished.close(linger=0)
