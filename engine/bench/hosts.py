@@ -16,10 +16,11 @@ drift on a small machine hits all alike), in GB/s = bytes / seconds / 1e9:
   `tensor_enc_gbps`: with every byte inside CURVE (the plane's `encrypted` bulk mode);
 * `kv_auth_gbps`, `kv_plain_gbps`: `engine.data.kv.pull.fetch_pages` of a run of `--kv-pages`
   KV pages (a 24-layer, 8-KV-head, 128-dim, fp16 layout of 16-token pages: 1.5 MiB a page)
-  from the producer's `KVPageServer` into the consumer's `KVStore`, as workers pull them: in
-  requests of 8 then 16 MiB, each asked while the one before travels, the holder gathering its
-  pages into one buffer and (authenticated plane) granting its bulk channel in the same reply,
-  the consumer storing each page from the received chunk as it comes;
+  from the producer's `KVPageServer` into the consumer's `KVStore`, as workers pull them: a
+  first request of 8 MiB, then the rest of the run (16 MiB requests where the holder copies its
+  pages), each asked while the one before travels, the holder lending its pages from their slots
+  (`KVStore.lend`: no copy there) and (authenticated plane) granting its bulk channel in the same
+  reply, the consumer storing each page from the received chunk as it comes;
 * `raw_tensor_gbps`, `raw_kv_gbps`: bare pyzmq between the same namespaces, a DEALER asking
   a ROUTER that answers with the same number of bytes as one `copy=False` frame;
 * `kv_enc_gbps`: the KV run with every byte inside CURVE;

@@ -39,7 +39,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ import numpy as np
 import zmq
 
 from engine.data.codec import Limits, WireCodec, WireError
-from engine.data.tensor_store import RefNotFound, StoredTensor, TensorStore
+from engine.data.tensor_store import RefNotFound, SendHandle, SentFrames, StoredTensor, TensorStore
 from engine.data.wire import (
     BulkChunkReply,
     BulkChunkRequest,
@@ -158,11 +158,20 @@ def _one_time_key(key: bytes, ref_id: str, offset: int, length: int) -> bytes:
     return hashlib.blake2b(f"{ref_id}:{offset}:{length}".encode(), key=key, digest_size=32).digest()
 
 
-def chunk_tag(key: bytes, ref_id: str, offset: int, data: memoryview | bytes) -> bytes:
+Buffer = memoryview | bytes | np.ndarray
+
+
+def chunk_tag(key: bytes, ref_id: str, offset: int, data: Buffer) -> bytes:
     """The MAC of bytes `data` at `offset` of `ref_id` under a grant's `key` (16 bytes; Poly1305,
     about 5 GB/s a core on a busy two-core machine, each side)."""
-    mac = _poly1305(_one_time_key(key, ref_id, offset, len(data)))
-    mac.update(data)
+    return parts_tag(key, ref_id, offset, [data])
+
+
+def parts_tag(key: bytes, ref_id: str, offset: int, parts: Sequence[Buffer]) -> bytes:
+    """`chunk_tag` of a chunk that comes in several buffers, in order (one frame each)."""
+    mac = _poly1305(_one_time_key(key, ref_id, offset, sum(memoryview(part).nbytes for part in parts)))
+    for part in parts:
+        mac.update(part)
     return mac.finalize()
 
 
@@ -170,21 +179,29 @@ MAC_BLOCK = 512 << 10
 """`copy_intact` copies and MACs this much at a time, so the MAC reads bytes still in the cache."""
 
 
-def copy_intact(key: bytes, ref_id: str, offset: int, data: memoryview | bytes, tag: bytes,
-                dest: np.ndarray) -> bool:
+def copy_intact(key: bytes, ref_id: str, offset: int, data: Buffer, tag: bytes, dest: np.ndarray) -> bool:
     """Copy `data` (the chunk at `offset` of `ref_id`) into `dest` (uint8, as long) and say
     whether `tag` is its `chunk_tag`: the bytes are what the owner sent, for this range. On
     False, `dest` holds bytes nobody vouches for."""
-    source = np.frombuffer(data, np.uint8)
-    if len(source) != len(dest):
+    return copy_parts_intact(key, ref_id, offset, [data], tag, dest)
+
+
+def copy_parts_intact(key: bytes, ref_id: str, offset: int, parts: Sequence[Buffer], tag: bytes,
+                      dest: np.ndarray) -> bool:
+    """`copy_intact` of a chunk that comes in several buffers, in order (one frame each)."""
+    sources = [np.frombuffer(part, np.uint8) for part in parts]
+    if sum(len(source) for source in sources) != len(dest):
         return False
     from cryptography.exceptions import InvalidSignature
 
-    mac = _poly1305(_one_time_key(key, ref_id, offset, len(source)))
-    for start in range(0, len(source), MAC_BLOCK):
-        block = dest[start : start + MAC_BLOCK]
-        np.copyto(block, source[start : start + MAC_BLOCK])
-        mac.update(block)
+    mac = _poly1305(_one_time_key(key, ref_id, offset, len(dest)))
+    at = 0
+    for source in sources:
+        for start in range(0, len(source), MAC_BLOCK):
+            block = dest[at : at + min(MAC_BLOCK, len(source) - start)]
+            np.copyto(block, source[start : start + len(block)])
+            mac.update(block)
+            at += len(block)
     try:
         mac.verify(tag)
     except InvalidSignature:
@@ -198,8 +215,9 @@ class BulkEndpoint:
     `limits.max_request_bytes` (ZeroMQ drops a connection that sends a larger one)."""
 
     def __init__(self, context: zmq.Context, bind: str, store: TensorStore, *, mac: bool, limits: Limits,
-                 grant_s: float = GRANT_S, advertise: Callable[[str], str] = lambda endpoint: endpoint) -> None:
-        """`mac`: each chunk carries its MAC (`BulkMode.MAC`)."""
+                 grant_s: float = GRANT_S, advertise: Callable[[str], str] = lambda endpoint: endpoint,
+                 peer_timeout_s: float = 10.0) -> None:
+        """`mac`: each chunk carries its MAC (`BulkMode.MAC`); `peer_timeout_s`: see `drop_stalled`."""
         self._store = store
         self._mac = mac
         self.grants = BulkGrants(grant_s)
@@ -212,6 +230,7 @@ class BulkEndpoint:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by the grants
         socket.setsockopt(zmq.MAXMSGSIZE, limits.max_request_bytes)
+        drop_stalled(socket, peer_timeout_s)
         socket.bind(bind)
         self.socket = socket
         self.address = advertise(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -266,32 +285,31 @@ class BulkEndpoint:
         send it outside the store's lock (which the producer's puts take too)."""
         end = request.offset + request.length
         hold = _SendHold()
-        taken: list[memoryview] = []
+        taken: list[np.ndarray] = []
 
         def take(entry: StoredTensor) -> _SendHold:
             if end > entry.header.nbytes:  # granted for this ref's size: never
                 raise RefNotFound(f"{request.ref_id} is not the tensor it was granted for")
-            taken.append(memoryview(entry.data[request.offset : end]))
+            taken.extend(entry.byte_range(request.offset, end))  # a lent tensor's: one per part
             return hold
 
         self._store.serve(request.ref_id, take)
         try:
-            data = taken[0]
-            tag = chunk_tag(key, request.ref_id, request.offset, data) if key else b""
+            tag = parts_tag(key, request.ref_id, request.offset, taken) if key else b""
             reply = BulkChunkReply(request.request_id, request.offset, request.length, tag)
-            self.served_bytes += len(data)  # before the bytes leave: whoever receives them sees it counted
-            hold.tracker = self._send(identity, reply, data)
+            self.served_bytes += request.length  # before the bytes leave: whoever receives them sees it counted
+            hold.tracker = self._send(identity, reply, taken)
         finally:
             hold.taken = True
 
-    def _send(self, identity: bytes, message: BulkMessage, data: object = None) -> zmq.MessageTracker | None:
+    def _send(self, identity: bytes, message: BulkMessage, data: list[Any] | None = None) -> SendHandle | None:
         try:
             self.socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             if data is None:
                 self.socket.send(self._codec.encode(message), zmq.NOBLOCK)
                 return None
             self.socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            return self.socket.send(data, zmq.NOBLOCK, copy=False, track=True)
+            return send_frames(self.socket, data)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -304,11 +322,32 @@ class _SendHold:
     MAC'd and ZeroMQ no longer reads them."""
 
     taken: bool = False
-    tracker: zmq.MessageTracker | None = None
+    tracker: SendHandle | None = None
 
     @property
     def done(self) -> bool:
         return self.taken and (self.tracker is None or self.tracker.done)
+
+
+def drop_stalled(socket: zmq.Socket, peer_timeout_s: float) -> None:
+    """Close a connection of `socket` whose peer acknowledges none of the bytes sent to it for
+    `peer_timeout_s` (TCP_USER_TIMEOUT, through ZeroMQ's TCP_MAXRT), dropping what is queued for
+    it: a zero-copy send to a peer that stopped reading, or whose host vanished, ends then (and
+    what it read is freed), not when TCP's retransmissions give up, many minutes later."""
+    if peer_timeout_s <= 0:
+        raise ValueError(f"peer_timeout_s must be positive, got {peer_timeout_s}")
+    socket.setsockopt(zmq.TCP_MAXRT, max(1, int(peer_timeout_s * 1000)))
+
+
+def send_frames(socket: zmq.Socket, data: list[Any]) -> SendHandle:
+    """Send the buffers of `data` as the last frames of a message (the ones before were sent
+    with SNDMORE), zero-copy; the handle is done once ZeroMQ reads none of them."""
+    trackers: list[SendHandle] = []
+    for n, buffer in enumerate(data):
+        more = zmq.SNDMORE if n + 1 < len(data) else 0
+        trackers.append(socket.send(buffer, more | zmq.NOBLOCK, copy=False, track=True))
+    return trackers[0] if len(trackers) == 1 else SentFrames(trackers)
+
 
 
 def _peer(frames: list[zmq.Frame]) -> str:

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from engine.data.codec import TensorData
 from engine.data.tensor_store import RefNotFound, TensorStore
 from engine.data.wire import ErrorCode, ErrorReply, TensorRef, Transport
@@ -192,7 +194,8 @@ class Channel(Protocol):
 
 
 class InProcessChannel:
-    """Reads refs owned by a store in this very process: a read-only view, no copy."""
+    """Reads refs owned by a store in this very process: a read-only view, no copy (but of a
+    lent tensor, whose bytes are not the store's)."""
 
     transport = Transport.LOCAL
 
@@ -202,10 +205,14 @@ class InProcessChannel:
     def pull(self, ref: TensorRef, timeout: float) -> Transfer:
         try:
             entry = self.store.get(ref.id)
+            # A CUDA entry is handed over as the store's GPU tensor itself.
+            buffer = entry.cuda if entry.cuda is not None else entry.data
+            if entry.parts is not None:  # lent bytes, given back once released: a private copy
+                copies: list[np.ndarray] = []
+                self.store.serve(ref.id, lambda e: copies.append(np.concatenate(e.parts or ())))
+                buffer = copies[0]
         except RefNotFound as exc:
             return Transfer.completed(ref, error=RefGone(ErrorCode.NOT_FOUND, str(exc)))
-        # A CUDA entry is handed over as the store's GPU tensor itself.
-        buffer = entry.cuda if entry.cuda is not None else entry.data
         return Transfer.completed(ref, TensorData(entry.header, buffer, Transport.LOCAL))
 
     def fetch(self, ref: TensorRef, timeout: float) -> TensorData:

@@ -9,6 +9,8 @@ arrives (its offset and the received frame's bytes, MAC checked first on a `mac`
 copying it into a buffer of the whole tensor: the caller puts the bytes where they belong with
 one copy (a KV pull: straight into its store's pages), overlapped with the chunks still on the
 wire. `align` rounds the chunk size down to a multiple (a KV page), so a chunk holds whole pages.
+A chunk may come in several frames (an owner serving pages lent from its KV store's slots
+sends one per run of adjacent slots): the sink gets each at its offset.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import chunk_tag, copy_intact
+from engine.data.bulk import copy_parts_intact, parts_tag
 from engine.data.channel import RemoteError, TransportUnavailable, remote_error
 from engine.data.codec import TensorData, WireError, check_header, contiguous_strides
 from engine.data.curve import BulkMode
@@ -222,24 +224,30 @@ class PullState:
     def _on_chunk(self, reply: ChunkReply | BulkChunkReply, frames: list[zmq.Frame]) -> list[Outgoing]:
         if self.header is None or (self.dest is None and self.sink is None):
             raise RemoteError(ErrorCode.MALFORMED, "a chunk before the pull reply")
-        if reply.offset not in self.outstanding or len(frames) != 1 or len(frames[0].buffer) != reply.length:
+        buffers = [frame.buffer for frame in frames]  # one, or one per buffer the owner sends it from
+        if reply.offset not in self.outstanding or not buffers or sum(len(b) for b in buffers) != reply.length:
             raise RemoteError(ErrorCode.MALFORMED, f"unexpected chunk at offset {reply.offset}")
         if (self.grant is None) != isinstance(reply, ChunkReply):
             raise RemoteError(ErrorCode.MALFORMED, f"a {type(reply).__name__} on the wrong channel")
         key = self.grant.key if isinstance(reply, BulkChunkReply) and self.grant is not None else b""
         if self.sink is not None:
-            data = frames[0].buffer
-            if key and not hmac.compare_digest(chunk_tag(key, self.ref.id, reply.offset, data), reply.tag):
+            if key and not hmac.compare_digest(parts_tag(key, self.ref.id, reply.offset, buffers), reply.tag):
                 raise _altered(reply.offset)
-            self.sink(reply.offset, data)
+            offset = reply.offset
+            for data in buffers:
+                self.sink(offset, data)
+                offset += len(data)
         else:
             assert self.dest is not None
             dest = self.dest[reply.offset : reply.offset + reply.length]
             if key:
-                if not copy_intact(key, self.ref.id, reply.offset, frames[0].buffer, reply.tag, dest):
+                if not copy_parts_intact(key, self.ref.id, reply.offset, buffers, reply.tag, dest):
                     raise _altered(reply.offset)
             else:
-                dest[:] = np.frombuffer(frames[0].buffer, np.uint8)
+                at = 0
+                for data in buffers:
+                    dest[at : at + len(data)] = np.frombuffer(data, np.uint8)
+                    at += len(data)
         self.outstanding.discard(reply.offset)
         self.received += reply.length
         if self.received == self.header.nbytes:

@@ -32,10 +32,16 @@ import msgspec
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import GRANT_S, BulkEndpoint
+from engine.data.bulk import GRANT_S, BulkEndpoint, drop_stalled, send_frames
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
-from engine.data.tensor_store import RefNotFound, StoreConfig, StoredTensor, TensorStore
+from engine.data.tensor_store import (
+    RefNotFound,
+    SendHandle,
+    StoreConfig,
+    StoredTensor,
+    TensorStore,
+)
 from engine.data.wire import (
     PROTOCOL_VERSION,
     BulkGrant,
@@ -83,6 +89,11 @@ class ServerConfig:
     interface of a `tcp://` `bind`, any free port (no bulk channel for other schemes)."""
     bulk_grant_s: float = GRANT_S
     """A bulk grant unused for this long is gone."""
+    peer_timeout_s: float = 10.0
+    """A connection whose peer acknowledges no byte sent to it for this long is dropped with the
+    replies queued for it (`engine.data.bulk.drop_stalled`), so zero-copy sends end and what they
+    read is freed (a released segment, KV pages lent from their slots) even when the peer stopped
+    reading or its host vanished without closing its connections."""
 
     def bulk_endpoint(self) -> str | None:
         if self.bulk_bind is not None:
@@ -123,6 +134,7 @@ class TensorServer:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by what clients ask for
         socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.hard_max_message_bytes)
+        drop_stalled(socket, self.config.peer_timeout_s)
         socket.bind(self.config.bind)
         self._socket = socket
         self.address = self._advertised(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -132,7 +144,8 @@ class TensorServer:
         if keys is not None and keys.bulk.bulk_channel and bulk_bind is not None:
             self._bulk = BulkEndpoint(self._context, bulk_bind, self.store, mac=keys.bulk is BulkMode.MAC,
                                       limits=self.config.limits,
-                                      grant_s=self.config.bulk_grant_s, advertise=self._advertised)
+                                      grant_s=self.config.bulk_grant_s, advertise=self._advertised,
+                                      peer_timeout_s=self.config.peer_timeout_s)
         self._codec = WireCodec(self.config.limits.max_request_bytes)
         self._clients: dict[bytes, _ClientState] = {}
         self._handlers: dict[type, Callable[[Any], Message]] = {}
@@ -325,7 +338,7 @@ class TensorServer:
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
         transport = self._choose(self.store.get(request.ref_id), request.transports)
 
-        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+        def send(entry: StoredTensor) -> SendHandle | None:
             header = entry.header
             if transport is Transport.CUDA_IPC:
                 assert entry.cuda is not None
@@ -352,12 +365,14 @@ class TensorServer:
                 location.segment if location is not None else None,
                 location.size if location is not None else 0,
             )
-            return self._reply(identity, reply, entry.data if transport is Transport.INLINE else None)
+            inline = transport is Transport.INLINE and entry.data is not None
+            return self._reply(identity, reply, [entry.data] if inline else None)
 
         self.store.serve(request.ref_id, send, host=transport is not Transport.CUDA_IPC)
 
     def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
-        small = entry.header.nbytes <= self.store.config.inline_max_bytes
+        # A lent tensor (several buffers, not in a segment) travels as TCP chunks only.
+        small = entry.header.nbytes <= self.store.config.inline_max_bytes and entry.parts is None
         if (entry.cuda is not None and entry.header.nbytes > 0 and Transport.CUDA_IPC in accepted
                 and not (small and Transport.INLINE in accepted)):
             # The consumer opens it where it is, no host copy at all; a small one is cheaper
@@ -381,27 +396,27 @@ class TensorServer:
         if request.length > self.config.limits.max_chunk_bytes:
             raise RequestRefused(ErrorCode.OVERSIZED, f"chunk of {request.length} bytes above the limit")
 
-        def send(entry: StoredTensor) -> zmq.MessageTracker | None:
+        def send(entry: StoredTensor) -> SendHandle | None:
             end = request.offset + request.length
             if request.offset < 0 or request.length <= 0 or end > entry.header.nbytes:
                 raise RequestRefused(
                     ErrorCode.BAD_REQUEST, f"range [{request.offset}, {end}) outside the tensor"
                 )
             reply = ChunkReply(request.request_id, request.offset, request.length)
-            return self._reply(identity, reply, entry.data[request.offset : end])
+            return self._reply(identity, reply, entry.byte_range(request.offset, end))
 
         self.store.serve(request.ref_id, send)
 
-    def _reply(self, identity: bytes, message: Message, data: Any = None) -> zmq.MessageTracker | None:
-        """Send `message` (and `data` as a raw frame, zero-copy); returns the data frame's
-        tracker, done once ZeroMQ no longer reads `data`."""
+    def _reply(self, identity: bytes, message: Message, data: list[Any] | None = None) -> SendHandle | None:
+        """Send `message` (and each buffer of `data` as a raw frame, zero-copy); returns a
+        handle done once ZeroMQ no longer reads `data`."""
         try:
             self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             if data is None:
                 self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
                 return None
             self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            return self._socket.send(data, zmq.NOBLOCK, copy=False, track=True)
+            return send_frames(self._socket, data)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

@@ -44,7 +44,7 @@ from engine.data.wire import RefId, ShmLocation, TensorHeader, TensorRef
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RefNotFound", "Reservation", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
+__all__ = ["RefNotFound", "Reservation", "SentFrames", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
 
 
 def _is_cuda(value: object) -> bool:
@@ -90,10 +90,22 @@ class SendHandle(Protocol):
 
 
 @dataclass(slots=True, eq=False)
+class SentFrames:
+    """A `SendHandle` for bytes sent as several zero-copy frames (one per tracker)."""
+
+    trackers: list[SendHandle]
+
+    @property
+    def done(self) -> bool:
+        return all(tracker.done for tracker in self.trackers)
+
+
+@dataclass(slots=True, eq=False)
 class StoredTensor:
     """One live tensor. `data` is its bytes (uint8, 1-D, read-only); `segment` holds them
     when they live in shared memory, at `location`. A CUDA tensor kept on its GPU is `cuda`;
     its `data` is None until a consumer needs host bytes (`TensorStore.serve(host=True)`).
+    A lent tensor (`TensorStore.lend`) has `parts` instead of `data`, and `on_free`.
     Valid while the ref is live."""
 
     ref: TensorRef
@@ -108,6 +120,25 @@ class StoredTensor:
     """Recorded after the GPU copy on the producer's stream: waited for before the tensor is
     shared or staged from another thread (whose stream knows nothing of the producer's)."""
     cuda_budgeted: bool = False
+    parts: tuple[np.ndarray, ...] | None = None
+    """A lent tensor's bytes, in order: buffers its lender owns (uint8, 1-D)."""
+    on_free: Callable[[], None] | None = None
+    """Gives a lent tensor's `parts` back, once it is freed and no send reads them."""
+
+    def byte_range(self, offset: int, end: int) -> list[np.ndarray]:
+        """Host bytes [offset, end) as views, no copy: one for a tensor in one buffer, one per
+        part the range touches for a lent tensor. Needs host bytes (`data` or `parts`)."""
+        if self.parts is None:
+            assert self.data is not None, "a CUDA tensor not staged to host memory"
+            return [self.data[offset:end]]
+        views = []
+        start = 0
+        for part in self.parts:
+            stop = start + part.nbytes
+            if stop > offset and start < end:
+                views.append(part[max(offset, start) - start : min(end, stop) - start])
+            start = stop
+        return views
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +192,9 @@ class TensorStore:
         self._lock = threading.Lock()
         self._entries: dict[RefId, StoredTensor] = {}
         self._leases: list[tuple[float, RefId]] = []  # heap; stale entries skipped on pop
-        self._draining: list[tuple[Segment, list[SendHandle]]] = []
+        self._draining: list[tuple[Segment | Callable[[], None], list[SendHandle]]] = []
+        """Freed segments and lent tensors' `on_free`, waiting for their sends to finish."""
+        self._to_free: list[Callable[[], None]] = []  # lent tensors to give back, outside the lock
         self._reserved: set[Segment] = set()  # taken by reservations not yet committed
         self._epoch = secrets.token_hex(4)  # ids never repeat across restarts at one address
         self._serial = itertools.count()
@@ -196,6 +229,34 @@ class TensorStore:
         if not tensor.is_contiguous():
             raise ValueError("keep() needs a contiguous tensor (serving one in place means no copy)")
         return self._put_cuda(tensor, None, copy=False)
+
+    def lend(self, dtype: str, shape: tuple[int, ...], parts: tuple[np.ndarray, ...],
+             on_free: Callable[[], None], lease_s: float | None = None) -> TensorRef:
+        """Serve the bytes of `parts` (uint8, 1-D, in order; together a C-contiguous tensor of
+        `shape` and `dtype`) where they are, without a copy, under a lease like `put`'s; when
+        the ref is freed (released or expired) and no zero-copy send reads them any more,
+        `on_free()` is called once (from a thread of the store's, not under its lock): the
+        lender may reuse them from then on, not before. They travel as TCP chunks only
+        (several frames to a chunk, one per part it touches): never through shared memory nor
+        inline."""
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedTensor(f"unknown dtype {dtype!r}")
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        if sum(part.nbytes for part in parts) != nbytes or any(part.dtype != np.uint8 or part.ndim != 1
+                                                               for part in parts):
+            raise ValueError(f"parts are not the {nbytes} bytes of a {dtype} tensor of shape {shape}")
+        lease = self._lease_seconds(lease_s)
+        header = TensorHeader(dtype, shape, contiguous_strides(shape), nbytes)
+        ref = TensorRef(owner=self.owner, id=RefId(f"{self._epoch}.{next(self._serial)}"), dtype=dtype,
+                        shape=shape, nbytes=nbytes, lease_expires_at=self._wall() + lease, host=self.host,
+                        device="cpu")
+        expires = self._clock() + lease
+        with self._lock:
+            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, parts=parts, on_free=on_free)
+            heapq.heappush(self._leases, (expires, ref.id))
+            self._live_bytes += nbytes
+        return ref
 
     def _cuda_room(self, tensor: torch.Tensor) -> bool:
         with self._lock:
@@ -352,7 +413,7 @@ class TensorStore:
             if host:
                 self._stage_locked(entry)
             handle = send(entry)
-            if handle is not None and entry.segment is not None:
+            if handle is not None and (entry.segment is not None or entry.on_free is not None):
                 entry.sends = [h for h in entry.sends if not h.done]
                 entry.sends.append(handle)
 
@@ -384,10 +445,10 @@ class TensorStore:
         readable but may be overwritten once the segment is reused."""
         with self._lock:
             entry = self._entries.get(ref_id)
-            if entry is None:
-                return False
-            self._drop(entry)
-            return True
+            if entry is not None:
+                self._drop(entry)
+        self._give_back()
+        return entry is not None
 
     def sweep(self, now: float | None = None) -> list[RefId]:
         """Free every tensor whose lease ended by `now` (monotonic; default: the clock), let
@@ -404,6 +465,7 @@ class TensorStore:
             self._drain()
             if self._segments is not None:
                 self._segments.trim(now)
+        self._give_back()
         return freed
 
     def reclaim_dead(self) -> list[str]:
@@ -421,19 +483,35 @@ class TensorStore:
             entry.segment.array[:8].view(np.uint64)[0] = 0  # in-place readers must ask the owner now
             self._draining.append((entry.segment, entry.sends))
             self._drain()
+        elif entry.on_free is not None:
+            entry.parts = None
+            self._draining.append((entry.on_free, entry.sends))
+            self._drain()
 
     def _drain(self) -> None:
-        """Recycle released segments that no zero-copy send still reads."""
-        if not self._draining or self._segments is None:
+        """Recycle released segments, and queue lent tensors for `_give_back`, once no
+        zero-copy send still reads them."""
+        if not self._draining:
             return
         now = self._clock()
         keep = []
-        for segment, sends in self._draining:
-            if all(h.done for h in sends):
-                self._segments.give_back(segment, now)
+        for freed, sends in self._draining:
+            if not all(h.done for h in sends):
+                keep.append((freed, sends))
+            elif isinstance(freed, Segment):
+                assert self._segments is not None
+                self._segments.give_back(freed, now)
             else:
-                keep.append((segment, sends))
+                self._to_free.append(freed)
         self._draining = keep
+
+    def _give_back(self) -> None:
+        """Call the `on_free` of lent tensors that `_drain` found done (outside the store's
+        lock: the lender takes its own)."""
+        with self._lock:
+            to_free, self._to_free = self._to_free, []
+        for on_free in to_free:
+            on_free()
 
     # --- introspection and shutdown ----------------------------------------------------------
 
@@ -459,14 +537,20 @@ class TensorStore:
     def close(self) -> None:
         """Free everything and unlink every segment this store created."""
         with self._lock:
+            lent = [e.on_free for e in self._entries.values() if e.on_free is not None]
             for entry in list(self._entries.values()):
                 if entry.segment is not None:
                     entry.segment.unlink()
             self._entries.clear()
             self._leases.clear()
-            for segment, _sends in self._draining:
-                segment.unlink()
+            for freed, _sends in self._draining:
+                if isinstance(freed, Segment):
+                    freed.unlink()
+                else:
+                    lent.append(freed)
             self._draining.clear()
+            lent.extend(self._to_free)
+            self._to_free.clear()
             for segment in self._reserved:
                 segment.unlink()
             self._reserved.clear()
@@ -474,3 +558,5 @@ class TensorStore:
             self._cuda_bytes = 0
             if self._segments is not None:
                 self._segments.close()
+        for on_free in lent:  # the lenders' buffers are theirs again: nothing here sends any more
+            on_free()

@@ -10,7 +10,8 @@ else is answered with an `ErrorReply`. Then, per request id:
 
     PullRequest   -> PullReply (+1 raw frame when transport is INLINE)
                      | ErrorReply
-    ChunkRequest  -> ChunkReply + 1 raw frame (TCP transport, one per chunk)
+    ChunkRequest  -> ChunkReply + 1 or more raw frames (TCP transport, one reply per chunk;
+                     several frames when the owner sends the chunk from several buffers)
     LeaseRequest  -> LeaseReply        ReleaseRequest -> ReleaseReply
     StatsRequest  -> StatsReply        PingRequest    -> PingReply
     KVFetchRequest -> KVFetchReply     (only owners that serve a KV cache; see below)
@@ -21,7 +22,7 @@ On the authenticated plane a TCP pull may move its bytes over the owner's bulk c
 `BulkGrant`, and the chunks are asked of the grant's address, another socket that speaks
 only `BulkMessage`:
 
-    BulkChunkRequest -> BulkChunkReply + 1 raw frame | ErrorReply (REFUSED: no valid grant)
+    BulkChunkRequest -> BulkChunkReply + 1 or more raw frames | ErrorReply (REFUSED: no valid grant)
 
 The same messages serve role workers (`WorkerMessage`), over ZeroMQ or, within one network
 namespace, a length-prefixed Unix stream (`engine.data.framed`): after the hello, the executor's
@@ -45,7 +46,7 @@ import msgspec
 
 from engine.spec.calls import CallHeader
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 4  # 4: a chunk may come in several frames; a node call's header is one struct
 
 RefId = NewType("RefId", str)
 
@@ -200,7 +201,7 @@ class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 
 class ChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Followed by exactly one raw frame of `length` bytes."""
+    """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from)."""
 
     request_id: int
     offset: int
@@ -253,12 +254,16 @@ class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     """Ask a worker for KV cache pages, in chain order. `pages` are page keys (hex SHA-256,
     `engine.data.kv.keys.PageHash`); `layout` is the asker's `KVLayout.fingerprint()`: a holder
     with another layout refuses with BAD_REQUEST rather than hand out pages of another shape.
-    `bulk`: the asker will pull the reply's ref over TCP and takes a bulk grant in the reply."""
+    `bulk`: the asker will pull the reply's ref over TCP and takes a bulk grant in the reply.
+    `tcp`: the asker will pull the reply's ref over TCP (another host, or forced), so the holder
+    may serve the pages from its own slots rather than copy them into shared memory (implied
+    by `bulk`)."""
 
     request_id: int
     pages: tuple[str, ...]
     layout: str
     bulk: bool = False
+    tcp: bool = False
 
 
 class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -268,12 +273,14 @@ class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     `[len(found), *page_shape]` in the holder's tensor store, under a short lease; pull it like
     any ref, then release it. `ref` is None when `found` is empty. `bulk`: asked for, and the
     holder has a bulk channel: a one-time grant to read `ref` there (as a `PullReply` would give),
-    so the asker asks for the chunks at once."""
+    so the asker asks for the chunks at once. `lent`: `ref` reads the pages in the holder's own
+    slots (no copy there), so the asker may ask for the rest of its run at once."""
 
     request_id: int
     found: tuple[str, ...]
     ref: TensorRef | None = None
     bulk: BulkGrant | None = None
+    lent: bool = False
 
 
 class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
@@ -287,8 +294,9 @@ class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 
 
 class BulkChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    """Followed by exactly one raw frame of `length` bytes; `tag` is their MAC under the
-    grant's key (`engine.data.bulk.chunk_tag`), empty when the grant has none."""
+    """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from);
+    `tag` is their MAC under the grant's key (`engine.data.bulk.parts_tag`), empty when the
+    grant has none."""
 
     request_id: int
     offset: int

@@ -4,7 +4,8 @@ REDIS_URL (fails loudly if it is down).
 A holder process (this file run as a script) fills a KV store over three tiers, serves its
 pages on its Peer and publishes them to Redis; the test process looks the pages up in the
 index and pulls them over shared memory and over TCP, bit-exact against pages it computes
-itself, with pickle forbidden in the holder. A SIGKILLed holder is a `KVTransferError` within the timeout. The holder talks to
+itself, with pickle forbidden in the holder. A SIGKILLed holder (before the pull, or while it
+sends the pages) is a `KVTransferError` within the timeout. The holder talks to
 the test over stdin/stdout in JSON lines; closing its stdin stops it. The holder's Peer is on a
 CURVE plane (`engine.data.curve`): a process without its key gets no page.
 """
@@ -35,7 +36,7 @@ from engine.data.kv.keys import page_hashes
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
-from engine.data.peer import Peer, PeerConfig
+from engine.data.peer import ClientConfig, Peer, PeerConfig
 from engine.data.wire import StatsReply, StatsRequest, Transport
 
 pytestmark = pytest.mark.redis
@@ -69,14 +70,14 @@ def _no_pickle(*args: object, **kwargs: object) -> None:
     raise AssertionError("pickle used on the KV pull path")
 
 
-def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str, keys_dir: str) -> None:
+def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str, keys_dir: str, device_pages: int) -> None:
     from engine.data.kv.index import KVIndexPublisher
     from engine.data.kv.pull import KVPageServer
     from engine.data.kv.store import DiskTierConfig
 
     config = KVStoreConfig(
         layout=LAYOUT,
-        device_capacity=Capacity(pages=2),
+        device_capacity=Capacity(pages=device_pages),
         host_capacity=Capacity(pages=2),
         disk=DiskTierConfig(disk_dir, Capacity(pages=16)),
         device="cpu",
@@ -104,12 +105,13 @@ def _holder_main(namespace: str, worker_id: str, pages: int, disk_dir: str, keys
 
 
 class Holder:
-    def __init__(self, namespace: str, worker_id: str, pages: int, disk_dir: Path) -> None:
+    def __init__(self, namespace: str, worker_id: str, pages: int, disk_dir: Path, device_pages: int = 2) -> None:
         self.worker_id = worker_id
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         keys_dir = PLANE.write(disk_dir / "keys")
         self.proc = subprocess.Popen(
-            [sys.executable, str(THIS_FILE), namespace, worker_id, str(pages), str(disk_dir), str(keys_dir)],
+            [sys.executable, str(THIS_FILE), namespace, worker_id, str(pages), str(disk_dir), str(keys_dir),
+             str(device_pages)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -260,6 +262,41 @@ def test_a_killed_holder_is_an_error_within_the_timeout(
     assert_holds_written_pages(local, range(6))
 
 
+def test_a_holder_killed_mid_send_fails_the_pull_within_the_timeout(
+    index: RedisKVIndex, local: KVStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder serves the pages from its slots (all eight in its CPU device tier), one page a
+    chunk, one chunk at a time; it is SIGKILLed as the first page arrives. The pull fails within
+    its timeout (no hang on the chunks that never come), keeping the page that came."""
+    from engine.data.kv.pull import fetch_pages
+
+    killed = Holder(index.namespace, "holder-killed", 8, tmp_path, device_pages=8)
+    put = local.put
+
+    def kill_then_put(page: str, data: torch.Tensor) -> None:
+        if killed.proc.poll() is None:
+            killed.kill()
+        put(page, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(local, "put", kill_then_put)
+    one_by_one = ClientConfig(chunk_bytes=LAYOUT.page_nbytes, window=1)
+    try:
+        with Peer.start(PeerConfig(keys=PLANE, client=one_by_one)) as puller:
+            timeout = 2.0
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match="timed out|failed"):
+                fetch_pages(local, puller, killed.address, KEYS, timeout, transport=Transport.TCP)
+            assert time.monotonic() - start < timeout + 0.5
+        assert killed.proc.returncode == -signal.SIGKILL
+        assert set(local.resident_pages()) == {KEYS[0]}
+        assert_holds_written_pages(local, range(1))
+        # pull.pages counts the requests that completed: none did
+        assert (local.metrics()["pull.pages"], local.metrics()["pull.failures"]) == (0, 1)
+    finally:
+        killed.stop()
+        index.drop_worker("holder-killed")
+
+
 @pytest.mark.parametrize("keys", [None, PlaneKeys.generate()], ids=["plaintext", "another-key"])
 def test_a_peer_without_the_plane_key_gets_no_page(
     index: RedisKVIndex, holder: Holder, peer: Peer, local: KVStore, keys: PlaneKeys | None
@@ -280,4 +317,4 @@ def test_a_peer_without_the_plane_key_gets_no_page(
 
 
 if __name__ == "__main__":
-    _holder_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    _holder_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6]))

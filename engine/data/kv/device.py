@@ -37,6 +37,8 @@ class DeviceTier(SlotTable):
         self._slots: dict[PageHash, int] = {}
         # Lowest slot first, so a fresh tier fills slots 0, 1, 2... (deterministic for tests).
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
+        self._held: dict[int, int] = {}
+        self._orphaned: set[int] = set()
 
     def _pool(self) -> torch.Tensor:
         if self.pool is None:
@@ -75,14 +77,20 @@ class DeviceTier(SlotTable):
         self._slots[page] = slot
         return pool[slot]
 
+    def slot_bytes(self, first: int, count: int) -> torch.Tensor:
+        """The bytes of `count` adjacent slots from `first`, 1-D uint8, no copy."""
+        return self._pool()[first : first + count].reshape(-1).view(torch.uint8)
+
     def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
         copy_page(dst, self._pool()[self._slots[page]])
         return True
 
     def remove(self, page: PageHash) -> None:
-        self._free.append(self._slots.pop(page))
+        self._recycle(self._slots.pop(page))
 
     def close(self) -> None:
         self.pool = None
         self._slots.clear()
         self._free.clear()
+        self._held.clear()
+        self._orphaned.clear()

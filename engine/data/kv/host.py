@@ -110,6 +110,8 @@ class HostTier(SlotTable):
         self._table["used"] = 0
         self._slots: dict[PageHash, int] = {}
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
+        self._held: dict[int, int] = {}
+        self._orphaned: set[int] = set()
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
             self._pin()
@@ -161,6 +163,10 @@ class HostTier(SlotTable):
         self._slots[page] = slot
         return slot
 
+    def slot_bytes(self, first: int, count: int) -> torch.Tensor:
+        """The bytes of `count` adjacent slots from `first`, 1-D uint8, no copy."""
+        return self._live_pages()[first : first + count].reshape(-1).view(torch.uint8)
+
     def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
         copy_page(dst, self._live_pages()[self._slots[page]])
         return True
@@ -172,7 +178,7 @@ class HostTier(SlotTable):
         entry["version"] += 1
         entry["used"] = 0
         entry["version"] += 1
-        self._free.append(slot)
+        self._recycle(slot)
 
     def close(self) -> None:
         """Unlink the segment. Mappings held by readers stay valid until they close."""
@@ -185,6 +191,8 @@ class HostTier(SlotTable):
         self._pages = None
         self._slots.clear()
         self._free.clear()
+        self._held.clear()
+        self._orphaned.clear()
         shm, self._shm = self._shm, None
         shm.unlink()
         try:

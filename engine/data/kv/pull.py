@@ -10,14 +10,16 @@ One fetch is one `KVFetchRequest` -> `KVFetchReply` round trip to the holder's
 channels, the reply carries the one-time bulk grant a `PullRequest` would have got, so the
 chunks are asked at once: `engine.data.bulk`). The holder answers with the
 longest leading run of the asked pages that it holds intact (a page after a gap is useless
-to a prefix cache), read where they are (`KVStore.get(promote=False)`: serving a peer does
-not reshuffle its tiers) straight into one `[n, *page_shape]` buffer of its tensor store.
-That buffer sits in shared memory once it is larger than the store's inline limit, so a
-puller on the same host maps it and copies each page once, into its own store; across hosts
-(or with `transport=Transport.TCP`) the bytes come as ZeroMQ frames of whole pages (chunks
-aligned to the page size), each put into the store straight from the received frame as it
-arrives, while the next ones are on the wire (`Peer.pull_to`): one copy on each side, as on one
-host. The puller then releases the ref; its short lease frees it anyway if the puller dies first.
+to a prefix cache), read where they are (serving a peer does not reshuffle its tiers). For a
+puller on the same host they are copied into one `[n, *page_shape]` buffer of the holder's
+tensor store, in shared memory once it is larger than the store's inline limit, which the
+puller maps and copies each page from once, into its own store. Across hosts (or with
+`transport=Transport.TCP`) the holder copies nothing where it can: the ref reads the pages in
+their slots (`KVStore.lend`, pinned until the ref is freed), and the bytes come as ZeroMQ
+frames of whole pages (chunks aligned to the page size, a frame per run of adjacent slots),
+each put into the store straight from the received frame as it arrives, while the next ones
+are on the wire (`Peer.pull_to`): one copy in all, on the puller's side. The puller then
+releases the ref; its short lease frees it anyway if the puller dies first.
 
 Every fetch has a deadline and ends by it: a dead or silent holder, a refusal (another
 layout) or a reply that describes other pages raise `KVTransferError`, and the store's pull
@@ -57,7 +59,8 @@ FIRST_BATCH_BYTES = 8 << 20
 BATCH_BYTES = 16 << 20
 """A run of pages is asked for in requests of about this many bytes (at least a page, at most
 `max_pages`; the first of about `FIRST_BATCH_BYTES`, so that bytes move while the holder gathers
-the rest), each asked for while the one before is on the wire."""
+the rest; once the holder lends its pages in place, the rest at once: `_Batches`), each asked
+for while the one before is on the wire."""
 REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
 RELEASE_TIMEOUT_S = 5.0
 
@@ -70,9 +73,14 @@ class KVPageServer:
 
     Registers itself as the server's handler on construction; `close()` unregisters it (the
     store and the server stay open: they belong to the worker). Serving runs on the server's
-    thread and holds it for one copy of the pages (see `TensorServer.register_handler`).
-    Does not promote, lock or otherwise move pages; counts one lookup and one read per page
-    served in the store's tier metrics.
+    thread (see `TensorServer.register_handler`). To a puller that takes the bytes over TCP
+    (`KVFetchRequest.bulk` or `tcp`), pages held in host memory are lent (`KVStore.lend`): the
+    reply's ref reads them in their slots, sent as one frame per run of adjacent slots, and
+    they stay pinned (not evicted, their slots not reused) until the ref is released or its
+    lease ends and no send reads them. Otherwise (a puller on this host, pages on a GPU or the
+    disk) they are copied into one buffer, which holds the thread for that copy. Does not
+    promote or otherwise move pages; counts one lookup and one read per page served in the
+    store's tier metrics.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class KVPageServer:
         self.lease_s = lease_s
         self.max_pages = max_pages
         self._fingerprint = store.layout.fingerprint()
+        self._inline_max = server.store.config.inline_max_bytes
         server.register_handler(KVFetchRequest, self.serve)
 
     def serve(self, request: KVFetchRequest) -> KVFetchReply:
@@ -109,8 +118,36 @@ class KVPageServer:
             held += 1
         if held == 0:
             return KVFetchReply(request.request_id, ())
+        ref = None
+        if (request.bulk or request.tcp) and held * self.store.layout.page_nbytes > self._inline_max:
+            ref = self._lend(pages[:held])
+        lent = ref is not None
+        read = held
+        if ref is None:
+            ref, read = self._gather(pages[:held])
+        grant = self.server.grant_bulk(ref) if request.bulk and ref is not None else None
+        return KVFetchReply(request.request_id, request.pages[:read], ref, grant, lent)
+
+    def _lend(self, pages: list[PageHash]) -> TensorRef | None:
+        """The pages as a ref over their own slots (TCP pullers: no copy here); None unless all
+        of them are in host memory (a GPU's or the disk's must be copied: `_gather`)."""
+        loan = self.store.lend(pages)
+        if loan is None:
+            return None
+        layout = self.store.layout
+        try:
+            return self.server.store.lend(layout.dtype, (len(pages), *layout.page_shape), loan.runs, loan.release,
+                                          self.lease_s)
+        except BaseException:
+            loan.release()
+            raise
+
+    def _gather(self, pages: list[PageHash]) -> tuple[TensorRef | None, int]:
+        """The leading run of `pages` still held, copied into one buffer of the tensor store (in
+        shared memory when large, for pullers on this host): its ref and length."""
         layout = self.store.layout
         tensors = self.server.store
+        held = len(pages)
         reservation = tensors.reserve((held, *layout.page_shape), layout.dtype)
         ref: TensorRef | None = None
         read = 0
@@ -126,8 +163,7 @@ class KVPageServer:
         finally:
             if not reservation.committed:
                 tensors.abort(reservation)
-        grant = self.server.grant_bulk(ref) if request.bulk and ref is not None else None
-        return KVFetchReply(request.request_id, request.pages[:read], ref, grant)
+        return ref, read
 
     def close(self) -> None:
         """Stop serving pages (later requests are refused as UNSUPPORTED)."""
@@ -223,8 +259,8 @@ def fetch_pages(
     pulled = False
     try:
         try:
-            batches = _batches(pages, store.layout.page_nbytes, max_pages)
-            if batches:
+            batches = _Batches(pages, store.layout.page_nbytes, max_pages)
+            if batches.left:
                 _fetch_run(store, peer, holder, batches, deadline, transport, fetched, used, paths)
         except TransferError as exc:
             raise KVTransferError(f"pulling KV pages from {holder} failed: {exc}") from exc
@@ -296,28 +332,49 @@ def _remaining(deadline: float, holder: str) -> float:
     return remaining
 
 
-def _batches(pages: Sequence[PageHash], page_nbytes: int, max_pages: int) -> list[tuple[PageHash, ...]]:
-    batches: list[tuple[PageHash, ...]] = []
-    first, size = 0, FIRST_BATCH_BYTES
-    while first < len(pages):
-        step = max(1, min(max_pages, size // page_nbytes))
-        batches.append(tuple(pages[first : first + step]))
-        first, size = first + step, BATCH_BYTES
-    return batches
+@dataclass(slots=True)
+class _Batches:
+    """A run of pages cut into requests: the first of about `FIRST_BATCH_BYTES`, each next one of
+    about `BATCH_BYTES` while the holder copies the pages it serves (bytes move while it gathers
+    the next), or the rest (up to `max_pages`) once it lends them in place: nothing to gather,
+    and a request less is one wait less between the end of one pull and the start of the next."""
+
+    pages: Sequence[PageHash]
+    page_nbytes: int
+    max_pages: int
+    taken: int = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.pages) - self.taken
+
+    def take(self, *, lent: bool | None) -> tuple[PageHash, ...]:
+        """The next request's pages; `lent`: whether the holder lent the last one (None: first)."""
+        size = FIRST_BATCH_BYTES if lent is None else BATCH_BYTES
+        step = self.max_pages if lent else max(1, min(self.max_pages, size // self.page_nbytes))
+        batch = tuple(self.pages[self.taken : self.taken + step])
+        self.taken += len(batch)
+        return batch
 
 
-def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str, bulk: bool,
+def _ask(peer: Peer, holder: str, batch: tuple[PageHash, ...], fingerprint: str, tcp: bool,
          deadline: float) -> Transfer:
     """Ask `holder` for `batch` on the client's I/O thread: the answer comes while this thread
     pulls the batch before."""
-    return peer.client.call(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
+    return peer.client.call(holder, lambda rid: _request(rid, peer, batch, fingerprint, tcp),
                             _remaining(deadline, holder))
 
 
-def _wants_bulk(peer: Peer, transport: Transport | None, holder_host: str | None) -> bool:
-    """Whether to take a bulk grant with the pages: the bytes will come over TCP on a plane
-    with bulk channels (forced, or the holder is known to be on another host)."""
-    if peer.client.bulk_mode is None or transport is Transport.SHM:
+def _request(request_id: int, peer: Peer, batch: tuple[PageHash, ...], fingerprint: str,
+             tcp: bool) -> KVFetchRequest:
+    """`tcp`: the bytes will come over TCP; then a plane with bulk channels takes a bulk grant
+    with the pages."""
+    return KVFetchRequest(request_id, batch, fingerprint, bulk=tcp and peer.client.bulk_mode is not None, tcp=tcp)
+
+
+def _over_tcp(peer: Peer, transport: Transport | None, holder_host: str | None) -> bool:
+    """Whether the bytes will come over TCP: forced, or the holder is known to be on another host."""
+    if transport is Transport.SHM:
         return False
     return transport is Transport.TCP or (holder_host is not None and holder_host != peer.host)
 
@@ -326,7 +383,7 @@ def _fetch_run(
     store: KVStore,
     peer: Peer,
     holder: str,
-    batches: list[tuple[PageHash, ...]],
+    batches: _Batches,
     deadline: float,
     transport: Transport | None,
     fetched: list[PageHash],
@@ -335,15 +392,15 @@ def _fetch_run(
 ) -> None:
     """Pull `batches` in order into `store` until the holder's run ends, each batch asked for
     while the one before is on the wire: the holder gathers batch n + 1 into its reply buffer
-    while the bytes of batch n travel, and this side stores them. An answer left unused by a
-    failure is freed by its lease (`REPLY_LEASE_S`)."""
+    (or lends it) while the bytes of batch n travel, and this side stores them. An answer left
+    unused by a failure is freed by its lease (`REPLY_LEASE_S`)."""
     layout = store.layout
     fingerprint = layout.fingerprint()
-    batch = batches[0]
-    bulk = _wants_bulk(peer, transport, peer.client.owner_host(holder))
-    reply = peer.client.request(holder, lambda rid: KVFetchRequest(rid, batch, fingerprint, bulk),
+    batch = batches.take(lent=None)
+    tcp = _over_tcp(peer, transport, peer.client.owner_host(holder))
+    reply = peer.client.request(holder, lambda rid: _request(rid, peer, batch, fingerprint, tcp),
                                 _remaining(deadline, holder))
-    for n, batch in enumerate(batches):
+    while True:
         if not isinstance(reply, KVFetchReply) or reply.found != batch[: len(reply.found)]:
             raise KVTransferError(f"{holder} answered a KV fetch with other pages than a prefix of those asked")
         found = batch[: len(reply.found)]
@@ -352,14 +409,14 @@ def _fetch_run(
         ref = reply.ref
         if ref is None or ref.dtype != layout.dtype or tuple(ref.shape) != (len(found), *layout.page_shape):
             raise KVTransferError(f"{holder} described {len(found)} pages of layout {fingerprint} wrongly: {ref}")
-        following = batches[n + 1] if len(found) == len(batch) and n + 1 < len(batches) else None
-        bulk = _wants_bulk(peer, transport, ref.host)
+        following = batches.take(lent=reply.lent) if len(found) == len(batch) and batches.left else None
+        tcp = _over_tcp(peer, transport, ref.host)
         asked: list[Transfer] = []
 
         def ask_next(following: tuple[PageHash, ...] | None = following, asked: list[Transfer] = asked,
-                     bulk: bool = bulk) -> None:
+                     tcp: bool = tcp) -> None:
             if following is not None and not asked:
-                asked.append(_ask(peer, holder, following, fingerprint, bulk, deadline))
+                asked.append(_ask(peer, holder, following, fingerprint, tcp, deadline))
 
         try:
             timeout = _remaining(deadline, holder)
@@ -379,9 +436,10 @@ def _fetch_run(
         fetched.extend(found)
         used.append(how)
         paths[how.value] += len(found)
-        if not asked:
+        if not asked or following is None:
             return  # the holder's run ends here, or every batch came
         reply = asked[0].wait(_remaining(deadline, holder))
+        batch = following
 
 
 class _PageSink:

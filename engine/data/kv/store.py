@@ -13,6 +13,9 @@ bytes wherever it lives and may sit in several tiers at once:
   tier and leaves the lower copy where it is.
 * Locked pages (`lock`/`unlock`) are in use by compute and are never evicted from
   the device tier; when nothing can be evicted, `KVCapacityError` says so.
+* Lent pages (`lend`) are read in place by a zero-copy send to another worker: not
+  evicted from the tier they are lent from, and their slots not reused (not even after
+  `remove`) until the loan is given back.
 
 The store is thread-safe (one re-entrant mutex; copies run under it, which keeps the
 state simple and costs little next to a forward pass). Listeners get a `KVEvent` for
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.data.kv.copy import copy_page
@@ -47,6 +51,7 @@ from engine.data.kv.errors import (
 from engine.data.kv.host import HostTier
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.loan import PageLoan
 from engine.data.kv.policy import EvictionPolicy, PageTracker, make_tracker
 from engine.data.kv.tier import Capacity, Tier, TierStats
 
@@ -519,6 +524,70 @@ class KVStore:
             level.stats.bytes_read += self.layout.page_nbytes
         return ok
 
+    def lend(self, pages: Sequence[PageHash]) -> PageLoan | None:
+        """Lend the bytes of `pages` in place, for a zero-copy send (see `PageLoan`): None, and
+        nothing lent, unless every page is held in host memory (the device tier on the CPU, or
+        the host tier; a page only on a GPU or the disk must be copied out with `get`).
+
+        Reads each page where it is, as `get(promote=False)` does (no promotion; counts a lookup
+        and a read per page), and pins it there until the loan is released: eviction passes it
+        over, and `remove` takes it out of the store at once but leaves its slot, and its bytes,
+        untouched until then. The caller must release the loan (a lease bounds how long).
+        """
+        with self._mutex:
+            self._check_open()
+            tiers: list[Tier] = []
+            for page in pages:
+                tier = self._best(page)
+                if tier is None or not self._in_host_memory(tier):
+                    return None
+                tiers.append(tier)
+            held: list[tuple[Tier, PageHash, int]] = []
+            for page, tier in zip(pages, tiers, strict=True):
+                level = self._levels[tier]
+                assert isinstance(level.tier, DeviceTier | HostTier)
+                for upper in self._levels:
+                    self._levels[upper].stats.lookups += 1
+                    if upper is tier:
+                        break
+                level.tracker.touch(page)
+                level.stats.hit_pages += 1
+                level.stats.reads += 1
+                level.stats.bytes_read += self.layout.page_nbytes
+                level.pins[page] += 1
+                held.append((tier, page, level.tier.hold(page)))
+            return PageLoan(tuple(pages), self._runs(held), lambda: self._give_back(held))
+
+    def _in_host_memory(self, tier: Tier) -> bool:
+        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device.type == "cpu")
+
+    def _runs(self, held: Sequence[tuple[Tier, PageHash, int]]) -> tuple[np.ndarray, ...]:
+        """The lent slots' bytes, one view per run of adjacent slots of one tier."""
+        runs: list[tuple[Tier, int, int]] = []
+        for tier, _page, slot in held:
+            if runs and runs[-1][0] is tier and runs[-1][1] + runs[-1][2] == slot:
+                runs[-1] = (tier, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((tier, slot, 1))
+        views = []
+        for tier, first, count in runs:
+            slots = self._levels[tier].tier
+            assert isinstance(slots, DeviceTier | HostTier)
+            views.append(slots.slot_bytes(first, count).numpy())
+        return tuple(views)
+
+    def _give_back(self, held: Sequence[tuple[Tier, PageHash, int]]) -> None:
+        with self._mutex:
+            if self._closed:  # the tiers let go of every slot when they closed
+                return
+            for tier, page, slot in held:
+                level = self._levels[tier]
+                level.pins[page] -= 1
+                if not level.pins[page]:
+                    del level.pins[page]
+                assert isinstance(level.tier, DeviceTier | HostTier)
+                level.tier.let_go(slot)
+
     def lock(self, pages: Sequence[PageHash], *, lookup: bool = False) -> list[int]:
         """Pin pages in the device tier (promoting them first); returns their device slots.
 
@@ -675,6 +744,7 @@ class KVStore:
                 out[f"{prefix}.capacity_pages"] = level.tier.capacity_pages
                 out[f"{prefix}.bytes_used"] = len(level.tier) * nbytes
                 out[f"{prefix}.capacity_bytes"] = level.tier.capacity_pages * nbytes
+                out[f"{prefix}.lent_pages"] = len(level.pins)  # outside the mutex, pins are loans
             out["device.locked_pages"] = len(self._locks)
             out["pull.pages"] = self.pulls.pages
             out["pull.bytes"] = self.pulls.bytes

@@ -89,11 +89,19 @@ class TierStats:
 class SlotTable:
     """Residency bookkeeping shared by the tiers: which page sits in which slot, and
     the free slots. A subclass sets `layout`, `_slots` (page -> slot) and `_free` in
-    its constructor."""
+    its constructor; a tier of memory slots (device, host) also `_held` and `_orphaned`
+    (both empty), and gives a removed page's slot to `_recycle`.
+
+    A held slot (`hold`, for a zero-copy send of its bytes) is never reused while held: a
+    page removed meanwhile leaves the tier at once, but its slot (and its bytes) only
+    returns to the free list when the last hold is let go (`let_go`).
+    """
 
     layout: KVLayout
     _slots: dict[PageHash, object]
     _free: list[int]
+    _held: dict[int, int]
+    _orphaned: set[int]
 
     def __contains__(self, page: object) -> bool:
         return page in self._slots
@@ -112,3 +120,28 @@ class SlotTable:
     def pages(self) -> Iterator[PageHash]:
         """Resident pages, in the order they were written."""
         return iter(list(self._slots))
+
+    def hold(self, page: PageHash) -> int:
+        """Keep `page`'s slot from reuse until `let_go(slot)` (holds nest); returns the slot."""
+        slot = self._slots[page]
+        assert isinstance(slot, int), "only tiers of memory slots lend them"
+        self._held[slot] = self._held.get(slot, 0) + 1
+        return slot
+
+    def let_go(self, slot: int) -> None:
+        """End one hold of `slot`; the last one frees it if its page was removed meanwhile."""
+        count = self._held[slot] - 1
+        if count:
+            self._held[slot] = count
+            return
+        del self._held[slot]
+        if slot in self._orphaned:
+            self._orphaned.discard(slot)
+            self._free.append(slot)
+
+    def _recycle(self, slot: int) -> None:
+        """A removed page's slot: free now, or when its last hold is let go."""
+        if slot in self._held:
+            self._orphaned.add(slot)
+        else:
+            self._free.append(slot)

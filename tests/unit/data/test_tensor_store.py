@@ -330,3 +330,52 @@ def test_mapper_reuses_mappings_and_drops_vanished_ones() -> None:
     finally:
         for segment in segments:
             segment.unlink()
+
+
+def lent_parts() -> tuple[np.ndarray, ...]:
+    return (np.arange(100, dtype=np.uint8), np.arange(100, 228, dtype=np.uint8), np.full(28, 7, np.uint8))
+
+
+def test_a_lent_tensor_is_served_from_its_parts_and_given_back_once_freed(store: TensorStore) -> None:
+    parts = lent_parts()
+    freed: list[int] = []
+    ref = store.lend("int32", (64,), parts, lambda: freed.append(1), lease_s=5.0)
+    assert (ref.dtype, ref.shape, ref.nbytes, ref.shm) == ("int32", (64,), 256, None)
+    entry = store.get(ref.id)
+    whole = np.concatenate(parts)
+    for offset, end in [(0, 256), (90, 110), (100, 228), (120, 250), (0, 1)]:
+        views = entry.byte_range(offset, end)
+        assert all(any(np.shares_memory(v, p) for p in parts) for v in views)  # no copy
+        assert np.concatenate(views).tobytes() == whole[offset:end].tobytes()
+    assert len(entry.byte_range(90, 110)) == 2 and len(entry.byte_range(120, 250)) == 2
+    assert freed == []
+    assert store.release(ref.id)
+    assert freed == [1]  # no send read them: given back at once
+    assert not store.release(ref.id) and freed == [1]
+
+
+def test_lent_parts_read_by_a_send_are_given_back_only_after_it(store: TensorStore, clock: FakeClock) -> None:
+    freed: list[str] = []
+    ref = store.lend("uint8", (256,), lent_parts(), lambda: freed.append("released"), lease_s=5.0)
+    send = FakeSend()
+    store.serve(ref.id, lambda e: send)
+    store.release(ref.id)
+    store.sweep()
+    assert freed == []
+    send.done = True
+    store.sweep()
+    assert freed == ["released"]
+
+    expiring = store.lend("uint8", (256,), lent_parts(), lambda: freed.append("expired"), lease_s=5.0)
+    clock.now += 5.0
+    assert store.sweep() == [expiring.id] and freed == ["released", "expired"]
+    store.lend("uint8", (256,), lent_parts(), lambda: freed.append("closed"), lease_s=5.0)
+    store.close()
+    assert freed == ["released", "expired", "closed"]
+
+
+def test_lent_parts_must_be_the_tensor_bytes(store: TensorStore) -> None:
+    with pytest.raises(ValueError, match="not the 256 bytes"):
+        store.lend("uint8", (256,), lent_parts()[:2], lambda: None)
+    with pytest.raises(ValueError, match="not the 256 bytes"):
+        store.lend("float32", (64,), (np.zeros(64, np.float32),), lambda: None)

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 from kv_factories import StoreFactory, make_keys, make_page, raw, small_layout
 
-from engine.data.codec import KiB
+from engine.data.codec import KiB, WireCodec
 from engine.data.curve import BulkMode, PlaneKeys
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.index import WorkerPrefix
@@ -23,9 +24,13 @@ from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import HolderChoice, KVPageServer, choose_holder, fetch_pages, pull_missing
 from engine.data.kv.store import KVStore
 from engine.data.kv.tier import Tier
-from engine.data.peer import ClientConfig, Peer, PeerConfig
+from engine.data.peer import ClientConfig, Peer, PeerConfig, ServerConfig
 from engine.data.server import TensorServer
 from engine.data.wire import (
+    PROTOCOL_VERSION,
+    ChunkRequest,
+    HelloReply,
+    HelloRequest,
     KVFetchReply,
     KVFetchRequest,
     PingRequest,
@@ -397,3 +402,121 @@ def test_pull_missing_completes_the_local_run_from_the_best_holder(
     assert (again.pages, again.holder, again.worker_id, again.local_pages) == ((), None, None, 5)
     done = pull_missing(local, puller, index, KEYS[:5], TIMEOUT_S)
     assert (done.pages, done.holder, done.local_pages) == ((), None, 5)
+
+
+def wait_for(ready: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("plane", [None, BulkMode.CLEAR, BulkMode.MAC], ids=["plaintext", "bulk", "bulk-mac"])
+def test_pages_freed_and_evicted_mid_send_reach_the_puller_as_written(
+    make_store: StoreFactory, tmp_path: Path, plane: BulkMode | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TCP puller gets the pages straight from the holder's slots (lent, no copy there). Asked
+    one page a chunk, one chunk at a time, the rest are still to be sent when the first arrives;
+    then the holder's compute frees every one of them and writes twice its capacity of other
+    pages. What the puller stores is still, byte for byte, what was written: no write lands in
+    a lent slot until the holder has sent it and the puller released the ref."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")  # 48 KiB pages
+    keys = make_keys(6, page_size=16)
+    others = make_keys(16, page_size=16, start=90_000)
+    plane_keys = None if plane is None else PlaneKeys.generate().with_bulk(plane)
+    one_by_one = ClientConfig(chunk_bytes=layout.page_nbytes, window=1)
+    with Peer.start(PeerConfig(keys=plane_keys)) as holder, \
+            Peer.start(PeerConfig(keys=plane_keys, client=one_by_one)) as puller:
+        served = make_store(device=8, host=None, disk=None, layout=layout)
+        for seed, key in enumerate(keys):
+            served.put(key, make_page(layout, seed))
+        KVPageServer(served, holder.server)
+        local = make_store(device=8, host=None, disk=None, layout=layout)
+        put = local.put
+        meddled: list[dict[PageHash, Tier]] = []
+
+        def meddle_then_put(page: PageHash, data: torch.Tensor) -> None:
+            if not meddled:
+                assert served.metrics()["device.lent_pages"] == 6  # served in place
+                for key in keys:
+                    served.remove(key)
+                for seed, key in enumerate(others):
+                    served.put(key, make_page(layout, 100 + seed))
+                meddled.append(served.resident_pages())
+            put(page, data)
+
+        monkeypatch.setattr(local, "put", meddle_then_put)
+
+        result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP)
+
+        assert result.pages == tuple(keys) and result.transports == (Transport.TCP,)
+        assert_holds_written_pages(local, keys, layout)
+        # the six lent slots stayed out of use: the other pages turned over in the two left
+        assert meddled == [{others[-2]: Tier.DEVICE, others[-1]: Tier.DEVICE}]
+        assert released_at_holder(puller, holder) == 0
+        wait_for(lambda: served.metrics()["device.lent_pages"] == 0, "the holder to get its pages back")
+        for seed, key in enumerate(others[:8]):  # every slot is free for use again
+            served.put(key, make_page(layout, 200 + seed))
+        assert set(served.resident_pages()) == set(others[:8])
+
+
+@pytest.mark.parametrize(("device", "requests"), [(8, 2), (1, 3)], ids=["lent", "copied"])
+def test_a_holder_that_lends_its_pages_is_asked_for_the_rest_of_the_run_at_once(
+    make_store: StoreFactory, make_peer: PeerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    device: int, requests: int
+) -> None:
+    """Requests of two 48 KiB pages while the holder copies what it serves (pages on its disk);
+    once it has lent one request's pages from its slots, the next asks for all the rest."""
+    layout = KVLayout(page_size=16, num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    monkeypatch.setattr("engine.data.kv.pull.FIRST_BATCH_BYTES", 2 * layout.page_nbytes)
+    monkeypatch.setattr("engine.data.kv.pull.BATCH_BYTES", 2 * layout.page_nbytes)
+    keys = make_keys(6, page_size=16)
+    holder = make_peer()
+    served = make_store(device=device, host=None, disk=8 if device == 1 else None, layout=layout,
+                        disk_dir=tmp_path / "holder")
+    for seed, key in enumerate(keys[::-1]):  # the last page put is the first asked: all on the disk but it
+        served.put(key, make_page(layout, 5 - seed))
+    KVPageServer(served, holder.server)
+    puller = make_peer(ClientConfig(chunk_bytes=layout.page_nbytes, window=2))
+    local = make_store(device=8, host=None, disk=None, layout=layout)
+
+    result = fetch_pages(local, puller, holder.address, keys, TIMEOUT_S, transport=Transport.TCP)
+
+    assert result.pages == tuple(keys) and result.transports == (Transport.TCP,) * requests
+    assert_holds_written_pages(local, keys, layout)
+    assert released_at_holder(puller, holder) == 0
+
+
+def test_pages_lent_to_a_puller_that_stops_reading_come_back_once_its_connection_is_dropped(
+    make_store: StoreFactory
+) -> None:
+    """A puller that stops reading mid-send (or whose host vanished) acknowledges nothing more:
+    the holder drops its connection after `peer_timeout_s`, with the chunks still queued for it,
+    so the lent pages come back (their lease alone could not free them while a send reads them)."""
+    layout = KVLayout(page_size=64, num_layers=16, num_kv_heads=8, head_dim=128, dtype="float16")  # 4 MiB pages
+    keys = make_keys(12, page_size=64)
+    config = PeerConfig(server=ServerConfig(peer_timeout_s=0.5))
+    with Peer.start(config) as holder, zmq.Context() as context:
+        served = make_store(device=12, host=None, disk=None, layout=layout)
+        for seed, key in enumerate(keys):
+            served.put(key, make_page(layout, seed))
+        KVPageServer(served, holder.server, lease_s=0.5)
+        vanished = context.socket(zmq.DEALER)  # a puller that reads one reply and then nothing
+        vanished.setsockopt(zmq.LINGER, 0)
+        vanished.setsockopt(zmq.RCVHWM, 1)
+        vanished.setsockopt(zmq.RCVBUF, 64 * KiB)
+        vanished.connect(holder.address)
+        codec = WireCodec(1 << 20)
+        vanished.send(codec.encode(HelloRequest(PROTOCOL_VERSION, "vanished", "elsewhere")))
+        assert isinstance(codec.decode(vanished.recv()), HelloReply)
+        vanished.send(codec.encode(KVFetchRequest(1, tuple(keys), layout.fingerprint(), tcp=True)))
+        reply = codec.decode(vanished.recv())
+        assert isinstance(reply, KVFetchReply) and reply.lent and reply.ref is not None
+        chunk = 8 << 20
+        for n, offset in enumerate(range(0, reply.ref.nbytes, chunk)):
+            vanished.send(codec.encode(ChunkRequest(2 + n, reply.ref.id, offset, chunk)))
+        assert served.metrics()["device.lent_pages"] == 12
+
+        wait_for(lambda: served.metrics()["device.lent_pages"] == 0, "the lent pages to come back")
+        vanished.close(linger=0)
