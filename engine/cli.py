@@ -29,7 +29,7 @@ from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import NodeProgressEvent, NodeStateEvent, RunFinished
 from engine.flow.executor import Executor, RunInputError, RunResult
 from engine.flow.loader import WorkflowLoadError, load_workflow
-from engine.flow.plan import build_plan
+from engine.flow.plan import Plan, build_plan
 from engine.flow.pysrc import to_python
 from engine.flow.remote import WorkerDispatcher
 from engine.flow.validate import GraphValidationError
@@ -112,9 +112,9 @@ def parse_inputs(spec: GraphSpec, pairs: Sequence[str]) -> dict[str, Any]:
     return values
 
 
-async def _execute(executor: Executor, spec: GraphSpec, inputs: dict[str, Any], timeout_s: float | None,
+async def _execute(executor: Executor, plan: Plan, inputs: dict[str, Any], timeout_s: float | None,
                    progress: TextIO | None) -> RunResult:
-    run = await executor.submit(spec, inputs, timeout_s=timeout_s)
+    run = await executor.submit(plan, inputs, timeout_s=timeout_s)
     if progress is not None:
         async for event in run.events():
             _show_progress(event, progress)
@@ -130,13 +130,13 @@ def trusted_ops() -> OpConfig:
 async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any], progress: TextIO | None):
     kinds = default_kinds()
     ops = trusted_ops()
-    build_plan(spec, kinds, ops)  # every problem reported before anything runs or is spawned
+    plan = build_plan(spec, kinds, ops)  # every problem reported before anything runs or is spawned
     if args.workers == "inproc":
         from engine.worker.units import SharedUnits  # torch: only for a run in this process
 
         executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
         try:
-            return await _execute(executor, spec, inputs, args.timeout, progress)
+            return await _execute(executor, plan, inputs, args.timeout, progress)
         finally:
             await executor.aclose()
     cluster = LocalCluster(spec, allow_module_ops=ops.allow_module_ops, registry_url=args.registry)
@@ -144,7 +144,7 @@ async def _run(args: argparse.Namespace, spec: GraphSpec, inputs: dict[str, Any]
         async with cluster:
             executor = Executor(WorkerDispatcher(cluster.registry, peer), kinds)
             try:
-                result = await _execute(executor, spec, inputs, args.timeout, progress)
+                result = await _execute(executor, plan, inputs, args.timeout, progress)
             finally:
                 await executor.aclose()
             result.outputs = {k: materialize(v, peer) for k, v in result.outputs.items()}
