@@ -8,13 +8,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import zmq.asyncio
 
 from engine.data.peer import Peer, PeerConfig
-from engine.data.wire import ExecuteFailed, ExecuteResult, ExecuteStarted, PortValue, ValueKind
+from engine.data.wire import (
+    ExecuteFailed,
+    ExecuteRequest,
+    ExecuteResult,
+    ExecuteStarted,
+    PortValue,
+    ValueKind,
+)
 from engine.flow.dsl import Workflow
 from engine.flow.events import NodeState, NodeStateEvent
 from engine.flow.executor import Executor
@@ -68,10 +76,15 @@ async def raw(strict_cluster: LocalCluster) -> AsyncIterator[RawClient]:
         context.destroy(linger=0)
 
 
+def calling(request: ExecuteRequest, **header: Any) -> ExecuteRequest:
+    """`request` with its call's header changed as `header` says."""
+    return msgspec.structs.replace(request, call=msgspec.structs.replace(request.call, **header))
+
+
 @pytest.mark.parametrize("op", ["tests.integration.workerfns:whoami", "os:system",
                                 "workflows.ops.common:Path.write_text", "workflows.ops.common:json.loads"])
 async def test_a_strict_worker_refuses_module_ops_sent_to_it(raw: RawClient, op: str, tmp_path: Path) -> None:
-    request = msgspec.structs.replace(whoami_request(1), op=op, node_id="evil",
+    request = msgspec.structs.replace(calling(whoami_request(1), op=op, node_id="evil"),
                                       inputs={"x": PortValue(ValueKind.INLINE, data=str(tmp_path / "pwned"))})
     reply = await answer(raw, request)
     assert isinstance(reply, ExecuteFailed), reply
@@ -81,9 +94,9 @@ async def test_a_strict_worker_refuses_module_ops_sent_to_it(raw: RawClient, op:
 
 
 async def test_a_strict_worker_runs_registered_ops_and_refuses_unknown_ones(raw: RawClient) -> None:
-    ok = msgspec.structs.replace(whoami_request(2, x=7), op="diamond.square", node_id="square")
+    ok = calling(whoami_request(2, x=7), op="diamond.square", node_id="square")
     assert await answer(raw, ok) == ExecuteResult(2, {"out": PortValue(ValueKind.INLINE, data=49)})
-    unknown = msgspec.structs.replace(whoami_request(3), op="diamond.sqare", node_id="square")
+    unknown = calling(whoami_request(3), op="diamond.sqare", node_id="square")
     reply = await answer(raw, unknown)
     assert isinstance(reply, ExecuteFailed), reply
     assert "UnknownOpError: node 'square': op 'diamond.sqare' is not a registered op" in reply.error
