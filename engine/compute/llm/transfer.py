@@ -140,14 +140,6 @@ class PageSource(Protocol):
         ...
 
 
-def resident_run(store: KVStore, pages: Sequence[PageHash]) -> int:
-    """How many leading `pages` some tier of `store` holds (not counted as lookups in its metrics)."""
-    run = 0
-    while run < len(pages) and store.contains(pages[run]):
-        run += 1
-    return run
-
-
 class StorePageSource:
     """A `PageSource` over a `KVStore` of this process: copies, read without promotion."""
 
@@ -157,7 +149,7 @@ class StorePageSource:
     def pull(self, store: KVStore, pages: Sequence[PageHash], timeout_s: float) -> int:
         del timeout_s  # a local copy does not wait
         started = time.perf_counter()
-        have = resident_run(store, pages)
+        have = store.resident_run(pages)
         copied = 0
         for page in pages[have:]:
             data = self._store.get(page, promote=False)
@@ -177,7 +169,7 @@ class HolderPageSource:
         self.holder = holder
 
     def pull(self, store: KVStore, pages: Sequence[PageHash], timeout_s: float) -> int:
-        have = resident_run(store, pages)
+        have = store.resident_run(pages)
         if have == len(pages):
             return have
         return have + len(fetch_pages(store, self._peer, self.holder, pages[have:], timeout_s).pages)

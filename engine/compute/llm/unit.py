@@ -66,7 +66,6 @@ from engine.compute.llm.transfer import (
     KVHandoff,
     KVHandoffRef,
     PageSource,
-    resident_run,
 )
 from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
@@ -624,7 +623,7 @@ class LLMUnit(ComputeUnit):
         deadline = time.monotonic() + self.pull_timeout_s
         where = f"prefill worker {ref.worker_id or '?'} at {ref.holder}"
         try:
-            have = resident_run(self.engine.store, pages)
+            have = self.engine.store.resident_run(pages)
             pulled = 0
             if have < len(pages):
                 got = fetch_pages(self.engine.store, peer, ref.holder, pages[have:], self.pull_timeout_s).pages

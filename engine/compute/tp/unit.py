@@ -58,7 +58,7 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import HandoffError, LLMError
 from engine.compute.llm.sequence import RequestOutput
-from engine.compute.llm.transfer import KVHandoff, KVHandoffRef, resident_run
+from engine.compute.llm.transfer import KVHandoff, KVHandoffRef
 from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add, check_handoff_tenant
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
@@ -218,7 +218,7 @@ class _HandoffPuller:
         deadline = time.monotonic() + timeout_s
         store, group = self.engine.store, self.engine.group
         pages = [PageHash(p) for p in ref.page_hashes]
-        have = resident_run(store, pages)
+        have = store.resident_run(pages)
         if have < len(pages):
             got = pull_shards(self._peer(), ref.holder, pages[have:], self.whole, group.size, group.rank, timeout_s)
             if len(got) < len(pages) - have:
