@@ -26,13 +26,13 @@ import torch
 
 from engine.compute.diffusion.head import DiffusionHead
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.llm.transfer import HolderPageSource, IndexPageSource, PageSource
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVHolderIndex
+from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
 from engine.data.peer import Peer

@@ -29,11 +29,12 @@ import torch
 
 from engine.compute.llm.errors import HandoffError
 from engine.compute.llm.sequence import Sequence
-from engine.compute.llm.transfer import KVHandoff, PageSource
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.prefix.radix import RadixCache, RadixNode
 from engine.data.kv.errors import KVPageNotFound, KVTransferError
 from engine.data.kv.keys import PageHash, page_hashes
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.source import PageSource
 from engine.data.kv.store import KVStore
 
 

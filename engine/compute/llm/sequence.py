@@ -13,8 +13,9 @@ from engine.data.kv.keys import ExtraKeys, PageHash
 
 if TYPE_CHECKING:
     from engine.compute.llm.cache import PendingPull
-    from engine.compute.llm.transfer import KVHandoff, PageSource
+    from engine.compute.llm.transfer import KVHandoff
     from engine.compute.models.text import IncrementalDetokenizer
+    from engine.data.kv.source import PageSource
 
 
 class SeqStatus(StrEnum):

@@ -60,13 +60,7 @@ from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMError, LLMUnitError, RequestError
 from engine.compute.llm.media import encoded_items, splice_marked, splice_marked_text
 from engine.compute.llm.sequence import FinishReason, RequestOutput
-from engine.compute.llm.transfer import (
-    HolderPageSource,
-    IndexPageSource,
-    KVHandoff,
-    KVHandoffRef,
-    PageSource,
-)
+from engine.compute.llm.transfer import KVHandoff, KVHandoffRef
 from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
@@ -75,6 +69,7 @@ from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
 from engine.data.kv.pull import KVHolderIndex, KVPageServer, fetch_pages
+from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer, PeerConfig
 from engine.data.tensor_store import RefNotFound
