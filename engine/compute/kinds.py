@@ -234,7 +234,7 @@ def register(registry: KindRegistry) -> None:
             outputs={
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
-                "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "kv": PortSpec(type="kv", description="a KVRef: model id, KV layout, page keys of prompt + output, holder"),
                 "usage": _USAGE_OUTPUT,
             },
         )
@@ -251,7 +251,7 @@ def register(registry: KindRegistry) -> None:
             category="model",
             params_schema=LLM_PREFILL_PARAMS,
             inputs=dict(_PROMPT_INPUTS),
-            outputs={"kv": PortSpec(type="kv", description="the prefill handoff")},
+            outputs={"kv": PortSpec(type="kv", description="a KVRef holding the prompt's pages for one llm.decode node")},
         )
     )
     registry.add_node_kind(
@@ -266,7 +266,7 @@ def register(registry: KindRegistry) -> None:
             outputs={
                 "text": PortSpec(type="text", description="generated text, first token included (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
-                "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "kv": PortSpec(type="kv", description="a KVRef: model id, KV layout, page keys of prompt + output, holder"),
                 "usage": _USAGE_OUTPUT,
             },
         )

@@ -107,13 +107,13 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
 
     tokens, kv = denoise_in["tokens"], denoise_in["kv"]
     page = diffusion_role.params["page_size"]
-    assert kv["holder"] == workers["llm"].details["data"]
+    assert kv.holder.address == workers["llm"].details["data"]
     # The llm worker holds the full pages of its context but the last token's (it sampled that
     # token, never ran it): the diffusion worker pulls all of those and computes only the rest
     # of the context and the one-token negative prompt (BOS).
-    held = min(len(tokens) // page, len(kv["pages"]))
-    assert held >= 2 and len(kv["pages"]) >= (len(tokens) - 1) // page
-    layout = kv["layout"]
+    held = min(len(tokens) // page, len(kv.page_hashes))
+    assert held >= 2 and len(kv.page_hashes) >= (len(tokens) - 1) // page
+    layout = kv.layout
     page_nbytes = 2 * layout["num_layers"] * page * layout["num_kv_heads"] * layout["head_dim"] * 4
     assert metrics["kv.pull.pages"] == held
     assert metrics["kv.pull.bytes"] == held * page_nbytes

@@ -11,8 +11,8 @@ worker gives one. Full prompt pages the unit computes stay in the store, so a re
 
 Node inputs: `prompt` (text) or `tokens` (ids; the `llm` role's model ids for the
 same context), optional `negative_prompt` (text; else the param, else empty: just BOS)
-and optional `kv` (an `llm` node's `kv` output: checked to be of this model and layout;
-its pages are found by key). Output: `latents`, a `(C, h, w)` float32 tensor for a
+and optional `kv` (an `llm` node's `KVRef`: checked to be of this model and layout;
+its pages are found by key and pulled from its holder). Output: `latents`, a `(C, h, w)` float32 tensor for a
 `vae_decode` node.
 """
 
@@ -32,6 +32,7 @@ from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVHolderIndex
+from engine.data.kv.ref import KVRef, KVRefError
 from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
@@ -55,15 +56,12 @@ def prompt_ids(call: NodeCall, runner: DiffusionRunner, text: Any, tokens: Any, 
     return list(runner.model.tokenizer(text).input_ids)
 
 
-def check_kv(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> None:
-    """An input `kv` must be an `llm` node's kv output of this model, in this (whole) layout."""
-    if not isinstance(kv, dict) or "model_id" not in kv:
-        raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
-    if kv["model_id"] != model_id:
-        raise UnitInputError(f"node {call.node_id!r}: KV of model {kv['model_id']!r}, this role runs {model_id!r}")
-    if kv.get("layout") is not None and kv["layout"] != layout.to_dict():
-        raise UnitInputError(f"node {call.node_id!r}: KV layout {kv['layout']} is not {layout.to_dict()}"
-                             " (set the role's page_size to the llm role's)")
+def kv_input(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> KVRef:
+    """An input `kv`: an `llm` node's `KVRef` of this model, in this (whole) layout."""
+    try:
+        return KVRef.for_role(kv, model_id, layout)
+    except KVRefError as exc:
+        raise UnitInputError(f"node {call.node_id!r}: input 'kv': {exc}") from None
 
 
 class DiffusionUnit(ThreadedUnit):
@@ -119,12 +117,12 @@ class DiffusionUnit(ThreadedUnit):
         if self.page_source is None and index is not None:
             self.page_source = IndexPageSource(peer, index)
 
-    def _source(self, kv: Any) -> PageSource | None:
+    def _source(self, kv: KVRef | None) -> PageSource | None:
         """Where missing prompt pages come from: the worker that computed `kv` (its `holder`), if
         the unit is on the transfer plane and that is another worker; else `page_source`."""
-        holder = kv.get("holder") if isinstance(kv, dict) else None
-        if self._peer is not None and isinstance(holder, str) and holder != self._peer.address:
-            return HolderPageSource(self._peer, holder)
+        holder = kv.holder if kv is not None else None
+        if self._peer is not None and holder is not None and holder.address != self._peer.address:
+            return HolderPageSource(self._peer, holder.address)
         return self.page_source
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any], report: Report) -> torch.Tensor:
@@ -135,15 +133,16 @@ class DiffusionUnit(ThreadedUnit):
         ids = prompt_ids(call, self.runner, prompt, tokens, "prompt")
         if not ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
+        kv = None
         if inputs.get("kv") is not None:
-            check_kv(call, inputs["kv"], self.runner.model_id, self.runner.layout)
+            kv = kv_input(call, inputs["kv"], self.runner.model_id, self.runner.layout)
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
         tenant = call.tenant
         branches = [Prompt.of(ids)]
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
             branches.append(Prompt.of(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID]))
-        source = self._source(inputs.get("kv"))
+        source = self._source(kv)
         kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
                for p in branches]
         steps = int(params.get("steps") or self.config.steps)

@@ -9,6 +9,7 @@
 * `pull`: `KVPageServer` and `fetch_pages`, pages between workers' stores.
 * `source`: `PageSource` and its kinds, where a store gets pages it lacks (another store, a
   named holder, the holder the index names).
+* `ref`: `KVRef`, the `kv` value of llm nodes (pages, holder, a prefill's hold).
 """
 
 from engine.data.kv.errors import (
