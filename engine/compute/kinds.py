@@ -374,7 +374,8 @@ def register_multimodal(registry: KindRegistry) -> None:
             "prompt": PortSpec(type="text", optional=True, description="text prompt"),
             "tokens": PortSpec(type="tokens", optional=True, description="prompt as the llm role's token ids"),
             "negative_prompt": PortSpec(type="text", optional=True, description="unconditional branch of CFG"),
-            "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output for this context"),
+            "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output: its pages are reused,"
+                           " and its context (prompt and output ids) is the prompt when neither is given"),
         },
         outputs={"latents": PortSpec(type="tensor", description="(C, h, w) latents for vae_decode")},
     ))

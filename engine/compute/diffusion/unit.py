@@ -12,7 +12,10 @@ worker gives one. Full prompt pages the unit computes stay in the store, so a re
 Node inputs: `prompt` (text) or `tokens` (ids; the `llm` role's model ids for the
 same context), optional `negative_prompt` (text; else the param, else empty: just BOS)
 and optional `kv` (an `llm` node's `KVRef`: checked to be of this model and layout;
-its pages are found by key and pulled from its holder). Output: `latents`, a `(C, h, w)` float32 tensor for a
+its pages are found by key and pulled from its holder). Without `prompt` and `tokens` the
+prompt is the context `kv` carries (the llm node's prompt and output ids). The page keys are
+computed here from the ids under the call's tenant, never taken from `kv`: a `kv` naming
+another tenant's pages reads nothing of theirs. Output: `latents`, a `(C, h, w)` float32 tensor for a
 `vae_decode` node.
 """
 
@@ -62,6 +65,20 @@ def kv_input(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> KVRef:
         return KVRef.for_role(kv, model_id, layout)
     except KVRefError as exc:
         raise UnitInputError(f"node {call.node_id!r}: input 'kv': {exc}") from None
+
+
+def context_ids(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any], kv: KVRef | None) -> list[int]:
+    """The prompt's token ids: input `prompt` (tokenized) or `tokens`, else the context `kv` carries
+    (the llm node's prompt and output ids: not tokenized again)."""
+    prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
+    if prompt is not None and tokens is not None:
+        raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
+    if prompt is None and tokens is None:
+        if kv is None or not (kv.prompt_ids or kv.output_ids):
+            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens', or a"
+                                 " 'kv' carrying its context's token ids")
+        return [*kv.prompt_ids, *kv.output_ids]
+    return prompt_ids(call, runner, prompt, tokens, "prompt")
 
 
 class DiffusionUnit(ThreadedUnit):
@@ -127,15 +144,12 @@ class DiffusionUnit(ThreadedUnit):
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any], report: Report) -> torch.Tensor:
         params = call.params
-        prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
-        if (prompt is None) == (tokens is None):
-            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
-        ids = prompt_ids(call, self.runner, prompt, tokens, "prompt")
-        if not ids:
-            raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         kv = None
         if inputs.get("kv") is not None:
             kv = kv_input(call, inputs["kv"], self.runner.model_id, self.runner.layout)
+        ids = context_ids(call, self.runner, inputs, kv)
+        if not ids:
+            raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
         tenant = call.tenant
         branches = [Prompt.of(ids)]

@@ -503,7 +503,8 @@ class LLMUnit(ComputeUnit):
         layout = self.engine.layout
         return KVRef(
             model_id=self.engine.model_id, page_size=layout.page_size, layout=layout.to_dict(),
-            page_hashes=tuple(out.kv_pages), tokens=out.prompt_tokens + len(out.output_ids),
+            page_hashes=tuple(out.kv_pages), prompt_ids=out.prompt_ids, output_ids=out.output_ids,
+            tokens=out.prompt_tokens + len(out.output_ids),
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, holder=self._holder(),
             pulled_pages=pulled.pages, pulled_from=pulled.source,
         )
@@ -686,7 +687,7 @@ class LLMUnit(ComputeUnit):
             request_id=hold.handoff_id, new_token_ids=(token,), text_delta=self.engine.decode_text([token]),
             finished=True, finish_reason=FinishReason(hold.finish_reason), output_ids=(token,),
             text=self.engine.decode_text([token]), prompt_tokens=len(ref.prompt_ids),
-            cached_tokens=ref.cached_tokens,
+            cached_tokens=ref.cached_tokens, prompt_ids=ref.prompt_ids,
         )
 
     def metrics(self) -> dict[str, float]:

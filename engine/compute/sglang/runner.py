@@ -234,6 +234,8 @@ class SGLangLLMUnit(ComputeUnit):
             page_size=self.config.page_size,
             # Full pages of the prompt and the output but its last token (which has no KV yet).
             page_hashes=tuple(page_hashes(prompt_ids + output_ids[:-1], self.config.page_size)),
+            prompt_ids=tuple(prompt_ids),
+            output_ids=tuple(output_ids),
             tokens=len(prompt_ids) + len(output_ids),
             prompt_tokens=len(prompt_ids),
             cached_tokens=cached,

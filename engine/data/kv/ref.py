@@ -65,8 +65,10 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
 
     `page_hashes` are the keys of its full pages in order: prompt and output (but the last
     token, which has no KV yet) for an `llm` node, the prompt's for a prefill hand-off.
-    `prompt_ids` are the prompt's token ids and `key_ids` those the page keys are computed over
-    (multimodal items as their sentinels); both are carried by a prefill hand-off, empty elsewhere. `layout` is the pages'
+    `prompt_ids` are the prompt's token ids (a session's history included) and `output_ids` the
+    generated ones (an `llm` node's; empty for a hand-off): the context the pages hold, which the
+    diffusion role attends to without tokenizing the prompt again. `key_ids` are the ids the
+    prompt's page keys are computed over (multimodal items as their sentinels; a hand-off's). `layout` is the pages'
     `KVLayout.to_dict()` (None from a runner that does not expose it: SGLang), `page_size` always.
     `tokens`, `prompt_tokens`, `cached_tokens` count the generation's context, its prompt and
     the prompt tokens read from cache (`cached_tokens_details`: by tier, where the runner says).
@@ -80,6 +82,7 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
     layout: dict[str, Any] | None = None
     page_hashes: tuple[PageHash, ...] = ()
     prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
     key_ids: tuple[int, ...] = ()
     tokens: int = 0
     prompt_tokens: int = 0
