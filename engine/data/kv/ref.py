@@ -134,5 +134,16 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
         """Plain JSON data (what the studio stores and shows; `type` names it)."""
         return msgspec.json.decode(msgspec.json.encode(self))
 
+    def brief(self) -> dict[str, Any]:
+        """`to_json()` with its id lists (token ids, page keys) given as their lengths: a bounded
+        rendering for events and previews, whatever the context's length."""
+        data = self.to_json()
+        for name in _ID_LISTS:
+            data[name] = {"count": len(data[name])}
+        return data
+
+
+_ID_LISTS = ("page_hashes", "prompt_ids", "output_ids", "key_ids")
+
 
 __all__ = ["KVHold", "KVHolder", "KVRef", "KVRefError"]

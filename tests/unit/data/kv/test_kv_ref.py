@@ -31,7 +31,8 @@ def handoff() -> KVRef:
 
 
 def generated() -> KVRef:
-    return KVRef(model_id="m", page_size=4, page_hashes=PAGES, tokens=11, prompt_tokens=9,
+    return KVRef(model_id="m", page_size=4, page_hashes=PAGES, prompt_ids=IDS[:9], output_ids=IDS[9:], tokens=11,
+                 prompt_tokens=9,
                  cached_tokens_details={"device": 4}, pulled_pages=2, pulled_from=KVHolder("tcp://127.0.0.1:1"))
 
 
@@ -60,6 +61,16 @@ def test_the_studio_sees_json_that_reads_back_as_the_same_ref() -> None:
     assert shown["holder"] == {"address": "tcp://127.0.0.1:5555", "worker_id": "w1"}
     assert shown["hold"]["token"]["id"] == "h.1"
     assert KVRef.of(shown) == ref
+
+
+def test_a_long_contexts_preview_keeps_its_counts_and_gives_its_id_lists_as_lengths() -> None:
+    ids = tuple(range(4000))
+    ref = msgspec.structs.replace(handoff(), prompt_ids=ids, key_ids=ids, page_hashes=PAGES * 500,
+                                  tokens=4000, prompt_tokens=4000)
+    shown = preview(ref)
+    assert len(msgspec.json.encode(shown)) < 2000
+    assert shown == {**ref.to_json(), "page_hashes": {"count": 1000}, "prompt_ids": {"count": 4000},
+                     "output_ids": {"count": 0}, "key_ids": {"count": 4000}}
 
 
 def test_of_accepts_only_kv_refs() -> None:
