@@ -218,29 +218,13 @@ class SGLangLLMUnit(ComputeUnit):
             yield await self.engine.async_generate(**kwargs), ids
 
     def _kv_ref(self, out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> KVRef:
-        meta = out.get("meta_info", {})
-        finish = meta.get("finish_reason")
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise SGLangRunnerError(f"generation aborted: {finish.get('message', finish)}")
-        details = meta.get("cached_tokens_details") or {}
-        cached = int(meta.get("cached_tokens", 0))
+        ref = kv_ref(out, self.model_id, self.config.page_size, prompt_ids, output_ids)
         self._stats["requests"] += 1
-        self._stats["prompt_tokens"] += len(prompt_ids)
-        self._stats["cached_tokens"] += cached
-        self._stats["storage_cached_tokens"] += int(details.get("storage", 0))
+        self._stats["prompt_tokens"] += ref.prompt_tokens
+        self._stats["cached_tokens"] += ref.cached_tokens
+        self._stats["storage_cached_tokens"] += ref.cached_tokens_details.get("storage", 0)
         self._stats["output_tokens"] += len(output_ids)
-        return KVRef(
-            model_id=self.model_id,
-            page_size=self.config.page_size,
-            # Full pages of the prompt and the output but its last token (which has no KV yet).
-            page_hashes=tuple(page_hashes(prompt_ids + output_ids[:-1], self.config.page_size)),
-            prompt_ids=tuple(prompt_ids),
-            output_ids=tuple(output_ids),
-            tokens=len(prompt_ids) + len(output_ids),
-            prompt_tokens=len(prompt_ids),
-            cached_tokens=cached,
-            cached_tokens_details={k: v for k, v in details.items() if isinstance(v, int)},
-        )
+        return ref
 
     @staticmethod
     def _meter(call: NodeCall, ctx: NodeContext) -> ProgressMeter:
@@ -284,6 +268,28 @@ class SGLangLLMUnit(ComputeUnit):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
+
+
+def kv_ref(out: dict[str, Any], model_id: str, page_size: int, prompt_ids: list[int], output_ids: list[int]) -> KVRef:
+    """The `kv` value of SGLang's last output `out` of a request: no layout and no holder (SGLang's
+    own cache is not pulled from), pages by our keys. Raises `SGLangRunnerError` when it aborted."""
+    meta = out.get("meta_info", {})
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise SGLangRunnerError(f"generation aborted: {finish.get('message', finish)}")
+    details = meta.get("cached_tokens_details") or {}
+    return KVRef(
+        model_id=model_id,
+        page_size=page_size,
+        # Full pages of the prompt and the output but its last token (which has no KV yet).
+        page_hashes=tuple(page_hashes(prompt_ids + output_ids[:-1], page_size)),
+        prompt_ids=tuple(prompt_ids),
+        output_ids=tuple(output_ids),
+        tokens=len(prompt_ids) + len(output_ids),
+        prompt_tokens=len(prompt_ids),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        cached_tokens_details={k: v for k, v in details.items() if isinstance(v, int)},
+    )
 
 
 def _usage(out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
