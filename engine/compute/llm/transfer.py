@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.data.kv.keys import PageHash
-from engine.data.kv.ref import KVRef, KVRefError
+from engine.data.kv.ref import KVRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +53,7 @@ def handoff_of(ref: KVRef, tail: torch.Tensor | None) -> KVHandoff:
     """The engine's `KVHandoff` for a prefill hand-off that arrived as a `KVRef` (its pages
     pulled, its partial last page `tail`). Raises `KVRefError` when `ref` carries no hold."""
     hold = ref.handoff
-    if ref.layout is None:
-        raise KVRefError("a prefill handoff without its KV layout")
+    assert ref.layout is not None  # `handoff` checked it
     return KVHandoff(
         handoff_id=hold.handoff_id,
         model_id=ref.model_id,

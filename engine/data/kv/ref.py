@@ -125,9 +125,12 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
 
     @property
     def handoff(self) -> KVHold:
-        """The prefill hand-off this ref carries; `KVRefError` when it carries none."""
+        """The prefill hand-off this ref carries; `KVRefError` when it carries none (or no layout,
+        which a decode side needs to read the pages)."""
         if self.hold is None:
             raise KVRefError("not a prefill handoff (connect the 'kv' output of an llm.prefill node)")
+        if self.layout is None:
+            raise KVRefError("a prefill handoff without its KV layout")
         return self.hold
 
     def to_json(self) -> dict[str, Any]:

@@ -100,4 +100,6 @@ def test_handoff_is_the_hold_or_a_typed_error() -> None:
     assert handoff().handoff.first_token == 7
     with pytest.raises(KVRefError, match="not a prefill handoff"):
         _ = generated().handoff
+    with pytest.raises(KVRefError, match="a prefill handoff without its KV layout"):
+        _ = msgspec.structs.replace(handoff(), layout=None).handoff
     assert msgspec.structs.replace(handoff(), hold=None).hold is None
