@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 import uvloop
 
+from engine.data.kv.ref import KVRef
 from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import TensorRef
 from engine.flow.dispatch import InProcessDispatcher
@@ -161,9 +162,12 @@ def materialize(value: Any, peer: Peer) -> Any:
 
 
 def _printable(value: Any) -> Any:
-    """What `json` cannot write: byte blobs as their size (the media themselves are for files), else repr."""
+    """What `json` cannot write: byte blobs as their size (the media themselves are for files),
+    typed values (an llm node's `KVRef`) as their JSON, else repr."""
     if isinstance(value, bytes | bytearray | memoryview):
         return {"bytes": len(value)}
+    if isinstance(value, KVRef):
+        return value.to_json()
     return repr(value)
 
 

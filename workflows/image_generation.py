@@ -3,7 +3,8 @@ reusing the LLM's prompt KV, pulled across roles -> VAE decode -> PNG.
 
 The `llm` and `diffusion` roles run the same model (`smollm2-135m`, real weights, page size 16): the
 diffusion role denoises with the LLM's own transformer and attends to the LLM's context (its prompt
-and rewrite, as token ids), so the rewrite is real text. On one host the two workers hold one copy
+and rewrite, as the token ids the `kv` value carries: nothing is tokenized twice), so the rewrite is
+real text. On one host the two workers hold one copy
 of the weights (`HostWeights`). The diffusion's own layers (patch embedding, timestep embedding,
 output head) and the VAE are seeded: no diffusion model with real weights is to be had offline, so
 the picture is random (for testing). It does not recompute that context: the `kv` edge names the llm worker
@@ -17,7 +18,7 @@ token (`<|size:WxH|>`, default 256x256) sizes the saved PNG; `save` writes it un
 from __future__ import annotations
 
 from engine.flow.dsl import Workflow
-from workflows.ops.common import context_tokens, image_size, rewrite_prompt, save_outputs
+from workflows.ops.common import image_size, rewrite_prompt, save_outputs
 
 MODEL = "smollm2-135m"
 PAGE_SIZE = 16
@@ -31,8 +32,6 @@ vae = wf.role("vae", kind="vae_decoder", model="tiny-vae")
 request = wf.input("request", "text", default="a lighthouse on a cliff at dusk, oil painting")
 instruct = wf.python(rewrite_prompt, role=py, outputs={"out": "text"})
 rewrite = wf.node("rewrite", "llm", role=llm, params={"max_new_tokens": 24, "seed": 7})
-context = wf.python(context_tokens, role=py, inputs={"prompt": "text", "tokens": "tokens"},
-                    outputs={"out": "tokens"}, params={"model": MODEL})
 denoise = wf.node("denoise", "diffusion", role=diffusion, params={"seed": 0})
 decode = wf.node("decode", "vae_decode", role=vae)
 size = wf.python(image_size, role=py)
@@ -40,9 +39,6 @@ save = wf.python(save_outputs, role=py, inputs={"text": "text", "image": "image"
 
 wf.edge(request, instruct)
 wf.edge(instruct, rewrite.inp("prompt"))
-wf.edge(instruct, context.inp("prompt"))
-wf.edge(rewrite.out("tokens"), context.inp("tokens"))
-wf.edge(context, denoise.inp("tokens"))
 wf.edge(rewrite.out("kv"), denoise.inp("kv"))
 wf.edge(denoise.out("latents"), decode.inp("latents"))
 wf.edge(rewrite.out("text"), size.inp("text"))

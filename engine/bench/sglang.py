@@ -107,9 +107,9 @@ async def run_round(unit: Any, name: str, prompts: list[list[int]], max_new_toke
     seconds = time.perf_counter() - start
     kvs = [r.outputs["kv"] for r in results]
     output_tokens = sum(len(r.outputs["tokens"]) for r in results)
-    prompt_tokens = sum(kv["prompt_tokens"] for kv in kvs)
-    cached = sum(kv["cached_tokens"] for kv in kvs)
-    detail = {k: sum(kv["cached_tokens_details"].get(k, 0) for kv in kvs) for k in ("device", "host", "storage")}
+    prompt_tokens = sum(kv.prompt_tokens for kv in kvs)
+    cached = sum(kv.cached_tokens for kv in kvs)
+    detail = {k: sum(kv.cached_tokens_details.get(k, 0) for kv in kvs) for k in ("device", "host", "storage")}
     return RoundResult(name, round(seconds, 3), output_tokens, round(output_tokens / seconds, 1), prompt_tokens,
                        cached, round(cached / prompt_tokens, 4), detail["device"], detail["host"], detail["storage"])
 

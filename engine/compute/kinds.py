@@ -234,7 +234,7 @@ def register(registry: KindRegistry) -> None:
             outputs={
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
-                "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "kv": PortSpec(type="kv", description="a KVRef: model id, KV layout, page keys of prompt + output, holder"),
                 "usage": _USAGE_OUTPUT,
             },
         )
@@ -251,7 +251,7 @@ def register(registry: KindRegistry) -> None:
             category="model",
             params_schema=LLM_PREFILL_PARAMS,
             inputs=dict(_PROMPT_INPUTS),
-            outputs={"kv": PortSpec(type="kv", description="the prefill handoff")},
+            outputs={"kv": PortSpec(type="kv", description="a KVRef holding the prompt's pages for one llm.decode node")},
         )
     )
     registry.add_node_kind(
@@ -266,7 +266,7 @@ def register(registry: KindRegistry) -> None:
             outputs={
                 "text": PortSpec(type="text", description="generated text, first token included (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
-                "kv": PortSpec(type="kv", description="model id, KV layout and page keys of prompt + output"),
+                "kv": PortSpec(type="kv", description="a KVRef: model id, KV layout, page keys of prompt + output, holder"),
                 "usage": _USAGE_OUTPUT,
             },
         )
@@ -374,7 +374,8 @@ def register_multimodal(registry: KindRegistry) -> None:
             "prompt": PortSpec(type="text", optional=True, description="text prompt"),
             "tokens": PortSpec(type="tokens", optional=True, description="prompt as the llm role's token ids"),
             "negative_prompt": PortSpec(type="text", optional=True, description="unconditional branch of CFG"),
-            "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output for this context"),
+            "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output: its pages are reused,"
+                           " and its context (prompt and output ids) is the prompt when neither is given"),
         },
         outputs={"latents": PortSpec(type="tensor", description="(C, h, w) latents for vae_decode")},
     ))

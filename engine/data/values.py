@@ -1,7 +1,7 @@
 """Node values across processes: `PortValue`s on the wire, Python values at the ends.
 
 Small msgpack-native values (None, bool, numbers, str, bytes, lists, dicts) travel
-inline; numpy arrays and torch tensors stay in the producer's tensor store and travel
+inline; a `KVRef` (an llm node's `kv`) travels as a msgpack map and is decoded back into one; numpy arrays and torch tensors stay in the producer's tensor store and travel
 as `TensorRef`s, which the consumer pulls straight from the producer; large bytes go
 the same way as a uint8 blob. A `TensorRef` handed on unchanged is passed through, so
 a value crosses the network only to the node that reads it. Anything else is refused
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from engine.data.kv.ref import KVRef
 from engine.data.wire import PortValue, TensorRef, ValueKind
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ def encode_value(value: Any, peer: Peer, *, where: str = "value", lease_s: float
     """A PortValue for `value`; tensors are put into `peer`'s store (not copied again)."""
     if isinstance(value, TensorRef):
         return PortValue(ValueKind.TENSOR, ref=value)
+    if isinstance(value, KVRef):
+        return PortValue(ValueKind.KV, data=value)
     if _is_tensor(value):
         return PortValue(ValueKind.TENSOR, ref=peer.put(value, lease_s))
     if isinstance(value, bytes | bytearray | memoryview) and len(value) > INLINE_LIMIT:
@@ -61,6 +64,8 @@ def decode_value(value: PortValue, peer: Peer, *, timeout: float, materialize: b
     and blobs become bytes; without, their `TensorRef` is returned as is."""
     if value.kind == ValueKind.INLINE:
         return value.data
+    if value.kind == ValueKind.KV:
+        return _kv_ref(value)
     if value.ref is None:
         raise ValueTransportError(f"a {value.kind} value without a ref")
     if not materialize:
@@ -75,9 +80,20 @@ async def decode_value_async(value: PortValue, peer: Peer, *, timeout: float) ->
     """`decode_value(materialize=True)` without blocking the event loop."""
     if value.kind == ValueKind.INLINE:
         return value.data
+    if value.kind == ValueKind.KV:
+        return _kv_ref(value)
     if value.ref is None:
         raise ValueTransportError(f"a {value.kind} value without a ref")
     data = await peer.pull_async(value.ref, timeout)
     if value.kind == ValueKind.BLOB:
         return data.bytes_view().tobytes()
     return data.torch()
+
+
+def _kv_ref(value: PortValue) -> KVRef:
+    if isinstance(value.data, KVRef):  # never encoded (an in-process hand-over)
+        return value.data
+    try:
+        return msgspec.convert(value.data, KVRef)
+    except msgspec.ValidationError as exc:
+        raise ValueTransportError(f"a malformed KV reference: {exc}") from None

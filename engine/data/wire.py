@@ -32,7 +32,8 @@ any number of `ExecuteProgress`/`ExecuteFrame`, then `ExecuteResult` or `Execute
 frames flow under credit (`engine.data.credit`): a request's `window` bounds the frames
 either side sends ahead of the other's `FrameCredit` (output frames) or `InputCredit` (the
 frames of one input port).
-Node values travel as `PortValue`s: small msgpack-native values inline, tensors as refs.
+Node values travel as `PortValue`s: small msgpack-native values inline, tensors as refs, an llm
+node's `KVRef` as itself (kind `KV`).
 
 Bump `PROTOCOL_VERSION` on any incompatible change to a message below.
 """
@@ -46,7 +47,8 @@ import msgspec
 
 from engine.spec.calls import CallHeader
 
-PROTOCOL_VERSION = 4  # 4: a chunk may come in several frames; a node call's header is one struct
+PROTOCOL_VERSION = 5  # 4: a chunk may come in several frames; a node call's header is one struct;
+# 5: an llm node's kv value travels as itself (`ValueKind.KV`)
 
 RefId = NewType("RefId", str)
 
@@ -345,6 +347,7 @@ class ValueKind(enum.StrEnum):
     TENSOR = "tensor"  # `ref` names a tensor in its producer's store; consumers pull it
     BLOB = "blob"  # `ref` names a uint8 tensor holding a large bytes value
     STREAM = "stream"  # frames follow as InputFrame messages for this port, then InputEnd
+    KV = "kv"  # `data` is an `engine.data.kv.ref.KVRef` (a msgpack map), decoded back into one
 
 
 class PortValue(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from engine.data.kv.ref import KVRef
+
 
 class NodeState(enum.StrEnum):
     PENDING = "pending"
@@ -128,6 +130,8 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
         return {"repr": repr(value)[:limit]}
     if len(encoded) <= limit:
         return msgspec.json.decode(encoded)
+    if isinstance(value, KVRef):  # its counts and holder stay readable (the studio's usage of older graphs)
+        return value.brief()
     return {"truncated": encoded[:limit].decode("utf-8", "replace"), "bytes": len(encoded)}
 
 

@@ -12,8 +12,8 @@ with that policy the dispatcher asks a `KVRouter` for a `PrefixHint`:
    the engine computes, so two tenants' equal prompts have different keys and neither is routed
    toward (or counted as cached on) the other's pages. The token ids come from the node call's inputs:
 
-   * `kv` carrying `page_hashes` (an `llm.prefill` handoff, i.e. an `llm.decode` node):
-     those keys as they are;
+   * `kv`, a `KVRef` carrying a hold (an `llm.prefill` handoff, i.e. an `llm.decode` node):
+     its `page_hashes` as they are;
    * `tokens` (token ids): hashed as above;
    * `prompt` (text): only with a `PromptTokenizer`, a callable the composition root may
      pass in (e.g. `engine.compute.llm.routing.RoleTokenizers`, which loads just the role
@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from engine.data.kv.errors import KVIndexError
 from engine.data.kv.index import RedisKVIndex
 from engine.data.kv.keys import ExtraKeys, page_hashes
+from engine.data.kv.ref import KVRef
 from engine.flow.discovery import RedisRegistry, Registry, WorkerSnapshot
 from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
@@ -98,8 +99,8 @@ def prompt_pages(
     empty when they cannot be known here. At most `max_pages`, and never the page holding the
     prompt's last token (the engine always computes that one)."""
     kv = call.inputs.get("kv")
-    if isinstance(kv, Mapping) and isinstance(kv.get("page_hashes"), list | tuple):
-        return tuple(str(p) for p in kv["page_hashes"][:max_pages])
+    if isinstance(kv, KVRef) and kv.hold is not None:
+        return tuple(kv.page_hashes[:max_pages])
     if kv_meta is None or call.params.get("session") is not None or kv_meta.get("prefix_cache") is False:
         return ()
     tokens = call.inputs.get("tokens")

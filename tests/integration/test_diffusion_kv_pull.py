@@ -4,8 +4,9 @@ KV pages from the llm worker that computed them instead of recomputing them.
 The llm and diffusion roles run in separate processes (no shared KV store, no Redis index: the
 only way to the pages is the `kv` edge's holder address). The diffusion worker's own metrics
 say how many pages and bytes it pulled and how many prompt tokens it computed; its latents are
-checked against an independent reference: the same context denoised in this process with the
-prompt recomputed, together with the image tokens, at every step.
+checked against an independent reference: the same context (the llm node's prompt tokenized here,
+then its output) denoised in this process with the prompt recomputed, together with the image
+tokens, at every step.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
             result = await asyncio.wait_for(run.wait(), 60)
             assert result.status == "done", result.error
             denoise_in = recording.inputs["denoise"]
+            rewrite_in, rewrite_out = recording.inputs["rewrite"], recording.outputs["rewrite"]
             latents_ref = recording.outputs["denoise"]["latents"]
             assert isinstance(latents_ref, TensorRef)
             latents = peer.pull(latents_ref, timeout=10.0).torch(copy=True)
@@ -105,15 +107,19 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
         await cluster.stop()
         peer.close()
 
-    tokens, kv = denoise_in["tokens"], denoise_in["kv"]
+    kv = denoise_in["kv"]
+    assert "tokens" not in denoise_in and "prompt" not in denoise_in  # the context comes with the kv
+    model = load_builtin(diffusion_role.model)
+    tokens = list(model.tokenizer(rewrite_in["prompt"]).input_ids) + list(rewrite_out["tokens"])
+    assert [*kv.prompt_ids, *kv.output_ids] == tokens
     page = diffusion_role.params["page_size"]
-    assert kv["holder"] == workers["llm"].details["data"]
+    assert kv.holder.address == workers["llm"].details["data"]
     # The llm worker holds the full pages of its context but the last token's (it sampled that
     # token, never ran it): the diffusion worker pulls all of those and computes only the rest
     # of the context and the one-token negative prompt (BOS).
-    held = min(len(tokens) // page, len(kv["pages"]))
-    assert held >= 2 and len(kv["pages"]) >= (len(tokens) - 1) // page
-    layout = kv["layout"]
+    held = min(len(tokens) // page, len(kv.page_hashes))
+    assert held >= 2 and len(kv.page_hashes) >= (len(tokens) - 1) // page
+    layout = kv.layout
     page_nbytes = 2 * layout["num_layers"] * page * layout["num_kv_heads"] * layout["head_dim"] * 4
     assert metrics["kv.pull.pages"] == held
     assert metrics["kv.pull.bytes"] == held * page_nbytes
@@ -125,8 +131,7 @@ async def test_the_diffusion_worker_pulls_the_llm_workers_prompt_pages_and_match
 
     # The independent reference: the prompt recomputed with the image tokens at every step.
     params = diffusion_role.params
-    runner = DiffusionRunner(load_builtin(diffusion_role.model),
-                             DiffusionConfig(page_size=page, steps=params["steps"]))
+    runner = DiffusionRunner(model, DiffusionConfig(page_size=page, steps=params["steps"]))
     expected = runner.denoise_recompute([Prompt.of(tokens), Prompt.of([BOS_ID])], seed=0)[0]
     assert latents.shape == expected.shape
     assert (latents - expected).abs().max().item() <= 1e-5

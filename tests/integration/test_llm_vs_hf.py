@@ -17,9 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine.compute.llm import EngineConfig, FinishReason, LLMEngine, StorePageSource
+from engine.compute.llm import EngineConfig, FinishReason, LLMEngine
 from engine.compute.models import LoadedModel, export_model, load_checkpoint
 from engine.compute.sampling import SamplingParams
+from engine.data.kv.source import StorePageSource
 from tests.integration.hf_agreement import check_greedy
 
 MODELS = ("tiny-llama", "tiny-qwen2")

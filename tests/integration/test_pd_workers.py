@@ -127,12 +127,12 @@ async def test_disaggregated_tokens_equal_hf_generate_and_one_worker(deployment:
         expected = hf_greedy(reference, prompt, NEW)
         assert result.outputs["pd"] == result.outputs["single"] == expected
         handoff, kv = result.outputs["handoff"], result.outputs["pd_kv"]
-        assert handoff["worker_id"] in deployment.worker_ids("prefill")
-        assert kv["worker_id"] == decode_id and kv["prefill_worker_id"] == handoff["worker_id"]
-        assert len(handoff["page_hashes"]) == len(prompt) // PAGE
-        assert kv["pulled_pages"] == len(prompt) // PAGE  # exactly the prompt's pages, nothing else
-        assert kv["pages"][: len(prompt) // PAGE] == handoff["page_hashes"]
-        pulled += kv["pulled_pages"]
+        assert handoff.holder.worker_id in deployment.worker_ids("prefill")
+        assert kv.holder.worker_id == decode_id and kv.pulled_from == handoff.holder
+        assert len(handoff.page_hashes) == len(prompt) // PAGE
+        assert kv.pulled_pages == len(prompt) // PAGE  # exactly the prompt's pages, nothing else
+        assert kv.page_hashes[: len(prompt) // PAGE] == handoff.page_hashes
+        pulled += kv.pulled_pages
     # The decode worker's own counters say the same, and every prefill worker let go of its holds.
     await wait_until(lambda: equals(deployment.metric(decode_id, "kv.pull.pages"), before + pulled), 10.0,
                      "the decode worker's pull count in its heartbeat")
@@ -155,9 +155,9 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
     await asyncio.wait_for(started.wait(), 10.0)
     shared = text_ids(10, 16)  # four pages
     first = await deployment.execute("prefill", {"tokens": shared + text_ids(11, 5)}, ("kv",))
-    assert first["kv"]["worker_id"] == second_id  # the idle one: nobody holds the prefix yet
+    assert first["kv"].holder.worker_id == second_id  # the idle one: nobody holds the prefix yet
     gate.set()
-    assert (await asyncio.wait_for(blocker, 10.0))["kv"]["worker_id"] == first_id
+    assert (await asyncio.wait_for(blocker, 10.0))["kv"].holder.worker_id == first_id
     kv_meta = (await deployment.cluster.registry.workers("prefill"))[0].info.meta[KV_META_KEY]
     again = NodeCall("r", "y", None, {}, {"tokens": shared + text_ids(12, 7)}, ("kv",), False, False, 1, 1)
     pages = prompt_pages(deployment.spec.role("prefill"), again, kv_meta)
@@ -165,13 +165,13 @@ async def test_kv_aware_routing_sends_a_shared_prefix_to_the_worker_holding_it(d
                      "the index to show the prefix on the worker that computed it")
     # Both idle now: load would pick the first worker, the cached prefix picks the second.
     second = await deployment.execute("prefill", again.inputs, ("kv",))
-    assert second["kv"]["worker_id"] == second_id and second["kv"]["cached_tokens"] == 16
+    assert second["kv"].holder.worker_id == second_id and second["kv"].cached_tokens == 16
     fresh = await deployment.execute("prefill", {"tokens": text_ids(13, 21)}, ("kv",))
-    assert fresh["kv"]["worker_id"] == first_id and fresh["kv"]["cached_tokens"] == 0
+    assert fresh["kv"].holder.worker_id == first_id and fresh["kv"].cached_tokens == 0
     # Decoding both: the second handoff shares four pages with the first, so only its fifth moves.
     for handoff, moved in ((first["kv"], 5), (second["kv"], 1)):
         out = await deployment.execute("decode", {"kv": handoff}, ("kv",))
-        assert out["kv"]["pulled_pages"] == moved
+        assert out["kv"].pulled_pages == moved
 
 
 async def idle(deployment: Deployment, role: str) -> bool:
@@ -210,15 +210,15 @@ async def test_kv_aware_routing_sends_a_text_prompt_to_the_worker_holding_its_pr
     try:
         await asyncio.wait_for(started.wait(), 10.0)
         first = await execute({"prompt": shared + "What is 2 + 2?"})
-        assert first["kv"]["worker_id"] == second_id
+        assert first["kv"].holder.worker_id == second_id
         gate.set()
-        assert (await asyncio.wait_for(blocker, 10.0))["kv"]["worker_id"] == first_id
-        held = tuple(first["kv"]["page_hashes"][:11])
+        assert (await asyncio.wait_for(blocker, 10.0))["kv"].holder.worker_id == first_id
+        held = first["kv"].page_hashes[:11]
         await wait_until(lambda: deployment.index.lookup(held).get(second_id) == 11, 10.0,
                          "the index to show the shared prefix on the second worker")
         # Both idle: load alone would pick the first worker; the text's cached pages pick the second.
         again = await execute({"prompt": shared + "Name a colour."})
-        assert again["kv"]["worker_id"] == second_id and again["kv"]["cached_tokens"] == 44
+        assert again["kv"].holder.worker_id == second_id and again["kv"].cached_tokens == 44
     finally:
         gate.set()
         await asyncio.gather(blocker, return_exceptions=True)
@@ -230,8 +230,8 @@ async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_i
     prompt = text_ids(30, 21)
     computed = await deployment.execute("single", {"tokens": prompt}, ("text", "tokens", "kv"),
                                         {"max_new_tokens": 2})
-    assert computed["kv"]["worker_id"] == single_id
-    pages = tuple(computed["kv"]["pages"][:5])
+    assert computed["kv"].holder.worker_id == single_id
+    pages = computed["kv"].page_hashes[:5]
     await wait_until(lambda: deployment.index.lookup(pages).get(single_id) == 5, 10.0,
                      "the index to show the prompt's pages on the single worker")
     before = await deployment.metric(prefill_id, "kv.pull.pages")
@@ -240,7 +240,7 @@ async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_i
         yield prompt + text_ids(31, 3)
 
     out = await deployment.execute("prefill", {"tokens": streamed()}, ("kv",))
-    assert out["kv"]["worker_id"] == prefill_id and out["kv"]["cached_tokens"] == 20  # pulled, not computed
+    assert out["kv"].holder.worker_id == prefill_id and out["kv"].cached_tokens == 20  # pulled, not computed
     await wait_until(lambda: equals(deployment.metric(prefill_id, "kv.pull.pages"), before + 5), 10.0,
                      "the prefill worker's pull count in its heartbeat")
 
@@ -248,12 +248,12 @@ async def test_prefix_matching_pulls_pages_another_worker_computed_through_the_i
 async def test_a_killed_prefill_worker_fails_the_decode_within_its_pull_timeout(deployment: Deployment):
     """Runs last: it kills one of the module's prefill workers."""
     handoff = (await deployment.execute("prefill", {"tokens": text_ids(20, 10)}, ("kv",)))["kv"]
-    holder = next(w for w in deployment.cluster.workers if w.worker_id == handoff["worker_id"])
+    holder = next(w for w in deployment.cluster.workers if w.worker_id == handoff.holder.worker_id)
     holder.process.send_signal(signal.SIGKILL)
     await asyncio.wait_for(holder.process.wait(), 10.0)
     started = time.monotonic()
     with pytest.raises(RemoteNodeError) as err:
         await asyncio.wait_for(deployment.execute("decode", {"kv": handoff}, ("tokens",)), 3 * PULL_TIMEOUT_S + 5)
     elapsed = time.monotonic() - started
-    assert f"cannot pull the prompt's KV from prefill worker {handoff['worker_id']}" in str(err.value)
+    assert f"cannot pull the prompt's KV from prefill worker {handoff.holder.worker_id}" in str(err.value)
     assert PULL_TIMEOUT_S * 0.5 < elapsed < PULL_TIMEOUT_S + 3.0, elapsed

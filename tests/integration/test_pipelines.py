@@ -77,7 +77,7 @@ def test_omni_dialogue_three_turns_reuse_the_picture(tmp_path, monkeypatch):
     with wave.open(io.BytesIO(Path(files["audio"]).read_bytes())) as wav:
         assert wav.getnframes() > 0
     # Turn 3's history (turn 1's picture included) comes from the session's cached pages.
-    assert third.outputs["kv"]["cached_tokens"] >= first.outputs["kv"]["prompt_tokens"]
+    assert third.outputs["kv"].cached_tokens >= first.outputs["kv"].prompt_tokens
 
 
 def test_image_generation_in_process_shares_the_model_between_llm_and_diffusion(tmp_path, monkeypatch):

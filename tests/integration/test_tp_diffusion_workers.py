@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from msgspec.structs import replace
 
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.loader import load_builtin
 from engine.compute.models.tokenizer import BOS_ID
+from engine.data.kv.ref import KVHolder, KVRef
 from engine.data.wire import TensorRef
 from engine.flow.dsl import Workflow
 from engine.flow.remote import RemoteNodeError, WorkerLost
@@ -106,7 +108,7 @@ async def test_tp2_diffusion_reuses_the_prompt_kv_an_llm_role_computed(deploymen
     pages = len(tokens) // PARAMS["page_size"]
     assert pages >= 3
     kv = (await deployment.execute("lm", {"tokens": tokens}, ("kv",), {"max_new_tokens": 1}))["kv"]
-    assert kv["holder"], kv
+    assert kv.holder is not None and kv.holder.address, kv
     inputs = {"tokens": tokens, "negative_prompt": "blurry", "kv": kv}
     params = {"seed": 3, "steps": 2}
     before = {role: await reused_tokens(deployment, role) for role in ("one", "two")}
@@ -125,16 +127,16 @@ async def test_tp2_diffusion_reuses_the_prompt_kv_an_llm_role_computed(deploymen
 
 async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment: Deployment):
     with pytest.raises(RemoteNodeError, match="KV of model 'm', this role runs"):
-        await latents(deployment, "two", {"prompt": "x", "kv": {"model_id": "m"}}, {})
+        await latents(deployment, "two", {"prompt": "x", "kv": KVRef(model_id="m", page_size=PARAMS["page_size"])}, {})
     kv = (await deployment.execute("lm", {"tokens": [40, 41, 42, 43, 44]}, ("kv",), {"max_new_tokens": 1}))["kv"]
     with pytest.raises(RemoteNodeError, match="input 'kv' names no holder"):
-        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": None}}, {})
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": replace(kv, holder=None)}, {})
     with pytest.raises(RemoteNodeError, match="holder 'garbage' is not a worker's data address"):
-        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": "garbage"}}, {})
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": replace(kv, holder=KVHolder("garbage"))}, {})
     # A holder that is gone: every rank's pull fails alike, within the role's pull timeout (half
     # its tp_timeout_s), and the group goes on.
     with pytest.raises(RemoteNodeError, match="pulling the prompt's KV from tcp://127.0.0.1:9 failed"):
-        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": {**kv, "holder": "tcp://127.0.0.1:9"}},
+        await latents(deployment, "two", {"tokens": [40, 41, 42, 43, 44], "kv": replace(kv, holder=KVHolder("tcp://127.0.0.1:9"))},
                       {"steps": 1})
     with pytest.raises(RemoteNodeError, match="exactly one of the inputs"):
         await latents(deployment, "two", {"prompt": "x", "tokens": [5, 6]}, {})

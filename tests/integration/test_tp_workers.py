@@ -28,7 +28,6 @@ from transformers import PreTrainedModel
 
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
-from engine.compute.llm.transfer import KVHandoffRef
 from engine.compute.models.loader import load_builtin
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.kv import merge_pages, shard_layout
@@ -36,6 +35,7 @@ from engine.compute.tp.unit import _HandoffPuller
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import fetch_pages
+from engine.data.kv.ref import KVRef
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.wire import ReleaseRequest
 from engine.flow.dsl import Workflow
@@ -119,11 +119,11 @@ async def test_tp2_greedy_tokens_equal_tp1_and_hf_generate(deployment: Deploymen
         assert result.outputs["tp2"] == expected
         # TP-1 prefill -> TP-2 decode: the ranks pulled every full page of the prompt.
         assert result.outputs["pd"] == expected
-        assert result.outputs["pd_kv"]["pulled_pages"] == len(prompt) // PAGE
+        assert result.outputs["pd_kv"].pulled_pages == len(prompt) // PAGE
         # TP-2 prefill -> TP-1 decode: the TP-1 worker pulled rank 0's merged pages; and TP-2 -> TP-2.
         assert result.outputs["pd21"] == expected
-        assert result.outputs["pd21_kv"]["pulled_pages"] == len(prompt) // PAGE
-        assert result.outputs["pd21_kv"]["prefill_worker_id"] == deployment.replica("two").worker_id
+        assert result.outputs["pd21_kv"].pulled_pages == len(prompt) // PAGE
+        assert result.outputs["pd21_kv"].pulled_from.worker_id == deployment.replica("two").worker_id
         assert result.outputs["pd22"] == expected
     # The TP-2 decodes let go of every handoff: the prefill worker holds no page locked.
     one = deployment.replica("one").worker_id
@@ -185,17 +185,19 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
     against the real TP-1 prefill worker: merged, the ranks' pages are the holder's bytes."""
     prompt = text_ids(5, 4 * PAGE + 3)
     out = await deployment.execute("one", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
-    ref = KVHandoffRef.from_value(out["kv"])
+    ref = out["kv"]
+    assert isinstance(ref, KVRef) and ref.hold is not None and ref.hold.token is not None and ref.holder is not None
+    hold = ref.hold.token
     whole = KVLayout(**ref.layout)
     pages = [PageHash(p) for p in ref.page_hashes]
-    assert len(pages) == 4 and ref.tail_len == 3
+    assert len(pages) == 4 and ref.hold.tail_len == 3
 
     def pull_all() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         holder = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=8), device="cpu"))
         stores = [KVStore(KVStoreConfig(layout=shard_layout(whole, 2, r), device_capacity=Capacity(pages=8),
                                         device="cpu")) for r in range(2)]
         try:
-            assert len(fetch_pages(holder, deployment.peer, ref.holder, pages, 10.0).pages) == 4
+            assert len(fetch_pages(holder, deployment.peer, ref.holder.address, pages, 10.0).pages) == 4
             served = torch.stack([holder.get(p) for p in pages])
             tails = []
             for rank, store in enumerate(stores):
@@ -204,7 +206,7 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
                 assert handoff.layout == store.layout.to_dict() and handoff.page_hashes == tuple(pages)
                 tails.append(handoff.tail)
             shards = [torch.stack([s.get(p) for p in pages]) for s in stores]
-            tail = deployment.peer.pull(ref.hold, 10.0).torch().clone()
+            tail = deployment.peer.pull(hold, 10.0).torch().clone()
             return served, shards, tail, tails
         finally:
             holder.close()
@@ -215,8 +217,8 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
         served, shards, tail, tails = await asyncio.to_thread(pull_all)
     finally:
         # Let the prefill worker go of the handoff (nobody decodes it).
-        await asyncio.to_thread(deployment.peer.client.call, ref.hold.owner,
-                                lambda rid: ReleaseRequest(rid, ref.hold.id), 5.0)
+        await asyncio.to_thread(deployment.peer.client.call, hold.owner,
+                                lambda rid: ReleaseRequest(rid, hold.id), 5.0)
     assert [s.shape[-2] for s in shards] == [1, 1]
     assert torch.equal(merge_pages(shards, whole.num_kv_heads), served)
     assert torch.equal(merge_pages(tails, whole.num_kv_heads), tail)
@@ -227,24 +229,26 @@ async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deploym
     engine computes it (up to float summation order) and in the layout a TP-1 decode reads."""
     prompt = text_ids(9, 3 * PAGE + 2)
     out = await deployment.execute("two", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
-    ref = KVHandoffRef.from_value(out["kv"])
+    ref = out["kv"]
+    assert isinstance(ref, KVRef) and ref.hold is not None and ref.hold.token is not None and ref.holder is not None
+    hold = ref.hold.token
     whole = KVLayout(**ref.layout)
-    assert whole.num_kv_heads == 2 and len(ref.page_hashes) == 3 and ref.tail_len == 2
+    assert whole.num_kv_heads == 2 and len(ref.page_hashes) == 3 and ref.hold.tail_len == 2
     pages = [PageHash(p) for p in ref.page_hashes]
 
     def fetch() -> tuple[torch.Tensor, torch.Tensor]:
         store = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=4), device="cpu"))
         try:
-            assert len(fetch_pages(store, deployment.peer, ref.holder, pages, 10.0).pages) == 3
-            return torch.stack([store.get(p) for p in pages]), deployment.peer.pull(ref.hold, 10.0).torch().clone()
+            assert len(fetch_pages(store, deployment.peer, ref.holder.address, pages, 10.0).pages) == 3
+            return torch.stack([store.get(p) for p in pages]), deployment.peer.pull(hold, 10.0).torch().clone()
         finally:
             store.close()
 
     try:
         served, tail = await asyncio.to_thread(fetch)
     finally:
-        await asyncio.to_thread(deployment.peer.client.call, ref.hold.owner,
-                                lambda rid: ReleaseRequest(rid, ref.hold.id), 5.0)
+        await asyncio.to_thread(deployment.peer.client.call, hold.owner,
+                                lambda rid: ReleaseRequest(rid, hold.id), 5.0)
     engine = LLMEngine(load_builtin(MODEL), EngineConfig(page_size=PAGE))
     try:
         (local,) = engine.generate([prompt], SamplingParams(max_new_tokens=NEW), prefill_only=True)
@@ -252,7 +256,8 @@ async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deploym
         assert handoff is not None and list(handoff.page_hashes) == pages
         expected = torch.stack([engine.store.get(p) for p in pages])
         torch.testing.assert_close(served, expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(tail[..., : ref.tail_len, :, :], handoff.tail[..., : ref.tail_len, :, :],
+        tail_len = ref.hold.tail_len
+        torch.testing.assert_close(tail[..., :tail_len, :, :], handoff.tail[..., :tail_len, :, :],
                                    rtol=0, atol=1e-5)
         engine.release_handoff(handoff.handoff_id)
     finally:

@@ -17,6 +17,8 @@ from sglang.srt.server_args import ServerArgs
 
 from engine.bench import sglang as sglang_bench
 from engine.compute.sglang import runner
+from engine.data.kv.keys import page_hashes
+from engine.data.kv.ref import KVRef
 from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
 
@@ -104,6 +106,20 @@ def bench_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sglang_bench.add_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def test_the_kv_value_names_the_full_pages_of_prompt_and_output_but_the_last_token() -> None:
+    prompt, output = list(range(1, 21)), [30, 31, 32, 33, 34]  # 24 tokens with KV: three pages of 8
+    out = {"meta_info": {"finish_reason": {"type": "length"}, "cached_tokens": 8,
+                         "cached_tokens_details": {"device": 8, "host": 0, "storage": 0, "source": "x"}}}
+    ref = runner.kv_ref(out, "m", 8, prompt, output)
+    assert ref == KVRef(model_id="m", page_size=8, page_hashes=tuple(page_hashes([*prompt, 30, 31, 32, 33], 8)),
+                        prompt_ids=tuple(prompt), output_ids=tuple(output), tokens=25, prompt_tokens=20,
+                        cached_tokens=8, cached_tokens_details={"device": 8, "host": 0, "storage": 0})
+    assert len(ref.page_hashes) == 3 and ref.layout is None and ref.holder is None
+    with pytest.raises(runner.SGLangRunnerError, match="generation aborted: out of memory"):
+        runner.kv_ref({"meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}, "m", 8,
+                      prompt, output)
 
 
 def test_bench_arguments_and_cpu_exit() -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from engine.data.kv.ref import KVRef
 from engine.spec.ops import op
 
 
@@ -14,10 +13,9 @@ def join_text(parts: list[str]) -> str:
 
 
 @op("chat.usage", inputs={"kv": {"type": "kv", "join": "ordered"}}, outputs={"usage": "json"})
-def usage_of(kv: list[dict[str, Any]]) -> dict[str, int]:
+def usage_of(kv: list[KVRef]) -> dict[str, int]:
     """Token counts of the generation (prompt includes a session's history) from its KV reference."""
-    ref = kv[-1]
-    prompt = int(ref["prompt_tokens"])
-    completion = int(ref["tokens"]) - prompt
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "cached_tokens": int(ref.get("cached_tokens", 0))}
+    ref = KVRef.of(kv[-1])
+    completion = ref.tokens - ref.prompt_tokens
+    return {"prompt_tokens": ref.prompt_tokens, "completion_tokens": completion, "total_tokens": ref.tokens,
+            "cached_tokens": ref.cached_tokens}

@@ -31,7 +31,8 @@ def rewrite_prompt(request: str) -> str:
 def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
     """The LLM's whole context as model ids (its prompt tokenized as the llm role running `model`
     does, then what it generated): the diffusion role attends to it, reusing the pages the LLM
-    computed."""
+    computed. A diffusion node fed the llm node's `kv` does not need it: that value carries these
+    ids (`workflows/image_generation.py`); kept for graphs that pass the context as `tokens`."""
     from engine.compute.llm.routing import RoleTokenizers
 
     return list(RoleTokenizers().tokenizer(model)(prompt).input_ids) + [int(t) for t in tokens]

@@ -26,13 +26,14 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from engine.compute.diffusion.forward import DiffusionModelError, ImageTokenForward, KVBatch, PromptKV
 from engine.compute.diffusion.head import DiffusionHead, patchify, unpatchify
 from engine.compute.llm.forward import PagedForward, PrefillChunk
-from engine.compute.llm.transfer import KVHandoff, PageSource, resident_run
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem, cache_key
 from engine.compute.weights.seeding import build_seeded
 from engine.data.kv.errors import KVPageNotFound, KVTransferError
 from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
 from engine.data.kv.layout import KVLayout, dtype_name
+from engine.data.kv.source import PageSource
 from engine.data.kv.store import KVStore
 
 Mode = Literal["reuse", "recompute"]
@@ -155,7 +156,7 @@ class DiffusionRunner:
         if store.layout != self.layout:
             raise DiffusionModelError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         keys = self.page_keys(prompt, tenant_salt)
-        run = resident_run(store, keys)
+        run = store.resident_run(keys)
         if source is not None and run < len(keys):
             run = source.pull(store, keys, timeout_s)
         try:

@@ -11,8 +11,11 @@ worker gives one. Full prompt pages the unit computes stay in the store, so a re
 
 Node inputs: `prompt` (text) or `tokens` (ids; the `llm` role's model ids for the
 same context), optional `negative_prompt` (text; else the param, else empty: just BOS)
-and optional `kv` (an `llm` node's `kv` output: checked to be of this model and layout;
-its pages are found by key). Output: `latents`, a `(C, h, w)` float32 tensor for a
+and optional `kv` (an `llm` node's `KVRef`: checked to be of this model and layout;
+its pages are found by key and pulled from its holder). Without `prompt` and `tokens` the
+prompt is the context `kv` carries (the llm node's prompt and output ids). The page keys are
+computed here from the ids under the call's tenant, never taken from `kv`: a `kv` naming
+another tenant's pages reads nothing of theirs. Output: `latents`, a `(C, h, w)` float32 tensor for a
 `vae_decode` node.
 """
 
@@ -26,13 +29,14 @@ import torch
 
 from engine.compute.diffusion.head import DiffusionHead
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.llm.transfer import HolderPageSource, IndexPageSource, PageSource
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVHolderIndex
+from engine.data.kv.ref import KVRef, KVRefError
+from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
 from engine.data.peer import Peer
@@ -55,15 +59,26 @@ def prompt_ids(call: NodeCall, runner: DiffusionRunner, text: Any, tokens: Any, 
     return list(runner.model.tokenizer(text).input_ids)
 
 
-def check_kv(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> None:
-    """An input `kv` must be an `llm` node's kv output of this model, in this (whole) layout."""
-    if not isinstance(kv, dict) or "model_id" not in kv:
-        raise UnitInputError(f"node {call.node_id!r}: input 'kv' must be an llm node's kv output")
-    if kv["model_id"] != model_id:
-        raise UnitInputError(f"node {call.node_id!r}: KV of model {kv['model_id']!r}, this role runs {model_id!r}")
-    if kv.get("layout") is not None and kv["layout"] != layout.to_dict():
-        raise UnitInputError(f"node {call.node_id!r}: KV layout {kv['layout']} is not {layout.to_dict()}"
-                             " (set the role's page_size to the llm role's)")
+def kv_input(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> KVRef:
+    """An input `kv`: an `llm` node's `KVRef` of this model, in this (whole) layout."""
+    try:
+        return KVRef.for_role(kv, model_id, layout)
+    except KVRefError as exc:
+        raise UnitInputError(f"node {call.node_id!r}: input 'kv': {exc}") from None
+
+
+def context_ids(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any], kv: KVRef | None) -> list[int]:
+    """The prompt's token ids: input `prompt` (tokenized) or `tokens`, else the context `kv` carries
+    (the llm node's prompt and output ids: not tokenized again)."""
+    prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
+    if prompt is not None and tokens is not None:
+        raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
+    if prompt is None and tokens is None:
+        if kv is None or not (kv.prompt_ids or kv.output_ids):
+            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens', or a"
+                                 " 'kv' carrying its context's token ids")
+        return [*kv.prompt_ids, *kv.output_ids]
+    return prompt_ids(call, runner, prompt, tokens, "prompt")
 
 
 class DiffusionUnit(ThreadedUnit):
@@ -119,31 +134,29 @@ class DiffusionUnit(ThreadedUnit):
         if self.page_source is None and index is not None:
             self.page_source = IndexPageSource(peer, index)
 
-    def _source(self, kv: Any) -> PageSource | None:
+    def _source(self, kv: KVRef | None) -> PageSource | None:
         """Where missing prompt pages come from: the worker that computed `kv` (its `holder`), if
         the unit is on the transfer plane and that is another worker; else `page_source`."""
-        holder = kv.get("holder") if isinstance(kv, dict) else None
-        if self._peer is not None and isinstance(holder, str) and holder != self._peer.address:
-            return HolderPageSource(self._peer, holder)
+        holder = kv.holder if kv is not None else None
+        if self._peer is not None and holder is not None and holder.address != self._peer.address:
+            return HolderPageSource(self._peer, holder.address)
         return self.page_source
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any], report: Report) -> torch.Tensor:
         params = call.params
-        prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
-        if (prompt is None) == (tokens is None):
-            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
-        ids = prompt_ids(call, self.runner, prompt, tokens, "prompt")
+        kv = None
+        if inputs.get("kv") is not None:
+            kv = kv_input(call, inputs["kv"], self.runner.model_id, self.runner.layout)
+        ids = context_ids(call, self.runner, inputs, kv)
         if not ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
-        if inputs.get("kv") is not None:
-            check_kv(call, inputs["kv"], self.runner.model_id, self.runner.layout)
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
         tenant = call.tenant
         branches = [Prompt.of(ids)]
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
             branches.append(Prompt.of(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID]))
-        source = self._source(inputs.get("kv"))
+        source = self._source(kv)
         kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
                for p in branches]
         steps = int(params.get("steps") or self.config.steps)

@@ -15,7 +15,7 @@ from engine.compute.llm.errors import (
 )
 from engine.compute.llm.sequence import FinishReason, RequestOutput, RequestTimings
 from engine.compute.llm.sessions import SessionInfo
-from engine.compute.llm.transfer import KVHandoff, PageSource, StorePageSource
+from engine.compute.llm.transfer import KVHandoff
 
 __all__ = [
     "EngineConfig",
@@ -25,7 +25,6 @@ __all__ = [
     "KVHandoff",
     "LLMEngine",
     "LLMError",
-    "PageSource",
     "RequestError",
     "RequestOutput",
     "RequestTimings",
@@ -33,6 +32,5 @@ __all__ = [
     "SessionError",
     "SessionInfo",
     "SessionNotFoundError",
-    "StorePageSource",
     "UnknownRequestError",
 ]

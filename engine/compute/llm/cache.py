@@ -29,11 +29,12 @@ import torch
 
 from engine.compute.llm.errors import HandoffError
 from engine.compute.llm.sequence import Sequence
-from engine.compute.llm.transfer import KVHandoff, PageSource, resident_run
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.prefix.radix import RadixCache, RadixNode
 from engine.data.kv.errors import KVPageNotFound, KVTransferError
 from engine.data.kv.keys import PageHash, page_hashes
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.source import PageSource
 from engine.data.kv.store import KVStore
 
 
@@ -156,7 +157,7 @@ class PagedKVCache:
         """Take the next pages of the prompt (`chain`: its page keys) that a tier holds though
         the tree does not know them: pages the disk tier recovered when the engine started."""
         missing = chain[len(seq.pages) :]
-        run = resident_run(self.store, missing)
+        run = self.store.resident_run(missing)
         if run:
             self._take(seq, missing[:run], lookup=True)
 
@@ -170,7 +171,7 @@ class PagedKVCache:
     def _pull(self, missing: Seq[PageHash]) -> tuple[int, int]:
         """On the pull thread: ask each peer in turn for `missing` until one has some."""
         for peer in self.peers:
-            before = resident_run(self.store, missing)
+            before = self.store.resident_run(missing)
             try:
                 got = peer.pull(self.store, missing, self.pull_timeout_s)
             except KVTransferError:
@@ -237,7 +238,7 @@ class PagedKVCache:
         engine thread); then `source` is only asked again for pages evicted meanwhile."""
         try:
             pages = list(handoff.page_hashes)
-            have = resident_run(self.store, pages)
+            have = self.store.resident_run(pages)
             if have < len(pages):
                 if source is None:
                     raise HandoffError(f"handoff {handoff.handoff_id}: {len(pages) - have} pages missing and no source")

@@ -36,7 +36,7 @@ from engine.compute.llm.requests import Prompt, SequenceBuilder
 from engine.compute.llm.scheduler import Scheduler
 from engine.compute.llm.sequence import FinishReason, RequestOutput, Sequence, take_token
 from engine.compute.llm.sessions import SessionInfo, Sessions
-from engine.compute.llm.transfer import KVHandoff, PageSource
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.prefix.radix import Namespace
@@ -45,6 +45,7 @@ from engine.data.kv.disk import DiskTier
 from engine.data.kv.errors import DiskTierBusy, KVCapacityError
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.policy import EvictionPolicy
+from engine.data.kv.source import PageSource
 from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.tier import Capacity
 

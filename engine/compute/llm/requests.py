@@ -16,11 +16,12 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.errors import HandoffError, RequestError
 from engine.compute.llm.sequence import Sequence
 from engine.compute.llm.sessions import Session, Sessions
-from engine.compute.llm.transfer import KVHandoff, PageSource
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.models.loader import LoadedModel
 from engine.compute.prefix.keys import MultimodalItem, cache_key
 from engine.compute.sampling import SamplingParams
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.source import PageSource
 
 Prompt = str | Seq[int]
 

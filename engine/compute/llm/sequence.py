@@ -13,8 +13,9 @@ from engine.data.kv.keys import ExtraKeys, PageHash
 
 if TYPE_CHECKING:
     from engine.compute.llm.cache import PendingPull
-    from engine.compute.llm.transfer import KVHandoff, PageSource
+    from engine.compute.llm.transfer import KVHandoff
     from engine.compute.models.text import IncrementalDetokenizer
+    from engine.data.kv.source import PageSource
 
 
 class SeqStatus(StrEnum):
@@ -45,7 +46,7 @@ class RequestOutput:
     """What one step produced for one request: its new token(s) and, when it ends, the summary.
 
     `text_delta` is filled for requests that stream text or use stop strings; `output_ids`,
-    `text`, `timings`, `kv_pages` only on the last output of a request.
+    `prompt_ids`, `text`, `timings`, `kv_pages` only on the last output of a request.
     """
 
     request_id: str
@@ -64,6 +65,8 @@ class RequestOutput:
     session_id: str | None = None
     kv_pages: tuple[PageHash, ...] = ()
     """Keys of the full KV pages of prompt + output (final output only); cached, not pinned."""
+    prompt_ids: tuple[int, ...] = ()
+    """The prompt's token ids, a session's history included (final output only)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -153,6 +156,7 @@ class Sequence:
             error=error,
             session_id=self.session_id,
             kv_pages=kv_pages,
+            prompt_ids=tuple(self.prompt_ids),
         )
 
     def embeds_in(self, start: int, end: int) -> list[tuple[int, object]]:

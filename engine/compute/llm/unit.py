@@ -8,8 +8,8 @@ executions are batched together by the engine (continuous batching).
 Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_mode`):
 
 * `llm`: `prompt` (text) or `tokens` in, either possibly a stream (its frames are
-  joined); `text`, `tokens` and `kv` out (a reference to the KV pages of prompt + output:
-  model id, layout, page keys, and where they are cached; unpinned). A streaming node yields
+  joined); `text`, `tokens` and `kv` out (a `KVRef` to the KV pages of prompt + output:
+  model id, layout, page keys, and the worker caching them; unpinned). A streaming node yields
   one frame per token (`text` delta, `tokens`) and the `kv` reference last. Param `session`
   runs the call as a turn of that server-side session (opened on first use). With
   `session_history` (text or token ids: what the session holds before this turn, re-encoded
@@ -17,8 +17,8 @@ Node kinds (`engine.compute.kinds`), told apart by their fixed ports (see `node_
   does not hold the session (it began on a replica since lost) opens it with that history
   before the turn, instead of without it; and one whose copy has another number of turns
   (the session moved away and back, or a turn failed here) replaces its copy so.
-* `llm.prefill`: the prompt in, `kv` out: a `KVHandoffRef` (computed prompt KV held for a
-  decode node, and the first token).
+* `llm.prefill`: the prompt in, `kv` out: a `KVRef` with a `KVHold` (computed prompt KV held
+  for a decode node, and the first token).
 * `llm.decode`: a handoff in as `kv`; pulls the prompt's pages and its partial last page
   from the prefill worker over the transfer plane (off the engine thread), lets the
   prefill worker go (releases the hold token once the pages are locked here), then decodes:
@@ -52,6 +52,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.compute.encoders.items import PLACEHOLDER_IDS, splice_prompt
@@ -60,22 +61,18 @@ from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMError, LLMUnitError, RequestError
 from engine.compute.llm.media import encoded_items, splice_marked, splice_marked_text
 from engine.compute.llm.sequence import FinishReason, RequestOutput
-from engine.compute.llm.transfer import (
-    HolderPageSource,
-    IndexPageSource,
-    KVHandoff,
-    KVHandoffRef,
-    PageSource,
-    resident_run,
-)
+from engine.compute.llm.transfer import KVHandoff, handoff_of
 from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
-from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
+from engine.data.kv.keys import ExtraKeys, page_hashes
+from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import KVHolderIndex, KVPageServer, fetch_pages
+from engine.data.kv.ref import KVHold, KVHolder, KVRef, KVRefError
+from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer, PeerConfig
 from engine.data.tensor_store import RefNotFound
@@ -107,7 +104,7 @@ class NodeMode(StrEnum):
     DECODE = "llm.decode"
 
 
-def check_handoff_tenant(call: NodeCall, ref: KVHandoffRef, page_size: int) -> None:
+def check_handoff_tenant(call: NodeCall, ref: KVRef, page_size: int) -> None:
     """A decode call takes only its own tenant's handoffs: the pages a handoff names must be
     the page keys of its prompt under the call's tenant (under the handoff's own tenant when the
     call has none: the command line), so a handoff of another tenant's run, however relabelled,
@@ -149,6 +146,17 @@ class _Add:
     mm_items: tuple[MultimodalItem, ...] = ()
     history: str | list[int] | None = None
     turns: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Pulled:
+    """What a decode call pulled for its handoff: how many pages, from which prefill worker."""
+
+    pages: int = 0
+    source: KVHolder | None = None
+
+
+_NOTHING_PULLED = _Pulled()
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,22 +495,24 @@ class LLMUnit(ComputeUnit):
             if done is not None:
                 self._commands.put(_Abort(request_id))  # cancelled or failed mid-way: stop it
 
-    def _kv_ref(self, out: RequestOutput) -> dict[str, Any]:
-        return {
-            "model_id": self.engine.model_id,
-            "layout": self.engine.layout.to_dict(),
-            "pages": list(out.kv_pages),
-            "tokens": out.prompt_tokens + len(out.output_ids),
-            "prompt_tokens": out.prompt_tokens,
-            "cached_tokens": out.cached_tokens,
-            "worker_id": self.worker_id,
-            "holder": self._peer.address if self._peer is not None else None,
-        }
+    def _holder(self) -> KVHolder | None:
+        """This worker as the holder of pages it computed (None: not on a transfer plane yet)."""
+        return KVHolder(self._peer.address, self.worker_id) if self._peer is not None else None
+
+    def _kv_ref(self, out: RequestOutput, pulled: _Pulled) -> KVRef:
+        layout = self.engine.layout
+        return KVRef(
+            model_id=self.engine.model_id, page_size=layout.page_size, layout=layout.to_dict(),
+            page_hashes=tuple(out.kv_pages), prompt_ids=out.prompt_ids, output_ids=out.output_ids,
+            tokens=out.prompt_tokens + len(out.output_ids),
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, holder=self._holder(),
+            pulled_pages=pulled.pages, pulled_from=pulled.source,
+        )
 
     # -- generate (`llm`) and decode (`llm.decode`) -----------------------------------------------
 
-    async def _outputs(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
-        """Engine outputs of a generating call (`llm` or `llm.decode`), each with extra `kv` fields."""
+    async def _outputs(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, _Pulled]]:
+        """Engine outputs of a generating call (`llm` or `llm.decode`), each with what a decode pulled."""
         call = await self._joined(call)
         if node_mode(call) is NodeMode.DECODE:
             async for item in self._decode(call, stream):
@@ -512,7 +522,7 @@ class LLMUnit(ComputeUnit):
         request_id, inbox = self._submit(call, stream, prompt=prompt, mm_items=items,
                                          sampling=self._sampling(call.node_id, call.params))
         async for out in self._run(call, request_id, inbox):
-            yield out, {}
+            yield out, _NOTHING_PULLED
 
     def _meter(self, call: NodeCall, ctx: NodeContext) -> ProgressMeter:
         """Tokens generated out of the node's `max_new_tokens`, reported as the engine makes them."""
@@ -528,8 +538,8 @@ class LLMUnit(ComputeUnit):
             meter.advance(len(item[0].new_token_ids))
             last = item
         assert last is not None
-        final, extra = last
-        values = {"text": final.text, "tokens": list(final.output_ids), "kv": {**self._kv_ref(final), **extra},
+        final, pulled = last
+        values = {"text": final.text, "tokens": list(final.output_ids), "kv": self._kv_ref(final, pulled),
                   "usage": _usage(final)}
         ports = call.output_ports
         value = values[ports[0]] if len(ports) == 1 else {p: values[p] for p in ports if p in values}
@@ -540,19 +550,19 @@ class LLMUnit(ComputeUnit):
             yield map_frame(await self._prefill(await self._joined(call)), call.output_ports, call.node_id)
             return
         meter = self._meter(call, ctx)
-        async for out, extra in self._outputs(call, stream=True):
+        async for out, pulled in self._outputs(call, stream=True):
             meter.advance(len(out.new_token_ids))
             frame: dict[str, Any] = {"text": out.text_delta, "tokens": list(out.new_token_ids)}
             if out.finished:
-                frame["kv"] = {**self._kv_ref(out), **extra}
+                frame["kv"] = self._kv_ref(out, pulled)
                 frame["usage"] = _usage(out)
             yield map_frame({p: v for p, v in frame.items() if p in call.output_ports}, call.output_ports,
                             call.node_id)
 
     # -- prefill/decode disaggregation --------------------------------------------------------------
 
-    async def _prefill(self, call: NodeCall) -> dict[str, Any]:
-        """Compute the prompt's KV and first token; hold the pages for a decode node (see `KVHandoffRef`)."""
+    async def _prefill(self, call: NodeCall) -> KVRef:
+        """Compute the prompt's KV and first token; hold the pages for a decode node (see `KVHold`)."""
         peer = self._transfer()
         sampling = self._sampling(call.node_id, call.params)
         request_id, inbox = self._submit(call, False, prompt=self._prompt(call), sampling=sampling,
@@ -563,35 +573,29 @@ class LLMUnit(ComputeUnit):
         assert final is not None
         engine = self.engine
         handoff = final.handoff
-        common = {
-            "model_id": engine.model_id,
-            "layout": self._handoff_layout(),
-            "holder": peer.address,
-            "worker_id": self.worker_id,
-            "sampling": {k: v for k, v in call.params.items() if k in SAMPLING_PARAMS},
-            "prompt_tokens": final.prompt_tokens,
-            "cached_tokens": final.cached_tokens,
-        }
+        layout = self._handoff_layout()
+        sampling = {k: v for k, v in call.params.items() if k in SAMPLING_PARAMS}
+        ref = KVRef(model_id=engine.model_id, page_size=int(layout["page_size"]), layout=layout,
+                    tokens=final.prompt_tokens, prompt_tokens=final.prompt_tokens,
+                    cached_tokens=final.cached_tokens, tenant_salt=call.tenant,
+                    holder=KVHolder(peer.address, self.worker_id))
         if handoff is None:  # the first token ended the generation: nothing to hand off
             prompt = self._prompt(call)
-            ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            ref = KVHandoffRef(handoff_id=request_id, prompt_ids=tuple(ids), key_ids=tuple(ids), page_hashes=(),
-                               tail_len=0, first_token=final.output_ids[0], tenant_salt=call.tenant,
-                               finish_reason=str(final.finish_reason), **common)
-            return ref.to_value()
+            ids = tuple(engine.encode(prompt) if isinstance(prompt, str) else prompt)
+            hold = KVHold(handoff_id=request_id, first_token=final.output_ids[0],
+                          finish_reason=str(final.finish_reason), sampling=sampling)
+            return msgspec.structs.replace(ref, prompt_ids=ids, key_ids=ids, hold=hold)
         with contextlib.ExitStack() as undo:
             undo.callback(self._commands.put, _Release(handoff.handoff_id))  # no hold token: free the pages
             tail = await self._handoff_tail(handoff)
             token = tail if handoff.tail_len else torch.tensor([handoff.first_token])
-            hold = peer.put(token, self.handoff_lease_s)
+            held = peer.put(token, self.handoff_lease_s)
             undo.pop_all()
-        self._commands.put(_Hold(handoff.handoff_id, hold.id))
-        ref = KVHandoffRef(
-            handoff_id=handoff.handoff_id, prompt_ids=handoff.prompt_ids, key_ids=handoff.key_ids,
-            page_hashes=tuple(handoff.page_hashes), tail_len=handoff.tail_len, first_token=handoff.first_token,
-            tenant_salt=handoff.tenant_salt, hold=hold, **common,
-        )
-        return ref.to_value()
+        self._commands.put(_Hold(handoff.handoff_id, held.id))
+        hold = KVHold(handoff_id=handoff.handoff_id, first_token=handoff.first_token, tail_len=handoff.tail_len,
+                      token=held, sampling=sampling)
+        return msgspec.structs.replace(ref, page_hashes=tuple(handoff.page_hashes), prompt_ids=handoff.prompt_ids,
+                                       key_ids=handoff.key_ids, tenant_salt=handoff.tenant_salt, hold=hold)
 
     def _handoff_layout(self) -> dict[str, Any]:
         """The KV layout a handoff's pages are served in (a tensor-parallel unit: the whole model's)."""
@@ -602,41 +606,39 @@ class LLMUnit(ComputeUnit):
         the pages from its ranks first); if it raises, the handoff is released."""
         return handoff.tail
 
-    def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
+    def _handoff_ref(self, call: NodeCall) -> tuple[KVRef, KVHold]:
+        """The call's input `kv`, checked to be a prefill hand-off of this role's model, layout
+        (`_handoff_layout`) and tenant."""
+        layout = KVLayout.from_dict(self._handoff_layout())
         try:
-            ref = KVHandoffRef.from_value(call.inputs["kv"])
-        except ValueError as exc:
+            ref = KVRef.for_role(call.inputs["kv"], self.engine.model_id, layout)
+            hold = ref.handoff
+        except KVRefError as exc:
             raise LLMUnitError(f"node {call.node_id!r}: input 'kv': {exc}") from None
-        engine = self.engine
-        if ref.model_id != engine.model_id:
-            raise LLMUnitError(f"node {call.node_id!r}: the handoff is of model {ref.model_id!r}, this role runs"
-                               f" {engine.model_id!r}")
-        if ref.layout != engine.layout.to_dict():
-            raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this role's"
-                               f" {engine.layout.to_dict()}")
-        check_handoff_tenant(call, ref, engine.layout.page_size)
-        return ref
+        check_handoff_tenant(call, ref, layout.page_size)
+        return ref, hold
 
-    def _pull_handoff(self, peer: Peer, ref: KVHandoffRef, node_id: str) -> tuple[int, torch.Tensor | None]:
+    def _pull_handoff(self, peer: Peer, ref: KVRef, holder: KVHolder, hold: KVHold,
+                      node_id: str) -> tuple[int, torch.Tensor | None]:
         """Blocking (run in a thread): bring the handoff's pages into the store and fetch its tail.
         Returns (pages pulled, tail)."""
-        pages = [PageHash(p) for p in ref.page_hashes]
+        pages = list(ref.page_hashes)
         deadline = time.monotonic() + self.pull_timeout_s
-        where = f"prefill worker {ref.worker_id or '?'} at {ref.holder}"
+        where = f"prefill worker {holder.worker_id or '?'} at {holder.address}"
         try:
-            have = resident_run(self.engine.store, pages)
+            have = self.engine.store.resident_run(pages)
             pulled = 0
             if have < len(pages):
-                got = fetch_pages(self.engine.store, peer, ref.holder, pages[have:], self.pull_timeout_s).pages
+                got = fetch_pages(self.engine.store, peer, holder.address, pages[have:], self.pull_timeout_s).pages
                 pulled = len(got)
                 if have + pulled < len(pages):
                     raise LLMUnitError(f"node {node_id!r}: {where} holds only {have + pulled} of the prompt's"
                                        f" {len(pages)} KV pages (its hold on them ended?)")
             tail = None
-            if ref.tail_len:
-                assert ref.hold is not None
+            if hold.tail_len:
+                assert hold.token is not None
                 remaining = max(0.001, deadline - time.monotonic())
-                tail = peer.pull(ref.hold, remaining).torch().clone()  # a shared-memory view is the holder's
+                tail = peer.pull(hold.token, remaining).torch().clone()  # a shared-memory view is the holder's
         except RefGone as exc:
             # One handoff feeds one decode node: the first to take it ends the hold.
             raise LLMUnitError(f"node {node_id!r}: {where} no longer holds this handoff (another llm.decode"
@@ -653,39 +655,39 @@ class LLMUnit(ComputeUnit):
             return
         peer.client.call(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), _RELEASE_TIMEOUT_S)
 
-    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
-        ref = self._handoff_ref(call)
-        sampling = self._sampling(call.node_id, {**ref.sampling, **call.params})
-        extra = {"pulled_pages": 0, "prefill_worker_id": ref.worker_id}
-        if ref.finish_reason is not None:
-            yield self._finished_at_prefill(ref), extra
+    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, _Pulled]]:
+        ref, hold = self._handoff_ref(call)
+        sampling = self._sampling(call.node_id, {**hold.sampling, **call.params})
+        if hold.finish_reason is not None:
+            yield self._finished_at_prefill(ref, hold), _Pulled(0, ref.holder)
             return
-        if ref.hold is None:
-            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token")
+        if hold.token is None or ref.holder is None:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token or holder")
+        token, holder = hold.token, ref.holder
         peer = self._transfer()
         released = False
         try:
-            pulled, tail = await asyncio.to_thread(self._pull_handoff, peer, ref, call.node_id)
-            extra["pulled_pages"] = pulled
+            count, tail = await asyncio.to_thread(self._pull_handoff, peer, ref, holder, hold, call.node_id)
+            pulled = _Pulled(count, holder)
             request_id, inbox = self._submit(call, stream, prompt=None, sampling=sampling,
-                                             handoff=ref.to_handoff(tail),
-                                             source=HolderPageSource(peer, ref.holder))
+                                             handoff=handoff_of(ref, tail),
+                                             source=HolderPageSource(peer, holder.address))
             async for out in self._run(call, request_id, inbox):
                 if not released:  # admitted: the pages are locked here now
                     released = True
-                    self._let_go(peer, ref.hold)
-                yield out, extra
+                    self._let_go(peer, token)
+                yield out, pulled
         finally:
             if not released:
-                self._let_go(peer, ref.hold)
+                self._let_go(peer, token)
 
-    def _finished_at_prefill(self, ref: KVHandoffRef) -> RequestOutput:
-        token = ref.first_token
+    def _finished_at_prefill(self, ref: KVRef, hold: KVHold) -> RequestOutput:
+        token = hold.first_token
         return RequestOutput(
-            request_id=ref.handoff_id, new_token_ids=(token,), text_delta=self.engine.decode_text([token]),
-            finished=True, finish_reason=FinishReason(ref.finish_reason), output_ids=(token,),
+            request_id=hold.handoff_id, new_token_ids=(token,), text_delta=self.engine.decode_text([token]),
+            finished=True, finish_reason=FinishReason(hold.finish_reason), output_ids=(token,),
             text=self.engine.decode_text([token]), prompt_tokens=len(ref.prompt_ids),
-            cached_tokens=ref.cached_tokens,
+            cached_tokens=ref.cached_tokens, prompt_ids=ref.prompt_ids,
         )
 
     def metrics(self) -> dict[str, float]:

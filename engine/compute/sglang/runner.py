@@ -3,7 +3,8 @@
 `SGLangLLMUnit(role)` is a compute unit with the native `llm` unit's node interface
 (`engine.compute.llm.unit.LLMUnit`) for the `llm` node kind: `prompt` (text) or `tokens` in,
 `text`, `tokens` and `kv` out, one frame per decoded chunk when streaming (`text` delta,
-new `tokens`, `kv` on the last frame). Its `kv` reference names the pages by our page keys,
+new `tokens`, `kv` on the last frame). Its `kv` value (a `KVRef` without a layout or holder:
+SGLang's own cache is not pulled from) names the pages by our page keys,
 which are SGLang's own (`engine.data.kv.keys`, checked by `tests/sglang/test_keys.py`), so
 they are the keys under which SGLang stored the pages in our backend. Not served here:
 `llm.prefill`/`llm.decode` (SGLang's own PD mode does that with the `omniflow` transfer
@@ -37,6 +38,7 @@ from typing import Any
 
 from engine.compute.sampling import SamplingParams, SamplingParamsError
 from engine.data.kv.keys import page_hashes
+from engine.data.kv.ref import KVRef
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
 from engine.spec.progress import ProgressMeter
@@ -215,28 +217,14 @@ class SGLangLLMUnit(ComputeUnit):
         else:
             yield await self.engine.async_generate(**kwargs), ids
 
-    def _kv_ref(self, out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
-        meta = out.get("meta_info", {})
-        finish = meta.get("finish_reason")
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise SGLangRunnerError(f"generation aborted: {finish.get('message', finish)}")
-        details = meta.get("cached_tokens_details") or {}
-        cached = int(meta.get("cached_tokens", 0))
+    def _kv_ref(self, out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> KVRef:
+        ref = kv_ref(out, self.model_id, self.config.page_size, prompt_ids, output_ids)
         self._stats["requests"] += 1
-        self._stats["prompt_tokens"] += len(prompt_ids)
-        self._stats["cached_tokens"] += cached
-        self._stats["storage_cached_tokens"] += int(details.get("storage", 0))
+        self._stats["prompt_tokens"] += ref.prompt_tokens
+        self._stats["cached_tokens"] += ref.cached_tokens
+        self._stats["storage_cached_tokens"] += ref.cached_tokens_details.get("storage", 0)
         self._stats["output_tokens"] += len(output_ids)
-        return {
-            "model_id": self.model_id,
-            "page_size": self.config.page_size,
-            # Full pages of the prompt and the output but its last token (which has no KV yet).
-            "pages": page_hashes(prompt_ids + output_ids[:-1], self.config.page_size),
-            "tokens": len(prompt_ids) + len(output_ids),
-            "prompt_tokens": len(prompt_ids),
-            "cached_tokens": cached,
-            "cached_tokens_details": {k: v for k, v in details.items() if isinstance(v, int)},
-        }
+        return ref
 
     @staticmethod
     def _meter(call: NodeCall, ctx: NodeContext) -> ProgressMeter:
@@ -280,6 +268,28 @@ class SGLangLLMUnit(ComputeUnit):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
+
+
+def kv_ref(out: dict[str, Any], model_id: str, page_size: int, prompt_ids: list[int], output_ids: list[int]) -> KVRef:
+    """The `kv` value of SGLang's last output `out` of a request: no layout and no holder (SGLang's
+    own cache is not pulled from), pages by our keys. Raises `SGLangRunnerError` when it aborted."""
+    meta = out.get("meta_info", {})
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise SGLangRunnerError(f"generation aborted: {finish.get('message', finish)}")
+    details = meta.get("cached_tokens_details") or {}
+    return KVRef(
+        model_id=model_id,
+        page_size=page_size,
+        # Full pages of the prompt and the output but its last token (which has no KV yet).
+        page_hashes=tuple(page_hashes(prompt_ids + output_ids[:-1], page_size)),
+        prompt_ids=tuple(prompt_ids),
+        output_ids=tuple(output_ids),
+        tokens=len(prompt_ids) + len(output_ids),
+        prompt_tokens=len(prompt_ids),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        cached_tokens_details={k: v for k, v in details.items() if isinstance(v, int)},
+    )
 
 
 def _usage(out: dict[str, Any], prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import zmq
 
 from engine.compute.diffusion.forward import DiffusionModelError
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.diffusion.unit import CONFIG_PARAMS, check_kv, prompt_ids
+from engine.compute.diffusion.unit import CONFIG_PARAMS, context_ids, kv_input, prompt_ids
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
@@ -183,19 +183,16 @@ class TPDiffusionUnit(ThreadedUnit):
     def _message(self, call: NodeCall, inputs: dict[str, Any]) -> TPDiffuse:
         """The call as every rank runs it; all input errors are found here, before any rank starts."""
         params = call.params
-        kv, holder = inputs.get("kv"), None
-        if kv is not None:
-            check_kv(call, kv, self.runner.model_id, self.whole)
-            holder = kv.get("holder")
-            if holder is None or holder == "":
+        holder, kv = None, None
+        if inputs.get("kv") is not None:
+            kv = kv_input(call, inputs["kv"], self.runner.model_id, self.whole)
+            if kv.holder is None or kv.holder.address == "":
                 raise UnitInputError(f"node {call.node_id!r}: input 'kv' names no holder to pull its pages from")
-            if not isinstance(holder, str) or not _HOLDER.match(holder):
+            holder = kv.holder.address
+            if not _HOLDER.match(holder):
                 raise UnitInputError(f"node {call.node_id!r}: input 'kv' holder {holder!r} is not a worker's data"
                                      " address (tcp://HOST:PORT)")
-        prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
-        if (prompt is None) == (tokens is None):
-            raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
-        prompts = [prompt_ids(call, self.runner, prompt, tokens, "prompt")]
+        prompts = [context_ids(call, self.runner, inputs, kv)]
         if not prompts[0]:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         guidance = float(params.get("guidance_scale", self.runner.config.guidance_scale))

@@ -36,7 +36,7 @@ class AgreedPrefixCache(PagedKVCache):
         if self.tree is None or not limit:
             return 0
         match = self.tree.match(seq.key_ids, seq.namespace, max_pages=limit)
-        return sum(1 for _ in _resident_prefix(self, match.pages))
+        return self.store.resident_run(match.pages)
 
     def match_prefix(self, seq: Sequence) -> bool:
         """As `PagedKVCache.match_prefix`, never pulling from peers (a TP group has none), so
@@ -63,13 +63,6 @@ class AgreedPrefixCache(PagedKVCache):
         if seq.node is not None and self.tree is not None:
             self.tree.unlock(seq.node)
         seq.node = None
-
-
-def _resident_prefix(cache: PagedKVCache, pages):
-    for page in pages:
-        if not cache.store.contains(page):
-            return
-        yield page
 
 
 class TPEngine(LLMEngine):

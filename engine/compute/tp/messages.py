@@ -81,7 +81,7 @@ class TPPullHandoff(msgspec.Struct, tag=True, frozen=True):
 
     now: float
     ref: bytes
-    """The handoff: a msgpack-encoded `engine.compute.llm.transfer.KVHandoffRef`."""
+    """The handoff: a msgpack-encoded `engine.data.kv.ref.KVRef` (with its `KVHold`)."""
     timeout_s: float
 
 

@@ -58,8 +58,8 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import HandoffError, LLMError
 from engine.compute.llm.sequence import RequestOutput
-from engine.compute.llm.transfer import KVHandoff, KVHandoffRef, resident_run
-from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add, check_handoff_tenant
+from engine.compute.llm.transfer import KVHandoff, handoff_of
+from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add, _Pulled
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
@@ -87,6 +87,7 @@ from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.pull import KVPageServer
+from engine.data.kv.ref import KVRef, KVRefError
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
 from engine.spec.calls import NodeCall
@@ -189,48 +190,50 @@ class _HandoffPuller:
         self.whole = whole
         self._peer = peer
 
-    def pull(self, ref: KVHandoffRef, timeout_s: float) -> KVHandoff:
+    def pull(self, ref: KVRef, timeout_s: float) -> KVHandoff:
         """Every rank calls this for the same handoff, in the same order (it ends in a collective)."""
         group, engine = self.engine.group, self.engine
         problem = ""
         tail = None
         try:
             tail = self._pull(ref, timeout_s)
-        except (KVError, TransferError, RefGone, HandoffError) as exc:
+        except (KVError, KVRefError, TransferError, RefGone, HandoffError) as exc:
             # KVError: the pull failed, or this rank's store had no room for the pages (every rank
             # then fails this request alike, in the collective below, and the group stays whole).
             problem = f"{type(exc).__name__}: {exc}"
         if group.min_int(0 if problem else 1) == 0:
-            raise HandoffError(f"rank {group.rank}: pulling handoff {ref.handoff_id} from {ref.holder} failed: "
+            holder = ref.holder.address if ref.holder is not None else None
+            handoff_id = ref.hold.handoff_id if ref.hold is not None else None
+            raise HandoffError(f"rank {group.rank}: pulling handoff {handoff_id} from {holder} failed: "
                                + (problem or "another rank could not pull it"))
-        return KVHandoff(
-            handoff_id=ref.handoff_id, model_id=ref.model_id, layout=engine.layout.to_dict(),
-            tenant_salt=ref.tenant_salt, prompt_ids=tuple(ref.prompt_ids), key_ids=tuple(ref.key_ids),
-            page_hashes=tuple(PageHash(p) for p in ref.page_hashes), tail_len=ref.tail_len, tail=tail,
-            first_token=ref.first_token,
-        )
+        # The rank's pages hold its own heads: its engine's layout, not the ref's (the whole model's).
+        return dataclasses.replace(handoff_of(ref, tail), layout=engine.layout.to_dict())
 
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
         group = self.engine.group
         return split_page(whole, self.whole.num_kv_heads, group.size)[group.rank]
 
-    def _pull(self, ref: KVHandoffRef, timeout_s: float) -> torch.Tensor | None:
+    def _pull(self, ref: KVRef, timeout_s: float) -> torch.Tensor | None:
         deadline = time.monotonic() + timeout_s
         store, group = self.engine.store, self.engine.group
-        pages = [PageHash(p) for p in ref.page_hashes]
-        have = resident_run(store, pages)
+        hold = ref.handoff
+        if ref.holder is None:
+            raise HandoffError("a handoff that names no holder")
+        pages = list(ref.page_hashes)
+        have = store.resident_run(pages)
         if have < len(pages):
-            got = pull_shards(self._peer(), ref.holder, pages[have:], self.whole, group.size, group.rank, timeout_s)
+            got = pull_shards(self._peer(), ref.holder.address, pages[have:], self.whole, group.size, group.rank,
+                              timeout_s)
             if len(got) < len(pages) - have:
                 raise HandoffError(f"the holder has only {have + len(got)} of the {len(pages)} pages")
             for page, shard in zip(pages[have:], got, strict=True):
                 store.put(page, shard)
-        if not ref.tail_len:
+        if not hold.tail_len:
             return None
-        if ref.hold is None:
+        if hold.token is None:
             raise HandoffError("a handoff with a partial last page but no hold token")
         left = max(0.001, deadline - time.monotonic())
-        return self._mine(self._peer().pull(ref.hold, left).torch().clone())
+        return self._mine(self._peer().pull(hold.token, left).torch().clone())
 
 
 def _gather_handoff(engine: TPEngine, handoff: KVHandoff,
@@ -294,13 +297,13 @@ class _Broadcasting:
         return self._engine.add_request(prompt, params, request_id=request_id, session_id=session_id,
                                         tenant_salt=tenant_salt, stream_text=stream_text, prefill_only=prefill_only)
 
-    def add_handoff(self, ref: KVHandoffRef, params: SamplingParams, request_id: str, stream_text: bool) -> str:
+    def add_handoff(self, ref: KVRef, params: SamplingParams, request_id: str, stream_text: bool) -> str:
         """Every rank pulls `ref`'s pages (its own heads), then admits it as `request_id`."""
         fields = _sampling_fields(params)
         self._send(TPPullHandoff(self._tick(), _encoder.encode(ref), self._pull_timeout_s))
         handoff = self._puller.pull(ref, self._pull_timeout_s)
         self._send(TPAdd(self._tick(), request_id, None, fields, stream_text=stream_text,
-                         handoff_id=ref.handoff_id))
+                         handoff_id=ref.handoff.handoff_id))
         return self._engine.add_request(None, params, request_id=request_id, handoff=handoff,
                                         stream_text=stream_text)
 
@@ -339,7 +342,7 @@ class _Broadcasting:
 @dataclass(frozen=True, slots=True)
 class _AddHandoff:
     request_id: str
-    ref: KVHandoffRef
+    ref: KVRef
     params: SamplingParams
     stream_text: bool
 
@@ -494,30 +497,17 @@ class TPLLMUnit(LLMUnit):
         self._commands.put(_Export(handoff, loop, done))
         return await done
 
-    def _handoff_ref(self, call: NodeCall) -> KVHandoffRef:
-        try:
-            ref = KVHandoffRef.from_value(call.inputs["kv"])
-        except ValueError as exc:
-            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': {exc}") from None
-        if ref.model_id != self.engine.model_id:
-            raise LLMUnitError(f"node {call.node_id!r}: the handoff is of model {ref.model_id!r}, this role runs"
-                               f" {self.engine.model_id!r}")
-        if ref.layout != self.whole_layout.to_dict():
-            raise LLMUnitError(f"node {call.node_id!r}: the handoff's KV layout {ref.layout} is not this model's"
-                               f" {self.whole_layout.to_dict()}")
-        check_handoff_tenant(call, ref, self.whole_layout.page_size)
-        return ref
-
-    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
+    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, _Pulled]]:
         self._check_alive()
-        ref = self._handoff_ref(call)
-        sampling = self._sampling(call.node_id, {**ref.sampling, **call.params})
-        extra = {"pulled_pages": len(ref.page_hashes), "prefill_worker_id": ref.worker_id}
-        if ref.finish_reason is not None:
-            yield self._finished_at_prefill(ref), extra
+        ref, hold = self._handoff_ref(call)
+        sampling = self._sampling(call.node_id, {**hold.sampling, **call.params})
+        pulled = _Pulled(len(ref.page_hashes), ref.holder)
+        if hold.finish_reason is not None:
+            yield self._finished_at_prefill(ref, hold), pulled
             return
-        if ref.hold is None:
-            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token")
+        if hold.token is None or ref.holder is None:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token or holder")
+        token = hold.token
         peer = self._transfer()
         with self._lock:
             self._counter += 1
@@ -530,11 +520,11 @@ class TPLLMUnit(LLMUnit):
             async for out in self._run(call, request_id, inbox):
                 if not released:  # admitted: every rank has its heads of the pages locked now
                     released = True
-                    self._let_go(peer, ref.hold)
-                yield out, extra
+                    self._let_go(peer, token)
+                yield out, pulled
         finally:
             if not released:
-                self._let_go(peer, ref.hold)
+                self._let_go(peer, token)
 
     # -- shutdown -------------------------------------------------------------------------------------
 
@@ -680,8 +670,8 @@ class _Follower:
         elif isinstance(message, TPExpire):
             engine.expire_sessions()
         elif isinstance(message, TPPullHandoff):
-            ref = msgspec.msgpack.decode(message.ref, type=KVHandoffRef)
-            self.handoffs[ref.handoff_id] = puller.pull(ref, message.timeout_s)
+            ref = msgspec.msgpack.decode(message.ref, type=KVRef)
+            self.handoffs[ref.handoff.handoff_id] = puller.pull(ref, message.timeout_s)
         else:
             raise TPError(f"a follower does not apply {type(message).__name__}")
 

@@ -6,6 +6,10 @@
   segment other processes map with `HostPageReader`; a checksummed segment file).
 * `store`: `KVStore`, one per worker process, serving every role in it.
 * `index`: `RedisKVIndex` and `KVIndexPublisher`, which worker holds which pages.
+* `pull`: `KVPageServer` and `fetch_pages`, pages between workers' stores.
+* `source`: `PageSource` and its kinds, where a store gets pages it lacks (another store, a
+  named holder, the holder the index names).
+* `ref`: `KVRef`, the `kv` value of llm nodes (pages, holder, a prefill's hold).
 """
 
 from engine.data.kv.errors import (

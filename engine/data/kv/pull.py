@@ -113,9 +113,7 @@ class KVPageServer:
                 ErrorCode.OVERSIZED, f"{len(request.pages)} pages asked, at most {self.max_pages} per request"
             )
         pages = [PageHash(page) for page in request.pages]
-        held = 0
-        while held < len(pages) and self.store.contains(pages[held]):
-            held += 1
+        held = self.store.resident_run(pages)
         if held == 0:
             return KVFetchReply(request.request_id, ())
         ref = None

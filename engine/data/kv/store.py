@@ -462,6 +462,15 @@ class KVStore:
         with self._mutex:
             return self._best(page) is not None
 
+    def resident_run(self, pages: Sequence[PageHash]) -> int:
+        """How many leading `pages` some tier holds, looked at under one hold of the mutex. Does
+        not move or touch pages and, unlike `lookup`, counts no lookups in the tiers' metrics."""
+        with self._mutex:
+            run = 0
+            while run < len(pages) and self._best(pages[run]) is not None:
+                run += 1
+            return run
+
     def tiers_of(self, page: PageHash) -> tuple[Tier, ...]:
         with self._mutex:
             return tuple(tier for tier, level in self._levels.items() if page in level.tier)

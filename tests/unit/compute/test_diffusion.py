@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, KVBatch, Prompt, patchify, unpatchify
-from engine.compute.llm import EngineConfig, LLMEngine, StorePageSource
+from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.sampling import SamplingParams
+from engine.data.kv.source import StorePageSource
 from engine.data.kv.store import KVStore, KVStoreConfig
 from engine.data.kv.tier import Capacity
 

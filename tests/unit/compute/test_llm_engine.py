@@ -18,10 +18,10 @@ from engine.compute.llm import (
     RequestError,
     SessionBusyError,
     SessionNotFoundError,
-    StorePageSource,
 )
 from engine.compute.prefix import MultimodalItem, content_hash
 from engine.compute.sampling import SamplingParams
+from engine.data.kv.source import StorePageSource
 from tests.unit.compute.conftest import prompt_ids
 
 GREEDY = SamplingParams(max_new_tokens=12)

@@ -9,15 +9,16 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine.cli import main as cli_main
 from engine.compute.kinds import register
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.llm.routing import RoleTokenizers
-from engine.compute.llm.transfer import KVHandoffRef
 from engine.compute.llm.unit import LLMUnit, LLMUnitError, NodeMode, node_mode
 from engine.compute.sampling import SamplingParams
+from engine.data.kv.ref import KVRef
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
@@ -161,11 +162,11 @@ async def test_prefill_decode_workflow_equals_one_llm_node(executor, tiny_llama,
     assert out["pd_tokens"] == out["tokens"] == reference(tiny_llama, prompt, 10)
     assert out["pd_text"] == out["text"]
     handoff = out["handoff"]
-    assert handoff["type"] == "llm.handoff" and len(handoff["page_hashes"]) == length // PAGE
-    assert handoff["tail_len"] == length % PAGE and handoff["first_token"] == out["tokens"][0]
+    assert isinstance(handoff, KVRef) and handoff.hold is not None and len(handoff.page_hashes) == length // PAGE
+    assert handoff.hold.tail_len == length % PAGE and handoff.hold.first_token == out["tokens"][0]
     kv = out["pd_kv"]
-    assert kv["pulled_pages"] == length // PAGE and kv["prompt_tokens"] == length
-    assert kv["pages"][: length // PAGE] == handoff["page_hashes"]
+    assert kv.pulled_pages == length // PAGE and kv.prompt_tokens == length
+    assert kv.page_hashes[: length // PAGE] == handoff.page_hashes
 
 
 async def test_streaming_decode_yields_every_token(executor, tiny_llama):
@@ -183,13 +184,14 @@ async def test_decode_pulls_exactly_the_prompt_pages_and_the_prefill_lets_go(mak
     prefill, decode = make_unit("pre"), make_unit("dec")
     prompt = prompt_ids(71, 23)
     value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 6}), CTX)).outputs["kv"]
-    handoff = KVHandoffRef.from_value(value)
-    assert len(handoff.page_hashes) == 5 and handoff.tail_len == 3 and handoff.hold is not None
-    assert handoff.sampling == {"max_new_tokens": 6}
+    hold = value.handoff
+    assert len(value.page_hashes) == 5 and hold.tail_len == 3 and hold.token is not None
+    assert hold.sampling == {"max_new_tokens": 6}
     assert locked(prefill) == 5  # held for the decode side
     result = await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 6)
-    assert result.outputs["kv"]["pulled_pages"] == 5
+    assert result.outputs["kv"].pulled_pages == 5
+    assert result.outputs["kv"].pulled_from == value.holder
     assert decode.kv_store.metrics()["pull.pages"] == 5
     assert decode.engine.stats.computed_prompt_tokens == 0
     await wait_for(lambda: locked(prefill) == 0, 5.0, "the prefill worker to let go of the pages")
@@ -197,9 +199,9 @@ async def test_decode_pulls_exactly_the_prompt_pages_and_the_prefill_lets_go(mak
         await make_unit("dec2").execute(call("d", {"kv": value}, DECODE_OUT), CTX)
     # The same prompt again: the decode side already holds the pages and pulls none.
     again = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 6}), CTX)).outputs["kv"]
-    assert again["cached_tokens"] == 20
+    assert again.cached_tokens == 20
     second = await decode.execute(call("d", {"kv": again}, DECODE_OUT), CTX)
-    assert second.outputs["kv"]["pulled_pages"] == 0 and second.outputs["tokens"] == result.outputs["tokens"]
+    assert second.outputs["kv"].pulled_pages == 0 and second.outputs["tokens"] == result.outputs["tokens"]
 
 
 async def test_an_unclaimed_handoff_is_released_when_its_lease_ends(make_unit):
@@ -216,20 +218,25 @@ async def test_a_generation_that_ends_at_the_first_token_hands_nothing_off(make_
     prefill, decode = make_unit("pre"), make_unit("dec")
     prompt = prompt_ids(73, 9)
     value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 1}), CTX)).outputs["kv"]
-    assert value["finish_reason"] == "length" and value["hold"] is None and locked(prefill) == 0
+    assert value.handoff.finish_reason == "length" and value.handoff.token is None and locked(prefill) == 0
     result = await decode.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 1)
-    assert result.outputs["kv"]["pulled_pages"] == 0
+    assert result.outputs["kv"].pulled_pages == 0
 
 
 async def test_decode_rejects_what_is_not_its_handoff(make_unit):
     decode = make_unit("dec")
-    with pytest.raises(LLMUnitError, match="not a prefill handoff"):
+    with pytest.raises(LLMUnitError, match="not a KV reference"):
         await decode.execute(call("d", {"kv": {"model_id": "x", "pages": []}}, DECODE_OUT), CTX)
+    generated = (await decode.execute(call("g", {"tokens": prompt_ids(74, 9)}, ("tokens", "kv")), CTX)).outputs["kv"]
+    with pytest.raises(LLMUnitError, match="not a prefill handoff"):  # an llm node's kv, not an llm.prefill's
+        await decode.execute(call("d", {"kv": generated}, DECODE_OUT), CTX)
     prefill = make_unit("pre")
     value = (await prefill.execute(call("p", {"tokens": prompt_ids(74, 9)}, ("kv",)), CTX)).outputs["kv"]
     with pytest.raises(LLMUnitError, match="model"):
-        await decode.execute(call("d", {"kv": {**value, "model_id": "other"}}, DECODE_OUT), CTX)
+        await decode.execute(call("d", {"kv": msgspec.structs.replace(value, model_id="other")}, DECODE_OUT), CTX)
+    with pytest.raises(LLMUnitError, match="model"):  # the same as JSON (a file, a stored run)
+        await decode.execute(call("d", {"kv": {**value.to_json(), "model_id": "other"}}, DECODE_OUT), CTX)
     other_pages = make_unit("dec8", page_size=8)
     with pytest.raises(LLMUnitError, match="layout"):
         await other_pages.execute(call("d", {"kv": value}, DECODE_OUT), CTX)
@@ -242,13 +249,14 @@ async def test_decode_takes_only_its_own_tenants_handoff(make_unit, tiny_llama):
     prompt = prompt_ids(75, 13)
     value = (await prefill.execute(call("p", {"tokens": prompt}, ("kv",), {"max_new_tokens": 4}, tenant="user:1"),
                                    CTX)).outputs["kv"]
-    assert KVHandoffRef.from_value(value).tenant_salt == "user:1"
+    assert value.tenant_salt == "user:1"
     for thief in ("user:2", "user:10"):
         with pytest.raises(LLMUnitError, match="another tenant"):
             await decode.execute(call("d", {"kv": value}, DECODE_OUT, tenant=thief), CTX)
     for label in ("user:2", None):  # relabelled as the thief's own (or as no one's): its pages are still keyed for user:1
         with pytest.raises(LLMUnitError, match="another tenant"):
-            await decode.execute(call("d", {"kv": {**value, "tenant_salt": label}}, DECODE_OUT, tenant="user:2"), CTX)
+            relabelled = msgspec.structs.replace(value, tenant_salt=label)
+            await decode.execute(call("d", {"kv": relabelled}, DECODE_OUT, tenant="user:2"), CTX)
     assert decode.kv_store.metrics()["pull.pages"] == 0
     result = await decode.execute(call("d", {"kv": value}, DECODE_OUT, tenant="user:1"), CTX)
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 4)
@@ -268,7 +276,7 @@ async def test_router_prompt_keys_are_the_engines_page_keys(make_unit, tiny_llam
     ids = unit.engine.encode(prompt)
     assert RoleTokenizers()(role, prompt) == ids
     out = await unit.execute(call("g", {"prompt": prompt}, ("text", "tokens", "kv"), tenant="t1"), CTX)
-    cached = out.outputs["kv"]["pages"]
+    cached = out.outputs["kv"].page_hashes
     meta = unit.kv_meta()
     by_text = prompt_pages(role, call("g", {"prompt": prompt}, (), tenant="t1"), meta, RoleTokenizers())
     by_ids = prompt_pages(role, call("g", {"tokens": ids}, (), tenant="t1"), meta)
@@ -304,7 +312,7 @@ async def test_one_role_can_prefill_and_decode_itself(executor, tiny_llama):
     result = await (await executor.submit(wf.to_spec(), {"prompt": prompt})).wait()
     assert result.status == "done", result.error
     assert result.outputs["tokens"] == reference(tiny_llama, prompt, 7)
-    assert result.outputs["kv"]["pulled_pages"] == 0
+    assert result.outputs["kv"].pulled_pages == 0
 
 
 def test_pd_chat_example_runs_and_matches_one_llm(capsys, tiny_llama, tmp_path: Path):

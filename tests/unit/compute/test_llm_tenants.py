@@ -58,7 +58,7 @@ def workflow(params: dict[str, Any] | None = None) -> Workflow:
 async def usage(executor: Executor, tokens: list[int], tenant: str | None, params: dict | None = None) -> dict:
     result = await (await executor.submit(workflow(params).to_spec(), {"prompt": tokens}, tenant=tenant)).wait()
     assert result.status == "done", result.error
-    return {**result.outputs["kv"], "tokens": result.outputs["tokens"]}
+    return {**result.outputs["kv"].to_json(), "tokens": result.outputs["tokens"]}
 
 
 async def test_another_tenants_identical_prompt_gets_no_cached_token(executor, tiny_llama):
@@ -67,7 +67,7 @@ async def test_another_tenants_identical_prompt_gets_no_cached_token(executor, t
     assert (await usage(executor, PROMPT, "user:1"))["cached_tokens"] == 5 * PAGE  # the owner's repeat hits
     other = await usage(executor, PROMPT, "user:2")
     assert other["cached_tokens"] == 0 and other["tokens"] == first["tokens"]  # same answer, nothing of user:1's
-    assert not set(other["pages"]) & set(first["pages"])
+    assert not set(other["page_hashes"]) & set(first["page_hashes"])
     assert (await usage(executor, PROMPT, "user:2"))["cached_tokens"] == 5 * PAGE  # and now its own repeat hits
     assert (await usage(executor, PROMPT, None))["cached_tokens"] == 0  # no tenant is a namespace of its own
 

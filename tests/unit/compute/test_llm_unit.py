@@ -89,7 +89,7 @@ async def test_a_workflow_generates_with_the_llm_node(executor, tiny_llama):
     assert result.outputs["tokens"] == expected
     assert result.outputs["text"] == tiny_llama.tokenizer.decode(expected, skip_special_tokens=True)
     kv = result.outputs["kv"]
-    assert kv["model_id"] == tiny_llama.model_id and kv["tokens"] == 20 and len(kv["pages"]) == 4
+    assert kv.model_id == tiny_llama.model_id and kv.tokens == 20 and len(kv.page_hashes) == 4
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,13 +16,16 @@ from engine.compute.encoders.unit import VisionEncoderUnit
 from engine.compute.kinds import register
 from engine.compute.media import png_bytes, sample_picture, sample_sound, wav_bytes
 from engine.compute.models.tokenizer import BOS_ID
+from engine.compute.threaded import UnitInputError
 from engine.compute.weights import WeightKey, WeightStore
+from engine.data.kv.ref import KVRef
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.events import NodeProgressEvent
 from engine.flow.executor import Executor
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
+from engine.spec.calls import NodeCall, NodeContext
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import default_kinds
 
@@ -57,6 +60,21 @@ def image_generation(params: dict | None = None) -> Workflow:
     wf.edge(gen.out("latents"), dec.inp("latents"))
     wf.output("image", dec.out("image"), "image")
     wf.output("latents", gen.out("latents"), "tensor")
+    return wf
+
+
+def llm_then_diffusion() -> Workflow:
+    """An llm node's `kv` as the diffusion node's only prompt input (`workflows/image_generation.py`)."""
+    wf = Workflow("llm_then_diffusion")
+    llm = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": 4})
+    dit = wf.role("dit", kind="diffusion", model="tiny-llama", params={"page_size": 4, "steps": 4})
+    gen = wf.node("gen", "llm", role=llm, params={"max_new_tokens": 5})
+    paint = wf.node("paint", "diffusion", role=dit, inputs=DIFFUSION_IN, outputs={"latents": "tensor"},
+                    params={"seed": 1})
+    wf.edge(wf.input("prompt", "text"), gen.inp("prompt"))
+    wf.edge(gen.out("kv"), paint.inp("kv"))
+    wf.output("tokens", gen.out("tokens"), "tokens")
+    wf.output("latents", paint.out("latents"), "tensor")
     return wf
 
 
@@ -108,6 +126,31 @@ async def test_image_generation_workflow_returns_a_png(executor, tiny_llama):
     expected = runner.generate(Prompt.of(list(tiny_llama.tokenizer("a red disc").input_ids)), Prompt.of([BOS_ID]),
                                seed=1)
     assert torch.allclose(result.outputs["latents"], expected[0], atol=1e-5)
+
+
+async def test_diffusion_attends_to_the_context_an_llm_nodes_kv_carries(executor, tiny_llama):
+    """No prompt is tokenized again: the diffusion node takes the llm node's prompt and output ids
+    from its `kv`, and its image is the one the runner makes for that context tokenized here."""
+    prompt = "a red disc"
+    result = await (await executor.submit(llm_then_diffusion().to_spec(), {"prompt": prompt})).wait()
+    assert result.status == "done", result.error
+    context = list(tiny_llama.tokenizer(prompt).input_ids) + result.outputs["tokens"]
+    runner = DiffusionRunner(tiny_llama, DiffusionConfig(page_size=4, steps=4))
+    expected = runner.generate(Prompt.of(context), Prompt.of([BOS_ID]), seed=1)
+    assert torch.allclose(result.outputs["latents"], expected[0], atol=1e-5)
+
+
+async def test_a_diffusion_node_without_a_prompt_needs_a_kv_with_token_ids(tiny_llama):
+    role = RoleSpec(name="dit", kind="diffusion", model="tiny-llama", params={"page_size": 4, "steps": 1})
+    unit = DiffusionUnit(role)
+    try:
+        bare = KVRef(model_id=unit.runner.model_id, page_size=4, layout=unit.runner.layout.to_dict())
+        for inputs in ({}, {"kv": bare}):
+            call = NodeCall("r", "paint", None, {}, inputs, ("latents",), False, False, 1, 1)
+            with pytest.raises(UnitInputError, match="or a 'kv' carrying its context's token ids"):
+                await unit.execute(call, NodeContext("r", "paint", 1, 1, lambda f, m: None))
+    finally:
+        await unit.close()
 
 
 async def test_diffusion_reports_its_steps_and_decoders_and_encoders_their_items(executor, tiny_llama):

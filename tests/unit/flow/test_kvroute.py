@@ -10,10 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import pytest
 
 from engine.data.kv.errors import KVIndexError
-from engine.data.kv.keys import ExtraKeys, page_hashes
+from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
+from engine.data.kv.ref import KVHold, KVRef
 from engine.flow.balance import BalanceRequest, KVAware, candidates_from
 from engine.flow.discovery import InProcessRegistry, RedisRegistry, WorkerInfo, WorkerLoad, WorkerSnapshot
 from engine.flow.kvroute import KV_META_KEY, NO_HINT, KVRouter, PrefixHint, kv_index_namespace, prompt_pages
@@ -92,8 +94,10 @@ async def test_two_tenants_are_routed_by_their_own_pages_only():
 
 
 def test_prompt_pages_from_a_handoff_text_and_the_cases_without_keys():
-    handoff = {"type": "llm.handoff", "page_hashes": ["p1", "p2"]}
+    generated = KVRef(model_id="m", page_size=4, page_hashes=(PageHash("p1"), PageHash("p2")))
+    handoff = msgspec.structs.replace(generated, hold=KVHold(handoff_id="h", first_token=7))
     assert prompt_pages(ROLE, call({"kv": handoff}), None) == ("p1", "p2")
+    assert prompt_pages(ROLE, call({"kv": generated}), None) == ()  # not a handoff: its pages are no prompt's
     text = "abcdefghijklmnopqrstu"
     assert prompt_pages(ROLE, call({"prompt": text}), META) == ()  # no tokenizer given
     seen = []

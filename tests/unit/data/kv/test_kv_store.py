@@ -229,6 +229,17 @@ def test_metrics_count_lookups_hits_and_bytes(make_store: StoreFactory) -> None:
     assert all(isinstance(v, int | float) for v in m.values())
 
 
+def test_resident_run_is_the_leading_run_any_tier_holds_and_counts_no_lookup(make_store: StoreFactory) -> None:
+    store = make_store(device=2, host=2, disk=4)
+    put(store, "A", "B", "C", "D")  # A, B in host; C, D on device
+    before = store.metrics()
+    assert store.resident_run([KEYS[n] for n in "DCAJB"]) == 3  # device, device, host, then a gap
+    assert store.resident_run([KEYS[n] for n in "JA"]) == 0
+    assert store.resident_run([]) == 0
+    assert where(store, "A", "B", "C", "D") == {"A": ("host",), "B": ("host",), "C": ("device",), "D": ("device",)}
+    assert store.metrics() == before
+
+
 def test_lock_as_a_lookup_counts_hits_in_the_tier_that_held_each_page(make_store: StoreFactory) -> None:
     store = make_store(device=2, host=2, disk=4)
     put(store, "A", "B", "C", "D")  # A, B in host; C, D on device
