@@ -57,9 +57,12 @@ import zmq
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import HandoffError, LLMError
+from engine.compute.llm.loop import AddRequest, EngineLoop
+from engine.compute.llm.nodes import node_sampling
+from engine.compute.llm.pd import PrefillDecode, Pulled
 from engine.compute.llm.sequence import RequestOutput
 from engine.compute.llm.transfer import KVHandoff, handoff_of
-from engine.compute.llm.unit import LLMUnit, LLMUnitError, _Add, _Pulled
+from engine.compute.llm.unit import LLMUnit, LLMUnitError
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.sampling import SamplingParams
@@ -90,6 +93,7 @@ from engine.data.kv.pull import KVPageServer
 from engine.data.kv.ref import KVRef, KVRefError
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
+from engine.data.tensor_store import TensorStore
 from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
 
@@ -364,6 +368,110 @@ class _Export:
     done: asyncio.Future[torch.Tensor | None]
 
 
+class TPEngineLoop(EngineLoop):
+    """Rank 0's engine thread: its engine is `_Broadcasting`, and it has two commands of its own,
+    a decode's handoff pulled by every rank (`_AddHandoff`) and a prefill's handoff gathered whole
+    (`_Export`) into `exports`, which the unit's page server serves until the decode side lets go."""
+
+    def __init__(self, engine: LLMEngine, name: str, holds_store: Callable[[], TensorStore | None],
+                 exports: KVStore) -> None:
+        super().__init__(engine, name, holds_store)
+        self.exports = exports
+        self._exported: dict[str, list[PageHash]] = {}
+        self.exported_pages = 0  # an int: read by the heartbeat thread
+
+    def apply(self, command: Any) -> None:
+        if isinstance(command, _Export):
+            self._export(command)
+        elif isinstance(command, _AddHandoff):
+            try:
+                self.engine.add_handoff(command.ref, command.params, command.request_id,  # type: ignore[attr-defined]
+                                        command.stream_text)
+            except LLMError as exc:
+                self.deliver(command.request_id, exc)
+        else:
+            super().apply(command)
+
+    def _export(self, command: _Export) -> None:
+        """Gather a prefill handoff from the ranks and keep its pages whole, locked, for the decode
+        side; resolve `command.done` with the whole partial last page."""
+        handoff = command.handoff
+        done = command.done
+        try:
+            pages, tail = self.engine.export_handoff(handoff)  # type: ignore[attr-defined]
+            if pages is not None:
+                keys = list(handoff.page_hashes)
+                self.exports.put_many(keys, pages)
+                self.exports.lock(keys)
+                self._exported[handoff.handoff_id] = keys
+                self.exported_pages += len(keys)
+        except KVError as exc:
+            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(
+                f"keeping handoff {handoff.handoff_id}'s pages for the decode side: {exc}"))
+            return
+        except BaseException as exc:  # the group broke: the caller fails with it, then the unit does
+            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(f"{type(exc).__name__}: {exc}"))
+            raise
+        command.loop.call_soon_threadsafe(_settle, done, tail)
+
+    def release(self, handoff_id: str) -> None:
+        super().release(handoff_id)
+        keys = self._exported.pop(handoff_id, None)
+        if keys is not None:
+            self.exported_pages -= len(keys)
+            self.exports.unlock(keys)
+            for page in keys:
+                if not self.exports.lock_count(page):
+                    self.exports.remove(page)
+
+    def failure(self, exc: Exception) -> str:
+        # Any engine failure breaks the lockstep (a TPError: the group itself).
+        return f"llm role {self.name!r}: the tensor-parallel group failed: {type(exc).__name__}: {exc}"
+
+    def refuse(self, command: Any, error: LLMUnitError) -> None:
+        if isinstance(command, AddRequest | _AddHandoff):
+            self.deliver(command.request_id, error)
+        elif isinstance(command, _Export):
+            command.loop.call_soon_threadsafe(_settle, command.done, error)
+
+
+class TPPrefillDecode(PrefillDecode):
+    """Rank 0's prefill and decode kinds: handoffs in the whole model's layout, a prefill's
+    pages gathered from the ranks, a decode's pulled by every rank (in the engine thread)."""
+
+    def __init__(self, engine: LLMEngine, loop: EngineLoop, transfer: Callable[[], Peer],
+                 worker_id: Callable[[], str | None], *, lease_s: float, pull_timeout_s: float,
+                 whole: KVLayout) -> None:
+        super().__init__(engine, loop, transfer, worker_id, lease_s=lease_s, pull_timeout_s=pull_timeout_s)
+        self.whole = whole
+
+    def layout(self) -> dict[str, Any]:
+        return self.whole.to_dict()
+
+    async def tail(self, handoff: KVHandoff) -> torch.Tensor | None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[torch.Tensor | None] = loop.create_future()
+        self.loop.put(_Export(handoff, loop, done))
+        return await done
+
+    async def decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, Pulled]]:
+        ref, hold = self.handoff_ref(call)
+        sampling = node_sampling(call.node_id, {**hold.sampling, **call.params})
+        pulled = Pulled(len(ref.page_hashes), ref.holder)
+        if hold.finish_reason is not None:
+            yield self.finished_at_prefill(ref, hold), pulled
+            return
+        if hold.token is None or ref.holder is None:
+            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token or holder")
+
+        async def admit(request_id: str) -> Pulled:
+            self.loop.put(_AddHandoff(request_id, ref, sampling, stream))
+            return pulled
+
+        async for item in self.held_decode(call, self.transfer(), hold.token, admit):
+            yield item
+
+
 class TPLLMUnit(LLMUnit):
     """Rank 0 of a tensor-parallel `llm` role (see the module docstring)."""
 
@@ -396,9 +504,14 @@ class TPLLMUnit(LLMUnit):
         # Prefill handoffs' pages, whole, while their decode sides have not taken them.
         self._exports = KVStore(KVStoreConfig(layout=puller.whole, device_capacity=Capacity(pages=config.device_pages),
                                               device="cpu"))
-        self._exported: dict[str, list[PageHash]] = {}
-        self._exported_pages = 0  # an int: read by the heartbeat thread
         return broadcast  # type: ignore[return-value]  # an LLMEngine in all the unit uses
+
+    def _make_loop(self) -> EngineLoop:
+        return TPEngineLoop(self.engine, self.role.name, self._holds_store, self._exports)
+
+    def _make_pd(self, lease_s: float) -> PrefillDecode:
+        return TPPrefillDecode(self.engine, self.loop, self._transfer, lambda: self.worker_id, lease_s=lease_s,
+                               pull_timeout_s=self.pull_timeout_s, whole=self.whole_layout)
 
     def _transfer(self) -> Peer:
         """The unit's seat on the transfer plane: pulls, hold tokens, and serving the exported
@@ -414,117 +527,18 @@ class TPLLMUnit(LLMUnit):
         assert self._link is not None
         self._link.broadcast(message)
 
-    # -- the engine thread ----------------------------------------------------------------------------
-
-    def _apply(self, command: Any) -> None:
-        if isinstance(command, _Export):
-            self._export(command)
-            return
-        if isinstance(command, _AddHandoff):
-            try:
-                self.engine.add_handoff(command.ref, command.params, command.request_id, command.stream_text)
-            except LLMError as exc:
-                self._deliver(command.request_id, exc)
-            return
-        super()._apply(command)
-
-    def _export(self, command: _Export) -> None:
-        """Engine thread: gather a prefill handoff from the ranks and keep its pages whole, locked,
-        for the decode side; resolve `command.done` with the whole partial last page."""
-        handoff = command.handoff
-        done = command.done
-        try:
-            pages, tail = self.engine.export_handoff(handoff)
-            if pages is not None:
-                keys = list(handoff.page_hashes)
-                self._exports.put_many(keys, pages)
-                self._exports.lock(keys)
-                self._exported[handoff.handoff_id] = keys
-                self._exported_pages += len(keys)
-        except KVError as exc:
-            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(
-                f"keeping handoff {handoff.handoff_id}'s pages for the decode side: {exc}"))
-            return
-        except BaseException as exc:  # the group broke: the caller fails with it, then the unit does
-            command.loop.call_soon_threadsafe(_settle, done, LLMUnitError(f"{type(exc).__name__}: {exc}"))
-            raise
-        command.loop.call_soon_threadsafe(_settle, done, tail)
-
-    def _release(self, handoff_id: str) -> None:
-        super()._release(handoff_id)
-        keys = self._exported.pop(handoff_id, None)
-        if keys is not None:
-            self._exported_pages -= len(keys)
-            self._exports.unlock(keys)
-            for page in keys:
-                if not self._exports.lock_count(page):
-                    self._exports.remove(page)
-
-    def _failure(self, exc: Exception) -> str:
-        # Any engine failure breaks the lockstep (a TPError: the group itself).
-        return f"llm role {self.role.name!r}: the tensor-parallel group failed: {type(exc).__name__}: {exc}"
-
-    def _refuse(self, command: Any, error: LLMUnitError) -> None:
-        if isinstance(command, _Add | _AddHandoff):
-            self._deliver(command.request_id, error)
-        elif isinstance(command, _Export):
-            command.loop.call_soon_threadsafe(_settle, command.done, error)
-
     def metrics(self) -> dict[str, float]:
         """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the
         group: its size and whether it failed."""
-        return {**super().metrics(), "llm.exported_pages": float(self._exported_pages),
+        exported = self.loop.exported_pages  # type: ignore[attr-defined]
+        return {**super().metrics(), "llm.exported_pages": float(exported),
                 "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None)}
-
-    # -- node calls -----------------------------------------------------------------------------------
-
-    def _check_alive(self) -> None:
-        if self.failed is not None:
-            raise LLMUnitError(self.failed)
 
     def _multimodal(self, call: NodeCall, prompt: str | list[int]) -> tuple[str | list[int],
                                                                            tuple[MultimodalItem, ...]]:
         if call.inputs.get("items") is not None or call.inputs.get("embeds") is not None:
             raise LLMUnitError(f"node {call.node_id!r}: multimodal items do not run on a tensor-parallel role")
         return prompt, ()
-
-    def _handoff_layout(self) -> dict[str, Any]:
-        return self.whole_layout.to_dict()
-
-    async def _handoff_tail(self, handoff: KVHandoff) -> torch.Tensor | None:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[torch.Tensor | None] = loop.create_future()
-        self._commands.put(_Export(handoff, loop, done))
-        return await done
-
-    async def _decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, _Pulled]]:
-        self._check_alive()
-        ref, hold = self._handoff_ref(call)
-        sampling = self._sampling(call.node_id, {**hold.sampling, **call.params})
-        pulled = _Pulled(len(ref.page_hashes), ref.holder)
-        if hold.finish_reason is not None:
-            yield self._finished_at_prefill(ref, hold), pulled
-            return
-        if hold.token is None or ref.holder is None:
-            raise LLMUnitError(f"node {call.node_id!r}: input 'kv': a handoff without a hold token or holder")
-        token = hold.token
-        peer = self._transfer()
-        with self._lock:
-            self._counter += 1
-            request_id = f"{call.call_id}#{self._counter}"
-            inbox: asyncio.Queue[Any] = asyncio.Queue()
-            self._subscribers[request_id] = (asyncio.get_running_loop(), inbox)
-        self._commands.put(_AddHandoff(request_id, ref, sampling, stream))
-        released = False
-        try:
-            async for out in self._run(call, request_id, inbox):
-                if not released:  # admitted: every rank has its heads of the pages locked now
-                    released = True
-                    self._let_go(peer, token)
-                yield out, pulled
-        finally:
-            if not released:
-                self._let_go(peer, token)
 
     # -- shutdown -------------------------------------------------------------------------------------
 
