@@ -19,6 +19,7 @@ from engine.data.kv.ref import KVRef
 from engine.data.wire import PortValue, TensorRef, ValueKind
 
 if TYPE_CHECKING:
+    from engine.data.codec import TensorData
     from engine.data.peer import Peer
 
 INLINE_LIMIT = 256 * 1024
@@ -62,30 +63,36 @@ def decode_value(value: PortValue, peer: Peer, *, timeout: float, materialize: b
     """The Python value of a PortValue. With `materialize`, tensors are pulled (a torch
     tensor; read-only when mapped from shared memory: clone before writing in place)
     and blobs become bytes; without, their `TensorRef` is returned as is."""
-    if value.kind == ValueKind.INLINE:
-        return value.data
-    if value.kind == ValueKind.KV:
-        return _kv_ref(value)
-    if value.ref is None:
-        raise ValueTransportError(f"a {value.kind} value without a ref")
-    if not materialize:
-        return value.ref
-    data = peer.pull(value.ref, timeout)
-    if value.kind == ValueKind.BLOB:
-        return data.bytes_view().tobytes()
-    return data.torch()
+    if value.kind in _CARRIED:
+        return _carried(value)
+    ref = _ref_of(value)
+    return _materialized(value.kind, peer.pull(ref, timeout)) if materialize else ref
 
 
 async def decode_value_async(value: PortValue, peer: Peer, *, timeout: float) -> Any:
     """`decode_value(materialize=True)` without blocking the event loop."""
-    if value.kind == ValueKind.INLINE:
-        return value.data
-    if value.kind == ValueKind.KV:
-        return _kv_ref(value)
+    if value.kind in _CARRIED:
+        return _carried(value)
+    return _materialized(value.kind, await peer.pull_async(_ref_of(value), timeout))
+
+
+_CARRIED = (ValueKind.INLINE, ValueKind.KV)
+"""Kinds whose value travels in the PortValue itself (nothing to pull)."""
+
+
+def _carried(value: PortValue) -> Any:
+    return value.data if value.kind == ValueKind.INLINE else _kv_ref(value)
+
+
+def _ref_of(value: PortValue) -> TensorRef:
     if value.ref is None:
         raise ValueTransportError(f"a {value.kind} value without a ref")
-    data = await peer.pull_async(value.ref, timeout)
-    if value.kind == ValueKind.BLOB:
+    return value.ref
+
+
+def _materialized(kind: ValueKind, data: TensorData) -> Any:
+    """A pulled value as its port sees it: a blob's bytes, a tensor's torch tensor."""
+    if kind == ValueKind.BLOB:
         return data.bytes_view().tobytes()
     return data.torch()
 

@@ -10,6 +10,7 @@ splice the embeddings in at `length` placeholder positions and to key its prefix
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.compute.encoders.audio import AudioEncoder, audio_config
@@ -51,8 +52,18 @@ class _EncoderUnit(ThreadedUnit):
         self.shared = shared if shared is not None else WeightStore()
         self.key, self.encoder = self._load(role)
 
+    encoder_class: type[VisionEncoder] | type[AudioEncoder]
+    default_model: str
+    config_of: Callable[[str], Any]
+    """The encoder config of a built-in model name."""
+
     def _load(self, role: RoleSpec) -> tuple[WeightKey, Any]:
-        raise NotImplementedError
+        """The role's encoder, projecting to its LLM's hidden size: one copy per process (`WeightStore`)."""
+        config = self.config_of(role.model or self.default_model)
+        size = projection_size(role)
+        key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
+        cls = self.encoder_class
+        return key, self.shared.module(key, lambda: cls.build(config, size), skeleton=lambda: cls(config, size))
 
     def _encode(self, call: NodeCall, value: Any) -> EncodedItem:
         try:
@@ -85,14 +96,9 @@ class VisionEncoderUnit(_EncoderUnit):
 
     kind = "vision_encoder"
     port = "image"
-
-    def _load(self, role: RoleSpec) -> tuple[WeightKey, VisionEncoder]:
-        config = vision_config(role.model or "tiny-vit")
-        size = projection_size(role)
-        key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
-        module = self.shared.module(key, lambda: VisionEncoder.build(config, size),
-                                    skeleton=lambda: VisionEncoder(config, size))
-        return key, module
+    encoder_class = VisionEncoder
+    default_model = "tiny-vit"
+    config_of = staticmethod(vision_config)
 
 
 class AudioEncoderUnit(_EncoderUnit):
@@ -100,11 +106,6 @@ class AudioEncoderUnit(_EncoderUnit):
 
     kind = "audio_encoder"
     port = "audio"
-
-    def _load(self, role: RoleSpec) -> tuple[WeightKey, AudioEncoder]:
-        config = audio_config(role.model or "tiny-audio-encoder")
-        size = projection_size(role)
-        key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
-        module = self.shared.module(key, lambda: AudioEncoder.build(config, size),
-                                    skeleton=lambda: AudioEncoder(config, size))
-        return key, module
+    encoder_class = AudioEncoder
+    default_model = "tiny-audio-encoder"
+    config_of = staticmethod(audio_config)

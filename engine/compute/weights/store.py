@@ -31,6 +31,7 @@ from engine.compute.weights.shared import HostWeights, SharedWeightsError, Weigh
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", WeightsManifest, DeviceWeightsManifest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,16 +181,20 @@ class WeightStore:
 
     def _host_attach(self, key: WeightKey, attach: Callable[[WeightsManifest], T]) -> T | None:
         assert self.host is not None
-        manifest = self.host.lookup(str(key))
+        return self._attach(key, self.host.lookup(str(key)), attach, lambda m: f"segment {m.segment}")
+
+    def _attach(self, key: WeightKey, manifest: M | None, attach: Callable[[M], T],
+                where: Callable[[M], str]) -> T | None:
+        """What `attach` makes of the copy `manifest` describes (None: there is none, or it cannot
+        be attached: logged, and the caller then loads a copy of its own)."""
         if manifest is None:
             return None
         try:
             value = attach(manifest)
         except SharedWeightsError as exc:
-            log.warning("cannot attach %s from segment %s (%s): this process loads a copy of its own",
-                        key, manifest.segment, exc)
+            log.warning("cannot attach %s from %s (%s): this process loads a copy of its own", key, where(manifest), exc)
             return None
-        self._set_origin(key, "attached")
+        self._set_origin(key, "attached", manifest if isinstance(manifest, DeviceWeightsManifest) else None)
         return value
 
     @staticmethod
@@ -202,20 +207,9 @@ class WeightStore:
         return self.device is not None and torch.device(key.device).type == "cuda"
 
     def _device_attach(self, key: WeightKey, attach: Callable[[DeviceWeightsManifest], Any]) -> Any | None:
-        """What `attach` makes of the copy published under `key` by a live process, or None when
-        there is none or it cannot be attached (logged: the caller then loads its own)."""
+        """What `attach` makes of the copy published under `key` by a live process (see `_attach`)."""
         assert self.device is not None
-        manifest = self.device.lookup(str(key))
-        if manifest is None:
-            return None
-        try:
-            value = attach(manifest)
-        except SharedWeightsError as exc:
-            log.warning("cannot attach %s published by pid %d (%s): this process loads a copy of its own",
-                        key, manifest.pid, exc)
-            return None
-        self._set_origin(key, "attached", manifest)
-        return value
+        return self._attach(key, self.device.lookup(str(key)), attach, lambda m: f"the copy published by pid {m.pid}")
 
     def orphaned(self) -> list[str]:
         """GPU weights this process attached whose publisher is gone, as "key (pid N)": their

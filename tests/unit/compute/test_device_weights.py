@@ -174,7 +174,7 @@ def test_a_failed_attach_is_logged_before_loading(peer: Peer, root: str, caplog)
         with pytest.raises((AssertionError, RuntimeError)):
             store.module(key, build, skeleton=lambda: torch.nn.Linear(4, 8))
     assert len(built) == 1
-    assert f"cannot attach {key} published by pid {os.getpid()} (" in caplog.text
+    assert f"cannot attach {key} from the copy published by pid {os.getpid()} (" in caplog.text
     assert "this process has no CUDA" in caplog.text
 
 
