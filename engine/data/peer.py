@@ -151,19 +151,17 @@ class Peer:
             self.transfers.record(data)
             return data
         transports = (Transport.TCP, Transport.INLINE) if tcp else self._transports(ref)
-        got = self.client.fetch_to(ref, transports, timeout, sink, align)
-        if got is None:
-            self.transfers.add(Transport.TCP, ref.nbytes)
-        else:
-            self.transfers.record(got)
-        return got
+        return self._counted(ref, self.client.fetch_to(ref, transports, timeout, sink, align))
 
     def pull_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float | None, sink: ChunkSink | None = None,
                      *, align: int = 1) -> TensorData | None:
         """Pull `ref` over its owner's bulk channel under `grant`, given in another reply on the
         CURVE connection (`ZmqClient.fetch_granted`); with `sink`, the chunks go there (None returned)."""
         timeout = self.config.default_timeout_s if timeout is None else timeout
-        got = self.client.fetch_granted(ref, grant, timeout, sink, align)
+        return self._counted(ref, self.client.fetch_granted(ref, grant, timeout, sink, align))
+
+    def _counted(self, ref: TensorRef, got: TensorData | None) -> TensorData | None:
+        """`got` (None: `ref`'s bytes went to a sink as TCP chunks), counted in `transfers`."""
         if got is None:
             self.transfers.add(Transport.TCP, ref.nbytes)
         else:
