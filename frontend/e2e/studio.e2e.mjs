@@ -1,7 +1,7 @@
 // The studio in a real Chromium, driven by Playwright, against a live studio.
 //
 //   STUDIO_URL=http://127.0.0.1:8000 STUDIO_USER=demo STUDIO_PASSWORD=demo \
-//   E2E_ARTIFACTS=../tests/e2e/artifacts E2E_FIXTURES=../tests/e2e/workflows node e2e/studio.e2e.mjs
+//   E2E_ARTIFACTS=../tests/e2e/artifacts/studio E2E_FIXTURES=../tests/e2e/workflows node e2e/studio.e2e.mjs
 //
 // tests/e2e/test_studio_e2e.py starts the studio (with `tests.e2e.fns` among the allowed
 // op modules and the demo workflows loaded) and runs this script. Every page gets a

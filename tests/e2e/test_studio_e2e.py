@@ -6,7 +6,7 @@ watches node states live, cancels a run, imports and deletes, deploys
 `workflows/image_generation.py` onto role workers and runs it there (its PNG on the run
 page), sees the cluster page's KV hit rate rise after a second run of the same prompt, and
 visits every page.
-Screenshots of each page land in tests/e2e/artifacts/.
+Screenshots of each page land in tests/e2e/artifacts/studio/.
 
 Needs `node`, the frontend's packages and build (`bash scripts/frontend.sh build`) and
 Chromium (`apt-get install chromium`, or CHROMIUM=/path); skipped when a tool is absent.
@@ -29,7 +29,7 @@ pytestmark = needs_browser
 def test_studio_in_chromium(live_studio: LiveStudio, tmp_path: Path) -> None:
     picture = tmp_path / "picture.png"
     picture.write_bytes(png(48, 32, (220, 90, 40)))
-    shots = run_script("studio.e2e.mjs", live_studio, ARTIFACTS, timeout_s=240, env={
+    shots = run_script("studio.e2e.mjs", live_studio, ARTIFACTS / "studio", timeout_s=240, env={
         "E2E_FIXTURES": str(Path(__file__).resolve().parent / "workflows"),
         "E2E_PICTURE": str(picture),
     })
