@@ -24,6 +24,9 @@ drift on a small machine hits all alike), in GB/s = bytes / seconds / 1e9:
 * `raw_tensor_gbps`, `raw_kv_gbps`: bare pyzmq between the same namespaces, a DEALER asking
   a ROUTER that answers with the same number of bytes as one `copy=False` frame;
 * `kv_enc_gbps`: the KV run with every byte inside CURVE;
+* `rawstored_kv_gbps`: raw ZeroMQ's KV bytes, then copied into a buffer as a KV cache stores them
+  (a pull must land its pages in the puller's store; bare ZeroMQ leaves them in its frame), and
+  `kv_auth_vs_raw_stored`: what the plane costs beyond moving and storing the bytes;
 * the ratios `tensor_auth_vs_raw`, `tensor_plain_vs_raw`, `kv_auth_vs_raw`, `kv_plain_vs_raw`
   (goal >= 0.9), `tensor_auth_vs_plain`, `kv_auth_vs_plain` (issue #17's goal: >= 0.9) and
   `tensor_enc_vs_raw`, `kv_enc_vs_raw` (what `encrypted` costs).
@@ -164,15 +167,18 @@ def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int,
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(hello["raw"])
     times: dict[str, list[float]] = {f"{what}_{plane}": [] for what in ("tensor", "kv") for plane in PLANES}
-    times.update(raw_tensor=[], raw_kv=[])
+    times.update(raw_tensor=[], raw_kv=[], rawstored_kv=[])
     kinds = list(times)
+    cache = np.empty(kv_nbytes, dtype=np.uint8)  # where raw ZeroMQ's KV bytes are stored, as a KV cache would
 
     def one(kind: str, i: int) -> float:
         what, plane = kind.split("_")
-        if what == "raw":
+        if what in ("raw", "rawstored"):
             start = time.perf_counter()
             raw.send(plane.encode())
             frame = raw.recv(copy=False)
+            if what == "rawstored":
+                np.copyto(cache, np.frombuffer(frame.buffer, dtype=np.uint8))
             elapsed = time.perf_counter() - start
             if len(frame.buffer) != (nbytes if plane == "tensor" else kv_nbytes):
                 raise RuntimeError(f"raw ZeroMQ sent {len(frame.buffer)} bytes")
@@ -219,7 +225,7 @@ def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int,
         for peer in peers.values():
             peer.close()
     size = {"tensor": nbytes, "kv": kv_nbytes}
-    gbps = {k: size[k.split("_")[0] if not k.startswith("raw") else k.split("_")[1]]
+    gbps = {k: size[k.split("_")[1] if k.startswith("raw") else k.split("_")[0]]
             / statistics.median(v) / 1e9 for k, v in times.items()}
     return {
         "size_mib": float(size_mib), "kv_pages": float(kv_pages), "kv_mib": kv_nbytes / MiB,
@@ -228,6 +234,7 @@ def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int,
            for what in ("tensor", "kv") for plane in PLANES},
         "tensor_auth_vs_plain": gbps["tensor_auth"] / gbps["tensor_plain"],
         "kv_auth_vs_plain": gbps["kv_auth"] / gbps["kv_plain"],
+        "kv_auth_vs_raw_stored": gbps["kv_auth"] / gbps["rawstored_kv"],
         "goal_vs_raw": GOAL,
         "goal_auth_vs_plain": GOAL,
     }
