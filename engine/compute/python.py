@@ -27,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from engine.compute.context import UnitContext
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
-from engine.spec.ops import OpConfig, OpNotAllowedError, UnknownOpError, attribute_path_message
+from engine.spec.ops import OpConfig, OpNotAllowedError, UnknownOpError, attribute_path_message, default_ops
 
 
 class OperationError(LookupError):
@@ -97,13 +98,12 @@ class PythonUnit(ComputeUnit):
     READ_AHEAD = 2
     """Frames a plain generator makes beyond those its reader took."""
 
-    accepts = ("ops",)
-    """What a process shares with this unit (`engine.worker.units.build_unit`): its ops."""
-
-    def __init__(self, role: RoleSpec, *, ops: OpConfig) -> None:
-        """`ops`: the registered ops, and whether `module:function` ops may run."""
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
+        """`ctx.ops`: the registered ops, and whether `module:function` ops may run (None: the
+        command line's: every registered op and `module:function` ops, trusted code)."""
         self.role = role
-        self._ops = ops
+        ops = ctx.ops if ctx else None
+        self._ops = ops if ops is not None else OpConfig(default_ops(), allow_module_ops=True)
         self._functions: dict[str, _Function] = {}
         # A thread for every execution the role's replicas may run at once (one unit serves them
         # all in process): plain functions run here, off the loop other runs share, and a

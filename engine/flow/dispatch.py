@@ -16,7 +16,6 @@ from typing import Any, Protocol
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry
-from engine.spec.ops import OpConfig, default_ops
 
 
 class Dispatcher(Protocol):
@@ -43,14 +42,12 @@ class InProcessDispatcher:
 
     DEFAULT_CAPACITY = 64
 
-    def __init__(self, kinds: KindRegistry, *, build: Callable[[RoleSpec], ComputeUnit] | None = None,
-                 ops: OpConfig | None = None) -> None:
-        """`build(role)` makes a role's unit (default: its kind's runner, `runner(role)`, given
-        `ops=` when it `accepts` them; see `engine.worker.units.SharedUnits` for units that share
-        their weights). `ops` (default builder only): the ops python units may run; None: the
-        command line's, every registered op plus `module:function` ops (trusted code)."""
+    def __init__(self, kinds: KindRegistry, *, build: Callable[[RoleSpec], ComputeUnit] | None = None) -> None:
+        """`build(role)` makes a role's unit (default: its kind's runner, `runner(role)`, with no
+        context: each unit its own weights, python units the command line's ops, every registered
+        op plus `module:function` ops; `engine.worker.units.SharedUnits` builds units that share
+        their weights and run only the ops it is given)."""
         self._kinds = kinds
-        self._ops = ops
         self._build = build if build is not None else self._runner
         self._units: dict[tuple[str, str], ComputeUnit] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
@@ -58,12 +55,7 @@ class InProcessDispatcher:
         """Where its calls run: this process."""
 
     def _runner(self, role: RoleSpec) -> ComputeUnit:
-        runner = self._kinds.role_kind(role.kind).load_runner()
-        if "ops" not in getattr(runner, "accepts", ()):
-            return runner(role)
-        if self._ops is None:
-            self._ops = OpConfig(default_ops(), allow_module_ops=True)
-        return runner(role, ops=self._ops)
+        return self._kinds.role_kind(role.kind).load_runner()(role)
 
     def _key(self, role: RoleSpec) -> tuple[str, str]:
         # Roles of different workflows may share a name; the spec itself tells them apart.

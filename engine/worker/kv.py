@@ -9,7 +9,8 @@ unit does); for such a unit the worker process
 * with a Redis registry, publishes the store's residency to the distributed KV index
   (`RedisKVIndex`, namespace `kv_index_namespace(registry namespace)`), with a liveness
   key of its own, so that `pull_missing` and the KV-aware load balancer find the pages;
-* binds the unit to the worker's `Peer` and the index (`bind_transfer`);
+* opens the index before the unit is built (`open_index`), so the unit gets it, with the
+  worker's `Peer`, in its `UnitContext` (`engine.compute.context.TransferSeat`);
 * adds `meta["kv"]` to the worker's registration (what a router needs to hash a prompt
   the way the unit does: model id, page size; see `engine.flow.kvroute`) and the store's
   tier and pull metrics (`kv.*`) to its heartbeats.
@@ -26,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine.data.kv.errors import KVIndexError
 from engine.data.kv.index import KVIndexPublisher, RedisKVIndex
-from engine.data.kv.pull import KVHolderIndex, KVPageServer
+from engine.data.kv.pull import KVPageServer
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer
 from engine.flow.kvroute import KV_META_KEY, kv_index_namespace
@@ -47,9 +48,13 @@ class KVHostUnit(Protocol):
         """JSON-able facts a router needs to hash prompts like the unit: `model_id`, `page_size`."""
         ...
 
-    def bind_transfer(self, peer: Peer, worker_id: str, index: KVHolderIndex | None = None) -> None:
-        """Use `peer` for pulls and hold tokens; with `index`, find pages held by other workers."""
-        ...
+
+def open_index(registry_url: str | None, namespace: str) -> RedisKVIndex | None:
+    """The distributed KV index of a worker registered at `registry_url` (namespace
+    `kv_index_namespace(namespace)`), or None without a Redis registry."""
+    if registry_url is None or not registry_url.startswith(_REDIS_SCHEMES):
+        return None
+    return RedisKVIndex.from_url(registry_url, namespace=kv_index_namespace(namespace))
 
 
 class _IndexLiveness(threading.Thread):
@@ -96,21 +101,21 @@ class KVHosting:
         peer: Peer,
         worker_id: str,
         *,
-        registry_url: str | None,
-        namespace: str,
+        index: RedisKVIndex | None,
         heartbeat_s: float,
         ttl_s: float,
     ) -> KVHosting:
+        """Host `unit`'s KV cache (a unit without one: nothing, and `index` is closed here)."""
         hosting = cls()
         if not isinstance(unit, KVHostUnit):
+            if index is not None:
+                index.client.close()
             return hosting
         hosting._worker_id = worker_id
         store = hosting._store = unit.kv_store
         hosting._server = KVPageServer(store, peer.server)
-        index = None
-        if registry_url is not None and registry_url.startswith(_REDIS_SCHEMES):
-            index_ns = kv_index_namespace(namespace)
-            index = hosting._index = RedisKVIndex.from_url(registry_url, namespace=index_ns)
+        if index is not None:
+            hosting._index = index
             try:
                 index.register_worker(worker_id, peer.address, ttl_s)
             except KVIndexError as exc:  # the liveness thread registers it once Redis answers
@@ -120,7 +125,6 @@ class KVHosting:
             hosting._publisher = KVIndexPublisher(index, worker_id)
             hosting._publisher.attach(store)
             hosting._publisher.start()
-        unit.bind_transfer(peer, worker_id, index)
         hosting.meta = {KV_META_KEY: {**unit.kv_meta(), "index": index.namespace if index is not None else None}}
         return hosting
 

@@ -77,8 +77,7 @@ from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, default_ops
 from engine.worker.core import RoleWorkerCore
-from engine.worker.kv import KVHosting
-from engine.worker.units import build_unit
+from engine.worker.kv import KVHosting, open_index
 
 log = logging.getLogger(__name__)
 
@@ -374,8 +373,9 @@ class RoleWorkerProc:
     `receive`; the liveness thread heartbeats `load()` and asks `check()`; `run()` serves until
     stopped and returns the exit status (see the module docstring).
 
-    Units are built with the process's `WeightStore` (`shared=`) and `kv_store` (the worker's
-    KV store, when it has one) if their constructor takes them; else as `Unit(role)`."""
+    Units are built as `Unit(role, ctx)`: a `UnitContext` with the process's `WeightStore`, the
+    worker's KV store (when it has one), the ops it may run and its seat on the transfer plane
+    (its `Peer`, worker id and KV index)."""
 
     def __init__(self, config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[dict], None],
                  kv_store: Any = None) -> None:
@@ -414,7 +414,8 @@ class RoleWorkerProc:
         """One weight store per process (roles of one model share weights; segments and indexes of
         dead publishers are reclaimed first; GPU weights are served by CUDA IPC through the peer)
         and, when given, one KV store for the units that take them."""
-        from engine.compute.weights.cuda import DeviceWeights  # torch: imported by the worker only
+        from engine.compute.context import TransferSeat, UnitContext  # torch: imported by the worker only
+        from engine.compute.weights.cuda import DeviceWeights
         from engine.compute.weights.shared import HostWeights
         from engine.compute.weights.store import WeightStore
 
@@ -432,13 +433,14 @@ class RoleWorkerProc:
             self.unit = tp_unit(role, tp=tp_seat(config))
             self.kv = KVHosting()
         else:
-            self.unit = build_unit(self.kinds.role_kind(config.role.kind).load_runner(), role, shared=self.weights,
-                                   kv_store=self._kv_store,
-                                   ops=OpConfig(default_ops(), allow_module_ops=config.allow_module_ops))
+            index = open_index(config.registry_url, config.namespace)
+            seat = TransferSeat(peer, config.worker_id, index)
+            ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
+            ctx = UnitContext(weights=self.weights, kv_store=self._kv_store, ops=ops, seat=seat)
+            self.unit = self.kinds.role_kind(config.role.kind).load_runner()(role, ctx)
             # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
-            self.kv = KVHosting.start(self.unit, peer, config.worker_id, registry_url=config.registry_url,
-                                      namespace=config.namespace, heartbeat_s=config.heartbeat_s,
-                                      ttl_s=config.registry_ttl_s)
+            self.kv = KVHosting.start(self.unit, peer, config.worker_id, index=index,
+                                      heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
         self.core = RoleWorkerCore(config.role, self.unit, peer, config.worker_id, self.send,
                                    capacity=self.capacity, pull_timeout_s=config.pull_timeout_s)
 

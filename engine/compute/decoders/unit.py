@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.compute.context import UnitContext
 from engine.compute.decoders.audio import AudioCodeDecoder, audio_decoder_config
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.threaded import ThreadedUnit, UnitInputError
@@ -26,8 +27,9 @@ class _DecoderUnit(ThreadedUnit):
     port: str
     output: str
 
-    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None) -> None:
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
         super().__init__(role)
+        shared = ctx.weights if ctx else None
         self._own_store = shared is None
         self.shared = shared if shared is not None else WeightStore()
         self.key = self._load(role)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.compute.context import UnitContext
 from engine.compute.diffusion.head import DiffusionHead
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.models.tokenizer import BOS_ID
@@ -34,7 +35,6 @@ from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.pull import KVHolderIndex
 from engine.data.kv.ref import KVRef, KVRefError
 from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
 from engine.data.kv.store import KVStore, KVStoreConfig
@@ -82,12 +82,16 @@ def context_ids(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any],
 
 
 class DiffusionUnit(ThreadedUnit):
-    """Constructed by the worker as `DiffusionUnit(role, shared=..., kv_store=..., page_source=...)`;
-    all three are optional (a private weight store and KV store are made when absent)."""
+    """Built as `DiffusionUnit(role, ctx)` (`engine.compute.context`): the context's weights, KV
+    store and seat on the transfer plane where given (a private weight store and KV store are made
+    when absent). `page_source`: where missing prompt pages come from when a `kv` input names no
+    holder (default: the KV index of the seat, if any)."""
 
-    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None, kv_store: KVStore | None = None,
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None, *,
                  page_source: PageSource | None = None) -> None:
         super().__init__(role)
+        ctx = ctx or UnitContext()
+        shared, kv_store, seat = ctx.weights, ctx.kv_store, ctx.seat
         if not role.model:
             raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
         params = role.params
@@ -117,22 +121,17 @@ class DiffusionUnit(ThreadedUnit):
                                              device_capacity=Capacity(pages=int(params.get("device_pages", 256))),
                                              device=str(next(model.model.parameters()).device)))
         self.kv_store = kv_store
+        if page_source is None and seat is not None and seat.index is not None:
+            page_source = IndexPageSource(seat.peer, seat.index)
         self.page_source = page_source
-        self._peer: Peer | None = None
-        self.worker_id: str | None = None
+        self._peer: Peer | None = seat.peer if seat else None
+        self.worker_id: str | None = seat.worker_id if seat else None
 
     # -- worker integration (`engine.worker.kv.KVHostUnit`) ------------------------------------------
 
     def kv_meta(self) -> dict[str, Any]:
         return {"model_id": self.runner.model_id, "page_size": self.runner.layout.page_size,
                 "layout": self.runner.layout.fingerprint(), "prefix_cache": True}
-
-    def bind_transfer(self, peer: Peer, worker_id: str, index: KVHolderIndex | None = None) -> None:
-        """Pull prompt pages over the worker's `peer`: from the holder an input `kv` names, else
-        (with `index`) from whichever worker the KV index says holds them."""
-        self._peer, self.worker_id = peer, worker_id
-        if self.page_source is None and index is not None:
-            self.page_source = IndexPageSource(peer, index)
 
     def _source(self, kv: KVRef | None) -> PageSource | None:
         """Where missing prompt pages come from: the worker that computed `kv` (its `holder`), if

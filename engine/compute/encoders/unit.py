@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.compute.context import UnitContext
 from engine.compute.encoders.audio import AudioEncoder, audio_config
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.encoders.vision import VisionEncoder, vision_config
@@ -46,8 +47,9 @@ class _EncoderUnit(ThreadedUnit):
     kind: str
     port: str
 
-    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None) -> None:
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
         super().__init__(role)
+        shared = ctx.weights if ctx else None
         self._own_store = shared is None
         self.shared = shared if shared is not None else WeightStore()
         self.key, self.encoder = self._load(role)

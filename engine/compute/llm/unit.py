@@ -24,9 +24,9 @@ tenant A and `session` of tenant B are two sessions, `NodeCall.session_key`); a 
 takes only its own tenant's handoffs. So one tenant's KV is never a hit for another's prompt, and
 `cached_tokens` tells a caller only about its own tenant's pages.
 
-The transfer plane: a worker process hands the unit its `Peer` (`bind_transfer`) and serves
-the unit's `kv_store` to other workers; a unit that was not given one (in-process dispatch)
-starts its own the first time a prefill or decode node needs it.
+The transfer plane: a worker process hands the unit its seat (`UnitContext.seat`: its `Peer`,
+worker id and KV index) and serves the unit's `kv_store` to other workers; a unit that was not
+given one (in-process dispatch) starts its own peer the first time a prefill or decode node needs it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from engine.compute.context import UnitContext
 from engine.compute.encoders.items import PLACEHOLDER_IDS, splice_prompt
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
@@ -48,9 +49,9 @@ from engine.compute.llm.sequence import RequestOutput
 from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.weights.store import WeightKey, WeightStore
-from engine.data.kv.pull import KVHolderIndex, KVPageServer
+from engine.data.kv.pull import KVPageServer
 from engine.data.kv.ref import KVHolder, KVRef
-from engine.data.kv.source import IndexPageSource
+from engine.data.kv.source import IndexPageSource, PageSource
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer, PeerConfig
 from engine.data.tensor_store import TensorStore
@@ -71,19 +72,19 @@ class LLMUnit(ComputeUnit):
 
     Worker integration (duck-typed by `engine.worker.kv`): `kv_store` is the engine's store
     (the worker serves it to other workers and publishes it to the KV index), `kv_meta()`
-    what a router needs to hash prompts like this engine, `bind_transfer()` hands the unit
-    the worker's seat on the transfer plane.
+    what a router needs to hash prompts like this engine; the worker's seat on the transfer
+    plane comes in the `UnitContext`.
     """
 
-    def __init__(self, role: RoleSpec, *, shared: WeightStore | None = None,
-                 kv_store: KVStore | None = None) -> None:
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
+        ctx = ctx or UnitContext()
         self.role = role
         ref = role.model
         if not ref:
             raise LLMUnitError(f"llm role {role.name!r} needs a model (a built-in name or a checkpoint directory)")
         lease_s = _positive(role, "handoff_lease_s", HANDOFF_LEASE_S)
         self.pull_timeout_s = _positive(role, "kv_pull_timeout_s", KV_PULL_TIMEOUT_S)
-        self.shared = shared
+        self.shared = shared = ctx.weights
         self._weight_key: WeightKey | None = None
         dtype = role.params.get("dtype", "float32")
         if dtype not in MODEL_DTYPES:
@@ -94,23 +95,28 @@ class LLMUnit(ComputeUnit):
             self._weight_key = WeightStore.llm_key(model_ref, role.device, dtype)
         else:
             model = load_model(path=ref, dtype=dtype) if Path(ref).is_dir() else load_model(name=ref, dtype=dtype)
-        self.engine = self._build_engine(model, EngineConfig.from_params(role.params), kv_store)
+        seat = ctx.seat
+        # On a worker with a KV index, a prefix miss also pulls the pages other workers hold.
+        config = EngineConfig.from_params(role.params)
+        peers = [IndexPageSource(seat.peer, seat.index)] if seat and seat.index and config.prefix_cache else []
+        self.engine = self._build_engine(model, config, ctx.kv_store, peers)
         # Whether the tokenizer has the media markers as tokens of their own (the tiny built-in models'
         # byte tokenizer does): only then are they found among a token prompt's ids.
         self._id_markers = all(model.tokenizer.convert_ids_to_tokens(token) == f"<|{kind}|>"
                                for kind, token in PLACEHOLDER_IDS.items())
         self.engine.cache.pull_timeout_s = self.pull_timeout_s
-        self.worker_id: str | None = None
-        self._peer: Peer | None = None
+        self.worker_id: str | None = seat.worker_id if seat else None
+        self._peer: Peer | None = seat.peer if seat else None
         self._own_peer = False
         self._page_server: KVPageServer | None = None
         self._lock = threading.Lock()
         self.loop = self._make_loop().start()
         self.pd = self._make_pd(lease_s)
 
-    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
+    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None,
+                      peers: list[PageSource]) -> LLMEngine:
         """The engine the unit drives (a tensor-parallel unit builds its rank's engine here)."""
-        return LLMEngine(model, config, store=kv_store)
+        return LLMEngine(model, config, store=kv_store, peers=peers)
 
     def _make_loop(self) -> EngineLoop:
         """The engine thread (a tensor-parallel unit's has commands of its own)."""
@@ -143,15 +149,6 @@ class LLMUnit(ComputeUnit):
             "layout": self.engine.layout.fingerprint(),
             "prefix_cache": self.engine.config.prefix_cache,
         }
-
-    def bind_transfer(self, peer: Peer, worker_id: str, index: KVHolderIndex | None = None) -> None:
-        """Use the worker's `peer` (which serves `kv_store`); with `index`, prefix matching also
-        pulls pages that other workers hold. Call once, before the first node call."""
-        if self._peer is not None:
-            raise LLMUnitError(f"llm role {self.role.name!r}: the unit is already bound to a transfer plane")
-        self._peer, self.worker_id = peer, worker_id
-        if index is not None and self.engine.config.prefix_cache:
-            self.engine.cache.peers.append(IndexPageSource(peer, index))
 
     def _transfer(self) -> Peer:
         """The transfer plane: the worker's, or (in-process dispatch) one of the unit's own."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.compute.context import UnitContext
 from engine.compute.sampling import SamplingParams, SamplingParamsError
 from engine.data.kv.keys import page_hashes
 from engine.data.kv.ref import KVRef
@@ -188,7 +189,8 @@ def prompt_of(call: NodeCall) -> str | list[int]:
 class SGLangLLMUnit(ComputeUnit):
     """The `llm` node kind on `sglang.Engine` (one engine per unit, owned and shut down by it)."""
 
-    def __init__(self, role: RoleSpec, **_worker_extras: Any) -> None:
+    def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
+        """`ctx`: unused (SGLang keeps its own weights and KV pages, in its own processes)."""
         gpu_id = require_gpu(role.device)
         self.role = role
         self.config = SGLangRunnerConfig.from_role(role, gpu_id)

@@ -91,6 +91,7 @@ from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout, dtype_name
 from engine.data.kv.pull import KVPageServer
 from engine.data.kv.ref import KVRef, KVRefError
+from engine.data.kv.source import PageSource
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
 from engine.data.tensor_store import TensorStore
@@ -489,7 +490,8 @@ class TPLLMUnit(LLMUnit):
 
     # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
 
-    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None) -> LLMEngine:
+    def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None,
+                      peers: list[PageSource]) -> LLMEngine:
         role, seat = self.role, self.seat
         group, device = join_group(role, seat)
         self.group = group

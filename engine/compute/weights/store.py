@@ -1,7 +1,7 @@
 """`WeightStore`: the models a worker process holds, so roles that use the same weights share one copy.
 
 A worker process builds one `WeightStore` and passes it to every compute unit it hosts
-(`Unit(role, shared=store)`); there is no module-level cache. A unit asks for its
+(`Unit(role, UnitContext(weights=store))`); there is no module-level cache. A unit asks for its
 model by key — kind of weights, model reference, device — and gets the one instance the
 process holds (`acquire`), loading it on first use; it hands it back when it closes
 (`release`), and the last release drops it. So the `llm` role and the `diffusion` role

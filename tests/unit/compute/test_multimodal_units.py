@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.compute.context import UnitContext
 from engine.compute.diffusion import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.diffusion.unit import DiffusionUnit
 from engine.compute.encoders.unit import VisionEncoderUnit
@@ -219,8 +220,8 @@ async def test_roles_of_one_model_in_one_worker_share_the_module(tiny_llama):
     """Two diffusion roles and the LLM role's model come from one WeightStore: one module."""
     shared = WeightStore()
     roles = [RoleSpec(name=f"dit{i}", kind="diffusion", model="tiny-llama", params={"page_size": 4}) for i in (1, 2)]
-    units = [DiffusionUnit(role, shared=shared) for role in roles]
-    vision = [VisionEncoderUnit(RoleSpec(name=f"vit{i}", kind="vision_encoder", model="tiny-vit"), shared=shared)
+    units = [DiffusionUnit(role, UnitContext(weights=shared)) for role in roles]
+    vision = [VisionEncoderUnit(RoleSpec(name=f"vit{i}", kind="vision_encoder", model="tiny-vit"), UnitContext(weights=shared))
               for i in (1, 2)]
     try:
         llm = shared.llm("tiny-llama")  # what an llm role of this worker gets

@@ -21,6 +21,7 @@ from engine.spec.calls import NodeContext
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, OpNotAllowedError, OpRegistry, op
+from engine.worker.units import SharedUnits
 
 DEADLINE_S = 20.0
 """Every wait's bound: far above what any of them needs (a broken unit fails instead of hanging)."""
@@ -46,7 +47,7 @@ def one_node(fn: Callable[..., Any] | str, name: str = "t") -> GraphSpec:
 
 
 async def run_once(ops: OpConfig, kinds: KindRegistry, spec: GraphSpec, x: Any = 1) -> RunResult:
-    executor = Executor(InProcessDispatcher(kinds, ops=ops), kinds)
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
     try:
         run = await executor.submit(spec, {"x": x}, timeout_s=DEADLINE_S)
         return await run.wait()
@@ -126,7 +127,7 @@ async def test_module_ops_run_where_allowed(kinds) -> None:
 async def test_an_unknown_op_is_not_retried(kinds) -> None:
     spec = one_node("test.nothing")
     nodes = [msgspec.structs.replace(n, retries=3) if n.id == "f" else n for n in spec.nodes]
-    executor = Executor(InProcessDispatcher(kinds, ops=OpConfig(OpRegistry(), allow_module_ops=False)), kinds)
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=OpConfig(OpRegistry(), allow_module_ops=False))), kinds)
     try:
         run = await executor.submit(msgspec.structs.replace(spec, nodes=nodes), {"x": 1}, timeout_s=DEADLINE_S)
         result = await run.wait()
@@ -153,7 +154,7 @@ async def test_a_blocking_op_does_not_stall_other_runs(kinds) -> None:
         return x
 
     ops = OpConfig(OpRegistry([wait_gate, open_gate]), allow_module_ops=False)
-    executor = Executor(InProcessDispatcher(kinds, ops=ops), kinds)
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
     try:
         a = await executor.submit(one_node(wait_gate, "a"), {"x": 1}, timeout_s=3 * DEADLINE_S)
         assert await asyncio.to_thread(entered.wait, DEADLINE_S), "run A's op never started"
@@ -173,7 +174,7 @@ async def test_progress_from_a_plain_op_reaches_the_run_in_order(kinds) -> None:
             ctx.progress(i / 3, f"step {i}")
         return x
 
-    executor = Executor(InProcessDispatcher(kinds, ops=OpConfig(OpRegistry([steps]), allow_module_ops=False)),
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=OpConfig(OpRegistry([steps]), allow_module_ops=False))),
                         kinds)
     try:
         run = await executor.submit(one_node(steps), {"x": 5}, timeout_s=DEADLINE_S)

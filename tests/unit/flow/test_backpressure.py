@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from engine.compute.context import UnitContext
 from engine.compute.python import PythonUnit
 from engine.data.credit import CreditWindow, Taken
 from engine.flow.dispatch import InProcessDispatcher
@@ -237,7 +238,7 @@ async def test_cancelling_a_run_whose_producer_waits_for_room_ends_it(kinds: Kin
 
 
 async def test_a_plain_generator_runs_only_read_ahead_frames_beyond_its_reader(kinds: KindRegistry):
-    unit = PythonUnit(RoleSpec(name="py", kind="python"), ops=OpConfig(default_ops(), allow_module_ops=True))
+    unit = PythonUnit(RoleSpec(name="py", kind="python"), UnitContext(ops=OpConfig(default_ops(), allow_module_ops=True)))
     made: list[int] = []
     call = NodeCall("r", "src", f"{fns.__name__}:counted_sync_frames", {"n": 100, "made": made}, {}, ("out",),
                     True, False, 1, 1)
