@@ -52,9 +52,11 @@ def test_a_foreign_peer_is_refused_on_the_link_and_a_rank_with_the_keys_joins() 
         address = group.lookup(LEADER_KEY).decode()
         peers = [foreign_peer(context, address, keys, None), foreign_peer(context, address, keys, other)]
         deadline = time.monotonic() + 10
-        while link.refused < 2:  # one refusal each: no CURVE, then a key not authorised
-            assert time.monotonic() < deadline, f"the link refused {link.refused} of the 2 foreign peers"
-            peers[0].poll(20)
+        # The key not authorised is refused by the ZAP handler, always counted; a peer without
+        # CURVE is refused too (below: it never meets rank 0), though not always counted (see curve.py).
+        while link.refused < 1:
+            assert time.monotonic() < deadline, "the link did not refuse the peer with a key of its own"
+            peers[1].poll(20)
         met = threading.Thread(target=link.meet, args=(7,))
         met.start()
         follower = context.socket(zmq.DEALER)
