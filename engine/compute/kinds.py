@@ -173,17 +173,81 @@ def _model_shape(model: str | None) -> tuple[int, int, int] | None:
         return None  # unreadable here: the worker's loader reports it with its own error
 
 
+MAX_HICACHE_HOST_BYTES = 1 << 40
+MAX_HICACHE_DISK_BYTES = 1 << 44
+MAX_SGLANG_TOTAL_TOKENS = 1 << 26
+MAX_SGLANG_CONTEXT = 1 << 20
+
+SGLANG_HICACHE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "description": "options of Omni-Flow's HiCache backend (engine.compute.sglang.hicache); which module SGLang"
+                   " loads as its storage backend is fixed by the runner, not an option",
+    "properties": {
+        "host_capacity_bytes": {"type": "integer", "minimum": 1, "maximum": MAX_HICACHE_HOST_BYTES,
+                                "description": "bytes of the backend's host tier (default 1 GiB)"},
+        "disk_path": {"type": "string", "minLength": 1,
+                      "description": "directory of the backend's disk tier (none: no disk tier)"},
+        "disk_capacity_bytes": {"type": "integer", "minimum": 1, "maximum": MAX_HICACHE_DISK_BYTES,
+                                "description": "bytes of the disk tier (default 8 GiB)"},
+        "redis_url": {"type": "string", "minLength": 1,
+                      "description": "publish page residency to this Redis KV index (the operator's setting)"},
+        "worker_id": {"type": "string", "minLength": 1, "description": "this worker's name in the KV index"},
+        "index_namespace": {"type": "string", "minLength": 1, "description": "the KV index's key prefix"},
+        "worker_ttl_s": {"type": "number", "exclusiveMinimum": 0, "description": "KV index registration TTL"},
+    },
+}
+"""`sglang_llm`'s `hicache` param: the backend's options, whitelisted (`hicache_config.extra_config`
+refuses any other name, and never lets one replace its fixed keys)."""
+
+_ENGINE_SETTING = {"type": "string", "pattern": "^[a-z0-9_]+$"}
+
+SGLANG_ENGINE_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "description": "further sglang ServerArgs fields: only these engine settings (nothing naming code, a path,"
+                   " a host, a tokenizer or a log/dump folder, and nothing the runner sets itself)",
+    "properties": {
+        "attention_backend": {**_ENGINE_SETTING, "description": "one of SGLang's attention kernels by name"},
+        "chunked_prefill_size": {"type": "integer", "minimum": -1, "maximum": MAX_PREFILL_TOKENS,
+                                 "description": "-1: no chunking"},
+        "max_prefill_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_PREFILL_TOKENS},
+        "max_running_requests": {"type": "integer", "minimum": 1, "maximum": MAX_RUNNING},
+        "max_total_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_SGLANG_TOTAL_TOKENS},
+        "context_length": {"type": "integer", "minimum": 1, "maximum": MAX_SGLANG_CONTEXT},
+        "schedule_policy": {"type": "string", "enum": ["lpm", "random", "fcfs", "dfs-weight", "lof"]},
+        "schedule_conservativeness": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+        "num_continuous_decode_steps": {"type": "integer", "minimum": 1, "maximum": 64},
+        "stream_interval": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "disable_cuda_graph": {"type": "boolean"},
+        "disable_overlap_schedule": {"type": "boolean"},
+        "skip_tokenizer_init": {"type": "boolean", "description": "token ids only: text prompts are refused"},
+        "dtype": {"type": "string", "enum": ["auto", "half", "float16", "bfloat16", "float", "float32"]},
+        "kv_cache_dtype": {"type": "string", "enum": ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"]},
+        "hicache_write_policy": {"type": "string", "enum": ["write_back", "write_through", "write_through_selective"]},
+        "hicache_io_backend": {"type": "string", "enum": ["direct", "kernel"]},
+    },
+}
+"""`sglang_llm`'s `sglang` param: the ServerArgs fields a workflow may set, whitelisted. Left out on
+purpose: whatever loads code or files (`trust_remote_code`, `tokenizer_path`, `quantization_param_path`,
+plug-in backends by name), listens or connects (`host`, `port`, `dist_init_addr`), writes folders
+(log, dump, crash and profile dirs), sizes processes (`tp_size`, `dp_size`), and what the runner sets
+(`model_path`, the HiCache storage backend and its config). `tests/sglang/test_runner.py` checks each
+is a ServerArgs field of the installed SGLang."""
+
 SGLANG_ROLE_PARAMS: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
         "page_size": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE, "default": 16},
         "mem_fraction_static": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5},
-        "hicache_ratio": {"type": "number", "exclusiveMinimum": 0, "default": 2.0},
-        "hicache_mem_layout": {"type": "string", "default": "page_first"},
+        "hicache_ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 64, "default": 2.0,
+                          "description": "host pool size as a multiple of the device pool"},
+        "hicache_mem_layout": {"type": "string", "enum": ["layer_first", "page_first", "page_first_direct"],
+                               "default": "page_first"},
         "seed": {"type": "integer"},
-        "hicache": {"type": "object", "description": "extra config of Omni-Flow's HiCache backend"},
-        "sglang": {"type": "object", "description": "further sglang ServerArgs fields, passed as they are"},
+        "hicache": SGLANG_HICACHE_PARAMS,
+        "sglang": SGLANG_ENGINE_PARAMS,
     },
 }
 """Role params of `sglang_llm` (`engine.compute.sglang.runner.SGLangRunnerConfig`)."""

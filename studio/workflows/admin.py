@@ -59,9 +59,15 @@ class WorkerInline(admin.TabularInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
+    """`plane_secret` is left out: whoever holds it can join the deployment's worker plane, and the
+    admin is no place to show or change it (`manage.py deployment_keys` writes it for a worker that
+    joins). The public key is shown, not editable: it has to match the secret."""
+
     list_display = ("__str__", "owner", "status", "cache_scope", "created_at")
     list_filter = ("status", "cache_scope")
     raw_id_fields = ("owner", "version")
+    exclude = ("plane_secret",)
+    readonly_fields = ("plane_public",)
     inlines = [WorkerInline]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,13 @@ from studio.workflows.models import (
     Workflow,
     WorkflowVersion,
 )
-from studio.workflows.paths import PathRefused, PathRoots, find_checkpoint, resolve_spec_paths
+from studio.workflows.paths import (
+    PathRefused,
+    PathRoots,
+    find_checkpoint,
+    resolve_spec_paths,
+    run_output_folders,
+)
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
@@ -262,8 +269,9 @@ def active_runs(workflow: Workflow) -> int:
 
 
 def delete_workflow(workflow: Workflow) -> None:
-    """Delete a workflow with its versions, runs (their files go with them) and ended
-    deployments; Conflict naming what still lives: deployments (stop them) or runs."""
+    """Delete a workflow with its versions, runs (their files go with them, and what their ops wrote
+    under the owner's output folders) and ended deployments; Conflict naming what still lives:
+    deployments (stop them) or runs."""
     with transaction.atomic():
         Workflow.objects.select_for_update().filter(pk=workflow.pk).first()
         deployments = Deployment.objects.filter(version__workflow=workflow)
@@ -275,15 +283,38 @@ def delete_workflow(workflow: Workflow) -> None:
                              "message": f"deployment {d.name or d.pk} is {d.status}"} for d in live])
         if active_runs(workflow):
             raise Conflict(f"workflow {workflow.name!r} has runs in progress; cancel them first")
+        _remove_output_folders_on_commit(list(workflow.runs.select_related("version")))
         deployments.delete()  # they protect their versions; their sessions and runs' links go with them
         workflow.delete()
 
 
+def _remove_output_folders_on_commit(runs: list[Run]) -> None:
+    """Once the deletion commits, remove the folders `runs`' ops wrote their files into on this host
+    (`paths.run_output_folders`; their copies, the run files, go with the rows). A folder that
+    cannot be removed is logged with why, and the rest still go."""
+    roots, registry = PathRoots.of(engine().config), engine().ops.registry
+    folders = [folder for run in runs
+               for folder in run_output_folders(with_node_params(run.version.spec, run.node_params), str(run.pk),
+                                                roots.users / str(run.owner_id), registry)]
+
+    def remove() -> None:
+        for folder in folders:
+            try:
+                shutil.rmtree(folder)
+            except OSError as exc:
+                log.warning("could not remove %s, the output folder of a deleted run: %s", folder, exc)
+
+    if folders:
+        transaction.on_commit(remove)
+
+
 def delete_run(run: Run) -> None:
-    """Delete a finished run with its events and files; Conflict while it is in progress."""
+    """Delete a finished run with its events, files and what its ops wrote under the owner's output
+    folders; Conflict while it is in progress."""
     with transaction.atomic():
-        locked = Run.objects.select_for_update().get(pk=run.pk)
+        locked = Run.objects.select_for_update().select_related("version").get(pk=run.pk)
         if not locked.finished:
             raise Conflict(f"run {run.pk} is {locked.status}; cancel it first")
+        _remove_output_folders_on_commit([locked])
         locked.delete()
 

@@ -3,7 +3,8 @@
 A spec saved in the studio is data: where it names a place on disk it names it relative to a
 root, never as a server path. Three kinds of names:
 
-* **user files**: the llm role param `disk_path` (the disk KV tier), a node's `out_dir`, and
+* **user files**: the llm role param `disk_path` (the disk KV tier) and the sglang_llm role's
+  `hicache.disk_path` (its HiCache disk tier), a node's `out_dir`, and
   every param its op declares an output folder (`@op(output_dirs=...)`, read from the op
   registry: `media.save_outputs`'s `out_dir`) are relative to the owner's own folder,
   `<OMNIFLOW_DATA_DIR>/users/<user id>/` (made 0700 on first use). A declared output folder the
@@ -33,8 +34,9 @@ from engine.client.graphs import Issue
 from engine.spec.graph import GraphSpec
 from engine.spec.ops import OpRegistry
 
-USER_PATH_ROLE_PARAMS = ("disk_path",)
-"""Role params naming a folder under the owner's root."""
+USER_PATH_ROLE_PARAMS = ("disk_path", "hicache.disk_path")
+"""Role params naming a folder under the owner's root (dotted: a key inside a mapping param, as
+`sglang_llm`'s HiCache disk tier)."""
 USER_PATH_NODE_PARAMS = ("out_dir",)
 """Node params naming a folder under the owner's root, whatever the node's op (besides the
 output folders its op declares)."""
@@ -184,6 +186,25 @@ def _node_path_params(registry: OpRegistry, node_kind: Any, op: Any) -> tuple[st
     return (*USER_PATH_NODE_PARAMS, *(p for p in declared if p not in USER_PATH_NODE_PARAMS))
 
 
+_ABSENT = object()
+
+
+def _role_param(params: dict[str, Any], dotted: str) -> Any:
+    """The value at `dotted` in a role's params (`_ABSENT`: not given, or a parent is not a mapping)."""
+    value: Any = params
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return _ABSENT
+        value = value[key]
+    return value
+
+
+def _with_role_param(params: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """`params` with `dotted` set to `value`; the mappings on the way are copied, not modified."""
+    head, _, rest = dotted.partition(".")
+    return {**params, head: _with_role_param(params[head], rest, value) if rest else value}
+
+
 def _issue(message: str, *, role: str | None = None, node: str | None = None, param: str) -> Issue:
     return Issue("path_refused", message, role=role, node=node, path=param)
 
@@ -194,7 +215,8 @@ def spec_path_issues(spec: GraphSpec, registry: OpRegistry) -> list[Issue]:
     issues = []
     for role in spec.roles:
         for param in USER_PATH_ROLE_PARAMS:
-            if param in role.params and (problem := name_problem(role.params[param])):
+            name = _role_param(role.params, param)
+            if name is not _ABSENT and (problem := name_problem(name)):
                 issues.append(_issue(f"role {role.name!r}: params.{param}: {problem}", role=role.name,
                                      param=f"params.{param}"))
         if role.model is not None and (problem := name_problem(role.model)):
@@ -253,9 +275,10 @@ def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots,
     for role in document.get("roles", []):
         params = dict(role.get("params", {}))
         for param in USER_PATH_ROLE_PARAMS:
-            if param in params:
-                params[param] = under(params[param], f"role {role['name']!r}: params.{param}", role=role["name"],
-                                      param=f"params.{param}")
+            name = _role_param(params, param)
+            if name is not _ABSENT:
+                params = _with_role_param(params, param, under(name, f"role {role['name']!r}: params.{param}",
+                                                               role=role["name"], param=f"params.{param}"))
         model, problem = _model_path(roots, role)
         if problem is not None:
             issues.append(_issue(f"role {role['name']!r}: model: {problem}", role=role["name"], param="model"))
@@ -280,3 +303,26 @@ def server_path_name(value: str, user_root: Path) -> str | None:
     if not value.startswith(str(user_root) + os.sep) and value != str(user_root):
         return None
     return str(PurePosixPath(Path(value).relative_to(user_root))) or "."
+
+
+def run_output_folders(document: dict[str, Any], run_id: str, user_root: Path, registry: OpRegistry) -> list[Path]:
+    """The folders a run's ops wrote their files into, by the layout of the output ops
+    (`media.save_outputs`: `<output folder>/<run id>/`): for each node's output folder params (given,
+    or the declared ones' default) under `user_root`, `<folder>/<run_id>` where it is a directory.
+    A name that does not resolve (absolute, `..`, through a link) was refused when the run started,
+    so no op wrote under it: it adds nothing. Nothing is removed here."""
+    folders: dict[Path, None] = {}
+    for node in document.get("nodes", []):
+        params = dict(node.get("params", {}))
+        for param in _output_dirs(registry, node.get("kind"), node.get("op")):
+            params.setdefault(param, DEFAULT_OUT_DIR)
+        for param in _node_path_params(registry, node.get("kind"), node.get("op")):
+            if param not in params:
+                continue
+            try:
+                folder = resolve_under(user_root, params[param]) / run_id
+            except ValueError:
+                continue  # refused at the run's start (resolve_spec_paths): the run wrote nothing there
+            if folder.is_dir() and not folder.is_symlink():
+                folders[folder] = None
+    return list(folders)

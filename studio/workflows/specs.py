@@ -15,6 +15,11 @@ a name the studio's registry lacks, and `op_not_allowed` for a `module:function`
 `OMNIFLOW_ALLOW_MODULE_OPS` is set (a `module:function` lets its author run any code on the
 server). Nothing a spec names is imported to check it.
 Nor may a node set `tenant` (whose caches it uses): the server gives every run its tenant.
+
+An `sglang_llm` role is reported too (`sglang_role_issues`): its HiCache backend's KV index
+settings (`hicache.redis_url`, ...) are the operator's, and its runner serves only runs without a
+tenant (one prefix cache for every caller), while every studio run has one; saying so at
+validation beats a deployment whose every run fails.
 """
 
 from __future__ import annotations
@@ -77,16 +82,40 @@ def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
             for node in spec.nodes if "tenant" in node.params]
 
 
+SGLANG_ROLE_KIND = "sglang_llm"
+OPERATOR_HICACHE_OPTIONS = ("redis_url", "index_namespace", "worker_id", "worker_ttl_s")
+"""`hicache` options of an sglang_llm role that name the operator's KV index (a Redis host, its keys)."""
+
+
+def sglang_role_issues(spec: GraphSpec) -> list[Issue]:
+    """Issues on each `sglang_llm` role: KV index options a workflow may not set, and the tenant it
+    cannot serve (SGLang 0.5.23's requests take a `cache_salt`, which the runner does not use yet)."""
+    issues = []
+    for role in spec.roles:
+        if role.kind != SGLANG_ROLE_KIND:
+            continue
+        hicache = role.params.get("hicache")
+        for option in OPERATOR_HICACHE_OPTIONS:
+            if isinstance(hicache, dict) and option in hicache:
+                issues.append(Issue("operator_param", f"role {role.name!r}: params.hicache.{option} is set by the"
+                                    " server's operator (the KV index's Redis and keys), not by a workflow",
+                                    role=role.name, path=f"params.hicache.{option}"))
+        issues.append(Issue("tenant_unsupported", f"role {role.name!r}: kind {SGLANG_ROLE_KIND!r} keeps one prefix"
+                            " cache for every caller, so it serves only runs without a tenant (the command line);"
+                            " every studio run has its tenant, so use kind 'llm' here", role=role.name, path="kind"))
+    return issues
+
+
 def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig,
           checkpoints: CheckpointLookup | None = None) -> CheckedSpec:
     """`spec` canonicalised, with every problem `check_spec` finds, its ops' included (and its
-    models', given `checkpoints`), nodes naming a tenant, and names that are not relative."""
+    models', given `checkpoints`), nodes naming a tenant, sglang roles, and names that are not relative."""
     document, digest = canonical(spec)
     paths = spec_path_issues(spec, ops.registry)
     refused = {issue.role for issue in paths if issue.path == "model"}
     found = [issue for issue in check_spec(spec, kinds, ops, checkpoints)
              if not (issue.code == "model_unknown" and issue.role in refused)]  # said once, as path_refused
-    issues = [*found, *tenant_param_issues(spec), *paths]
+    issues = [*found, *tenant_param_issues(spec), *sglang_role_issues(spec), *paths]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 

@@ -69,10 +69,10 @@ def storage_config(extra: dict, layout: str = "page_first") -> HiCacheStorageCon
     )
 
 
-def create(pool: MHATokenToKVPoolHost, **extra: object) -> HiCacheStorage:
+def create(pool: MHATokenToKVPoolHost, store: str | None = None, **options: object) -> HiCacheStorage:
     """What HiCacheController.attach_storage_backend does with `--hicache-storage-backend dynamic`."""
     backend = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(hicache.extra_config(**extra), pool.layout), pool
+        "dynamic", storage_config(hicache.extra_config(options, store=store), pool.layout), pool
     )
     backend.register_mem_pool_host(pool)
     return backend

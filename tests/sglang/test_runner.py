@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -66,12 +67,24 @@ def test_engine_kwargs_are_server_args_fields(tmp_path: Path) -> None:
 
 
 def test_bad_role_params_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(runner.SGLangRunnerError, match="unknown params"):
+    with pytest.raises(runner.SGLangRunnerError, match="'capacity' was unexpected"):
         runner.SGLangRunnerConfig.from_role(role(tmp_path, capacity=4))
-    with pytest.raises(runner.SGLangRunnerError, match="may not override"):
-        runner.SGLangRunnerConfig.from_role(role(tmp_path, sglang={"model_path": "x"})).engine_kwargs()
+    with pytest.raises(runner.SGLangRunnerError, match="params.sglang: .*'model_path' was unexpected"):
+        runner.SGLangRunnerConfig.from_role(role(tmp_path, sglang={"model_path": "x"}))
+    with pytest.raises(runner.SGLangRunnerError, match="not engine settings a role may set"):
+        runner.SGLangRunnerConfig(model_path=str(tmp_path), sglang={"trust_remote_code": True}).engine_kwargs()
     with pytest.raises(runner.SGLangRunnerError, match="local checkpoint directory"):
         runner.SGLangRunnerConfig.from_role(RoleSpec(name="chat", kind="llm", model="tiny-llama", device="cuda"))
+
+
+def test_the_whitelisted_engine_settings_are_server_args_fields(tmp_path: Path) -> None:
+    """Each name a role's `sglang` param may set is a field of the installed SGLang's ServerArgs, and
+    the names it leaves out on purpose (code, paths, hosts) are real fields too: the whitelist is
+    what keeps them out, not a spelling."""
+    fields = set(inspect.signature(ServerArgs).parameters)
+    assert set(runner.ENGINE_SETTINGS) <= fields
+    assert {"trust_remote_code", "tokenizer_path", "host", "dist_init_addr", "crash_dump_folder"} <= fields
+    assert not {"trust_remote_code", "tokenizer_path", "host"} & set(runner.ENGINE_SETTINGS)
 
 
 def test_sampling_params_are_sglangs() -> None:

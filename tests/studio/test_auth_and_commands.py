@@ -188,6 +188,31 @@ def test_admin_pages_render(client, django_user_model, api) -> None:
     assert client.get(f"/admin/workflows/workflow/{wf.pk}/change/").status_code == 200
 
 
+def test_the_admin_neither_shows_nor_changes_a_deployments_secret_plane_key(client, staff, api, user) -> None:
+    from django.contrib.auth.models import Permission
+    from django.utils.html import escape
+
+    from engine.data.curve import PlaneKeys
+    from studio.workflows.models import Deployment, DeploymentStatus, WorkflowVersion
+    from tests.studio.factories import create_workflow, spec_doc
+
+    wf = create_workflow(api, spec_doc())
+    keys = PlaneKeys.generate()
+    row = Deployment.objects.create(owner=user, version=WorkflowVersion.objects.get(workflow_id=wf["id"], number=1),
+                                    status=DeploymentStatus.RUNNING, plane_public=keys.public,
+                                    plane_secret=keys.secret)
+    staff.user_permissions.add(*Permission.objects.filter(codename__in=["view_deployment", "change_deployment"]))
+    client.force_login(staff)
+    page = client.get(f"/admin/workflows/deployment/{row.pk}/change/")
+    assert page.status_code == 200
+    body = page.content.decode()
+    secret = (keys.secret, escape(keys.secret))  # Z85 keys hold characters HTML escapes
+    assert not any(form in body for form in secret) and 'name="plane_secret"' not in body
+    assert escape(keys.public) in body and 'name="plane_public"' not in body  # shown, not editable
+    listing = client.get("/admin/workflows/deployment/")
+    assert listing.status_code == 200 and not any(form in listing.content.decode() for form in secret)
+
+
 def test_deployment_keys_writes_a_running_deployments_keys_and_nothing_for_an_ended_one(api, user, tmp_path) -> None:
     from engine.data.curve import BulkMode, PlaneKeys
     from studio.workflows.models import Deployment, DeploymentStatus, WorkflowVersion

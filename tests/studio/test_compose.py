@@ -129,6 +129,8 @@ def test_services_and_their_wiring(compose: dict[str, Any], tmp_path: Path) -> N
     assert (ROOT / command[command.index("--workflow") + 1]).is_file()
     assert _listens_on_the_compose_network(joiner["command"])
     assert "--keys /keys" in " ".join(command) and any(v.endswith(":/keys:ro") for v in joiner["volumes"])
+    # registered ops only, as the studio's own workers (this compose file leaves OMNIFLOW_ALLOW_MODULE_OPS unset)
+    assert command[-1] == "--no-module-ops" and "OMNIFLOW_ALLOW_MODULE_OPS" not in joiner["environment"]
     assert set(compose["volumes"]) == {"omniflow-data", "postgres-data", "redis-data"}
 
 

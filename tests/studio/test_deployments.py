@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -82,6 +83,43 @@ def hello_answered(address: str, keys: PlaneKeys | None) -> bool:
         context.term()
 
 
+def foreign_hello_answered(address: str, server_public: str) -> bool:
+    """Whether a worker answers a hello over CURVE from a keypair of another plane (knowing the
+    worker's public key, which is no secret) within a bounded wait."""
+    own = PlaneKeys.generate()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_publickey, sock.curve_secretkey = own.public.encode(), own.secret.encode()
+        sock.curve_serverkey = server_public.encode()
+        sock.connect(address)
+        sock.send(WireCodec(1 << 20, WorkerMessage).encode(HelloRequest(PROTOCOL_VERSION, "test", "127.0.0.1")))
+        return bool(sock.poll(2000))
+    finally:
+        sock.close()
+        context.term()
+
+
+def refused_total(client: Any, deployment: str, worker: str) -> float | None:
+    """The worker's `omniflow_worker_plane_refused_total` on /metrics (None: no such series yet)."""
+    series = f'omniflow_worker_plane_refused_total{{deployment="{deployment}",role="py",worker="{worker}"}} '
+    for line in client.get("/metrics").content.decode().splitlines():
+        if line.startswith(series):
+            return float(line[len(series):])
+    return None
+
+
+def wait_for_refused(client: Any, deployment: str, worker: str, ready: Callable[[float | None], bool],
+                     deadline_s: float = 20.0) -> float | None:
+    """The counter once `ready` holds for it (the worker reports it with its heartbeats)."""
+    deadline = time.monotonic() + deadline_s
+    while not ready(value := refused_total(client, deployment, worker)):
+        assert time.monotonic() < deadline, f"refused connections of {worker}: still {value} after {deadline_s} s"
+        time.sleep(0.05)
+    return value
+
+
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
 def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine,
                                whoami_wf: dict[str, Any]) -> None:
@@ -97,8 +135,15 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
     keys = Deployment.objects.get(pk=d["id"]).plane_keys()
     assert keys is not None and keys.public != Deployment.objects.exclude(pk=d["id"]).values_list(
         "plane_public", flat=True).first()
+    metrics = client_for(staff)
+    worker = d["workers"][0]["worker_id"]
+    assert wait_for_refused(metrics, d["id"], worker, lambda n: n is not None) == 0.0
     assert hello_answered(d["workers"][0]["address"], None) is False
     assert hello_answered(d["workers"][0]["address"], keys) is True
+    # a key of its own (knowing the worker's public key) gets nothing either, and that refusal is
+    # counted where operators look: the worker's heartbeat carries it to /metrics
+    assert foreign_hello_answered(d["workers"][0]["address"], keys.public) is False
+    assert wait_for_refused(metrics, d["id"], worker, lambda n: n is not None and n >= 1) >= 1
 
     # a run of the deployment executes in its worker process, not here
     response = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "hi"}}, format="json")

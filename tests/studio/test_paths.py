@@ -226,3 +226,36 @@ def test_a_deployment_whose_path_became_a_link_fails_instead_of_starting(api, us
     deployment = Deployment.objects.get()
     assert deployment.status == DeploymentStatus.FAILED and "symbolic link" in deployment.error
     assert str(engine().config.data_dir) not in deployment.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deleting_runs_and_workflows_removes_what_their_ops_wrote(api, user) -> None:
+    """`media.save_outputs` writes under `<out_dir>/<run id>/` in the owner's folder (the default
+    and a folder the node names); deleting the run removes that folder, deleting the workflow
+    those of its other runs, and nothing else of the user's goes."""
+    spec = python_spec()
+    spec["nodes"][1].update(op="media.save_outputs", outputs={"out": {"type": "json"}})
+    spec["nodes"][2]["inputs"]["value"]["type"] = "json"
+    spec["nodes"].append({"id": "mine", "kind": "python", "role": "py", "op": "media.save_outputs",
+                          "params": {"out_dir": "mine/out"}, "inputs": {"text": {"type": "text"}},
+                          "outputs": {"out": {"type": "json"}}})
+    spec["edges"].append({"source": "text", "source_port": "value", "target": "mine", "target_port": "text"})
+    wf = create_workflow(api, spec)
+    runs = []
+    for text in ("first", "second"):
+        run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": text}}, format="json").json()
+        assert engine().runs.wait(run["id"]) == "done", api.get(f"/api/runs/{run['id']}/").json()
+        runs.append(run["id"])
+    home = engine().config.users_root / str(user.pk)
+    written = {run: [home / "outputs" / run / "reply.txt", home / "mine" / "out" / run / "reply.txt"] for run in runs}
+    assert all(path.read_text() in ("first", "second") for paths in written.values() for path in paths)
+    kept = home / "outputs" / "notes.txt"
+    kept.write_text("the user's own")
+
+    assert api.delete(f"/api/runs/{runs[0]}/").status_code == 204
+    assert not (home / "outputs" / runs[0]).exists() and not (home / "mine" / "out" / runs[0]).exists()
+    assert all(path.is_file() for path in written[runs[1]])
+
+    assert api.delete(f"/api/workflows/{wf['id']}/").status_code == 204
+    assert not (home / "outputs" / runs[1]).exists() and not (home / "mine" / "out" / runs[1]).exists()
+    assert kept.read_text() == "the user's own" and (home / "mine" / "out").is_dir()

@@ -11,7 +11,8 @@ SGLang loads it with `--hicache-storage-backend dynamic` and
 are our `page_hashes` keys (see `engine.data.kv.keys`), so a page SGLang writes is a
 page of our `KVStore` (and of the Redis KV index) and the other way round.
 
-Extra config keys of ours (all optional):
+`extra_config` (from `hicache_config`, which needs no SGLang) builds that config: its fixed keys
+are the runner's, and options other than these are refused. Extra config keys of ours (all optional):
 
 * `store`: the name of a store handed over in-process with `register_store` (a
   worker that already has a `KVStore`); otherwise the backend builds its own when the
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from engine.compute.sglang.hicache_config import extra_config as extra_config  # the config that loads this
 from engine.data.kv import Capacity, DiskTierConfig, KVLayout, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.errors import KVConfigError, KVError
 from engine.data.kv.index import KVIndexPublisher, RedisKVIndex
@@ -62,20 +64,6 @@ def register_store(name: str, store: KVStore) -> None:
 def unregister_store(name: str) -> None:
     with _stores_lock:
         _stores.pop(name, None)
-
-
-def extra_config(store: str | None = None, **options: Any) -> dict[str, Any]:
-    """The `--hicache-storage-backend-extra-config` that loads this backend (as a dict)."""
-    config: dict[str, Any] = {
-        "backend_name": "omniflow",
-        "module_path": __name__,
-        "class_name": OmniFlowHiCacheStorage.__name__,
-        "interface_v1": 1,
-    }
-    if store is not None:
-        config["store"] = store
-    config.update(options)
-    return config
 
 
 def layout_of_host_pool(pool: Any) -> KVLayout:

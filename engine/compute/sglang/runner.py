@@ -19,9 +19,14 @@ incremental streaming. Role params (all optional; `model` is a local checkpoint 
 
 * `page_size` (16), `mem_fraction_static` (0.5), `hicache_ratio` (2.0),
   `hicache_mem_layout` (`page_first`), `seed`;
-* `hicache`: a dict of our backend's extra-config keys (`host_capacity_bytes`, `disk_path`,
-  `redis_url`, ...; see `hicache.py`);
-* `sglang`: a dict of further `ServerArgs` fields, passed as they are.
+* `hicache`: a dict of our backend's options (`host_capacity_bytes`, `disk_path`, `redis_url`, ...;
+  `engine.compute.kinds.SGLANG_HICACHE_PARAMS`); which backend SGLang loads is not one of them;
+* `sglang`: a dict of further `ServerArgs` fields, only the engine settings
+  `engine.compute.kinds.SGLANG_ENGINE_PARAMS` lists (nothing naming code, a path or a host).
+
+`from_role` checks the params against the role kind's schema, as validation does, and
+`engine_kwargs` checks the `sglang` names again (defence in depth: a role that skipped
+validation, or a config built by hand, still cannot make SGLang load code or touch a path).
 
 `sglang` is imported only when a unit is built, after the GPU check: on a machine without
 CUDA (or a role whose device is not `cuda`) the constructor raises `GPURequired`.
@@ -32,12 +37,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 from engine.compute.context import UnitContext
+from engine.compute.kinds import SGLANG_ENGINE_PARAMS, SGLANG_ROLE_PARAMS
 from engine.compute.sampling import SamplingParams, SamplingParamsError
+from engine.compute.sglang import hicache_config
+from engine.data.kv.errors import KVConfigError
 from engine.data.kv.keys import page_hashes
 from engine.data.kv.ref import KVRef
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
@@ -50,6 +60,8 @@ SAMPLING_PARAMS = (
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
 _UNSUPPORTED_INPUTS = ("kv", "items", "embeds")
+ENGINE_SETTINGS = tuple(SGLANG_ENGINE_PARAMS["properties"])
+"""The `ServerArgs` fields a role's `sglang` param may set."""
 
 
 class SGLangRunnerError(Exception):
@@ -92,19 +104,22 @@ class SGLangRunnerConfig:
     def from_role(cls, role: RoleSpec, gpu_id: int = 0) -> SGLangRunnerConfig:
         if not role.model or not Path(role.model).is_dir():
             raise SGLangRunnerError(f"sglang llm role {role.name!r} needs `model`: a local checkpoint directory")
-        known = {f.name for f in fields(cls)} - {"model_path", "gpu_id"}
-        unknown = sorted(set(role.params) - known)
-        if unknown:
-            raise SGLangRunnerError(f"sglang llm role {role.name!r}: unknown params {unknown} (known: {sorted(known)})")
-        for name in ("hicache", "sglang"):
-            if not isinstance(role.params.get(name, {}), dict):
-                raise SGLangRunnerError(f"sglang llm role {role.name!r}: {name} must be a mapping")
+        problems = [f"params{''.join(f'.{p}' for p in err.absolute_path)}: {err.message}"
+                    for err in jsonschema.Draft202012Validator(SGLANG_ROLE_PARAMS).iter_errors(role.params)]
+        if problems:
+            raise SGLangRunnerError(f"sglang llm role {role.name!r}: {'; '.join(problems)}")
         return cls(model_path=str(Path(role.model).resolve()), gpu_id=gpu_id, **role.params)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """`sglang.Engine(**kwargs)` for this config: our HiCache backend as the storage tier."""
-        from engine.compute.sglang import hicache
-
+        refused = sorted(set(self.sglang) - set(ENGINE_SETTINGS))
+        if refused:
+            raise SGLangRunnerError(f"`sglang` params {refused} are not engine settings a role may set"
+                                    f" (allowed: {list(ENGINE_SETTINGS)})")
+        try:
+            extra = hicache_config.extra_config(self.hicache)
+        except KVConfigError as exc:
+            raise SGLangRunnerError(f"`hicache` params: {exc}") from exc
         kwargs: dict[str, Any] = {
             "model_path": self.model_path,
             "device": "cuda",
@@ -115,7 +130,7 @@ class SGLangRunnerConfig:
             "hicache_ratio": self.hicache_ratio,
             "hicache_mem_layout": self.hicache_mem_layout,
             "hicache_storage_backend": "dynamic",
-            "hicache_storage_backend_extra_config": json.dumps(hicache.extra_config(**self.hicache)),
+            "hicache_storage_backend_extra_config": json.dumps(extra),
             # A prompt waits for its pages from our tiers instead of recomputing them.
             "hicache_storage_prefetch_policy": "wait_complete",
             "incremental_streaming_output": True,
@@ -124,11 +139,7 @@ class SGLangRunnerConfig:
         }
         if self.seed is not None:
             kwargs["random_seed"] = self.seed
-        clash = sorted(set(self.sglang) & {"model_path", "hicache_storage_backend", "hicache_storage_backend_extra_config"})
-        if clash:
-            raise SGLangRunnerError(f"`sglang` params may not override {clash}: the runner sets them")
-        kwargs.update(self.sglang)
-        return kwargs
+        return {**self.sglang, **kwargs}  # the runner's own settings win over any that slipped through
 
 
 def sglang_sampling(node_id: str, params: dict[str, Any]) -> dict[str, Any]:

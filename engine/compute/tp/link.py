@@ -59,6 +59,11 @@ class FollowerLink:
             group.publish(LEADER_KEY, sock.getsockopt_string(zmq.LAST_ENDPOINT).encode())
             undo.pop_all()
 
+    @property
+    def refused(self) -> int:
+        """Connections the link refused so far (no CURVE, or a key the plane does not authorise)."""
+        return 0 if self._guard is None else self._guard.refused
+
     def meet(self, seed: int) -> None:
         """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup."""
         sock = self._socket

@@ -144,9 +144,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
 class DeploymentDetailSerializer(DeploymentSerializer):
     workers = serializers.SerializerMethodField()
     join = serializers.SerializerMethodField()
+    join_keys = serializers.SerializerMethodField()
 
     class Meta(DeploymentSerializer.Meta):
-        fields = [*DeploymentSerializer.Meta.fields, "workers", "join"]
+        fields = [*DeploymentSerializer.Meta.fields, "workers", "join", "join_keys"]
         read_only_fields = fields
 
     def get_workers(self, obj: Deployment) -> list[dict[str, Any]]:
@@ -170,9 +171,18 @@ class DeploymentDetailSerializer(DeploymentSerializer):
         return rows
 
     def get_join(self, obj: Deployment) -> str:
-        """How a worker on another machine joins this deployment (the same Redis)."""
+        """How a worker on another machine joins this deployment (the same Redis): with the
+        deployment's plane keys (`join_keys`; a worker without `--keys` does not start, one with other
+        keys is refused by every peer), bound to that machine's own address (never every interface),
+        and refusing `module:function` ops unless this studio allows them, as the workers it starts do."""
+        ops = "--module-ops" if engine().config.allow_module_ops else "--no-module-ops"
         return (f"omniflow worker --workflow <the workflow file> --role <ROLE> --registry <REDIS_URL>"
-                f" --namespace {obj.namespace} --listen tcp://0.0.0.0:0")
+                f" --namespace {obj.namespace} --keys <DIR> --listen tcp://<this machine's private address>:0 {ops}")
+
+    def get_join_keys(self, obj: Deployment) -> str:
+        """Where `join`'s `--keys <DIR>` comes from: run on the studio's host (it reads the database),
+        then copy DIR to the joining machine, readable by the worker's user only."""
+        return f"python manage.py deployment_keys {obj.pk} <DIR>"
 
 
 class ChatSessionSerializer(serializers.ModelSerializer):

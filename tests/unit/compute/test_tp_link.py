@@ -1,0 +1,75 @@
+"""The tensor-parallel control link is on the worker plane's CURVE: a peer without the plane's
+key, or with a key of its own, is refused (and counted) and never becomes a follower, while a
+rank holding the keys meets rank 0 and gets its setup."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import msgspec
+import zmq
+
+from engine.compute.tp.link import LEADER_KEY, FollowerLink, greet_leader
+from engine.compute.tp.messages import TPHello, TPSetup
+from engine.data.curve import PlaneKeys
+
+
+class StoreStandIn:
+    """The two calls of `TPGroup` the link makes, over a dict (the group's TCPStore is not under test)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def publish(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    def lookup(self, key: str) -> bytes:
+        return self.values[key]
+
+
+def foreign_peer(context: zmq.Context, address: str, server: PlaneKeys, own: PlaneKeys | None) -> zmq.Socket:
+    """A DEALER saying hello as rank 1: plaintext (`own` None), or CURVE with a keypair of its own
+    (it knows rank 0's public key: public keys are no secret)."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if own is not None:
+        sock.curve_publickey, sock.curve_secretkey = own.public.encode(), own.secret.encode()
+        sock.curve_serverkey = server.public.encode()
+    sock.connect(address)
+    sock.send(msgspec.msgpack.encode(TPHello(1, os.getpid())))
+    return sock
+
+
+def test_a_foreign_peer_is_refused_on_the_link_and_a_rank_with_the_keys_joins() -> None:
+    keys, other = PlaneKeys.generate(), PlaneKeys.generate()
+    group = StoreStandIn()
+    link = FollowerLink(group, "tcp://127.0.0.1:0", 2, what="role 'lm'", keys=keys)  # type: ignore[arg-type]
+    context = zmq.Context()
+    peers: list[zmq.Socket] = []
+    try:
+        address = group.lookup(LEADER_KEY).decode()
+        peers = [foreign_peer(context, address, keys, None), foreign_peer(context, address, keys, other)]
+        deadline = time.monotonic() + 10
+        # The key not authorised is refused by the ZAP handler, always counted; a peer without
+        # CURVE is refused too (below: it never meets rank 0), though not always counted (see curve.py).
+        while link.refused < 1:
+            assert time.monotonic() < deadline, "the link did not refuse the peer with a key of its own"
+            peers[1].poll(20)
+        met = threading.Thread(target=link.meet, args=(7,))
+        met.start()
+        follower = context.socket(zmq.DEALER)
+        follower.setsockopt(zmq.LINGER, 0)
+        peers.append(follower)
+        setup = greet_leader(follower, group, 1, keys)  # type: ignore[arg-type]
+        met.join(timeout=30)
+        assert not met.is_alive()
+        assert setup == TPSetup(7, os.getpid())
+        assert len(link.followers) == 1  # the foreign hellos never reached rank 0
+        assert not peers[0].poll(0) and not peers[1].poll(0)  # and got no setup
+    finally:
+        for sock in peers:
+            sock.close()
+        context.term()
+        link.close()
