@@ -59,6 +59,12 @@ class NodeStateEvent(msgspec.Struct, tag="node_state", kw_only=True, omit_defaul
     iteration: int = 0
     error: str | None = None
     duration_ms: float | None = None
+    """With a terminal state (`failed` also ends an attempt that is retried), once the node has run:
+    the time it has run so far, over every iteration and attempt (`RunNode.busy_s`)."""
+    busy_ms: float | None = None
+    """With `running`: the time it ran before this attempt (earlier iterations and attempts). Its time
+    while it runs is `busy_ms` plus the time since this event, and reaches `duration_ms` when it ends:
+    live and final times agree."""
     worker: str | None = None
     """With `running`: the worker that runs this attempt (`RanOn`), and its host."""
     host: str | None = None

@@ -232,9 +232,8 @@ class Run:
             self._finished.set_result((RunStatus.FAILED, f"node {node.spec.id!r} failed: {message}", node.spec.id))
 
     # --------------------------------------------------------------- events
-    def _set_state(self, node: RunNode, state: NodeState, duration_ms: float | None = None,
-                   where: RanOn | None = None) -> None:
-        self._record.state(node, state, duration_ms, where)
+    def _set_state(self, node: RunNode, state: NodeState, where: RanOn | None = None) -> None:
+        self._record.state(node, state, where)
 
     def _progress(self, node_id: str, fraction: float | None, message: str) -> None:
         if self._result is None:
@@ -365,7 +364,7 @@ class Run:
                 self._fail(node, f"chose {wrong}, which are not among its routes {allowed}")
                 return
         node.error = None
-        self._set_state(node, NodeState.DONE, duration_ms=node.busy_s * 1e3)
+        self._set_state(node, NodeState.DONE)
         if spec.kind == "output":
             self._record.outputs(node, {"value": output_value})
         elif not spec.stream:

@@ -41,16 +41,20 @@ class RunRecorder:
         self.log.append(RunStarted(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),
                                    workflow=self._plan.name, nodes=list(self._plan.order)))
 
-    def state(self, node: RunNode, state: NodeState, duration_ms: float | None = None,
-              where: RanOn | None = None) -> None:
-        """`node` is now in `state` (where it runs, for a running one)."""
+    def state(self, node: RunNode, state: NodeState, where: RanOn | None = None) -> None:
+        """`node` is now in `state` (where it runs, for a running one). Its times come from
+        `node.busy_s`, which the executor brings up to date before it calls this: the time it ran
+        before, with `running`; the time it ran in all, once it ends (or an attempt fails)."""
         node.state = state
+        ran = node.first_started is not None
+        busy_ms = node.busy_s * 1e3
         self.log.append(NodeStateEvent(
             seq=self.log.next_seq, run_id=self.run_id, time=time.time(), node=node.spec.id, state=state,
             attempt=node.attempt, iteration=node.fired,
             error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
-            duration_ms=duration_ms, worker=None if where is None else where.worker,
-            host=None if where is None else where.host))
+            duration_ms=busy_ms if ran and state.terminal else None,
+            busy_ms=busy_ms if state == NodeState.RUNNING else None,
+            worker=None if where is None else where.worker, host=None if where is None else where.host))
 
     def progress(self, node_id: str, fraction: float | None, message: str) -> None:
         self.log.append(NodeProgressEvent(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),

@@ -301,7 +301,10 @@ export interface NodeStateEvent extends EventBase {
   attempt?: number;
   iteration?: number;
   error?: string | null;
+  /** With a terminal state, once the node has run: its time over every iteration and attempt. */
   duration_ms?: number | null;
+  /** With `running`: the time it ran before this attempt (earlier iterations and attempts). */
+  busy_ms?: number | null;
   /** With `running`: the worker that runs the attempt, and its host. */
   worker?: string | null;
   host?: string | null;

@@ -16,6 +16,7 @@ import {
   clockSkew,
   initialRunState,
   isTerminal,
+  liveDurationMs,
   type MediaValue,
   mediaOf,
   reduceRun,
@@ -90,10 +91,7 @@ export function RunPage() {
   const nodeStates = useMemo(() => {
     const out: RunState["nodes"] = {};
     for (const [node, view] of Object.entries(state.nodes)) {
-      out[node] =
-        view.state === "running" && view.since
-          ? { ...view, durationMs: Math.max(0, serverNow - view.since * 1000) }
-          : view;
+      out[node] = view.state === "running" ? { ...view, durationMs: liveDurationMs(view, serverNow) } : view;
     }
     return out;
   }, [state.nodes, serverNow]);

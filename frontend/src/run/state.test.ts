@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, initialRunState, mediaOf, reduceRun, streamText } from "./state";
+import { clockSkew, initialRunState, liveDurationMs, mediaOf, reduceRun, streamText } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -83,6 +83,24 @@ describe("watching a run", () => {
     s = reduceRun(s, { type: "node_state", seq: 2, run_id: "r", time: 12, node: "gen", state: "failed", error: "lost" });
     s = reduceRun(s, { type: "node_state", seq: 3, run_id: "r", time: 13, node: "gen", state: "running", worker: "llm-1", host: "gpu-2" });
     expect(s.nodes.gen).toMatchObject({ worker: "llm-1", host: "gpu-2", progress: null, since: 13 });
+  });
+
+  it("counts a looping or retried node's live time on from its earlier runs, up to its final time", () => {
+    // As the executor reports a node that ran 2 s in its first iteration, then 3 s in its second.
+    let s = initialRunState(["grow"]);
+    s = reduceRun(s, { type: "node_state", seq: 0, run_id: "r", time: 100, node: "grow", state: "running", busy_ms: 0 });
+    expect(liveDurationMs(s.nodes.grow, 101_500)).toBe(1500);
+    s = reduceRun(s, { type: "node_state", seq: 1, run_id: "r", time: 102, node: "grow", state: "done", duration_ms: 2000 });
+    expect(liveDurationMs(s.nodes.grow, 103_000)).toBe(2000);
+    s = reduceRun(s, { type: "node_state", seq: 2, run_id: "r", time: 104, node: "grow", state: "running", iteration: 2, busy_ms: 2000 });
+    // Not back to 0 s: 2 s before, 1 s of this iteration.
+    expect(liveDurationMs(s.nodes.grow, 105_000)).toBe(3000);
+    expect(liveDurationMs(s.nodes.grow, 107_000)).toBe(5000);
+    s = reduceRun(s, { type: "node_state", seq: 3, run_id: "r", time: 107, node: "grow", state: "done", iteration: 2, duration_ms: 5000 });
+    expect(liveDurationMs(s.nodes.grow, 200_000)).toBe(5000);
+    // A clock read before the attempt's own stamp never counts backwards.
+    s = reduceRun(s, { type: "node_state", seq: 4, run_id: "r", time: 110, node: "grow", state: "running", iteration: 3, busy_ms: 5000 });
+    expect(liveDurationMs(s.nodes.grow, 109_000)).toBe(5000);
   });
 
   it("reads the server's clock from event times, so live times are never negative", () => {

@@ -486,6 +486,54 @@ async def test_bounded_loop_counts_iterations(executor):
     assert grow_values == [(i, 3 * 2**i) for i in range(1, 7)]
 
 
+def live_and_final_times(events: list[RunEvent], node: str) -> list[tuple[float, float]]:
+    """Per attempt of `node`: (its time as a watcher reads it when the attempt ends, `busy_ms` of
+    its `running` event plus the time since that event; the `duration_ms` its end reports)."""
+    pairs: list[tuple[float, float]] = []
+    running: NodeStateEvent | None = None
+    for e in events:
+        if not isinstance(e, NodeStateEvent) or e.node != node:
+            continue
+        if e.state == NodeState.RUNNING:
+            running = e
+        elif e.state.terminal and running is not None:
+            assert running.busy_ms is not None and e.duration_ms is not None
+            pairs.append((running.busy_ms + (e.time - running.time) * 1e3, e.duration_ms))
+            running = None
+    return pairs
+
+
+# Between the executor's clock reading (`perf_counter`) and the event's stamp (`time.time`) it runs
+# without awaiting, so live and final times differ by microseconds; 50 ms leaves room for a pause of
+# the interpreter (a GC pass on a loaded machine) without hiding an iteration left out (the whole time
+# of an earlier iteration, which is what counting from the last `running` event alone lost).
+TIME_TOLERANCE_MS = 50.0
+
+
+@pytest.mark.parametrize("node", ["grow", "flaky"])
+async def test_live_times_go_on_from_earlier_iterations_and_attempts_and_end_at_the_final_one(executor, node):
+    if node == "grow":
+        wf = doubling_loop()
+    else:
+        wf, py = new_workflow()
+        f = wf.python(fns.flaky, role=py, id="flaky", params={"fail_times": 2}, retries=2)
+        wf.edge(wf.input("n", default=4), f)
+        wf.output("out", f)
+    result, events = await finish(executor, wf)
+    assert result.status == RunStatus.DONE
+    states = [e for e in events if isinstance(e, NodeStateEvent) and e.node == node]
+    running = [e.busy_ms for e in states if e.state == NodeState.RUNNING]
+    ended = [e.duration_ms for e in states if e.state.terminal]
+    assert len(running) == len(ended) == (6 if node == "grow" else 3)
+    # Each attempt counts on from where the one before ended, exactly (both read `busy_s`).
+    assert running == [0.0, *ended[:-1]]
+    assert all(e.busy_ms is None for e in states if e.state != NodeState.RUNNING)
+    assert all(e.duration_ms is None for e in states if not e.state.terminal)
+    for live, final in live_and_final_times(events, node):
+        assert abs(live - final) <= TIME_TOLERANCE_MS, (live, final)
+    assert ended[-1] == result.nodes[node].duration_ms
+
+
 async def test_loop_leaving_on_first_pass(executor):
     result, _ = await finish(executor, doubling_loop(), {"value": 60})
     assert result.outputs == {"result": {"value": 120, "steps": 1}}
