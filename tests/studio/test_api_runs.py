@@ -226,7 +226,11 @@ def test_a_node_image_is_a_run_file_of_its_owner_and_each_node_says_where_it_ran
     assert other_api.get(kept["url"]).status_code == 404
     import time
 
-    assert abs(api.get(f"/api/runs/{done['id']}/").json()["server_time"] - time.time()) < 5  # the live clock
+    detail = api.get(f"/api/runs/{done['id']}/").json()
+    assert abs(detail["server_time"] - time.time()) < 5  # the live clock
+    # The graph comes with the run, so the run view draws it before any event (no second request).
+    version = api.get(f"/api/workflows/{wf['id']}/versions/{done['version']}/").json()
+    assert (detail["spec"], detail["layout"]) == (version["spec"], version["layout"])
     running = [e for e in events if e["type"] == "node_state" and e["state"] == "running"]
     assert {e["node"] for e in running} == {"paint", "step"}
     assert all(e["worker"].startswith("in-process:") and e["host"] for e in running)

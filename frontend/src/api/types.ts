@@ -281,6 +281,9 @@ export interface RunDetail extends Run {
   output_links: Record<string, string>;
   /** The server's clock (UNIX seconds) when it answered. */
   server_time: number;
+  /** The version's GraphSpec and editor layout: the run view draws the graph with the run itself. */
+  spec: GraphSpec;
+  layout: EditorLayout;
 }
 
 interface EventBase {
