@@ -21,6 +21,7 @@ import {
   mediaOf,
   reduceRun,
   type RunState,
+  runMedia,
   streamText,
 } from "../run/state";
 
@@ -124,10 +125,7 @@ export function RunPage() {
   const startedMs = state.startedAt ? state.startedAt * 1000 : detail.started_at ? Date.parse(detail.started_at) : null;
   const duration =
     state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? Math.max(0, serverNow - startedMs) : null);
-  const media = Object.entries(state.values).flatMap(([key, value]) => {
-    const m = mediaOf(value);
-    return m ? [{ key, media: m }] : [];
-  });
+  const media = runMedia(state);
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
 
@@ -205,8 +203,8 @@ export function RunPage() {
             <section className="card pad-card" data-testid="run-media">
               <div className="section-title">Images and audio from the nodes</div>
               <div className="media-grid">
-                {media.map(({ key, media: m }) => (
-                  <MediaView key={key} name={key} media={m} onZoom={() => setZoomed({ name: key, media: m })} />
+                {media.map(({ name, media: m }) => (
+                  <MediaView key={name} name={name} media={m} onZoom={() => setZoomed({ name, media: m })} />
                 ))}
               </div>
             </section>

@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, initialRunState, liveDurationMs, mediaOf, reduceRun, streamText } from "./state";
+import { clockSkew, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -112,6 +112,21 @@ describe("watching a run", () => {
     // A later, faster arrival tightens it; a replayed old event does not loosen it.
     expect(clockSkew(skew, [{ time: 1001 }], 996_100)).toBeCloseTo(-4900, 6);
     expect(clockSkew(skew, [{ time: 900 }], 996_100)).toBeCloseTo(-4800, 6);
+  });
+
+  it("finds every image and audio file a node made: in lists and dicts, and in streamed frames", () => {
+    const file = (id: string, type = "image/png") => ({ $file: id, url: `/api/runs/r/files/${id}/`, content_type: type, bytes: 4 });
+    let s = initialRunState(["album", "film"]);
+    s = reduceRun(s, {
+      type: "node_output", seq: 0, run_id: "r", time: 1, node: "album", port: "out",
+      value: { images: [file("a"), file("b")], cover: { front: file("c") }, raw: { bytes: 2 }, caption: "sea" },
+    });
+    s = reduceRun(s, { type: "node_output", seq: 1, run_id: "r", time: 2, node: "film", port: "out", frame: 0, value: file("d", "audio/wav") });
+    s = reduceRun(s, { type: "node_output", seq: 2, run_id: "r", time: 3, node: "film", port: "out", frame: 1, value: { bytes: 9 } });
+    s = reduceRun(s, { type: "node_output", seq: 3, run_id: "r", time: 4, node: "film", port: "out", frame: 2, value: file("e") });
+    expect(runMedia(s).map(({ name, media }) => `${name}=${media.$file}`)).toEqual([
+      "album.out[images][0]=a", "album.out[images][1]=b", "album.out[cover][front]=c", "film.out#0=d", "film.out#2=e",
+    ]);
   });
 
   it("knows a node's image or audio file from other values", () => {

@@ -148,6 +148,31 @@ export function mediaOf(value: unknown): MediaValue | null {
   return /^(image|audio)\//.test(v.content_type) ? (v as MediaValue) : null;
 }
 
+/** A node's image or audio file, named as the run keeps it (`paint.picture`, `album.out[images][0]`, `film.out#2`). */
+export interface NamedMedia {
+  name: string;
+  media: MediaValue;
+}
+
+/** The image and audio files in a value: the value itself, or those in its lists and dicts, each named by its place. */
+export function mediaIn(value: unknown, name: string): NamedMedia[] {
+  const media = mediaOf(value);
+  if (media) return [{ name, media }];
+  if (Array.isArray(value)) return value.flatMap((item, i) => mediaIn(item, `${name}[${i}]`));
+  if (value && typeof value === "object") {
+    return Object.entries(value as Record<string, unknown>).flatMap(([key, item]) => mediaIn(item, `${name}[${key}]`));
+  }
+  return [];
+}
+
+/** Every image and audio file the run's nodes produced so far: in their values, then in their streamed frames. */
+export function runMedia(state: RunState): NamedMedia[] {
+  return [
+    ...Object.entries(state.values).flatMap(([key, value]) => mediaIn(value, key)),
+    ...Object.entries(state.streams).flatMap(([key, stream]) => stream.frames.flatMap((frame, i) => mediaIn(frame, `${key}#${i}`))),
+  ];
+}
+
 /**
  * Streamed frames as one text, joined the way the engine joins text frames for a
  * stream-mode consumer (`"".join(frames)`); null when the frames are not all strings.

@@ -19,6 +19,7 @@ import pytest
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import RoleRef, Workflow
 from engine.flow.events import (
+    HeldBlob,
     NodeOutputEvent,
     NodeProgressEvent,
     NodeState,
@@ -1104,7 +1105,7 @@ async def test_a_text_output_of_a_stream_reads_as_text_and_other_joins_stay_list
     assert [e.value for e in final] == ["Hello!"]
 
 
-async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
+async def test_byte_blobs_are_kept_for_take_blobs_only_when_asked(executor):
     wf, py = new_workflow()
     x = wf.input("x", "text", default="abc")
     blob = wf.python(fns.to_bytes, role=py, id="blob")
@@ -1115,13 +1116,45 @@ async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
     wf.edge(x, last)
     wf.output("out", same)
     wf.output("last", last)
-    kept = await submit(executor, wf, keep_blobs=True)
+    kept = await submit(executor, wf, keep_blobs=8)
     plain = await submit(executor, wf)
     await kept.wait()
     await plain.wait()
     [event] = [e for e in kept.log.snapshot() if isinstance(e, NodeOutputEvent) and e.node == "blob"]
     assert event.value == {"bytes": 3}
-    assert kept.take_blob(event.seq) == b"abc" and kept.take_blob(event.seq) is None  # taken once
+    assert kept.take_blobs(event.seq) == [HeldBlob((), b"abc")] and kept.take_blobs(event.seq) == []  # taken once
     # Not the input's value, nor what only output nodes take (`tail`'s, `same`'s): the run's outputs.
-    assert all(kept.take_blob(e.seq) is None for e in kept.log.snapshot())
-    assert all(plain.take_blob(e.seq) is None for e in plain.log.snapshot())
+    assert all(kept.take_blobs(e.seq) == [] for e in kept.log.snapshot())
+    assert all(plain.take_blobs(e.seq) == [] for e in plain.log.snapshot())
+
+
+def blob_streams() -> Workflow:
+    """x -> `album` (blobs in a list and a dict, fns.blob_album) and x -> `film` (a blob frame per
+    item, fns.byte_frames); neither feeds an output."""
+    wf, py = new_workflow()
+    x = wf.input("x", "json", default=["a", "b", "c"])
+    wf.edge(x, wf.python(fns.blob_album, role=py, id="album"))
+    wf.edge(x, wf.python(fns.byte_frames, role=py, id="film", stream=True, outputs={"out": "any"}))
+    wf.output("out", wf.input("y", "json", default=1))
+    return wf
+
+
+async def test_blobs_in_lists_dicts_and_streamed_frames_are_kept_at_their_places(executor):
+    result, events = await finish(executor, blob_streams(), keep_blobs=100)
+    assert result.status == RunStatus.DONE
+    run = executor.get(result.run_id)
+    [album] = [e for e in events if isinstance(e, NodeOutputEvent) and e.node == "album"]
+    assert album.value["list"] == [{"bytes": 1}, {"bytes": 1}] and album.value["nested"] == {"k": {"bytes": 1}}
+    assert album.value["n"] == 3 and len(album.value["many"]) == 65  # too long to open: previewed whole
+    assert run.take_blobs(album.seq) == [HeldBlob(("list", 0), b"a"), HeldBlob(("list", 1), b"b"),
+                                         HeldBlob(("nested", "k"), b"c")]
+    film = [e for e in events if isinstance(e, NodeOutputEvent) and e.node == "film"]
+    assert [(e.frame, e.value) for e in film] == [(0, {"bytes": 1}), (1, {"bytes": 1}), (2, {"bytes": 1})]
+    assert [run.take_blobs(e.seq) for e in film] == [[HeldBlob((), item)] for item in (b"a", b"b", b"c")]
+
+
+async def test_a_run_keeps_no_more_blobs_than_asked(executor):
+    result, events = await finish(executor, blob_streams(), keep_blobs=2)
+    run = executor.get(result.run_id)
+    held = [blob for e in events for blob in run.take_blobs(e.seq)]
+    assert len(held) == 2  # of 6: whichever node came first, and its first ones
