@@ -9,6 +9,8 @@
   last): `RunEvent` (their union), `NodeStateEvent`, `NodeOutputEvent`, `NodeProgressEvent`,
   `NodeState`, `RunStatus`; `EventLog` keeps a run's events for late readers; `event_to_dict`
   and `preview` shape them for JSON;
+* `HeldBlob` -- a byte blob (an image, an audio clip) a node's output event only previews, and its
+  place in the value (`BlobPath`), which `Run.take_blobs` hands a server that shows them;
 * `TransferError` -- a tensor that could not be moved between workers (a run fails with it).
 """
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 from engine.data.channel import TransferError
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.events import (
+    BlobPath,
     EventLog,
+    HeldBlob,
     NodeOutputEvent,
     NodeProgressEvent,
     NodeState,
@@ -34,7 +38,9 @@ from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
 
 __all__ = [
+    "BlobPath",
     "EventLog",
+    "HeldBlob",
     "Executor",
     "NodeOutputEvent",
     "NodeProgressEvent",

@@ -59,6 +59,12 @@ class NodeStateEvent(msgspec.Struct, tag="node_state", kw_only=True, omit_defaul
     iteration: int = 0
     error: str | None = None
     duration_ms: float | None = None
+    """With a terminal state (`failed` also ends an attempt that is retried), once the node has run:
+    the time it has run so far, over every iteration and attempt (`RunNode.busy_s`)."""
+    busy_ms: float | None = None
+    """With `running`: the time it ran before this attempt (earlier iterations and attempts). Its time
+    while it runs is `busy_ms` plus the time since this event, and reaches `duration_ms` when it ends:
+    live and final times agree."""
     worker: str | None = None
     """With `running`: the worker that runs this attempt (`RanOn`), and its host."""
     host: str | None = None
@@ -111,11 +117,56 @@ def encode_event(event: RunEvent) -> bytes:
 
 PREVIEW_CHARS = 2000
 
+NESTED_ITEMS = 64
+"""A list, tuple or dict of at most this many items that holds byte blobs is previewed item by
+item (each blob as `{"bytes": n}` at its place), so a UI can show each one; a bigger one, or one
+deeper than `NESTED_DEPTH`, is previewed whole."""
+NESTED_DEPTH = 3
 
-def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
+BlobPath = tuple[str | int, ...]
+"""Where a blob sits in a port value: () for the value itself, else the dict keys and list indices
+down to it (as in its preview)."""
+
+
+class HeldBlob(msgspec.Struct, frozen=True):
+    """A byte blob of a port value, and where in the value (and its preview) it sits."""
+
+    path: BlobPath
+    value: Any
+
+
+def _items(value: Any) -> list[tuple[str | int, Any]]:
+    return list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+
+
+def _opens(value: Any, depth: int) -> bool:
+    """Whether `value` is a container previewed item by item: small, string keys, blobs within reach."""
+    if depth >= NESTED_DEPTH or not isinstance(value, list | tuple | dict) or not 0 < len(value) <= NESTED_ITEMS:
+        return False
+    if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+        return False
+    return any(is_blob(item) or _opens(item, depth + 1) for _, item in _items(value))
+
+
+def blobs_in(value: Any, depth: int = 0, at: BlobPath = ()) -> list[HeldBlob]:
+    """The byte blobs of a port value, depth-first: the value itself when it is one, else those in
+    the lists, tuples and dicts that `preview` shows item by item."""
+    if is_blob(value):
+        return [HeldBlob(at, value)]
+    if not _opens(value, depth):
+        return []
+    return [blob for key, item in _items(value) for blob in blobs_in(item, depth + 1, (*at, key))]
+
+
+def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
     """A JSON-able, bounded rendering of a port value for events and UIs."""
     if value is None or isinstance(value, bool | int | float):
         return value
+    if _opens(value, depth):  # each blob at its place (`blobs_in`), the items sharing the bound
+        share = max(64, limit // len(value))
+        if isinstance(value, dict):
+            return {key: preview(item, share, depth + 1) for key, item in value.items()}
+        return [preview(item, share, depth + 1) for item in value]
     if isinstance(value, str):
         return value if len(value) <= limit else value[:limit] + f"… ({len(value)} chars)"
     if isinstance(value, bytes | bytearray | memoryview):

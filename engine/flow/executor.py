@@ -25,6 +25,7 @@ from engine.flow.attempt import AttemptFailed, attempt, node_call
 from engine.flow.deliveries import Deliveries
 from engine.flow.dispatch import Dispatcher
 from engine.flow.events import (
+    HeldBlob,
     NodeState,
     RunEvent,
     RunStatus,
@@ -112,7 +113,7 @@ class Run:
         timeout_s: float | None,
         stream_capacity: int = 0,
         tenant: str | None = None,
-        keep_blobs: bool = False,
+        keep_blobs: int = 0,
     ) -> None:
         self.id = run_id
         self._record = RunRecorder(run_id, plan, keep_blobs=keep_blobs)
@@ -166,11 +167,11 @@ class Run:
             self._finished.set_result((RunStatus.CANCELLED, "cancelled by request", None))
         await self.wait()
 
-    def take_blob(self, seq: int) -> Any:
-        """The byte blob a `node_output` event (by its seq) only previews, once, or None. Kept
-        only for runs submitted with `keep_blobs` (a server showing every node's images and
-        audio), until taken."""
-        return self._record.take_blob(seq)
+    def take_blobs(self, seq: int) -> list[HeldBlob]:
+        """The byte blobs a `node_output` event (by its seq) only previews (the value, or the
+        blobs in its lists and dicts, each with its place), once; else none. Kept only for runs
+        submitted with `keep_blobs` (a server showing every node's images and audio), until taken."""
+        return self._record.take_blobs(seq)
 
     def node_state(self, node_id: str) -> NodeState:
         return self._nodes[node_id].state
@@ -232,9 +233,8 @@ class Run:
             self._finished.set_result((RunStatus.FAILED, f"node {node.spec.id!r} failed: {message}", node.spec.id))
 
     # --------------------------------------------------------------- events
-    def _set_state(self, node: RunNode, state: NodeState, duration_ms: float | None = None,
-                   where: RanOn | None = None) -> None:
-        self._record.state(node, state, duration_ms, where)
+    def _set_state(self, node: RunNode, state: NodeState, where: RanOn | None = None) -> None:
+        self._record.state(node, state, where)
 
     def _progress(self, node_id: str, fraction: float | None, message: str) -> None:
         if self._result is None:
@@ -365,7 +365,7 @@ class Run:
                 self._fail(node, f"chose {wrong}, which are not among its routes {allowed}")
                 return
         node.error = None
-        self._set_state(node, NodeState.DONE, duration_ms=node.busy_s * 1e3)
+        self._set_state(node, NodeState.DONE)
         if spec.kind == "output":
             self._record.outputs(node, {"value": output_value})
         elif not spec.stream:
@@ -416,12 +416,12 @@ class Executor:
         run_id: str | None = None,
         timeout_s: float | None = None,
         tenant: str | None = None,
-        keep_blobs: bool = False,
+        keep_blobs: int = 0,
     ) -> Run:
         """Start a run of `workflow`. `tenant`: whose run it is (a server's user, or a sharing
         scope); every cache its nodes touch is namespaced by it, whatever the nodes' params say.
-        None (the command line): a node's `tenant` param, if it has one. `keep_blobs`: keep the
-        byte blobs nodes produce for `Run.take_blob`."""
+        None (the command line): a node's `tenant` param, if it has one. `keep_blobs`: keep up to
+        this many of the byte blobs nodes produce (outputs and streamed frames) for `Run.take_blobs`."""
         plan = workflow if isinstance(workflow, Plan) else self.plan(workflow)
         values = resolve_inputs(plan, inputs or {})
         rid = run_id or uuid.uuid4().hex[:12]

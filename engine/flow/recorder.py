@@ -3,8 +3,9 @@
 A `RunRecorder` stamps each event with the run id, the next sequence number and the server's
 clock, and keeps a node's state (`RunNode.state`) and its state events in step. Node outputs go
 out as previews (`engine.flow.events.preview`); for a run that keeps blobs (a server showing
-every node's images and audio) the byte blob a preview stands for is kept, by the event's
-sequence number, until `take_blob` takes it.
+every node's images and audio) the byte blobs a preview stands for (the value itself, or the
+blobs in its lists and dicts: `blobs_in`), streamed frames' too, are kept by the event's sequence
+number until `take_blobs` takes them, up to `keep_blobs` of them per run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from engine.flow.events import (
     EventLog,
+    HeldBlob,
     NodeOutputEvent,
     NodeProgressEvent,
     NodeState,
@@ -21,7 +23,7 @@ from engine.flow.events import (
     RunFinished,
     RunStarted,
     RunStatus,
-    is_blob,
+    blobs_in,
     preview,
 )
 from engine.flow.firing import RunNode
@@ -30,27 +32,33 @@ from engine.spec.calls import RanOn
 
 
 class RunRecorder:
-    def __init__(self, run_id: str, plan: Plan, *, keep_blobs: bool) -> None:
+    def __init__(self, run_id: str, plan: Plan, *, keep_blobs: int) -> None:
+        """`keep_blobs`: how many byte blobs this run keeps in all (0: none); past it, the
+        previews alone go out (a loop making an image per iteration keeps its first ones)."""
         self.run_id = run_id
         self.log = EventLog()
         self._plan = plan
-        self._keep_blobs = keep_blobs
-        self._blobs: dict[int, Any] = {}
+        self._room = keep_blobs
+        self._blobs: dict[int, list[HeldBlob]] = {}
 
     def started(self) -> None:
         self.log.append(RunStarted(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),
                                    workflow=self._plan.name, nodes=list(self._plan.order)))
 
-    def state(self, node: RunNode, state: NodeState, duration_ms: float | None = None,
-              where: RanOn | None = None) -> None:
-        """`node` is now in `state` (where it runs, for a running one)."""
+    def state(self, node: RunNode, state: NodeState, where: RanOn | None = None) -> None:
+        """`node` is now in `state` (where it runs, for a running one). Its times come from
+        `node.busy_s`, which the executor brings up to date before it calls this: the time it ran
+        before, with `running`; the time it ran in all, once it ends (or an attempt fails)."""
         node.state = state
+        ran = node.first_started is not None
+        busy_ms = node.busy_s * 1e3
         self.log.append(NodeStateEvent(
             seq=self.log.next_seq, run_id=self.run_id, time=time.time(), node=node.spec.id, state=state,
             attempt=node.attempt, iteration=node.fired,
             error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
-            duration_ms=duration_ms, worker=None if where is None else where.worker,
-            host=None if where is None else where.host))
+            duration_ms=busy_ms if ran and state.terminal else None,
+            busy_ms=busy_ms if state == NodeState.RUNNING else None,
+            worker=None if where is None else where.worker, host=None if where is None else where.host))
 
     def progress(self, node_id: str, fraction: float | None, message: str) -> None:
         self.log.append(NodeProgressEvent(seq=self.log.next_seq, run_id=self.run_id, time=time.time(),
@@ -60,6 +68,7 @@ class RunRecorder:
         """A streaming node's `index`-th frame."""
         now = time.time()
         for port, value in frame.items():
+            self._keep(node.spec.id, port, value)
             self.log.append(NodeOutputEvent(seq=self.log.next_seq, run_id=self.run_id, time=now, node=node.spec.id,
                                             port=port, value=preview(value), frame=index, iteration=node.fired))
 
@@ -69,8 +78,8 @@ class RunRecorder:
         now = time.time()
         spec = node.spec
         for port, value in outputs.items():
-            if self._keep_blobs and spec.kind != "output" and is_blob(value) and self._previewed(spec.id, port):
-                self._blobs[self.log.next_seq] = value
+            if spec.kind != "output":
+                self._keep(spec.id, port, value)
             self.log.append(NodeOutputEvent(seq=self.log.next_seq, run_id=self.run_id, time=now, node=spec.id,
                                             port=port, value=preview(value), iteration=node.fired))
 
@@ -80,9 +89,18 @@ class RunRecorder:
                                     outputs={k: preview(v) for k, v in outputs.items()}, error=error,
                                     failed_node=failed_node, duration_ms=duration_ms))
 
-    def take_blob(self, seq: int) -> Any:
-        """The byte blob a `node_output` event (by its seq) only previews, once, or None."""
-        return self._blobs.pop(seq, None)
+    def take_blobs(self, seq: int) -> list[HeldBlob]:
+        """The byte blobs a `node_output` event (by its seq) only previews, once (else none)."""
+        return self._blobs.pop(seq, [])
+
+    def _keep(self, node_id: str, port: str, value: Any) -> None:
+        """Keep the blobs of the `node_output` event about to be logged, while there is room."""
+        if self._room <= 0 or not self._previewed(node_id, port):
+            return
+        held = blobs_in(value)[:self._room]
+        if held:
+            self._blobs[self.log.next_seq] = held
+            self._room -= len(held)
 
     def _previewed(self, node_id: str, port: str) -> bool:
         """Whether a blob on `port` is kept: not an input's (an upload), nor one that only output

@@ -4,8 +4,10 @@
 //   E2E_DATA_DIR=<the studio's data folder> node e2e/runs.e2e.mjs
 //
 // tests/e2e/test_runs_e2e.py runs it against the studio of tests/e2e/conftest.py:
-//  - e2e-watch (watch.json) run from the form: its llm node (the real smollm2-135m, 120 tokens) draws a
-//    progress bar that moves, "n/120 tokens" beside it; live times never negative;
+//  - e2e-watch (watch.json) run from the form: its graph drawn, every node pending, while its event
+//    socket is held back (before the first event); its llm node (the real smollm2-135m, 120 tokens) draws
+//    a progress bar that moves, "n/120 tokens" beside it; live times never negative, and the reply's last
+//    live time agrees with its final one;
 //  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size,
 //    served as the run's file, and the tone of its `voice` node in a player; no server path on the page;
 //  - the streamed reply reads as text; each node says where it ran;
@@ -32,6 +34,17 @@ const runIdOf = (url) => url.split("/runs/")[1].replace(/[/?#].*$/, "");
 async function runDetail(id) {
   return page.evaluate(async (runId) => (await fetch(`/api/runs/${runId}/`)).json(), id);
 }
+/** A time as `formatMs` writes it ("850 ms", "5.12 s", "1 min 3 s"), in ms; null when blank. */
+function parseTime(text) {
+  const t = text.trim();
+  if (!t) return null;
+  const min = /^(\d+) min (\d+) s$/.exec(t);
+  if (min) return Number(min[1]) * 60_000 + Number(min[2]) * 1000;
+  const one = /^([\d.]+) (ms|s)$/.exec(t);
+  expect(one, `a time reads "${t}"`);
+  return Number(one[1]) * (one[2] === "s" ? 1000 : 1);
+}
+
 /** No live time on the page reads negative (node table, node cards, the run's own). */
 async function noNegativeTimes() {
   const times = await page.$$eval(
@@ -53,11 +66,49 @@ try {
     await page.click(tid("run"));
     await page.waitForSelector(tid("run-form"));
     await page.fill(`${tid("input-caption")} textarea`, CAPTION);
+    // The run's event socket is held back (the server's messages kept here) until the graph is seen:
+    // it is drawn from the run's own detail, before any event arrives, not built up from the events.
+    let release = null;
+    let opened;
+    const socketOpened = new Promise((resolve) => {
+      opened = resolve;
+    });
+    await page.routeWebSocket(/\/ws\/runs\//, (ws) => {
+      const server = ws.connectToServer();
+      if (release !== null) return; // later sockets (a reconnect, the next run) pass straight through
+      opened();
+      const held = [];
+      let holding = true;
+      server.onMessage((message) => (holding ? held.push(message) : ws.send(message)));
+      release = () => {
+        holding = false;
+        for (const message of held.splice(0)) ws.send(message);
+      };
+    });
     await page.click(tid("submit-run"));
     await page.waitForSelector(tid("run-page"));
     firstRun = runIdOf(page.url());
-    // The graph is there from the first paint of the run page, every node pending or further.
-    await page.waitForSelector(`${tid("node-reply")}`);
+    const specNodes = JSON.parse(readFileSync(join(FIXTURES, "watch.json"), "utf8")).nodes.map((n) => n.id);
+    await page.waitForFunction((ids) => ids.every((id) => document.querySelector(`[data-testid="node-${id}"]`)), specNodes);
+    await socketOpened;
+    const drawn = await page.$$eval(".react-flow__node [data-state]", (els) => els.map((e) => e.dataset.state));
+    const logged = (await page.textContent(`${tid("event-log")} summary`)).trim();
+    expect(logged === "Events (0)", `no event has reached the page yet: ${logged}`);
+    expect(drawn.length === specNodes.length && drawn.every((st) => st === "pending"),
+      `every node drawn, pending, before the first event: ${JSON.stringify(drawn)}`);
+    await shot("run-graph-before-events");
+    release();
+    // The reply's time as the node table shows it, sampled in the page until the reply ends: its
+    // last live reading is compared with its final time below.
+    await page.evaluate(() => {
+      window.__replyTimes = [];
+      const sample = () => {
+        const row = document.querySelector('[data-testid="node-row-reply"]');
+        if (row) window.__replyTimes.push({ state: row.dataset.state, text: row.querySelector('[data-testid="node-time-reply"]').textContent });
+        if (!["done", "failed", "cancelled"].includes(row?.dataset.state)) window.setTimeout(sample, 20);
+      };
+      sample();
+    });
     const bar = `${tid("node-reply")} ${tid("node-progress")}`;
     await page.waitForSelector(bar, { timeout: 60_000 }); // the first run loads the model
     const first = Number(await page.getAttribute(bar, "aria-valuenow"));
@@ -103,6 +154,22 @@ try {
     const text = (await story.textContent()) ?? "";
     expect(text.length > 100 && !text.trim().startsWith("["), `the story reads as text: ${text.slice(0, 80)}`);
     await noNegativeTimes();
+    // Live and final times agree: the reply's last live reading (the view ticks every 250 ms) is within
+    // 1 s of the time it ends with. They part by at most a tick plus the time its `done` event takes to
+    // reach the page (stored, published, sent: a few hundred ms on a busy 2-core machine); an attempt's
+    // time counted wrong (from the wrong event, or on the browser's clock) parts them by far more.
+    await page.waitForFunction(() => window.__replyTimes.at(-1)?.state === "done");
+    const samples = await page.evaluate(() => window.__replyTimes);
+    const live = samples.filter((x) => x.state === "running").map((x) => parseTime(x.text)).filter((t) => t !== null);
+    const shown = parseTime(samples.at(-1).text);
+    const reported = (await runDetail(firstRun)).nodes.find((n) => n.node === "reply").duration_ms;
+    expect(live.length > 10 && live.every((t, i) => i === 0 || t >= live[i - 1]),
+      `the live time only counts up: ${JSON.stringify(live.slice(-5))}`);
+    const resolution = reported < 60_000 ? 10 : 500; // "5.12 s", or "1 min 3 s" past a minute
+    expect(Math.abs(shown - reported) <= resolution, `the final time shown (${shown} ms) is the server's (${reported} ms)`);
+    expect(Math.abs(live.at(-1) - reported) <= 1000,
+      `the last live time (${live.at(-1)} ms) agrees with the final one (${reported} ms)`);
+    console.log(`     reply: last live ${live.at(-1)} ms, final ${reported} ms`);
     await page.click(`${tid("node-table")} td.mono >> text=reply`);
     await page.waitForSelector(tid("node-where"));
     const where = (await page.textContent(tid("node-where"))) ?? "";

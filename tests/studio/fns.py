@@ -32,6 +32,18 @@ def count(n: int):
     yield from range(n)
 
 
+def gallery(text: str) -> dict:
+    """Two images in a list and one in a dict beside them, and bytes that are no image."""
+    return {"images": [png(f"{text}-0"), png(f"{text}-1")], "cover": {"front": png(f"{text}-cover")},
+            "raw": b"\x00\x01", "caption": text}
+
+
+def frames(text: str):
+    """A streamed image per word of `text`."""
+    for word in text.split():
+        yield png(word)
+
+
 GATE = threading.Event()
 """Opened by a test to let `gated` finish; reset by the test that uses it."""
 

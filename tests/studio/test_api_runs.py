@@ -4,6 +4,7 @@ files, cancel, filters, limits, metrics and health."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 
@@ -226,7 +227,11 @@ def test_a_node_image_is_a_run_file_of_its_owner_and_each_node_says_where_it_ran
     assert other_api.get(kept["url"]).status_code == 404
     import time
 
-    assert abs(api.get(f"/api/runs/{done['id']}/").json()["server_time"] - time.time()) < 5  # the live clock
+    detail = api.get(f"/api/runs/{done['id']}/").json()
+    assert abs(detail["server_time"] - time.time()) < 5  # the live clock
+    # The graph comes with the run, so the run view draws it before any event (no second request).
+    version = api.get(f"/api/workflows/{wf['id']}/versions/{done['version']}/").json()
+    assert (detail["spec"], detail["layout"]) == (version["spec"], version["layout"])
     running = [e for e in events if e["type"] == "node_state" and e["state"] == "running"]
     assert {e["node"] for e in running} == {"paint", "step"}
     assert all(e["worker"].startswith("in-process:") and e["host"] for e in running)
@@ -235,6 +240,51 @@ def test_a_node_image_is_a_run_file_of_its_owner_and_each_node_says_where_it_ran
     assert again["inputs"] == {"text": "pixels"}
     [copy] = [f for f in again["files"] if f["role"] == "node"]
     assert copy["id"] != kept["id"] and copy["sha256"] == kept["sha256"]
+
+
+def node_media_spec() -> dict:
+    """text -> step -> result, and beside it text -> `album` (fns.gallery: images in a list and a
+    dict) and text -> `film` (fns.frames: an image streamed per word): no output holds an image."""
+    return spec_doc(extra_nodes=[
+        {"id": "album", "kind": "python", "role": "py", "op": "tests.studio.fns:gallery",
+         "inputs": {"text": {"type": "text"}}, "outputs": {"out": {"type": "json"}}},
+        {"id": "film", "kind": "python", "role": "py", "op": "tests.studio.fns:frames", "stream": True,
+         "inputs": {"text": {"type": "text"}}, "outputs": {"out": {"type": "image"}}},
+    ]) | {"edges": [*spec_doc()["edges"],
+                    {"source": "text", "source_port": "value", "target": "album", "target_port": "text"},
+                    {"source": "text", "source_port": "value", "target": "film", "target_port": "text"}]}
+
+
+def test_images_in_lists_dicts_and_streamed_frames_are_run_files_of_their_owner(api, other_api) -> None:
+    wf = create_workflow(api, node_media_spec())
+    done = finished(api, submit(api, wf["id"], {"text": "sea sky"}))
+    assert done["status"] == "done", done
+    files = {f["name"]: f for f in done["files"] if f["role"] == "node"}
+    # Each image where it sat: the bytes that are no image, and the caption, stay as they were.
+    assert set(files) == {"album.out[images][0]", "album.out[images][1]", "album.out[cover][front]",
+                          "film.out#0", "film.out#1"}
+    expected = {"album.out[images][0]": fns.png("sea sky-0"), "album.out[images][1]": fns.png("sea sky-1"),
+                "album.out[cover][front]": fns.png("sea sky-cover"), "film.out#0": fns.png("sea"),
+                "film.out#1": fns.png("sky")}
+    for name, data in expected.items():
+        download = api.get(files[name]["url"])
+        assert download.status_code == 200 and download["Content-Type"] == "image/png"
+        assert b"".join(download.streaming_content) == data  # the bytes the node made
+        assert other_api.get(files[name]["url"]).status_code == 404  # its owner's only
+
+    def media(name: str) -> dict:
+        f = files[name]
+        return {"$file": f["id"], "url": f["url"], "content_type": "image/png", "bytes": f["size"]}
+
+    album = next(n for n in done["nodes"] if n["node"] == "album")
+    assert album["outputs"] == {"out": {
+        "images": [media("album.out[images][0]"), media("album.out[images][1]")],
+        "cover": {"front": media("album.out[cover][front]")}, "raw": {"bytes": 2}, "caption": "sea sky"}}
+    events = [e["data"] for e in api.get(f"/api/runs/{done['id']}/events/").json()]
+    frames = [e for e in events if e["type"] == "node_output" and e["node"] == "film"]
+    assert [(e["frame"], e["value"]) for e in frames] == [(0, media("film.out#0")), (1, media("film.out#1"))]
+    body = json.dumps(done) + json.dumps(events)
+    assert str(django_settings.OMNIFLOW.data_dir) not in body  # no server path
 
 
 def test_pending_runs_list_their_place_in_the_queue(api, other_api) -> None:

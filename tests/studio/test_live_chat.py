@@ -163,6 +163,9 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     assert done.choices[0].message.content == reference
     assert done.usage.prompt_tokens == len(b"### User:\nHello\n\n### Assistant:\n")  # one token a byte
     assert done.usage.completion_tokens == NEW and done.choices[0].finish_reason == "length"
+    # The deployment's id reaches it as its name does (what /v1/models lists as `deployment`).
+    by_id = client.chat.completions.create(model=d["id"], messages=messages, max_tokens=NEW, temperature=0)
+    assert by_id.model == d["id"] and by_id.choices[0].message.content == reference
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))

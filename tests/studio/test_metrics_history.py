@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.db import connections
@@ -331,5 +332,30 @@ def test_every_dashboard_query_names_a_series_metrics_serves(history_engine: Stu
         names = set(re.findall(r"\bomniflow_[a-z0-9_]+", query))
         assert names, query
         assert names <= served, (query, names - served)
-    config = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
-    assert "metrics_path: /metrics" in config and "type: Bearer" in config
+
+
+SCRAPE_TOKEN = "prometheus-scrape-token-0123456789"
+
+
+@pytest.mark.django_db
+def test_the_prometheus_config_parses_and_scrapes_metrics_with_its_token_file(client: Any, tmp_path: Path) -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert (job["job_name"], job["scheme"], job["metrics_path"]) == ("omniflow", "http", "/metrics")
+    auth = job["authorization"]
+    assert auth["type"] == "Bearer" and set(auth) == {"type", "credentials_file"}
+    # Its target is the studio's web service of docker-compose.yml, on the port it serves.
+    [target] = [t for group in job["static_configs"] for t in group["targets"]]
+    service, port = target.split(":")
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert f"{port}:{port}" in compose["services"][service]["ports"]
+    # A scrape as Prometheus makes it: the token file's text, trimmed of surrounding space (a
+    # mounted secret often ends in a newline), as the bearer credentials of a GET of metrics_path.
+    token_file = tmp_path / Path(auth["credentials_file"]).name
+    token_file.write_text(SCRAPE_TOKEN + "\n")
+    with configured(metrics_token=SCRAPE_TOKEN):
+        scraped = client.get(job["metrics_path"], HTTP_AUTHORIZATION=f"{auth['type']} {token_file.read_text().strip()}")
+        assert scraped.status_code == 200, scraped.content
+        families = {f.name for f in text_string_to_metric_families(scraped.content.decode())}
+        assert {"omniflow_runs_active", "omniflow_kv_occupancy"} <= families
+        assert client.get(job["metrics_path"]).status_code == 401  # no file, no scrape

@@ -281,6 +281,9 @@ export interface RunDetail extends Run {
   output_links: Record<string, string>;
   /** The server's clock (UNIX seconds) when it answered. */
   server_time: number;
+  /** The version's GraphSpec and editor layout: the run view draws the graph with the run itself. */
+  spec: GraphSpec;
+  layout: EditorLayout;
 }
 
 interface EventBase {
@@ -301,7 +304,10 @@ export interface NodeStateEvent extends EventBase {
   attempt?: number;
   iteration?: number;
   error?: string | null;
+  /** With a terminal state, once the node has run: its time over every iteration and attempt. */
   duration_ms?: number | null;
+  /** With `running`: the time it ran before this attempt (earlier iterations and attempts). */
+  busy_ms?: number | null;
   /** With `running`: the worker that runs the attempt, and its host. */
   worker?: string | null;
   host?: string | null;

@@ -5,8 +5,8 @@
 import { useCallback, useEffect, useMemo, useReducer, useRef, useState } from "react";
 import { Link, useParams } from "react-router-dom";
 import { ApiError, describeError } from "../api/client";
-import { runs, workflows } from "../api/studio";
-import type { RunDetail, RunEvent, RunFile, Version } from "../api/types";
+import { runs } from "../api/studio";
+import type { GraphSpec, RunDetail, RunEvent, RunFile } from "../api/types";
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
@@ -16,10 +16,12 @@ import {
   clockSkew,
   initialRunState,
   isTerminal,
+  liveDurationMs,
   type MediaValue,
   mediaOf,
   reduceRun,
   type RunState,
+  runMedia,
   streamText,
 } from "../run/state";
 
@@ -30,8 +32,6 @@ function reducer(state: RunState, events: RunEvent[]): RunState {
 export function RunPage() {
   const { id } = useParams<{ id: string }>();
   const [detail, setDetail] = useState<RunDetail | null>(null);
-  const [version, setVersion] = useState<Version | null>(null);
-  const [error, setError] = useState<string | null>(null);
   /** Browser clock minus server clock (upper bound; see `clockSkew`): live times count on the server's clock. */
   const skew = useRef<number | null>(null);
   const [loadError, setLoadError] = useState<{ status?: number; message: string } | null>(null);
@@ -58,16 +58,6 @@ export function RunPage() {
     refresh();
   }, [refresh]);
 
-  const workflowId = detail?.workflow;
-  const versionNumber = detail?.version;
-  useEffect(() => {
-    if (!workflowId || !versionNumber) return;
-    workflows
-      .version(workflowId, versionNumber)
-      .then(setVersion)
-      .catch((err) => setError(describeError(err)));
-  }, [workflowId, versionNumber]);
-
   const onEvents = useCallback(
     (events: RunEvent[]) => {
       skew.current = clockSkew(skew.current, events, Date.now());
@@ -90,10 +80,7 @@ export function RunPage() {
   const nodeStates = useMemo(() => {
     const out: RunState["nodes"] = {};
     for (const [node, view] of Object.entries(state.nodes)) {
-      out[node] =
-        view.state === "running" && view.since
-          ? { ...view, durationMs: Math.max(0, serverNow - view.since * 1000) }
-          : view;
+      out[node] = view.state === "running" ? { ...view, durationMs: liveDurationMs(view, serverNow) } : view;
     }
     return out;
   }, [state.nodes, serverNow]);
@@ -138,10 +125,7 @@ export function RunPage() {
   const startedMs = state.startedAt ? state.startedAt * 1000 : detail.started_at ? Date.parse(detail.started_at) : null;
   const duration =
     state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? Math.max(0, serverNow - startedMs) : null);
-  const media = Object.entries(state.values).flatMap(([key, value]) => {
-    const m = mediaOf(value);
-    return m ? [{ key, media: m }] : [];
-  });
+  const media = runMedia(state);
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
 
@@ -185,7 +169,6 @@ export function RunPage() {
         </div>
       </header>
 
-      {error && <ErrorBox>{error}</ErrorBox>}
       {status === "cancelled" && (
         <div className="info-box neutral" data-testid="run-cancelled">
           <Icon name="stop" /> {state.finished?.error || detail.error || "The run was cancelled."}
@@ -202,17 +185,8 @@ export function RunPage() {
 
       <div className="run-body">
         <div className="card run-graph" data-testid="run-graph">
-          {version ? (
-            <RunGraph
-              spec={version.spec}
-              layout={version.layout}
-              states={nodeStates}
-              onSelect={setSelected}
-              selected={selected}
-            />
-          ) : (
-            <Spinner />
-          )}
+          {/* The run's detail carries its graph: drawn with the first paint, before any event. */}
+          <RunGraph spec={detail.spec} layout={detail.layout} states={nodeStates} onSelect={setSelected} selected={selected} />
           <Legend />
         </div>
         <aside className="run-side">
@@ -220,7 +194,7 @@ export function RunPage() {
             <div className="section-title">Outputs</div>
             {Object.keys(outputs).length === 0 && !isTerminal(status) && <p className="muted small">Waiting for the run to finish…</p>}
             {Object.keys(outputs).length === 0 && isTerminal(status) && <p className="muted small">No outputs.</p>}
-            {orderedOutputs(outputs, version).map(([name, value]) => (
+            {orderedOutputs(outputs, detail.spec).map(([name, value]) => (
               <OutputValue key={name} name={name} value={value} files={detail.files} links={state.finished?.files ?? detail.output_links} />
             ))}
           </section>
@@ -229,8 +203,8 @@ export function RunPage() {
             <section className="card pad-card" data-testid="run-media">
               <div className="section-title">Images and audio from the nodes</div>
               <div className="media-grid">
-                {media.map(({ key, media: m }) => (
-                  <MediaView key={key} name={key} media={m} onZoom={() => setZoomed({ name: key, media: m })} />
+                {media.map(({ name, media: m }) => (
+                  <MediaView key={name} name={name} media={m} onZoom={() => setZoomed({ name, media: m })} />
                 ))}
               </div>
             </section>
@@ -249,10 +223,16 @@ export function RunPage() {
                 </tr>
               </thead>
               <tbody>
-                {(version?.spec.nodes ?? []).map((n) => {
+                {detail.spec.nodes.map((n) => {
                   const v = nodeStates[n.id];
                   return (
-                    <tr key={n.id} className={selected === n.id ? "selected-row" : undefined} onClick={() => setSelected(n.id)}>
+                    <tr
+                      key={n.id}
+                      className={selected === n.id ? "selected-row" : undefined}
+                      onClick={() => setSelected(n.id)}
+                      data-testid={`node-row-${n.id}`}
+                      data-state={v?.state ?? "pending"}
+                    >
                       <td className="mono">{n.id}</td>
                       <td>
                         <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
@@ -263,7 +243,9 @@ export function RunPage() {
                           </span>
                         )}
                       </td>
-                      <td className="right mono small">{formatMs(v?.durationMs)}</td>
+                      <td className="right mono small" data-testid={`node-time-${n.id}`}>
+                        {formatMs(v?.durationMs)}
+                      </td>
                     </tr>
                   );
                 })}
@@ -325,8 +307,8 @@ function MediaView({ name, media, onZoom }: { name: string; media: MediaValue; o
 }
 
 /** Outputs in the order the workflow declares its output nodes. */
-function orderedOutputs(outputs: Record<string, unknown>, version: Version | null): [string, unknown][] {
-  const order = (version?.spec.nodes ?? []).filter((n) => n.kind === "output").map((n) => n.id);
+function orderedOutputs(outputs: Record<string, unknown>, spec: GraphSpec): [string, unknown][] {
+  const order = spec.nodes.filter((n) => n.kind === "output").map((n) => n.id);
   const rank = (name: string) => (order.includes(name) ? order.indexOf(name) : order.length);
   return Object.entries(outputs).sort((a, b) => rank(a[0]) - rank(b[0]));
 }

@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, initialRunState, mediaOf, reduceRun, streamText } from "./state";
+import { clockSkew, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -85,6 +85,24 @@ describe("watching a run", () => {
     expect(s.nodes.gen).toMatchObject({ worker: "llm-1", host: "gpu-2", progress: null, since: 13 });
   });
 
+  it("counts a looping or retried node's live time on from its earlier runs, up to its final time", () => {
+    // As the executor reports a node that ran 2 s in its first iteration, then 3 s in its second.
+    let s = initialRunState(["grow"]);
+    s = reduceRun(s, { type: "node_state", seq: 0, run_id: "r", time: 100, node: "grow", state: "running", busy_ms: 0 });
+    expect(liveDurationMs(s.nodes.grow, 101_500)).toBe(1500);
+    s = reduceRun(s, { type: "node_state", seq: 1, run_id: "r", time: 102, node: "grow", state: "done", duration_ms: 2000 });
+    expect(liveDurationMs(s.nodes.grow, 103_000)).toBe(2000);
+    s = reduceRun(s, { type: "node_state", seq: 2, run_id: "r", time: 104, node: "grow", state: "running", iteration: 2, busy_ms: 2000 });
+    // Not back to 0 s: 2 s before, 1 s of this iteration.
+    expect(liveDurationMs(s.nodes.grow, 105_000)).toBe(3000);
+    expect(liveDurationMs(s.nodes.grow, 107_000)).toBe(5000);
+    s = reduceRun(s, { type: "node_state", seq: 3, run_id: "r", time: 107, node: "grow", state: "done", iteration: 2, duration_ms: 5000 });
+    expect(liveDurationMs(s.nodes.grow, 200_000)).toBe(5000);
+    // A clock read before the attempt's own stamp never counts backwards.
+    s = reduceRun(s, { type: "node_state", seq: 4, run_id: "r", time: 110, node: "grow", state: "running", iteration: 3, busy_ms: 5000 });
+    expect(liveDurationMs(s.nodes.grow, 109_000)).toBe(5000);
+  });
+
   it("reads the server's clock from event times, so live times are never negative", () => {
     // The browser runs 5 s behind the server: an event stamped 1000.0 s arrives at 995.2 s local.
     const skew = clockSkew(null, [{ time: 1000 }, { time: 999.9 }], 995_200);
@@ -94,6 +112,21 @@ describe("watching a run", () => {
     // A later, faster arrival tightens it; a replayed old event does not loosen it.
     expect(clockSkew(skew, [{ time: 1001 }], 996_100)).toBeCloseTo(-4900, 6);
     expect(clockSkew(skew, [{ time: 900 }], 996_100)).toBeCloseTo(-4800, 6);
+  });
+
+  it("finds every image and audio file a node made: in lists and dicts, and in streamed frames", () => {
+    const file = (id: string, type = "image/png") => ({ $file: id, url: `/api/runs/r/files/${id}/`, content_type: type, bytes: 4 });
+    let s = initialRunState(["album", "film"]);
+    s = reduceRun(s, {
+      type: "node_output", seq: 0, run_id: "r", time: 1, node: "album", port: "out",
+      value: { images: [file("a"), file("b")], cover: { front: file("c") }, raw: { bytes: 2 }, caption: "sea" },
+    });
+    s = reduceRun(s, { type: "node_output", seq: 1, run_id: "r", time: 2, node: "film", port: "out", frame: 0, value: file("d", "audio/wav") });
+    s = reduceRun(s, { type: "node_output", seq: 2, run_id: "r", time: 3, node: "film", port: "out", frame: 1, value: { bytes: 9 } });
+    s = reduceRun(s, { type: "node_output", seq: 3, run_id: "r", time: 4, node: "film", port: "out", frame: 2, value: file("e") });
+    expect(runMedia(s).map(({ name, media }) => `${name}=${media.$file}`)).toEqual([
+      "album.out[images][0]=a", "album.out[images][1]=b", "album.out[cover][front]=c", "film.out#0=d", "film.out#2=e",
+    ]);
   });
 
   it("knows a node's image or audio file from other values", () => {

@@ -16,7 +16,7 @@ export interface RunState {
   status: RunStatus;
   lastSeq: number;
   startedAt: number | null;
-  nodes: Record<string, NodeRunView & { since?: number }>;
+  nodes: Record<string, LiveNode>;
   /** `node.port` -> frames streamed so far, in frame order. */
   streams: Record<string, StreamView>;
   /** `node.port` -> the latest non-frame value preview (of the latest iteration). */
@@ -24,6 +24,10 @@ export interface RunState {
   finished: RunFinishedEvent | null;
   log: RunEvent[];
 }
+
+/** A node as the run view tracks it: with `running`, when its attempt started (server seconds) and
+ * how long it had run before (earlier iterations and attempts), which `liveDurationMs` counts on from. */
+export type LiveNode = NodeRunView & { since?: number; busyMs?: number };
 
 const LOG_LIMIT = 500;
 
@@ -55,6 +59,8 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
       const view = { ...old, state: event.state };
       if (event.state === "running") {
         view.since = event.time;
+        // Events stored before `busy_ms` existed count this attempt alone, as they always did.
+        view.busyMs = event.busy_ms ?? 0;
         view.durationMs = null;
         view.error = null;
         view.progress = null;
@@ -116,6 +122,17 @@ export function clockSkew(skew: number | null, events: { time: number }[], arriv
   return out;
 }
 
+/**
+ * A node's time as the run view shows it at `serverNowMs` (the server's clock, see `clockSkew`):
+ * while it runs, the time it ran before this attempt plus the time since the attempt started, so
+ * it goes on from earlier iterations and attempts and ends where the final `duration_ms` does;
+ * otherwise the last time its events reported.
+ */
+export function liveDurationMs(view: LiveNode, serverNowMs: number): number | null | undefined {
+  if (view.state !== "running" || view.since === undefined) return view.durationMs;
+  return (view.busyMs ?? 0) + Math.max(0, serverNowMs - view.since * 1000);
+}
+
 /** An image or audio value a node produced, kept as a file of the run (`{$file, url, content_type}`). */
 export interface MediaValue {
   $file: string;
@@ -129,6 +146,31 @@ export function mediaOf(value: unknown): MediaValue | null {
   const v = value as Partial<MediaValue>;
   if (typeof v.$file !== "string" || typeof v.url !== "string" || typeof v.content_type !== "string") return null;
   return /^(image|audio)\//.test(v.content_type) ? (v as MediaValue) : null;
+}
+
+/** A node's image or audio file, named as the run keeps it (`paint.picture`, `album.out[images][0]`, `film.out#2`). */
+export interface NamedMedia {
+  name: string;
+  media: MediaValue;
+}
+
+/** The image and audio files in a value: the value itself, or those in its lists and dicts, each named by its place. */
+export function mediaIn(value: unknown, name: string): NamedMedia[] {
+  const media = mediaOf(value);
+  if (media) return [{ name, media }];
+  if (Array.isArray(value)) return value.flatMap((item, i) => mediaIn(item, `${name}[${i}]`));
+  if (value && typeof value === "object") {
+    return Object.entries(value as Record<string, unknown>).flatMap(([key, item]) => mediaIn(item, `${name}[${key}]`));
+  }
+  return [];
+}
+
+/** Every image and audio file the run's nodes produced so far: in their values, then in their streamed frames. */
+export function runMedia(state: RunState): NamedMedia[] {
+  return [
+    ...Object.entries(state.values).flatMap(([key, value]) => mediaIn(value, key)),
+    ...Object.entries(state.streams).flatMap(([key, stream]) => stream.frames.flatMap((frame, i) => mediaIn(frame, `${key}#${i}`))),
+  ];
 }
 
 /**

@@ -206,9 +206,12 @@ class RunDetailSerializer(RunSerializer):
     output_links = serializers.SerializerMethodField(help_text="output name -> download URL, for file outputs")
     server_time = serializers.SerializerMethodField(
         help_text="the server's clock (UNIX seconds) as it answered: what live times count on, with event times")
+    spec = serializers.JSONField(source="version.spec", read_only=True,
+                                 help_text="the GraphSpec of the version run: the run view draws it with the run")
+    layout = serializers.JSONField(source="version.layout", read_only=True, help_text="that version's editor layout")
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time"]
+        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time", "spec", "layout"]
         read_only_fields = fields
 
     @extend_schema_field(serializers.FloatField())

@@ -29,6 +29,7 @@ from engine.client.graphs import GraphValidationError, parse_spec
 from engine.client.runs import (
     EventLog,
     Executor,
+    HeldBlob,
     NodeOutputEvent,
     Run,
     RunEvent,
@@ -44,7 +45,7 @@ from engine.spec.ops import OpConfig
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.lease import LeaseKeeper
 from studio.workflows.runs.metrics import RunMetrics
-from studio.workflows.runs.store import RunTicket
+from studio.workflows.runs.store import NODE_MEDIA_LIMIT, RunTicket
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class RunStore(Protocol):
     async def claim(self, run_id: str) -> RunTicket | None: ...
 
     async def record(self, run_id: str, events: list[dict], final_outputs: dict | None = None,
-                     blobs: dict[int, bytes] | None = None) -> list[dict]: ...
+                     blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]: ...
 
     async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *,
                                only_pending: bool) -> list[dict] | None: ...
@@ -98,20 +99,24 @@ async def _next_event(log_: EventLog, position: int) -> None:
 
 
 async def _blobs(run: Run, batch: list[RunEvent], ticket: RunTicket,
-                 executors: ExecutorSource) -> dict[int, bytes]:
+                 executors: ExecutorSource) -> dict[int, list[HeldBlob]]:
     """The byte blobs (images, audio) the `node_output` events of `batch` only preview, by
-    stored seq, pulled from the workers that hold them. A blob that cannot be pulled any more
-    (its worker gone, its lease over) keeps its preview: the run goes on without it."""
-    held = {str(e.seq + ticket.seq_base): blob for e in batch if isinstance(e, NodeOutputEvent)
-            and (blob := run.take_blob(e.seq)) is not None}
+    stored seq, each with its place in the value, pulled from the workers that hold them. Blobs
+    that cannot be pulled any more (their worker gone, its lease over) keep their previews: the
+    run goes on without them."""
+    held = {e.seq + ticket.seq_base: blobs for e in batch if isinstance(e, NodeOutputEvent)
+            and (blobs := run.take_blobs(e.seq))}
     if not held:
         return {}
+    refs = {f"{seq}/{i}": blob.value for seq, blobs in held.items() for i, blob in enumerate(blobs)}
     try:
-        pulled = await executors.materialize(ticket, held)
+        pulled = await executors.materialize(ticket, refs)
     except (TransferError, DeploymentUnavailable) as exc:
         log.warning("run %s: node outputs %s could not be pulled for previews: %s", ticket.run_id, sorted(held), exc)
         return {}
-    return {int(seq): bytes(v) for seq, v in pulled.items() if isinstance(v, bytes | bytearray | memoryview)}
+    return {seq: [HeldBlob(blob.path, bytes(data)) for i, blob in enumerate(blobs)
+                  if isinstance(data := pulled.get(f"{seq}/{i}"), bytes | bytearray | memoryview)]
+            for seq, blobs in held.items()}
 
 
 async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: RunStore, bus: RunEventBus,
@@ -196,7 +201,7 @@ async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | N
             executor = await executors.executor_for(ticket)
             plan = executor.plan(parse_spec(ticket.spec))
             run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s,
-                                        tenant=ticket.tenant, keep_blobs=True)
+                                        tenant=ticket.tenant, keep_blobs=NODE_MEDIA_LIMIT)
         except GraphValidationError as exc:
             error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
         except RunInputError as exc:

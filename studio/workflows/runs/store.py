@@ -31,7 +31,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from engine.client.keys import PlaneKeys
-from engine.client.runs import RunFinished, RunStatus, event_to_dict, preview
+from engine.client.runs import BlobPath, HeldBlob, RunFinished, RunStatus, event_to_dict, preview
 from studio.dbcalls import orm
 from studio.workflows.apps import engine
 from studio.workflows.models import (
@@ -232,11 +232,12 @@ def _server_paths(run: Run) -> ServerPaths:
 
 
 def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None,
-           blobs: dict[int, bytes] | None = None, *, owner: str | None = None) -> list[dict]:
+           blobs: dict[int, list[HeldBlob]] | None = None, *, owner: str | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
     up to date. `final_outputs` (the run's real output values) comes with `run_finished`;
-    `blobs` (by seq) the bytes that `node_output` events only preview, kept as the run's
-    files when they are images or audio (`_node_media`).
+    `blobs` (by seq) the bytes that `node_output` events only preview (a value's, or those in
+    its lists and dicts, a streamed frame's too), kept as the run's files when they are images
+    or audio (`_node_media`).
     With `owner`, the writer must still hold the run's lease (else `LeaseLost`, nothing
     written). Returns the events as stored, which is what followers are sent."""
     with transaction.atomic():
@@ -327,22 +328,46 @@ NODE_MEDIA_BYTES = 32 * 1024 * 1024
 """A bigger blob is not kept for a preview."""
 
 
-def _node_media(run: Run, event: dict[str, Any], data: bytes) -> Any:
-    """A node's image or audio output as a file of the run, for the run view's previews
-    (downloaded by the run's owner only, like every run file): `{"$file", "url",
-    "content_type", "bytes"}`. Other blobs, and those past the limits, keep their preview."""
+def _node_media(run: Run, event: dict[str, Any], blobs: list[HeldBlob]) -> Any:
+    """The event's value with each image or audio blob in it (`blobs`, at their places) as a
+    file of the run, for the run view's previews (downloaded by the run's owner only, like every
+    run file): `{"$file", "url", "content_type", "bytes"}`. Other blobs, and those past the limits,
+    keep their previews."""
+    value = event.get("value")
+    for blob in blobs:
+        media = _media_file(run, event, blob.path, blob.value)
+        if media is not None:
+            value = _put(value, blob.path, media)
+    return value
+
+
+def _media_file(run: Run, event: dict[str, Any], path: BlobPath, data: bytes) -> dict[str, Any] | None:
     content_type, ext = sniff_content_type(data)
     if not content_type.startswith(("image/", "audio/")) or len(data) > NODE_MEDIA_BYTES:
-        return event.get("value")
+        return None
     digest = hashlib.sha256(data).hexdigest()
     files = RunFile.objects.filter(run=run, role=FileRole.NODE)
     record = files.filter(sha256=digest).first()  # the same image passed along several nodes: one file
     if record is None:
         if files.count() >= NODE_MEDIA_LIMIT:
-            return event.get("value")
-        port = f"{event['node']}.{event['port']}"
-        record = store_file(run, FileRole.NODE, port[-64:], data, f"{port}{ext}", content_type)
+            return None
+        # paint.picture; frames.clip#3 (a streamed frame); gallery.images[1] (in a list or dict)
+        name = f"{event['node']}.{event['port']}" + ("" if event.get("frame") is None else f"#{event['frame']}")
+        name += "".join(f"[{key}]" for key in path)
+        record = store_file(run, FileRole.NODE, name[-64:], data, f"{name}{ext}", content_type)
     return {**file_ref(record), "url": file_url(run.pk, record.pk), "content_type": content_type, "bytes": len(data)}
+
+
+def _put(value: Any, path: BlobPath, item: Any) -> Any:
+    """`value` (a preview: lists and dicts) with `item` at `path`; `value` is not modified."""
+    if not path:
+        return item
+    key, rest = path[0], path[1:]
+    if isinstance(value, list) and isinstance(key, int) and 0 <= key < len(value):
+        return [*value[:key], _put(value[key], rest, item), *value[key + 1:]]
+    if isinstance(value, dict) and key in value:
+        return {**value, key: _put(value[key], rest, item)}
+    raise ValueError(f"a blob's place {path!r} is not in its preview")
 
 
 def _hide_paths(event: dict[str, Any], paths: ServerPaths) -> dict[str, Any]:

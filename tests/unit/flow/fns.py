@@ -356,3 +356,14 @@ def two_models() -> list[BuiltinModel]:
 
 def to_bytes(x: str) -> bytes:
     return x.encode()
+
+
+def blob_album(x: list[str]) -> dict[str, Any]:
+    """Blobs in a list and in a dict beside plain values; 65 more in a list too long to open."""
+    return {"list": [x[0].encode(), x[1].encode()], "nested": {"k": x[2].encode()}, "n": len(x),
+            "many": [b"m"] * 65}
+
+
+async def byte_frames(x: list[str]) -> AsyncIterator[bytes]:
+    for item in x:
+        yield item.encode()

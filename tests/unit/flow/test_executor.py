@@ -19,6 +19,7 @@ import pytest
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import RoleRef, Workflow
 from engine.flow.events import (
+    HeldBlob,
     NodeOutputEvent,
     NodeProgressEvent,
     NodeState,
@@ -484,6 +485,54 @@ async def test_bounded_loop_counts_iterations(executor):
     grow_values = [(e.iteration, e.value["value"]) for e in events if isinstance(e, NodeOutputEvent)
                    and e.node == "grow"]
     assert grow_values == [(i, 3 * 2**i) for i in range(1, 7)]
+
+
+def live_and_final_times(events: list[RunEvent], node: str) -> list[tuple[float, float]]:
+    """Per attempt of `node`: (its time as a watcher reads it when the attempt ends, `busy_ms` of
+    its `running` event plus the time since that event; the `duration_ms` its end reports)."""
+    pairs: list[tuple[float, float]] = []
+    running: NodeStateEvent | None = None
+    for e in events:
+        if not isinstance(e, NodeStateEvent) or e.node != node:
+            continue
+        if e.state == NodeState.RUNNING:
+            running = e
+        elif e.state.terminal and running is not None:
+            assert running.busy_ms is not None and e.duration_ms is not None
+            pairs.append((running.busy_ms + (e.time - running.time) * 1e3, e.duration_ms))
+            running = None
+    return pairs
+
+
+# Between the executor's clock reading (`perf_counter`) and the event's stamp (`time.time`) it runs
+# without awaiting, so live and final times differ by microseconds; 50 ms leaves room for a pause of
+# the interpreter (a GC pass on a loaded machine) without hiding an iteration left out (the whole time
+# of an earlier iteration, which is what counting from the last `running` event alone lost).
+TIME_TOLERANCE_MS = 50.0
+
+
+@pytest.mark.parametrize("node", ["grow", "flaky"])
+async def test_live_times_go_on_from_earlier_iterations_and_attempts_and_end_at_the_final_one(executor, node):
+    if node == "grow":
+        wf = doubling_loop()
+    else:
+        wf, py = new_workflow()
+        f = wf.python(fns.flaky, role=py, id="flaky", params={"fail_times": 2}, retries=2)
+        wf.edge(wf.input("n", default=4), f)
+        wf.output("out", f)
+    result, events = await finish(executor, wf)
+    assert result.status == RunStatus.DONE
+    states = [e for e in events if isinstance(e, NodeStateEvent) and e.node == node]
+    running = [e.busy_ms for e in states if e.state == NodeState.RUNNING]
+    ended = [e.duration_ms for e in states if e.state.terminal]
+    assert len(running) == len(ended) == (6 if node == "grow" else 3)
+    # Each attempt counts on from where the one before ended, exactly (both read `busy_s`).
+    assert running == [0.0, *ended[:-1]]
+    assert all(e.busy_ms is None for e in states if e.state != NodeState.RUNNING)
+    assert all(e.duration_ms is None for e in states if not e.state.terminal)
+    for live, final in live_and_final_times(events, node):
+        assert abs(live - final) <= TIME_TOLERANCE_MS, (live, final)
+    assert ended[-1] == result.nodes[node].duration_ms
 
 
 async def test_loop_leaving_on_first_pass(executor):
@@ -1056,7 +1105,7 @@ async def test_a_text_output_of_a_stream_reads_as_text_and_other_joins_stay_list
     assert [e.value for e in final] == ["Hello!"]
 
 
-async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
+async def test_byte_blobs_are_kept_for_take_blobs_only_when_asked(executor):
     wf, py = new_workflow()
     x = wf.input("x", "text", default="abc")
     blob = wf.python(fns.to_bytes, role=py, id="blob")
@@ -1067,13 +1116,45 @@ async def test_byte_blobs_are_kept_for_take_blob_only_when_asked(executor):
     wf.edge(x, last)
     wf.output("out", same)
     wf.output("last", last)
-    kept = await submit(executor, wf, keep_blobs=True)
+    kept = await submit(executor, wf, keep_blobs=8)
     plain = await submit(executor, wf)
     await kept.wait()
     await plain.wait()
     [event] = [e for e in kept.log.snapshot() if isinstance(e, NodeOutputEvent) and e.node == "blob"]
     assert event.value == {"bytes": 3}
-    assert kept.take_blob(event.seq) == b"abc" and kept.take_blob(event.seq) is None  # taken once
+    assert kept.take_blobs(event.seq) == [HeldBlob((), b"abc")] and kept.take_blobs(event.seq) == []  # taken once
     # Not the input's value, nor what only output nodes take (`tail`'s, `same`'s): the run's outputs.
-    assert all(kept.take_blob(e.seq) is None for e in kept.log.snapshot())
-    assert all(plain.take_blob(e.seq) is None for e in plain.log.snapshot())
+    assert all(kept.take_blobs(e.seq) == [] for e in kept.log.snapshot())
+    assert all(plain.take_blobs(e.seq) == [] for e in plain.log.snapshot())
+
+
+def blob_streams() -> Workflow:
+    """x -> `album` (blobs in a list and a dict, fns.blob_album) and x -> `film` (a blob frame per
+    item, fns.byte_frames); neither feeds an output."""
+    wf, py = new_workflow()
+    x = wf.input("x", "json", default=["a", "b", "c"])
+    wf.edge(x, wf.python(fns.blob_album, role=py, id="album"))
+    wf.edge(x, wf.python(fns.byte_frames, role=py, id="film", stream=True, outputs={"out": "any"}))
+    wf.output("out", wf.input("y", "json", default=1))
+    return wf
+
+
+async def test_blobs_in_lists_dicts_and_streamed_frames_are_kept_at_their_places(executor):
+    result, events = await finish(executor, blob_streams(), keep_blobs=100)
+    assert result.status == RunStatus.DONE
+    run = executor.get(result.run_id)
+    [album] = [e for e in events if isinstance(e, NodeOutputEvent) and e.node == "album"]
+    assert album.value["list"] == [{"bytes": 1}, {"bytes": 1}] and album.value["nested"] == {"k": {"bytes": 1}}
+    assert album.value["n"] == 3 and len(album.value["many"]) == 65  # too long to open: previewed whole
+    assert run.take_blobs(album.seq) == [HeldBlob(("list", 0), b"a"), HeldBlob(("list", 1), b"b"),
+                                         HeldBlob(("nested", "k"), b"c")]
+    film = [e for e in events if isinstance(e, NodeOutputEvent) and e.node == "film"]
+    assert [(e.frame, e.value) for e in film] == [(0, {"bytes": 1}), (1, {"bytes": 1}), (2, {"bytes": 1})]
+    assert [run.take_blobs(e.seq) for e in film] == [[HeldBlob((), item)] for item in (b"a", b"b", b"c")]
+
+
+async def test_a_run_keeps_no_more_blobs_than_asked(executor):
+    result, events = await finish(executor, blob_streams(), keep_blobs=2)
+    run = executor.get(result.run_id)
+    held = [blob for e in events for blob in run.take_blobs(e.seq)]
+    assert len(held) == 2  # of 6: whichever node came first, and its first ones
