@@ -52,11 +52,12 @@ BULK_FILE = "bulk"
 """The plane's `BulkMode`, one word; optional (absent: `clear`)."""
 _Z85_KEY_CHARS = 40
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
-_REFUSED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-"""Monitored on server sockets: a peer that does not speak CURVE (mechanism mismatch) never
-reaches the ZAP handler; a CURVE peer with a key not admitted is counted by the handler. A
-plaintext peer that hangs up on seeing CURVE before the server notices the mismatch is not
-counted (it got nothing either way)."""
+_REFUSED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+"""Monitored on server sockets: a peer that does not speak CURVE never reaches the ZAP handler
+(a CURVE peer with a key not admitted is counted by the handler). libzmq reports such a peer as
+a protocol error (mechanism mismatch) or, as often, as a handshake that failed without detail
+(the plaintext peer hung up on seeing CURVE before the server read its greeting): both are
+refusals. A plane member never ends a handshake so unless it dies in the middle of one."""
 
 
 class PlaneKeyError(ValueError):
@@ -305,7 +306,7 @@ class PlaneGuard:
                 if len(frames) != 2:
                     continue
                 event = zmq.utils.monitor.parse_monitor_message(frames)
-                if event["event"] == _REFUSED_HANDSHAKES:
+                if event["event"] & _REFUSED_HANDSHAKES:
                     self._refused += 1
                     log.warning("%s: refused a connection on %s that does not speak CURVE (handshake error %#x)",
                                 self._name, event["endpoint"].decode("ascii", "replace"), event["value"])
