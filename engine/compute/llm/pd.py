@@ -178,11 +178,13 @@ class PrefillDecode:
         released = False
         try:
             request_id, inbox = self.loop.open(call.call_id)
+            queued = False
             try:
                 pulled = await admit(request_id)
-            except BaseException:
-                self.loop.discard(request_id)
-                raise
+                queued = True
+            finally:
+                if not queued:  # the pull failed or was cancelled: nothing will answer this inbox
+                    self.loop.discard(request_id)
             async for out in self.loop.outputs(call.node_id, request_id, inbox):
                 if not released:  # admitted: the pages are locked here now
                     released = True
