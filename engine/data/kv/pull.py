@@ -133,12 +133,14 @@ class KVPageServer:
         if loan is None:
             return None
         layout = self.store.layout
+        lent = None
         try:
-            return self.server.store.lend(layout.dtype, (len(pages), *layout.page_shape), loan.runs, loan.release,
+            lent = self.server.store.lend(layout.dtype, (len(pages), *layout.page_shape), loan.runs, loan.release,
                                           self.lease_s)
-        except BaseException:
-            loan.release()
-            raise
+        finally:
+            if lent is None:  # the tensor store took no hold of the loan: give the pages back now
+                loan.release()
+        return lent
 
     def _gather(self, pages: list[PageHash]) -> tuple[TensorRef | None, int]:
         """The leading run of `pages` still held, copied into one buffer of the tensor store (in
