@@ -108,6 +108,14 @@ class NodeKind:
     `engine.spec.ops`); `forbidden`: it must not."""
     category: str = "general"
 
+    def param_default(self, name: str) -> Any:
+        """The default of param `name` as the kind's schema declares it; KeyError when it declares
+        none (the param is required, or not the kind's)."""
+        declared = self.params_schema.get("properties", {}).get(name, {})
+        if "default" not in declared:
+            raise KeyError(f"node kind {self.name!r} declares no default for param {name!r}")
+        return declared["default"]
+
     def to_dict(self) -> dict[str, Any]:
         def ports(p: dict[str, PortSpec] | None) -> dict[str, Any] | None:
             if p is None:

@@ -49,9 +49,6 @@ from studio.workflows.runs.follow import follow_run
 from studio.workflows.runs.lease import RUN_RESTARTED
 from studio.workflows.runs.store import with_node_params
 
-DEFAULT_MAX_NEW_TOKENS = 16
-"""The llm node kind's default (`engine.compute.kinds.LLM_NODE_PARAMS`)."""
-
 
 def engine_session_id(session: Session) -> str:
     return f"studio-{session.pk}"
@@ -147,7 +144,9 @@ def deployment_status(deployment_id: Any) -> str | None:
 
 def _max_new_tokens(spec: dict[str, Any], node: str) -> int:
     params = next((n.get("params", {}) for n in spec.get("nodes", []) if n.get("id") == node), {})
-    return int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    if "max_new_tokens" in params:
+        return int(params["max_new_tokens"])
+    return int(engine().kinds.node_kind("llm").param_default("max_new_tokens"))
 
 
 def _image_files(shape: ChatShape, images: list[bytes]) -> dict[str, SimpleUploadedFile]:
