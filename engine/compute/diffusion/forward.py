@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.compute.llm.layers import DecoderWeights, LayerWeights, UnsupportedModelError
+from engine.compute.llm.layers import DecoderWeights, LayerWeights, UnsupportedModelError, project
 from engine.compute.prefix.keys import MultimodalItem
 from engine.data.kv.layout import KVLayout
 
@@ -168,7 +168,7 @@ class ImageTokenForward:
         """Normed hidden states `(B, n, hidden)` -> q+k `(B, n, Hq + Hkv, D)` (not yet rotated), v
         `(B, n, Hkv, D)`."""
         b, n, _ = normed.shape
-        qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+        qkv = project(normed, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
         qk = qkv[..., : self._qk_width].view(b, n, -1, self.head_dim)
         return qk, qkv[..., self._qk_width :].view(b, n, self.num_kv_heads, self.head_dim)
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, project, rotate
+from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate
 from engine.data.kv.layout import KVLayout
 
 __all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "PrefillOutput", "UnsupportedModelError"]
@@ -140,7 +140,7 @@ class PagedForward:
         """Normed projections of `hidden` `(tokens, hidden)`: rotated q+k `(tokens, Hq + Hkv, D)`
         and v `(tokens, Hkv, D)`."""
         tokens = hidden.shape[0]
-        qkv = project(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
+        qkv = layer.qkv(hidden)
         qk = rotate(qkv[:, : self.qk_width].view(tokens, -1, self.head_dim), cos, sin)
         return qk, qkv[:, self.qk_width :].view(tokens, self.num_kv_heads, self.head_dim)
 

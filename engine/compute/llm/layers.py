@@ -13,12 +13,18 @@
   layer sums over the ranks in its forward);
 * the norms: `F.rms_norm`'s fused kernel in float32; in a reduced precision HF's order of
   operations (statistics in float32, the weight applied in the model's dtype);
-* the MLP's activation (`transformers`' own, by the config's `hidden_act`).
+* the MLP's activation (`transformers`' own, by the config's `hidden_act`);
+* in bfloat16 on a CPU whose oneDNN runs bfloat16 natively (AVX512-BF16, AMX), every product's
+  weight also in oneDNN's packed layout (`packed_weight`), made once here: `F.linear` packs its
+  weight again at every call, which at decode costs more than the product. The packed product
+  gives `F.linear`'s numbers to the bit. It is the one copy made: a second copy of the linear
+  weights in this process, beside the shared one the modules keep.
 
 `RotaryTable` holds cos and signed sin per position (grown on demand), so a step looks its
 positions up instead of recomputing them, and rotates in three operations.
 
-Nothing here copies the model: a `DecoderWeights` is views of the module's tensors.
+Apart from the packed weights, nothing here copies the model: a `DecoderWeights` is views of
+the module's tensors.
 """
 
 from __future__ import annotations
@@ -196,19 +202,28 @@ class LayerWeights:
     down_proj: Callable[[torch.Tensor], torch.Tensor]
     act: Callable[[torch.Tensor], torch.Tensor]
     intermediate: int
+    qkv_packed: torch.Tensor | None = None
+    """The weights above in oneDNN's packed layout, where `packed_weight` makes one."""
+    o_packed: torch.Tensor | None = None
+    gate_up_packed: torch.Tensor | None = None
+    down_packed: torch.Tensor | None = None
+
+    def qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """q, k and v of `input_norm(hidden)`, side by side."""
+        return project(self.input_norm(hidden), self.qkv_weight, self.qkv_bias, self.qkv_packed)
 
     def attention_out(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """`residual + o_proj(attn)`."""
         if self.o_weight is not None:
-            return _add_product(residual, attn, self.o_weight)
+            return _add_product(residual, attn, self.o_weight, self.o_packed)
         return residual + self.o_proj(attn)
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden + mlp(post_norm(hidden))`."""
-        gate_up = project(self.post_norm(hidden), self.gate_up_weight, self.gate_up_bias)
+        gate_up = project(self.post_norm(hidden), self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
         inner = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
         if self.down_weight is not None:
-            return _add_product(hidden, inner, self.down_weight)
+            return _add_product(hidden, inner, self.down_weight, self.down_packed)
         return hidden + self.down_proj(inner)
 
 
@@ -216,8 +231,22 @@ SMALL_BATCH = 32
 """Up to this many rows, `project` multiplies a bfloat16 weight as `weight @ x.T`."""
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in oneDNN's packed layout for `project`, where that is faster than `F.linear`:
+    bfloat16 on a CPU whose oneDNN runs bfloat16 natively; None elsewhere."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` `(rows, in)`, by the product that reads `weight` fastest.
+
+    With `packed` (`packed_weight(weight)`), oneDNN's product over it: `F.linear`'s numbers
+    without its packing `weight` again at each call. Otherwise, as follows.
 
     A decode step is a few rows against weights that do not fit in cache, so a product costs
     what reading its weight costs, unless the kernel first repacks the weight (reads it and
@@ -230,19 +259,22 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     prefill, where repacking pays for itself) take `F.linear`. The result may be a transposed
     view.
     """
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_BATCH:
         out = torch.mv(weight, x[0])[None] if x.shape[0] == 1 else torch.mm(weight, x.t()).t()
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 
-def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 packed: torch.Tensor | None) -> torch.Tensor:
     """`residual + x @ weight.T`. In float32 one `addmm` (the product is rounded to float32 before
     the sum either way). In a reduced precision HF rounds the product to that precision before it
     adds it, which `addmm` would not: there it is two operations, as HF does them."""
     if residual.dtype == torch.float32:
         return torch.addmm(residual, x, weight.t())
-    return residual + project(x, weight)
+    return residual + project(x, weight, packed=packed)
 
 
 def _plain(linear: torch.nn.Module) -> torch.Tensor | None:
@@ -260,19 +292,24 @@ def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tens
             raise UnsupportedModelError(f"{name} is a {type(module).__name__}, not a linear layer")
     qkv_weight, qkv_bias = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up_weight, gate_up_bias = fuse_rows([mlp.gate_proj, mlp.up_proj])
+    o_weight, down_weight = _plain(attn.o_proj), _plain(mlp.down_proj)
     return LayerWeights(
         input_norm=rms_norm(layer.input_layernorm),
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        o_weight=_plain(attn.o_proj),
+        o_weight=o_weight,
         o_proj=attn.o_proj,
         post_norm=rms_norm(layer.post_attention_layernorm),
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
-        down_weight=_plain(mlp.down_proj),
+        down_weight=down_weight,
         down_proj=mlp.down_proj,
         act=act,
         intermediate=int(mlp.gate_proj.weight.shape[0]),
+        qkv_packed=packed_weight(qkv_weight),
+        o_packed=None if o_weight is None else packed_weight(o_weight),
+        gate_up_packed=packed_weight(gate_up_weight),
+        down_packed=None if down_weight is None else packed_weight(down_weight),
     )
 
 
@@ -291,6 +328,8 @@ class DecoderWeights:
     head_dim: int
     scaling: float
     dtype: torch.dtype
+    lm_packed: torch.Tensor | None = None
+    """`lm_weight` in oneDNN's packed layout, where `packed_weight` makes one."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> DecoderWeights:
@@ -313,6 +352,7 @@ class DecoderWeights:
             final_norm=rms_norm(inner.norm),
             lm_weight=model.lm_head.weight,
             lm_bias=model.lm_head.bias,
+            lm_packed=packed_weight(model.lm_head.weight),
             rotary=RotaryTable(inner.rotary_emb, head_dim, weight.dtype, weight.device),
             num_heads=int(cfg.num_attention_heads),
             num_kv_heads=int(cfg.num_key_value_heads),
@@ -330,9 +370,9 @@ class DecoderWeights:
         two give the same numbers. Other counts as `project` takes them (`mv` for one bfloat16 row).
         """
         normed = self.final_norm(hidden)
-        if 1 < normed.shape[0] < 16:
+        if self.lm_packed is None and 1 < normed.shape[0] < 16:
             out = torch.mm(self.lm_weight, normed.t()).t()
             if self.lm_bias is not None:
                 out = out + self.lm_bias
             return out.float()
-        return project(normed, self.lm_weight, self.lm_bias).float()
+        return project(normed, self.lm_weight, self.lm_bias, self.lm_packed).float()
