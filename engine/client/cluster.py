@@ -15,7 +15,7 @@ host them, and where a deployment's replicas go.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Iterable
 
 from engine.flow.discovery import (
@@ -27,6 +27,8 @@ from engine.flow.discovery import (
 )
 from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord
 from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GpuInfo",
@@ -57,7 +59,11 @@ async def deregister_workers(registry_url: str, namespace: str, worker_ids: Iter
     registry = make_registry(registry_url, namespace=namespace)
     try:
         for worker_id in worker_ids:
-            with contextlib.suppress(RegistryError):  # Redis is away: the TTL ends the record
+            try:
                 await registry.fence(worker_id)
+            except RegistryError as exc:
+                log.warning("could not fence worker %s in %s (%s): its record lasts until its TTL ends, and a"
+                            " process of it that still runs is ended when its node agent sweeps", worker_id,
+                            namespace, exc)
     finally:
         await registry.close()
