@@ -19,11 +19,11 @@ that the replacement alone serves.
 
 Exit status: 0 after a drain, 3 when the drain had to cancel executions, 4 when it cannot
 go on serving (its unit reports why, `ComputeUnit.health`, or the GPU weights it attached lost
-their publisher), 6 when it was fenced, 5 when its event loop stopped turning for
+their publisher), 5 when its event loop stopped turning for
 `stall_timeout_s` (a deadlock, or node code blocking the loop): the liveness thread, which
 would otherwise keep answering pings for a worker that serves nothing, dumps every thread's
 stack on standard error, deregisters the worker and ends the process, so that its calls go
-to other replicas and a supervising launcher replaces it.
+to other replicas and a supervising launcher replaces it. 6 when it was fenced (above).
 """
 
 from __future__ import annotations
