@@ -5,7 +5,8 @@ host them, and where a deployment's replicas go.
   deployment's namespace (Redis, or in process without a url); `Registry` its protocol;
   `WorkerSnapshot` a live worker, its load and metrics as last heartbeated; `RegistryError`, and
   `RegistryUnavailableError` when the registry cannot be reached (transient);
-  `deregister_workers` takes lost workers off a namespace at once;
+  `deregister_workers` takes lost workers off a namespace at once and fences them, so that
+  those still running (cut off, not dead) cannot register again;
 * the node directory (`engine.flow.discovery.nodes`): `NodeDirectory`, the `NodeRecord` each
   node agent announces, with its `GpuInfo`; `NodeDirectoryError`;
 * placement (`engine.flow.placement`, pure): `place` puts each `RoleDemand` on a `NodeOffer`,
@@ -14,7 +15,7 @@ host them, and where a deployment's replicas go.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Iterable
 
 from engine.flow.discovery import (
@@ -26,6 +27,8 @@ from engine.flow.discovery import (
 )
 from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord
 from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GpuInfo",
@@ -48,13 +51,19 @@ __all__ = [
 
 
 async def deregister_workers(registry_url: str, namespace: str, worker_ids: Iterable[str]) -> None:
-    """Take `worker_ids` off the registry namespace now, so no run goes to them while their
-    registration's TTL runs out. One that is gone already, or a registry that cannot be reached,
-    is left to that TTL: this never raises `RegistryError`."""
+    """Take `worker_ids` off the registry namespace now and fence them (`Registry.fence`), so no
+    run goes to them while their registration's TTL runs out, and a worker process of theirs
+    that still runs (its node cut off, not dead) cannot register again: it stops itself. A
+    registry that cannot be reached leaves them to that TTL, unfenced (the node agent ends such
+    a process when its node comes back): this never raises `RegistryError`."""
     registry = make_registry(registry_url, namespace=namespace)
     try:
         for worker_id in worker_ids:
-            with contextlib.suppress(RegistryError):  # gone already, or Redis is away: the TTL ends it
-                await registry.deregister(worker_id)
+            try:
+                await registry.fence(worker_id)
+            except RegistryError as exc:
+                log.warning("could not fence worker %s in %s (%s): its record lasts until its TTL ends, and a"
+                            " process of it that still runs is ended when its node agent sweeps", worker_id,
+                            namespace, exc)
     finally:
         await registry.close()

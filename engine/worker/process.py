@@ -12,13 +12,18 @@ On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters
 exits; if spawned by a local launcher it exits when that parent dies. When it is
 ready it prints one line, `OMNIFLOW-READY {json}`, on standard output.
 
+A worker whose registry record is gone registers again (Redis restarted or was flushed, or
+the worker paused past its TTL) unless its id was fenced (`Registry.fence`: it was declared
+lost, its node cut off say, and its replica placed elsewhere): then it drains and exits, so
+that the replacement alone serves.
+
 Exit status: 0 after a drain, 3 when the drain had to cancel executions, 4 when it cannot
 go on serving (its unit reports why, `ComputeUnit.health`, or the GPU weights it attached lost
 their publisher), 5 when its event loop stopped turning for
 `stall_timeout_s` (a deadlock, or node code blocking the loop): the liveness thread, which
 would otherwise keep answering pings for a worker that serves nothing, dumps every thread's
 stack on standard error, deregisters the worker and ends the process, so that its calls go
-to other replicas and a supervising launcher replaces it.
+to other replicas and a supervising launcher replaces it. 6 when it was fenced (above).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from engine.data.wire import (
     WorkerMessage,
 )
 from engine.flow.discovery import (
+    FencedWorkerError,
     Registry,
     RegistryUnavailableError,
     UnknownWorkerError,
@@ -84,10 +90,12 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "OMNIFLOW-READY "
 _ANSWER_LINGER_MS = 1000
 STALLED_EXIT = 5
+"""The exit status of a worker whose event loop stopped turning (see the module docstring)."""
+FENCED_EXIT = 6
+"""The exit status of a worker whose id was fenced: another replica took its place."""
 REFUSED_METRIC = "plane.refused"
 """The worker metric counting connections its sockets refused: no CURVE, a key not authorised,
 or (the local socket) a process of another uid."""
-"""The exit status of a worker whose event loop stopped turning (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +205,8 @@ class _Liveness(threading.Thread):
         self.address = ""
         self.failure: BaseException | None = None
         self.guard: PlaneGuard | None = None
+        self.fenced: str | None = None
+        """Why the worker stops, once the registry refused it as fenced (it heartbeats no more)."""
 
     def start_and_bind(self, timeout: float = 10.0) -> str:
         self.start()
@@ -313,17 +323,29 @@ class _Liveness(threading.Thread):
                 log.error("%s; stopping", problem)
                 self._stop_worker(problem)
                 self._check = lambda: None  # said once: the worker is stopping
-            if self._registry is None or self._info is None:
+            if self._registry is None or self._info is None or self.fenced is not None:
                 continue
             try:
                 await self._registry.heartbeat(self._info.worker_id, self._load())
             except UnknownWorkerError:
-                # The registry forgot us (a Redis restart, or a long pause): register again.
-                log.info("registry lost worker %s; registering again", self._info.worker_id)
-                with contextlib.suppress(RegistryUnavailableError):
-                    await self._registry.register(self._info, self._load())
+                await self._register_again(self._registry, self._info)
             except RegistryUnavailableError as exc:
                 log.warning("registry unavailable (%s); the worker keeps serving and retries", exc)
+
+    async def _register_again(self, registry: Registry, info: WorkerInfo) -> None:
+        """The registry has no record of us. Lost (a Redis restart or flush, or a pause past the
+        TTL): register again, the worker still serves its replica. Fenced (declared lost, its
+        node cut off, and replaced): the registry refuses us, and the worker stops, else it
+        would serve beside its replacement."""
+        log.info("registry lost worker %s; registering again", info.worker_id)
+        try:
+            await registry.register(info, self._load())
+        except FencedWorkerError as exc:
+            self.fenced = str(exc)
+            log.warning("%s; it drains and exits: its replacement serves instead", exc)
+            self._stop_worker(self.fenced)
+        except RegistryUnavailableError as exc:
+            log.warning("registering again failed (%s); the next heartbeat retries", exc)
 
     async def _end_stalled(self, reason: str) -> None:
         """The main loop is stuck, so no graceful stop can run: say where every thread is,
@@ -600,6 +622,8 @@ class RoleWorkerProc:
         self.peer.close()
         if self.unhealthy:
             return 4  # it could not go on serving (its unit failed, or its attached weights are gone)
+        if self.liveness.fenced is not None:
+            return FENCED_EXIT
         return 0 if not cancelled else 3
 
 

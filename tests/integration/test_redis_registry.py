@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.flow.discovery import (
+    FencedWorkerError,
     RedisRegistry,
     RegistryEvent,
     RegistryEventKind,
@@ -143,6 +144,52 @@ async def test_worker_whose_heartbeats_stop_disappears(
     assert await raw.smembers(f"{namespace}:role:llm") == {"alive"}
     with pytest.raises(UnknownWorkerError):
         await registry.heartbeat("dead", WorkerLoad())
+
+
+async def test_a_fenced_id_is_removed_and_refused_while_its_tombstone_lasts(
+    raw: aioredis.Redis, namespace: str
+):
+    registry = RedisRegistry(REDIS_URL, namespace=namespace, ttl_s=TTL, poll_interval_s=0.1, fence_ttl_s=1.0)
+    try:
+        await registry.register(info("w1"))
+        await registry.register(info("w2"))
+        async with registry.watch() as watch:
+            assert await registry.fence("w1") is True
+            assert await next_event(watch) == (REMOVED, "w1", "llm")
+        assert await registry.fence("w1") is False  # no record left; still fenced
+        assert [s.worker_id for s in await registry.workers()] == ["w2"]
+        assert await raw.smembers(f"{namespace}:role:llm") == {"w2"}
+        assert 0 < await raw.pttl(f"{namespace}:fenced:w1") <= 1000
+        with pytest.raises(UnknownWorkerError):
+            await registry.heartbeat("w1", WorkerLoad())
+        with pytest.raises(FencedWorkerError) as refused:
+            await registry.register(info("w1"))
+        assert refused.value.worker_id == "w1"
+        assert await raw.exists(f"{namespace}:worker:w1") == 0  # refused whole: no record, no index entry
+        assert await raw.smembers(f"{namespace}:role:llm") == {"w2"}
+        # a record merely lost (expired, flushed) is not fenced: it registers again
+        await raw.delete(f"{namespace}:worker:w2")
+        with pytest.raises(UnknownWorkerError):
+            await registry.heartbeat("w2", WorkerLoad())
+        await registry.register(info("w2"))
+        assert [s.worker_id for s in await registry.workers()] == ["w2"]
+
+        async def fence_ended() -> bool:
+            return await raw.exists(f"{namespace}:fenced:w1") == 0
+
+        await wait_until(fence_ended, timeout=3.0)
+        await registry.register(info("w1"))
+        assert "w1" in [s.worker_id for s in await registry.workers()]
+    finally:
+        await registry.close()
+
+
+async def test_a_registration_moving_roles_leaves_the_old_role_index(registry: RedisRegistry, raw: aioredis.Redis,
+                                                                     namespace: str):
+    await registry.register(info("w1", role="llm"))
+    await registry.register(info("w1", role="vision_encoder"))
+    assert await raw.smembers(f"{namespace}:role:llm") == set()
+    assert [(s.worker_id, s.role) for s in await registry.workers()] == [("w1", "vision_encoder")]
 
 
 async def test_namespaces_are_isolated(registry: RedisRegistry, raw: aioredis.Redis):

@@ -51,7 +51,7 @@ from engine.spec.calls import NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import GraphSpec, RoleSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchedWorker, LocalCluster
-from engine.worker.process import READY_PREFIX
+from engine.worker.process import FENCED_EXIT, READY_PREFIX
 from tests.integration import workerfns
 from tests.integration.workerfns import RawClient, markers, wait_until, whoami_request, whoami_spec
 
@@ -381,6 +381,38 @@ async def test_sigterm_drains_finishes_in_flight_refuses_new_and_deregisters(tmp
         # Deregistered on the way out (its lease of 4 heartbeats has not run out yet).
         listed = {s.worker_id for s in await registry.workers("py")}
         assert listed == {other.worker_id}
+
+
+@pytest.mark.redis
+async def test_a_fenced_worker_drains_and_exits_and_one_whose_record_was_lost_registers_again(
+        tmp_path: Path, redis_namespace: str, capfd: pytest.CaptureFixture[str]):
+    """One worker is fenced, as the studio does to the workers of a node declared lost (cut off,
+    its processes alive): its heartbeat finds no record, registering again is refused, and it
+    drains and exits. The other's record is merely deleted (what a lapsed TTL or a flush leaves):
+    it registers again by itself and keeps serving."""
+    spec = hold_spec(2, tmp_path)
+    async with deployed(spec, tmp_path, registry_url=REDIS_URL, namespace=redis_namespace) as d:
+        registry = d.cluster.registry
+        fenced, kept = d.cluster.workers
+        raw = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            assert await raw.delete(f"{redis_namespace}:worker:{kept.worker_id}") == 1
+            assert await registry.fence(fenced.worker_id) is True
+            assert await asyncio.wait_for(fenced.process.wait(), 20) == FENCED_EXIT
+        finally:
+            await raw.aclose()
+
+        async def only_kept() -> bool:
+            return [s.worker_id for s in await registry.workers("py")] == [kept.worker_id]
+
+        await wait_until(only_kept, 10, "the worker whose record was lost registers again")
+        assert kept.process.returncode is None
+        for i in range(3):  # every call goes to the one left
+            result = await d.run(whoami_spec(), {"x": i})
+            assert result.status == "done", result.error
+            assert result.outputs["out"] == {"x": i, "pid": kept.pid}
+        assert await only_kept()  # the fenced one never came back
+    assert f"worker {fenced.worker_id!r} was fenced" in capfd.readouterr().err
 
 
 # ------------------------------------------------------------------ 5. parent death

@@ -12,6 +12,7 @@ travel by the transfer plane, not inside a reply).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -31,12 +32,13 @@ from django.conf import settings
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from engine.bench._netns import Lan
+from engine.client.cluster import make_registry
 from engine.compute.llm.routing import RoleTokenizers
 from studio.config import Dispatch
 from studio.workflows.apps import build_engine
 from studio.workflows.models import Deployment, Run, RunFile, Worker
 from tests.liveserver import free_port, wait_ready
-from tests.studio.factories import create_workflow
+from tests.studio.factories import create_workflow, spec_doc
 from tests.studio.netnodes import NODE_TTL_S, NodeCluster, node_cluster, unix_socket_database_url
 from tests.studio.test_live_server import database_url
 
@@ -396,5 +398,75 @@ def test_a_run_in_flight_on_a_node_that_dies_is_retried_on_the_other_node(
         assert gone(killed)
     finally:
         (gate / "open").touch()
+        api.post(f"/api/deployments/{d['id']}/stop/")
+        cluster.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped", 120)
+
+
+def registered(namespace: str) -> list[str]:
+    """The worker ids the deployment's registry lists, as this (the test's) process sees it."""
+
+    async def listed() -> list[str]:
+        registry = make_registry(settings.OMNIFLOW.redis_url, namespace=namespace)
+        try:
+            return [s.worker_id for s in await registry.workers()]
+        finally:
+            await registry.close()
+
+    return asyncio.run(listed())
+
+
+def link(cluster: NodeCluster, key: str, state: str) -> None:
+    """Bring node `key`'s one network link down (cut off: its processes run on, reaching nothing) or up."""
+    subprocess.run(["ip", "-n", cluster.nodes[key].net.namespace, "link", "set", "eth0", state], check=True,
+                   timeout=20)
+
+
+@pytest.mark.timeout(600)  # two worker starts and a node cut off and back on two busy cores
+def test_a_node_cut_off_with_its_workers_alive_leaves_only_the_replacement_serving(
+        cluster: NodeCluster, studio: None, api: Any) -> None:
+    """Node b's link goes down: its agent and its worker run on but reach nothing, so b drops out
+    of the node directory and its replica is placed on a, the cut-off worker fenced. When the link
+    is back, that worker finds itself fenced and exits (or b's agent, sweeping again, ends it);
+    never does it register again beside its replacement, and runs go to the replacement."""
+    a, b = node_of(cluster, "a"), node_of(cluster, "b")
+    if b not in cluster.live():  # an earlier test left it dead
+        cluster.start("b")
+    spec = spec_doc(name="cut-off")
+    spec["roles"] = [{"name": "py", "kind": "python", "resources": {"cpus": 1}}]
+    wf = create_workflow(api, spec)
+    response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert response.status_code == 201, response.content
+    d = response.json()
+    assert placed(d["id"]) == [("py", 0, b)]  # the node with the most CPUs free
+    namespace = Deployment.objects.get(pk=d["id"]).namespace
+    try:
+        cluster.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running", 300)
+        (cut_off,) = live_rows(d["id"])
+        assert cut_off.host == b and registered(namespace) == [cut_off.worker_id]
+
+        link(cluster, "b", "down")
+        try:
+            cluster.wait_for("node b lost", lambda: b not in cluster.live(), 2 * NODE_TTL_S + 1)
+            cluster.wait_for("py placed on a", lambda: placed(d["id"]) == [("py", 0, a)], 60)
+            (replacement,) = cluster.wait_for("a replacement on a", lambda: [
+                r for r in live_rows(d["id"]) if r.host == a], 300)
+            assert psutil.pid_exists(cut_off.pid)  # cut off, not dead
+            cluster.wait_for("only the replacement registered",
+                             lambda: registered(namespace) == [replacement.worker_id], 30)
+        finally:
+            link(cluster, "b", "up")
+
+        def cut_off_gone() -> bool:
+            assert registered(namespace) == [replacement.worker_id]  # the cut-off worker never comes back
+            return gone([cut_off.pid])
+
+        cluster.wait_for("the cut-off worker ends", cut_off_gone, 60)
+        assert Worker.objects.get(worker_id=cut_off.worker_id).status == "lost"
+        run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"text": "fenced"}}, format="json").json()
+        cluster.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished, 120)
+        done = Run.objects.get(pk=run["id"])
+        assert done.status == "done" and done.outputs == {"result": "FENCED"}, done.error
+        assert registered(namespace) == [replacement.worker_id]
+    finally:
         api.post(f"/api/deployments/{d['id']}/stop/")
         cluster.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped", 120)

@@ -7,6 +7,7 @@ go to queues no agent consumes here; the test removes them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import sys
@@ -15,11 +16,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import redis
 from django.apps import apps
 from django.conf import settings
 
+from engine.client.cluster import make_registry
 from engine.flow.discovery.nodes import NodeDirectory, NodeRecord
 from engine.spec.resources import Amounts
 from studio.config import Dispatch
@@ -191,6 +194,63 @@ def test_a_node_back_from_being_lost_stops_what_it_no_longer_owns(nodes: Nodes, 
         for proc in procs.values():
             proc.kill()
             proc.wait(timeout=10)
+
+
+def registered(namespace: str) -> list[str]:
+    """The worker ids the deployment's registry lists."""
+
+    async def listed() -> list[str]:
+        registry = make_registry(settings.OMNIFLOW.redis_url, namespace=namespace)
+        try:
+            return [s.worker_id for s in await registry.workers()]
+        finally:
+            await registry.close()
+
+    return asyncio.run(listed())
+
+
+def test_a_cut_off_nodes_live_workers_are_fenced_and_only_their_replacements_serve(nodes: Nodes, api: Any,
+                                                                                   tmp_path: Any) -> None:
+    """Node b drops out of the node directory (its agent gone) while its worker still runs and
+    still reaches Redis: failover fences the worker, which stops itself instead of registering
+    again beside its replacement, so the deployment's registry lists the replacement on a only.
+    When b comes back, its agent has nothing left to end."""
+    a, b = nodes.up("a", cpus=1), nodes.up("b", cpus=2)
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, b)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    namespace = Deployment.objects.get(pk=d["id"]).namespace
+    agents = {node: NodeAgent(dataclasses.replace(nodes.config, node_name=node, data_dir=tmp_path / node))
+              for node in (a, b)}
+    zombie: psutil.Process | None = None
+    try:
+        ticket = records.ticket(d["id"])
+        assert ticket is not None
+        (cut_off,) = agents[b].reconcile(ticket).started
+        zombie = psutil.Process(Worker.objects.get(worker_id=cut_off).pid)
+        assert registered(namespace) == [cut_off]
+
+        nodes.down("b")
+        (rehomed,) = failover.sweep(nodes.config)
+        assert rehomed.lost_workers == (cut_off,) and slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, a)]
+        assert Worker.objects.get(worker_id=cut_off).status == WorkerStatus.LOST
+        zombie.wait(timeout=30)  # fenced: it drains and exits by itself, nobody signals it
+        log = (tmp_path / b / "deployments" / d["id"] / f"{cut_off}.log").read_text()
+        assert f"worker {cut_off!r} was fenced" in log
+
+        ticket = records.ticket(d["id"])  # what node a's agent gets from the `deploy` the sweep sent
+        assert ticket is not None
+        (replacement,) = agents[a].reconcile(ticket).started
+        assert registered(namespace) == [replacement]
+
+        nodes.up("b", cpus=2)
+        assert agents[b].reap() == []  # the fenced worker ended itself
+        assert registered(namespace) == [replacement]  # and never came back
+    finally:
+        agents[a].stop(d["id"])
+        if zombie is not None and zombie.is_running():
+            zombie.kill()
 
 
 def test_nodes_show_only_your_workers(nodes: Nodes, api: Any, other_user: Any) -> None:

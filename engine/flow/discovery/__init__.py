@@ -2,6 +2,8 @@
 
 Workers ``register`` a :class:`WorkerInfo` and then ``heartbeat`` their :class:`WorkerLoad`
 more often than the registry's TTL; a worker whose heartbeats stop disappears after the TTL.
+A worker whose record is lost (expired, or Redis restarted) registers again; one whose id was
+``fence``d -- declared lost by someone else, its replica placed elsewhere -- cannot.
 Dispatchers read ``workers(role)`` and may ``watch`` for changes.
 
 Two implementations of the :class:`Registry` protocol:
@@ -16,6 +18,8 @@ Two implementations of the :class:`Registry` protocol:
   - ``role:<role>``: set of worker ids registered for a role (an index; entries whose
     worker key has expired are removed on read).
   - ``roles``: set of role names ever registered in the namespace.
+  - ``fenced:<worker_id>``: a tombstone (``SET ... PX fence_ttl``): ``fence`` retired the id,
+    ``register`` refuses it (:class:`FencedWorkerError`).
   - ``events``: pub/sub channel carrying :class:`RegistryEvent` JSON.
 
   Expiry does not rely on keyspace notifications (often disabled): a watch also polls
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 from engine.flow.discovery.memory import InProcessRegistry
 from engine.flow.discovery.records import (
+    FENCE_TTL_S,
+    FencedWorkerError,
     Registry,
     RegistryClosedError,
     RegistryError,
@@ -43,6 +49,8 @@ from engine.flow.discovery.records import (
 from engine.flow.discovery.redis import RedisRegistry
 
 __all__ = [
+    "FENCE_TTL_S",
+    "FencedWorkerError",
     "InProcessRegistry",
     "RedisRegistry",
     "Registry",

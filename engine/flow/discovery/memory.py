@@ -7,7 +7,9 @@ import logging
 import time
 
 from engine.flow.discovery.records import (
+    FENCE_TTL_S,
     Clock,
+    FencedWorkerError,
     RegistryClosedError,
     RegistryEvent,
     RegistryEventKind,
@@ -65,19 +67,26 @@ class InProcessRegistry:
     ``clock`` returns wall-clock seconds (default ``time.time``); inject a fake one to test
     expiry without sleeping. A worker is live while ``clock() - last_heartbeat < ttl_s``.
     Expired workers are dropped, with a REMOVED event, at the start of every call and, while a
-    watch waits, every ``sweep_interval_s`` real seconds (default ``ttl_s / 2``).
+    watch waits, every ``sweep_interval_s`` real seconds (default ``ttl_s / 2``). A fenced id is
+    refused for ``fence_ttl_s`` of ``clock``.
     Not thread-safe: use from one event loop.
     """
 
     def __init__(
-        self, ttl_s: float = 3.0, *, clock: Clock = time.time, sweep_interval_s: float | None = None
+        self, ttl_s: float = 3.0, *, clock: Clock = time.time, sweep_interval_s: float | None = None,
+        fence_ttl_s: float = FENCE_TTL_S,
     ) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not fence_ttl_s > 0:
+            raise ValueError(f"fence_ttl_s must be > 0, got {fence_ttl_s}")
         self.ttl_s = ttl_s
+        self.fence_ttl_s = fence_ttl_s
         self._clock = clock
         self._sweep_interval_s = sweep_interval_s if sweep_interval_s is not None else ttl_s / 2
         self._records: dict[str, WorkerSnapshot] = {}
+        self._fenced: dict[str, float] = {}
+        """Fenced worker id -> when (``clock``) its fence ends."""
         self._watches: set[_InProcessWatch] = set()
         self._closed = False
 
@@ -95,10 +104,14 @@ class InProcessRegistry:
         for snapshot in dead:
             del self._records[snapshot.worker_id]
             self._publish(RegistryEvent(RegistryEventKind.REMOVED, snapshot.worker_id, snapshot.role))
+        for worker_id in [w for w, until in self._fenced.items() if now >= until]:
+            del self._fenced[worker_id]
 
     async def register(self, info: WorkerInfo, load: WorkerLoad | None = None) -> WorkerSnapshot:
         self._check_open()
         self._expire()
+        if info.worker_id in self._fenced:
+            raise FencedWorkerError(info.worker_id)
         snapshot = WorkerSnapshot(info, load if load is not None else WorkerLoad(), self._clock())
         old = self._records.get(info.worker_id)
         self._records[info.worker_id] = snapshot
@@ -127,6 +140,11 @@ class InProcessRegistry:
         self._publish(RegistryEvent(RegistryEventKind.REMOVED, worker_id, old.role))
         return True
 
+    async def fence(self, worker_id: str) -> bool:
+        self._check_open()
+        self._fenced[worker_id] = self._clock() + self.fence_ttl_s
+        return await self.deregister(worker_id)
+
     async def workers(self, role: str | None = None) -> list[WorkerSnapshot]:
         self._check_open()
         self._expire()
@@ -147,6 +165,7 @@ class InProcessRegistry:
         for watch in list(self._watches):
             await watch.aclose()
         self._records.clear()
+        self._fenced.clear()
 
 
 

@@ -19,6 +19,10 @@ _T = TypeVar("_T")
 
 Clock = Callable[[], float]
 
+FENCE_TTL_S = 24 * 3600.0
+"""How long a fenced worker id stays refused (``Registry.fence``): longer than any cut-off a
+worker process could outlive and come back from (its node agent, back sooner, ends it anyway)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -29,13 +33,25 @@ class RegistryError(Exception):
 
 
 class UnknownWorkerError(RegistryError):
-    """The worker has no live record (never registered, deregistered, or its TTL expired).
+    """The worker has no live record (never registered, deregistered, fenced, or its TTL expired).
 
-    A worker that gets this from ``heartbeat`` must ``register`` again.
+    A worker that gets this from ``heartbeat`` must ``register`` again; ``register`` tells a
+    record merely lost (a Redis restart or flush, a pause past the TTL: it registers) from a
+    fenced id (:class:`FencedWorkerError`: the worker must stop).
     """
 
     def __init__(self, worker_id: str) -> None:
         super().__init__(f"worker {worker_id!r} is not registered (or its registration expired)")
+        self.worker_id = worker_id
+
+
+class FencedWorkerError(RegistryError):
+    """``register`` refused a fenced worker id (see ``Registry.fence``): the worker was declared
+    lost -- its node cut off, say -- and its replica placed again elsewhere, so it must not serve
+    again; a worker that gets this drains and exits."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id!r} was fenced (declared lost and replaced): it may not register again")
         self.worker_id = worker_id
 
 
@@ -283,10 +299,14 @@ class Registry(Protocol):
     Contract shared by every implementation:
 
     * ``register`` creates or replaces the worker's record and starts its TTL lease;
-      re-registering an id with a different role moves it to that role.
+      re-registering an id with a different role moves it to that role. It refuses a fenced id
+      with :class:`FencedWorkerError`, atomically with respect to ``fence``.
     * ``heartbeat`` renews the lease and stores the load; it raises
       :class:`UnknownWorkerError` when there is no live record, and the caller must
       ``register`` again.
+    * ``fence`` is ``deregister`` plus a tombstone: the id is retired for ``fence_ttl_s``, so a
+      worker declared lost by someone else (its process may still run, cut off) cannot come back
+      by itself. Only an expired record is re-registered, never a fenced one.
     * ``workers`` lists live workers only, sorted by ``worker_id``.
     * ``watch`` yields changes after the watch starts (see :class:`RegistryWatch`); a heartbeat
       whose load is unchanged produces no event.
@@ -294,7 +314,8 @@ class Registry(Protocol):
     """
 
     async def register(self, info: WorkerInfo, load: WorkerLoad | None = None) -> WorkerSnapshot:
-        """Create or replace ``info.worker_id``'s record; returns the stored snapshot."""
+        """Create or replace ``info.worker_id``'s record; returns the stored snapshot. Raises
+        :class:`FencedWorkerError` when the id is fenced."""
         ...
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> WorkerSnapshot:
@@ -303,6 +324,11 @@ class Registry(Protocol):
 
     async def deregister(self, worker_id: str) -> bool:
         """Remove the record; returns whether a live record existed."""
+        ...
+
+    async def fence(self, worker_id: str) -> bool:
+        """Remove the record and retire the id: ``register`` refuses it from now on (for the
+        registry's ``fence_ttl_s``). Returns whether a live record existed."""
         ...
 
     async def workers(self, role: str | None = None) -> list[WorkerSnapshot]:

@@ -18,6 +18,8 @@ from redis.backoff import ExponentialBackoff
 
 from engine.flow.discovery.records import (
     _T,
+    FENCE_TTL_S,
+    FencedWorkerError,
     RegistryClosedError,
     RegistryError,
     RegistryEvent,
@@ -44,6 +46,23 @@ return removed
 """
 
 
+# Registers unless the id is fenced, in one step, so that a registration and a `fence` racing
+# each other end fenced either way. KEYS: the worker's record, its fence, its role's index, the
+# roles set and, when the worker moves between roles, its old role's index.
+_REGISTER_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[4])
+if #KEYS == 5 then
+  redis.call('SREM', KEYS[5], ARGV[3])
+end
+return 1
+"""
+
+
 class RedisRegistry:
     """A :class:`Registry` in Redis, shared by every process using the same ``namespace``.
 
@@ -51,7 +70,8 @@ class RedisRegistry:
     every Redis call (socket connect and read timeouts plus an overall deadline); an unreachable
     or silent server raises :class:`RegistryUnavailableError`. ``poll_interval_s`` (default
     ``ttl_s / 2``) is how often a watch re-reads membership to notice expired workers, so an
-    expiry is reported within ``ttl_s + poll_interval_s``.
+    expiry is reported within ``ttl_s + poll_interval_s``. A fenced id stays refused for
+    ``fence_ttl_s`` (its tombstone key's TTL).
 
     The index clean-up script touches keys not passed in KEYS, so this targets a single Redis
     node, not Redis Cluster.
@@ -65,9 +85,12 @@ class RedisRegistry:
         *,
         op_timeout_s: float = 2.0,
         poll_interval_s: float | None = None,
+        fence_ttl_s: float = FENCE_TTL_S,
     ) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not fence_ttl_s > 0:
+            raise ValueError(f"fence_ttl_s must be > 0, got {fence_ttl_s}")
         if not namespace or ":" in namespace:
             raise ValueError(f"namespace must be non-empty and contain no ':', got {namespace!r}")
         self.url = url
@@ -76,6 +99,8 @@ class RedisRegistry:
         self.op_timeout_s = op_timeout_s
         self.poll_interval_s = poll_interval_s if poll_interval_s is not None else ttl_s / 2
         self._ttl_ms = max(1, math.ceil(ttl_s * 1000))
+        self.fence_ttl_s = fence_ttl_s
+        self._fence_ttl_ms = max(1, math.ceil(fence_ttl_s * 1000))
         # One quick retry absorbs a dropped pooled connection; more would only delay the error.
         self._client: aioredis.Redis = aioredis.Redis.from_url(
             url,
@@ -85,6 +110,7 @@ class RedisRegistry:
             retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), retries=1),
         )
         self._clean_index = self._client.register_script(_CLEAN_INDEX_LUA)
+        self._register_unfenced = self._client.register_script(_REGISTER_LUA)
         self._watches: set[_RedisWatch] = set()
         self._closed = False
 
@@ -100,6 +126,9 @@ class RedisRegistry:
 
     def _worker_key(self, worker_id: str) -> str:
         return self._worker_prefix() + worker_id
+
+    def _fence_key(self, worker_id: str) -> str:
+        return f"{self.namespace}:fenced:{worker_id}"
 
     def _role_key(self, role: str) -> str:
         return f"{self.namespace}:role:{role}"
@@ -136,13 +165,14 @@ class RedisRegistry:
     async def register(self, info: WorkerInfo, load: WorkerLoad | None = None) -> WorkerSnapshot:
         snapshot = WorkerSnapshot(info, load if load is not None else WorkerLoad(), time.time())
         old = await self._get_snapshot(info.worker_id)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._worker_key(info.worker_id), json.dumps(snapshot.to_dict()), px=self._ttl_ms)
-        pipe.sadd(self._role_key(info.role), info.worker_id)
-        pipe.sadd(self._roles_key(), info.role)
+        keys = [self._worker_key(info.worker_id), self._fence_key(info.worker_id), self._role_key(info.role),
+                self._roles_key()]
         if old is not None and old.role != info.role:
-            pipe.srem(self._role_key(old.role), info.worker_id)
-        await self._call(pipe.execute())
+            keys.append(self._role_key(old.role))
+        stored = await self._call(self._register_unfenced(
+            keys=keys, args=[json.dumps(snapshot.to_dict()), self._ttl_ms, info.worker_id, info.role]))
+        if not stored:
+            raise FencedWorkerError(info.worker_id)
         await self._publish(_register_events(old, snapshot))
         return snapshot
 
@@ -173,6 +203,19 @@ class RedisRegistry:
         deleted, _ = await self._call(pipe.execute())
         if not deleted:
             return False  # expired or removed by someone else in the meantime
+        await self._publish([RegistryEvent(RegistryEventKind.REMOVED, worker_id, old.role)])
+        return True
+
+    async def fence(self, worker_id: str) -> bool:
+        old = await self._get_snapshot(worker_id)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._fence_key(worker_id), str(time.time()), px=self._fence_ttl_ms)
+        pipe.delete(self._worker_key(worker_id))
+        if old is not None:
+            pipe.srem(self._role_key(old.role), worker_id)
+        _, deleted, *_ = await self._call(pipe.execute())
+        if old is None or not deleted:
+            return False
         await self._publish([RegistryEvent(RegistryEventKind.REMOVED, worker_id, old.role)])
         return True
 

@@ -4,6 +4,7 @@
  */
 import { request } from "./client";
 import type { Deployment, WorkerSnapshot } from "./cluster";
+import type { PlacementSlot, Refusal } from "./nodes";
 
 /** A worker the deployment started (or one that joined it by hand: status "joined"). */
 export interface DeploymentWorker {
@@ -25,6 +26,24 @@ export interface DeploymentWorker {
   live: WorkerSnapshot | null;
 }
 
+/** A replica placed again: `from` null when it had no node (it waited for room). */
+export interface ReplicaMove {
+  role: string;
+  replica: number;
+  from: string | null;
+  to: string;
+  at: string;
+  reason: string;
+}
+
+export interface DeploymentPlacement {
+  slots: PlacementSlot[];
+  /** The latest moves, oldest first. */
+  moved: ReplicaMove[];
+  /** Refusals of the replicas that wait for a node. */
+  unplaced: Refusal[];
+}
+
 export interface DeploymentDetail extends Deployment {
   workflow: string;
   workflow_name: string;
@@ -35,6 +54,8 @@ export interface DeploymentDetail extends Deployment {
   /** The workflow's inputs: what a run of it names (`default`: used when a run gives none). */
   inputs: { name: string; type: string; default?: unknown }[];
   workers: DeploymentWorker[];
+  /** Which node runs each replica, what moved and what waits for a node; `{}` when the studio hosts it. */
+  placement: Partial<DeploymentPlacement>;
   updated_at: string;
 }
 

@@ -6,6 +6,8 @@ import { ACTIVE_STATUSES } from "../api/deployments";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatTime } from "../components/ui";
 import { EndpointPanel } from "../deployments/EndpointPanel";
+import { PlacementPanel } from "../deployments/PlacementPanel";
+import { summarizePlacement } from "../deployments/placement";
 import { useDeployment } from "../deployments/useDeployment";
 import { WorkersTable } from "../deployments/WorkersTable";
 
@@ -53,6 +55,11 @@ export function DeploymentPage() {
         <div className="card deployment-card">
           <EndpointPanel deployment={deployment} />
         </div>
+        {summarizePlacement(deployment.placement) !== null && (
+          <div className="card deployment-card">
+            <PlacementPanel placement={deployment.placement} />
+          </div>
+        )}
         <div className="card deployment-card">
           <WorkersTable workers={deployment.workers} expected={ACTIVE_STATUSES.includes(deployment.status) ? deployment.replicas : undefined} />
         </div>

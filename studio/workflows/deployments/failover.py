@@ -8,7 +8,9 @@ for OMNIFLOW_NODE_TTL_S. With a tick shorter than the TTL, a node is acted on wi
 For each deployment with replicas on a lost node (under the placement lock and the row's lock,
 so one agent does it, once):
 
-* the node's live worker rows are marked lost (and taken off the deployment's registry);
+* the node's live worker rows are marked lost, and taken off the deployment's registry and
+  fenced there (`deregister_workers`): a worker of theirs that still runs -- the node was cut
+  off, not dead -- cannot register again beside its replacement, and stops itself;
 * a starting or running deployment's replicas there are placed again on the live nodes,
   keeping every other replica where it is (`engine.flow.placement.place` with `keep`); those
   that fit no node left stay unplaced, said in the deployment's `error` and its placement's
@@ -19,7 +21,8 @@ so one agent does it, once):
 
 Runs in flight on a lost worker are the dispatcher's: retried on another replica, or failed
 naming the worker, never left waiting. A lost node that comes back finds its rows lost and
-stops those processes (`NodeAgent.reap`).
+stops those processes (`NodeAgent.reap`): the fenced workers that could not reach Redis either
+(and so have not stopped themselves).
 """
 
 from __future__ import annotations

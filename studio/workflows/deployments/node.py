@@ -14,7 +14,9 @@ seen in Redis, never a sleep.
 Both operations are idempotent: `reconcile` starts what is missing and stops what is
 beyond this node's share of the replicas (the deployment's placement: `DeploymentTicket.share`);
 `stop` ends whatever is left. `reap` ends workers whose rows were marked lost or stopped while
-the node was away (a node that comes back stops what it no longer owns).
+the node was away (a node that comes back stops what it no longer owns): those lost ones that
+still reached Redis were fenced there and have stopped themselves already
+(`studio.workflows.deployments.failover`); it ends those that could not.
 
 Its workers get the node's host identity (`OMNIFLOW_HOST_ID`, default `node:<name>`): they use
 shared memory and local streams among themselves, TCP with every other peer.

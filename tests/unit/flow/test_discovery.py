@@ -8,6 +8,7 @@ import json
 import pytest
 
 from engine.flow.discovery import (
+    FencedWorkerError,
     InProcessRegistry,
     RedisRegistry,
     RegistryClosedError,
@@ -163,6 +164,33 @@ async def test_deregister(registry: InProcessRegistry):
     assert await registry.deregister("w1") is True
     assert await registry.deregister("w1") is False
     assert await registry.workers() == []
+
+
+async def test_a_fenced_id_is_removed_and_refused_until_its_fence_ends(clock: FakeClock):
+    registry = InProcessRegistry(ttl_s=TTL, clock=clock, fence_ttl_s=100.0)
+    try:
+        await registry.register(info("w1"))
+        await registry.register(info("w2"))
+        watch = registry.watch()
+        assert await registry.fence("w1") is True
+        assert await registry.fence("w1") is False  # no record left; still fenced
+        assert [s.worker_id for s in await registry.workers()] == ["w2"]
+        assert await drain(watch) == [(REMOVED, "w1", "llm")]
+        with pytest.raises(UnknownWorkerError):
+            await registry.heartbeat("w1", WorkerLoad())
+        with pytest.raises(FencedWorkerError) as refused:
+            await registry.register(info("w1"))
+        assert refused.value.worker_id == "w1" and "fenced" in str(refused.value)
+        assert await drain(watch) == []  # a refused registration says nothing
+        await registry.fence("never-registered")
+        with pytest.raises(FencedWorkerError):
+            await registry.register(info("never-registered"))
+        clock.advance(100.0)  # the fence ends (the heartbeats of w2 ended long ago too)
+        await registry.register(info("w1"))
+        assert [s.worker_id for s in await registry.workers()] == ["w1"]
+        await watch.aclose()
+    finally:
+        await registry.close()
 
 
 async def test_watch_reports_changes_after_the_call_in_order(registry: InProcessRegistry, clock: FakeClock):
