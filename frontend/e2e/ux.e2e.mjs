@@ -106,6 +106,7 @@ try {
       window.clearInterval(window.__sampler);
       return { seen: [...window.__seen], workers: window.__workers };
     });
+    writeFileSync(join(ART, "deploy-workers.json"), JSON.stringify({ seen, workers }, null, 2));
     expect(seen.includes("llm:starting") && seen.includes("llm:ready"), `the workers filled in live: ${seen}`);
     // The llm worker's own row was there while it started (its process spawned, not yet
     // registered), and the same row then went ready: not only a placeholder before it.
