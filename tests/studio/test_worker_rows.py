@@ -125,6 +125,36 @@ def test_embedded_rows_go_starting_then_ready_and_the_api_shows_starting(
     assert rows.of(starting.worker_id) == ["starting", "ready"]  # stopping is an update(), not a save
 
 
+def test_a_stop_while_the_workers_start_abandons_them_and_their_rows_say_stopped(
+        api: Any, studio_engine: StudioEngine, history: Any) -> None:
+    committed, release = threading.Event(), threading.Event()
+    seen: list[Change] = []
+
+    def hold(change: Change) -> None:
+        seen.append(change)
+        committed.set()
+        assert release.wait(WAIT_S), "the test never released the start"
+
+    rows = history(hold)
+    wf = create_workflow(api, whoami_spec())
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    try:
+        assert committed.wait(WAIT_S), "no worker row was written starting"
+        # Stopped while its worker starts (the launch is held where it reports the worker starting).
+        assert api.post(f"/api/deployments/{d['id']}/stop/").json()["status"] == "stopping"
+    finally:
+        release.set()
+    settle(studio_engine, d["id"])
+    final = api.get(f"/api/deployments/{d['id']}/").json()
+    (starting,) = seen
+    assert final["status"] == "stopped", final
+    assert [(w["worker_id"], w["status"], w["error"]) for w in final["workers"]] == [
+        (starting.worker_id, "stopped", "")]
+    assert rows.of(starting.worker_id) == ["starting"]  # never ready
+    assert starting.pid is not None and (not psutil.pid_exists(starting.pid)
+                                         or psutil.Process(starting.pid).status() == psutil.STATUS_ZOMBIE)
+
+
 def test_embedded_worker_that_cannot_start_leaves_a_failed_row_with_its_reason(api: Any, history: Any) -> None:
     rows = history(lambda change: None)
     studio = build_engine(dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, worker_listen=BAD_LISTEN))

@@ -12,7 +12,9 @@ worker that ends unasked is marked lost and a replacement takes its place, with 
 
 The worker rows follow each replica as it comes up (the cluster's `WorkerLaunch` steps): starting
 once its process is spawned (with host and pid), ready once registered (with its follower ranks),
-failed with the reason when it did not come up, stopped when its start was abandoned.
+failed with the reason when it did not come up, stopped when its start was abandoned: a stop
+that comes while a deployment's workers first start cancels that start (`undeploy`) rather than
+waiting for it.
 
 Every coroutine runs on the engine loop of the process's `RunService`, which owns this
 object (`RunService.call`); `deploy`/`undeploy` also write the deployment's status and
@@ -87,6 +89,8 @@ class EmbeddedDeployments:
         self.reach = NamespaceExecutors(kinds, config.redis_url, prompt_tokenizer=prompt_tokenizer)
         self._hosted: dict[str, _Hosted] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._starting: dict[str, asyncio.Task[Any]] = {}
+        """Deployment id -> the deploy whose workers are first starting (`undeploy` cancels it)."""
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ database
@@ -124,7 +128,7 @@ class EmbeddedDeployments:
             if not scaling:
                 await self._orm(records.set_status, deployment_id, DeploymentStatus.STARTING, unless=_ENDED)
             try:
-                stopped = await self._reconcile(ticket)
+                stopped = await self._reconcile(ticket, cancellable=not scaling)
             except LaunchError as exc:
                 log.warning("deployment %s: workers failed to start: %s", deployment_id, exc)
                 if scaling:  # what runs keeps serving
@@ -142,7 +146,11 @@ class EmbeddedDeployments:
                 await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
 
     async def undeploy(self, deployment_id: str) -> None:
-        """Stop the deployment's workers here and mark it stopped: idempotent."""
+        """Stop the deployment's workers here and mark it stopped: idempotent. Workers still
+        starting for its first start are abandoned (their rows say stopped)."""
+        starting = self._starting.get(deployment_id)
+        if starting is not None:
+            starting.cancel()  # the deploy ends what it started and lets go of the lock
         async with self._lock(deployment_id):
             ticket = await self._orm(records.ticket, deployment_id)
             stopped = await self._stop_hosted(deployment_id)
@@ -154,8 +162,20 @@ class EmbeddedDeployments:
         self._locks.pop(deployment_id, None)
 
     # ---------------------------------------------------------------- processes
-    async def _reconcile(self, ticket: DeploymentTicket) -> list[str]:
-        """Start or retire replicas to the ticket's counts; the worker ids it stopped."""
+    async def _reconcile(self, ticket: DeploymentTicket, *, cancellable: bool) -> list[str]:
+        """Start or retire replicas to the ticket's counts; the worker ids it stopped.
+        `cancellable`: a first start, which `undeploy` may cancel meanwhile."""
+        if not cancellable:
+            return await self._reconcile_now(ticket)
+        task = asyncio.current_task()
+        assert task is not None  # on the engine loop
+        self._starting[ticket.deployment_id] = task
+        try:
+            return await self._reconcile_now(ticket)
+        finally:
+            self._starting.pop(ticket.deployment_id, None)
+
+    async def _reconcile_now(self, ticket: DeploymentTicket) -> list[str]:
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is None:
             cluster = LocalCluster(
@@ -171,7 +191,11 @@ class EmbeddedDeployments:
                 on_launch=functools.partial(self._launch, ticket),
                 listen=self.config.worker_listen,
             )
-            await cluster.start()  # stops what it started when one worker fails
+            try:
+                await cluster.start()  # stops what it started when one worker fails, or when cancelled
+            except asyncio.CancelledError:
+                await cluster.stop()  # cancelled just as it finished starting: nothing may be left running
+                raise
             plane = WorkerPlane.over(cluster.registry, ticket.keys, self.kinds, prompt_tokenizer=self.prompt_tokenizer)
             hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, plane,
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
