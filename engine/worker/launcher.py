@@ -52,7 +52,6 @@ from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
 from engine.flow.discovery import (
     InProcessRegistry,
     Registry,
-    RegistryError,
     UnknownWorkerError,
     WorkerInfo,
     WorkerLoad,
@@ -314,7 +313,7 @@ class LocalCluster:
         except asyncio.CancelledError:
             await self._report(dataclasses.replace(launch, state=LaunchState.ABANDONED))
             raise
-        except (LaunchError, ZygoteError, RegistryError, OSError) as exc:
+        except (LaunchError, ZygoteError, OSError) as exc:  # OSError: its process could not be spawned
             await self._report(dataclasses.replace(launch, state=LaunchState.FAILED, error=str(exc)))
             raise
         await self._report(dataclasses.replace(launch, state=LaunchState.READY, worker=worker))
