@@ -3,8 +3,9 @@
 * `LocalCluster` -- a deployment's role workers spawned from this process (they end with it):
   `start()`, `spawn(role, index)` one more, `retire(worker)` one (it drains first), `stop()`;
   it supervises them under a `RestartPolicy` and reports each `ReplicaEvent` (`ReplicaEventKind`:
-  lost, replaced, gave up); `LaunchedWorker` one replica with its follower ranks; `LaunchError`
-  a worker that did not come up;
+  lost, replaced, gave up) and each replica's steps as it comes up (`WorkerLaunch`, `LaunchState`:
+  starting, ready, failed, abandoned); `LaunchedWorker` one replica with its follower ranks;
+  `LaunchError` a worker that did not come up;
 * worker ids of tensor-parallel replicas: `rank_worker_id`, `leader_worker_id`, `TP_RANK_SUFFIX`;
 * for a node agent starting `python -m engine.worker` processes itself: `replica_processes`, the
   command lines of one replica's processes (`WorkerProcess`, with `WorkerOptions` shared by a
@@ -29,7 +30,9 @@ from engine.worker.launcher import (
     TP_RANK_SUFFIX,
     LaunchedWorker,
     LaunchError,
+    LaunchState,
     LocalCluster,
+    WorkerLaunch,
     leader_worker_id,
     rank_worker_id,
 )
@@ -41,11 +44,13 @@ __all__ = [
     "REFUSED_METRIC",
     "TP_RANK_SUFFIX",
     "LaunchError",
+    "LaunchState",
     "LaunchedWorker",
     "LocalCluster",
     "ReplicaEvent",
     "ReplicaEventKind",
     "RestartPolicy",
+    "WorkerLaunch",
     "WorkerOptions",
     "WorkerProcess",
     "leader_worker_id",

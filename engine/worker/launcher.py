@@ -18,12 +18,18 @@ and heartbeat there themselves and the cluster reads it back.
 
 With a `RestartPolicy` the cluster also supervises its replicas (`engine.worker.supervise`):
 a replica that ends unasked is deregistered, stopped whole and replaced under a new worker id.
+
+`on_launch` hears each replica come up, a `WorkerLaunch` per step (`LaunchState`): STARTING once
+its process (rank 0's, for a tensor-parallel replica) is spawned, then READY once it is registered,
+or FAILED (with the error) or ABANDONED (its start was cancelled: the cluster stopped, another
+worker of the start failed, a pending replacement was given up). Replacements are reported too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -32,6 +38,7 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +59,9 @@ from engine.flow.discovery import (
 )
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
-from engine.worker.process import READY_PREFIX
+from engine.worker.process import DEFAULT_LISTEN, READY_PREFIX, host_of_endpoint
 from engine.worker.supervise import ReplicaEvent, RestartPolicy, Supervisor
-from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
+from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote, ZygoteError
 
 
 class LaunchError(RuntimeError):
@@ -80,6 +87,45 @@ class LaunchedWorker:
     def processes(self) -> list[LaunchedWorker]:
         """This worker and its follower ranks, rank order."""
         return [self, *self.ranks]
+
+
+class LaunchState(StrEnum):
+    STARTING = "starting"
+    """The replica's process (rank 0's) is spawned: `host` and `pid` say where; not ready yet."""
+    READY = "ready"
+    """Every rank printed its READY line and the replica is registered (`worker`)."""
+    FAILED = "failed"
+    """It did not come up (`error`); nothing of it is left running."""
+    ABANDONED = "abandoned"
+    """Its start was cancelled (the cluster is stopping, another worker of the same start failed,
+    or a pending replacement was given up); nothing of it is left running."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLaunch:
+    """One step of a replica coming up, as `LocalCluster(on_launch=...)` hears it. A replica's
+    steps are STARTING (unless it failed before its process was spawned), then one of READY,
+    FAILED or ABANDONED; a tensor-parallel replica is one stream, named by its rank 0."""
+
+    state: LaunchState
+    role: str
+    index: int
+    """Its replica index within the role (a replacement keeps the index of the replica it replaces)."""
+    worker_id: str
+    """Rank 0's worker id."""
+    host: str
+    """The host its workers report (the host of their `--listen` endpoint)."""
+    pid: int | None = None
+    """Rank 0's process id; None when it failed before it was spawned."""
+    generation: int = 0
+    """0: a first start; N > 0: the Nth replacement of the replica at `index` (`-rN` ids)."""
+    error: str = ""
+    """FAILED: why, in words."""
+    worker: LaunchedWorker | None = None
+    """READY: the replica, with its follower ranks."""
+
+
+LaunchListener = Callable[[WorkerLaunch], Awaitable[None]]
 
 
 TP_RANK_SUFFIX = ".tp"
@@ -193,13 +239,18 @@ class LocalCluster:
         fork_server: bool = True,
         restart: RestartPolicy | None = None,
         on_event: Callable[[ReplicaEvent], Awaitable[None]] | None = None,
+        on_launch: LaunchListener | None = None,
         keys: PlaneKeys | None = None,
         plaintext: bool = False,
+        listen: str = DEFAULT_LISTEN,
     ) -> None:
         """`allow_module_ops`: whether the workers run `module:function` ops besides the registered
         ones (the command line: yes; a studio: its operator's setting); each worker enforces it.
         `restart`: supervise the replicas (None: a replica that ends stays gone);
-        `on_event` hears of each loss and replacement. `keys`: the worker plane's CURVE keys
+        `on_event` hears of each loss and replacement. `on_launch` hears each replica's steps as it
+        comes up, replacements included (`WorkerLaunch`); awaited in line, so a listener that
+        raises fails that start (and leaves nothing of it running). `listen`: the workers' control
+        endpoint (`tcp://HOST:0`: any free port). `keys`: the worker plane's CURVE keys
         (default: a fresh keypair for this cluster), which the workers get as files only this
         user can read and whoever dispatches to them uses too (`keys`, give them to the
         dispatcher's `Peer`); `plaintext`: no CURVE at all (only to measure what it costs)."""
@@ -214,7 +265,9 @@ class LocalCluster:
         self.stop_timeout_s = stop_timeout_s
         self.heartbeat_s = heartbeat_s
         self.extra_args = extra_args
+        self.listen = listen
         self.fork_server = fork_server
+        self._on_launch = on_launch
         self.workers: list[LaunchedWorker] = []
         self.registry: Registry = (
             make_registry(registry_url, namespace=namespace) if registry_url else InProcessRegistry(ttl_s=float("inf"))
@@ -243,15 +296,42 @@ class LocalCluster:
 
     async def _spawn_replica(self, role: str, index: int, generation: int = 0) -> LaunchedWorker:
         """Replica `index` of `role`, ready, registered and in `workers`; `generation` N > 0: its
-        Nth replacement (worker id suffix `-rN`)."""
+        Nth replacement (worker id suffix `-rN`). Reports its steps to `on_launch`."""
         worker_id = f"{self.spec.name}-{role}-{index}-{os.getpid()}"
         if generation:
             worker_id += f"-r{generation}"
+        launch = WorkerLaunch(LaunchState.STARTING, role, index, worker_id, host_of_endpoint(self.listen),
+                              generation=generation)
+
+        async def spawned(pid: int) -> None:
+            nonlocal launch
+            launch = dataclasses.replace(launch, pid=pid)
+            await self._report(launch)
+
+        try:
+            worker = await self._start_replica(role, worker_id, spawned)
+        except asyncio.CancelledError:
+            await self._report(dataclasses.replace(launch, state=LaunchState.ABANDONED))
+            raise
+        except (LaunchError, ZygoteError, OSError) as exc:  # OSError: its process could not be spawned
+            await self._report(dataclasses.replace(launch, state=LaunchState.FAILED, error=str(exc)))
+            raise
+        await self._report(dataclasses.replace(launch, state=LaunchState.READY, worker=worker))
+        return worker
+
+    async def _report(self, launch: WorkerLaunch) -> None:
+        if self._on_launch is not None:
+            await self._on_launch(launch)
+
+    async def _start_replica(self, role: str, worker_id: str,
+                             spawned: Callable[[int], Awaitable[None]]) -> LaunchedWorker:
+        """The replica whose rank 0 is `worker_id`, ready, registered and in `workers`;
+        `spawned(pid)` once rank 0's process is."""
         tp_size = self.spec.role(role).tp_size
         if tp_size == 1:
-            worker = await self._spawn_rank(role, worker_id)
+            worker = await self._spawn_rank(role, worker_id, spawned=spawned)
         else:
-            worker = await self._spawn_ranks(role, worker_id, tp_size)
+            worker = await self._spawn_ranks(role, worker_id, tp_size, spawned)
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
             details = worker.details
@@ -273,9 +353,10 @@ class LocalCluster:
         being replaced); returns how many were given up."""
         return 0 if self._supervisor is None else await self._supervisor.cancel_pending(role, count)
 
-    async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int) -> LaunchedWorker:
+    async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int,
+                           spawned: Callable[[int], Awaitable[None]]) -> LaunchedWorker:
         """The `tp_size` rank processes of one tensor-parallel replica, once all are ready:
-        rank 0, with the others in its `.ranks`."""
+        rank 0, with the others in its `.ranks`; `spawned(pid)` once rank 0's process is."""
         # The replica's ranks meet on a socket bound here and handed to rank 0 (its rendezvous
         # store serves on it): the port is the replica's from the start.
         listener, address = listening_socket()
@@ -283,7 +364,8 @@ class LocalCluster:
             started = await self._all_ready(role, [
                 asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
                                                      ("--tp-rank", str(rank), "--tp-address", address),
-                                                     inherit=listener.fileno() if rank == 0 else None))
+                                                     inherit=listener.fileno() if rank == 0 else None,
+                                                     spawned=spawned if rank == 0 else None))
                 for rank in range(tp_size)])
         worker, worker.ranks = started[0], started[1:]
         return worker
@@ -323,9 +405,11 @@ class LocalCluster:
         return list(dict.fromkeys(modules))
 
     async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = (),
-                          inherit: int | None = None) -> LaunchedWorker:
+                          inherit: int | None = None,
+                          spawned: Callable[[int], Awaitable[None]] | None = None) -> LaunchedWorker:
         """One worker process, once it has printed its READY line. `inherit`: rank 0's listening
-        socket, which the process gets a copy of (`--tp-listen-fd`)."""
+        socket, which the process gets a copy of (`--tp-listen-fd`); `spawned(pid)` is awaited once
+        the process is (if it raises or this is cancelled meanwhile, the process is ended)."""
         assert self._tmp is not None
         spec_path = Path(self._tmp.name) / "workflow.json"
         # A forked worker's parent is the zygote: it exits with it (and the zygote with us).
@@ -333,7 +417,7 @@ class LocalCluster:
         args = [
             "--role", role, "--workflow", str(spec_path), "--worker-id", worker_id,
             "--parent-pid", str(parent), "--namespace", self.namespace,
-            "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s),
+            "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s), "--listen", self.listen,
             "--module-ops" if self.allow_module_ops else "--no-module-ops",
             *tp_args, *self.extra_args,
         ]
@@ -352,6 +436,16 @@ class LocalCluster:
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
                                                            stdout=asyncio.subprocess.PIPE, env=self._env(),
                                                            pass_fds=() if inherit is None else (inherit,))
+        announced = spawned is None
+        try:
+            if spawned is not None:
+                await spawned(process.pid)
+                announced = True
+        finally:
+            if not announced:  # the listener failed, or this start was cancelled: never leave it running
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
         details = await _ready_details(process, role, worker_id, self.ready_timeout_s)
         worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
         # Keep reading what the worker prints (node code may print), so its pipe never fills.

@@ -11,7 +11,7 @@ import uuid
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
-from engine.worker.process import WorkerConfig, run_role_worker
+from engine.worker.process import DEFAULT_LISTEN, WorkerConfig, run_role_worker
 
 
 class WorkerOptionError(ValueError):
@@ -24,7 +24,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the workflow (.py DSL module or .json GraphSpec) that declares the role")
     parser.add_argument("--registry", default=None,
                         help="registry URL (redis://HOST:PORT/DB) to register and heartbeat in")
-    parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="control endpoint (port 0: any free port)")
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help="control endpoint (port 0: any free port)")
     parser.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID-RANDOM")
     parser.add_argument("--namespace", default="omniflow", help="registry key namespace")
     parser.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")

@@ -98,12 +98,16 @@ REFUSED_METRIC = "plane.refused"
 or (the local socket) a process of another uid."""
 
 
+DEFAULT_LISTEN = "tcp://127.0.0.1:0"
+"""A worker's control endpoint unless told otherwise (`--listen`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     role: RoleSpec
     worker_id: str
     workflow: str = ""
-    listen: str = "tcp://127.0.0.1:0"
+    listen: str = DEFAULT_LISTEN
     registry_url: str | None = None
     namespace: str = "omniflow"
     heartbeat_s: float = 0.5
@@ -131,7 +135,8 @@ class WorkerConfig:
     `--plaintext` asks for (the benchmarks' anchor)."""
 
 
-def _host_of(endpoint: str) -> str:
+def host_of_endpoint(endpoint: str) -> str:
+    """The host a worker listening on `endpoint` reports (this machine's name for every interface)."""
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     return host if host not in ("*", "0.0.0.0") else socket.gethostname()
 
@@ -405,7 +410,7 @@ class RoleWorkerProc:
         self.kinds = kinds
         self._ready = ready
         self._kv_store = kv_store
-        self.host = _host_of(config.listen)
+        self.host = host_of_endpoint(config.listen)
         self.codec = WireCodec(config.max_message_bytes, WorkerMessage)
         self.stop = asyncio.Event()
         self.unhealthy: list[str] = []
@@ -651,7 +656,7 @@ def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
                               f" tp_rank={config.tp_rank}")
 
     def announce(details: dict) -> None:
-        ready({"worker_id": config.worker_id, "host": _host_of(config.listen), **details})
+        ready({"worker_id": config.worker_id, "host": host_of_endpoint(config.listen), **details})
 
     return int(follow(config.role, tp_seat(config), ready=announce, parent_pid=config.parent_pid))
 

@@ -6,7 +6,7 @@
 // tests/e2e/test_ux_e2e.py runs it against the studio of tests/e2e/conftest.py:
 //  - an API token made on the tokens page (reached from the user menu), its text copied;
 //  - the chat workflow deployed from the editor: the dialog shows its name, its OpenAI endpoint and
-//    its workers filling in live; the deployment view's curl and Python (openai) snippets, run as
+//    its workers filling in live (the llm worker's own row starting, then ready); the deployment view's curl and Python (openai) snippets, run as
 //    pasted (bash, and E2E_PYTHON) with that token, reach the deployment by its name;
 //  - the token's last use on the tokens page; revoked, the same snippets are refused (401);
 //  - a model-less llm role and an unregistered op flagged in the editor before any save, then
@@ -83,12 +83,17 @@ try {
     await page.click(tid("deploy"));
     await page.waitForSelector(tid("deploy-submit"));
     expect((await page.getAttribute(tid("deploy-name"), "placeholder")) === "chat", "the name defaults to the workflow's");
-    // What the dialog shows as the deployment comes up, sampled in the page.
+    // What the dialog shows as the deployment comes up, sampled in the page: the states seen per role,
+    // and per real worker row (not a placeholder) the states it went through, in order.
     await page.evaluate(() => {
       window.__seen = new Set();
+      window.__workers = {};
       window.__sampler = window.setInterval(() => {
         for (const row of document.querySelectorAll('[data-testid="deployment-worker"]')) {
           window.__seen.add(`${row.dataset.role}:${row.dataset.state}`);
+          if (!row.dataset.worker) continue;
+          const states = (window.__workers[`${row.dataset.role} ${row.dataset.worker}`] ??= []);
+          if (states.at(-1) !== row.dataset.state) states.push(row.dataset.state);
         }
       }, 50);
     });
@@ -97,11 +102,19 @@ try {
     await page.waitForSelector(`${tid("deployment-worker")}[data-role="llm"][data-state="ready"]`, { timeout: 120_000 });
     await page.waitForSelector(`${tid("deployment-worker")}[data-role="py"][data-state="ready"]`, { timeout: 120_000 });
     await waitText(tid("workers-up"), "2 of 2 replicas up");
-    const seen = await page.evaluate(() => {
+    const { seen, workers } = await page.evaluate(() => {
       window.clearInterval(window.__sampler);
-      return [...window.__seen];
+      return { seen: [...window.__seen], workers: window.__workers };
     });
+    writeFileSync(join(ART, "deploy-workers.json"), JSON.stringify({ seen, workers }, null, 2));
     expect(seen.includes("llm:starting") && seen.includes("llm:ready"), `the workers filled in live: ${seen}`);
+    // The llm worker's own row was there while it started (its process spawned, not yet
+    // registered), and the same row then went ready: not only a placeholder before it.
+    const llm = Object.entries(workers).filter(([key]) => key.startsWith("llm "));
+    expect(llm.length === 1, `one llm worker row: ${JSON.stringify(workers)}`);
+    const [, states] = llm[0];
+    expect(states[0] === "starting" && states.at(-1) === "ready" && !states.includes("failed"),
+      `the llm worker's row went starting, then ready: ${JSON.stringify(workers)}`);
     model = (await page.textContent(tid("endpoint-model"))).trim();
     expect(model === "chat", `the deployment is named ${model}`);
     expect((await page.textContent(tid("endpoint-base-url"))).trim() === `${BASE}/v1`, "the base URL is this studio's /v1");

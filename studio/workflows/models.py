@@ -183,11 +183,15 @@ def deployment_namespace(prefix: str, deployment_id: uuid.UUID) -> str:
 
 class WorkerStatus(models.TextChoices):
     STARTING = "starting"
+    """Its process is spawned; it has not registered yet."""
     READY = "ready"
     BUSY = "busy"
     DRAINING = "draining"
     STOPPED = "stopped"
     LOST = "lost"
+    """It ended unasked after it had come up."""
+    FAILED = "failed"
+    """It did not come up (`Worker.error` says why)."""
 
 
 class Worker(models.Model):
@@ -201,6 +205,7 @@ class Worker(models.Model):
     device = models.CharField(max_length=64, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.STARTING)
+    error = models.TextField(blank=True, help_text="why it did not come up (status failed)")
     started_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField(null=True, blank=True)
 

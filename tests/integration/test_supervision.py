@@ -30,7 +30,7 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LocalCluster
+from engine.worker.launcher import LaunchState, LocalCluster, WorkerLaunch
 from engine.worker.process import STALLED_EXIT
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 from tests.integration.deployments import hf_greedy, text_ids
@@ -74,9 +74,23 @@ class Events:
 
 
 @dataclass
+class Launches:
+    """Each replica's launch steps as the cluster reported them (`on_launch`), in order."""
+
+    seen: list[WorkerLaunch] = field(default_factory=list)
+
+    async def __call__(self, launch: WorkerLaunch) -> None:
+        self.seen.append(launch)
+
+    def of(self, worker_id: str) -> list[LaunchState]:
+        return [launch.state for launch in self.seen if launch.worker_id == worker_id]
+
+
+@dataclass
 class Supervised:
     cluster: LocalCluster
     events: Events
+    launches: Launches
     executor: Executor
     spec: GraphSpec
 
@@ -91,10 +105,11 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
                      spec: GraphSpec | None = None, max_node_retries: int = 2,
                      **options) -> AsyncIterator[Supervised]:
     spec = spec if spec is not None else spec_of(replicas)
-    events = Events()
+    events, launches = Events(), Launches()
     options.setdefault("extra_args", ("--drain-timeout", "5"))
     options.setdefault("stop_timeout_s", 10.0)
-    cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, restart=policy, on_event=events, **options)
+    cluster = LocalCluster(spec, allow_module_ops=True, heartbeat_s=heartbeat_s, restart=policy, on_event=events,
+                           on_launch=launches, **options)
     peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
@@ -102,7 +117,7 @@ async def supervised(policy: RestartPolicy, *, replicas: int = 1, heartbeat_s: f
                                              registry_refresh_s=0.05, max_node_retries=max_node_retries),
                             default_kinds())
         try:
-            yield Supervised(cluster, events, executor, spec)
+            yield Supervised(cluster, events, launches, executor, spec)
         finally:
             await executor.aclose()
     finally:
@@ -143,6 +158,14 @@ async def test_a_killed_replica_is_replaced_under_a_new_id_and_runs_go_to_it():
         assert again.worker_id == f"{first.worker_id}-r2" and again.replaces == replaced.worker_id
         assert (await s.run(3))["pid"] == again.worker.pid
 
+        # Each replacement came up as a launch of its own, in the place (index) of the first.
+        for generation, worker in enumerate([first, replaced.worker, again.worker]):
+            steps = [launch for launch in s.launches.seen if launch.worker_id == worker.worker_id]
+            assert [launch.state for launch in steps] == [LaunchState.STARTING, LaunchState.READY]
+            assert {(launch.role, launch.index, launch.generation, launch.pid) for launch in steps} == {
+                ("py", 0, generation, worker.pid)}
+            assert steps[1].worker is worker
+
 
 def tp_spec(name: str, tp_timeout_s: float, max_new_tokens: int) -> GraphSpec:
     """Token ids through one `llm` node on a tiny-llama role split over two ranks."""
@@ -178,6 +201,11 @@ async def test_a_tensor_parallel_replica_that_loses_a_rank_is_replaced_whole():
         assert [r.tp_rank for r in replaced.worker.processes] == [0, 1]
         assert all(alive(r.pid) for r in replaced.worker.processes)
         assert replaced.worker.ranks[0].worker_id == f"{replaced.worker_id}.tp1"
+        # One launch stream per replica, named by rank 0, its pid rank 0's: never one per rank.
+        assert [(launch.worker_id, launch.state, launch.pid) for launch in s.launches.seen] == [
+            (first.worker_id, LaunchState.STARTING, first.pid), (first.worker_id, LaunchState.READY, first.pid),
+            (replaced.worker_id, LaunchState.STARTING, replaced.worker.pid),
+            (replaced.worker_id, LaunchState.READY, replaced.worker.pid)]
         tokens = text_ids(11, 9)
         assert await s.run(tokens) == hf_greedy(load_builtin("tiny-llama").model, tokens, 6)
 
@@ -294,6 +322,10 @@ async def test_a_replacement_that_cannot_start_is_retried_then_given_up():
             assert failed.replaces == first.worker_id and "fork server" in failed.reason
         await s.events.next(ReplicaEventKind.GAVE_UP)
         assert s.cluster.workers == []
+        # No process was spawned for them: each replacement failed straight away, with the reason.
+        for generation in (1, 2):
+            (launch,) = [x for x in s.launches.seen if x.generation == generation]
+            assert launch.state is LaunchState.FAILED and launch.pid is None and "fork server" in launch.error
 
 
 async def test_retire_and_stop_replace_nothing_and_stop_ends_a_pending_replacement():
@@ -320,6 +352,8 @@ async def test_retire_and_stop_replace_nothing_and_stop_ends_a_pending_replaceme
         stopping = asyncio.ensure_future(s.cluster.stop())
         await asyncio.wait_for(stopping, 10)
     assert s.events.queue.empty()
+    # The replacement waiting out its back-off never started: no launch of it was reported.
+    assert {launch.generation for launch in s.launches.seen} == {0}
     assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c.pid)] == []
 
 

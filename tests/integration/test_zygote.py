@@ -25,7 +25,7 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
-from engine.worker.launcher import LaunchError, LocalCluster
+from engine.worker.launcher import LaunchError, LaunchState, LocalCluster, WorkerLaunch
 from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
 from tests.integration.workerfns import wait_until, whoami
 
@@ -54,8 +54,25 @@ def two_replicas_spec() -> GraphSpec:
     return wf.to_spec()
 
 
-def cluster_of(spec: GraphSpec) -> LocalCluster:
-    return LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"))
+def cluster_of(spec: GraphSpec, **options) -> LocalCluster:
+    return LocalCluster(spec, allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0,
+                        extra_args=("--drain-timeout", "5"), **options)
+
+
+class Launches:
+    """Each replica's launch steps (`on_launch`), in the order reported."""
+
+    def __init__(self) -> None:
+        self.seen: list[WorkerLaunch] = []
+
+    async def __call__(self, launch: WorkerLaunch) -> None:
+        self.seen.append(launch)
+
+    def streams(self) -> dict[str, list[LaunchState]]:
+        out: dict[str, list[LaunchState]] = {}
+        for launch in self.seen:
+            out.setdefault(launch.worker_id, []).append(launch.state)
+        return out
 
 
 async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
@@ -95,19 +112,48 @@ async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
 
 
 @pytest.mark.parametrize("fork_server", [True, False])
+async def test_each_replica_is_reported_starting_with_its_process_then_ready(fork_server):
+    launches = Launches()
+    cluster = cluster_of(two_replicas_spec(), on_launch=launches, fork_server=fork_server)
+    try:
+        await cluster.start()
+        workers = {w.worker_id: w for w in cluster.workers}
+        assert launches.streams() == {worker_id: [LaunchState.STARTING, LaunchState.READY] for worker_id in workers}
+        for launch in launches.seen:
+            worker = workers[launch.worker_id]
+            assert (launch.role, launch.pid, launch.host, launch.generation, launch.error) == (
+                "py", worker.pid, "127.0.0.1", 0, "")
+            assert launch.worker is (worker if launch.state is LaunchState.READY else None)
+        assert sorted(launch.index for launch in launches.seen if launch.state is LaunchState.READY) == [0, 1]
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("fork_server", [True, False])
 async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leaves_nothing_running(fork_server):
     """Forked or spawned: the workers still starting when one fails are ended too."""
     wf = Workflow("zygotebad")
     wf.role("py", kind="python", replicas=2)
     wf.role("bad", kind="llm", model="no-such-model")
     wf.input("x", "json")
-    cluster = LocalCluster(wf.to_spec(), allow_module_ops=True, heartbeat_s=HB, stop_timeout_s=10.0, extra_args=("--drain-timeout", "5"),
-                           fork_server=fork_server)
+    launches = Launches()
+    cluster = cluster_of(wf.to_spec(), fork_server=fork_server, on_launch=launches)
     # Other tests' long-lived helpers (a live studio, say) may be children of this process too.
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     with pytest.raises(LaunchError, match=r"exited with status 1 before it was ready"):
         await cluster.start()
     assert cluster.workers == []
+    # The role that cannot start is reported starting, then failed with the reason; the others
+    # were ready, or abandoned when its failure cancelled them.
+    streams = launches.streams()
+    (bad,) = [launch for launch in launches.seen if launch.role == "bad" and launch.state is not LaunchState.STARTING]
+    assert streams[bad.worker_id] == [LaunchState.STARTING, LaunchState.FAILED]
+    assert re.search(r"worker .*-bad-0-\d+ of role 'bad' exited with status 1 before it was ready", bad.error)
+    assert bad.pid is not None and bad.worker is None
+    py = [states for worker_id, states in streams.items() if worker_id != bad.worker_id]
+    assert len(py) == 2
+    assert all(states in ([LaunchState.STARTING, LaunchState.READY], [LaunchState.STARTING, LaunchState.ABANDONED])
+               for states in py), py
     # The zygote and the worker that did start are stopped and reaped: no child of this start is left.
     assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c.pid)] == []
 
@@ -142,7 +188,7 @@ async def test_a_sigkilled_zygote_leaves_no_orphans():
 
 LAUNCHER = """
 import asyncio, json, sys
-from engine.worker.launcher import LaunchError, LocalCluster
+from engine.worker.launcher import LaunchError, LaunchState, LocalCluster, WorkerLaunch
 from tests.integration.test_zygote import two_replicas_spec
 
 async def main():

@@ -1,7 +1,7 @@
 """How a node counts a role's lost replicas for supervision (`records.loss_streak`): young
 losses in a row, latest first, ended by a replica that had lasted; follower ranks, live
 workers, other roles and other nodes do not count; a failed start counts once, however many
-replicas it was to bring up."""
+replicas it was to bring up, and however long it took."""
 
 from __future__ import annotations
 
@@ -51,10 +51,15 @@ def test_young_losses_in_a_row_count_until_one_that_lasted(deployment: Deploymen
 
 def test_a_failed_start_counts_once_and_nothing_lost_counts_nothing(deployment: Deployment) -> None:
     assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0) == (0, None)
-    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-x"), ("py", "py-y"), ("py", "py-z")])
+    records.fail_starts(str(deployment.pk), NODE, [records.FailedStart("py", w, "worker py-x exited")
+                                                   for w in ("py-x", "py-y", "py-z")])
     streak, latest = records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)
     assert streak == 1 and latest is not None
-    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-w")])
+    records.starting_workers(str(deployment.pk), [records.StartingWorker("py-w", "py", NODE, pid=1)])
+    records.fail_starts(str(deployment.pk), NODE, [records.FailedStart("py", "py-w", "slow")])
     assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)[0] == 2
     failed = Worker.objects.get(worker_id="py-x")
-    assert (failed.status, failed.pid, failed.host) == ("lost", None, NODE)
+    assert (failed.status, failed.pid, failed.host, failed.error) == ("failed", None, NODE, "worker py-x exited")
+    # However long a failed start took, it counts (it never stayed up).
+    Worker.objects.filter(worker_id="py-w").update(started_at=timezone.now() - datetime.timedelta(hours=1))
+    assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)[0] == 2

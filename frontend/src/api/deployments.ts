@@ -19,7 +19,10 @@ export interface DeploymentWorker {
   address: string;
   device: string;
   pid: number | null;
+  /** starting, ready, busy, draining, stopped, lost, failed (or joined). */
   status: string;
+  /** failed: why it did not come up (empty otherwise). */
+  error: string;
   started_at: string | null;
   last_seen_at: string | null;
   /** Its latest registry snapshot (load, metrics); null when it is not registered (yet, or any more). */
@@ -67,7 +70,44 @@ export const deployments = {
 
 /** What a worker is doing, in a word: its recorded state, or busy/ready from its heartbeat. */
 export function workerState(worker: DeploymentWorker): string {
-  if (["stopped", "lost", "draining", "starting"].includes(worker.status) || worker.rank > 0) return worker.status;
+  if (["stopped", "lost", "failed", "draining", "starting"].includes(worker.status) || worker.rank > 0) return worker.status;
   if (!worker.live) return worker.status === "ready" || worker.status === "busy" ? "starting" : worker.status;
   return worker.live.load.busy ? "busy" : "ready";
+}
+
+/** Why a failed worker did not come up, its first line (the whole text is `worker.error`); null otherwise. */
+export function failureReason(worker: DeploymentWorker): string | null {
+  if (worker.status !== "failed") return null;
+  return worker.error.split("\n").find((line) => line.trim())?.trim() ?? "it did not come up (no reason recorded)";
+}
+
+/** A row of the workers table: a worker's, or a placeholder for a replica with no worker row yet. */
+export interface WorkerRow extends DeploymentWorker {
+  placeholder?: boolean;
+}
+
+/**
+ * The workers table's rows, by role, replica and rank. `expected` (a live deployment's replica
+ * counts): each replica with no live worker row yet gets a `starting` placeholder, until its
+ * worker's own row (written as soon as its process is spawned) takes its place.
+ */
+export function workerRows(workers: DeploymentWorker[], expected?: Record<string, number>): WorkerRow[] {
+  const rows: WorkerRow[] = [...workers];
+  for (const [role, count] of Object.entries(expected ?? {})) {
+    const taken = new Set(workers.filter((w) => w.role === role && w.rank === 0 && w.replica !== null).map((w) => w.replica));
+    for (let replica = 0; replica < count; replica++) {
+      if (taken.has(replica)) continue;
+      rows.push({
+        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", pid: null,
+        status: "starting", error: "", started_at: null, last_seen_at: null, live: null, placeholder: true,
+      });
+    }
+  }
+  return rows.sort(
+    (a, b) =>
+      a.role.localeCompare(b.role) ||
+      (a.replica ?? Number.MAX_SAFE_INTEGER) - (b.replica ?? Number.MAX_SAFE_INTEGER) ||
+      a.rank - b.rank ||
+      a.worker_id.localeCompare(b.worker_id),
+  );
 }

@@ -1,30 +1,14 @@
-/** A deployment's workers as they come up: role, replica (and rank), where, state. */
-import { type DeploymentWorker, workerState } from "../api/deployments";
+/** A deployment's workers as they come up: role, replica (and rank), where, state (and why one failed). */
+import { type DeploymentWorker, failureReason, workerRows, workerState } from "../api/deployments";
 import { formatTime } from "../components/ui";
 
 /**
- * `expected` (a live deployment's replica counts): replicas with no worker yet are listed too,
- * as `starting` rows, so the table fills in as they come up.
+ * `expected` (a live deployment's replica counts): replicas with no worker row yet are listed too,
+ * as `starting` placeholders, until each worker's own row (`starting` from the moment its process
+ * is spawned, then `ready`, or `failed` with its reason) takes its place.
  */
 export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[]; expected?: Record<string, number> }) {
-  const rows: (DeploymentWorker & { placeholder?: boolean })[] = [...workers];
-  for (const [role, count] of Object.entries(expected ?? {})) {
-    const taken = new Set(workers.filter((w) => w.role === role && w.rank === 0 && w.replica !== null).map((w) => w.replica));
-    for (let replica = 0; replica < count; replica++) {
-      if (taken.has(replica)) continue;
-      rows.push({
-        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", pid: null,
-        status: "starting", started_at: null, last_seen_at: null, live: null, placeholder: true,
-      });
-    }
-  }
-  const shown = rows.sort(
-    (a, b) =>
-      a.role.localeCompare(b.role) ||
-      (a.replica ?? Number.MAX_SAFE_INTEGER) - (b.replica ?? Number.MAX_SAFE_INTEGER) ||
-      a.rank - b.rank ||
-      a.worker_id.localeCompare(b.worker_id),
-  );
+  const shown = workerRows(workers, expected);
   const up = workers.filter((w) => w.rank === 0 && ["ready", "busy"].includes(workerState(w))).length;
   const wanted = expected ? Object.values(expected).reduce((a, b) => a + b, 0) : null;
   return (
@@ -52,6 +36,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
           <tbody>
             {shown.map((w) => {
               const state = workerState(w);
+              const reason = failureReason(w);
               return (
                 <tr
                   key={w.worker_id}
@@ -59,6 +44,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                   data-role={w.role}
                   data-replica={w.replica ?? ""}
                   data-state={state}
+                  data-worker={w.placeholder ? undefined : w.worker_id}
                   data-placeholder={w.placeholder ? "yes" : undefined}
                   title={w.placeholder ? "not up yet" : w.worker_id}
                 >
@@ -77,6 +63,11 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                       <span className="dot" />
                       {state}
                     </span>
+                    {reason && (
+                      <div className="danger-text small worker-error" data-testid="worker-error" title={w.error}>
+                        {reason}
+                      </div>
+                    )}
                   </td>
                   <td className="muted small">{formatTime(w.started_at)}</td>
                 </tr>

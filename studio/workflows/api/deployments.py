@@ -95,7 +95,8 @@ class WorkerRowSerializer(serializers.Serializer):
     address = serializers.CharField()
     device = serializers.CharField()
     pid = serializers.IntegerField(allow_null=True)
-    status = serializers.CharField()
+    status = serializers.CharField(help_text="starting, ready, busy, draining, stopped, lost, or failed")
+    error = serializers.CharField(help_text="failed: why it did not come up")
     started_at = serializers.DateTimeField()
     last_seen_at = serializers.DateTimeField(allow_null=True)
 
@@ -166,7 +167,7 @@ class DeploymentDetailSerializer(DeploymentSerializer):
         for snap in live.values():  # joined by hand (omniflow worker --namespace ...)
             rows.append({"worker_id": snap.worker_id, "role": snap.role, "host": snap.info.host,
                          "address": snap.info.address, "device": snap.info.device, "pid": snap.info.pid,
-                         "status": "joined", "started_at": None, "last_seen_at": None, "replica": None, "rank": 0,
+                         "status": "joined", "error": "", "started_at": None, "last_seen_at": None, "replica": None, "rank": 0,
                          "live": snap.to_dict()})
         return rows
 

@@ -10,6 +10,12 @@ filled from their READY lines (no load metrics then: nothing heartbeats into it)
 A hosted deployment's cluster supervises its workers (unless OMNIFLOW_WORKER_RESTART=0): a
 worker that ends unasked is marked lost and a replacement takes its place, with its own row.
 
+The worker rows follow each replica as it comes up (the cluster's `WorkerLaunch` steps): starting
+once its process is spawned (with host and pid), ready once registered (with its follower ranks),
+failed with the reason when it did not come up, stopped when its start was abandoned: a stop
+that comes while a deployment's workers first start cancels that start (`undeploy`) rather than
+waiting for it.
+
 Every coroutine runs on the engine loop of the process's `RunService`, which owns this
 object (`RunService.call`); `deploy`/`undeploy` also write the deployment's status and
 worker rows. It is the `ExecutorSource` of runs submitted against a deployment: its own
@@ -31,12 +37,20 @@ from django.db import close_old_connections, connections
 from engine.client.cluster import RegistryError, WorkerSnapshot
 from engine.client.plane import PromptTokenizer, WorkerPlane
 from engine.client.runs import Executor
-from engine.client.workers import LaunchedWorker, LaunchError, LocalCluster, ReplicaEvent, ReplicaEventKind
+from engine.client.workers import (
+    LaunchedWorker,
+    LaunchError,
+    LaunchState,
+    LocalCluster,
+    ReplicaEvent,
+    ReplicaEventKind,
+    WorkerLaunch,
+)
 from engine.spec.kinds import KindRegistry
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
 from studio.workflows.deployments.reach import NamespaceExecutors
-from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
+from studio.workflows.deployments.records import DeploymentTicket, FailedStart, StartedWorker, StartingWorker
 from studio.workflows.models import DeploymentStatus, WorkerStatus
 from studio.workflows.runs.execution import DeploymentUnavailable
 from studio.workflows.runs.store import RunTicket
@@ -75,6 +89,8 @@ class EmbeddedDeployments:
         self.reach = NamespaceExecutors(kinds, config.redis_url, prompt_tokenizer=prompt_tokenizer)
         self._hosted: dict[str, _Hosted] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._starting: dict[str, asyncio.Task[Any]] = {}
+        """Deployment id -> the deploy whose workers are first starting (`undeploy` cancels it)."""
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ database
@@ -112,7 +128,7 @@ class EmbeddedDeployments:
             if not scaling:
                 await self._orm(records.set_status, deployment_id, DeploymentStatus.STARTING, unless=_ENDED)
             try:
-                started, stopped = await self._reconcile(ticket)
+                stopped = await self._reconcile(ticket, cancellable=not scaling)
             except LaunchError as exc:
                 log.warning("deployment %s: workers failed to start: %s", deployment_id, exc)
                 if scaling:  # what runs keeps serving
@@ -123,18 +139,18 @@ class EmbeddedDeployments:
                 await self._orm(records.stop_all_workers, deployment_id)
                 await self._orm(records.set_status, deployment_id, DeploymentStatus.FAILED, str(exc), unless=_ENDED)
                 return
-            # Only the workers still up: one lost while the others started is the supervisor's
-            # (its rows, if any, say lost), not a READY row written after the fact.
-            hosted = self._hosted.get(deployment_id)
-            live = {w.worker_id for r in hosted.cluster.workers for w in r.processes} if hosted else set()
-            await self._orm(records.add_workers, deployment_id, [w for w in started if w.worker_id in live])
+            # The started workers' rows were written as they came up (`_launch`).
             await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
             if not await self._orm(records.set_status, deployment_id, DeploymentStatus.RUNNING, unless=_ENDED):
                 stopped = await self._stop_hosted(deployment_id)  # a stop came while the workers started
                 await self._orm(records.set_worker_status, stopped, WorkerStatus.STOPPED)
 
     async def undeploy(self, deployment_id: str) -> None:
-        """Stop the deployment's workers here and mark it stopped: idempotent."""
+        """Stop the deployment's workers here and mark it stopped: idempotent. Workers still
+        starting for its first start are abandoned (their rows say stopped)."""
+        starting = self._starting.get(deployment_id)
+        if starting is not None:
+            starting.cancel()  # the deploy ends what it started and lets go of the lock
         async with self._lock(deployment_id):
             ticket = await self._orm(records.ticket, deployment_id)
             stopped = await self._stop_hosted(deployment_id)
@@ -146,7 +162,20 @@ class EmbeddedDeployments:
         self._locks.pop(deployment_id, None)
 
     # ---------------------------------------------------------------- processes
-    async def _reconcile(self, ticket: DeploymentTicket) -> tuple[list[StartedWorker], list[str]]:
+    async def _reconcile(self, ticket: DeploymentTicket, *, cancellable: bool) -> list[str]:
+        """Start or retire replicas to the ticket's counts; the worker ids it stopped.
+        `cancellable`: a first start, which `undeploy` may cancel meanwhile."""
+        if not cancellable:
+            return await self._reconcile_now(ticket)
+        task = asyncio.current_task()
+        assert task is not None  # on the engine loop
+        self._starting[ticket.deployment_id] = task
+        try:
+            return await self._reconcile_now(ticket)
+        finally:
+            self._starting.pop(ticket.deployment_id, None)
+
+    async def _reconcile_now(self, ticket: DeploymentTicket) -> list[str]:
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is None:
             cluster = LocalCluster(
@@ -157,18 +186,21 @@ class EmbeddedDeployments:
                 keys=ticket.keys,
                 ready_timeout_s=self.config.worker_ready_timeout_s,
                 stop_timeout_s=STOP_TIMEOUT_S,
-                extra_args=("--listen", self.config.worker_listen),
                 restart=self.config.restart_policy if self.config.worker_restart else None,
                 on_event=functools.partial(self._replica_event, ticket),
+                on_launch=functools.partial(self._launch, ticket),
+                listen=self.config.worker_listen,
             )
-            await cluster.start()  # stops what it started when one worker fails
+            try:
+                await cluster.start()  # stops what it started when one worker fails, or when cancelled
+            except asyncio.CancelledError:
+                await cluster.stop()  # cancelled just as it finished starting: nothing may be left running
+                raise
             plane = WorkerPlane.over(cluster.registry, ticket.keys, self.kinds, prompt_tokenizer=self.prompt_tokenizer)
             hosted = _Hosted(ticket.deployment_id, ticket.namespace, cluster, plane,
                              next_index={r.name: r.replicas for r in ticket.spec.roles})
             self._hosted[ticket.deployment_id] = hosted
-            devices = {r.name: r.device for r in ticket.spec.roles}
-            return [row for w in cluster.workers for row in _started(w, devices[w.role])], []
-        started: list[StartedWorker] = []
+            return []
         stopped: list[str] = []
         for role in ticket.spec.roles:
             mine = [w for w in hosted.cluster.workers if w.role == role.name]
@@ -177,24 +209,35 @@ class EmbeddedDeployments:
             for _ in range(-excess):
                 index = hosted.next_index.get(role.name, 0)
                 hosted.next_index[role.name] = index + 1
-                worker = await hosted.cluster.spawn(role.name, index)
-                started += _started(worker, role.device)
+                await hosted.cluster.spawn(role.name, index)
             if excess > 0:
                 excess -= await hosted.cluster.cancel_restarts(role.name, excess)
             for worker in mine[len(mine) - excess:] if excess > 0 else []:
                 await hosted.cluster.retire(worker)  # it drains and deregisters; then its ranks stop
                 stopped += [w.worker_id for w in worker.processes]
-        return started, stopped
+        return stopped
+
+    async def _launch(self, ticket: DeploymentTicket, launch: WorkerLaunch) -> None:
+        """A replica's row follows it as it comes up (a replacement's too, under its own id)."""
+        device = ticket.spec.role(launch.role).device
+        if launch.state is LaunchState.STARTING:
+            await self._orm(records.starting_workers, ticket.deployment_id, [StartingWorker(
+                worker_id=launch.worker_id, role=launch.role, host=launch.host, pid=launch.pid, device=device)])
+        elif launch.state is LaunchState.READY and launch.worker is not None:
+            await self._orm(records.add_workers, ticket.deployment_id, _started(launch.worker, device))
+        elif launch.state is LaunchState.FAILED:
+            await self._orm(records.fail_starts, ticket.deployment_id, launch.host,
+                            [FailedStart(launch.role, launch.worker_id, launch.error)])
+        elif launch.state is LaunchState.ABANDONED:
+            await self._orm(records.set_worker_status, [launch.worker_id], WorkerStatus.STOPPED)
 
     async def _replica_event(self, ticket: DeploymentTicket, event: ReplicaEvent) -> None:
         """The worker rows follow the cluster's supervision: a lost replica's rows are marked
-        lost, a replacement gets rows of its own; a slot given up is said on the deployment."""
+        lost (a replacement's rows follow its launch, `_launch`); a slot given up is said on the
+        deployment."""
         if event.kind is ReplicaEventKind.LOST and event.worker is not None:
             await self._orm(records.set_worker_status, [w.worker_id for w in event.worker.processes],
                             WorkerStatus.LOST)
-        elif event.kind is ReplicaEventKind.REPLACED and event.worker is not None:
-            device = ticket.spec.role(event.role).device
-            await self._orm(records.add_workers, ticket.deployment_id, _started(event.worker, device))
         elif event.kind is ReplicaEventKind.GAVE_UP:
             await self._orm(records.set_status, ticket.deployment_id, DeploymentStatus.RUNNING,
                             f"role {event.role!r} runs one replica short: worker {event.replaces} was lost and"

@@ -9,7 +9,9 @@ file under `<data dir>/deployments/<id>/`, and it reads the deployment's CURVE k
 this user, removed when the deployment stops here). A worker row records its pid and the node
 (`Worker.host`), so `reconcile` and `stop` find them again: a row whose process is gone
 (or whose pid now runs something else) is marked lost. Readiness is the registration
-seen in Redis, never a sleep.
+seen in Redis, never a sleep. The rows follow the workers as they come up: starting once
+their processes are spawned, ready once registered, failed (with the reason) when a start
+did not come up.
 
 Both operations are idempotent: `reconcile` starts what is missing and stops what is
 beyond this node's share of the replicas (the deployment's placement: `DeploymentTicket.share`);
@@ -49,7 +51,7 @@ from engine.client.workers import HOST_ID_ENV, LaunchError, WorkerOptions, leade
 from engine.spec.graph import encode_spec
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
-from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
+from studio.workflows.deployments.records import DeploymentTicket, FailedStart, StartedWorker, StartingWorker
 from studio.workflows.models import Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -197,10 +199,11 @@ class NodeAgent:
         if wanted:
             try:
                 started = self._start(ticket, wanted)
-            except LaunchError:
-                # On record as lost at once: supervision counts a replica that never came up as a
-                # failed replacement, and backs off (`studio.workflows.tasks.supervise_node`).
-                records.add_failed_starts(ticket.deployment_id, self.node, wanted)
+            except LaunchError as exc:
+                # On record as failed at once, with why: supervision counts a replica that never came
+                # up as a failed replacement, and backs off (`studio.workflows.tasks.supervise_node`).
+                records.fail_starts(ticket.deployment_id, self.node,
+                                    [FailedStart(role, worker_id, str(exc)) for role, worker_id in wanted])
                 raise
             records.add_workers(ticket.deployment_id, started)
         return Reconciled(started=[w for _, w in wanted], stopped=stopped, lost=lost)
@@ -249,6 +252,7 @@ class NodeAgent:
                                     listen=self.config.worker_listen, heartbeat_s=HEARTBEAT_S,
                                     registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir,
                                     allow_module_ops=self.config.allow_module_ops)
+            devices = {r.name: r.device for r in ticket.spec.roles}
             for role, worker_id in wanted:
                 with replica_processes(role, worker_id, ticket.spec.role(role).tp_size, options) as ranks:
                     for rank in ranks:
@@ -259,10 +263,13 @@ class NodeAgent:
                                 rank.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, pass_fds=rank.pass_fds,
                             )
+                # Seen starting at once (every rank: a sweep meanwhile finds the replica whole).
+                records.starting_workers(ticket.deployment_id, [
+                    StartingWorker(worker_id=rank.worker_id, role=role, host=self.node,
+                                   pid=processes[rank.worker_id].pid, device=devices[role]) for rank in ranks])
             registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
                                                       [w for _, w in wanted]))
             undo.pop_all()
-        devices = {r.name: r.device for r in ticket.spec.roles}
         rows = [StartedWorker(worker_id=s.info.worker_id, role=s.info.role, address=s.info.address, host=self.node,
                               pid=s.info.pid, device=devices.get(s.info.role, s.info.device))
                 for s in registered]

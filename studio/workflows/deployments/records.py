@@ -1,6 +1,10 @@
 """The database side of deployments: status changes and the worker rows that mirror the
 registry. Synchronous (ORM); the embedded service calls them from its database thread,
 the node agent from its Celery task.
+
+A worker's row follows it as it comes up: `starting_workers` once its process is spawned
+(status starting, with its host and pid), `add_workers` once it registered (ready), or
+`fail_starts` when it did not come up (failed, with the reason in `Worker.error`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from django.utils import timezone
 from engine.client.cluster import Placement
 from engine.client.graphs import parse_spec
 from engine.client.keys import PlaneKeys
-from engine.client.workers import leader_worker_id
+from engine.client.workers import TP_RANK_SUFFIX, leader_worker_id
 from engine.spec.graph import GraphSpec
 from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
@@ -134,13 +138,37 @@ def set_status(deployment_id: str, status: DeploymentStatus, error: str = "", *,
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class StartingWorker:
+    """A role worker whose process is spawned but which has not registered yet."""
+
+    worker_id: str
+    role: str
+    host: str
+    pid: int | None
+    device: str = "cpu"
+
+
+def starting_workers(deployment_id: str, workers: list[StartingWorker]) -> None:
+    """Rows, status starting, for workers whose processes were just spawned."""
+    now = timezone.now()
+    for w in workers:
+        Worker.objects.update_or_create(
+            worker_id=w.worker_id,
+            defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": "", "pid": w.pid,
+                      "device": w.device, "status": WorkerStatus.STARTING, "error": "", "last_seen_at": now},
+        )
+
+
 def add_workers(deployment_id: str, workers: list[StartedWorker]) -> None:
+    """The rows of workers that came up (ready), made or moved on from starting."""
     now = timezone.now()
     for w in workers:
         Worker.objects.update_or_create(
             worker_id=w.worker_id,
             defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": w.address,
-                      "pid": w.pid, "device": w.device, "status": WorkerStatus.READY, "last_seen_at": now},
+                      "pid": w.pid, "device": w.device, "status": WorkerStatus.READY, "error": "",
+                      "last_seen_at": now},
         )
 
 
@@ -164,20 +192,35 @@ def live_workers(deployment_id: str, host: str | None = None) -> list[Worker]:
 
 
 def unowned_workers(host: str) -> list[Worker]:
-    """Rows of workers on `host` marked lost or stopped recently (within a day) whose pid was
+    """Rows of workers on `host` marked lost, stopped or failed recently (within a day) whose pid was
     recorded: a process may still run for them (its node was away when it was marked)."""
     since = timezone.now() - datetime.timedelta(days=1)
-    return list(Worker.objects.filter(host=host, status__in=(WorkerStatus.LOST, WorkerStatus.STOPPED),
+    return list(Worker.objects.filter(host=host, status__in=(WorkerStatus.LOST, WorkerStatus.STOPPED,
+                                                             WorkerStatus.FAILED),
                                       pid__isnull=False, last_seen_at__gte=since))
 
 
-def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str]]) -> None:
-    """Rows, lost at once, for replicas ((role, rank 0's worker id)) that did not come up."""
+@dataclass(frozen=True, slots=True)
+class FailedStart:
+    """A replica that did not come up: its role, rank 0's worker id, and why."""
+
+    role: str
+    worker_id: str
+    error: str
+
+
+def fail_starts(deployment_id: str, host: str, failed: list[FailedStart]) -> None:
+    """Mark replicas that did not come up failed, with their reasons: rank 0's row (made if its
+    process never got one) and its follower ranks' rows. Rows failed together share their time
+    (`loss_streak` counts them as one failed start)."""
     now = timezone.now()
-    for role, worker_id in workers:
-        Worker.objects.update_or_create(worker_id=worker_id, defaults={
-            "deployment_id": deployment_id, "role": role, "host": host, "status": WorkerStatus.LOST,
-            "last_seen_at": now})
+    for start in failed:
+        error = start.error[:4000]
+        Worker.objects.update_or_create(worker_id=start.worker_id, defaults={
+            "deployment_id": deployment_id, "role": start.role, "host": host, "status": WorkerStatus.FAILED,
+            "error": error, "last_seen_at": now})
+        (Worker.objects.filter(deployment_id=deployment_id, worker_id__startswith=f"{start.worker_id}{TP_RANK_SUFFIX}")
+         .update(status=WorkerStatus.FAILED, error=error, last_seen_at=now))
 
 
 def running_on(node: str) -> list[str]:
@@ -247,22 +290,23 @@ def loss_streak(deployment_id: str, host: str, role: str, healthy_s: float) -> t
     """How many replicas of `role` of the deployment on `host` were lost in a row, latest loss
     first, each before it had stayed up `healthy_s`, and when the latest was lost. A replica
     lost after staying up that long ends the row. A tensor-parallel replica counts once (its
-    rank 0's row), and so does one failed start (`add_failed_starts`), however many replicas
-    it was to bring up."""
-    rows = (Worker.objects.filter(deployment_id=deployment_id, host=host, role=role, status=WorkerStatus.LOST)
+    rank 0's row), and so does one failed start (`fail_starts`), however many replicas it was
+    to bring up."""
+    rows = (Worker.objects.filter(deployment_id=deployment_id, host=host, role=role,
+                                  status__in=(WorkerStatus.LOST, WorkerStatus.FAILED))
             .order_by(F("last_seen_at").desc(nulls_last=True))
-            .values_list("worker_id", "pid", "started_at", "last_seen_at"))
+            .values_list("worker_id", "status", "started_at", "last_seen_at"))
     streak, latest = 0, None
     failed_starts: set[datetime.datetime] = set()
-    for worker_id, pid, started, lost_at in rows:
+    for worker_id, status, started, lost_at in rows:
         if leader_worker_id(worker_id) is not None or lost_at is None:
             continue  # a follower rank (its rank 0 counts), or a row with no time of loss
-        if (lost_at - started).total_seconds() >= healthy_s:
-            break
-        if pid is None:  # a failed start: its rows share the time they were written
+        if status == WorkerStatus.FAILED:  # a failed start, however long it took: its rows share their time
             if lost_at in failed_starts:
                 continue
             failed_starts.add(lost_at)
+        elif (lost_at - started).total_seconds() >= healthy_s:
+            break
         streak += 1
         latest = latest or lost_at
     return streak, latest

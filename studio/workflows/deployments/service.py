@@ -322,7 +322,7 @@ def resume_embedded() -> list[str]:
     ids = [str(pk) for pk in Deployment.objects.filter(node="", status__in=ACTIVE_DEPLOYMENT_STATUSES)
            .values_list("pk", flat=True)]
     for deployment_id in ids:
-        Worker.objects.filter(deployment_id=deployment_id).exclude(status=WorkerStatus.STOPPED).update(
+        Worker.objects.filter(deployment_id=deployment_id).exclude(status__in=(WorkerStatus.STOPPED, WorkerStatus.FAILED)).update(
             status=WorkerStatus.LOST)
         if Deployment.objects.filter(pk=deployment_id, status=DeploymentStatus.STOPPING).exists():
             stop(deployment_id, "")

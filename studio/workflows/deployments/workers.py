@@ -104,7 +104,7 @@ class ReplicaSeat:
     rank: int
 
 
-ENDED_WORKER_STATUSES = frozenset({WorkerStatus.STOPPED, WorkerStatus.LOST})
+ENDED_WORKER_STATUSES = frozenset({WorkerStatus.STOPPED, WorkerStatus.LOST, WorkerStatus.FAILED})
 
 
 def replica_seats(rows: list[Worker]) -> dict[str, ReplicaSeat]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import _show_progress, main
+from engine.flow.dsl import Workflow
 from engine.flow.events import NodeProgressEvent
 from engine.flow.loader import load_workflow
 from engine.spec.graph import encode_spec
@@ -212,6 +213,35 @@ def test_run_prints_progress_on_stderr(capsys):
     assert out == "sum: 252\n"
     lines = err.splitlines()
     assert any(line.startswith("  total: running on diamond-py-") for line in lines), lines  # its worker
+    assert lines[-1].startswith("run ") and " done in " in lines[-1]
+
+
+def llm_workflow(path: Path, max_new_tokens: int) -> str:
+    """A GraphSpec file: text -> an llm node on the random-weight `tiny-llama` -> text."""
+    wf = Workflow("tokens")
+    llm = wf.role("llm", kind="llm", model="tiny-llama", params={"page_size": 4})
+    prompt = wf.input("prompt", "text", default="count the tokens")
+    gen = wf.node("gen", "llm", role=llm, params={"max_new_tokens": max_new_tokens, "ignore_eos": True})
+    wf.edge(prompt, gen.inp("prompt"))
+    wf.output("reply", gen.out("text"), "text")
+    path.write_bytes(encode_spec(wf.to_spec()))
+    return str(path)
+
+
+@pytest.mark.parametrize("workers", ["local", "inproc"])
+def test_run_of_an_llm_workflow_prints_its_tokens_of_max_new_tokens_on_stderr(capsys, tmp_path, workers):
+    assert main(["run", llm_workflow(tmp_path / "tokens.json", 12), "--workers", workers]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("reply: ")
+    bars = [line for line in err.splitlines() if line.startswith("  gen: [")]
+    # From nothing to all of max_new_tokens, never backwards, each bar matching its count.
+    assert bars[0] == "  gen: [--------------------] 0% 0/12 tokens", err
+    assert bars[-1] == "  gen: [####################] 100% 12/12 tokens", err
+    counts = [int(line.rsplit(" ", 2)[1].split("/")[0]) for line in bars]
+    assert counts == sorted(counts) and all(line.endswith(f"{n}/12 tokens") for line, n in zip(bars, counts, strict=True))
+    assert all(line.split("] ")[1].startswith(f"{n * 100 / 12:.0f}%") for line, n in zip(bars, counts, strict=True))
+    lines = err.splitlines()
+    assert lines.index(bars[0]) > next(i for i, line in enumerate(lines) if line.startswith("  gen: running"))
     assert lines[-1].startswith("run ") and " done in " in lines[-1]
 
 
