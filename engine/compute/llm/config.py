@@ -33,6 +33,10 @@ class EngineConfig:
       its pages are freed when it ends.
     * `session_ttl_s`: an idle session's pages stay pinned this long.
     * `seed`: seeds the draws of requests that carry no seed of their own.
+    * `packed_weights`: in bfloat16 on a CPU with native oneDNN bfloat16, keep the linear
+      weights packed in oneDNN's layout too (`engine.compute.llm.layers.packed_weight`): faster
+      products, at the cost of a second copy of those weights in each worker process, beside
+      the one its host shares.
     """
 
     page_size: int = 16
@@ -47,6 +51,7 @@ class EngineConfig:
     prefix_cache: bool = True
     session_ttl_s: float = 600.0
     seed: int | None = 0
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running", "max_prefill_tokens", "device_pages"):

@@ -284,7 +284,12 @@ def _plain(linear: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+def _unpacked(weight: torch.Tensor) -> None:
+    return None
+
+
+def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tensor],
+                pack: Callable[[torch.Tensor], torch.Tensor | None]) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj),
                          ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj)):
@@ -306,10 +311,10 @@ def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tens
         down_proj=mlp.down_proj,
         act=act,
         intermediate=int(mlp.gate_proj.weight.shape[0]),
-        qkv_packed=packed_weight(qkv_weight),
-        o_packed=None if o_weight is None else packed_weight(o_weight),
-        gate_up_packed=packed_weight(gate_up_weight),
-        down_packed=None if down_weight is None else packed_weight(down_weight),
+        qkv_packed=pack(qkv_weight),
+        o_packed=None if o_weight is None else pack(o_weight),
+        gate_up_packed=pack(gate_up_weight),
+        down_packed=None if down_weight is None else pack(down_weight),
     )
 
 
@@ -332,7 +337,9 @@ class DecoderWeights:
     """`lm_weight` in oneDNN's packed layout, where `packed_weight` makes one."""
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> DecoderWeights:
+    def of(cls, model: torch.nn.Module, *, packed: bool = True) -> DecoderWeights:
+        """`packed`: also bind the weights in oneDNN's packed layout where `packed_weight` makes one."""
+        pack = packed_weight if packed else _unpacked
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or any(not hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
@@ -348,11 +355,11 @@ class DecoderWeights:
             raise UnsupportedModelError(f"lm_head is a {type(model.lm_head).__name__}, not a linear layer")
         return cls(
             embed=inner.embed_tokens,
-            layers=tuple(_bind_layer(layer, act) for layer in inner.layers),
+            layers=tuple(_bind_layer(layer, act, pack) for layer in inner.layers),
             final_norm=rms_norm(inner.norm),
             lm_weight=model.lm_head.weight,
             lm_bias=model.lm_head.bias,
-            lm_packed=packed_weight(model.lm_head.weight),
+            lm_packed=pack(model.lm_head.weight),
             rotary=RotaryTable(inner.rotary_emb, head_dim, weight.dtype, weight.device),
             num_heads=int(cfg.num_attention_heads),
             num_kv_heads=int(cfg.num_key_value_heads),

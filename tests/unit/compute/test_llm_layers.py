@@ -204,3 +204,36 @@ def test_bfloat16_runs_end_to_end_with_a_bfloat16_kv_layout():
     finally:
         engine.close()
     assert len(out.output_ids) == 5
+
+
+NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="this CPU's oneDNN has no native bfloat16: nothing is packed")
+def test_packed_bfloat16_products_give_f_linear_to_the_bit_and_packing_can_be_turned_off():
+    model = load_builtin("tiny-llama", dtype="bfloat16")
+    packed = DecoderWeights.of(model.model)
+    plain = DecoderWeights.of(model.model, packed=False)
+    layer, bare = packed.layers[0], plain.layers[0]
+    assert layer.qkv_packed is not None and layer.gate_up_packed is not None and packed.lm_packed is not None
+    assert bare.qkv_packed is bare.gate_up_packed is bare.o_packed is bare.down_packed is plain.lm_packed is None
+    torch.manual_seed(0)
+    for rows in (1, 4, 40):
+        hidden = torch.randn(rows, layer.qkv_weight.shape[1], dtype=torch.bfloat16)
+        reference = torch.nn.functional.linear(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
+        assert torch.equal(layer.qkv(hidden), reference)
+    # The engine turns it off with its config; the generated tokens do not change.
+    outs = []
+    for on in (True, False):
+        engine = LLMEngine(model, EngineConfig(page_size=4, packed_weights=on))
+        try:
+            assert (engine.forward.weights.lm_packed is not None) is on
+            outs.append(engine.generate([[65, 66, 67, 68, 69, 70]], SamplingParams(max_new_tokens=8))[0].output_ids)
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+
+
+def test_float32_weights_are_never_packed(tiny_llama: LoadedModel):
+    weights = DecoderWeights.of(tiny_llama.model)
+    assert weights.lm_packed is None and all(layer.qkv_packed is None for layer in weights.layers)
