@@ -120,3 +120,31 @@ def gpu_environment(gpus: Sequence[int]) -> dict[str, str]:
     if not gpus:
         return {}
     return {DEVICE_ORDER_ENV: "PCI_BUS_ID", VISIBLE_DEVICES_ENV: ",".join(str(g) for g in gpus)}
+
+
+class GpuPool:
+    """The GPUs of one machine and which of them replicas hold, for launchers that seat replicas
+    as they start them (`LocalCluster`; several clusters of one studio share one pool). Not
+    thread-safe: one event loop uses it."""
+
+    def __init__(self, count: int) -> None:
+        if count < 0:
+            raise GpuAssignmentError(f"a machine has at least 0 GPUs, not {count}")
+        self.count = count
+        self._held: set[int] = set()
+
+    @property
+    def held(self) -> frozenset[int]:
+        return frozenset(self._held)
+
+    def take(self, requests: Sequence[GpuRequest]) -> tuple[GpuGrant, ...]:
+        """Seat `requests` on GPUs nobody holds (`assign_gpus`), holding them from now on; raises
+        `GpuAssignmentError` (and holds nothing) when they do not fit."""
+        grants = assign_gpus(self.count, self._held, requests)
+        for grant in grants:
+            self._held.update(grant.gpus)
+        return grants
+
+    def give_back(self, gpus: Iterable[int]) -> None:
+        """`gpus` are free again (their replica ended for good)."""
+        self._held.difference_update(gpus)

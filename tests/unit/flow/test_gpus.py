@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.flow.gpus import GpuAssignmentError, GpuGrant, GpuRequest, assign_gpus, gpu_environment
+from engine.flow.gpus import GpuAssignmentError, GpuGrant, GpuPool, GpuRequest, assign_gpus, gpu_environment
 from engine.flow.placement import NodeOffer, Placement, PlacementError, RoleDemand, Slot, place
 from engine.spec.resources import Amounts, role_resources
 
@@ -117,3 +117,14 @@ def test_gpus_free_by_count_but_not_by_index_are_not_counted() -> None:
     assert offer.free_gpus == 0
     with pytest.raises(PlacementError, match="needs 1 GPU, 0 free"):
         place([demand("lm", gpus=1)], [offer])
+
+
+def test_a_pool_holds_what_it_gave_until_it_is_given_back() -> None:
+    pool = GpuPool(3)
+    assert seats(pool.take([GpuRequest("a", 0, 1), GpuRequest("b", 0, 1)])) == {("a", 0): (0,), ("b", 0): (1,)}
+    assert seats(pool.take([GpuRequest("c", 0, 1)])) == {("c", 0): (2,)}
+    with pytest.raises(GpuAssignmentError, match="free: none"):
+        pool.take([GpuRequest("d", 0, 1)])
+    assert pool.held == {0, 1, 2}  # the failed take held nothing more
+    pool.give_back((1,))
+    assert seats(pool.take([GpuRequest("d", 0, 1)])) == {("d", 0): (1,)}
