@@ -20,7 +20,6 @@ from engine.spec.graph import GraphSpec
 from engine.worker.launcher import LaunchedWorker, LaunchError, LocalCluster
 
 
-
 @pytest.fixture
 def fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """`fake_gpus(n)`: an `nvidia-smi` listing n GPUs comes first on PATH (0: none on PATH at all)."""

@@ -94,6 +94,7 @@ class WorkerRowSerializer(serializers.Serializer):
     host = serializers.CharField()
     address = serializers.CharField()
     device = serializers.CharField()
+    gpus = serializers.ListField(child=serializers.IntegerField(), help_text="the host's GPU indices it holds")
     pid = serializers.IntegerField(allow_null=True)
     status = serializers.CharField()
     started_at = serializers.DateTimeField()
@@ -165,7 +166,7 @@ class DeploymentDetailSerializer(DeploymentSerializer):
             rows.append(body)
         for snap in live.values():  # joined by hand (omniflow worker --namespace ...)
             rows.append({"worker_id": snap.worker_id, "role": snap.role, "host": snap.info.host,
-                         "address": snap.info.address, "device": snap.info.device, "pid": snap.info.pid,
+                         "address": snap.info.address, "device": snap.info.device, "gpus": [], "pid": snap.info.pid,
                          "status": "joined", "started_at": None, "last_seen_at": None, "replica": None, "rank": 0,
                          "live": snap.to_dict()})
         return rows

@@ -7,6 +7,10 @@ namespace when REDIS_URL is set (so their heartbeats carry metrics, other proces
 them, and workers on other machines can join); otherwise in an in-process registry
 filled from their READY lines (no load metrics then: nothing heartbeats into it).
 
+The hosted deployments' clusters seat their replicas on one `GpuPool`, the GPUs of this machine
+as a node agent here would announce them (`announce.machine`: `nvidia-smi`, or
+`OMNIFLOW_NODE_GPUS`), so two deployments never get the same GPU (`engine.flow.gpus`).
+
 A hosted deployment's cluster supervises its workers (unless OMNIFLOW_WORKER_RESTART=0): a
 worker that ends unasked is marked lost and a replacement takes its place, with its own row.
 
@@ -31,10 +35,18 @@ from django.db import close_old_connections, connections
 from engine.client.cluster import RegistryError, WorkerSnapshot
 from engine.client.plane import PromptTokenizer, WorkerPlane
 from engine.client.runs import Executor
-from engine.client.workers import LaunchedWorker, LaunchError, LocalCluster, ReplicaEvent, ReplicaEventKind
+from engine.client.workers import (
+    GpuPool,
+    LaunchedWorker,
+    LaunchError,
+    LocalCluster,
+    ReplicaEvent,
+    ReplicaEventKind,
+)
 from engine.spec.kinds import KindRegistry
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
+from studio.workflows.deployments.announce import machine
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
 from studio.workflows.models import DeploymentStatus, WorkerStatus
@@ -63,7 +75,7 @@ def _started(worker: LaunchedWorker, device: str) -> list[StartedWorker]:
     """The rows of one replica: its worker and, for a tensor-parallel role, its follower ranks
     (which have no endpoint: the executor reaches the replica through rank 0)."""
     return [StartedWorker(worker_id=w.worker_id, role=w.role, address=w.details["address"] if w.tp_rank == 0 else "",
-                          host=w.details["host"], pid=w.details["pid"], device=device)
+                          host=w.details["host"], pid=w.details["pid"], device=device, gpus=w.gpus)
             for w in worker.processes]
 
 
@@ -76,6 +88,8 @@ class EmbeddedDeployments:
         self._hosted: dict[str, _Hosted] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
+        self._gpus: GpuPool | None = None
+        """This machine's GPUs, every hosted deployment's replicas seated on them."""
 
     # ------------------------------------------------------------------ database
     async def _orm(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -149,6 +163,9 @@ class EmbeddedDeployments:
     async def _reconcile(self, ticket: DeploymentTicket) -> tuple[list[StartedWorker], list[str]]:
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is None:
+            if self._gpus is None:  # read once, when the first deployment starts (nvidia-smi, off the loop)
+                _, gpus = await asyncio.to_thread(machine, self.config.node)
+                self._gpus = GpuPool(len(gpus))
             cluster = LocalCluster(
                 ticket.spec,
                 allow_module_ops=self.config.allow_module_ops,
@@ -160,6 +177,7 @@ class EmbeddedDeployments:
                 extra_args=("--listen", self.config.worker_listen),
                 restart=self.config.restart_policy if self.config.worker_restart else None,
                 on_event=functools.partial(self._replica_event, ticket),
+                gpus=self._gpus,
             )
             await cluster.start()  # stops what it started when one worker fails
             plane = WorkerPlane.over(cluster.registry, ticket.keys, self.kinds, prompt_tokenizer=self.prompt_tokenizer)

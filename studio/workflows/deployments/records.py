@@ -61,6 +61,8 @@ class StartedWorker:
     host: str
     pid: int
     device: str = "cpu"
+    gpus: tuple[int, ...] = ()
+    """The host's GPUs this process holds (none: it holds none, or its host has none)."""
 
 
 def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict[str, int]) -> GraphSpec:
@@ -140,7 +142,8 @@ def add_workers(deployment_id: str, workers: list[StartedWorker]) -> None:
         Worker.objects.update_or_create(
             worker_id=w.worker_id,
             defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": w.address,
-                      "pid": w.pid, "device": w.device, "status": WorkerStatus.READY, "last_seen_at": now},
+                      "pid": w.pid, "device": w.device, "gpus": list(w.gpus), "status": WorkerStatus.READY,
+                      "last_seen_at": now},
         )
 
 
@@ -171,13 +174,13 @@ def unowned_workers(host: str) -> list[Worker]:
                                       pid__isnull=False, last_seen_at__gte=since))
 
 
-def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str]]) -> None:
-    """Rows, lost at once, for replicas ((role, rank 0's worker id)) that did not come up."""
+def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """Rows, lost at once, for replicas ((role, rank 0's worker id, its GPUs)) that did not come up."""
     now = timezone.now()
-    for role, worker_id in workers:
+    for role, worker_id, gpus in workers:
         Worker.objects.update_or_create(worker_id=worker_id, defaults={
-            "deployment_id": deployment_id, "role": role, "host": host, "status": WorkerStatus.LOST,
-            "last_seen_at": now})
+            "deployment_id": deployment_id, "role": role, "host": host, "gpus": list(gpus),
+            "status": WorkerStatus.LOST, "last_seen_at": now})
 
 
 def running_on(node: str) -> list[str]:
