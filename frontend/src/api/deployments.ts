@@ -17,6 +17,8 @@ export interface DeploymentWorker {
   host: string;
   address: string;
   device: string;
+  /** The host's GPU indices it holds (its own, for a tensor-parallel rank); empty: none. */
+  gpus: number[];
   pid: number | null;
   status: string;
   started_at: string | null;

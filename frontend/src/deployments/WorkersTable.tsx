@@ -1,5 +1,6 @@
 /** A deployment's workers as they come up: role, replica (and rank), where, state. */
 import { type DeploymentWorker, workerState } from "../api/deployments";
+import { describeGpus } from "../api/nodes";
 import { formatTime } from "../components/ui";
 
 /**
@@ -13,7 +14,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
     for (let replica = 0; replica < count; replica++) {
       if (taken.has(replica)) continue;
       rows.push({
-        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", pid: null,
+        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", gpus: [], pid: null,
         status: "starting", started_at: null, last_seen_at: null, live: null, placeholder: true,
       });
     }
@@ -71,7 +72,10 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                     {w.host || "—"}
                     {w.pid ? <span className="muted"> · pid {w.pid}</span> : null}
                   </td>
-                  <td>{w.device || "—"}</td>
+                  <td data-testid="worker-device">
+                    {w.device || "—"}
+                    {w.gpus?.length ? <span className="muted"> · {describeGpus(w.gpus)}</span> : null}
+                  </td>
                   <td>
                     <span className={`badge status-${state}`}>
                       <span className="dot" />
