@@ -87,7 +87,7 @@ export function PlacementPreview({
                           {role} ×{replicas.length}
                         </span>
                         {gpus && (
-                          <span className="muted small" data-testid="placement-gpus" data-role={role}>
+                          <span className="muted small" data-testid="placement-gpus" data-for={role}>
                             {" "}
                             {gpus}
                           </span>
