@@ -12,6 +12,7 @@ import pytest
 from django.utils import timezone
 
 from studio.workflows.deployments import records
+from studio.workflows.deployments.records import ReplicaStart
 from studio.workflows.models import Deployment, Worker, WorkflowVersion
 from tests.studio.factories import create_workflow, spec_doc
 
@@ -51,10 +52,10 @@ def test_young_losses_in_a_row_count_until_one_that_lasted(deployment: Deploymen
 
 def test_a_failed_start_counts_once_and_nothing_lost_counts_nothing(deployment: Deployment) -> None:
     assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0) == (0, None)
-    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-x", ()), ("py", "py-y", ()), ("py", "py-z", ())])
+    records.add_failed_starts(str(deployment.pk), NODE, [ReplicaStart("py", "py-x"), ReplicaStart("py", "py-y"), ReplicaStart("py", "py-z")])
     streak, latest = records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)
     assert streak == 1 and latest is not None
-    records.add_failed_starts(str(deployment.pk), NODE, [("py", "py-w", ())])
+    records.add_failed_starts(str(deployment.pk), NODE, [ReplicaStart("py", "py-w")])
     assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)[0] == 2
     failed = Worker.objects.get(worker_id="py-x")
     assert (failed.status, failed.pid, failed.host) == ("lost", None, NODE)

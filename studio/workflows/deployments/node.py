@@ -56,7 +56,7 @@ from engine.client.workers import HOST_ID_ENV, LaunchError, WorkerOptions, leade
 from engine.spec.graph import encode_spec
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
-from studio.workflows.deployments.records import DeploymentTicket, StartedWorker
+from studio.workflows.deployments.records import DeploymentTicket, ReplicaStart, StartedWorker
 from studio.workflows.models import Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -82,15 +82,6 @@ class _Replica:
     def gpus(self) -> tuple[int, ...]:
         """Every GPU its ranks hold, in index order."""
         return tuple(sorted(g for row, _ in self.members for g in row.gpus))
-
-
-@dataclass(frozen=True, slots=True)
-class _Wanted:
-    """A replica to start: its role, rank 0's worker id, its GPUs (its slot's)."""
-
-    role: str
-    worker_id: str
-    gpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +193,7 @@ class NodeAgent:
         replicas, lost = scan.replicas, scan.lost
         seats = self._seats(ticket)
         stop: list[_Replica] = []
-        wanted: list[_Wanted] = []
+        wanted: list[ReplicaStart] = []
         for role in ticket.spec.roles:
             free = list(seats.get(role.name, []))
             for replica in replicas.get(role.name, []):
@@ -211,7 +202,7 @@ class NodeAgent:
                 else:  # beyond this node's share, or on GPUs no slot names any more
                     stop.append(replica)
             if start_roles is None or role.name in start_roles:
-                wanted += [_Wanted(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}", gpus) for gpus in free]
+                wanted += [ReplicaStart(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}", gpus) for gpus in free]
         stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
             # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.
@@ -224,8 +215,7 @@ class NodeAgent:
             except LaunchError:
                 # On record as lost at once: supervision counts a replica that never came up as a
                 # failed replacement, and backs off (`studio.workflows.tasks.supervise_node`).
-                records.add_failed_starts(ticket.deployment_id, self.node,
-                                          [(w.role, w.worker_id, w.gpus) for w in wanted])
+                records.add_failed_starts(ticket.deployment_id, self.node, wanted)
                 raise
             records.add_workers(ticket.deployment_id, started)
         return Reconciled(started=[w.worker_id for w in wanted], stopped=stopped, lost=lost)
@@ -265,7 +255,7 @@ class NodeAgent:
         return ids
 
     # ---------------------------------------------------------------- spawning
-    def _start(self, ticket: DeploymentTicket, wanted: list[_Wanted]) -> list[StartedWorker]:
+    def _start(self, ticket: DeploymentTicket, wanted: list[ReplicaStart]) -> list[StartedWorker]:
         folder = self._dir(ticket.deployment_id)
         folder.mkdir(parents=True, exist_ok=True)
         spec_path = folder / "workflow.json"

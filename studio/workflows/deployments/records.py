@@ -52,6 +52,16 @@ class DeploymentTicket:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaStart:
+    """A replica a node agent is about to start: its role, rank 0's worker id, the GPUs of its
+    placement slot (none: it holds none)."""
+
+    role: str
+    worker_id: str
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StartedWorker:
     """A role worker a process started, as its READY line (or registration) described it."""
 
@@ -174,12 +184,12 @@ def unowned_workers(host: str) -> list[Worker]:
                                       pid__isnull=False, last_seen_at__gte=since))
 
 
-def add_failed_starts(deployment_id: str, host: str, workers: list[tuple[str, str, tuple[int, ...]]]) -> None:
-    """Rows, lost at once, for replicas ((role, rank 0's worker id, its GPUs)) that did not come up."""
+def add_failed_starts(deployment_id: str, host: str, replicas: list[ReplicaStart]) -> None:
+    """Rows (rank 0's), lost at once, for replicas that did not come up."""
     now = timezone.now()
-    for role, worker_id, gpus in workers:
-        Worker.objects.update_or_create(worker_id=worker_id, defaults={
-            "deployment_id": deployment_id, "role": role, "host": host, "gpus": list(gpus),
+    for replica in replicas:
+        Worker.objects.update_or_create(worker_id=replica.worker_id, defaults={
+            "deployment_id": deployment_id, "role": replica.role, "host": host, "gpus": list(replica.gpus),
             "status": WorkerStatus.LOST, "last_seen_at": now})
 
 
