@@ -156,7 +156,8 @@ class Placement:
         raises ValueError on a malformed entry."""
         slots = []
         for entry in data:
-            role, replica, node, gpus = entry.get("role"), entry.get("replica"), entry.get("node"), entry.get("gpus", [])
+            role, replica, node = entry.get("role"), entry.get("replica"), entry.get("node")
+            gpus = entry.get("gpus", [])
             if not isinstance(role, str) or not isinstance(node, str) or not _index(replica) \
                     or not isinstance(gpus, list) or not all(_index(g) for g in gpus) or len(set(gpus)) != len(gpus):
                 raise ValueError(f"not a placement slot: {entry!r}")

@@ -202,7 +202,8 @@ class NodeAgent:
                 else:  # beyond this node's share, or on GPUs no slot names any more
                     stop.append(replica)
             if start_roles is None or role.name in start_roles:
-                wanted += [ReplicaStart(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}", gpus) for gpus in free]
+                wanted += [ReplicaStart(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}", gpus)
+                           for gpus in free]
         stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
             # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.
