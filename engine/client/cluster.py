@@ -8,9 +8,13 @@ host them, and where a deployment's replicas go.
   `deregister_workers` takes lost workers off a namespace at once and fences them, so that
   those still running (cut off, not dead) cannot register again;
 * the node directory (`engine.flow.discovery.nodes`): `NodeDirectory`, the `NodeRecord` each
-  node agent announces, with its `GpuInfo`; `NodeDirectoryError`;
+  node agent announces, with its `GpuInfo`; `NodeDirectoryError`; `detect_gpus`, this machine's
+  GPUs as `nvidia-smi` lists them (`engine.flow.discovery.machine`);
 * placement (`engine.flow.placement`, pure): `place` puts each `RoleDemand` on a `NodeOffer`,
-  giving a `Placement` or `PlacementError` with a `Refusal` per replica it could not place.
+  giving a `Placement` (a `Slot` per replica: its node and GPUs) or `PlacementError` with a
+  `Refusal` per replica it could not place;
+* GPUs on a node (`engine.flow.gpus`, pure): `assign_gpus` gives each `GpuRequest` its
+  `GpuGrant` of the node's GPU indices, or `GpuAssignmentError`.
 """
 
 from __future__ import annotations
@@ -25,13 +29,18 @@ from engine.flow.discovery import (
     WorkerSnapshot,
     make_registry,
 )
+from engine.flow.discovery.machine import detect_gpus
 from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord
-from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, place
+from engine.flow.gpus import GpuAssignmentError, GpuGrant, GpuRequest, assign_gpus
+from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, Slot, place
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "GpuAssignmentError",
+    "GpuGrant",
     "GpuInfo",
+    "GpuRequest",
     "NodeDirectory",
     "NodeDirectoryError",
     "NodeOffer",
@@ -43,7 +52,10 @@ __all__ = [
     "RegistryError",
     "RegistryUnavailableError",
     "RoleDemand",
+    "Slot",
     "WorkerSnapshot",
+    "assign_gpus",
+    "detect_gpus",
     "deregister_workers",
     "make_registry",
     "place",

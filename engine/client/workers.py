@@ -1,6 +1,8 @@
 """Deploy, scale and stop role workers.
 
-* `LocalCluster` -- a deployment's role workers spawned from this process (they end with it):
+* `LocalCluster` -- a deployment's role workers spawned from this process (they end with it),
+  each replica asking for GPUs on GPUs of its own from a `GpuPool` (the machine's, which
+  several clusters may share):
   `start()`, `spawn(role, index)` one more, `retire(worker)` one (it drains first), `stop()`;
   it supervises them under a `RestartPolicy` and reports each `ReplicaEvent` (`ReplicaEventKind`:
   lost, replaced, gave up) and each replica's steps as it comes up (`WorkerLaunch`, `LaunchState`:
@@ -9,7 +11,8 @@
 * worker ids of tensor-parallel replicas: `rank_worker_id`, `leader_worker_id`, `TP_RANK_SUFFIX`;
 * for a node agent starting `python -m engine.worker` processes itself: `replica_processes`, the
   command lines of one replica's processes (`WorkerProcess`, with `WorkerOptions` shared by a
-  deployment's workers on the node), and `HOST_ID_ENV`, the host identity they share memory under;
+  deployment's workers on the node) and the environment confining them to the replica's GPUs,
+  and `HOST_ID_ENV`, the host identity they share memory under;
 * `REFUSED_METRIC` -- the worker metric counting connections its sockets refused.
 
 Loads torch (the launcher forks workers from a zygote that has it): import it where workers
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data.rendezvous import listening_socket
 from engine.data.shm import HOST_ID_ENV
+from engine.flow.gpus import GpuPool, gpu_environment
 from engine.worker.launcher import (
     TP_RANK_SUFFIX,
     LaunchedWorker,
@@ -43,6 +47,7 @@ __all__ = [
     "HOST_ID_ENV",
     "REFUSED_METRIC",
     "TP_RANK_SUFFIX",
+    "GpuPool",
     "LaunchError",
     "LaunchState",
     "LaunchedWorker",
@@ -86,20 +91,34 @@ class WorkerProcess:
     worker_id: str
     argv: tuple[str, ...]
     pass_fds: tuple[int, ...] = ()
+    gpus: tuple[int, ...] = ()
+    """The node's GPUs this rank holds (its own share of the replica's)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """What its environment gets besides the node agent's: `CUDA_VISIBLE_DEVICES` (and
+    `CUDA_DEVICE_ORDER`) naming the replica's GPUs; nothing for a replica holding none."""
 
 
 @contextlib.contextmanager
-def replica_processes(role: str, worker_id: str, tp_size: int, options: WorkerOptions) -> Iterator[list[WorkerProcess]]:
+def replica_processes(role: str, worker_id: str, tp_size: int, options: WorkerOptions,
+                      gpus: tuple[int, ...] = ()) -> Iterator[list[WorkerProcess]]:
     """The processes of one replica of `role` whose rank 0 is `worker_id`: that one alone, or with
     `tp_size` > 1 one per tensor-parallel rank (`rank_worker_id`), rank 0 first, all meeting on a
     socket bound here and handed to rank 0, whose rendezvous store serves on it. Start them all
-    inside the block: it closes this process's copy of that socket when it ends."""
+    inside the block: it closes this process's copy of that socket when it ends.
+
+    `gpus`: the replica's GPUs (its placement slot's, `engine.flow.gpus`), an equal share per
+    rank in rank order; every rank sees all of them (`CUDA_VISIBLE_DEVICES`), so rank r's
+    `cuda:{r * share}` is its own. Raises ValueError when they do not split evenly."""
+    if len(gpus) % tp_size:
+        raise ValueError(f"role {role!r}: {len(gpus)} GPUs do not split evenly over {tp_size} ranks")
+    share = len(gpus) // tp_size
+    env = gpu_environment(gpus)
     common = (sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(options.workflow),
               "--registry", options.registry_url, "--namespace", options.namespace, "--listen", options.listen,
               "--heartbeat", str(options.heartbeat_s), "--registry-ttl", str(options.registry_ttl_s),
               "--keys", str(options.keys_dir), "--module-ops" if options.allow_module_ops else "--no-module-ops")
     if tp_size <= 1:
-        yield [WorkerProcess(worker_id, (*common, "--worker-id", worker_id))]
+        yield [WorkerProcess(worker_id, (*common, "--worker-id", worker_id), gpus=tuple(gpus), env=env)]
         return
     listener, address = listening_socket()
     with listener:
@@ -107,6 +126,7 @@ def replica_processes(role: str, worker_id: str, tp_size: int, options: WorkerOp
                              (*common, "--worker-id", rank_worker_id(worker_id, rank), "--tp-rank", str(rank),
                               "--tp-address", address,
                               *(("--tp-listen-fd", str(listener.fileno())) if rank == 0 else ())),
-                             (listener.fileno(),) if rank == 0 else ())
+                             (listener.fileno(),) if rank == 0 else (),
+                             gpus=tuple(gpus[rank * share:(rank + 1) * share]), env=env)
                for rank in range(tp_size)]
 

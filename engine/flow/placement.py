@@ -16,7 +16,11 @@ The rules, from `engine.spec.resources`:
   left;
 * `keep` (a running deployment's placement): its replicas stay where they are while their node
   is offered and the role still has that many replicas, so only the replicas of lost nodes and
-  new ones move (a node taken away, scaling).
+  new ones move (a node taken away, scaling); a replica that stays keeps its GPUs.
+
+Once every replica has its node, each replica asking for GPUs gets which ones of its node
+(`Slot.gpus`, by `engine.flow.gpus.assign_gpus`): out of the node's `gpu_count` less those
+other deployments hold (`NodeOffer.held_gpus`) and those its kept replicas hold.
 
 Larger bundles go first (GPUs, then memory, then CPUs), each to its best node. When that
 greedy pass leaves one out, a depth-first search tries the other nodes in the same order
@@ -31,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.flow.gpus import GpuRequest, assign_gpus
 from engine.spec.graph import RoleSpec
 from engine.spec.resources import Amounts, RoleResources, role_resources
 
@@ -67,15 +72,30 @@ class NodeOffer:
     labels: Mapping[str, str] = field(default_factory=dict)
     gpu_memory_gb: float = 0.0
     """Memory of its smallest GPU (0 without GPUs)."""
+    gpu_count: int | None = None
+    """How many GPUs it has (indices 0 to `gpu_count` - 1); None: `free.gpus` + `len(held_gpus)`."""
+    held_gpus: frozenset[int] = frozenset()
+    """The GPU indices other deployments' replicas hold there."""
+
+    @property
+    def gpu_indices(self) -> int:
+        return self.free.gpus + len(self.held_gpus) if self.gpu_count is None else self.gpu_count
+
+    @property
+    def free_gpus(self) -> int:
+        """GPUs free by count and by index (they differ only for replicas placed before GPUs had indices)."""
+        return max(0, min(self.free.gpus, self.gpu_indices - len(self.held_gpus)))
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Slot:
-    """Replica `replica` (0-based) of `role` runs on `node`."""
+    """Replica `replica` (0-based) of `role` runs on `node`, on its GPUs `gpus` (none: it asks
+    for none, or was placed before GPUs had indices)."""
 
     role: str
     replica: int
     node: str
+    gpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +114,18 @@ class Placement:
     slots: tuple[Slot, ...] = ()
 
     def node_of(self, role: str, replica: int) -> str | None:
+        slot = self.slot_of(role, replica)
+        return None if slot is None else slot.node
+
+    def slot_of(self, role: str, replica: int) -> Slot | None:
         for slot in self.slots:
             if slot.role == role and slot.replica == replica:
-                return slot.node
+                return slot
         return None
+
+    def on(self, node: str) -> list[Slot]:
+        """The slots of `node`, by role and replica."""
+        return [s for s in self.slots if s.node == node]
 
     def nodes(self) -> list[str]:
         return sorted({s.node for s in self.slots})
@@ -120,19 +148,25 @@ class Placement:
                 if old.node_of(s.role, s.replica) != s.node]
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [{"role": s.role, "replica": s.replica, "node": s.node} for s in self.slots]
+        return [{"role": s.role, "replica": s.replica, "node": s.node, "gpus": list(s.gpus)} for s in self.slots]
 
     @classmethod
     def from_list(cls, data: Iterable[Mapping[str, Any]]) -> Placement:
-        """From `to_list`; raises ValueError on a malformed entry."""
+        """From `to_list` (an entry without `gpus`, written before GPUs had indices, has none);
+        raises ValueError on a malformed entry."""
         slots = []
         for entry in data:
             role, replica, node = entry.get("role"), entry.get("replica"), entry.get("node")
-            if not isinstance(role, str) or not isinstance(node, str) or isinstance(replica, bool) \
-                    or not isinstance(replica, int) or replica < 0:
+            gpus = entry.get("gpus", [])
+            if not isinstance(role, str) or not isinstance(node, str) or not _index(replica) \
+                    or not isinstance(gpus, list) or not all(_index(g) for g in gpus) or len(set(gpus)) != len(gpus):
                 raise ValueError(f"not a placement slot: {entry!r}")
-            slots.append(Slot(role, replica, node))
+            slots.append(Slot(role, replica, node, tuple(gpus)))
         return cls(tuple(sorted(slots)))
+
+
+def _index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +299,7 @@ class _State:
     """Free resources per node and replicas of each role per node, as bundles are placed."""
 
     def __init__(self, nodes: Sequence[NodeOffer]) -> None:
-        self.free = {n.name: n.free for n in nodes}
+        self.free = {n.name: Amounts(n.free_gpus, n.free.cpus, n.free.memory_gb) for n in nodes}
         self.count: dict[tuple[str, str], int] = {}
 
     def put(self, bundle: _Bundle, node: str) -> None:
@@ -329,6 +363,7 @@ def place(demands: Sequence[RoleDemand], nodes: Sequence[NodeOffer], *, keep: Pl
     keep = keep or Placement()
     state = _State(nodes)
     placed: dict[tuple[str, int], str] = {}
+    stayed: set[tuple[str, int]] = set()
     todo: list[_Bundle] = []
     prefer: dict[int, str] = {}
     for bundle in _bundles(demands):
@@ -337,6 +372,7 @@ def place(demands: Sequence[RoleDemand], nodes: Sequence[NodeOffer], *, keep: Pl
         if len(kept) == 1 and kept_on and not _label_problems(bundle, by_name[kept_on[0]]):
             state.put(bundle, kept_on[0])  # stays: whatever it takes is its own already
             placed.update(dict.fromkeys(bundle.members, kept_on[0]))
+            stayed.update(bundle.members)
         else:
             if kept_on:
                 prefer[len(todo)] = kept_on[0]
@@ -353,7 +389,37 @@ def place(demands: Sequence[RoleDemand], nodes: Sequence[NodeOffer], *, keep: Pl
         raise PlacementError(_refusals(bundles, nodes, state, preferred))
     for i, name in chosen.items():
         placed.update(dict.fromkeys(bundles[i].members, name))
-    return Placement(tuple(sorted(Slot(role, i, node) for (role, i), node in placed.items())))
+    return Placement(tuple(sorted(_seated(demands, by_name, placed, stayed, keep))))
+
+
+def _seated(demands: Sequence[RoleDemand], nodes: Mapping[str, NodeOffer], placed: Mapping[tuple[str, int], str],
+            stayed: set[tuple[str, int]], keep: Placement) -> list[Slot]:
+    """The slots of `placed`, each with its GPUs: a replica that `stayed` keeps those `keep`
+    gave it while they are still its node's and nobody else's, every other one gets some by
+    `assign_gpus`. The counts placement checked guarantee there are enough."""
+    by_role = {d.role: d for d in demands}
+    out = []
+    for name in sorted(set(placed.values())):
+        node = nodes[name]
+        held = set(node.held_gpus)
+        gpus: dict[tuple[str, int], tuple[int, ...]] = {}
+        requests = []
+        for (role, i), at in sorted(placed.items()):
+            if at != name:
+                continue
+            demand = by_role[role]
+            old = keep.slot_of(role, i)
+            need = demand.per_replica.gpus
+            if (role, i) in stayed and old is not None and len(old.gpus) == need \
+                    and all(0 <= g < node.gpu_indices and g not in held for g in old.gpus):
+                gpus[(role, i)] = old.gpus
+                held.update(old.gpus)
+            else:
+                requests.append(GpuRequest(role, i, demand.resources.per_process.gpus, demand.tp_size))
+        for grant in assign_gpus(node.gpu_indices, held, requests):
+            gpus[(grant.role, grant.replica)] = grant.gpus
+        out += [Slot(role, i, name, seat) for (role, i), seat in gpus.items()]
+    return out
 
 
 # ----------------------------------------------------------------------------------- reasons

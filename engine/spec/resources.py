@@ -4,7 +4,8 @@
                  "labels": {"kind": "gpu"}, "colocate": "weights"}
 
 Every amount is per process: a replica of a role with `tp_size` N is N processes, so it needs
-N times as much, all on one node (its ranks meet there). `labels` must all equal the node's
+N times as much, all on one node (its ranks meet there), where it gets GPUs of its own
+(`engine.flow.gpus`: each rank `gpus` of them). `labels` must all equal the node's
 operator labels (`OMNIFLOW_NODE_LABELS`); `gpu_memory_gb` is the memory each of the node's
 GPUs must have. Roles naming the same `colocate` group share a host: replica i of each of them
 lands on one node (roles that share weights hold one copy of them there). Nothing else is

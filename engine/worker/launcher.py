@@ -23,6 +23,14 @@ a replica that ends unasked is deregistered, stopped whole and replaced under a 
 its process (rank 0's, for a tensor-parallel replica) is spawned, then READY once it is registered,
 or FAILED (with the error) or ABANDONED (its start was cancelled: the cluster stopped, another
 worker of the start failed, a pending replacement was given up). Replacements are reported too.
+
+GPUs: on a machine with GPUs (a `GpuPool`, by default one of those `nvidia-smi` lists), each
+replica of a role asking for `resources.gpus` gets GPUs of its own (`engine.flow.gpus`: all
+replicas of the spec at start, packed together; a replica added later, the free ones), its
+processes started with `CUDA_VISIBLE_DEVICES` naming them; a replacement keeps its replica's,
+a retired replica gives them back. Replicas that do not fit are a `LaunchError` naming them.
+Roles asking for none, and every role on a machine without GPUs, are left as before: no
+`CUDA_VISIBLE_DEVICES` set, they run where their `device` says.
 """
 
 from __future__ import annotations
@@ -57,8 +65,11 @@ from engine.flow.discovery import (
     WorkerLoad,
     make_registry,
 )
+from engine.flow.discovery.machine import detect_gpus
+from engine.flow.gpus import GpuAssignmentError, GpuPool, GpuRequest, gpu_environment
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
+from engine.spec.resources import role_resources
 from engine.worker.process import DEFAULT_LISTEN, READY_PREFIX, host_of_endpoint
 from engine.worker.supervise import ReplicaEvent, RestartPolicy, Supervisor
 from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote, ZygoteError
@@ -78,6 +89,8 @@ class LaunchedWorker:
     tp_rank: int = 0
     ranks: list[LaunchedWorker] = field(default_factory=list)
     """Rank 0 of a tensor-parallel replica: its follower ranks 1.. (empty otherwise)."""
+    gpus: tuple[int, ...] = ()
+    """The machine's GPUs this rank holds (it sees its whole replica's)."""
 
     @property
     def pid(self) -> int:
@@ -123,6 +136,8 @@ class WorkerLaunch:
     """FAILED: why, in words."""
     worker: LaunchedWorker | None = None
     """READY: the replica, with its follower ranks."""
+    gpus: tuple[int, ...] = ()
+    """The machine's GPUs the replica holds (none on a machine without GPUs, or a role asking none)."""
 
 
 LaunchListener = Callable[[WorkerLaunch], Awaitable[None]]
@@ -243,6 +258,7 @@ class LocalCluster:
         keys: PlaneKeys | None = None,
         plaintext: bool = False,
         listen: str = DEFAULT_LISTEN,
+        gpus: GpuPool | None = None,
     ) -> None:
         """`allow_module_ops`: whether the workers run `module:function` ops besides the registered
         ones (the command line: yes; a studio: its operator's setting); each worker enforces it.
@@ -253,7 +269,9 @@ class LocalCluster:
         endpoint (`tcp://HOST:0`: any free port). `keys`: the worker plane's CURVE keys
         (default: a fresh keypair for this cluster), which the workers get as files only this
         user can read and whoever dispatches to them uses too (`keys`, give them to the
-        dispatcher's `Peer`); `plaintext`: no CURVE at all (only to measure what it costs)."""
+        dispatcher's `Peer`); `plaintext`: no CURVE at all (only to measure what it costs).
+        `gpus`: the machine's GPUs its replicas are seated on, shared with whatever else launches
+        replicas here (default: a pool of its own over those `nvidia-smi` lists, read at start)."""
         if plaintext and keys is not None:
             raise ValueError("a plaintext cluster takes no keys")
         self.keys: PlaneKeys | None = None if plaintext else keys or PlaneKeys.generate()
@@ -275,6 +293,11 @@ class LocalCluster:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._poller: asyncio.Task[None] | None = None
         self._zygote: Zygote | None = None
+        self.gpus = gpus
+        self._seats: dict[tuple[str, int], tuple[int, ...]] = {}
+        """(role, replica index) -> the GPUs of that replica (only those holding some)."""
+        self._replica_of: dict[str, tuple[str, int]] = {}
+        """Rank 0's worker id -> (role, replica index)."""
         self._supervisor = None if restart is None else Supervisor(
             restart, registry=self.registry, workers=self.workers, start=self._spawn_replica, end=self._end,
             on_event=on_event)
@@ -289,7 +312,13 @@ class LocalCluster:
     async def spawn(self, role: str, index: int) -> LaunchedWorker:
         """Start replica `index` of `role`: one worker, or `tp_size` rank processes (returned as
         rank 0 with the others in `.ranks`); only rank 0 is registered and in `workers`."""
-        worker = await self._spawn_replica(role, index)
+        started = False
+        try:
+            worker = await self._spawn_replica(role, index)
+            started = True
+        finally:
+            if not started:  # a replica added that did not come up holds no GPUs
+                self._give_back(role, index)
         if self._supervisor is not None:
             self._supervisor.watch(worker, index)
         return worker
@@ -309,7 +338,10 @@ class LocalCluster:
             await self._report(launch)
 
         try:
-            worker = await self._start_replica(role, worker_id, spawned)
+            gpus = self._seat(role, index)
+            launch = dataclasses.replace(launch, gpus=gpus)
+            worker = await self._start_replica(role, worker_id, gpus, spawned)
+            self._replica_of[worker.worker_id] = (role, index)
         except asyncio.CancelledError:
             await self._report(dataclasses.replace(launch, state=LaunchState.ABANDONED))
             raise
@@ -323,15 +355,15 @@ class LocalCluster:
         if self._on_launch is not None:
             await self._on_launch(launch)
 
-    async def _start_replica(self, role: str, worker_id: str,
+    async def _start_replica(self, role: str, worker_id: str, gpus: tuple[int, ...],
                              spawned: Callable[[int], Awaitable[None]]) -> LaunchedWorker:
         """The replica whose rank 0 is `worker_id`, ready, registered and in `workers`;
         `spawned(pid)` once rank 0's process is."""
         tp_size = self.spec.role(role).tp_size
         if tp_size == 1:
-            worker = await self._spawn_rank(role, worker_id, spawned=spawned)
+            worker = await self._spawn_rank(role, worker_id, spawned=spawned, gpus=gpus, rank_gpus=gpus)
         else:
-            worker = await self._spawn_ranks(role, worker_id, tp_size, spawned)
+            worker = await self._spawn_ranks(role, worker_id, tp_size, spawned, gpus)
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
             details = worker.details
@@ -353,10 +385,41 @@ class LocalCluster:
         being replaced); returns how many were given up."""
         return 0 if self._supervisor is None else await self._supervisor.cancel_pending(role, count)
 
+    def _take_gpus(self, replicas: list[tuple[str, int]]) -> None:
+        """Seat those of `replicas` (role, index) that ask for GPUs and have none yet, together;
+        nothing on a machine without GPUs. Raises LaunchError when they do not fit."""
+        assert self.gpus is not None
+        if not self.gpus.count:
+            return
+        requests = []
+        for role, index in replicas:
+            spec = self.spec.role(role)
+            per_process = role_resources(spec.resources).per_process.gpus
+            if per_process and (role, index) not in self._seats:
+                requests.append(GpuRequest(role, index, per_process, spec.tp_size))
+        try:
+            grants = self.gpus.take(requests)
+        except GpuAssignmentError as exc:
+            raise LaunchError(f"this machine's GPUs cannot hold the replicas: {exc}") from None
+        self._seats.update(((g.role, g.replica), g.gpus) for g in grants)
+
+    def _seat(self, role: str, index: int) -> tuple[int, ...]:
+        """The GPUs of replica `index` of `role` (seated now if it has none yet)."""
+        if self.gpus is None:
+            self.gpus = GpuPool(len(detect_gpus()))
+        self._take_gpus([(role, index)])
+        return self._seats.get((role, index), ())
+
+    def _give_back(self, role: str, index: int) -> None:
+        if self.gpus is not None:
+            self.gpus.give_back(self._seats.pop((role, index), ()))
+
     async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int,
-                           spawned: Callable[[int], Awaitable[None]]) -> LaunchedWorker:
+                           spawned: Callable[[int], Awaitable[None]], gpus: tuple[int, ...]) -> LaunchedWorker:
         """The `tp_size` rank processes of one tensor-parallel replica, once all are ready:
-        rank 0, with the others in its `.ranks`; `spawned(pid)` once rank 0's process is."""
+        rank 0, with the others in its `.ranks`; `spawned(pid)` once rank 0's process is. Each
+        rank sees all of `gpus` and holds its share."""
+        share = len(gpus) // tp_size
         # The replica's ranks meet on a socket bound here and handed to rank 0 (its rendezvous
         # store serves on it): the port is the replica's from the start.
         listener, address = listening_socket()
@@ -365,7 +428,8 @@ class LocalCluster:
                 asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
                                                      ("--tp-rank", str(rank), "--tp-address", address),
                                                      inherit=listener.fileno() if rank == 0 else None,
-                                                     spawned=spawned if rank == 0 else None))
+                                                     spawned=spawned if rank == 0 else None, gpus=gpus,
+                                                     rank_gpus=gpus[rank * share:(rank + 1) * share]))
                 for rank in range(tp_size)])
         worker, worker.ranks = started[0], started[1:]
         return worker
@@ -406,10 +470,13 @@ class LocalCluster:
 
     async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = (),
                           inherit: int | None = None,
-                          spawned: Callable[[int], Awaitable[None]] | None = None) -> LaunchedWorker:
+                          spawned: Callable[[int], Awaitable[None]] | None = None,
+                          gpus: tuple[int, ...] = (), rank_gpus: tuple[int, ...] = ()) -> LaunchedWorker:
         """One worker process, once it has printed its READY line. `inherit`: rank 0's listening
         socket, which the process gets a copy of (`--tp-listen-fd`); `spawned(pid)` is awaited once
-        the process is (if it raises or this is cancelled meanwhile, the process is ended)."""
+        the process is (if it raises or this is cancelled meanwhile, the process is ended); `gpus`:
+        the GPUs it sees (its replica's), `rank_gpus` those it holds."""
+        env = gpu_environment(gpus)
         assert self._tmp is not None
         spec_path = Path(self._tmp.name) / "workflow.json"
         # A forked worker's parent is the zygote: it exits with it (and the zygote with us).
@@ -429,12 +496,12 @@ class LocalCluster:
             if inherit is not None:
                 args += ["--tp-listen-fd", INHERITED_FD]
             process = await self._zygote.spawn(args, title=f"omniflow-worker role={role} id={worker_id} (starting)",
-                                               inherit=inherit)
+                                               inherit=inherit, env=env)
         else:
             if inherit is not None:
                 args += ["--tp-listen-fd", str(inherit)]
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
-                                                           stdout=asyncio.subprocess.PIPE, env=self._env(),
+                                                           stdout=asyncio.subprocess.PIPE, env={**self._env(), **env},
                                                            pass_fds=() if inherit is None else (inherit,))
         announced = spawned is None
         try:
@@ -447,7 +514,8 @@ class LocalCluster:
                     process.kill()
                 await process.wait()
         details = await _ready_details(process, role, worker_id, self.ready_timeout_s)
-        worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)))
+        worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)),
+                                gpus=rank_gpus)
         # Keep reading what the worker prints (node code may print), so its pipe never fills.
         worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))
         return worker
@@ -460,6 +528,10 @@ class LocalCluster:
         spawns: list[asyncio.Task[LaunchedWorker]] = []
         started = False
         try:
+            if self.gpus is None:
+                self.gpus = GpuPool(len(detect_gpus()))
+            # Every replica at once: packed together, larger ones first (`engine.flow.gpus`).
+            self._take_gpus([(role.name, i) for role in self.spec.roles for i in range(role.replicas)])
             if self.fork_server:
                 self._zygote = await Zygote.start(self._preload(), env=self._env(),
                                                   ready_timeout_s=self.ready_timeout_s)
@@ -499,6 +571,9 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        for role, index in list(self._seats):
+            self._give_back(role, index)
+        self._replica_of.clear()
 
     async def _end(self, workers: list[LaunchedWorker]) -> None:
         """SIGTERM `workers` (each drains), SIGKILL those still alive after `stop_timeout_s`, reap them."""
@@ -528,6 +603,9 @@ class LocalCluster:
             self.workers.remove(worker)
         await self._end([worker])
         await self._end(worker.ranks)
+        replica = self._replica_of.pop(worker.worker_id, None)
+        if replica is not None:
+            self._give_back(*replica)
         if isinstance(self.registry, InProcessRegistry):
             await self.registry.deregister(worker.worker_id)
 

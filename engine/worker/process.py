@@ -10,7 +10,8 @@ Three endpoints, three threads:
 
 On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters and
 exits; if spawned by a local launcher it exits when that parent dies. When it is
-ready it prints one line, `OMNIFLOW-READY {json}`, on standard output.
+ready it prints one line, `OMNIFLOW-READY {json}`, on standard output (with the
+`CUDA_VISIBLE_DEVICES` it runs under, `cuda_visible_devices`: null when unset).
 
 A worker whose registry record is gone registers again (Redis restarted or was flushed, or
 the worker paused past its TTL) unless its id was fenced (`Registry.fence`: it was declared
@@ -78,6 +79,7 @@ from engine.flow.discovery import (
     WorkerLoad,
     make_registry,
 )
+from engine.flow.gpus import VISIBLE_DEVICES_ENV
 from engine.flow.links import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
@@ -665,7 +667,9 @@ def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> 
     """Serve `config.role` until told to stop; prints the READY line on standard output."""
 
     def ready(details: dict) -> None:
-        print(READY_PREFIX + json.dumps(details), flush=True)
+        # The GPUs it was confined to, as it sees them: its launcher's record of them is only what it meant to set.
+        print(READY_PREFIX + json.dumps({**details, "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV)}),
+              flush=True)
 
     if config.tp_rank > 0:
         return follow_rank(config, kinds or default_kinds(), ready=ready)

@@ -18,7 +18,9 @@ The launcher and the zygote talk over a Unix `SOCK_SEQPACKET` socket pair, one m
 JSON message per packet, never pickle. Requests: `SpawnRequest` with the child's stdout
 pipe attached (`SCM_RIGHTS`), and, when it says so, one more descriptor for the child to
 inherit (a tensor-parallel rank 0's rendezvous socket), whose number in the child replaces
-`INHERITED_FD` in its arguments. Events: `ZygoteReadyEvent`; `SpawnedEvent` with a pidfd of
+`INHERITED_FD` in its arguments, and the variables its environment gets besides the zygote's
+(a replica's `CUDA_VISIBLE_DEVICES`: set before the child touches CUDA, which the zygote never
+initialises). Events: `ZygoteReadyEvent`; `SpawnedEvent` with a pidfd of
 the child attached, so the launcher signals and watches the child race-free although it
 is not its parent; `SpawnFailedEvent`; `ExitedEvent` once the zygote has reaped a child.
 The zygote exits when the launcher's end closes (the launcher exited or was killed): it
@@ -42,7 +44,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import setproctitle
@@ -67,6 +69,8 @@ class SpawnRequest(msgspec.Struct, tag="spawn", frozen=True):
     argv: list[str]
     title: str
     inherit: bool = False
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    """Set in the child's environment before it runs the worker."""
 
 
 class ZygoteReadyEvent(msgspec.Struct, tag="ready", frozen=True):
@@ -210,10 +214,10 @@ class Zygote:
         return zygote
 
     async def spawn(self, argv: Sequence[str], *, title: str, timeout_s: float = 10.0,
-                    inherit: int | None = None) -> ForkedProcess:
+                    inherit: int | None = None, env: Mapping[str, str] | None = None) -> ForkedProcess:
         """Fork a worker running `python -m engine.worker *argv`; returns once it is forked.
         `inherit`: a descriptor of this process the child gets a copy of, its number in the
-        child put in place of `INHERITED_FD` in `argv`."""
+        child put in place of `INHERITED_FD` in `argv`. `env`: set in the child's environment."""
         if self._lost is not None:
             raise self._lost
         if (inherit is not None) != (INHERITED_FD in argv):
@@ -226,7 +230,7 @@ class Zygote:
         forked_in_time = False
         try:
             try:
-                request = SpawnRequest(request_id, list(argv), title, inherit is not None)
+                request = SpawnRequest(request_id, list(argv), title, inherit is not None, dict(env or {}))
                 socket.send_fds(self._sock, [_encode(request)], [write_end, *([inherit] if inherit is not None else [])])
             except BlockingIOError:
                 raise ZygoteError("the fork server's control channel is full") from None
@@ -472,6 +476,7 @@ class _Server:
         os.close(stdout_fd)
         random.seed()  # a fresh interpreter would seed from the OS; the zygote's state is shared
         setproctitle.setproctitle(request.title)
+        os.environ.update(request.env)
         argv = [str(inherited) if arg == INHERITED_FD else arg for arg in request.argv]
         sys.argv = ["python -m engine.worker", *argv]
         from engine.worker.__main__ import main

@@ -1,10 +1,10 @@
 // The distributed studio's node views in a real Chromium, driven by Playwright: the deploy
-// dialog shows where each replica would go before the user confirms, the deployment made from
+// dialog shows where each replica would go (and on which GPUs) before the user confirms, the deployment made from
 // it runs on those nodes, the cluster page groups the workers by node, and a second deployment
 // that fits nowhere is shown refused with its reason.
 //
 //   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... WORKFLOW_ID=<uuid> E2E_ARTIFACTS=...
-//   EXPECT='{"<node>": ["role", ...], ...}' node e2e/nodes.e2e.mjs
+//   EXPECT='{"<node>": ["role", ...], ...}' EXPECT_GPUS='{"<node>": {"<role>": "#1 GPU 0"}}' node e2e/nodes.e2e.mjs
 //
 // tests/studio/test_multinode.py starts the studio and its nodes (network namespaces) and runs
 // this script. A failing step leaves FAILED-<step>.png in E2E_ARTIFACTS and exits 1.
@@ -16,6 +16,8 @@ import { expect, openBrowser, tid } from "./harness.mjs";
 const BASE = process.env.STUDIO_URL;
 const WORKFLOW = process.env.WORKFLOW_ID;
 const EXPECT = JSON.parse(process.env.EXPECT);
+// Node -> role -> what the preview says of its replicas' GPUs (nodes and roles in name order).
+const EXPECT_GPUS = JSON.parse(process.env.EXPECT_GPUS ?? "{}");
 // Generous: on two cores shared with other test runs, the editor's first render alone took
 // over 20 s at a load of 18.
 const WAIT = 60_000;
@@ -57,6 +59,16 @@ try {
     await page.waitForSelector(tid("placement-table"));
     const planned = await rolesByNode(tid("placement-node"), "node", "[data-role]");
     expect(same(planned, EXPECT), `planned ${JSON.stringify(planned)}, expected ${JSON.stringify(EXPECT)}`);
+    const gpus = await page.evaluate(() => {
+      const out = {};
+      for (const row of document.querySelectorAll('[data-testid="placement-node"]')) {
+        for (const el of row.querySelectorAll('[data-testid="placement-gpus"]')) {
+          out[row.dataset.node] = { ...(out[row.dataset.node] ?? {}), [el.dataset.for]: el.textContent.trim() };
+        }
+      }
+      return out;
+    });
+    expect(same(gpus, EXPECT_GPUS), `GPUs ${JSON.stringify(gpus)}, expected ${JSON.stringify(EXPECT_GPUS)}`);
     await page.screenshot({ path: join(ART, "01-deploy-placement.png"), animations: "disabled" });
     await page.click(tid("deploy-submit"));
     await page.waitForSelector('[data-testid="deployment-row"][data-status="running"]', { timeout: 300_000 });

@@ -203,6 +203,8 @@ class Worker(models.Model):
     host = models.CharField(max_length=255, blank=True)
     address = models.CharField(max_length=255, blank=True)
     device = models.CharField(max_length=64, blank=True)
+    gpus = models.JSONField(default=list, blank=True,
+                            help_text="the host's GPU indices this process holds (nvidia-smi's numbering); empty: none")
     pid = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.STARTING)
     error = models.TextField(blank=True, help_text="why it did not come up (status failed)")

@@ -1,7 +1,9 @@
 """The distributed path with a real Celery worker (a subprocess, solo pool) acting as a node:
 it consumes the node's queue `node.<name>` (deploy, stop_deployment) and a private run
 queue (execute_run). Its role workers register in Redis; a run of the deployment executes
-in the Celery worker and reaches them through the deployment's namespace."""
+in the Celery worker and reaches them through the deployment's namespace. A node whose
+`nvidia-smi` (a fake one, first on its PATH) lists GPUs starts each replica asking for one
+with `CUDA_VISIBLE_DEVICES` naming its own, read back from the worker's environment."""
 
 from __future__ import annotations
 
@@ -55,15 +57,15 @@ class CeleryNode:
             raise RuntimeError(f"the Celery worker exited:\n{self.log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
+@contextlib.contextmanager
+def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[CeleryNode]:
     tag = uuid.uuid4().hex[:8]
     node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
            "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
            "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
            "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), **(extra_env or {})}
     log = tmp_path / "celery.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -92,6 +94,29 @@ def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
                     psutil.Process(row.pid).kill()
         studio.runs.stop()
         app.install(previous)
+
+
+@pytest.fixture
+def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
+    with running_node(tmp_path) as node:
+        yield node
+
+
+FAKE_GPUS = 3
+
+
+@pytest.fixture
+def gpu_node(tmp_path: Path) -> Iterator[CeleryNode]:
+    """A node on whose PATH a fake `nvidia-smi` lists `FAKE_GPUS` GPUs (and no other one answers)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    lines = "".join(f"{i}, NVIDIA Pretend, 16384\n" for i in range(FAKE_GPUS))
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{lines}'\n")
+    (folder / "nvidia-smi").chmod(0o755)
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists()]
+    env = {"PATH": os.pathsep.join([str(folder), *path]), "CUDA_VISIBLE_DEVICES": "", "OMNIFLOW_NODE_GPUS": ""}
+    with running_node(tmp_path, env) as node:
+        yield node
 
 
 def live_rows(deployment_id: str) -> list[Worker]:
@@ -203,3 +228,47 @@ def test_a_tp_role_through_a_celery_node_runs_its_ranks_and_loses_them_together(
     api.post(f"/api/deployments/{d['id']}/stop/")
     celery_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+def environment(pid: int) -> dict[str, str]:
+    """A process's environment as the kernel shows it (what it was started with)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_a_gpu_node_starts_each_replica_on_gpus_of_its_own(gpu_node: CeleryNode, api: Any) -> None:
+    spec = whoami_spec(replicas=2)
+    spec["roles"][0]["resources"] = {"gpus": 1}
+    wf = create_workflow(api, spec)
+    preview = api.post("/api/nodes/placement/", {"workflow": wf["id"]}, format="json").json()
+    assert [(s["node"], s["gpus"]) for s in preview["placement"]] == [(gpu_node.node, [0]), (gpu_node.node, [1])]
+
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    gpu_node.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running")
+
+    def seen() -> list[tuple[list[int], str]]:
+        return sorted((r.gpus, environment(r.pid)["CUDA_VISIBLE_DEVICES"]) for r in live_rows(d["id"]))
+
+    assert seen() == [([0], "0"), ([1], "1")]
+    assert all(environment(r.pid)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for r in live_rows(d["id"]))
+    detail = api.get(f"/api/deployments/{d['id']}/").json()
+    assert sorted(w["gpus"] for w in detail["workers"]) == [[0], [1]]
+    assert sorted(s["gpus"] for s in detail["placement"]["slots"]) == [[0], [1]]
+    (node,) = [n for n in api.get("/api/nodes/").json() if n["name"] == gpu_node.node]
+    assert [g["index"] for g in node["gpus"]] == [0, 1, 2]
+    assert sorted(w["gpus"] for w in node["workers"]) == [[0], [1]]
+
+    # One more replica takes the GPU left; scaling down keeps replica 0 on its GPU.
+    assert api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 3},
+                    format="json").status_code == 200
+    gpu_node.wait_for("three workers", lambda: len(live_rows(d["id"])) == 3)
+    assert seen() == [([0], "0"), ([1], "1"), ([2], "2")]
+    refused = api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 4}, format="json")
+    assert refused.status_code == 409 and "needs 1 GPU, 0 free" in refused.json()["error"], refused.content
+    assert api.post(f"/api/deployments/{d['id']}/scale/", {"role": "py", "replicas": 1},
+                    format="json").status_code == 200
+    gpu_node.wait_for("one worker", lambda: len(live_rows(d["id"])) == 1)
+    assert seen() == [([0], "0")]
+
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    gpu_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")

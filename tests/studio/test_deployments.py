@@ -423,3 +423,38 @@ def test_scaling_counts_a_pending_replacement_once(api: Any) -> None:
     finally:
         studio.runs.stop()
         app.install(previous)
+
+
+def test_embedded_deployments_share_the_machines_gpus(api: Any) -> None:
+    """The studio's own deployments seat their replicas on one pool of the machine's GPUs (here
+    two, as `OMNIFLOW_NODE_GPUS=2` says): each replica gets one nobody else holds, and a
+    deployment that finds none left fails naming it; a stopped one gives its GPUs back."""
+    app = apps.get_app_config("workflows")
+    config = settings.OMNIFLOW
+    studio = build_engine(dataclasses.replace(config, allow_module_ops=True,
+                                              node=dataclasses.replace(config.node, gpus=2)))
+    previous = app.install(studio)
+    spec = whoami_spec()
+    spec["roles"][0]["resources"] = {"gpus": 1}
+    wf = create_workflow(api, spec)
+    try:
+        first = deploy(api, studio, {"workflow": wf["id"], "name": "first"})
+        second = deploy(api, studio, {"workflow": wf["id"], "name": "second"})
+        assert (first["status"], second["status"]) == ("running", "running"), (first, second)
+        assert [w["gpus"] for w in first["workers"]] == [[0]]
+        assert [w["gpus"] for w in second["workers"]] == [[1]]
+        assert list(Worker.objects.filter(deployment_id=first["id"]).values_list("gpus", flat=True)) == [[0]]
+
+        third = deploy(api, studio, {"workflow": wf["id"], "name": "third"})
+        assert third["status"] == "failed" and "role 'py', replica 0: needs 1 GPUs, the node has 2" in third["error"]
+
+        api.post(f"/api/deployments/{first['id']}/stop/")
+        settle(studio, first["id"])
+        again = deploy(api, studio, {"workflow": wf["id"], "name": "again"})
+        assert [w["gpus"] for w in again["workers"]] == [[0]]
+        for d in (second, again):
+            api.post(f"/api/deployments/{d['id']}/stop/")
+            settle(studio, d["id"])
+    finally:
+        studio.runs.stop()
+        app.install(previous)

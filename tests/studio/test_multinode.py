@@ -191,7 +191,7 @@ _NO_BROWSER = _missing_browser()
 
 
 def in_browser(cluster: NodeCluster, user: Any, workflow_id: str, expected: dict[str, list[str]],
-               tmp_path: Path) -> None:
+               expected_gpus: dict[str, dict[str, str]], tmp_path: Path) -> None:
     """`frontend/e2e/nodes.e2e.mjs` against a live studio of the cluster (daphne, in this
     namespace): the deploy dialog's placement, deploying from it, the cluster page by node, and a
     second deployment shown refused."""
@@ -215,6 +215,7 @@ def in_browser(cluster: NodeCluster, user: Any, workflow_id: str, expected: dict
             ["node", "e2e/nodes.e2e.mjs"], cwd=FRONTEND, capture_output=True, text=True, timeout=420,
             env={**os.environ, "STUDIO_URL": f"http://127.0.0.1:{port}", "STUDIO_USER": user.username,
                  "STUDIO_PASSWORD": password, "WORKFLOW_ID": workflow_id, "EXPECT": json.dumps(expected),
+                 "EXPECT_GPUS": json.dumps(expected_gpus),
                  "E2E_ARTIFACTS": str(ARTIFACTS), "CHROMIUM": CHROMIUM})
         if result.returncode != 0:
             pytest.fail(f"browser steps failed (screenshots in {ARTIFACTS}):\n{result.stdout[-5000:]}\n"
@@ -243,8 +244,9 @@ def test_three_roles_placed_on_two_nodes_cross_them_survive_a_dead_node_and_stop
     preview = api.post("/api/nodes/placement/", {"workflow": wf["id"]}, format="json").json()
     expected = [("diffusion", 0, b), ("llm", 0, a), ("vae", 0, a)]
     assert [(s["role"], s["replica"], s["node"]) for s in preview["placement"]] == expected
+    assert [s["gpus"] for s in preview["placement"]] == [[], [0], []]  # node a's one (pretend) GPU
     if _NO_BROWSER is None:  # deployed from the deploy dialog in Chromium, the cluster page checked there
-        in_browser(cluster, user, wf["id"], {a: ["llm", "vae"], b: ["diffusion"]}, tmp_path)
+        in_browser(cluster, user, wf["id"], {a: ["llm", "vae"], b: ["diffusion"]}, {a: {"llm": "#1 GPU 0"}}, tmp_path)
         d = api.get(f"/api/deployments/{Deployment.objects.get().pk}/").json()
     else:
         warnings.warn(f"the browser steps are left out: {_NO_BROWSER}", stacklevel=1)
@@ -259,7 +261,7 @@ def test_three_roles_placed_on_two_nodes_cross_them_survive_a_dead_node_and_stop
     assert {nodes[a]["status"], nodes[b]["status"]} == {"live"}
     assert nodes[a]["labels"] == {"zone": "a", "kind": "gpu"} and nodes[a]["total"]["gpus"] == 1
     assert nodes[a]["gpus"] == [{"index": 0, "model": "pretend", "memory_gb": 16.0}]
-    assert sorted(w["role"] for w in nodes[a]["workers"]) == ["llm", "vae"]
+    assert sorted((w["role"], w["gpus"]) for w in nodes[a]["workers"]) == [("llm", [0]), ("vae", [])]
     assert [w["role"] for w in nodes[b]["workers"]] == ["diffusion"]
     cluster.wait_for("node a's free resources to count its replicas", lambda: {
         n["name"]: n for n in api.get("/api/nodes/").json()}[a]["free"] == {"gpus": 0, "cpus": 1.0, "memory_gb": 8.0})

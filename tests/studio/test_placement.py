@@ -87,6 +87,21 @@ def slots(deployment: dict[str, Any] | Deployment) -> list[tuple[str, int, str]]
     return [(s["role"], s["replica"], s["node"]) for s in placement["slots"]]
 
 
+def test_each_deployment_gets_gpus_no_other_holds(nodes: Nodes, api: Any) -> None:
+    a = nodes.up("a", gpus=3)
+    wf = create_workflow(api, spec({"replicas": 2, "resources": {"gpus": 1}}))
+    first = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert [(s["node"], s["gpus"]) for s in first["placement"]["slots"]] == [(a, [0]), (a, [1])]
+    preview = api.post("/api/nodes/placement/", {"workflow": wf["id"], "replicas": {"py": 1}}, format="json").json()
+    assert [(s["node"], s["gpus"]) for s in preview["placement"]] == [(a, [2])]
+    response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+    assert response.status_code == 409 and "needs 1 GPU, 0 free" in response.json()["error"]
+    # Once the first one stops, its GPUs are free again.
+    Deployment.objects.filter(pk=first["id"]).update(status="stopped")
+    second = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert [s["gpus"] for s in second["placement"]["slots"]] == [[0], [1]]
+
+
 def test_free_resources_count_what_is_placed_and_a_full_cluster_refuses(nodes: Nodes, api: Any) -> None:
     a, b = nodes.up("a", cpus=2), nodes.up("b", cpus=3)
     wf = create_workflow(api, spec({"replicas": 2, "resources": {"cpus": 1}}))
@@ -117,8 +132,8 @@ def test_a_pinned_node_must_be_live_and_the_preview_says_where(nodes: Nodes, api
     assert response.json()["details"] == [{"field": "node", "message": response.json()["error"]}]
     assert f"node '{nodes.tag}-gone' is not live" in response.json()["error"]
     preview = api.post("/api/nodes/placement/", {"workflow": wf["id"], "replicas": {"py": 2}}, format="json").json()
-    assert preview == {"distributed": True, "placement": [{"role": "py", "replica": 0, "node": a},
-                                                          {"role": "py", "replica": 1, "node": a}],
+    assert preview == {"distributed": True, "placement": [{"role": "py", "replica": 0, "node": a, "gpus": []},
+                                                          {"role": "py", "replica": 1, "node": a, "gpus": []}],
                        "refusals": [], "error": "", "nodes": [a]}
     assert not Deployment.objects.exists()  # a preview reserves nothing
 

@@ -97,6 +97,7 @@ from engine.data.peer import Peer, PeerConfig
 from engine.data.tensor_store import TensorStore
 from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
+from engine.spec.resources import role_resources
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,17 @@ def tp_timeout_s(role: RoleSpec) -> float:
 
 
 def rank_device(role: RoleSpec, rank: int) -> str:
-    """Where rank `rank` of `role` runs: every rank on the CPU (`cpu`: gloo), or one GPU per rank
-    counting from the role's (`cuda` = `cuda:0`, `cuda:N`: NCCL)."""
+    """Where rank `rank` of `role` runs: every rank on the CPU (`cpu`: gloo), or on GPUs counting
+    from the role's (`cuda` = `cuda:0`, `cuda:N`: NCCL), each rank `resources.gpus` of them
+    (at least one) past the one before. A replica given GPUs sees only those
+    (`CUDA_VISIBLE_DEVICES`, `engine.flow.gpus`), so the count starts at its first."""
     device = role.device
     if device == "cpu":
         return "cpu"
     head, _, index = device.partition(":")
     if head == "cuda" and (not index or index.isdigit()):
-        return f"cuda:{int(index or 0) + rank}"
+        stride = max(role_resources(role.resources).per_process.gpus, 1)
+        return f"cuda:{int(index or 0) + rank * stride}"
     raise LLMUnitError(f"{role.kind} role {role.name!r}: device {device!r}; a tensor-parallel role runs on cpu or cuda[:N]")
 
 

@@ -18,6 +18,8 @@ export interface DeploymentWorker {
   host: string;
   address: string;
   device: string;
+  /** The host's GPU indices it holds (its own, for a tensor-parallel rank); empty: none. */
+  gpus: number[];
   pid: number | null;
   /** starting, ready, busy, draining, stopped, lost, failed (or joined). */
   status: string;
@@ -98,7 +100,7 @@ export function workerRows(workers: DeploymentWorker[], expected?: Record<string
     for (let replica = 0; replica < count; replica++) {
       if (taken.has(replica)) continue;
       rows.push({
-        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", pid: null,
+        worker_id: `${role}#${replica}`, role, replica, rank: 0, host: "", address: "", device: "", gpus: [], pid: null,
         status: "starting", error: "", started_at: null, last_seen_at: null, live: null, placeholder: true,
       });
     }

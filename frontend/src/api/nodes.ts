@@ -5,7 +5,9 @@
  *   POST /api/nodes/placement/  {workflow, version?, replicas?, node?} -> PlacementPreview
  *
  * A node's `workers` are the live workers of your deployments on it (worker ids, as
- * `/api/workers/` lists them); `hosting` the deployments with replicas there.
+ * `/api/workers/` lists them, with the node's GPUs each holds); `hosting` the deployments with
+ * replicas there. A placement slot names the node's GPUs its replica would get (none: it asks
+ * for none).
  */
 import { request } from "./client";
 
@@ -23,6 +25,8 @@ export interface NodeWorker {
   address: string;
   pid: number | null;
   device: string;
+  /** The node's GPU indices it holds (nvidia-smi's numbering); empty: none. */
+  gpus: number[];
 }
 
 export interface ClusterNode {
@@ -44,6 +48,8 @@ export interface PlacementSlot {
   role: string;
   replica: number;
   node: string;
+  /** The node's GPU indices the replica gets (all its tensor-parallel ranks'); empty: none. */
+  gpus: number[];
 }
 
 export interface Refusal {
@@ -82,12 +88,17 @@ export function describeAmounts(a: Amounts): string {
   return `${plural(a.gpus, "GPU")}, ${plural(Number(a.cpus.toFixed(2)), "CPU")}, ${Number(a.memory_gb.toFixed(1))} GB`;
 }
 
-/** Placement rows grouped by node, nodes in name order, each node's roles with their replica numbers. */
-export function byNode(slots: PlacementSlot[]): { node: string; roles: { role: string; replicas: number[] }[] }[] {
-  const grouped = new Map<string, Map<string, number[]>>();
+export interface PlacedReplica {
+  replica: number;
+  gpus: number[];
+}
+
+/** Placement rows grouped by node, nodes in name order, each node's roles with their replicas and GPUs. */
+export function byNode(slots: PlacementSlot[]): { node: string; roles: { role: string; replicas: PlacedReplica[] }[] }[] {
+  const grouped = new Map<string, Map<string, PlacedReplica[]>>();
   for (const s of slots) {
-    const roles = grouped.get(s.node) ?? new Map<string, number[]>();
-    roles.set(s.role, [...(roles.get(s.role) ?? []), s.replica]);
+    const roles = grouped.get(s.node) ?? new Map<string, PlacedReplica[]>();
+    roles.set(s.role, [...(roles.get(s.role) ?? []), { replica: s.replica, gpus: s.gpus ?? [] }]);
     grouped.set(s.node, roles);
   }
   return [...grouped.entries()]
@@ -98,9 +109,30 @@ export function byNode(slots: PlacementSlot[]): { node: string; roles: { role: s
     }));
 }
 
+/** "GPU 2", "GPUs 0, 1"; "" for none. */
+export function describeGpus(gpus: number[]): string {
+  if (gpus.length === 0) return "";
+  return `${gpus.length === 1 ? "GPU" : "GPUs"} ${gpus.join(", ")}`;
+}
+
+/** "#1 GPU 0 · #2 GPUs 2, 3" (replica numbers counted from 1, as the workers table does); "" when none holds a GPU. */
+export function describeReplicaGpus(replicas: PlacedReplica[]): string {
+  return replicas
+    .filter((r) => r.gpus.length > 0)
+    .map((r) => `#${r.replica + 1} ${describeGpus(r.gpus)}`)
+    .join(" · ");
+}
+
 /** Worker ids -> the node whose agent runs them. */
 export function nodeOfWorker(list: ClusterNode[]): Map<string, string> {
   const out = new Map<string, string>();
   for (const n of list) for (const w of n.workers) out.set(w.worker_id, n.name);
+  return out;
+}
+
+/** Worker ids -> the GPUs of its node it holds (only workers holding some). */
+export function gpusOfWorker(list: ClusterNode[]): Map<string, number[]> {
+  const out = new Map<string, number[]>();
+  for (const n of list) for (const w of n.workers) if (w.gpus?.length) out.set(w.worker_id, w.gpus);
   return out;
 }

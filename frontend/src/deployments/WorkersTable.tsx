@@ -1,5 +1,6 @@
 /** A deployment's workers as they come up: role, replica (and rank), where, state (and why one failed). */
 import { type DeploymentWorker, failureReason, workerRows, workerState } from "../api/deployments";
+import { describeGpus } from "../api/nodes";
 import { formatTime } from "../components/ui";
 
 /**
@@ -57,7 +58,10 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                     {w.host || "—"}
                     {w.pid ? <span className="muted"> · pid {w.pid}</span> : null}
                   </td>
-                  <td>{w.device || "—"}</td>
+                  <td data-testid="worker-device">
+                    {w.device || "—"}
+                    {w.gpus?.length ? <span className="muted"> · {describeGpus(w.gpus)}</span> : null}
+                  </td>
                   <td>
                     <span className={`badge status-${state}`}>
                       <span className="dot" />

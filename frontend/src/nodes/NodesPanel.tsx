@@ -1,12 +1,13 @@
 /**
  * The cluster's workers grouped by node (distributed studio): each node with its state (live or
- * lost), labels, resources and what is free, then the live workers it runs. Workers on no node
+ * lost), labels, resources and what is free, then the live workers it runs (with the node's GPUs
+ * each holds). Workers on no node
  * (the studio's own, or joined by hand) come last. Renders nothing when the studio has no nodes.
  */
 import { useEffect, useState } from "react";
 import type { WorkerSnapshot } from "../api/cluster";
 import { describeError } from "../api/client";
-import { type ClusterNode, describeAmounts, nodeOfWorker, nodes } from "../api/nodes";
+import { type ClusterNode, describeAmounts, describeGpus, gpusOfWorker, nodeOfWorker, nodes } from "../api/nodes";
 import { ErrorBox, StatusBadge } from "../components/ui";
 
 const REFRESH_MS = 3000;
@@ -40,11 +41,17 @@ export function NodesPanel({ workers }: { workers: WorkerSnapshot[] }) {
   if (error) return <ErrorBox>Nodes: {error}</ErrorBox>;
   if (!list || list.length === 0) return null;
   const where = nodeOfWorker(list);
+  const gpus = gpusOfWorker(list);
   const elsewhere = workers.filter((w) => !where.has(w.info.worker_id));
   return (
     <div className="nodes-panel" data-testid="nodes-panel">
       {list.map((node) => (
-        <NodeCard key={node.name} node={node} workers={workers.filter((w) => where.get(w.info.worker_id) === node.name)} />
+        <NodeCard
+          key={node.name}
+          node={node}
+          gpus={gpus}
+          workers={workers.filter((w) => where.get(w.info.worker_id) === node.name)}
+        />
       ))}
       {elsewhere.length > 0 && (
         <div className="card node-card" data-testid="node-card" data-node="">
@@ -52,14 +59,14 @@ export function NodesPanel({ workers }: { workers: WorkerSnapshot[] }) {
             <strong>Not on a node</strong>
             <span className="muted small">the studio's own workers, or workers joined by hand</span>
           </div>
-          <WorkerList workers={elsewhere} />
+          <WorkerList workers={elsewhere} gpus={gpus} />
         </div>
       )}
     </div>
   );
 }
 
-function NodeCard({ node, workers }: { node: ClusterNode; workers: WorkerSnapshot[] }) {
+function NodeCard({ node, workers, gpus }: { node: ClusterNode; workers: WorkerSnapshot[]; gpus: Map<string, number[]> }) {
   const labels = Object.entries(node.labels);
   return (
     <div className="card node-card" data-testid="node-card" data-node={node.name} data-status={node.status}>
@@ -88,7 +95,7 @@ function NodeCard({ node, workers }: { node: ClusterNode; workers: WorkerSnapsho
         )}
       </div>
       {workers.length > 0 ? (
-        <WorkerList workers={workers} />
+        <WorkerList workers={workers} gpus={gpus} />
       ) : (
         <div className="muted small">{node.workers.length ? "workers starting" : "no workers of yours"}</div>
       )}
@@ -96,7 +103,7 @@ function NodeCard({ node, workers }: { node: ClusterNode; workers: WorkerSnapsho
   );
 }
 
-function WorkerList({ workers }: { workers: WorkerSnapshot[] }) {
+function WorkerList({ workers, gpus }: { workers: WorkerSnapshot[]; gpus: Map<string, number[]> }) {
   return (
     <ul className="node-workers">
       {workers.map((w) => (
@@ -106,6 +113,12 @@ function WorkerList({ workers }: { workers: WorkerSnapshot[] }) {
           <span className="muted small">
             {w.load.outstanding}/{w.info.capacity} running
           </span>
+          {gpus.has(w.info.worker_id) && (
+            <span className="small" data-testid="node-worker-gpus">
+              {" "}
+              · {describeGpus(gpus.get(w.info.worker_id) ?? [])}
+            </span>
+          )}
         </li>
       ))}
     </ul>

@@ -1,12 +1,13 @@
 /**
  * Where deploying a version would put its replicas now, shown before the user confirms (the
- * deploy dialog): node by node with the roles and replicas it would run, or every reason the
+ * deploy dialog): node by node with the roles and replicas it would run and the GPUs of the node
+ * each replica would get, or every reason the
  * studio would refuse it (each role's needs and the best node's free resources). Asks again,
  * after a short pause, whenever the replica counts change. Nothing is reserved.
  */
 import { useEffect, useState } from "react";
 import { describeError } from "../api/client";
-import { byNode, describeAmounts, nodes, type PlacementPreview as Preview } from "../api/nodes";
+import { byNode, describeAmounts, describeReplicaGpus, nodes, type PlacementPreview as Preview } from "../api/nodes";
 import { ErrorBox, Spinner } from "../components/ui";
 
 const DEBOUNCE_MS = 300;
@@ -78,11 +79,22 @@ export function PlacementPreview({
               <tr key={node} data-testid="placement-node" data-node={node}>
                 <td className="mono">{node}</td>
                 <td>
-                  {roles.map(({ role, replicas }) => (
-                    <span key={role} className="pill" data-role={role}>
-                      {role} ×{replicas.length}
-                    </span>
-                  ))}
+                  {roles.map(({ role, replicas }) => {
+                    const gpus = describeReplicaGpus(replicas);
+                    return (
+                      <span key={role} className="placement-role">
+                        <span className="pill" data-role={role}>
+                          {role} ×{replicas.length}
+                        </span>
+                        {gpus && (
+                          <span className="muted small" data-testid="placement-gpus" data-for={role}>
+                            {" "}
+                            {gpus}
+                          </span>
+                        )}{" "}
+                      </span>
+                    );
+                  })}
                 </td>
               </tr>
             ))}

@@ -94,6 +94,7 @@ class WorkerRowSerializer(serializers.Serializer):
     host = serializers.CharField()
     address = serializers.CharField()
     device = serializers.CharField()
+    gpus = serializers.ListField(child=serializers.IntegerField(), help_text="the host's GPU indices it holds")
     pid = serializers.IntegerField(allow_null=True)
     status = serializers.CharField(help_text="starting, ready, busy, draining, stopped, lost, or failed")
     error = serializers.CharField(help_text="failed: why it did not come up")
@@ -166,8 +167,9 @@ class DeploymentDetailSerializer(DeploymentSerializer):
             rows.append(body)
         for snap in live.values():  # joined by hand (omniflow worker --namespace ...)
             rows.append({"worker_id": snap.worker_id, "role": snap.role, "host": snap.info.host,
-                         "address": snap.info.address, "device": snap.info.device, "pid": snap.info.pid,
-                         "status": "joined", "error": "", "started_at": None, "last_seen_at": None, "replica": None, "rank": 0,
+                         "address": snap.info.address, "device": snap.info.device, "gpus": [], "pid": snap.info.pid,
+                         "status": "joined", "error": "", "started_at": None, "last_seen_at": None, "replica": None,
+                         "rank": 0,
                          "live": snap.to_dict()})
         return rows
 

@@ -71,7 +71,8 @@ class NodesView(APIView):
                     .order_by("role", "worker_id")):
             workers.setdefault(row.host, []).append({
                 "worker_id": row.worker_id, "role": row.role, "deployment": str(row.deployment_id),
-                "status": row.status, "address": row.address, "pid": row.pid, "device": row.device})
+                "status": row.status, "address": row.address, "pid": row.pid, "device": row.device,
+                "gpus": list(row.gpus)})
         return Response([node_json(s.record, s.live, workers.get(s.record.name, []), names) for s in states])
 
 

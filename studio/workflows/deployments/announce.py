@@ -2,7 +2,7 @@
 
 From `worker_ready` on, a node's Celery worker announces its `NodeRecord` every third of
 `OMNIFLOW_NODE_TTL_S`: its name and address, its resources (CPUs this process may run on, the
-machine's memory, the GPUs `nvidia-smi` lists, each overridden by `OMNIFLOW_NODE_GPUS`,
+machine's memory, the GPUs `nvidia-smi` lists (`engine.client.cluster.detect_gpus`), each overridden by `OMNIFLOW_NODE_GPUS`,
 `_GPU_MODEL`, `_GPU_MEMORY_GB`, `_CPUS`, `_MEMORY_GB`), its labels (`OMNIFLOW_NODE_LABELS`),
 and what the deployments placed on it take (read from the database; when the database cannot
 be read it keeps announcing the last it knew). On shutdown it stops announcing but does not
@@ -15,46 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
 import threading
 import time
 
 import psutil
 from django.db import DatabaseError, connections
 
-from engine.client.cluster import GpuInfo, NodeDirectoryError, NodeRecord
+from engine.client.cluster import GpuInfo, NodeDirectoryError, NodeRecord, detect_gpus
 from engine.spec.resources import Amounts
 from studio.config import NodeSettings, StudioConfig
 from studio.workflows.deployments import placing
 
 log = logging.getLogger(__name__)
-
-NVIDIA_SMI_TIMEOUT_S = 10.0
-_MIB_PER_GB = 1024.0
-
-
-def detect_gpus() -> tuple[GpuInfo, ...]:
-    """The GPUs `nvidia-smi` lists (none without it, or when it fails: said in the log)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return ()
-    try:
-        out = subprocess.run([exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("nvidia-smi failed (%s): this node announces no GPUs (OMNIFLOW_NODE_GPUS overrides)", exc)
-        return ()
-    gpus = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 3:
-            continue
-        try:
-            gpus.append(GpuInfo(int(parts[0]), parts[1], round(float(parts[2]) / _MIB_PER_GB, 2)))
-        except ValueError:
-            log.warning("nvidia-smi printed a line we cannot read: %r", line)
-    return tuple(gpus)
 
 
 def machine(settings: NodeSettings, detected: tuple[GpuInfo, ...] | None = None) -> tuple[Amounts, tuple[GpuInfo, ...]]:

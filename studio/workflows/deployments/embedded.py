@@ -7,6 +7,10 @@ namespace when REDIS_URL is set (so their heartbeats carry metrics, other proces
 them, and workers on other machines can join); otherwise in an in-process registry
 filled from their READY lines (no load metrics then: nothing heartbeats into it).
 
+The hosted deployments' clusters seat their replicas on one `GpuPool`, the GPUs of this machine
+as a node agent here would announce them (`announce.machine`: `nvidia-smi`, or
+`OMNIFLOW_NODE_GPUS`), so two deployments never get the same GPU (`engine.flow.gpus`).
+
 A hosted deployment's cluster supervises its workers (unless OMNIFLOW_WORKER_RESTART=0): a
 worker that ends unasked is marked lost and a replacement takes its place, with its own row.
 
@@ -38,6 +42,7 @@ from engine.client.cluster import RegistryError, WorkerSnapshot
 from engine.client.plane import PromptTokenizer, WorkerPlane
 from engine.client.runs import Executor
 from engine.client.workers import (
+    GpuPool,
     LaunchedWorker,
     LaunchError,
     LaunchState,
@@ -49,6 +54,7 @@ from engine.client.workers import (
 from engine.spec.kinds import KindRegistry
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
+from studio.workflows.deployments.announce import machine
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.deployments.records import DeploymentTicket, FailedStart, StartedWorker, StartingWorker
 from studio.workflows.models import DeploymentStatus, WorkerStatus
@@ -77,7 +83,7 @@ def _started(worker: LaunchedWorker, device: str) -> list[StartedWorker]:
     """The rows of one replica: its worker and, for a tensor-parallel role, its follower ranks
     (which have no endpoint: the executor reaches the replica through rank 0)."""
     return [StartedWorker(worker_id=w.worker_id, role=w.role, address=w.details["address"] if w.tp_rank == 0 else "",
-                          host=w.details["host"], pid=w.details["pid"], device=device)
+                          host=w.details["host"], pid=w.details["pid"], device=device, gpus=w.gpus)
             for w in worker.processes]
 
 
@@ -92,6 +98,8 @@ class EmbeddedDeployments:
         self._starting: dict[str, asyncio.Task[Any]] = {}
         """Deployment id -> the deploy whose workers are first starting (`undeploy` cancels it)."""
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
+        self._gpus: GpuPool | None = None
+        """This machine's GPUs, every hosted deployment's replicas seated on them."""
 
     # ------------------------------------------------------------------ database
     async def _orm(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -178,6 +186,9 @@ class EmbeddedDeployments:
     async def _reconcile_now(self, ticket: DeploymentTicket) -> list[str]:
         hosted = self._hosted.get(ticket.deployment_id)
         if hosted is None:
+            if self._gpus is None:  # read once, when the first deployment starts (nvidia-smi, off the loop)
+                _, gpus = await asyncio.to_thread(machine, self.config.node)
+                self._gpus = GpuPool(len(gpus))
             cluster = LocalCluster(
                 ticket.spec,
                 allow_module_ops=self.config.allow_module_ops,
@@ -190,6 +201,7 @@ class EmbeddedDeployments:
                 on_event=functools.partial(self._replica_event, ticket),
                 on_launch=functools.partial(self._launch, ticket),
                 listen=self.config.worker_listen,
+                gpus=self._gpus,
             )
             try:
                 await cluster.start()  # stops what it started when one worker fails, or when cancelled
@@ -222,12 +234,13 @@ class EmbeddedDeployments:
         device = ticket.spec.role(launch.role).device
         if launch.state is LaunchState.STARTING:
             await self._orm(records.starting_workers, ticket.deployment_id, [StartingWorker(
-                worker_id=launch.worker_id, role=launch.role, host=launch.host, pid=launch.pid, device=device)])
+                worker_id=launch.worker_id, role=launch.role, host=launch.host, pid=launch.pid, device=device,
+                gpus=launch.gpus)])
         elif launch.state is LaunchState.READY and launch.worker is not None:
             await self._orm(records.add_workers, ticket.deployment_id, _started(launch.worker, device))
         elif launch.state is LaunchState.FAILED:
             await self._orm(records.fail_starts, ticket.deployment_id, launch.host,
-                            [FailedStart(launch.role, launch.worker_id, launch.error)])
+                            [FailedStart(launch.role, launch.worker_id, launch.error, launch.gpus)])
         elif launch.state is LaunchState.ABANDONED:
             await self._orm(records.set_worker_status, [launch.worker_id], WorkerStatus.STOPPED)
 

@@ -27,6 +27,15 @@ A replica of a role with `tp_size` N > 1 is N processes, its tensor-parallel ran
 registers (it does so only once every other rank has joined it), ranks 1.. are rows whose
 ids are `rank_worker_id(rank 0's id, rank)`. A replica with a rank gone is lost as a whole
 (what is left of it is stopped, and reconcile starts a fresh one).
+
+GPUs: each slot of the placement names the node's GPUs its replica gets (`engine.flow.gpus`).
+A replica is started on a slot no live replica of its role holds, its processes with
+`CUDA_VISIBLE_DEVICES` (and `CUDA_DEVICE_ORDER=PCI_BUS_ID`) naming those GPUs; each row records
+the GPUs of its rank (`Worker.gpus`). A live replica whose GPUs no slot names any more is
+stopped (and one started on the slot's). A replica holding no GPUs (its role asks for none)
+gets no `CUDA_VISIBLE_DEVICES`: it inherits the agent's environment, since a CPU role may still
+open a GPU peer's tensors over CUDA IPC. A deployment placed before placements were kept gets
+no GPUs named.
 """
 
 from __future__ import annotations
@@ -51,7 +60,13 @@ from engine.client.workers import HOST_ID_ENV, LaunchError, WorkerOptions, leade
 from engine.spec.graph import encode_spec
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
-from studio.workflows.deployments.records import DeploymentTicket, FailedStart, StartedWorker, StartingWorker
+from studio.workflows.deployments.records import (
+    DeploymentTicket,
+    FailedStart,
+    ReplicaStart,
+    StartedWorker,
+    StartingWorker,
+)
 from studio.workflows.models import Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -72,6 +87,11 @@ class _Replica:
     """One replica's live rows and processes: rank 0 first, then its follower ranks."""
 
     members: list[tuple[Worker, psutil.Process]]
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """Every GPU its ranks hold, in index order."""
+        return tuple(sorted(g for row, _ in self.members for g in row.gpus))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,15 +201,19 @@ class NodeAgent:
         if scan is None:
             scan = self.sweep(ticket)
         replicas, lost = scan.replicas, scan.lost
-        share = ticket.share(self.node)
+        seats = self._seats(ticket)
         stop: list[_Replica] = []
-        wanted: list[tuple[str, str]] = []  # (role, rank 0's worker id)
+        wanted: list[ReplicaStart] = []
         for role in ticket.spec.roles:
-            mine, count = replicas.get(role.name, []), share.get(role.name, 0)
-            stop += mine[count:]
+            free = list(seats.get(role.name, []))
+            for replica in replicas.get(role.name, []):
+                if replica.gpus in free:
+                    free.remove(replica.gpus)
+                else:  # beyond this node's share, or on GPUs no slot names any more
+                    stop.append(replica)
             if start_roles is None or role.name in start_roles:
-                wanted += [(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}")
-                           for _ in range(count - len(mine))]
+                wanted += [ReplicaStart(role.name, f"{role.name}-{self.node}-{uuid.uuid4().hex[:8]}", gpus)
+                           for gpus in free]
         stopped = [row.worker_id for replica in stop for row, _ in replica.members]
         if stop:
             # Rank 0 first: it drains (and tells its followers to stop); then whatever is left.
@@ -203,10 +227,20 @@ class NodeAgent:
                 # On record as failed at once, with why: supervision counts a replica that never came
                 # up as a failed replacement, and backs off (`studio.workflows.tasks.supervise_node`).
                 records.fail_starts(ticket.deployment_id, self.node,
-                                    [FailedStart(role, worker_id, str(exc)) for role, worker_id in wanted])
+                                    [FailedStart(w.role, w.worker_id, str(exc), w.gpus) for w in wanted])
                 raise
             records.add_workers(ticket.deployment_id, started)
-        return Reconciled(started=[w for _, w in wanted], stopped=stopped, lost=lost)
+        return Reconciled(started=[w.worker_id for w in wanted], stopped=stopped, lost=lost)
+
+    def _seats(self, ticket: DeploymentTicket) -> dict[str, list[tuple[int, ...]]]:
+        """Role -> the GPUs of each of its replicas this node runs (sorted; none for a replica
+        holding none, and for every replica of a deployment placed before slots were kept)."""
+        if not ticket.placement.slots:
+            return {role: [()] * count for role, count in ticket.share(self.node).items()}
+        seats: dict[str, list[tuple[int, ...]]] = {}
+        for slot in ticket.placement.on(self.node):
+            seats.setdefault(slot.role, []).append(tuple(sorted(slot.gpus)))
+        return seats
 
     def reap(self) -> list[str]:
         """End the workers on this node whose rows say they should not run (marked lost while the
@@ -233,7 +267,7 @@ class NodeAgent:
         return ids
 
     # ---------------------------------------------------------------- spawning
-    def _start(self, ticket: DeploymentTicket, wanted: list[tuple[str, str]]) -> list[StartedWorker]:
+    def _start(self, ticket: DeploymentTicket, wanted: list[ReplicaStart]) -> list[StartedWorker]:
         folder = self._dir(ticket.deployment_id)
         folder.mkdir(parents=True, exist_ok=True)
         spec_path = folder / "workflow.json"
@@ -244,6 +278,7 @@ class NodeAgent:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
                HOST_ID_ENV: self.config.node.worker_host_id(self.node)}
         processes: dict[str, subprocess.Popen[bytes]] = {}
+        gpus: dict[str, tuple[int, ...]] = {}  # each rank's own
         followers: dict[str, str] = {}  # follower rank's worker id -> role
         with contextlib.ExitStack() as undo:
             # A start that fails (or is cancelled) leaves none of its processes running.
@@ -253,29 +288,33 @@ class NodeAgent:
                                     registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir,
                                     allow_module_ops=self.config.allow_module_ops)
             devices = {r.name: r.device for r in ticket.spec.roles}
-            for role, worker_id in wanted:
-                with replica_processes(role, worker_id, ticket.spec.role(role).tp_size, options) as ranks:
+            for want in wanted:
+                with replica_processes(want.role, want.worker_id, ticket.spec.role(want.role).tp_size, options,
+                                       gpus=want.gpus) as ranks:
                     for rank in ranks:
-                        if rank.worker_id != worker_id:
-                            followers[rank.worker_id] = role
+                        if rank.worker_id != want.worker_id:
+                            followers[rank.worker_id] = want.role
+                        gpus[rank.worker_id] = rank.gpus
                         with (folder / f"{rank.worker_id}.log").open("ab") as out:
                             processes[rank.worker_id] = subprocess.Popen(
-                                rank.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, pass_fds=rank.pass_fds,
+                                rank.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**env, **rank.env}, start_new_session=True, pass_fds=rank.pass_fds,
                             )
                 # Seen starting at once (every rank: a sweep meanwhile finds the replica whole).
                 records.starting_workers(ticket.deployment_id, [
-                    StartingWorker(worker_id=rank.worker_id, role=role, host=self.node,
-                                   pid=processes[rank.worker_id].pid, device=devices[role]) for rank in ranks])
+                    StartingWorker(worker_id=rank.worker_id, role=want.role, host=self.node,
+                                   pid=processes[rank.worker_id].pid, device=devices[want.role], gpus=rank.gpus)
+                    for rank in ranks])
             registered = asyncio.run(self._registered(ticket.namespace, processes, folder,
-                                                      [w for _, w in wanted]))
+                                                      [w.worker_id for w in wanted]))
             undo.pop_all()
         rows = [StartedWorker(worker_id=s.info.worker_id, role=s.info.role, address=s.info.address, host=self.node,
-                              pid=s.info.pid, device=devices.get(s.info.role, s.info.device))
+                              pid=s.info.pid, device=devices.get(s.info.role, s.info.device),
+                              gpus=gpus[s.info.worker_id])
                 for s in registered]
         # Follower ranks have no endpoint; rank 0 registered only once they had all joined it.
         rows += [StartedWorker(worker_id=rank_id, role=role, address="", host=self.node,
-                               pid=processes[rank_id].pid, device=devices[role])
+                               pid=processes[rank_id].pid, device=devices[role], gpus=gpus[rank_id])
                  for rank_id, role in followers.items()]
         return rows
 

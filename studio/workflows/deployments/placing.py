@@ -5,13 +5,14 @@ what the active deployments already take of them (the database), and the engine'
 * `DeploymentPlacement` — a deployment's `placement` column, typed: the replica -> node map,
   the replicas that moved (and why), the replicas waiting for a node that fits them;
 * `usage` — per node, what the placed replicas of the active deployments take (their roles'
-  resources) and which deployments' replicas it hosts;
+  resources, and the GPU indices their slots name) and which deployments' replicas it hosts;
 * `plan` — where a deployment's replicas go (create, scale, the deploy dialog's preview), or
   `PlacementError` with every reason; `lock` serialises the planners, so two deployments
   created at once never both count on the same free resources.
 
 A node's free resources are its announced total less what the database says its placed
-replicas take, never its own (lagging) announcement of them.
+replicas take, never its own (lagging) announcement of them; likewise the GPUs they hold, so a
+new replica gets GPUs of the node nobody else's slot names (`engine.flow.gpus`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class NodeUse:
     taken: Amounts = field(default_factory=Amounts)
     hosting: dict[str, dict[str, int]] = field(default_factory=dict)
     """Deployment id -> role -> replicas on the node."""
+    gpus: set[int] = field(default_factory=set)
+    """The GPU indices their slots name."""
 
 
 def _per_replica(spec_roles: Iterable[Mapping[str, Any]]) -> dict[str, Amounts]:
@@ -143,14 +146,20 @@ def usage(exclude: Any = None) -> dict[str, NodeUse]:
         for slot in DeploymentPlacement.of(deployment.placement).placement.slots:
             use = out.setdefault(slot.node, NodeUse())
             use.taken = use.taken + needs.get(slot.role, Amounts())
+            use.gpus.update(slot.gpus)
             roles = use.hosting.setdefault(str(deployment.pk), {})
             roles[slot.role] = roles.get(slot.role, 0) + 1
     return out
 
 
 def offers(records: Iterable[NodeRecord], used: Mapping[str, NodeUse]) -> list[NodeOffer]:
-    return [NodeOffer(r.name, r.total - used.get(r.name, NodeUse()).taken, dict(r.labels), r.gpu_memory_gb)
-            for r in records]
+    out = []
+    for r in records:
+        use = used.get(r.name, NodeUse())
+        held = frozenset(g for g in use.gpus if g < r.total.gpus)  # a node that now offers fewer: those are gone
+        out.append(NodeOffer(r.name, r.total - use.taken, dict(r.labels), r.gpu_memory_gb, gpu_count=r.total.gpus,
+                             held_gpus=held))
+    return out
 
 
 class NodeNotLive(Exception):

@@ -56,6 +56,16 @@ class DeploymentTicket:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaStart:
+    """A replica a node agent is about to start: its role, rank 0's worker id, the GPUs of its
+    placement slot (none: it holds none)."""
+
+    role: str
+    worker_id: str
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StartedWorker:
     """A role worker a process started, as its READY line (or registration) described it."""
 
@@ -65,6 +75,8 @@ class StartedWorker:
     host: str
     pid: int
     device: str = "cpu"
+    gpus: tuple[int, ...] = ()
+    """The host's GPUs this process holds (none: it holds none, or its host has none)."""
 
 
 def deployment_spec(document: dict[str, Any], deployment_id: Any, replicas: dict[str, int]) -> GraphSpec:
@@ -147,6 +159,8 @@ class StartingWorker:
     host: str
     pid: int | None
     device: str = "cpu"
+    gpus: tuple[int, ...] = ()
+    """The host's GPU indices it holds."""
 
 
 def starting_workers(deployment_id: str, workers: list[StartingWorker]) -> None:
@@ -156,7 +170,8 @@ def starting_workers(deployment_id: str, workers: list[StartingWorker]) -> None:
         Worker.objects.update_or_create(
             worker_id=w.worker_id,
             defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": "", "pid": w.pid,
-                      "device": w.device, "status": WorkerStatus.STARTING, "error": "", "last_seen_at": now},
+                      "device": w.device, "gpus": list(w.gpus), "status": WorkerStatus.STARTING, "error": "",
+                      "last_seen_at": now},
         )
 
 
@@ -167,7 +182,8 @@ def add_workers(deployment_id: str, workers: list[StartedWorker]) -> None:
         Worker.objects.update_or_create(
             worker_id=w.worker_id,
             defaults={"deployment_id": deployment_id, "role": w.role, "host": w.host, "address": w.address,
-                      "pid": w.pid, "device": w.device, "status": WorkerStatus.READY, "error": "",
+                      "pid": w.pid, "device": w.device, "gpus": list(w.gpus), "status": WorkerStatus.READY,
+                      "error": "",
                       "last_seen_at": now},
         )
 
@@ -202,11 +218,13 @@ def unowned_workers(host: str) -> list[Worker]:
 
 @dataclass(frozen=True, slots=True)
 class FailedStart:
-    """A replica that did not come up: its role, rank 0's worker id, and why."""
+    """A replica that did not come up: its role, rank 0's worker id, why, and the GPUs its
+    placement slot gave it."""
 
     role: str
     worker_id: str
     error: str
+    gpus: tuple[int, ...] = ()
 
 
 def fail_starts(deployment_id: str, host: str, failed: list[FailedStart]) -> None:
@@ -217,8 +235,8 @@ def fail_starts(deployment_id: str, host: str, failed: list[FailedStart]) -> Non
     for start in failed:
         error = start.error[:4000]
         Worker.objects.update_or_create(worker_id=start.worker_id, defaults={
-            "deployment_id": deployment_id, "role": start.role, "host": host, "status": WorkerStatus.FAILED,
-            "error": error, "last_seen_at": now})
+            "deployment_id": deployment_id, "role": start.role, "host": host, "gpus": list(start.gpus),
+            "status": WorkerStatus.FAILED, "error": error, "last_seen_at": now})
         (Worker.objects.filter(deployment_id=deployment_id, worker_id__startswith=f"{start.worker_id}{TP_RANK_SUFFIX}")
          .update(status=WorkerStatus.FAILED, error=error, last_seen_at=now))
 

@@ -74,3 +74,24 @@ def test_the_ranks_of_a_tensor_parallel_replica_meet_on_a_socket_handed_to_rank_
     assert [args.tp_listen_fd for args in ranks] == [fd, None, None]
     with pytest.raises(OSError):
         os.fstat(fd)  # this process's copy is closed: only rank 0's remains
+
+
+def test_every_rank_sees_its_replicas_gpus_and_holds_its_own_share(options: WorkerOptions):
+    with replica_processes("two", "two-n1-cd", 3, options, gpus=(1, 2, 5, 6, 7, 0)) as processes:
+        assert [p.gpus for p in processes] == [(1, 2), (5, 6), (7, 0)]
+        assert [dict(p.env) for p in processes] == [
+            {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2,5,6,7,0"}] * 3
+    with replica_processes("one", "one-n1-ab", 1, options, gpus=(3,)) as processes:
+        assert [(p.gpus, dict(p.env)) for p in processes] == [
+            ((3,), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"})]
+
+
+def test_a_replica_without_gpus_leaves_the_environment_alone(options: WorkerOptions):
+    with replica_processes("two", "two-n1-cd", 3, options) as processes:
+        assert [(p.gpus, dict(p.env)) for p in processes] == [((), {})] * 3
+
+
+def test_gpus_that_do_not_split_over_the_ranks_are_refused(options: WorkerOptions):
+    with pytest.raises(ValueError, match="role 'two': 4 GPUs do not split evenly over 3 ranks"), \
+            replica_processes("two", "two-n1-cd", 3, options, gpus=(0, 1, 2, 3)):
+        pass

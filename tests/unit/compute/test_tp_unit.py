@@ -20,17 +20,20 @@ from engine.compute.tp.unit import LeaderWatch, _sampling_fields, _sampling_of, 
 from engine.spec.graph import RoleSpec
 
 
-def role(device: str) -> RoleSpec:
-    return RoleSpec(name="lm", kind="llm", model="tiny-llama", tp_size=2, device=device)
+def role(device: str, gpus: int | None = None) -> RoleSpec:
+    return RoleSpec(name="lm", kind="llm", model="tiny-llama", tp_size=2, device=device,
+                    resources={} if gpus is None else {"gpus": gpus})
 
 
-@pytest.mark.parametrize(("device", "ranks"), [
-    ("cpu", ["cpu", "cpu"]),
-    ("cuda", ["cuda:0", "cuda:1"]),
-    ("cuda:2", ["cuda:2", "cuda:3"]),
+@pytest.mark.parametrize(("device", "gpus", "ranks"), [
+    ("cpu", None, ["cpu", "cpu"]),
+    ("cuda", None, ["cuda:0", "cuda:1"]),
+    ("cuda", 1, ["cuda:0", "cuda:1"]),
+    ("cuda", 2, ["cuda:0", "cuda:2"]),
+    ("cuda:2", None, ["cuda:2", "cuda:3"]),
 ])
-def test_each_rank_gets_its_own_gpu_or_the_cpu(device, ranks):
-    assert [rank_device(role(device), r) for r in range(2)] == ranks
+def test_each_rank_gets_its_own_gpus_or_the_cpu(device, gpus, ranks):
+    assert [rank_device(role(device, gpus), r) for r in range(2)] == ranks
 
 
 @pytest.mark.parametrize("device", ["mps", "cuda:x", "tpu:0"])

@@ -163,11 +163,15 @@ def test_scaling_keeps_the_replicas_it_can() -> None:
 
 
 def test_placements_round_trip_and_refuse_malformed_entries() -> None:
-    placement = Placement((Slot("a", 0, "n1"), Slot("b", 1, "n2")))
+    placement = Placement((Slot("a", 0, "n1", (2, 3)), Slot("b", 1, "n2")))
     assert Placement.from_list(placement.to_list()) == placement
-    assert placement.without(["n2"]).to_list() == [{"role": "a", "replica": 0, "node": "n1"}]
+    assert placement.without(["n2"]).to_list() == [{"role": "a", "replica": 0, "node": "n1", "gpus": [2, 3]}]
+    # Written before GPUs had indices: no GPUs.
+    assert Placement.from_list([{"role": "a", "replica": 0, "node": "n1"}]).slots == (Slot("a", 0, "n1"),)
     for bad in ({"role": "a", "replica": -1, "node": "n"}, {"role": "a", "replica": True, "node": "n"},
-                {"role": 3, "replica": 0, "node": "n"}):
+                {"role": 3, "replica": 0, "node": "n"}, {"role": "a", "replica": 0, "node": "n", "gpus": [0, 0]},
+                {"role": "a", "replica": 0, "node": "n", "gpus": [-1]}, {"role": "a", "replica": 0, "node": "n",
+                                                                         "gpus": "0"}):
         with pytest.raises(ValueError):
             Placement.from_list([bad])
 
