@@ -4,7 +4,7 @@ import { type DeploymentWorker, failureReason, workerRows, workerState } from ".
 
 function row(over: Partial<DeploymentWorker>): DeploymentWorker {
   return {
-    worker_id: "chat-py-0-1", role: "py", replica: 0, rank: 0, host: "127.0.0.1", address: "", device: "cpu",
+    worker_id: "chat-py-0-1", role: "py", replica: 0, rank: 0, host: "127.0.0.1", address: "", device: "cpu", gpus: [],
     pid: 42, status: "starting", error: "", started_at: "2026-12-05T08:00:00Z", last_seen_at: null, live: null,
     ...over,
   };

@@ -4,6 +4,7 @@
  * reason none can take them. Nothing for a deployment the studio hosts itself.
  */
 import type { DeploymentPlacement } from "../api/deployments";
+import { describeGpus } from "../api/nodes";
 import { formatTime } from "../components/ui";
 import { summarizePlacement } from "./placement";
 
@@ -28,7 +29,7 @@ export function PlacementPanel({ placement }: { placement: Partial<DeploymentPla
                 <td>
                   {roles.map(({ role, replicas }) => (
                     <span key={role} className="pill" data-role={role}>
-                      {role} {replicas.map((r) => `#${r + 1}`).join(", ")}
+                      {role} {replicas.map((r) => (r.gpus.length ? `#${r.replica + 1} (${describeGpus(r.gpus)})` : `#${r.replica + 1}`)).join(", ")}
                     </span>
                   ))}
                 </td>

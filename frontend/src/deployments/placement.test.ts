@@ -23,9 +23,9 @@ describe("a deployment's placement", () => {
   it("says which replicas moved where and why, newest first, and which wait for a node", () => {
     const summary = summarizePlacement({
       slots: [
-        { role: "py", replica: 1, node: "c" },
-        { role: "py", replica: 0, node: "c" },
-        { role: "vae", replica: 0, node: "a" },
+        { role: "py", replica: 1, node: "c", gpus: [] },
+        { role: "py", replica: 0, node: "c", gpus: [] },
+        { role: "vae", replica: 0, node: "a", gpus: [1] },
       ],
       moved: [
         { role: "py", replica: 1, from: null, to: "c", at: "2026-12-05T08:00:00+00:00", reason: "a node has room for it again" },
@@ -35,8 +35,8 @@ describe("a deployment's placement", () => {
     });
     expect(summary).not.toBeNull();
     expect(summary?.nodes).toEqual([
-      { node: "a", roles: [{ role: "vae", replicas: [0] }] },
-      { node: "c", roles: [{ role: "py", replicas: [1, 0] }] },
+      { node: "a", roles: [{ role: "vae", replicas: [{ replica: 0, gpus: [1] }] }] },
+      { node: "c", roles: [{ role: "py", replicas: [{ replica: 1, gpus: [] }, { replica: 0, gpus: [] }] }] },
     ]);
     expect(summary?.moves.map(({ replica, from, to, reason }) => [replica, from, to, reason])).toEqual([
       ["py #1", "a", "c", "node a lost"],
