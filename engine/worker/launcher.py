@@ -11,6 +11,9 @@ for the executor), ranks 1.. follow it and are listed in its `LaunchedWorker.ran
 worker ids `rank_worker_id(rank 0's id, rank)`. A replica is ready when all its ranks are;
 stopping it stops rank 0 first (it drains, then tells the others to stop) and then the rest.
 
+How a process is started, known ready and ended is `engine.worker.ranks`'s (`ProcessLauncher`);
+the cluster decides which replicas run, registers them, reports them and supervises them.
+
 Without a registry URL the cluster fills an in-process registry from the READY lines
 and keeps their loads fresh by asking each worker's liveness endpoint every heartbeat
 (workers cannot heartbeat into another process's memory); with one, workers register
@@ -39,23 +42,16 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
-import signal
-import sys
-import tempfile
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from engine.data.codec import WireCodec, WireError
 from engine.data.curve import PlaneKeys, connect_as_client
-from engine.data.rendezvous import listening_socket
 from engine.data.wire import LoadReply, LoadRequest, WorkerMessage
 from engine.flow.discovery import (
     InProcessRegistry,
@@ -66,40 +62,25 @@ from engine.flow.discovery import (
     make_registry,
 )
 from engine.flow.discovery.machine import detect_gpus
-from engine.flow.gpus import GpuAssignmentError, GpuPool, GpuRequest, gpu_environment
-from engine.spec.graph import GraphSpec, encode_spec
-from engine.spec.kinds import default_kinds
+from engine.flow.gpus import GpuAssignmentError, GpuPool, GpuRequest
+from engine.spec.graph import GraphSpec
 from engine.spec.resources import role_resources
-from engine.worker.process import DEFAULT_LISTEN, READY_PREFIX, host_of_endpoint
+from engine.worker.process import DEFAULT_LISTEN, host_of_endpoint
+from engine.worker.ranks import (
+    TP_RANK_SUFFIX,
+    LaunchedWorker,
+    LaunchError,
+    ProcessLauncher,
+    leader_worker_id,
+    rank_worker_id,
+)
 from engine.worker.supervise import ReplicaEvent, RestartPolicy, Supervisor
-from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote, ZygoteError
+from engine.worker.zygote import ZygoteError
 
-
-class LaunchError(RuntimeError):
-    """A worker did not come up."""
-
-
-@dataclass(slots=True)
-class LaunchedWorker:
-    role: str
-    worker_id: str
-    process: asyncio.subprocess.Process | ForkedProcess
-    details: dict
-    relay: asyncio.Task[None] | None = None
-    tp_rank: int = 0
-    ranks: list[LaunchedWorker] = field(default_factory=list)
-    """Rank 0 of a tensor-parallel replica: its follower ranks 1.. (empty otherwise)."""
-    gpus: tuple[int, ...] = ()
-    """The machine's GPUs this rank holds (it sees its whole replica's)."""
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def processes(self) -> list[LaunchedWorker]:
-        """This worker and its follower ranks, rank order."""
-        return [self, *self.ranks]
+__all__ = [  # the rank processes' names a cluster's users need, with the cluster's own
+    "TP_RANK_SUFFIX", "LaunchError", "LaunchListener", "LaunchState", "LaunchedWorker", "LocalCluster",
+    "WorkerLaunch", "leader_worker_id", "rank_worker_id",
+]
 
 
 class LaunchState(StrEnum):
@@ -141,64 +122,6 @@ class WorkerLaunch:
 
 
 LaunchListener = Callable[[WorkerLaunch], Awaitable[None]]
-
-
-TP_RANK_SUFFIX = ".tp"
-
-
-def rank_worker_id(worker_id: str, rank: int) -> str:
-    """The worker id of rank `rank` of the tensor-parallel replica whose rank 0 is `worker_id`."""
-    return worker_id if rank == 0 else f"{worker_id}{TP_RANK_SUFFIX}{rank}"
-
-
-def leader_worker_id(worker_id: str) -> str | None:
-    """Rank 0's worker id when `worker_id` is a follower rank's (`rank_worker_id`), else None."""
-    head, sep, rank = worker_id.rpartition(TP_RANK_SUFFIX)
-    return head if sep and rank.isdigit() and int(rank) > 0 else None
-
-
-async def _relay(stream: asyncio.StreamReader, worker_id: str) -> None:
-    while line := await stream.readline():
-        sys.stderr.write(f"[{worker_id}] {line.decode('utf-8', 'replace')}")
-
-
-async def _ready_details(process: asyncio.subprocess.Process | ForkedProcess, role: str, worker_id: str,
-                         timeout_s: float) -> dict[str, Any]:
-    """What a starting worker's READY line says, once it printed it; a worker that exits first, is
-    not ready within `timeout_s`, or is cancelled meanwhile (another rank failed) is ended."""
-    assert process.stdout is not None
-    settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
-    try:
-        while True:
-            async with asyncio.timeout(timeout_s):
-                line = await process.stdout.readline()
-            if not line:
-                code = await process.wait()
-                raise LaunchError(f"worker {worker_id} of role {role!r} exited with status {code}"
-                                  " before it was ready (its error is on standard error above)")
-            text = line.decode("utf-8", "replace")
-            if text.startswith(READY_PREFIX):
-                try:
-                    details = json.loads(text[len(READY_PREFIX):])
-                except json.JSONDecodeError as exc:
-                    raise LaunchError(f"worker {worker_id} of role {role!r} printed a malformed READY line:"
-                                      f" {exc}") from None
-                break
-        settled = True
-    except TimeoutError:
-        settled = True
-        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            process.kill()
-        await process.wait()
-        raise LaunchError(f"worker {worker_id} of role {role!r} was not ready within {timeout_s} s") from None
-    finally:
-        if not settled:  # cancelled (e.g. another rank failed), its READY line unreadable: never leave it running
-            # A rank that failed the same way may have exited already: kill() raising
-            # ProcessLookupError would replace the cancellation (and the replica's real error).
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    return details
 
 
 async def _poll_loads(registry: InProcessRegistry, workers: list[LaunchedWorker], keys: PlaneKeys | None,
@@ -276,38 +199,26 @@ class LocalCluster:
             raise ValueError("a plaintext cluster takes no keys")
         self.keys: PlaneKeys | None = None if plaintext else keys or PlaneKeys.generate()
         self.spec = spec
-        self.allow_module_ops = allow_module_ops
-        self.registry_url = registry_url
-        self.namespace = namespace
-        self.ready_timeout_s = ready_timeout_s
-        self.stop_timeout_s = stop_timeout_s
         self.heartbeat_s = heartbeat_s
-        self.extra_args = extra_args
         self.listen = listen
-        self.fork_server = fork_server
+        self.launcher = ProcessLauncher(
+            spec, allow_module_ops=allow_module_ops, registry_url=registry_url, namespace=namespace,
+            ready_timeout_s=ready_timeout_s, stop_timeout_s=stop_timeout_s, heartbeat_s=heartbeat_s, listen=listen,
+            extra_args=extra_args, fork_server=fork_server, keys=self.keys)
         self._on_launch = on_launch
         self.workers: list[LaunchedWorker] = []
         self.registry: Registry = (
             make_registry(registry_url, namespace=namespace) if registry_url else InProcessRegistry(ttl_s=float("inf"))
         )
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._zygote: Zygote | None = None
         self.gpus = gpus
         self._seats: dict[tuple[str, int], tuple[int, ...]] = {}
         """(role, replica index) -> the GPUs of that replica (only those holding some)."""
         self._replica_of: dict[str, tuple[str, int]] = {}
         """Rank 0's worker id -> (role, replica index)."""
         self._supervisor = None if restart is None else Supervisor(
-            restart, registry=self.registry, workers=self.workers, start=self._spawn_replica, end=self._end,
+            restart, registry=self.registry, workers=self.workers, start=self._spawn_replica, end=self.launcher.end,
             on_event=on_event)
-
-    def _env(self) -> dict[str, str]:
-        # Workers import the same workflow modules (python ops) as this process.
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-        return env
 
     async def spawn(self, role: str, index: int) -> LaunchedWorker:
         """Start replica `index` of `role`: one worker, or `tp_size` rank processes (returned as
@@ -359,11 +270,7 @@ class LocalCluster:
                              spawned: Callable[[int], Awaitable[None]]) -> LaunchedWorker:
         """The replica whose rank 0 is `worker_id`, ready, registered and in `workers`;
         `spawned(pid)` once rank 0's process is."""
-        tp_size = self.spec.role(role).tp_size
-        if tp_size == 1:
-            worker = await self._spawn_rank(role, worker_id, spawned=spawned, gpus=gpus, rank_gpus=gpus)
-        else:
-            worker = await self._spawn_ranks(role, worker_id, tp_size, spawned, gpus)
+        worker = await self.launcher.replica(role, worker_id, self.spec.role(role).tp_size, gpus, spawned)
         self.workers.append(worker)
         if isinstance(self.registry, InProcessRegistry):
             details = worker.details
@@ -414,117 +321,7 @@ class LocalCluster:
         if self.gpus is not None:
             self.gpus.give_back(self._seats.pop((role, index), ()))
 
-    async def _spawn_ranks(self, role: str, worker_id: str, tp_size: int,
-                           spawned: Callable[[int], Awaitable[None]], gpus: tuple[int, ...]) -> LaunchedWorker:
-        """The `tp_size` rank processes of one tensor-parallel replica, once all are ready:
-        rank 0, with the others in its `.ranks`; `spawned(pid)` once rank 0's process is. Each
-        rank sees all of `gpus` and holds its share."""
-        share = len(gpus) // tp_size
-        # The replica's ranks meet on a socket bound here and handed to rank 0 (its rendezvous
-        # store serves on it): the port is the replica's from the start.
-        listener, address = listening_socket()
-        with listener:  # rank 0 holds its own copy once forked
-            started = await self._all_ready(role, [
-                asyncio.create_task(self._spawn_rank(role, rank_worker_id(worker_id, rank),
-                                                     ("--tp-rank", str(rank), "--tp-address", address),
-                                                     inherit=listener.fileno() if rank == 0 else None,
-                                                     spawned=spawned if rank == 0 else None, gpus=gpus,
-                                                     rank_gpus=gpus[rank * share:(rank + 1) * share]))
-                for rank in range(tp_size)])
-        worker, worker.ranks = started[0], started[1:]
-        return worker
-
-    async def _all_ready(self, role: str, tasks: list[asyncio.Task[LaunchedWorker]]) -> list[LaunchedWorker]:
-        """The workers `tasks` start, once all are ready; if one fails (or this is cancelled),
-        none is left starting or running."""
-        # A rank that fails to start dooms its replica: the others would only wait for it.
-        waited = False
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            waited = True
-        finally:
-            if not waited:  # failed or cancelled while waiting: no rank is left starting or running
-                for task in tasks:
-                    task.cancel()
-                spawned = await asyncio.gather(*tasks, return_exceptions=True)
-                await self._end([w for w in spawned if isinstance(w, LaunchedWorker)])
-        for task in tasks:
-            task.cancel()  # no-op for the finished ones
-        spawned = await asyncio.gather(*tasks, return_exceptions=True)
-        started = [w for w in spawned if isinstance(w, LaunchedWorker)]
-        failed = [e for e in spawned if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
-        if failed or len(started) < len(tasks):
-            await self._end(started)
-            raise failed[0] if failed else LaunchError(f"a rank of role {role!r} was cancelled while starting")
-        return started
-
-    def _preload(self) -> list[str]:
-        """What the zygote imports before forking: the worker and the spec's compute units."""
-        kinds = default_kinds()
-        modules = ["engine.worker.__main__", "engine.compute.weights.store"]
-        for role in self.spec.roles:
-            kind = kinds.role_kind(role.kind)
-            runners = [kind.runner] + ([kind.tp_runner] if role.tp_size > 1 and kind.tp_runner else [])
-            modules += [runner.partition(":")[0] for runner in runners]
-        return list(dict.fromkeys(modules))
-
-    async def _spawn_rank(self, role: str, worker_id: str, tp_args: tuple[str, ...] = (),
-                          inherit: int | None = None,
-                          spawned: Callable[[int], Awaitable[None]] | None = None,
-                          gpus: tuple[int, ...] = (), rank_gpus: tuple[int, ...] = ()) -> LaunchedWorker:
-        """One worker process, once it has printed its READY line. `inherit`: rank 0's listening
-        socket, which the process gets a copy of (`--tp-listen-fd`); `spawned(pid)` is awaited once
-        the process is (if it raises or this is cancelled meanwhile, the process is ended); `gpus`:
-        the GPUs it sees (its replica's), `rank_gpus` those it holds."""
-        env = gpu_environment(gpus)
-        assert self._tmp is not None
-        spec_path = Path(self._tmp.name) / "workflow.json"
-        # A forked worker's parent is the zygote: it exits with it (and the zygote with us).
-        parent = self._zygote.pid if self._zygote is not None else os.getpid()
-        args = [
-            "--role", role, "--workflow", str(spec_path), "--worker-id", worker_id,
-            "--parent-pid", str(parent), "--namespace", self.namespace,
-            "--heartbeat", str(self.heartbeat_s), "--registry-ttl", str(4 * self.heartbeat_s), "--listen", self.listen,
-            "--module-ops" if self.allow_module_ops else "--no-module-ops",
-            *tp_args, *self.extra_args,
-        ]
-        args += ["--plaintext"] if self.keys is None else ["--keys", str(Path(self._tmp.name) / "keys")]
-        if self.registry_url:
-            args += ["--registry", self.registry_url]
-        process: asyncio.subprocess.Process | ForkedProcess
-        if self._zygote is not None:
-            if inherit is not None:
-                args += ["--tp-listen-fd", INHERITED_FD]
-            process = await self._zygote.spawn(args, title=f"omniflow-worker role={role} id={worker_id} (starting)",
-                                               inherit=inherit, env=env)
-        else:
-            if inherit is not None:
-                args += ["--tp-listen-fd", str(inherit)]
-            process = await asyncio.create_subprocess_exec(sys.executable, "-m", "engine.worker", *args,
-                                                           stdout=asyncio.subprocess.PIPE, env={**self._env(), **env},
-                                                           pass_fds=() if inherit is None else (inherit,))
-        announced = spawned is None
-        try:
-            if spawned is not None:
-                await spawned(process.pid)
-                announced = True
-        finally:
-            if not announced:  # the listener failed, or this start was cancelled: never leave it running
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        details = await _ready_details(process, role, worker_id, self.ready_timeout_s)
-        worker = LaunchedWorker(role, worker_id, process, details, tp_rank=int(details.get("tp_rank", 0)),
-                                gpus=rank_gpus)
-        # Keep reading what the worker prints (node code may print), so its pipe never fills.
-        worker.relay = asyncio.get_running_loop().create_task(_relay(process.stdout, worker_id))
-        return worker
-
     async def start(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="omniflow-cluster-")
-        (Path(self._tmp.name) / "workflow.json").write_bytes(encode_spec(self.spec))
-        if self.keys is not None:
-            self.keys.write(Path(self._tmp.name) / "keys")  # the directory is this user's, 0700
         spawns: list[asyncio.Task[LaunchedWorker]] = []
         started = False
         try:
@@ -532,9 +329,7 @@ class LocalCluster:
                 self.gpus = GpuPool(len(detect_gpus()))
             # Every replica at once: packed together, larger ones first (`engine.flow.gpus`).
             self._take_gpus([(role.name, i) for role in self.spec.roles for i in range(role.replicas)])
-            if self.fork_server:
-                self._zygote = await Zygote.start(self._preload(), env=self._env(),
-                                                  ready_timeout_s=self.ready_timeout_s)
+            await self.launcher.open()
             spawns = [asyncio.ensure_future(self.spawn(role.name, i))
                       for role in self.spec.roles for i in range(role.replicas)]
             await asyncio.gather(*spawns)
@@ -562,37 +357,13 @@ class LocalCluster:
         workers = list(self.workers)
         self.workers.clear()  # the same list: the supervisor holds it
         # Rank 0 of a tensor-parallel replica first: it drains, then stops its followers.
-        await self._end(workers)
-        await self._end([rank for worker in workers for rank in worker.ranks])
-        if self._zygote is not None:
-            await self._zygote.close(self.stop_timeout_s)
-            self._zygote = None
+        await self.launcher.end(workers)
+        await self.launcher.end([rank for worker in workers for rank in worker.ranks])
+        await self.launcher.close()
         await self.registry.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
         for role, index in list(self._seats):
             self._give_back(role, index)
         self._replica_of.clear()
-
-    async def _end(self, workers: list[LaunchedWorker]) -> None:
-        """SIGTERM `workers` (each drains), SIGKILL those still alive after `stop_timeout_s`, reap them."""
-        for worker in workers:
-            if worker.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.process.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                async with asyncio.timeout(self.stop_timeout_s):
-                    await worker.process.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.process.kill()
-                await worker.process.wait()
-            if worker.relay is not None:
-                worker.relay.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await worker.relay
 
     async def retire(self, worker: LaunchedWorker) -> None:
         """Stop one replica of a running cluster (scaling down): rank 0 drains and deregisters,
@@ -601,8 +372,8 @@ class LocalCluster:
             await self._supervisor.unsupervise(worker)
         if worker in self.workers:
             self.workers.remove(worker)
-        await self._end([worker])
-        await self._end(worker.ranks)
+        await self.launcher.end([worker])
+        await self.launcher.end(worker.ranks)
         replica = self._replica_of.pop(worker.worker_id, None)
         if replica is not None:
             self._give_back(*replica)

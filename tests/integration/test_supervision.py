@@ -313,8 +313,8 @@ async def test_a_replacement_that_cannot_start_is_retried_then_given_up():
     and every replacement fails to start, each failure reported, until `max_restarts`."""
     async with supervised(RestartPolicy(backoff_s=0.01, max_restarts=2)) as s:
         (first,) = s.cluster.workers
-        assert s.cluster._zygote is not None
-        os.kill(s.cluster._zygote.pid, signal.SIGKILL)
+        assert s.cluster.launcher.zygote is not None
+        os.kill(s.cluster.launcher.zygote.pid, signal.SIGKILL)
         lost = await s.events.next(ReplicaEventKind.LOST)
         assert lost.worker_id == first.worker_id
         for _ in range(2):

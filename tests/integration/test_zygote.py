@@ -81,8 +81,8 @@ async def test_forked_workers_run_nodes_and_stop_with_the_cluster():
     peer = Peer.start(PeerConfig(keys=cluster.keys))
     try:
         await cluster.start()
-        assert cluster._zygote is not None
-        zygote = cluster._zygote.pid
+        assert cluster.launcher.zygote is not None
+        zygote = cluster.launcher.zygote.pid
         assert title(zygote).startswith("omniflow-zygote")
         pids = [w.pid for w in cluster.workers]
         assert len(set(pids)) == 2
@@ -174,8 +174,8 @@ async def test_a_sigkilled_zygote_leaves_no_orphans():
     cluster = cluster_of(two_replicas_spec())
     try:
         await cluster.start()
-        assert cluster._zygote is not None
-        zygote = cluster._zygote.pid
+        assert cluster.launcher.zygote is not None
+        zygote = cluster.launcher.zygote.pid
         workers = list(cluster.workers)
         os.kill(zygote, signal.SIGKILL)
         for worker in workers:
@@ -194,7 +194,7 @@ from tests.integration.test_zygote import two_replicas_spec
 async def main():
     cluster = LocalCluster(two_replicas_spec(), allow_module_ops=True, heartbeat_s=0.2)
     await cluster.start()
-    print(json.dumps({"zygote": cluster._zygote.pid, "workers": [w.pid for w in cluster.workers]}), flush=True)
+    print(json.dumps({"zygote": cluster.launcher.zygote.pid, "workers": [w.pid for w in cluster.workers]}), flush=True)
     await asyncio.Event().wait()
 
 asyncio.run(main())
