@@ -271,16 +271,14 @@ class LocalCluster:
         """The replica whose rank 0 is `worker_id`, ready, registered and in `workers`;
         `spawned(pid)` once rank 0's process is."""
         worker = await self.launcher.replica(role, worker_id, self.spec.role(role).tp_size, gpus, spawned)
+        if isinstance(self.registry, InProcessRegistry):  # the record the worker itself made, from its READY line
+            try:
+                info = WorkerInfo.from_dict(worker.details["info"])
+            except (KeyError, ValueError) as exc:
+                await self.launcher.end([worker, *worker.ranks])
+                raise LaunchError(f"worker {worker_id} of role {role!r} announced no usable record: {exc}") from None
+            await self.registry.register(info)
         self.workers.append(worker)
-        if isinstance(self.registry, InProcessRegistry):
-            details = worker.details
-            spec = self.spec.role(role)  # what a worker registering itself reports too
-            await self.registry.register(WorkerInfo(
-                worker_id=worker.worker_id, role=role, address=details["address"], capacity=details["capacity"],
-                model=spec.model, device=spec.device, host=details["host"], pid=details["pid"],
-                meta={"liveness": details["liveness"], "data": details["data"],
-                      **{k: details[k] for k in ("local", "local_ns") if k in details}},
-            ))
         return worker
 
     def restarting(self, role: str) -> int:

@@ -597,13 +597,14 @@ class RoleWorkerProc:
         self.liveness = _Liveness(config, self.host, self.load, lambda reason: loop.call_soon_threadsafe(
             self.stop.set), self.check, _LoopWatch(loop, config.stall_timeout_s).stalled)
         liveness_address = self.liveness.start_and_bind()
-        self.liveness.register(self.info(liveness_address, local))
+        info = self.info(liveness_address, local)
+        self.liveness.register(info)
         setproctitle.setproctitle(f"omniflow-worker role={config.role.name} id={config.worker_id}"
                                   f" listen={self.address}")
         self._control = LoopSocket(self.sock, self._receive_frames)
         self._ready({"worker_id": config.worker_id, "role": config.role.name, "address": self.address,
                      "liveness": liveness_address, "data": self.peer.address, "pid": os.getpid(),
-                     "host": self.host, "capacity": self.capacity, **local})
+                     "host": self.host, "capacity": self.capacity, "info": info.to_dict(), **local})
         await self.stop.wait()
         return await self._shutdown()
 
