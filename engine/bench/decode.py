@@ -12,6 +12,9 @@ request has its first token to the last token), the median of `--repeats` runs;
 llama-cpp-python 0.3.36 on the Q4_1 GGUF with 2 threads, on a machine like this one;
 a recorded figure, not measured in this run).
 Goals (issue 18): b1_vs_limit >= 0.8 in each dtype; bfloat16_b16_vs_float32 >= 2.
+`bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
+bfloat16 goals assume it; without it bfloat16 products are emulated, several times slower than
+float32's, and the bfloat16 figures measure that emulation.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from engine.bench import _llm
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
+from engine.compute.llm.layers import native_bfloat16
 from engine.compute.models.loader import LoadedModel
 from engine.compute.sampling import SamplingParams
 
@@ -112,7 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     result: dict[str, float | int | bool | str] = {"model": args.model, **context,
-                                                   "llamacpp_b1_tok_s": args.llamacpp_tok_s}
+                                                   "llamacpp_b1_tok_s": args.llamacpp_tok_s,
+                                                   "bfloat16_native": native_bfloat16()}
     for dtype in dtypes:
         for key, value in _one_dtype(args, dtype, batches).items():
             result[f"{dtype}_{key}"] = value

@@ -231,12 +231,16 @@ SMALL_BATCH = 32
 """Up to this many rows, `project` multiplies a bfloat16 weight as `weight @ x.T`."""
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU's oneDNN runs bfloat16 products natively (AVX512-BF16, AMX). Where it does
+    not, bfloat16 products are emulated: several times slower than float32 ones."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` in oneDNN's packed layout for `project`, where that is faster than `F.linear`:
     bfloat16 on a CPU whose oneDNN runs bfloat16 natively; None elsewhere."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not native_bfloat16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 

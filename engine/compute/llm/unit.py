@@ -31,6 +31,7 @@ given one (in-process dispatch) starts its own peer the first time a prefill or 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from engine.compute.encoders.items import PLACEHOLDER_IDS, splice_prompt
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMUnitError, RequestError
+from engine.compute.llm.layers import native_bfloat16
 from engine.compute.llm.loop import AddRequest, EngineLoop
 from engine.compute.llm.media import encoded_items, splice_marked, splice_marked_text
 from engine.compute.llm.nodes import NodeMode, joined, node_mode, node_prompt, node_sampling, usage
@@ -58,6 +60,8 @@ from engine.data.tensor_store import TensorStore
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
 from engine.spec.progress import ProgressMeter
+
+log = logging.getLogger(__name__)
 
 
 def _positive(role: RoleSpec, name: str, default: float) -> float:
@@ -89,6 +93,9 @@ class LLMUnit(ComputeUnit):
         dtype = role.params.get("dtype", "float32")
         if dtype not in MODEL_DTYPES:
             raise LLMUnitError(f"llm role {role.name!r}: dtype must be one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
+        if dtype == "bfloat16" and role.device == "cpu" and not native_bfloat16():
+            log.warning("llm role %r runs in bfloat16 on a CPU without native bfloat16 (AVX512-BF16, AMX): its"
+                        " products are emulated, several times slower than in float32", role.name)
         if shared is not None:  # the worker's per-process store: roles of one model share its weights
             model_ref = str(Path(ref).resolve()) if Path(ref).is_dir() else ref
             model = shared.llm(model_ref, role.device, dtype)
