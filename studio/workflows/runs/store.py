@@ -416,9 +416,9 @@ def renew(terms: LeaseTerms, run_ids: list[str]) -> LeaseCheck:
                       cancel=frozenset(pk for pk, cancel in held.items() if cancel))
 
 
-def stale_runs() -> list[str]:
-    """Runs left pending or running, e.g. by a process that stopped mid-run."""
-    return [str(pk) for pk in Run.objects.filter(status__in=[DbRunStatus.PENDING, DbRunStatus.RUNNING])
+def pending_runs() -> list[str]:
+    """Runs waiting to be executed, oldest first (a stopped process's queue, runs swept to restart)."""
+    return [str(pk) for pk in Run.objects.filter(status=DbRunStatus.PENDING).order_by("created_at")
             .values_list("pk", flat=True)]
 
 
