@@ -151,6 +151,10 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         if not claimed:
             return None
         run = Run.objects.select_related("version", "deployment").get(pk=run_id)
+        node = engine().config.node_name  # where its in-process nodes write (`runs.folders`)
+        if node not in run.executed_on:
+            run.executed_on = [*run.executed_on, node]
+            run.save(update_fields=["executed_on"])
         files = {str(f.id): f for f in run.files.filter(role=FileRole.INPUT)}
     inputs: dict[str, Any] = {}
     for name, value in run.inputs.items():
