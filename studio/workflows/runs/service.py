@@ -46,6 +46,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from django.db import DatabaseError, close_old_connections
+from redis.exceptions import RedisError
 
 from engine.client.runs import Executor, RunStatus, in_process_executor
 from engine.spec.kinds import KindRegistry
@@ -257,7 +258,10 @@ class RunService:
     async def _publish_swept(self, swept: list[Swept], *, dispatch: bool) -> None:
         """Publish what the sweep stored; with `dispatch`, execute the restarted runs here."""
         for one in swept:
-            await self.bus.publish(one.run_id, one.events)
+            try:
+                await self.bus.publish(one.run_id, one.events)
+            except (RedisError, OSError) as exc:  # stored all the same: followers read them back from the log
+                log.warning("run %s: publishing what the run sweep stored failed: %s", one.run_id, exc)
             if dispatch and one.restarted:
                 await self._start_run(one.run_id)
 
