@@ -22,6 +22,12 @@ for lost nodes (`supervise_node`), so one that comes back without restarting doe
 goes once its folders were tried: one that could not be removed (permissions) is logged with
 why, not retried forever. A node that never comes back keeps its rows (its data dir went with
 it); `forget`ting it in the node directory means later deletions owe it nothing.
+
+One assumption: a role worker writes where the run queue's worker resolved the folder name
+(`store.claim`, with that worker's `OMNIFLOW_DATA_DIR`), which is under the node's own data dir
+where every machine gives the same `OMNIFLOW_DATA_DIR` (as the compose file's `/data` does). A node
+configured with another data dir than the run worker's holds the folders under the run worker's
+path, and removes nothing there: it only walks its own root.
 """
 
 from __future__ import annotations
