@@ -3,9 +3,11 @@ WebSockets (Channels), e.g. `daphne -b 127.0.0.1 -p 8000 studio.asgi:application
 
 The engine objects (kind catalogue, RunService with the executor loop) belong to the
 workflows AppConfig, built when Django sets up below; this module only wires protocols.
-On startup the process re-queues pending runs and fails running ones that a previous
-process left behind (`RunService.resume_stale`): at ASGI `lifespan` startup (uvicorn,
-hypercorn), or before the first request under daphne, which has no lifespan. It also starts
+On startup the process takes up the runs a previous process left behind
+(`RunService.resume_stale`: pending ones are executed, running ones whose lease lapsed are
+executed again once or failed) and from then on sweeps lapsed leases every half lease
+period: at ASGI `lifespan` startup (uvicorn, hypercorn), or before the first request under
+daphne, which has no lifespan. It also starts
 the metrics sampler (`studio.workflows.history`), in every dispatch mode. Lifespan shutdown
 stops both.
 """
@@ -62,7 +64,7 @@ class EngineStartup:
                     log.warning("deploying again %d deployment(s) a previous process hosted", len(redeployed))
                 stale = await orm(self.studio.runs.resume_stale, thread_sensitive=False)()
                 if stale:
-                    log.warning("resumed or failed %d run(s) left by a previous process", len(stale))
+                    log.warning("took up %d run(s) a previous process left (executed again, or failed)", len(stale))
                 self._done = True
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:

@@ -55,7 +55,7 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     prompt_tokenizer = RoleTokenizers()
     deployments = EmbeddedDeployments(config, kinds, prompt_tokenizer)
     runs = RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s,
-                      max_runs=config.max_runs)
+                      lease_retries=config.run_lease_retries, max_runs=config.max_runs)
     return StudioEngine(config=config, kinds=kinds, ops=ops, runs=runs, deployments=deployments,
                         templates=ChatTemplates(), history=build_sampler(config, runs, deployments),
                         prompt_tokenizer=prompt_tokenizer)

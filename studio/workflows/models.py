@@ -264,6 +264,8 @@ class Run(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True, help_text="when the lease lapses unless renewed")
     attempts = models.PositiveIntegerField(default=0, help_text="executions begun (a stopped executor's run restarts)")
     cancel_requested = models.BooleanField(default=False, help_text="the lease holder is asked to cancel the run")
+    executed_on = models.JSONField(default=list, blank=True,
+                                   help_text="the nodes (OMNIFLOW_NODE) of the processes that claimed it")
 
     objects = OwnedQuerySet.as_manager()
 
@@ -383,6 +385,24 @@ def _delete_stored_file(sender: type[RunFile], instance: RunFile, **_: Any) -> N
     name, storage = instance.file.name, instance.file.storage
     if name:
         transaction.on_commit(lambda: storage.delete(name))
+
+
+class RunFolderRemoval(models.Model):
+    """The output folders of a deleted run that a node still has to remove from its data dir
+    (`studio.workflows.runs.folders`): written with the deletion, removed by the node once done."""
+
+    node = models.CharField(max_length=63)
+    run_id = models.UUIDField()
+    owner_id = models.BigIntegerField(help_text="the run's owner: its folder is <users root>/<owner id>/")
+    folders = models.JSONField(default=list, help_text="the run's output folder names, relative to the owner's folder")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [models.UniqueConstraint(fields=["node", "run_id"], name="runfolderremoval_unique")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id}'s folders on {self.node}"
 
 
 class Session(models.Model):

@@ -8,11 +8,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import kombu.exceptions
 from asgiref.sync import async_to_sync
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 from rest_framework.exceptions import NotFound
 
+from engine.client.cluster import NodeDirectoryError
 from engine.client.graphs import GraphValidationError, build_plan
 from engine.client.runs import RunInputError, resolve_inputs
 from engine.spec.graph import GraphSpec
@@ -21,6 +23,8 @@ from studio.errors import BadRequest, Conflict, Unprocessable
 from studio.jsonbody import JsonRefused, load_json
 from studio.workflows import quotas
 from studio.workflows.apps import engine
+from studio.workflows.deployments import placing
+from studio.workflows.deployments.node import node_queue
 from studio.workflows.models import (
     ACTIVE_DEPLOYMENT_STATUSES,
     Deployment,
@@ -39,6 +43,7 @@ from studio.workflows.paths import (
     resolve_spec_paths,
     run_output_folders,
 )
+from studio.workflows.runs import folders
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
@@ -290,8 +295,10 @@ def delete_workflow(workflow: Workflow) -> None:
 
 def _remove_output_folders_on_commit(runs: list[Run]) -> None:
     """Once the deletion commits, remove the folders `runs`' ops wrote their files into on this host
-    (`paths.run_output_folders`; their copies, the run files, go with the rows). A folder that
-    cannot be removed is logged with why, and the rest still go."""
+    (`paths.run_output_folders`; their copies, the run files, go with the rows), and in the Celery
+    mode have the nodes that ran them remove theirs (`runs.folders`). A folder that cannot be removed
+    is logged with why, and the rest still go. Call it before the rows go."""
+    _owe_node_removals(runs)
     roots, registry = PathRoots.of(engine().config), engine().ops.registry
     folders = [folder for run in runs
                for folder in run_output_folders(with_node_params(run.version.spec, run.node_params), str(run.pk),
@@ -306,6 +313,39 @@ def _remove_output_folders_on_commit(runs: list[Run]) -> None:
 
     if folders:
         transaction.on_commit(remove)
+
+
+def _owe_node_removals(runs: list[Run]) -> None:
+    """Record what the nodes that ran `runs` owe of their folders and, once the deletion commits,
+    tell the live ones (`runs.folders`)."""
+    eng = engine()
+    if eng.config.dispatch is not Dispatch.CELERY or not runs:
+        return
+    notify = folders.owe(runs, eng.ops.registry, lambda: _node_states(eng.config))
+    if notify:
+        transaction.on_commit(lambda: _send_removals(notify))
+
+
+def _node_states(config: Any) -> folders.NodeStates | None:
+    try:
+        known = placing.directory(config)
+        try:
+            return {state.record.name: state.live for state in known.known()}
+        finally:
+            known.close()
+    except NodeDirectoryError as exc:
+        log.warning("reading the node directory failed: %s", exc)
+        return None
+
+
+def _send_removals(notify: dict[str, list[str]]) -> None:
+    from studio.workflows.tasks import remove_run_folders
+
+    for node, run_ids in notify.items():
+        try:
+            remove_run_folders.apply_async(args=[node, run_ids], queue=node_queue(node))
+        except (kombu.exceptions.OperationalError, OSError) as exc:  # the broker away: its next tick does it
+            log.warning("telling node %s to remove the folders of deleted runs %s failed: %s", node, run_ids, exc)
 
 
 def delete_run(run: Run) -> None:

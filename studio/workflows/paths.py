@@ -305,24 +305,38 @@ def server_path_name(value: str, user_root: Path) -> str | None:
     return str(PurePosixPath(Path(value).relative_to(user_root))) or "."
 
 
-def run_output_folders(document: dict[str, Any], run_id: str, user_root: Path, registry: OpRegistry) -> list[Path]:
-    """The folders a run's ops wrote their files into, by the layout of the output ops
-    (`media.save_outputs`: `<output folder>/<run id>/`): for each node's output folder params (given,
-    or the declared ones' default) under `user_root`, `<folder>/<run_id>` where it is a directory.
-    A name that does not resolve (absolute, `..`, through a link) was refused when the run started,
-    so no op wrote under it: it adds nothing. Nothing is removed here."""
-    folders: dict[Path, None] = {}
+def output_folder_names(document: dict[str, Any], registry: OpRegistry) -> list[str]:
+    """The names (relative to the owner's folder) of every output folder `document`'s nodes write
+    under: their output folder params, given or the declared ones' default, each once. Checks
+    nothing: a name that does not resolve is refused where it is used (`resolve_under`)."""
+    names: dict[str, None] = {}
     for node in document.get("nodes", []):
         params = dict(node.get("params", {}))
         for param in _output_dirs(registry, node.get("kind"), node.get("op")):
             params.setdefault(param, DEFAULT_OUT_DIR)
         for param in _node_path_params(registry, node.get("kind"), node.get("op")):
-            if param not in params:
-                continue
-            try:
-                folder = resolve_under(user_root, params[param]) / run_id
-            except ValueError:
-                continue  # refused at the run's start (resolve_spec_paths): the run wrote nothing there
-            if folder.is_dir() and not folder.is_symlink():
-                folders[folder] = None
+            if isinstance(params.get(param), str):
+                names[params[param]] = None
+    return list(names)
+
+
+def run_folders(user_root: Path, names: list[str], run_id: str) -> list[Path]:
+    """The folders a run's ops wrote their files into, by the layout of the output ops
+    (`media.save_outputs`: `<output folder>/<run id>/`): `<name>/<run_id>` under `user_root` for
+    each output folder name, where it is a directory (never through a link). A name that does not
+    resolve (absolute, `..`, through a link) adds nothing: it was refused when the run started, so
+    no op wrote under it. Nothing is removed here."""
+    folders: dict[Path, None] = {}
+    for name in names:
+        try:
+            folder = resolve_under(user_root, name) / run_id
+        except ValueError:
+            continue
+        if folder.is_dir() and not folder.is_symlink():
+            folders[folder] = None
     return list(folders)
+
+
+def run_output_folders(document: dict[str, Any], run_id: str, user_root: Path, registry: OpRegistry) -> list[Path]:
+    """`run_folders` of `document`'s output folder names (`output_folder_names`)."""
+    return run_folders(user_root, output_folder_names(document, registry), run_id)

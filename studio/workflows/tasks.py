@@ -32,6 +32,10 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   before staying up a minute (or never up) double the wait before the next replacement, and
   more than OMNIFLOW_WORKER_MAX_RESTARTS of them stop the replacing, said on the deployment,
   until a replica lasts (deploying again still reconciles at once).
+* `remove_run_folders(node, run_ids)`: sent to `node.<node>` when runs that node ran are
+  deleted; it removes their output folders from the node's data dir (`runs.folders`). A node
+  also removes whatever it was owed while lost: at its start (`worker_ready` sends it the task
+  for everything) and on the `supervise_node` ticks that look for lost nodes.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from studio.workflows.deployments.announce import NodeAnnouncer
 from studio.workflows.deployments.node import NodeAgent, node_queue
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
-from studio.workflows.runs import recovery
+from studio.workflows.runs import folders, recovery
 from studio.workflows.runs.bus import ChannelLayerRunEventBus
 from studio.workflows.runs.execution import execute_standalone
 from studio.workflows.runs.lease import LeaseKeeper, LeaseLost, LeaseTerms, executor_id
@@ -168,6 +172,19 @@ def stop_deployment(self, deployment_id: str) -> list[str]:
     return stopped
 
 
+@shared_task(name="omniflow.remove_run_folders", ignore_result=True, acks_late=True,
+             autoretry_for=(OperationalError, InterfaceError), retry_backoff=True, max_retries=5)
+def remove_run_folders(node: str, run_ids: list[str] | None = None) -> list[str]:
+    """Remove the output folders this node owes of the deleted runs `run_ids` (None: of every run it
+    owes); `folders.BadRunIds` (not retried) when any id is not a run id. The ids of the runs done."""
+    config = engine().config
+    if node != config.node_name:  # a message for another node's queue: not ours to act on
+        log.warning("remove_run_folders(%r) reached node %r; ignored", node, config.node_name)
+        return []
+    checked = None if run_ids is None else folders.parse_run_ids(run_ids)
+    return folders.remove_owed(config.users_root, node, checked)
+
+
 @shared_task(name="omniflow.supervise_node", ignore_result=True)
 def supervise_node(node: str, nodes: bool = True) -> dict[str, Any]:
     """Replace the lost workers of the running deployments on this node (see the module docstring);
@@ -190,6 +207,13 @@ def supervise_node(node: str, nodes: bool = True) -> dict[str, Any]:
             reaped = []
         if reaped:
             done["reaped"] = reaped
+        try:
+            removed = folders.remove_owed(config.users_root, node)  # deleted runs' folders, owed while lost
+        except DatabaseError as exc:
+            log.warning("node %s: removing the folders of deleted runs failed (next tick retries): %s", node, exc)
+            removed = []
+        if removed:
+            done["removed_run_folders"] = removed
     for deployment_id in records.running_on(node):
         try:
             result = _supervise_deployment(agent, policy, deployment_id)
@@ -300,6 +324,10 @@ def _supervise_this_node(sender: Any, **_: Any) -> None:
     announcer = NodeAnnouncer(config)
     announcer.start()
     worker_shutdown.connect(lambda **_: announcer.stop(), weak=False)
+    try:  # what it was owed while it was away: the folders of runs deleted meanwhile
+        remove_run_folders.apply_async(args=[config.node_name], queue=queue)
+    except (kombu.exceptions.OperationalError, OSError) as exc:  # the broker away: the supervise ticks do it
+        log.warning("sending remove_run_folders to %s failed: %s", queue, exc)
     if not config.worker_restart:
         return
     stopped = threading.Event()

@@ -43,6 +43,33 @@ class CeleryNode:
     run_queue: str
     proc: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+    env: dict[str, str]
+
+    @classmethod
+    def start(cls, node: str, run_queue: str, log: Path, env: dict[str, str]) -> CeleryNode:
+        argv = [sys.executable, "-m", "celery", "-A", "studio", "worker", "-P", "solo", "-Q",
+                f"{run_queue},node.{node}", "-n", f"{node}@%h", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "info"]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return cls(node, run_queue, proc, log, argv, env)
+
+    def stop(self) -> None:
+        """SIGTERM the Celery worker (its role workers, in sessions of their own, keep running)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start the Celery worker again, the same node with the same environment, and wait until ready."""
+        readies = self.log.read_bytes().count(b" ready.")
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.wait_for("the Celery worker ready again", lambda: self.log.read_bytes().count(b" ready.") > readies)
 
     def wait_for(self, what: str, check: Callable[[], bool], deadline_s: float = 60.0) -> None:
         """Poll `check` (the database) until true; the pause doubles as a check that the worker lives."""
@@ -67,12 +94,7 @@ def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Ite
            "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
            "PYTHONPATH": str(ROOT), **(extra_env or {})}
     log = tmp_path / "celery.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "studio", "worker", "-P", "solo", "-Q", f"{run_queue},node.{node}",
-             "-n", f"{node}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    worker = CeleryNode(node, run_queue, proc, log)
+    worker = CeleryNode.start(node, run_queue, log, env)
     config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY,
                                  node_name=node, deploy_node=node, run_queue=run_queue)
     app = apps.get_app_config("workflows")
@@ -82,12 +104,8 @@ def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Ite
         worker.wait_for("the Celery worker ready", lambda: b" ready." in log.read_bytes())
         yield worker
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if worker.proc.poll() is None:
+            worker.stop()
         for row in Worker.objects.filter(host=node):  # whatever a failed test left running
             with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie of the stopped worker
                 if row.pid and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):

@@ -19,7 +19,17 @@ from django.conf import settings
 from django.utils import timezone
 
 from studio.workflows.apps import StudioEngine
-from studio.workflows.models import Deployment, DeploymentStatus, NodeRun, Run, RunEvent, RunFile, Workflow
+from studio.workflows.chat.turns import turn_in_flight
+from studio.workflows.models import (
+    Deployment,
+    DeploymentStatus,
+    NodeRun,
+    Run,
+    RunEvent,
+    RunFile,
+    Session,
+    Workflow,
+)
 from studio.workflows.runs.bus import LocalRunEventBus
 from studio.workflows.runs.lease import RUN_RESTARTED, LeaseLost, LeaseTerms
 from studio.workflows.runs.recovery import sweep_expired
@@ -146,6 +156,65 @@ def test_cancel_reaches_the_process_executing_the_run(api: Any, user: Any, studi
     events = list(RunEvent.objects.filter(run=run).order_by("seq").values_list("type", flat=True))
     assert events[0] == "run_started" and events[-1] == "run_finished"
     assert Run.objects.get(pk=run.pk).error == "cancelled by request"
+
+
+# ------------------------------------------------------------- the embedded studio's sweep
+def left_running(user: Any, wf: dict[str, Any], owner: str, *, attempts: int = 1, lapsed: bool = True) -> Run:
+    """A run as a studio process `owner` leaves it: claimed, started, its step running; its lease
+    lapsed (the process died) unless `lapsed` is False (a live process renews it: here a lease
+    longer than the test)."""
+    run = stored_run(user, wf)
+    assert claim(str(run.pk), LeaseTerms(owner, 30.0 if lapsed else 3600.0)) is not None
+    record(str(run.pk), started_events(str(run.pk), 0), owner=owner)
+    Run.objects.filter(pk=run.pk).update(attempts=attempts)
+    if lapsed:
+        lapse(run)
+    return run
+
+
+def test_the_embedded_studio_takes_up_what_a_dead_process_left_and_leaves_live_leases_alone(
+        api: Any, user: Any, studio_engine: StudioEngine) -> None:
+    """At its start the studio's RunService executes again a run whose executor died mid-run (its
+    chat session takes turns again once it has ended) and the runs left pending; while it runs it
+    sweeps every half lease period, failing a run executed twice already. A run under another live
+    process's fresh lease is never touched."""
+    wf = create_workflow(api, spec_doc())
+    version = Workflow.objects.get(pk=wf["id"]).latest_version()
+    dead = left_running(user, wf, "studio:gone:1:x")
+    chat = Deployment.objects.create(owner=user, version=version, name="chat", status=DeploymentStatus.RUNNING)
+    session = Session.objects.create(owner=user, deployment=chat, turn=dead)
+    queued = stored_run(user, wf, "queued")
+    alive = left_running(user, wf, "studio:alive:2:y", lapsed=False)
+    assert turn_in_flight(session)
+
+    service = RunService(studio_engine.kinds, LocalRunEventBus(), ops=studio_engine.ops, lease_s=1.0,
+                         lease_retries=1)
+    try:
+        taken = service.resume_stale()
+        assert set(taken) == {str(dead.pk), str(queued.pk)}
+        wait_until("the dead process's run executed again", lambda: Run.objects.get(pk=dead.pk).finished)
+        wait_until("the queued run executed", lambda: Run.objects.get(pk=queued.pk).finished)
+        row = Run.objects.get(pk=dead.pk)
+        assert (row.status, row.outputs, row.attempts) == ("done", {"result": "X"}, 2)
+        restart = RunEvent.objects.get(run=dead, type=RUN_RESTARTED).data
+        assert restart["seq"] == 2 and restart["error"].startswith("the worker executing this run stopped")
+        assert not turn_in_flight(Session.objects.get(pk=session.pk))
+        assert Run.objects.get(pk=queued.pk).outputs == {"result": "QUEUED"}
+
+        # While it runs: another process dies with a run it had executed twice already.
+        twice = left_running(user, wf, "studio:gone-too:3:z", attempts=2)
+        wait_until("the sweep failing it", lambda: Run.objects.get(pk=twice.pk).finished, 10.0)
+        row = Run.objects.get(pk=twice.pk)
+        assert row.status == "failed" and row.attempts == 2
+        assert row.error.startswith("the worker executing this run stopped (lease expired at ")
+        assert row.error.endswith("it was executed 2 times")
+        assert {n.node: n.state for n in NodeRun.objects.filter(run=twice)}["step"] == "cancelled"
+    finally:
+        service.stop()
+    untouched = Run.objects.get(pk=alive.pk)
+    assert (untouched.status, untouched.lease_owner, untouched.attempts, untouched.last_seq) == (
+        "running", "studio:alive:2:y", 1, 1)
+    assert not RunEvent.objects.filter(run=alive, type__in=[RUN_RESTARTED, "run_finished"]).exists()
 
 
 # ---------------------------------------------------------------------------- deleting

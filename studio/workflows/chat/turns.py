@@ -209,6 +209,13 @@ def open_session(user: Any, deployment: Deployment, *, title: str = "", system: 
     return Session.objects.create(owner=user, deployment=deployment, title=title, messages=messages)
 
 
+def turn_in_flight(session: Session) -> bool:
+    """Whether the session's turn is in flight: `Session.turn` names a run still pending or running
+    (any end of it, a lapsed lease's included, frees the session)."""
+    return session.turn_id is not None and Run.objects.filter(
+        pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists()
+
+
 def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: dict[str, Any],
                        timeout_s: float) -> TurnStart:
     """Submit the next turn of a session; Conflict while it is closed, its deployment is not
@@ -222,8 +229,7 @@ def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: 
         deployment = Deployment.objects.select_related("version", "version__workflow").get(pk=session.deployment_id)
         if deployment.status != DeploymentStatus.RUNNING:
             raise Conflict(f"the session's deployment {deployment.pk} is {deployment.status}, not running")
-        if session.turn_id is not None and Run.objects.filter(
-                pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists():
+        if turn_in_flight(session):
             raise Conflict(f"session {session.pk} has a turn in flight (run {session.turn_id})")
         shape = chat_shape(deployment.version.spec)
         template = chat_template(deployment, shape)

@@ -2,13 +2,17 @@
 
 A run's executor renews its lease (`studio.workflows.runs.lease`). One that dies (SIGKILL,
 OOM) stops renewing; every Celery worker of the run queue sweeps the run table every half
-lease period (`sweep_expired`, from `studio.workflows.tasks`), so a lapsed lease is noticed
+lease period (`sweep_expired`, from `studio.workflows.tasks`), and so does the embedded
+studio's `RunService` (from its start on: `resume_stale`), so a lapsed lease is noticed
 within two lease periods of the last renewal. The run is then executed again from the start
 while it has been executed at most `retries` (OMNIFLOW_RUN_LEASE_RETRIES) times: a
 `run_restarted` event goes into its log, its node states and outputs are reset, it is
 `pending` again and dispatched anew, and the new execution's events follow in the same log
 (from `run_started`). After that it is failed with "the worker executing this run stopped
-(lease expired at …)". A run asked to cancel is cancelled instead.
+(lease expired at …)". A run asked to cancel is cancelled instead. A running row without a
+lease (left by a process from before leases) counts as lapsed; a fresh lease, whoever holds
+it, is never touched. A chat session whose turn it was takes turns again once the run has
+ended (`studio.workflows.chat.turns`).
 
 `request_cancel` is how the API cancels a run this process does not execute: a pending run,
 or one whose lease lapsed, ends `cancelled` at once; a live holder is asked to cancel it and
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from engine.client.runs import RunStatus
@@ -96,12 +101,11 @@ def sweep_expired(retries: int) -> list[Swept]:
     """Restart or end every running run whose lease lapsed. Safe to run in many processes at
     once: each run is taken under its row lock, and one another sweeper holds is skipped."""
     now = timezone.now()
+    lapsed = Q(status=DbRunStatus.RUNNING) & (Q(lease_expires_at__lt=now) | Q(lease_expires_at__isnull=True))
     swept = []
-    for run_id in Run.objects.filter(status=DbRunStatus.RUNNING, lease_expires_at__lt=now).values_list(
-            "pk", flat=True):
+    for run_id in Run.objects.filter(lapsed).values_list("pk", flat=True):
         with transaction.atomic():
-            run = (Run.objects.select_for_update(skip_locked=True)
-                   .filter(pk=run_id, status=DbRunStatus.RUNNING, lease_expires_at__lt=now).first())
+            run = Run.objects.select_for_update(skip_locked=True).filter(lapsed, pk=run_id).first()
             if run is None:
                 continue
             if run.cancel_requested:

@@ -16,6 +16,16 @@ Its runs are claimed under a lease of its own (`lease.LeaseKeeper`, renewed on t
 loop), so a run it executes can be cancelled from another process, and one it no longer
 executes (it stopped mid-run) is cancelled at once (`recovery.request_cancel`).
 
+A studio process that stopped mid-run (restarted, SIGKILLed, OOM) leaves its runs running
+under leases nobody renews. `resume_stale`, once per process start (`studio.asgi`), sweeps
+them as the Celery mode's run workers do (`recovery.sweep_expired`: executed again here while
+they have been executed at most `lease_retries` times, else failed saying the lease expired),
+takes up the pending runs, and from then on sweeps every half lease period until `stop()`, so
+the runs of another studio process sharing the database that dies are taken up too, within
+two lease periods. Runs under a fresh lease (another live process executes them) are left
+alone. Pending runs are taken up only at the start: they hold no lease, so a sweep cannot
+tell one a live process has queued from one a dead process left.
+
 With `max_runs` (`OMNIFLOW_MAX_RUNS`) at most that many runs execute at once; the others wait,
 pending, first come first served (the order `queue_position` counts), and a cancelled one leaves
 the queue at once. Stopping the service leaves waiting runs pending, for the next start.
@@ -35,19 +45,18 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
+from redis.exceptions import RedisError
 
 from engine.client.runs import Executor, RunStatus, in_process_executor
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
-from studio.workflows.models import Run
-from studio.workflows.models import RunStatus as DbRunStatus
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.execution import ExecutorSource, OwnExecutor, execute_run
 from studio.workflows.runs.lease import LeaseKeeper, LeaseTerms, executor_id
 from studio.workflows.runs.metrics import RunMetrics
-from studio.workflows.runs.recovery import CancelRequest, CancelResult, request_cancel
-from studio.workflows.runs.store import RunTicket, ThreadedRunStore, stale_runs
+from studio.workflows.runs.recovery import CancelRequest, CancelResult, Swept, request_cancel, sweep_expired
+from studio.workflows.runs.store import RunTicket, ThreadedRunStore, pending_runs
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,11 @@ CANCEL_OUTCOMES = {CancelRequest.CANCELLED: CancelOutcome.CANCELLED, CancelReque
 def _request_cancel(run_id: str) -> CancelResult:
     close_old_connections()
     return request_cancel(run_id)
+
+
+def _sweep_expired(retries: int) -> list[Swept]:
+    close_old_connections()
+    return sweep_expired(retries)
 
 
 class DeploymentHost(ExecutorSource, Protocol):
@@ -97,11 +111,14 @@ class _Executors:
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
                  *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
-                 lease_s: float = 30.0, max_runs: int = 0) -> None:
+                 lease_s: float = 30.0, lease_retries: int = 1, max_runs: int = 0) -> None:
         """`ops`: what the python units of runs without a deployment may run. `max_runs`: how many
-        runs execute at once (0: no limit); the others wait, pending, first come first served."""
+        runs execute at once (0: no limit); the others wait, pending, first come first served.
+        `lease_retries`: how often a swept run is executed again before it is failed."""
         if max_runs < 0:
             raise ValueError(f"max_runs must be >= 0, not {max_runs}")
+        if lease_retries < 0:
+            raise ValueError(f"lease_retries must be >= 0, not {lease_retries}")
         self.kinds = kinds
         self.ops = ops
         self.bus = bus
@@ -109,6 +126,8 @@ class RunService:
         self.deployments = deployments
         self._start_timeout_s = start_timeout_s
         self._lease_s = lease_s
+        self._lease_retries = lease_retries
+        self._sweeper: asyncio.Task[None] | None = None
         self._keeper: LeaseKeeper | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,6 +178,10 @@ class RunService:
             loop.close()
 
     async def _shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         for run_id in self._queued:
             self._tasks[run_id].cancel()  # still pending: the next start (`resume_stale`) takes it up
         for event in self._cancels.values():
@@ -200,32 +223,47 @@ class RunService:
         self.call(self._start_run(str(run_id)))
 
     def resume_stale(self) -> list[str]:
-        """On a process start: fail runs a previous process left running, re-queue pending ones.
-        Call it once, before this process accepts runs."""
+        """On a process start: sweep the runs whose lease lapsed (a previous process stopped
+        mid-run; see the module docstring), execute the pending ones, and keep sweeping every half
+        lease period until `stop()`. Call it once, before this process accepts runs. The ids of
+        the runs it swept or took up."""
         self.start()
-        assert self._store is not None and self._db is not None
-        stale = self._db.submit(stale_runs).result()
-        for run_id in stale:
-            self.call(self._recover(run_id))
-        return stale
-
-    async def _recover(self, run_id: str) -> None:
-        assert self._store is not None
-        events = await self._store.finish_unstarted(
-            run_id, RunStatus.FAILED, "interrupted: the studio stopped before the run finished", only_pending=False
-        ) if await self._is_running(run_id) else None
-        if events:
-            await self.bus.publish(run_id, events)
-        else:
-            await self._start_run(run_id)
-
-    async def _is_running(self, run_id: str) -> bool:
         assert self._db is not None
-        loop = asyncio.get_running_loop()
-        status = await loop.run_in_executor(
-            self._db, lambda: Run.objects.filter(pk=run_id).values_list("status", flat=True).first()
-        )
-        return status == DbRunStatus.RUNNING
+        swept = self._db.submit(_sweep_expired, self._lease_retries).result()
+        self.call(self._publish_swept(swept, dispatch=False)).result()
+        pending = self._db.submit(pending_runs).result()  # the restarted ones among them
+        for run_id in pending:
+            self.submit(run_id)
+        self.call(self._start_sweeping()).result()
+        return list(dict.fromkeys([*(one.run_id for one in swept), *pending]))
+
+    async def _start_sweeping(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="omniflow-run-sweep")
+
+    async def _sweep_forever(self) -> None:
+        interval = self._lease_s / 2
+        log.info("sweeping runs with lapsed leases every %.1f s", interval)
+        while True:
+            await asyncio.sleep(interval)
+            assert self._db is not None
+            try:
+                swept = await asyncio.get_running_loop().run_in_executor(
+                    self._db, _sweep_expired, self._lease_retries)
+            except DatabaseError as exc:  # the database away for a moment: the next sweep retries
+                log.warning("sweeping runs with lapsed leases failed (next try in %.1f s): %s", interval, exc)
+                continue
+            await self._publish_swept(swept, dispatch=True)
+
+    async def _publish_swept(self, swept: list[Swept], *, dispatch: bool) -> None:
+        """Publish what the sweep stored; with `dispatch`, execute the restarted runs here."""
+        for one in swept:
+            try:
+                await self.bus.publish(one.run_id, one.events)
+            except (RedisError, OSError) as exc:  # stored all the same: followers read them back from the log
+                log.warning("run %s: publishing what the run sweep stored failed: %s", one.run_id, exc)
+            if dispatch and one.restarted:
+                await self._start_run(one.run_id)
 
     async def _start_run(self, run_id: str) -> None:
         if run_id in self._tasks:

@@ -151,6 +151,10 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         if not claimed:
             return None
         run = Run.objects.select_related("version", "deployment").get(pk=run_id)
+        node = engine().config.node_name  # where its in-process nodes write (`runs.folders`)
+        if node not in run.executed_on:
+            run.executed_on = [*run.executed_on, node]
+            run.save(update_fields=["executed_on"])
         files = {str(f.id): f for f in run.files.filter(role=FileRole.INPUT)}
     inputs: dict[str, Any] = {}
     for name, value in run.inputs.items():
@@ -416,9 +420,9 @@ def renew(terms: LeaseTerms, run_ids: list[str]) -> LeaseCheck:
                       cancel=frozenset(pk for pk, cancel in held.items() if cancel))
 
 
-def stale_runs() -> list[str]:
-    """Runs left pending or running, e.g. by a process that stopped mid-run."""
-    return [str(pk) for pk in Run.objects.filter(status__in=[DbRunStatus.PENDING, DbRunStatus.RUNNING])
+def pending_runs() -> list[str]:
+    """Runs waiting to be executed, oldest first (a stopped process's queue, runs swept to restart)."""
+    return [str(pk) for pk in Run.objects.filter(status=DbRunStatus.PENDING).order_by("created_at")
             .values_list("pk", flat=True)]
 
 

@@ -1,0 +1,136 @@
+"""Deleting runs removes what their ops wrote on the nodes that ran them (`studio.workflows.runs.folders`):
+through a real Celery node agent whose role worker wrote the run's folder under the node's own data
+dir (a live node is told at once; one away at the deletion removes it when it is back), and a
+node's removal builds its paths itself, refusing a forged run id."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.apps import apps
+
+from studio.workflows.apps import StudioEngine, engine
+from studio.workflows.deployments import placing
+from studio.workflows.models import Deployment, Run, RunFolderRemoval
+from studio.workflows.runs.folders import BadRunIds, parse_run_ids
+from studio.workflows.tasks import remove_run_folders
+from tests.studio.factories import create_workflow
+from tests.studio.limits import python_spec
+from tests.studio.test_celery_deploy import CeleryNode, running_node
+from tests.studio.test_run_leases import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def saving_spec() -> dict[str, Any]:
+    """input `text` -> `media.save_outputs` on role `py` (writes `outputs/<run id>/reply.txt`) -> output."""
+    spec = python_spec()
+    spec["nodes"][1].update(op="media.save_outputs", outputs={"out": {"type": "json"}})
+    spec["nodes"][2]["inputs"]["value"]["type"] = "json"
+    return spec
+
+
+# ------------------------------------------------------------------- a node's own removal
+@pytest.fixture
+def node_engine(studio_engine: StudioEngine, tmp_path: Path) -> Any:
+    """This process as node `n1`, its data dir under `tmp_path/node`."""
+    app = apps.get_app_config("workflows")
+    config = dataclasses.replace(studio_engine.config, node_name="n1", data_dir=tmp_path / "node")
+    previous = app.install(dataclasses.replace(studio_engine, config=config))
+    yield config
+    app.install(previous)
+
+
+def test_a_node_removes_only_what_it_owes_under_its_own_root(node_engine: Any, user: Any, tmp_path: Path) -> None:
+    run_id, other_run = str(uuid.uuid4()), str(uuid.uuid4())
+    home = node_engine.users_root / str(user.pk)
+    mine = home / "outputs" / run_id
+    mine.mkdir(parents=True)
+    (mine / "reply.txt").write_text("bye")
+    kept = [home / "outputs" / other_run / "reply.txt", home / "x" / "keep.txt",
+            tmp_path / "node" / "victim" / run_id / "keep.txt", tmp_path / "elsewhere" / run_id / "keep.txt"]
+    for path in kept:
+        path.parent.mkdir(parents=True)
+        path.write_text("mine")
+    (home / "linked").symlink_to(tmp_path / "elsewhere")
+    # What the deletion recorded; names that climb out or go through a link are refused here too.
+    RunFolderRemoval.objects.create(node="n1", run_id=run_id, owner_id=user.pk,
+                                    folders=["outputs", "../../victim", "linked", "/abs"])
+    RunFolderRemoval.objects.create(node="n2", run_id=run_id, owner_id=user.pk, folders=["outputs"])
+
+    for forged in (["../x", run_id], [run_id.upper()], [f"{run_id}/.."], [7], "not-a-list"):
+        with pytest.raises(BadRunIds, match="not a run id|come as a list"):
+            remove_run_folders(node="n1", run_ids=forged)
+    with pytest.raises(BadRunIds, match=r"'\.\./x' is not a run id"):
+        parse_run_ids(["../x"])
+    assert mine.is_dir() and RunFolderRemoval.objects.filter(node="n1").exists()  # a refused message does nothing
+
+    assert remove_run_folders(node="n2", run_ids=[run_id]) == []  # another node's message: not ours
+    assert mine.is_dir()
+
+    assert remove_run_folders(node="n1", run_ids=[run_id]) == [run_id]
+    assert not mine.exists()
+    assert all(path.read_text() == "mine" for path in kept)
+    assert list(RunFolderRemoval.objects.values_list("node", flat=True)) == ["n2"]
+    assert remove_run_folders(node="n1", run_ids=[run_id]) == []  # done once
+
+
+# ------------------------------------------------------------------ a real node agent
+def run_to_end(api: Any, node: CeleryNode, deployment_id: str, text: str) -> str:
+    run = api.post("/api/runs/", {"deployment": deployment_id, "inputs": {"text": text}}, format="json").json()
+    node.wait_for(f"run {text!r}", lambda: Run.objects.get(pk=run["id"]).finished)
+    done = Run.objects.get(pk=run["id"])
+    assert done.status == "done", done.error
+    return run["id"]
+
+
+def node_live(name: str) -> bool:
+    directory = placing.directory(engine().config)
+    try:
+        return any(state.record.name == name and state.live for state in directory.known())
+    finally:
+        directory.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (the Celery broker)")
+def test_deleting_runs_removes_their_folders_on_the_node_that_ran_them(tmp_path: Path, api: Any, user: Any) -> None:
+    """The run's `media.save_outputs` node runs on the deployment's role worker on the node and
+    writes under the node's data dir; deleting the run has the node remove it (told at once); a
+    run deleted while the node is away is owed, and removed once its agent is back; deleting the
+    workflow removes its last run's too."""
+    with running_node(tmp_path, {"OMNIFLOW_NODE_TTL_S": "2"}) as node:
+        wf = create_workflow(api, saving_spec())
+        d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+        node.wait_for("running", lambda: Deployment.objects.get(pk=d["id"]).status == "running")
+        runs = [run_to_end(api, node, d["id"], text) for text in ("first", "second", "third")]
+        home = tmp_path / "data" / "users" / str(user.pk) / "outputs"
+        assert [(home / run / "reply.txt").read_text() for run in runs] == ["first", "second", "third"]
+
+        assert api.delete(f"/api/runs/{runs[0]}/").status_code == 204
+        node.wait_for("the node removed the first run's folder", lambda: not (home / runs[0]).exists())
+        node.wait_for("nothing owed", lambda: not RunFolderRemoval.objects.exists())
+        assert (home / runs[1] / "reply.txt").is_file() and (home / runs[2] / "reply.txt").is_file()
+
+        node.stop()  # its role worker keeps running; the node is lost once its lease lapses
+        wait_until("the node lost", lambda: not node_live(node.node))
+        assert api.delete(f"/api/runs/{runs[1]}/").status_code == 204
+        (owed,) = RunFolderRemoval.objects.all()
+        assert (owed.node, str(owed.run_id), owed.owner_id, owed.folders) == (node.node, runs[1], user.pk, ["outputs"])
+        assert (home / runs[1] / "reply.txt").is_file()  # nobody there to remove it yet
+
+        node.restart()
+        node.wait_for("the node back removed what it owed", lambda: not (home / runs[1]).exists())
+        node.wait_for("nothing owed", lambda: not RunFolderRemoval.objects.exists())
+        assert (home / runs[2] / "reply.txt").read_text() == "third"
+
+        api.post(f"/api/deployments/{d['id']}/stop/")
+        node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
+        assert api.delete(f"/api/workflows/{wf['id']}/").status_code == 204
+        node.wait_for("the workflow's last run's folder removed", lambda: not (home / runs[2]).exists())
+        assert home.is_dir()
