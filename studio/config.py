@@ -64,6 +64,14 @@ class Quotas:
     """`device_pages` one role may ask for (per replica)."""
     host_pages: int
     disk_pages: int
+    hicache_host_bytes: int
+    """Host memory the hierarchical caches of a user's `sglang_llm` roles may take over their live
+    deployments (a run: its own roles): per process Omni-Flow's host tier (`hicache.host_capacity_bytes`)
+    and, where `sglang.max_total_tokens` caps the device pool, SGLang's host pool (`hicache_ratio`
+    times it), times `replicas x tp_size` (`engine.compute.sglang.sizes`)."""
+    hicache_disk_bytes: int
+    """Disk their HiCache disk tiers may take (`hicache.disk_capacity_bytes` where a `disk_path` is
+    set), counted the same way."""
     max_iterations: int
     """The largest `max_iterations` of a node."""
     max_new_tokens: int
@@ -362,6 +370,8 @@ def load_quotas(env: Mapping[str, str]) -> Quotas:
         device_pages=env_int(env, "OMNIFLOW_QUOTA_DEVICE_PAGES", 16384, minimum=1),
         host_pages=env_int(env, "OMNIFLOW_QUOTA_HOST_PAGES", 65536, minimum=1),
         disk_pages=env_int(env, "OMNIFLOW_QUOTA_DISK_PAGES", 262144, minimum=1),
+        hicache_host_bytes=env_int(env, "OMNIFLOW_QUOTA_HICACHE_HOST_BYTES", 16 << 30, minimum=0),
+        hicache_disk_bytes=env_int(env, "OMNIFLOW_QUOTA_HICACHE_DISK_BYTES", 64 << 30, minimum=0),
         max_iterations=env_int(env, "OMNIFLOW_QUOTA_MAX_ITERATIONS", 1000, minimum=1),
         max_new_tokens=env_int(env, "OMNIFLOW_QUOTA_MAX_NEW_TOKENS", 4096, minimum=1),
         upload_bytes=env_int(env, "OMNIFLOW_QUOTA_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=0),

@@ -8,7 +8,7 @@ database, and at scrape time the live workers' gauges from the registry, labelle
 process memory (`omniflow_worker_rss_bytes`), GPU memory per device where the process has CUDA
 (`omniflow_gpu_memory_bytes{device, kind}`), queue depth, outstanding calls, tokens generated,
 connections refused on the worker plane (`omniflow_worker_plane_refused`: no CURVE key, or
-another uid). They are the series the cluster page charts (`studio.workflows.history.points`);
+another uid; a tensor-parallel replica's, its follower ranks' included, on its rank 0). They are the series the cluster page charts (`studio.workflows.history.points`);
 `deploy/grafana/omniflow-dashboard.json` charts them in Grafana.
 
 `/metrics` answers only Prometheus with the operator's token (`OMNIFLOW_METRICS_TOKEN`, sent

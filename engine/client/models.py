@@ -7,7 +7,9 @@
   prompts, `ChatPromptError`) and the token ids that end its generations, read without loading
   its weights; `ModelLoadError` for an unknown name or an unreadable checkpoint;
 * `RoleTokenizers` -- `(role, text) -> token ids` for the llm roles, loaded once per model: the
-  `PromptTokenizer` that KV-aware routing (`engine.client.plane`) tokenizes text prompts with.
+  `PromptTokenizer` that KV-aware routing (`engine.client.plane`) tokenizes text prompts with;
+* `hicache_bytes`, `HiCacheBytes`, `checkpoint_config` -- the host memory and disk one process of
+  an `sglang_llm` role gives its hierarchical cache (`engine.compute.sglang.sizes`: what quotas count).
 
 Loads torch and transformers.
 """
@@ -23,14 +25,18 @@ from engine.compute.models.errors import ModelLoadError
 from engine.compute.models.loader import eos_token_ids, load_tokenizer
 from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.models.text import ChatPromptError, ModelTokenizer
+from engine.compute.sglang.sizes import HiCacheBytes, checkpoint_config, hicache_bytes
 
 __all__ = [
     "ChatPromptError",
+    "HiCacheBytes",
     "ModelLoadError",
     "ModelText",
     "ModelTokenizer",
     "RoleTokenizers",
     "Weights",
+    "checkpoint_config",
+    "hicache_bytes",
     "is_builtin_model",
     "load_model_text",
     "model_catalogue",

@@ -178,6 +178,9 @@ def _model_shape(model: str | None) -> tuple[int, int, int] | None:
 
 MAX_HICACHE_HOST_BYTES = 1 << 40
 MAX_HICACHE_DISK_BYTES = 1 << 44
+MAX_HICACHE_RATIO = 16
+"""SGLang's host pool is `hicache_ratio` times its device pool: at most this many (at least one:
+SGLang refuses a host pool smaller than the device pool)."""
 MAX_SGLANG_TOTAL_TOKENS = 1 << 26
 MAX_SGLANG_CONTEXT = 1 << 20
 
@@ -244,8 +247,10 @@ SGLANG_ROLE_PARAMS: dict[str, Any] = {
     "properties": {
         "page_size": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE, "default": 16},
         "mem_fraction_static": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5},
-        "hicache_ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 64, "default": 2.0,
-                          "description": "host pool size as a multiple of the device pool"},
+        "hicache_ratio": {"type": "number", "minimum": 1, "maximum": MAX_HICACHE_RATIO, "default": 2.0,
+                          "description": "SGLang's host pool size as a multiple of its device pool (host memory"
+                                         " per process: counted in the studio's HiCache host quota where"
+                                         " sglang.max_total_tokens caps the device pool)"},
         "hicache_mem_layout": {"type": "string", "enum": ["layer_first", "page_first", "page_first_direct"],
                                "default": "page_first"},
         "seed": {"type": "integer"},

@@ -212,6 +212,13 @@ class ComputeUnit:
         the worker's liveness thread: read, never block."""
         return {}
 
+    def refused(self) -> int:
+        """Connections refused so far by server sockets the unit itself opened (a seat on the
+        transfer plane of its own, a tensor-parallel replica's link and what its follower ranks
+        report): the worker adds them to its own (`plane.refused`). Called from the worker's
+        liveness thread: read, never block."""
+        return 0
+
     def health(self) -> str | None:
         """Why this unit can serve no more calls (its engine thread died, its tensor-parallel
         group broke), or None. Called from the worker's liveness thread each heartbeat: read,

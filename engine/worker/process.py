@@ -97,7 +97,9 @@ FENCED_EXIT = 6
 """The exit status of a worker whose id was fenced: another replica took its place."""
 REFUSED_METRIC = "plane.refused"
 """The worker metric counting connections its sockets refused: no CURVE, a key not authorised,
-or (the local socket) a process of another uid."""
+or (the local socket) a process of another uid; with those its unit's own sockets refused
+(`ComputeUnit.refused`: a tensor-parallel replica's link and transfer seats, its follower ranks'
+included)."""
 
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:0"
@@ -563,10 +565,10 @@ class RoleWorkerProc:
     # -- health and load (from the liveness thread) -----------------------------------------------
     def _refused(self) -> dict[str, float]:
         # Connections refused on every server socket of the worker: for want of the plane's key
-        # (ZeroMQ), or from another uid (the local socket).
+        # (ZeroMQ), or from another uid (the local socket); and on those its unit opened.
         guards = (self.guard, self.liveness.guard)
         return {REFUSED_METRIC: float(self.peer.server.refused + sum(g.refused for g in guards if g is not None)
-                                      + self._local_refusals.refused)}
+                                      + self._local_refusals.refused + self.unit.refused())}
 
     def load(self) -> WorkerLoad:
         base = self.core.load()

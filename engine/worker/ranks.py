@@ -49,6 +49,8 @@ class LaunchedWorker:
     """Rank 0 of a tensor-parallel replica: its follower ranks 1.. (empty otherwise)."""
     gpus: tuple[int, ...] = ()
     """The machine's GPUs this rank holds (it sees its whole replica's)."""
+    tp_address: str | None = None
+    """Rank 0 of a tensor-parallel replica: where its ranks meet (rank 0's rendezvous store)."""
 
     @property
     def pid(self) -> int:
@@ -189,7 +191,7 @@ class ProcessLauncher:
                                                      spawned=spawned if rank == 0 else None, gpus=gpus,
                                                      rank_gpus=gpus[rank * share:(rank + 1) * share]))
                 for rank in range(tp_size)])
-        worker, worker.ranks = started[0], started[1:]
+        worker, worker.ranks, worker.tp_address = started[0], started[1:], address
         return worker
 
     async def _all_ready(self, role: str, tasks: list[asyncio.Task[LaunchedWorker]]) -> list[LaunchedWorker]:

@@ -198,7 +198,8 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
         raise Unprocessable("inputs do not match the workflow", [str(exc)]) from None
     config = engine().config
     upload_bytes = sum(upload.size or 0 for upload in files.values())
-    quotas.run_check(user, spec, config.quotas, timeout_s=timeout_s, upload_bytes=upload_bytes).enforce()
+    quotas.run_check(user, spec, config.quotas, timeout_s=timeout_s, upload_bytes=upload_bytes,
+                     model_dirs=config.model_dirs).enforce()
     with transaction.atomic():
         quotas.lock_user(user)
         quotas.admission_check(user, config.quotas).enforce()

@@ -11,6 +11,11 @@ refusal, always the same status for the same kind:
 * **too large** (403 `QuotaTooLarge`): one request asks for more than a user may ever have (KV
   pages, `max_iterations`, `max_new_tokens`, upload bytes, run timeout). Retrying will not help.
 
+HiCache bytes (`hicache_host_bytes`, `hicache_disk_bytes`: the host memory and disk of the
+hierarchical caches of `sglang_llm` roles, `engine.compute.sglang.sizes`) are counted as worker
+processes are: per process, times `replicas x tp_size`, over the user's live deployments (busy
+when only the others make it too much, too large when one deployment alone is).
+
 When both kinds are breached the answer is 403. Staff users are exempt from every quota (the
 engine's hard ceilings in the kind catalogue still bind them). Sizes are read from the stored
 spec, never from what the request body says about it: a deployment counts, per role, the larger
@@ -20,8 +25,10 @@ of the spec's `replicas` and the count asked for, times `tp_size`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth import get_user_model
 from rest_framework import status
@@ -30,6 +37,11 @@ from engine.spec.graph import GraphSpec
 from studio.config import Quotas
 from studio.errors import ApiError
 from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Run, RunStatus
+from studio.workflows.paths import find_checkpoint
+from studio.workflows.specs import SGLANG_ROLE_KIND
+
+if TYPE_CHECKING:
+    from engine.client.models import HiCacheBytes
 
 ROLE_PAGE_PARAMS = ("device_pages", "host_pages", "disk_pages")
 """Role params that size a KV tier (pages per replica), each with the quota of the same name."""
@@ -151,11 +163,13 @@ def run_timeout(user: Any, asked: float | None, default: float | None, quotas: Q
 
 
 def run_check(user: Any, spec: GraphSpec, quotas: Quotas, *, timeout_s: float | None,
-              upload_bytes: int) -> QuotaCheck:
-    """The sizes of one run submission (`spec` with the run's node params laid over it)."""
+              upload_bytes: int, model_dirs: tuple[Path, ...]) -> QuotaCheck:
+    """The sizes of one run submission (`spec` with the run's node params laid over it; its
+    checkpoints under `model_dirs`)."""
     if exempt(user):
         return EXEMPT
-    check = spec_check(spec, quotas)
+    check = spec_check(spec, quotas) + QuotaCheck(tuple(hicache_breaches(
+        spec, role_processes(spec, {}), quotas, model_dirs, others=HiCacheTotals(), context="the workflow's")))
     extra: list[QuotaBreach] = []
     if timeout_s is not None and timeout_s > quotas.run_timeout_s:
         extra.append(QuotaBreach("run_timeout_s", quotas.run_timeout_s, timeout_s, BreachKind.TOO_LARGE,
@@ -205,24 +219,91 @@ def role_processes(spec: GraphSpec, counts: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def _live_processes(user: Any, exclude: Any) -> int:
-    total = 0
+def _live_roles(user: Any, exclude: Any) -> Iterator[tuple[dict[str, Any], int]]:
+    """Every role of the user's live deployments but `exclude` (their stored specs) and its
+    worker processes: the larger of the spec's and the deployment's replicas, times `tp_size`."""
     live = (Deployment.objects.filter(owner=user, status__in=list(ACTIVE_DEPLOYMENT_STATUSES))
             .exclude(pk=exclude).select_related("version"))
     for deployment in live:
-        roles = deployment.version.spec.get("roles", [])
-        for role in roles:
+        for role in deployment.version.spec.get("roles", []):
             spec_replicas = int(role.get("replicas", 1))
             replicas = max(spec_replicas, int(deployment.replicas.get(role["name"], spec_replicas)))
-            total += replicas * int(role.get("tp_size", 1))
-    return total
+            yield role, replicas * int(role.get("tp_size", 1))
+
+
+def _live_processes(user: Any, exclude: Any) -> int:
+    return sum(processes for _, processes in _live_roles(user, exclude))
+
+
+# ------------------------------------------------------------------------ HiCache bytes
+@dataclass(frozen=True, slots=True)
+class HiCacheTotals:
+    """Bytes of HiCache host memory and disk (of every process counted)."""
+
+    host: int = 0
+    disk: int = 0
+
+
+HICACHE_LIMITS = (("hicache_host_bytes", "host", "host memory"), ("hicache_disk_bytes", "disk", "disk"))
+"""Each HiCache quota: its `Quotas` field, the `HiCacheBytes` amount it counts, and its name for people."""
+
+
+def role_hicache(kind: Any, model: Any, params: Any, model_dirs: tuple[Path, ...]) -> HiCacheBytes | None:
+    """One process's HiCache bytes of a role (None: the kind has no HiCache); its SGLang host pool
+    is counted where the role caps its device pool and its checkpoint (under `model_dirs`) says
+    its KV shape."""
+    if kind != SGLANG_ROLE_KIND:
+        return None
+    from engine.client.models import checkpoint_config, hicache_bytes  # loads torch: only for these roles
+
+    folder = find_checkpoint(model_dirs, model) if isinstance(model, str) else None
+    return hicache_bytes(params if isinstance(params, dict) else {}, checkpoint_config(folder))
+
+
+def _live_hicache(user: Any, exclude: Any, model_dirs: tuple[Path, ...]) -> HiCacheTotals:
+    host = disk = 0
+    for role, processes in _live_roles(user, exclude):
+        per = role_hicache(role.get("kind"), role.get("model"), role.get("params"), model_dirs)
+        if per is not None:
+            host, disk = host + per.host * processes, disk + per.disk * processes
+    return HiCacheTotals(host, disk)
+
+
+def hicache_breaches(spec: GraphSpec, processes: dict[str, int], quotas: Quotas, model_dirs: tuple[Path, ...], *,
+                     others: HiCacheTotals, context: str) -> list[QuotaBreach]:
+    """The HiCache quotas `spec` breaches with `processes` per role on top of `others` (the user's
+    other live deployments'), one breach per role that adds to a quota passed. `context` names
+    whose other roles are counted with a role's ("the deployment's")."""
+    sized = [(role, per) for role in spec.roles
+             if (per := role_hicache(role.kind, role.model, role.params, model_dirs)) is not None]
+    breaches: list[QuotaBreach] = []
+    for limit_name, amount, what in HICACHE_LIMITS:
+        limit = getattr(quotas, limit_name)
+        asked = {role.name: getattr(per, amount) * processes[role.name] for role, per in sized}
+        mine = sum(asked.values())
+        total = getattr(others, amount) + mine
+        if not mine or total <= limit:
+            continue
+        kind = BreachKind.TOO_LARGE if mine > limit else BreachKind.BUSY
+        elsewhere = f" and your other live deployments ({getattr(others, amount)})" if getattr(others, amount) else ""
+        for role, per in sized:
+            if not asked[role.name]:
+                continue
+            made_of = f" ({per.describe_host()})" if amount == "host" else ""
+            breaches.append(QuotaBreach(
+                limit_name, limit, total, kind,
+                f"role {role.name!r}: {processes[role.name] // role.tp_size} replicas x tp_size {role.tp_size} x"
+                f" {getattr(per, amount)} bytes of HiCache {what}{made_of} = {asked[role.name]}; with {context}"
+                f" other roles{elsewhere} that is {total}, over your quota of {limit}", role=role.name))
+    return breaches
 
 
 def deployment_check(user: Any, spec: GraphSpec, counts: dict[str, Any], quotas: Quotas, *,
-                     deployment: Any = None) -> QuotaCheck:
+                     model_dirs: tuple[Path, ...], deployment: Any = None) -> QuotaCheck:
     """Deploying `spec` with replica `counts` (or, with `deployment`, scaling that live one to
-    them): its sizes, the user's live deployments and their worker processes with these.
-    Call it inside the transaction that writes the deployment, after `lock_user`."""
+    them): its sizes, the user's live deployments, and their worker processes and HiCache bytes
+    with these (checkpoints under `model_dirs`). Call it inside the transaction that writes the
+    deployment, after `lock_user`."""
     if exempt(user):
         return EXEMPT
     breaches = list(spec_check(spec, quotas).breaches)
@@ -245,4 +326,7 @@ def deployment_check(user: Any, spec: GraphSpec, counts: dict[str, Any], quotas:
                 f" {processes[role.name]} processes; with the deployment's other roles and your other live"
                 f" deployments ({others}) that is {total}, over your quota of {quotas.worker_processes}",
                 role=role.name))
+    exclude = None if deployment is None else deployment.pk
+    breaches += hicache_breaches(spec, processes, quotas, model_dirs,
+                                 others=_live_hicache(user, exclude, model_dirs), context="the deployment's")
     return QuotaCheck(tuple(breaches))

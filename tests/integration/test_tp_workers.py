@@ -6,9 +6,11 @@ endpoint) and role `decode` (TP-1, decoding TP-2 prefills). Greedy tokens of TP-
 of TP-1 and of Hugging Face `generate`, and so do prefill -> decode across TP sizes: a TP-1
 prefill's pages pulled by the TP-2 ranks, each keeping its KV heads (checked bit-exact against
 the bytes the prefill worker serves), and a TP-2 prefill's pages merged on its rank 0 and pulled
-by a TP-1 decode (checked against a TP-1 engine's pages). A killed follower rank fails the
-replica's in-flight node with a clear error, and rank 0 then stops itself. The killed-rank test
-runs last; every process the module starts is stopped.
+by a TP-1 decode (checked against a TP-1 engine's pages). A process with a key of its own gets
+nothing from the TP-2 replica's link or its rank 0's transfer seat, and the worker counts it in
+`plane.refused`. A killed follower rank fails the replica's in-flight node with a clear error,
+and rank 0 then stops itself. The killed-rank test runs last; every process the module starts
+is stopped.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from datetime import timedelta
 
+import msgspec
 import psutil
 import pytest
 import pytest_asyncio
 import torch
+import torch.distributed as dist
+import zmq
+import zmq.asyncio
 from transformers import PreTrainedModel
 
 from engine.compute.llm.config import EngineConfig
@@ -31,17 +38,21 @@ from engine.compute.llm.engine import LLMEngine
 from engine.compute.models.loader import load_builtin
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.kv import merge_pages, shard_layout
+from engine.compute.tp.link import LEADER_KEY
+from engine.compute.tp.messages import TPHello
 from engine.compute.tp.unit import _HandoffPuller
+from engine.data.curve import PlaneKeys
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import fetch_pages
 from engine.data.kv.ref import KVRef
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
-from engine.data.wire import ReleaseRequest
+from engine.data.wire import PROTOCOL_VERSION, HelloRequest, ReleaseRequest
 from engine.flow.dsl import Workflow
 from engine.flow.remote import RemoteNodeError, WorkerLost
 from engine.spec.graph import GraphSpec
 from engine.worker.launcher import LaunchError, LocalCluster, rank_worker_id
+from engine.worker.process import REFUSED_METRIC
 from tests.integration.deployments import Deployment, deployed, equals, hf_greedy, text_ids
 from tests.integration.workerfns import wait_until
 
@@ -262,6 +273,96 @@ async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deploym
         engine.release_handoff(handoff.handoff_id)
     finally:
         engine.close()
+
+
+async def refusals(deployment: Deployment, role: str) -> float:
+    """The `plane.refused` metric the role's one replica last reported (its first report once it came)."""
+    worker_id = deployment.replica(role).worker_id
+
+    async def reported() -> float | None:
+        (snapshot,) = [s for s in await deployment.cluster.registry.workers(role) if s.info.worker_id == worker_id]
+        return snapshot.load.metrics.get(REFUSED_METRIC)
+
+    count = await wait_until(lambda: _is_reported(reported()), 10.0, f"role {role!r} to report its metrics")
+    return count[0]
+
+
+async def _is_reported(value: Awaitable[float | None]) -> tuple[float] | None:
+    got = await value
+    return None if got is None else (got,)
+
+
+def link_address(tp_address: str) -> str:
+    """Rank 0's link, as any process that reaches the host can learn it: from the replica's
+    rendezvous store (torch's TCPStore, which does not authenticate)."""
+    host, _, port = tp_address.removeprefix("tcp://").rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return store.get(f"omniflow/{LEADER_KEY}").decode()
+
+
+async def intrude(deployment: Deployment, address: str, payload: bytes, server_key: str) -> None:
+    """A process with a CURVE key of its own (it knows the plane's public key: public keys are no
+    secret) says `payload` at `address` until the TP-2 worker counts one more refusal; it never
+    gets an answer."""
+    expected = await refusals(deployment, "two") + 1
+    own = PlaneKeys.generate()
+    context = zmq.asyncio.Context()
+    try:
+        deadline = time.monotonic() + 20.0
+        while True:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.curve_publickey, sock.curve_secretkey = own.public.encode(), own.secret.encode()
+            sock.curve_serverkey = server_key.encode()
+            sock.connect(address)
+            try:
+                await sock.send(payload)
+                assert await sock.poll(300) == 0, f"{address} answered a process without the plane's key"
+            finally:
+                sock.close()
+            # A key not authorised is refused by the ZAP handler, always counted; until the count
+            # shows (the worker reports each heartbeat), the intruder knocks again.
+            if await _counted(deployment, expected):
+                return
+            assert time.monotonic() < deadline, f"the worker never counted a refusal on {address}"
+    finally:
+        context.term()
+
+
+async def _counted(deployment: Deployment, expected: float) -> bool:
+    """Whether the TP-2 worker's reports reach `expected` refusals within a few heartbeats."""
+    deadline = time.monotonic() + 4 * HB
+    while time.monotonic() < deadline:
+        if await refusals(deployment, "two") >= expected:
+            return True
+        await asyncio.sleep(HB / 5)
+    return False
+
+
+async def test_a_foreign_key_gets_nothing_from_a_tp_link_or_seat_and_is_counted(deployment: Deployment,
+                                                                                 reference):
+    """A process without the plane's key knocks at the TP-2 replica's own sockets: rank 0's link
+    to its follower (a follower's hello) and rank 0's transfer seat, which serves its prefills'
+    pages (a hello). Neither answers, rank 0's worker counts each in `plane.refused`, and the
+    replica still serves: its link to the real follower carries a whole generation."""
+    two = deployment.replica("two")
+    assert two.tp_address is not None
+    keys = deployment.cluster.keys
+    assert keys is not None
+    link = await asyncio.to_thread(link_address, two.tp_address)
+    await intrude(deployment, link, msgspec.msgpack.encode(TPHello(1, os.getpid())), keys.public)
+    # Rank 0's transfer seat: where its prefills' pages are served from (the kv output's holder).
+    prompt = text_ids(10, 2 * PAGE + 1)
+    ref = (await deployment.execute("two", {"tokens": prompt}, ("kv",), {"max_new_tokens": 2}))["kv"]
+    assert isinstance(ref, KVRef) and ref.holder is not None and ref.hold is not None and ref.hold.token is not None
+    hold = ref.hold.token
+    await asyncio.to_thread(deployment.peer.client.call, hold.owner, lambda rid: ReleaseRequest(rid, hold.id), 5.0)
+    hello = msgspec.msgpack.encode(HelloRequest(PROTOCOL_VERSION, "intruder", "127.0.0.1"))
+    await intrude(deployment, ref.holder.address, hello, keys.public)
+    # The real follower still follows rank 0 over the link: the TP-2 tokens are Hugging Face's.
+    prompt = text_ids(11, 7)
+    out = await deployment.execute("two", {"tokens": prompt}, ("tokens",), {"max_new_tokens": NEW})
+    assert out["tokens"] == hf_greedy(reference, prompt, NEW)
 
 
 async def test_killed_follower_rank_fails_the_in_flight_node_quickly(deployment: Deployment):

@@ -115,10 +115,13 @@ def test_quotas_throttles_and_roots(tmp_path: Path) -> None:
         16, 16, 3600.0)
     assert defaults.throttles.run == "600/minute" and defaults.model_dirs == ()
     assert defaults.users_root == tmp_path / "users" and defaults.max_json_depth == 64
+    assert (defaults.quotas.hicache_host_bytes, defaults.quotas.hicache_disk_bytes) == (16 * 2**30, 64 * 2**30)
     config = load_config(env(tmp_path, OMNIFLOW_QUOTA_WORKER_PROCESSES="2", OMNIFLOW_QUOTA_MAX_NEW_TOKENS="64",
                              OMNIFLOW_THROTTLE_LOGIN="off", OMNIFLOW_THROTTLE_RUN="5/second",
-                             OMNIFLOW_MODEL_DIRS=f"{tmp_path}/a, {tmp_path}/b", OMNIFLOW_MAX_JSON_DEPTH="16"))
+                             OMNIFLOW_MODEL_DIRS=f"{tmp_path}/a, {tmp_path}/b", OMNIFLOW_MAX_JSON_DEPTH="16",
+                             OMNIFLOW_QUOTA_HICACHE_HOST_BYTES="1_000", OMNIFLOW_QUOTA_HICACHE_DISK_BYTES="0"))
     assert (config.quotas.worker_processes, config.quotas.max_new_tokens) == (2, 64)
+    assert (config.quotas.hicache_host_bytes, config.quotas.hicache_disk_bytes) == (1000, 0)
     assert (config.throttles.login, config.throttles.run) == (None, "5/second")
     assert config.model_dirs == (tmp_path / "a", tmp_path / "b") and config.max_json_depth == 16
 
@@ -127,6 +130,8 @@ def test_quotas_throttles_and_roots(tmp_path: Path) -> None:
     ("OMNIFLOW_QUOTA_CONCURRENT_RUNS", "0", "at least 1"),
     ("OMNIFLOW_QUOTA_DEVICE_PAGES", "many", "not an integer"),
     ("OMNIFLOW_QUOTA_RUN_TIMEOUT_S", "0", "positive"),
+    ("OMNIFLOW_QUOTA_HICACHE_HOST_BYTES", "-1", "at least 0"),
+    ("OMNIFLOW_QUOTA_HICACHE_DISK_BYTES", "64GiB", "not an integer"),
     ("OMNIFLOW_THROTTLE_RUN", "5 per minute", "not a rate"),
     ("OMNIFLOW_MAX_JSON_DEPTH", "2", "at least 8"),
 ])

@@ -1,5 +1,6 @@
 """Per-user quotas, attacked where they bite: deploy and scale (worker processes from the stored
-spec, whatever the body says; live deployments; KV pages), run submission over REST, `/v1` and
+spec, whatever the body says; live deployments; KV pages; the HiCache bytes of sglang roles,
+SGLang's host pool included where its device pool is known), run submission over REST, `/v1` and
 session turns (max_iterations, max_new_tokens, timeout, uploads, concurrent and queued runs),
 and the staff exemption.
 
@@ -9,12 +10,28 @@ Most tests are not transactional: a deployment or run that passes is stored, and
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, WorkflowVersion
-from studio.workflows.quotas import deployment_check, role_processes
+from studio.workflows.models import (
+    Deployment,
+    DeploymentStatus,
+    Run,
+    RunStatus,
+    WorkflowVersion,
+    deployment_namespace,
+)
+from studio.workflows.quotas import (
+    BreachKind,
+    QuotaBusy,
+    QuotaTooLarge,
+    deployment_check,
+    role_processes,
+    run_check,
+)
 from studio.workflows.specs import parse_document
 from tests.studio.conftest import client_for
 from tests.studio.factories import create_workflow, example_spec
@@ -112,7 +129,7 @@ def test_staff_are_exempt(staff) -> None:
     with configured(quotas={"worker_processes": 1, "max_iterations": 2, "deployments": 0}):
         assert deploy(api, python_spec(replicas=3)).status_code == 201
         spec = parse_document(python_spec(replicas=3))
-        assert deployment_check(staff, spec, {}, api_quotas()).ok
+        assert deployment_check(staff, spec, {}, api_quotas(), model_dirs=()).ok
         assert submit(api, python_spec(name="loop", max_iterations=5), {"text": "x"}, name="loop").status_code == 201
 
 
@@ -197,3 +214,133 @@ def test_max_new_tokens_over_quota_on_v1_and_session_turns(api, user) -> None:
         assert turn.status_code == 403, turn.content
         assert quota_details(turn)[0]["limit"] == "max_new_tokens"
     assert not Run.objects.exists()
+
+
+# --------------------------------------------------------------------------- HiCache bytes
+GIB = 1 << 30
+CKPT_SHAPE = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256,
+              "torch_dtype": "bfloat16"}
+"""A checkpoint's KV shape: K and V of 2 heads of 256 / 8 = 32 dims, 4 layers, 2 bytes each."""
+CKPT_KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 32 * 2
+
+
+@pytest.fixture
+def model_root(tmp_path: Path) -> Path:
+    """A model root holding the checkpoint `org/ckpt` (its config only: nothing loads it here)."""
+    (tmp_path / "models" / "org" / "ckpt").mkdir(parents=True)
+    (tmp_path / "models" / "org" / "ckpt" / "config.json").write_text(json.dumps(CKPT_SHAPE))
+    return tmp_path / "models"
+
+
+def sglang_spec(replicas: int = 1, name: str = "lm", **params: Any) -> dict[str, Any]:
+    return llm_spec(name=name, role={"kind": "sglang_llm", "model": "org/ckpt", "replicas": replicas,
+                                     "params": params})
+
+
+def live_sglang(api, user, name: str, replicas: int = 1, **params: Any) -> Deployment:
+    """A running deployment of an `sglang_llm` role, stored as such. The studio deploys no new
+    one today (its runner serves no tenant: `tenant_unsupported`), so the deploy path is checked
+    through `deployment_check` and the API through scaling a deployment that exists."""
+    wf = create_workflow(api, sglang_spec(name=name, **params), name=name)
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"])
+    deployment = Deployment.objects.create(owner=user, version=version, name=name, status=DeploymentStatus.RUNNING,
+                                           replicas={"lm": replicas})
+    deployment.namespace = deployment_namespace(redis_prefix(), deployment.pk)
+    deployment.save(update_fields=["namespace"])
+    return deployment
+
+
+def redis_prefix() -> str:
+    from studio.workflows.apps import engine
+
+    return engine().config.redis_prefix
+
+
+def test_scaling_an_sglang_role_past_the_hicache_host_quota_is_refused(api, user) -> None:
+    with configured(quotas={"hicache_host_bytes": 10 * GIB}):
+        deployment = live_sglang(api, user, "cached", hicache={"host_capacity_bytes": 4 * GIB})
+        url = f"/api/deployments/{deployment.pk}/scale/"
+        assert api.post(url, {"role": "lm", "replicas": 2}, format="json").status_code == 200  # 8 GiB
+        over = api.post(url, {"role": "lm", "replicas": 3}, format="json")
+        assert over.status_code == 403, over.content
+        [breach] = quota_details(over)
+        assert (breach["limit"], breach["value"], breach["asked"], breach["role"]) == (
+            "hicache_host_bytes", 10 * GIB, 12 * GIB, "lm")
+        assert breach["setting"] == "OMNIFLOW_QUOTA_HICACHE_HOST_BYTES"
+        assert f"3 replicas x tp_size 1 x {4 * GIB} bytes of HiCache host memory" in breach["message"]
+        assert "hicache_host_bytes" in over.json()["error"]
+    assert Deployment.objects.get().replicas == {"lm": 2}
+
+
+def test_hicache_bytes_count_the_users_other_live_deployments(api, user, model_root: Path) -> None:
+    with configured(quotas={"hicache_host_bytes": 12 * GIB}) as studio:
+        quotas = studio.config.quotas
+        live_sglang(api, user, "first", hicache={"host_capacity_bytes": 8 * GIB})
+        spec = parse_document(sglang_spec(name="second", hicache={"host_capacity_bytes": 6 * GIB}))
+        busy = deployment_check(user, spec, {}, quotas, model_dirs=(model_root,))
+        [breach] = busy.breaches
+        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 14 * GIB, BreachKind.BUSY)
+        assert f"your other live deployments ({8 * GIB})" in breach.message
+        with pytest.raises(QuotaBusy) as refused:
+            busy.enforce()
+        assert refused.value.status_code == 429 and refused.value.details == [breach.to_dict()]
+        # One deployment alone over the quota can never fit: too large, whatever else runs.
+        two = parse_document(sglang_spec(replicas=2, name="third", hicache={"host_capacity_bytes": 7 * GIB}))
+        [breach] = deployment_check(user, two, {}, quotas, model_dirs=(model_root,)).breaches
+        assert (breach.asked, breach.kind) == (22 * GIB, BreachKind.TOO_LARGE)
+        Deployment.objects.update(status=DeploymentStatus.STOPPED)  # stopped: it no longer counts
+        assert deployment_check(user, spec, {}, quotas, model_dirs=(model_root,)).ok
+
+
+def test_the_sglang_host_pool_implied_by_hicache_ratio_counts_where_the_device_pool_is_known(
+        user, model_root: Path) -> None:
+    quota = 4 * GIB
+    with configured(quotas={"hicache_host_bytes": quota}) as studio:
+        quotas = studio.config.quotas
+
+        def check(ratio: float, **sglang: Any):
+            spec = parse_document(sglang_spec(hicache_ratio=ratio, page_size=16, sglang=sglang))
+            return deployment_check(user, spec, {}, quotas, model_dirs=(model_root,))
+
+        # A device pool of at most 1M tokens: SGLang's host pool is 4M tokens (and a page), beside the 1 GiB tier.
+        [breach] = check(4.0, max_total_tokens=1_000_000).breaches
+        pool = (4_000_000 + 16) * CKPT_KV_BYTES_PER_TOKEN
+        assert (breach.limit, breach.asked) == ("hicache_host_bytes", GIB + pool)
+        assert f"host tier {GIB} + SGLang host pool {pool}" in breach.message
+        assert check(2.0, max_total_tokens=1_000_000).ok  # 1 GiB + 2M tokens fit in 4 GiB
+        # fp8 KV halves the pool: 4M tokens then fit too.
+        assert check(4.0, max_total_tokens=1_000_000, kv_cache_dtype="fp8_e4m3").ok
+        # Not capped (SGLang sizes it from its GPU): only the tier counts here; the ratio's ceiling binds.
+        assert check(16.0).ok
+        # A checkpoint not under the model roots says no shape: the same.
+        assert deployment_check(user, parse_document(sglang_spec(hicache_ratio=4.0, sglang={
+            "max_total_tokens": 1_000_000})), {}, quotas, model_dirs=()).ok
+
+
+def test_hicache_disk_bytes_count_only_a_disk_tier(user) -> None:
+    with configured(quotas={"hicache_disk_bytes": 64 * GIB}) as studio:
+        quotas = studio.config.quotas
+        tiered = parse_document(sglang_spec(replicas=2, hicache={"disk_path": "kv", "disk_capacity_bytes": 40 * GIB}))
+        [breach] = deployment_check(user, tiered, {}, quotas, model_dirs=()).breaches
+        assert (breach.limit, breach.value, breach.asked, breach.role) == ("hicache_disk_bytes", 64 * GIB, 80 * GIB, "lm")
+        assert breach.setting == "OMNIFLOW_QUOTA_HICACHE_DISK_BYTES" and breach.kind is BreachKind.TOO_LARGE
+        assert deployment_check(user, tiered, {"lm": 1}, quotas, model_dirs=()).breaches  # the spec's 2 count
+        default_size = parse_document(sglang_spec(replicas=8, hicache={"disk_path": "kv"}))  # 8 GiB each
+        assert deployment_check(user, default_size, {}, quotas, model_dirs=()).ok
+        no_disk = parse_document(sglang_spec(replicas=2, hicache={"disk_capacity_bytes": 40 * GIB}))
+        assert deployment_check(user, no_disk, {}, quotas, model_dirs=()).ok
+
+
+def test_a_runs_hicache_bytes_are_checked_and_staff_are_exempt(user, staff) -> None:
+    spec = parse_document(sglang_spec(replicas=3, hicache={"host_capacity_bytes": 4 * GIB}))
+    with configured(quotas={"hicache_host_bytes": 10 * GIB}) as studio:
+        quotas = studio.config.quotas
+        check = run_check(user, spec, quotas, timeout_s=None, upload_bytes=0, model_dirs=())
+        [breach] = check.breaches
+        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 12 * GIB, BreachKind.TOO_LARGE)
+        assert "the workflow's other roles" in breach.message
+        with pytest.raises(QuotaTooLarge) as refused:
+            check.enforce()
+        assert refused.value.status_code == 403
+        assert run_check(staff, spec, quotas, timeout_s=None, upload_bytes=0, model_dirs=()).ok
+        assert deployment_check(staff, spec, {}, quotas, model_dirs=()).ok

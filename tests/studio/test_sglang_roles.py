@@ -58,6 +58,16 @@ def test_code_paths_and_hosts_in_the_free_form_params_are_refused_on_the_role(ap
 
 
 @pytest.mark.django_db
+def test_hicache_ratio_is_bounded_on_the_role(api, checkpoints):
+    """SGLang's host pool is `hicache_ratio` times its device pool: at most 16 times, and at least
+    once (SGLang refuses a smaller host pool)."""
+    for ratio, bound in ((17, "maximum of 16"), (0.5, "minimum of 1")):
+        [(code, role, message)] = attacks(issues(api, sglang_spec(hicache_ratio=ratio)))
+        assert (code, role) == ("bad_param", "lm") and "params.hicache_ratio" in message and bound in message
+    assert attacks(issues(api, sglang_spec(hicache_ratio=16))) == []
+
+
+@pytest.mark.django_db
 def test_the_kv_index_is_the_operators_and_the_disk_tier_is_under_the_users_folder(api, checkpoints):
     found = attacks(issues(api, sglang_spec(hicache={"redis_url": "redis://10.0.0.9:6379/0"})))
     assert [(code, role) for code, role, _ in found] == [("operator_param", "lm")]

@@ -267,6 +267,12 @@ class LLMUnit(ComputeUnit):
         metrics["llm.sessions_resumed"] = float(self.loop.sessions_resumed)
         return metrics
 
+    def refused(self) -> int:
+        """What the unit's own transfer seat refused (on a worker the seat is the worker's, which
+        counts its refusals itself)."""
+        peer = self._peer
+        return peer.server.refused if self._own_peer and peer is not None else 0
+
     # -- shutdown ------------------------------------------------------------------------------------
 
     async def close(self) -> None:

@@ -40,6 +40,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from engine.compute.sglang.hicache_config import extra_config as extra_config  # the config that loads this
+from engine.compute.sglang.sizes import DEFAULT_DISK_CAPACITY_BYTES, DEFAULT_HOST_CAPACITY_BYTES
 from engine.data.kv import Capacity, DiskTierConfig, KVLayout, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.errors import KVConfigError, KVError
 from engine.data.kv.index import KVIndexPublisher, RedisKVIndex
@@ -49,7 +50,6 @@ from engine.data.kv.layout import dtype_name
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-_DEFAULT_HOST_BYTES = 1 << 30
 
 _stores: dict[str, KVStore] = {}
 _stores_lock = threading.Lock()
@@ -124,9 +124,9 @@ class OmniFlowHiCacheStorage(HiCacheStorage):
             path = Path(str(self.options["disk_path"]))
             if self.storage_config.tp_size > 1:
                 path = path.with_name(f"{path.name}.tp{self.storage_config.tp_rank}")
-            capacity = int(self.options.get("disk_capacity_bytes", 8 * _DEFAULT_HOST_BYTES))
+            capacity = int(self.options.get("disk_capacity_bytes", DEFAULT_DISK_CAPACITY_BYTES))
             disk = DiskTierConfig(path=path, capacity=Capacity(bytes=capacity))
-        host = int(self.options.get("host_capacity_bytes", _DEFAULT_HOST_BYTES))
+        host = int(self.options.get("host_capacity_bytes", DEFAULT_HOST_CAPACITY_BYTES))
         # The device tier is one CPU page: SGLang's own host pool is the fast tier here.
         return KVStore(
             KVStoreConfig(

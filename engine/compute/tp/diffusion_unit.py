@@ -43,7 +43,7 @@ from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
 from engine.compute.tp.kv import pull_shards
-from engine.compute.tp.link import FollowerLink, greet_leader
+from engine.compute.tp.link import FollowerLink, RefusalReporter, greet_leader
 from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
 from engine.compute.tp.unit import (
     LeaderWatch,
@@ -90,6 +90,11 @@ class _Rank:
         if self._peer is None:
             self._peer = Peer.start(PeerConfig(keys=self.keys))
         return self._peer
+
+    def refused(self) -> int:
+        """Connections this rank's transfer seat refused."""
+        peer = self._peer
+        return 0 if peer is None else peer.server.refused
 
     def close(self) -> None:
         if self._peer is not None:
@@ -228,6 +233,12 @@ class TPDiffusionUnit(ThreadedUnit):
     def health(self) -> str | None:
         return self.failed
 
+    def refused(self) -> int:
+        """What rank 0's transfer seat and its link refused, and what the follower ranks report
+        their sockets refused."""
+        rank, link = self._rank, self._link
+        return (0 if rank is None else rank.refused()) + (0 if link is None else link.refused)
+
     def metrics(self) -> dict[str, float]:
         """Rank 0's `diffusion.*` counters (every prompt token is computed on the ranks) and the
         group: its size and whether it failed."""
@@ -277,7 +288,9 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)
+        reporter = RefusalReporter(sock, seat.rank, rank.refused, interval_s=seat.heartbeat_s)
         while True:
+            reporter.tick()
             if not sock.poll(int(seat.heartbeat_s * 1000)):
                 why = watch.gone()
                 if why is not None:

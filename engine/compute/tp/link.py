@@ -7,6 +7,11 @@ Rank 0 binds a ROUTER next to the group's address and publishes it in the group'
 in order (`broadcast`), and `TPStop` when it stops. Messages are msgpack (`TPMessage`);
 a send to a follower that is gone raises (ROUTER_MANDATORY, a send timeout), which breaks
 the group. Shared by the `llm` and `diffusion` tensor-parallel units.
+
+Refusals: the link's ROUTER refuses a peer without the plane's key (`PlaneGuard`), and each
+follower tells rank 0 what its own server sockets refused (`TPRefusals`, sent by its
+`RefusalReporter`), so `FollowerLink.refused` is the whole replica's count but rank 0's other
+sockets: what rank 0's worker reports as `plane.refused`.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from engine.compute.tp.group import TPGroup, TPRankError
-from engine.compute.tp.messages import TPHello, TPMessage, TPSetup, TPStop
+from engine.compute.tp.messages import TPHello, TPMessage, TPRefusals, TPSetup, TPStop
 from engine.data.curve import PlaneGuard, PlaneKeys, connect_as_client
 
 log = logging.getLogger(__name__)
@@ -43,7 +50,13 @@ class FollowerLink:
         self._context = zmq.Context()
         self._guard = None if keys is None else PlaneGuard(self._context, keys, name=f"tp link of {what}")
         self._socket: zmq.Socket | None = self._context.socket(zmq.ROUTER)
+        self._lock = threading.Lock()
+        """Held while the socket is used: `refused` reads it from another thread than the rest."""
         self.followers: list[bytes] = []
+        self._reported: dict[bytes, int] = {}
+        """The latest `TPRefusals` total of each follower, by its identity (the lock held)."""
+        self._followers_refused = 0
+        """Their sum (read without the lock)."""
         self._size = size
         self._what = what
         sock = self._socket
@@ -61,11 +74,38 @@ class FollowerLink:
 
     @property
     def refused(self) -> int:
-        """Connections the link refused so far (no CURVE, or a key the plane does not authorise)."""
-        return 0 if self._guard is None else self._guard.refused
+        """Connections refused so far by the link (no CURVE, or a key the plane does not
+        authorise) and, as they last reported, by the followers' sockets. Never waits: from
+        another thread (a worker's liveness thread) while the link is busy sending, the
+        followers' reports not yet read count at the next call."""
+        own = 0 if self._guard is None else self._guard.refused
+        if self._lock.acquire(blocking=False):
+            try:
+                self._read_reports()
+            finally:
+                self._lock.release()
+        return own + self._followers_refused
+
+    def _read_reports(self) -> None:
+        """Take the followers' `TPRefusals` waiting on the socket (the lock held)."""
+        sock = self._socket
+        if sock is None:
+            return
+        while sock.poll(0):
+            identity, *frames = sock.recv_multipart()
+            report = _decode_report(frames)
+            if identity not in self.followers or report is None:
+                log.warning("%s: a follower sent something other than TPRefusals; ignored", self._what)
+                continue
+            self._reported[identity] = max(self._reported.get(identity, 0), report.refused)
+            self._followers_refused = sum(self._reported.values())
 
     def meet(self, seed: int) -> None:
         """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup."""
+        with self._lock:
+            self._meet(seed)
+
+    def _meet(self, seed: int) -> None:
         sock = self._socket
         assert sock is not None
         deadline = time.monotonic() + SETUP_TIMEOUT_S
@@ -84,26 +124,28 @@ class FollowerLink:
 
     def broadcast(self, message: TPMessage) -> None:
         """Send `message` to every follower; TPRankError when one is unreachable."""
-        assert self._socket is not None
         payload = _encoder.encode(message)
-        for index, identity in enumerate(self.followers, start=1):
-            try:
-                self._socket.send_multipart([identity, payload])
-            except zmq.ZMQError as exc:
-                raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
+        with self._lock:
+            assert self._socket is not None
+            for index, identity in enumerate(self.followers, start=1):
+                try:
+                    self._socket.send_multipart([identity, payload])
+                except zmq.ZMQError as exc:
+                    raise TPRankError(f"follower rank {index} is unreachable ({exc}); the group is broken") from exc
 
     def close(self) -> None:
         """Tell every follower still there to stop (one that is not stops when it sees rank 0
         gone), then close the socket. Idempotent."""
-        if self._socket is not None:
-            payload = _encoder.encode(TPStop())
-            for rank, identity in enumerate(self.followers, start=1):
-                try:
-                    self._socket.send_multipart([identity, payload])
-                except zmq.ZMQError as exc:
-                    log.warning("telling follower rank %d to stop: %s", rank, exc)
-            self._socket.close(linger=1000)
-            self._socket = None
+        with self._lock:
+            if self._socket is not None:
+                payload = _encoder.encode(TPStop())
+                for rank, identity in enumerate(self.followers, start=1):
+                    try:
+                        self._socket.send_multipart([identity, payload])
+                    except zmq.ZMQError as exc:
+                        log.warning("telling follower rank %d to stop: %s", rank, exc)
+                self._socket.close(linger=1000)
+                self._socket = None
         if self._guard is not None:
             self._guard.close()
             self._guard = None
@@ -124,3 +166,42 @@ def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int, keys: PlaneKeys | 
     if not isinstance(setup, TPSetup):
         raise TPRankError(f"rank {rank}: expected TPSetup, got {type(setup).__name__}")
     return setup
+
+
+def _decode_report(frames: list[bytes]) -> TPRefusals | None:
+    if len(frames) != 1:
+        return None
+    try:
+        message = _decoder.decode(frames[0])
+    except msgspec.DecodeError:
+        return None
+    return message if isinstance(message, TPRefusals) else None
+
+
+class RefusalReporter:
+    """A follower's side of the refusal count: `tick()` (from the follower's loop, on its link's
+    thread) sends rank 0 `count()`, the connections this rank's server sockets refused so far,
+    when it grew, at most once per `interval_s`. It never waits: a report the link cannot take
+    now (its queue to rank 0 full) goes with a later tick, the total being a running one."""
+
+    def __init__(self, sock: zmq.Socket, rank: int, count: Callable[[], int], *, interval_s: float) -> None:
+        self._sock = sock
+        self._rank = rank
+        self._count = count
+        self._interval_s = interval_s
+        self._sent = 0
+        self._next = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._interval_s
+        refused = self._count()
+        if refused <= self._sent:
+            return
+        try:
+            self._sock.send(_encoder.encode(TPRefusals(self._rank, refused)), zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self._sent = refused

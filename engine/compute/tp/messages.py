@@ -3,7 +3,7 @@
 Role workers (`unit.py`): rank 0 sends every operation it applies to its engine, in order,
 and each follower applies the same one to its own engine; `now` is rank 0's clock at that
 moment, which the followers' engines read as theirs, so time-dependent decisions (session
-expiry) agree too.
+expiry) agree too. Upstream a follower sends only its hello and, now and then, `TPRefusals`.
 
 `TPRole` (`role.py`): the driver sends every rank the same `TPRoleCall`s (and `TPStop`);
 each rank says `TPHello` once its shard is built, and rank 0 answers each call with a
@@ -104,6 +104,16 @@ class TPStop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
+class TPRefusals(msgspec.Struct, tag=True, frozen=True):
+    """Follower -> rank 0, the one message upstream after the hello: how many connections this
+    rank's server sockets (its seat on the transfer plane) have refused so far, a running total
+    sent when it grew. Rank 0 reports the latest of each follower with its own (`plane.refused`):
+    a follower has no metrics of its own."""
+
+    rank: int
+    refused: int
+
+
 class TPDiffuse(msgspec.Struct, tag=True, frozen=True):
     """Rank 0 of a `diffusion` role -> follower: encode `prompts` (model token ids: the conditional
     branch, then the unconditional one under guidance) and denoise them, as rank 0 does."""
@@ -146,7 +156,7 @@ class TPTensor(msgspec.Struct, frozen=True, array_like=True):
 
 
 TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPCloseSession | TPStep | TPExpire | TPPullHandoff | TPExport
-             | TPRelease | TPStop | TPDiffuse)
+             | TPRelease | TPStop | TPDiffuse | TPRefusals)
 
 TPRoleRequest = TPRoleCall | TPStop
 """What a `TPRole` rank reads from its driver."""

@@ -69,7 +69,7 @@ from engine.compute.sampling import SamplingParams
 from engine.compute.tp.engine import TPEngine
 from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.kv import merge_pages, pull_shards, split_page
-from engine.compute.tp.link import SETUP_TIMEOUT_S, FollowerLink, greet_leader
+from engine.compute.tp.link import SETUP_TIMEOUT_S, FollowerLink, RefusalReporter, greet_leader
 from engine.compute.tp.messages import (
     TPAbort,
     TPAdd,
@@ -533,6 +533,12 @@ class TPLLMUnit(LLMUnit):
         assert self._link is not None
         self._link.broadcast(message)
 
+    def refused(self) -> int:
+        """What rank 0's transfer seat refused (`LLMUnit.refused`), and its link: what the link
+        refused and what the follower ranks report their sockets refused."""
+        link = self._link
+        return super().refused() + (0 if link is None else link.refused)
+
     def metrics(self) -> dict[str, float]:
         """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the
         group: its size and whether it failed."""
@@ -608,6 +614,10 @@ class _Follower:
             self._peer = Peer.start(PeerConfig(keys=self.seat.keys))
         return self._peer
 
+    def refused(self) -> int:
+        """Connections this rank's transfer seat refused (rank 0 reports them: `TPRefusals`)."""
+        return 0 if self._peer is None else self._peer.server.refused
+
     def run(self, ready: Callable[[dict[str, Any]], None]) -> int:
         seat = self.seat
         group, device = join_group(self.role, seat)
@@ -644,7 +654,9 @@ class _Follower:
     def _follow_until_stopped(self, sock: zmq.Socket, engine: TPEngine, puller: _HandoffPuller,
                               watch: LeaderWatch) -> int:
         rank = self.seat.rank
+        reporter = RefusalReporter(sock, rank, self.refused, interval_s=self.seat.heartbeat_s)
         while True:
+            reporter.tick()
             if not sock.poll(int(self.seat.heartbeat_s * 1000)):
                 why = watch.gone()
                 if why is not None:

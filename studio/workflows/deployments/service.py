@@ -205,7 +205,7 @@ def create_deployment(user: Any, version: WorkflowVersion, *, replicas: dict[str
     pin = _pin(node)
     with transaction.atomic():
         quotas.lock_user(user)
-        quotas.deployment_check(user, spec, counts, eng.config.quotas).enforce()
+        quotas.deployment_check(user, spec, counts, eng.config.quotas, model_dirs=eng.config.model_dirs).enforce()
         name = _unique_name(user, name, version.workflow.name)
         placed = DeploymentPlacement()
         if eng.config.dispatch is Dispatch.CELERY:
@@ -231,7 +231,9 @@ def scale_deployment(deployment: Deployment, role: str, replicas: Any) -> Deploy
         counts = _checked_replicas(locked.version, {**locked.replicas, role: replicas})
         quotas.lock_user(locked.owner)
         spec = read_spec(spec=locked.version.spec)
-        quotas.deployment_check(locked.owner, spec, counts, engine().config.quotas, deployment=locked).enforce()
+        config = engine().config
+        quotas.deployment_check(locked.owner, spec, counts, config.quotas, model_dirs=config.model_dirs,
+                                deployment=locked).enforce()
         fields = ["replicas", "updated_at"]
         current = DeploymentPlacement.of(locked.placement)
         if not current.empty:  # placed (distributed): the new count too, keeping the replicas that run

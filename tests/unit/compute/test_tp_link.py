@@ -1,6 +1,7 @@
 """The tensor-parallel control link is on the worker plane's CURVE: a peer without the plane's
 key, or with a key of its own, is refused (and counted) and never becomes a follower, while a
-rank holding the keys meets rank 0 and gets its setup."""
+rank holding the keys meets rank 0 and gets its setup. What a follower's own sockets refuse
+reaches rank 0's count over the link."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import time
 import msgspec
 import zmq
 
-from engine.compute.tp.link import LEADER_KEY, FollowerLink, greet_leader
-from engine.compute.tp.messages import TPHello, TPSetup
+from engine.compute.tp.link import LEADER_KEY, FollowerLink, RefusalReporter, greet_leader
+from engine.compute.tp.messages import TPHello, TPSetup, TPStop
 from engine.data.curve import PlaneKeys
+from engine.data.peer import Peer, PeerConfig
 
 
 class StoreStandIn:
@@ -71,5 +73,49 @@ def test_a_foreign_peer_is_refused_on_the_link_and_a_rank_with_the_keys_joins() 
     finally:
         for sock in peers:
             sock.close()
+        context.term()
+        link.close()
+
+
+def test_a_followers_refusals_reach_rank_0_and_a_foreign_message_does_not() -> None:
+    """A follower's transfer seat (a real keyed `Peer`) refuses a process with a key of its own;
+    the follower's `RefusalReporter` tells rank 0, whose `FollowerLink.refused` then counts it.
+    A follower message other than `TPRefusals` changes nothing."""
+    keys, other = PlaneKeys.generate(), PlaneKeys.generate()
+    group = StoreStandIn()
+    link = FollowerLink(group, "tcp://127.0.0.1:0", 2, what="role 'lm'", keys=keys)  # type: ignore[arg-type]
+    context = zmq.Context()
+    follower = context.socket(zmq.DEALER)
+    follower.setsockopt(zmq.LINGER, 0)
+    seat = Peer.start(PeerConfig(keys=keys))
+    intruders: list[zmq.Socket] = []
+    try:
+        met = threading.Thread(target=link.meet, args=(3,))
+        met.start()
+        greet_leader(follower, group, 1, keys)  # type: ignore[arg-type]
+        met.join(timeout=30)
+        assert not met.is_alive()
+        reporter = RefusalReporter(follower, 1, lambda: seat.server.refused, interval_s=0.0)
+        reporter.tick()
+        assert link.refused == 0  # nothing refused yet, nothing reported
+        deadline = time.monotonic() + 10
+        while seat.server.refused < 1:
+            assert time.monotonic() < deadline, "the follower's seat did not refuse a key of its own"
+            intruders.append(foreign_peer(context, seat.address, keys, other))
+            intruders[-1].poll(50)
+        refused = seat.server.refused
+        follower.send(msgspec.msgpack.encode(TPStop()))  # not a report: ignored
+        reporter.tick()
+        deadline = time.monotonic() + 10
+        while link.refused != refused:
+            assert time.monotonic() < deadline, f"rank 0 counts {link.refused}, the follower refused {refused}"
+            time.sleep(0.01)
+        reporter.tick()  # nothing new: no report, and the count stays
+        assert link.refused == refused
+    finally:
+        for sock in intruders:
+            sock.close()
+        follower.close()
+        seat.close()
         context.term()
         link.close()
