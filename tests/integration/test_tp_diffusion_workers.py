@@ -4,9 +4,10 @@ Role `one` (tiny-llama's transformer, TP-1) and role `two` (the same, TP-2: two 
 rank 0 the one endpoint) denoise the same prompts: float32 latents agree within 1e-5, and both
 equal an independent reference denoised in this process. Given the `kv` of an `llm` role (`lm`)
 that computed the prompt, both reuse its pages, pulled across roles (TP-2: each rank keeps its
-heads), with the same latents. A bad input fails its node and leaves the group intact; a killed
-follower rank fails the next node with a clear error, and rank 0 then stops itself. The
-killed-rank test runs last; every process the module starts is stopped.
+heads), with the same latents; given only that `kv`, both attend to its context by its own page
+keys. A bad input fails its node and leaves the group intact; a killed follower rank fails the
+next node with a clear error, and rank 0 then stops itself. The killed-rank test runs last; every
+process the module starts is stopped.
 """
 
 from __future__ import annotations
@@ -123,6 +124,33 @@ async def test_tp2_diffusion_reuses_the_prompt_kv_an_llm_role_computed(deploymen
             return await reused_tokens(deployment, role) >= before[role] + pages * PARAMS["page_size"]
 
         await wait_until(reused, 10.0, f"role {role!r} reporting the reused prompt tokens")
+
+
+async def test_tp2_diffusion_reads_the_kvs_context_by_the_kvs_own_page_keys(deployment: Deployment):
+    """Without a prompt input the context is the `kv`'s (the llm's prompt and output ids) and its
+    pages are named by the `kv`'s own keys, checked once on rank 0: both roles reuse them and agree
+    with the reference. A `kv` whose keys are not its context's is refused, the group intact."""
+    tokens = list(load_builtin(MODEL).tokenizer("a heron standing still in a misty river at dawn").input_ids)
+    kv = (await deployment.execute("lm", {"tokens": tokens}, ("kv",), {"max_new_tokens": 3}))["kv"]
+    context = [*kv.prompt_ids, *kv.output_ids]
+    assert context[:len(tokens)] == tokens and len(kv.page_hashes) == (len(context) - 1) // PARAMS["page_size"] >= 3
+    inputs = {"negative_prompt": "blurry", "kv": kv}
+    params = {"seed": 5, "steps": 2}
+    before = await reused_tokens(deployment, "two")
+    one = await latents(deployment, "one", inputs, params)
+    two = await latents(deployment, "two", inputs, params)
+    assert (one - two).abs().max().item() <= 1e-5
+    assert (two - reference(context, "blurry", 5, 2)).abs().max().item() <= 1e-5
+
+    async def reused() -> bool:
+        return await reused_tokens(deployment, "two") >= before + len(kv.page_hashes) * PARAMS["page_size"]
+
+    await wait_until(reused, 10.0, "role 'two' reporting the reused context tokens")
+    altered = replace(kv, page_hashes=(kv.page_hashes[1], *kv.page_hashes[1:]))
+    for role in ("one", "two"):
+        with pytest.raises(RemoteNodeError, match=r"input 'kv': page_hashes\[0\] is not the key of page 0"):
+            await latents(deployment, role, {"kv": altered}, params)
+    assert torch.equal(await latents(deployment, "two", inputs, params), two)
 
 
 async def test_a_bad_input_fails_its_node_and_leaves_the_group_intact(deployment: Deployment):

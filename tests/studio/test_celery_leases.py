@@ -30,7 +30,7 @@ from studio.config import Dispatch
 from studio.errors import Conflict
 from studio.workflows.apps import build_engine
 from studio.workflows.chat import turns
-from studio.workflows.chat.openai import parse_messages
+from studio.workflows.chat.openai import ChatSampling, parse_messages
 from studio.workflows.models import Deployment, Run, RunEvent, Worker
 from studio.workflows.runs.lease import RUN_RESTARTED
 from tests.studio.factories import create_workflow, spec_doc
@@ -205,14 +205,14 @@ def test_a_chat_turn_whose_celery_worker_is_killed_is_run_again_and_the_session_
     wait_until("the deployment running", lambda: Deployment.objects.get(pk=d["id"]).status == "running", 120)
     session = api.post("/api/sessions/", {"deployment": d["id"]}, format="json").json()
     hello = parse_messages([{"role": "user", "content": "hello"}], "content", roles=("user",))
-    turn = turns.start_session_turn(user, session["id"], hello, {}, 120.0)
+    turn = turns.start_session_turn(user, session["id"], hello, ChatSampling(), 120.0)
 
     wait_until("the turn at its gate", lambda: started(gate) or Run.objects.get(pk=turn.run_id).finished)
     assert len(started(gate)) == 1, (Run.objects.get(pk=turn.run_id).error, rerunning.logs())
     holder = rerunning.holder(turn.run_id)
     killed_at = kill(holder)
     with pytest.raises(Conflict, match="turn in flight"):  # the run is not over yet: the session is busy
-        turns.start_session_turn(user, session["id"], hello, {}, 120.0)
+        turns.start_session_turn(user, session["id"], hello, ChatSampling(), 120.0)
     (gate / "open").touch()
 
     wait_until("the turn's run ended", lambda: Run.objects.get(pk=turn.run_id).finished, 60)
@@ -228,7 +228,7 @@ def test_a_chat_turn_whose_celery_worker_is_killed_is_run_again_and_the_session_
     assert types[types.index(RUN_RESTARTED) + 1] == "run_started" and types[-1] == "run_finished"
     assert isinstance(run.outputs["text"], str)
 
-    follow = turns.start_session_turn(user, session["id"], hello, {}, 120.0)  # the session is free again
+    follow = turns.start_session_turn(user, session["id"], hello, ChatSampling(), 120.0)  # the session is free again
     wait_until("the next turn", lambda: Run.objects.get(pk=follow.run_id).finished, 60)
     assert Run.objects.get(pk=follow.run_id).status == "done"
 

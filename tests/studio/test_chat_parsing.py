@@ -5,6 +5,7 @@ that send only the new text, chat shapes."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ from transformers import AutoTokenizer
 from engine.compute.models.cache import ModelCache
 from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.models.tokenizer import build_byte_tokenizer
-from studio.workflows.chat.openai import OpenAIError, parse_chat_request
+from studio.workflows.chat.openai import ChatSampling, OpenAIError, parse_chat_request
 from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
 from studio.workflows.chat.templates import ChatTemplates, TemplateError
+from studio.workflows.chat.turns import LLMTurn
 from tests.studio.factories import example_spec, spec_doc
 
 USER = [{"role": "user", "content": "hi"}]
@@ -50,8 +52,11 @@ def test_a_full_request_maps_to_llm_params() -> None:
     assert chat.conversation.messages == [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": "look: ok?"}]
     assert chat.conversation.images == [png]
-    assert chat.sampling == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"],
-                             "presence_penalty": 1.0, "frequency_penalty": -1.0}
+    assert chat.sampling == ChatSampling(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("\n",),
+                                         presence_penalty=1.0, frequency_penalty=-1.0)
+    assert chat.sampling.node_params() == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                                           "stop": ["\n"], "presence_penalty": 1.0, "frequency_penalty": -1.0}
+    assert parse_chat_request(request()).sampling.node_params() == {}  # the llm node's own params hold
     assert chat.stream and chat.include_usage
 
 
@@ -179,10 +184,25 @@ def test_chat_shapes() -> None:
     shape = chat_shape(example_spec("chat"))
     assert (shape.prompt_input, shape.llm_node, shape.reply_output, shape.usage_output, shape.streams) == (
         "prompt", "reply", "text", "usage", True)
-    assert shape.model == "smollm2-135m" and shape.image_inputs == ()
+    assert shape.model == "smollm2-135m" and shape.image_inputs == () and shape.max_new_tokens == 256
     vision = chat_shape(example_spec("vision_chat"))
     assert (vision.prompt_input, vision.image_inputs, vision.llm_node, vision.reply_output) == (
         "prompt", ("image",), "reply", "text")
     with pytest.raises(NotAChatWorkflow) as caught:
         chat_shape(spec_doc())
     assert caught.value.problems == ["it needs exactly one node of kind 'llm' (it has 0)"]
+
+
+def test_a_turn_makes_the_llm_nodes_params_from_the_checked_request() -> None:
+    """What the run stores for the llm node comes from the typed request, and the turn's token
+    limit is the request's, else the node's own, else the llm kind's default."""
+    sampling = parse_chat_request(request(max_tokens=5, temperature=0, stop=["x", "y"])).sampling
+    assert LLMTurn(sampling).node_params() == {"max_new_tokens": 5, "temperature": 0.0, "stop": ["x", "y"]}
+    assert LLMTurn(sampling, "studio-1", "S: hi", 1).node_params() == {
+        "max_new_tokens": 5, "temperature": 0.0, "stop": ["x", "y"], "session": "studio-1",
+        "session_history": "S: hi", "session_turns": 1}
+    assert LLMTurn(ChatSampling(), "studio-1").node_params() == {"session": "studio-1"}
+    shape = chat_shape(example_spec("chat"))
+    assert LLMTurn(sampling).max_new_tokens(shape) == 5
+    assert LLMTurn(ChatSampling()).max_new_tokens(shape) == 256
+    assert LLMTurn(ChatSampling()).max_new_tokens(dataclasses.replace(shape, max_new_tokens=None)) == 16

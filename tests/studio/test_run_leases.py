@@ -18,6 +18,7 @@ from django.apps import apps
 from django.conf import settings
 from django.utils import timezone
 
+from engine.client.runs import NodeProgressEvent, NodeState, NodeStateEvent, RunStarted
 from studio.workflows.apps import StudioEngine
 from studio.workflows.chat.turns import turn_in_flight
 from studio.workflows.models import (
@@ -34,7 +35,7 @@ from studio.workflows.runs.bus import LocalRunEventBus
 from studio.workflows.runs.lease import RUN_RESTARTED, LeaseLost, LeaseTerms
 from studio.workflows.runs.recovery import sweep_expired
 from studio.workflows.runs.service import RunService
-from studio.workflows.runs.store import claim, record
+from studio.workflows.runs.store import StoredEvent, claim, record
 from tests.studio.conftest import client_for
 from tests.studio.factories import create_workflow, spec_doc
 
@@ -65,11 +66,11 @@ def lapse(run: Run) -> None:
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=5))
 
 
-def started_events(run_id: str, seq_base: int) -> list[dict[str, Any]]:
-    return [{"seq": seq_base, "run_id": run_id, "time": timezone.now().timestamp(), "type": "run_started",
-             "workflow": "echo", "nodes": ["text", "step", "result"]},
-            {"seq": seq_base + 1, "run_id": run_id, "time": timezone.now().timestamp(), "type": "node_state",
-             "node": "step", "state": "running", "attempt": 1}]
+def started_events(run_id: str, seq_base: int) -> list[StoredEvent]:
+    return [RunStarted(seq=seq_base, run_id=run_id, time=timezone.now().timestamp(), workflow="echo",
+                       nodes=["text", "step", "result"]),
+            NodeStateEvent(seq=seq_base + 1, run_id=run_id, time=timezone.now().timestamp(), node="step",
+                           state=NodeState.RUNNING, attempt=1)]
 
 
 def test_a_lapsed_lease_restarts_the_run_once_then_fails_it(api: Any, user: Any) -> None:
@@ -93,8 +94,7 @@ def test_a_lapsed_lease_restarts_the_run_once_then_fails_it(api: Any, user: Any)
     assert (row.status, row.lease_owner, row.lease_expires_at, row.last_seq) == ("pending", "", None, 2)
     assert set(NodeRun.objects.filter(run=run).values_list("state", flat=True)) == {"pending"}
     with pytest.raises(LeaseLost):  # the stopped executor, were it only slow, can write nothing more
-        record(str(run.pk), [{"seq": 3, "run_id": str(run.pk), "time": 0.0, "type": "node_progress",
-                              "node": "step"}], owner="worker-a")
+        record(str(run.pk), [NodeProgressEvent(seq=3, run_id=str(run.pk), time=0.0, node="step")], owner="worker-a")
 
     ticket = claim(str(run.pk), LeaseTerms("worker-b", 30.0))
     assert ticket is not None and ticket.seq_base == 3  # the new execution's events follow the restart

@@ -10,6 +10,7 @@ import pytest
 from channels.testing import WebsocketCommunicator
 from django.db import connections
 
+from engine.client.runs import NodeProgressEvent, RunFinished, RunStatus
 from studio.accounts.models import ApiToken
 from studio.asgi import build_application
 from studio.dbcalls import orm
@@ -178,9 +179,9 @@ async def test_lost_live_message_is_read_back_from_the_store(api, token: str) ->
     comm = connect(f"/ws/runs/{run_id}/", token)
     await comm.connect()
     bus = engine().runs.bus
-    events = [{"type": "node_progress", "seq": i, "run_id": run_id, "time": 1.0 + i, "node": "step",
-               "message": str(i)} for i in range(5)]
-    events.append({"type": "run_finished", "seq": 5, "run_id": run_id, "time": 9.0, "status": "done"})
+    events: list[store.StoredEvent] = [
+        NodeProgressEvent(seq=i, run_id=run_id, time=1.0 + i, node="step", message=str(i)) for i in range(5)]
+    events.append(RunFinished(seq=5, run_id=run_id, time=9.0, status=RunStatus.DONE))
     first = await orm(store.record)(run_id, events[:2])
     await bus.publish(run_id, first)
     assert [(await comm.receive_json_from(timeout=5))["seq"] for _ in range(2)] == [0, 1]

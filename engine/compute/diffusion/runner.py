@@ -140,22 +140,33 @@ class DiffusionRunner:
         pool = torch.stack([self.layout.check_page(p).to(self._device) for p in pages[:reused]])
         return self._encode_over(prompt, pool, list(range(reused)))
 
-    def page_keys(self, prompt: Prompt, tenant_salt: str | None = None) -> list[PageHash]:
+    def page_keys(self, prompt: Prompt, tenant_salt: str | None = None,
+                  known: Sequence[PageHash] = ()) -> list[PageHash]:
         """Keys of the prompt's full pages, as the `llm` role names them (same model, same salt,
-        multimodal items as sentinels): a store shared with that role serves them to both."""
+        multimodal items as sentinels): a store shared with that role serves them to both.
+
+        `known` are the keys of its leading pages as the `llm` role sent them, already checked
+        to be these tokens' under this tenant (`KVRef.pages_for`): they are taken as they are and
+        only the pages after them are hashed, continuing their chain."""
         key_ids = cache_key(prompt.token_ids, prompt.items)
-        return page_hashes(key_ids, self.layout.page_size,
-                           extra_keys=ExtraKeys(model_id=self.model_id, tenant_salt=tenant_salt))
+        page = self.layout.page_size
+        if len(known) * page > len(key_ids):
+            raise DiffusionModelError(f"{len(known)} known page keys for a prompt of {len(key_ids)} tokens"
+                                      f" ({page} a page)")
+        if known:
+            return [*known, *page_hashes(key_ids[len(known) * page:], page, prior=known[-1])]
+        return page_hashes(key_ids, page, extra_keys=ExtraKeys(model_id=self.model_id, tenant_salt=tenant_salt))
 
     def encode_cached(self, prompt: Prompt, store: KVStore, *, tenant_salt: str | None = None,
-                      source: PageSource | None = None, timeout_s: float = 10.0) -> PromptKV:
+                      known: Sequence[PageHash] = (), source: PageSource | None = None,
+                      timeout_s: float = 10.0) -> PromptKV:
         """`encode_prompt` over a KV store: the leading pages the store holds (after pulling
         what `source` has of the rest, e.g. the `llm` worker that computed them) are read in
         place, the rest is prefilled on top of them and its full pages are stored for the next
-        request. Pages are locked only while they are read."""
+        request. Pages are locked only while they are read. `known`: see `page_keys`."""
         if store.layout != self.layout:
             raise DiffusionModelError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
-        keys = self.page_keys(prompt, tenant_salt)
+        keys = self.page_keys(prompt, tenant_salt, known)
         run = store.resident_run(keys)
         if source is not None and run < len(keys):
             run = source.pull(store, keys, timeout_s)

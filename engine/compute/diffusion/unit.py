@@ -13,15 +13,17 @@ Node inputs: `prompt` (text) or `tokens` (ids; the `llm` role's model ids for th
 same context), optional `negative_prompt` (text; else the param, else empty: just BOS)
 and optional `kv` (an `llm` node's `KVRef`: checked to be of this model and layout;
 its pages are found by key and pulled from its holder). Without `prompt` and `tokens` the
-prompt is the context `kv` carries (the llm node's prompt and output ids). The page keys are
-computed here from the ids under the call's tenant, never taken from `kv`: a `kv` naming
-another tenant's pages reads nothing of theirs. Output: `latents`, a `(C, h, w)` float32 tensor for a
-`vae_decode` node.
+prompt is the context `kv` carries (the llm node's prompt and output ids), and the keys of its
+leading pages are the ones `kv` carries (`node_prompt`, `kv_pages`), checked against those ids under the call's
+tenant: a `kv` naming pages of other tokens or of another tenant is refused, never read. The
+keys of any other prompt, and of the context's pages after those, are hashed here under the
+call's tenant. Output: `latents`, a `(C, h, w)` float32 tensor for a `vae_decode` node.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.weights.seeding import build_seeded
 from engine.compute.weights.store import WeightKey, WeightStore
+from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.ref import KVRef, KVRefError
 from engine.data.kv.source import HolderPageSource, IndexPageSource, PageSource
@@ -67,9 +70,32 @@ def kv_input(call: NodeCall, kv: Any, model_id: str, layout: KVLayout) -> KVRef:
         raise UnitInputError(f"node {call.node_id!r}: input 'kv': {exc}") from None
 
 
-def context_ids(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any], kv: KVRef | None) -> list[int]:
-    """The prompt's token ids: input `prompt` (tokenized) or `tokens`, else the context `kv` carries
-    (the llm node's prompt and output ids: not tokenized again)."""
+@dataclass(frozen=True, slots=True)
+class NodePrompt:
+    """A node's (conditional) prompt: its token ids, and the keys of its leading pages as input
+    `kv` named them, checked (empty where this role hashes the prompt's pages itself)."""
+
+    ids: list[int]
+    known: tuple[PageHash, ...] = ()
+
+
+def kv_pages(call: NodeCall, kv: KVRef) -> tuple[PageHash, ...]:
+    """The keys of the leading pages of the context `kv` carries: its `page_hashes`, checked to be
+    those of its token ids under the call's tenant (`KVRef.pages_for`; UnitInputError naming the
+    node and field when they are not). None when `kv` names its pages in another keying (no
+    layout: SGLang's own, unseeded keys) or when its context holds image or audio items (keyed as
+    sentinels, whose K/V this role does not compute): then this role hashes the context itself."""
+    if kv.layout is None or (kv.key_ids and kv.key_ids != kv.prompt_ids):
+        return ()
+    try:
+        return kv.pages_for(call.tenant)
+    except KVRefError as exc:
+        raise UnitInputError(f"node {call.node_id!r}: input 'kv': {exc}") from None
+
+
+def node_prompt(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any], kv: KVRef | None) -> NodePrompt:
+    """The prompt: input `prompt` (tokenized) or `tokens`, else the context `kv` carries (the llm
+    node's prompt and output ids: not tokenized again, its pages named by `kv`: `kv_pages`)."""
     prompt, tokens = inputs.get("prompt"), inputs.get("tokens")
     if prompt is not None and tokens is not None:
         raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens'")
@@ -77,8 +103,8 @@ def context_ids(call: NodeCall, runner: DiffusionRunner, inputs: dict[str, Any],
         if kv is None or not (kv.prompt_ids or kv.output_ids):
             raise UnitInputError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' or 'tokens', or a"
                                  " 'kv' carrying its context's token ids")
-        return [*kv.prompt_ids, *kv.output_ids]
-    return prompt_ids(call, runner, prompt, tokens, "prompt")
+        return NodePrompt([*kv.prompt_ids, *kv.output_ids], kv_pages(call, kv))
+    return NodePrompt(prompt_ids(call, runner, prompt, tokens, "prompt"))
 
 
 class DiffusionUnit(ThreadedUnit):
@@ -146,18 +172,18 @@ class DiffusionUnit(ThreadedUnit):
         kv = None
         if inputs.get("kv") is not None:
             kv = kv_input(call, inputs["kv"], self.runner.model_id, self.runner.layout)
-        ids = context_ids(call, self.runner, inputs, kv)
-        if not ids:
+        prompt = node_prompt(call, self.runner, inputs, kv)
+        if not prompt.ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
         guidance = float(params.get("guidance_scale", self.config.guidance_scale))
-        tenant = call.tenant
-        branches = [Prompt.of(ids)]
+        branches = [(Prompt.of(prompt.ids), prompt.known)]
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
-            branches.append(Prompt.of(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID]))
+            branches.append((Prompt.of(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID]),
+                             ()))
         source = self._source(kv)
-        kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=tenant, source=source)
-               for p in branches]
+        kvs = [self.runner.encode_cached(p, self.kv_store, tenant_salt=call.tenant, known=pages, source=source)
+               for p, pages in branches]
         steps = int(params.get("steps") or self.config.steps)
         meter = ProgressMeter(report, steps, "steps").start()
         latents = self.runner.denoise(kvs, seed=int(params.get("seed", 0)), steps=steps,

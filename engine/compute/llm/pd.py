@@ -35,7 +35,6 @@ from engine.compute.llm.sequence import FinishReason, RequestOutput
 from engine.compute.llm.transfer import KVHandoff, handoff_of
 from engine.data.channel import RefGone, TransferError
 from engine.data.kv.errors import KVTransferError
-from engine.data.kv.keys import ExtraKeys, page_hashes
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import fetch_pages
 from engine.data.kv.ref import KVHold, KVHolder, KVRef, KVRefError
@@ -60,16 +59,18 @@ class Pulled:
 NOTHING_PULLED = Pulled()
 
 
-def check_handoff_tenant(call: NodeCall, ref: KVRef, page_size: int) -> None:
+def check_handoff_tenant(call: NodeCall, ref: KVRef) -> None:
     """A decode call takes only its own tenant's handoffs: the pages a handoff names must be
     the page keys of its prompt under the call's tenant (under the handoff's own tenant when the
-    call has none: the command line), so a handoff of another tenant's run, however relabelled,
-    never reads that run's KV."""
+    call has none: the command line; `KVRef.pages_for`), so a handoff of another tenant's run,
+    however relabelled, never reads that run's KV."""
     tenant = call.tenant if call.tenant is not None else ref.tenant_salt
-    count = len(ref.page_hashes)
-    own = (ref.tenant_salt == tenant and count * page_size <= len(ref.key_ids)
-           and page_hashes(list(ref.key_ids[: count * page_size]), page_size,
-                           extra_keys=ExtraKeys(model_id=ref.model_id, tenant_salt=tenant)) == list(ref.page_hashes))
+    own = ref.tenant_salt == tenant
+    if own:
+        try:
+            ref.pages_for(tenant)
+        except KVRefError:
+            own = False
     if not own:
         raise LLMUnitError(f"node {call.node_id!r}: input 'kv': the handoff belongs to another tenant's run")
 
@@ -147,7 +148,7 @@ class PrefillDecode:
             hold = ref.handoff
         except KVRefError as exc:
             raise LLMUnitError(f"node {call.node_id!r}: input 'kv': {exc}") from None
-        check_handoff_tenant(call, ref, layout.page_size)
+        check_handoff_tenant(call, ref)
         return ref, hold
 
     async def decode(self, call: NodeCall, stream: bool) -> AsyncIterator[tuple[RequestOutput, Pulled]]:

@@ -46,7 +46,8 @@ class RequestOutput:
     """What one step produced for one request: its new token(s) and, when it ends, the summary.
 
     `text_delta` is filled for requests that stream text or use stop strings; `output_ids`,
-    `prompt_ids`, `text`, `timings`, `kv_pages` only on the last output of a request.
+    `prompt_ids`, `key_ids`, `text`, `timings`, `kv_pages` (and their `tenant_salt`) only on the last
+    output of a request.
     """
 
     request_id: str
@@ -67,6 +68,10 @@ class RequestOutput:
     """Keys of the full KV pages of prompt + output (final output only); cached, not pinned."""
     prompt_ids: tuple[int, ...] = ()
     """The prompt's token ids, a session's history included (final output only)."""
+    key_ids: tuple[int, ...] = ()
+    """The prompt's cache key ids, which `kv_pages` are keyed over (final output only)."""
+    tenant_salt: str | None = None
+    """The tenant salt `kv_pages` are keyed under (final output only, with `kv_pages`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -157,6 +162,8 @@ class Sequence:
             session_id=self.session_id,
             kv_pages=kv_pages,
             prompt_ids=tuple(self.prompt_ids),
+            key_ids=tuple(self.key_ids[: self.prompt_len]),
+            tenant_salt=self.namespace[1] if kv_pages else None,
         )
 
     def embeds_in(self, start: int, end: int) -> list[tuple[int, object]]:

@@ -220,7 +220,7 @@ class LLMUnit(ComputeUnit):
         return KVRef(
             model_id=self.engine.model_id, page_size=layout.page_size, layout=layout.to_dict(),
             page_hashes=tuple(out.kv_pages), prompt_ids=out.prompt_ids, output_ids=out.output_ids,
-            tokens=out.prompt_tokens + len(out.output_ids),
+            key_ids=out.key_ids, tenant_salt=out.tenant_salt, tokens=out.prompt_tokens + len(out.output_ids),
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, holder=self._holder(),
             pulled_pages=pulled.pages, pulled_from=pulled.source,
         )

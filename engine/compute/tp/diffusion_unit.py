@@ -12,11 +12,12 @@ over its own KV heads and denoises; the collectives inside keep them in step and
 latents are the output (float32 on the CPU: the same as TP-1 within rounding).
 
 The prompt's KV: with an input `kv` (an `llm` node's kv output), every rank pulls the
-prompts' leading full pages whole from the worker that computed them (`kv`'s holder), keeps
-its own KV heads (`pull_shards`), and reuses them; the ranks first agree that every pull
-worked (else the node fails on all of them alike, the group intact) and on how many pages to
-reuse (the fewest any rank got), so that they prefill the same tokens in step. The rest of
-each prompt is computed on the ranks.
+prompts' leading full pages (their keys found once by rank 0: `kv`'s own, checked, for the context
+it carries; see `engine.compute.diffusion.unit.node_prompt`) whole from the worker that computed
+them (`kv`'s holder), keeps its own KV heads (`pull_shards`), and reuses them; the ranks first
+agree that every pull worked (else the node fails on all of them alike, the group intact) and on
+how many pages to reuse (the fewest any rank got), so that they prefill the same tokens in step.
+The rest of each prompt is computed on the ranks.
 
 Failure: as for `llm`: a dead follower fails the node in flight (rank 0's send finds it gone,
 or its next collective fails within `tp_timeout_s`), and every later call fails at once; a
@@ -38,7 +39,7 @@ import zmq
 
 from engine.compute.diffusion.forward import DiffusionModelError
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
-from engine.compute.diffusion.unit import CONFIG_PARAMS, context_ids, kv_input, prompt_ids
+from engine.compute.diffusion.unit import CONFIG_PARAMS, kv_input, node_prompt, prompt_ids
 from engine.compute.models.tokenizer import BOS_ID
 from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
@@ -101,17 +102,17 @@ class _Rank:
             self._peer.close()
             self._peer = None
 
-    def _reused_pages(self, prompt: Prompt, message: TPDiffuse) -> list[torch.Tensor]:
-        """This rank's heads of the prompt's leading pages at `message.holder`; every rank returns
-        as many (collectives), or every rank raises DiffusionModelError."""
+    def _reused_pages(self, keys: list[str], message: TPDiffuse) -> list[torch.Tensor]:
+        """This rank's heads of the leading pages of a prompt (its page `keys`) at `message.holder`;
+        every rank returns as many (collectives), or every rank raises DiffusionModelError."""
         group = self.group
         if message.holder is None:
             return []
         pages: list[torch.Tensor] = []
         problem = ""
         try:
-            pages = pull_shards(self.peer(), message.holder, self.runner.page_keys(prompt, message.tenant),
-                                self.whole, group.size, group.rank, self.pull_timeout_s)
+            pages = pull_shards(self.peer(), message.holder, keys, self.whole, group.size, group.rank,
+                                self.pull_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever fails here, every rank must still meet below
             problem = f"{type(exc).__name__}: {exc}"
         if group.min_int(0 if problem else 1) == 0:
@@ -124,9 +125,9 @@ class _Rank:
         """What every rank runs for a node: the same prompts, pages, seed and schedule (collectives inside)."""
         runner = self.runner
         branches = []
-        for ids in message.prompts:
-            prompt = Prompt.of(ids)
-            branches.append(runner.encode_prompt(prompt, self._reused_pages(prompt, message)))
+        for index, ids in enumerate(message.prompts):
+            keys = message.pages[index] if message.holder is not None else []
+            branches.append(runner.encode_prompt(Prompt.of(ids), self._reused_pages(keys, message)))
         return runner.denoise(branches, seed=message.seed, steps=message.steps,
                               guidance_scale=message.guidance_scale)
 
@@ -197,16 +198,20 @@ class TPDiffusionUnit(ThreadedUnit):
             if not _HOLDER.match(holder):
                 raise UnitInputError(f"node {call.node_id!r}: input 'kv' holder {holder!r} is not a worker's data"
                                      " address (tcp://HOST:PORT)")
-        prompts = [context_ids(call, self.runner, inputs, kv)]
-        if not prompts[0]:
+        prompt = node_prompt(call, self.runner, inputs, kv)
+        if not prompt.ids:
             raise UnitInputError(f"node {call.node_id!r}: the prompt is empty")
+        branches = [(prompt.ids, prompt.known)]
         guidance = float(params.get("guidance_scale", self.runner.config.guidance_scale))
         if guidance != 1.0:
             negative = inputs.get("negative_prompt", params.get("negative_prompt", ""))
-            prompts.append(prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID])
+            branches.append((prompt_ids(call, self.runner, negative, None, "negative_prompt") or [BOS_ID], ()))
+        pages: list[list[str]] = []
+        if holder is not None:  # hashed here once, not on every rank
+            pages = [list(self.runner.page_keys(Prompt.of(ids), call.tenant, known)) for ids, known in branches]
         steps = params.get("steps")
-        return TPDiffuse(prompts, int(params.get("seed", 0)), int(steps) if steps is not None else None, guidance,
-                         holder, call.tenant)
+        return TPDiffuse([ids for ids, _ in branches], int(params.get("seed", 0)),
+                         int(steps) if steps is not None else None, guidance, holder, pages)
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
         if self.failed is not None:

@@ -124,8 +124,9 @@ class TPDiffuse(msgspec.Struct, tag=True, frozen=True):
     guidance_scale: float
     holder: str | None = None
     """The data address of an `llm` worker serving the prompts' leading pages whole (input `kv`)."""
-    tenant: str | None = None
-    """The tenant salt those pages are keyed with."""
+    pages: list[list[str]] = []
+    """With `holder`: the keys of each prompt's full pages, as rank 0 found them once (input `kv`'s
+    own, checked, where it names them; else hashed under the call's tenant)."""
 
 
 class TPRoleCall(msgspec.Struct, tag=True, frozen=True):

@@ -13,7 +13,9 @@ claims to be one (a struct, or its JSON/msgpack map from a file or an older run)
 
 Pages are named by their keys (`engine.data.kv.keys`): the chain over `key_ids` (where given)
 under `model_id` and the run's tenant, the same on every worker of that model, so any holder of
-a key holds those bytes.
+a key holds those bytes. A reader takes a ref's `page_hashes` only through `pages_for`, which
+checks them against the ref's own token ids under the reader's tenant: a value can be forged or
+relabelled, and keys taken as given would name another tenant's pages.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from engine.data.kv.keys import PageHash
+from engine.data.kv.keys import ExtraKeys, PageHash, page_hashes
 from engine.data.kv.layout import KVLayout
 from engine.data.wire import TensorRef
 
@@ -72,7 +74,8 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
     `KVLayout.to_dict()` (None from a runner that does not expose it: SGLang), `page_size` always.
     `tokens`, `prompt_tokens`, `cached_tokens` count the generation's context, its prompt and
     the prompt tokens read from cache (`cached_tokens_details`: by tier, where the runner says).
-    `holder` is where the pages are cached (None: not pullable, e.g. SGLang's own cache);
+    `tenant_salt` is the tenant its pages are keyed under (None: none, or a runner that does not
+    say). `holder` is where the pages are cached (None: not pullable, e.g. SGLang's own cache);
     `hold` the prefill hand-off, if any; a decode node's result says how many pages it pulled
     (`pulled_pages`) and from whom (`pulled_from`).
     """
@@ -122,6 +125,31 @@ class KVRef(msgspec.Struct, frozen=True, tag="kv", tag_field="type"):
             raise KVRefError(f"KV pages of {ref.page_size} tokens, this role's hold {layout.page_size}"
                              " (give both roles one page_size)")
         return ref
+
+    def pages_for(self, tenant: str | None) -> tuple[PageHash, ...]:
+        """`page_hashes`, checked to be the keys of this ref's own context for a reader of
+        `tenant` (the reading call's; None, a run without one: the ref's `tenant_salt`): the chain
+        over `key_ids` (else `prompt_ids`) and then `output_ids`, `page_size` ids a page, seeded by
+        `model_id` and that tenant. So a forged or relabelled ref never names, to a reader that
+        pulls them or stores pages under them, pages of another tenant or of other tokens. The
+        check hashes those pages once. Raises `KVRefError` naming the field when they are not."""
+        salt = tenant if tenant is not None else self.tenant_salt
+        ids = (*(self.key_ids or self.prompt_ids), *self.output_ids)
+        count = len(self.page_hashes)
+        if self.page_size <= 0 or count * self.page_size > len(ids):
+            raise KVRefError(f"page_hashes names {count} pages of {self.page_size} tokens, more than its"
+                             f" {len(ids)} token ids (key_ids or prompt_ids, then output_ids) fill")
+        try:
+            own = page_hashes(ids[: count * self.page_size], self.page_size,
+                              extra_keys=ExtraKeys(model_id=self.model_id, tenant_salt=salt))
+        except ValueError as exc:  # token ids out of [0, 2**63)
+            raise KVRefError(f"its token ids cannot be keyed: {exc}") from None
+        for index, (given, expected) in enumerate(zip(self.page_hashes, own, strict=True)):
+            if given != expected:
+                raise KVRefError(f"page_hashes[{index}] is not the key of page {index} of its token ids under"
+                                 f" model {self.model_id!r} and this run's tenant (a KV reference of another"
+                                 " tenant's run, or altered)")
+        return self.page_hashes
 
     @property
     def handoff(self) -> KVHold:

@@ -7,7 +7,8 @@ the studio fetches nothing), `stream` with
 `stream_options.include_usage`, `max_tokens`/`max_completion_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`, `n` = 1. Tools,
 function calls, logprobs and non-text response formats are refused with 400; other
-fields (`user`, `metadata`, ...) are ignored.
+fields (`user`, `metadata`, ...) are ignored. A request is checked once, here, into a
+`ChatRequest` (its sampling fields a `ChatSampling`), which goes down to where the run is built.
 
 Errors on `/v1/` use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 which its clients parse; the rest of the API keeps `{"error", "details"}`.
@@ -65,13 +66,55 @@ class ChatMessages:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatSampling:
+    """A chat request's sampling fields, checked (`parse`), as the llm node's params they set
+    (`max_tokens`/`max_completion_tokens` is `max_new_tokens`); None where the request gives none
+    (the node's own, or its kind's default, holds)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> ChatSampling:
+        """The OpenAI sampling fields of `body`; 400 naming the first bad one."""
+        max_new_tokens = None
+        for name in ("max_completion_tokens", "max_tokens"):
+            if body.get(name) is not None:
+                max_new_tokens = _number(body, name, 1, MAX_NEW_TOKENS, integer=True)
+                break
+        temperature = _float(body, "temperature", 0, 2)
+        top_p = _float(body, "top_p", 0, 1, low_open=True)
+        seed = None if body.get("seed") is None else _number(body, "seed", 0, 2**63 - 1, integer=True)
+        presence_penalty = _float(body, "presence_penalty", -2, 2)
+        frequency_penalty = _float(body, "frequency_penalty", -2, 2)
+        stop = body.get("stop")
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if stop is not None and (not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(
+                isinstance(s, str) and s for s in stops)):
+            raise invalid("stop must be a non-empty string or an array of 1 to 4 of them", "stop")
+        return cls(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stops),
+                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+
+    def node_params(self) -> dict[str, Any]:
+        """The llm node's params these set (only those given): what the run stores for its node."""
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "seed": self.seed, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "stop": list(self.stop) or None}
+        return {name: value for name, value in params.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     model: str
     conversation: ChatMessages
     stream: bool = False
     include_usage: bool = False
-    sampling: dict[str, Any] = field(default_factory=dict)
-    """llm node params: max_new_tokens, temperature, top_p, seed, stop, penalties."""
+    sampling: ChatSampling = ChatSampling()
 
 
 def _image(url: Any, param: str) -> bytes:
@@ -159,30 +202,8 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, *, integer
     return value
 
 
-def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI sampling fields -> llm node params (only those given)."""
-    params: dict[str, Any] = {}
-    for name in ("max_completion_tokens", "max_tokens"):
-        if body.get(name) is not None:
-            params["max_new_tokens"] = _number(body, name, 1, MAX_NEW_TOKENS, integer=True)
-            break
-    if body.get("temperature") is not None:
-        params["temperature"] = float(_number(body, "temperature", 0, 2))
-    if body.get("top_p") is not None:
-        params["top_p"] = float(_number(body, "top_p", 0, 1, low_open=True))
-    if body.get("seed") is not None:
-        params["seed"] = _number(body, "seed", 0, 2**63 - 1, integer=True)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) is not None:
-            params[name] = float(_number(body, name, -2, 2))
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(
-                isinstance(s, str) and s for s in stops):
-            raise invalid("stop must be a non-empty string or an array of 1 to 4 of them", "stop")
-        params["stop"] = stops
-    return params
+def _float(body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    return None if body.get(name) is None else float(_number(body, name, low, high, low_open=low_open))
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -210,7 +231,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise invalid("stream_options is an object, and only with stream: true", "stream_options")
     include_usage = bool((options or {}).get("include_usage", False))
     return ChatRequest(model=model.strip(), conversation=parse_messages(body.get("messages")), stream=stream,
-                       include_usage=include_usage, sampling=sampling_params(body))
+                       include_usage=include_usage, sampling=ChatSampling.parse(body))
 
 
 # --------------------------------------------------------------------------- responses

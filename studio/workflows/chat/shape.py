@@ -32,6 +32,8 @@ class ChatShape:
     usage_output: str | None
     llm_usage: bool
     """Whether the llm node has its `usage` output (graphs saved before it had one do not)."""
+    max_new_tokens: int | None = None
+    """The llm node's own `max_new_tokens` param (None: it sets none, its kind's default holds)."""
 
 
 def _port_type(node: dict[str, Any], side: str, port: str) -> str | None:
@@ -58,6 +60,7 @@ def chat_shape(spec: dict[str, Any]) -> ChatShape:
     llm = llms[0]
     roles = {r["name"]: r for r in spec.get("roles", [])}
     usage = next((n["id"] for n in nodes if n.get("kind") == "output" and n["id"] == "usage"), None)
+    max_new_tokens = (llm.get("params") or {}).get("max_new_tokens")
     return ChatShape(
         prompt_input=texts[0],
         image_inputs=images,
@@ -67,4 +70,5 @@ def chat_shape(spec: dict[str, Any]) -> ChatShape:
         reply_output=replies[0],
         usage_output=usage,
         llm_usage="usage" in (llm.get("outputs") or {}),
+        max_new_tokens=int(max_new_tokens) if max_new_tokens is not None else None,
     )

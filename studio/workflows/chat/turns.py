@@ -38,7 +38,7 @@ from engine.spec.usage import Usage
 from studio.dbcalls import orm
 from studio.errors import BadRequest, Conflict, Unavailable
 from studio.workflows.apps import engine
-from studio.workflows.chat.openai import ChatMessages
+from studio.workflows.chat.openai import ChatMessages, ChatRequest, ChatSampling
 from studio.workflows.chat.shape import ChatShape, NotAChatWorkflow, chat_shape
 from studio.workflows.chat.templates import ChatTemplate, Message, TemplateError
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, Session
@@ -47,7 +47,6 @@ from studio.workflows.paths import PathRefused, PathRoots, model_reference
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.follow import follow_run
 from studio.workflows.runs.lease import RUN_RESTARTED
-from studio.workflows.runs.store import with_node_params
 
 
 def engine_session_id(session: Session) -> str:
@@ -142,11 +141,34 @@ def deployment_status(deployment_id: Any) -> str | None:
     return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
 
 
-def _max_new_tokens(spec: dict[str, Any], node: str) -> int:
-    params = next((n.get("params", {}) for n in spec.get("nodes", []) if n.get("id") == node), {})
-    if "max_new_tokens" in params:
-        return int(params["max_new_tokens"])
-    return int(engine().kinds.node_kind("llm").param_default("max_new_tokens"))
+@dataclass(frozen=True, slots=True)
+class LLMTurn:
+    """What a turn sets on the chat workflow's llm node: the request's sampling and, for a session
+    turn, its session (`engine_session_id`) and what the session holds, for a worker that does not
+    (`history` rendered, and its number of `turns`)."""
+
+    sampling: ChatSampling
+    session: str | None = None
+    history: str = ""
+    turns: int = 0
+
+    def node_params(self) -> dict[str, Any]:
+        """The llm node's params for this run (what the run row stores)."""
+        params = self.sampling.node_params()
+        if self.session is not None:
+            params["session"] = self.session
+        if self.history:
+            params["session_history"] = self.history
+            params["session_turns"] = self.turns
+        return params
+
+    def max_new_tokens(self, shape: ChatShape) -> int:
+        """The turn's token limit: the request's, else the llm node's own, else its kind's default."""
+        if self.sampling.max_new_tokens is not None:
+            return self.sampling.max_new_tokens
+        if shape.max_new_tokens is not None:
+            return shape.max_new_tokens
+        return int(engine().kinds.node_kind("llm").param_default("max_new_tokens"))
 
 
 def _image_files(shape: ChatShape, images: list[bytes]) -> dict[str, SimpleUploadedFile]:
@@ -179,22 +201,22 @@ def _rendered(render: Callable[[], str]) -> str:
 
 
 def _start(user: Any, deployment: Deployment, shape: ChatShape, template: ChatTemplate, prompt: str,
-           images: list[bytes], params: dict[str, Any], timeout_s: float) -> TurnStart:
-    node_params = {shape.llm_node: params} if params else {}
+           images: list[bytes], turn: LLMTurn, timeout_s: float) -> TurnStart:
+    params = turn.node_params()
     run = create_run(user, deployment.version, {shape.prompt_input: prompt}, files=_image_files(shape, images),
-                     deployment=deployment, timeout_s=timeout_s, node_params=node_params)
-    spec = with_node_params(deployment.version.spec, node_params)
-    return TurnStart(str(run.pk), shape, _max_new_tokens(spec, shape.llm_node), template)
+                     deployment=deployment, timeout_s=timeout_s,
+                     node_params={shape.llm_node: params} if params else {})
+    return TurnStart(str(run.pk), shape, turn.max_new_tokens(shape), template)
 
 
-def start_completion(user: Any, deployment: Deployment, conversation: ChatMessages, sampling: dict[str, Any],
-                     timeout_s: float) -> TurnStart:
-    """Submit a stateless completion of `conversation` (NotAChatWorkflow, or the API errors
+def start_completion(user: Any, deployment: Deployment, chat: ChatRequest, timeout_s: float) -> TurnStart:
+    """Submit a stateless completion of `chat`'s conversation (NotAChatWorkflow, or the API errors
     of `create_run`)."""
     shape = chat_shape(deployment.version.spec)
     template = chat_template(deployment, shape)
-    prompt = _rendered(lambda: template.render(conversation.messages))
-    return _start(user, deployment, shape, template, prompt, conversation.images, sampling, timeout_s)
+    prompt = _rendered(lambda: template.render(chat.conversation.messages))
+    return _start(user, deployment, shape, template, prompt, chat.conversation.images, LLMTurn(chat.sampling),
+                  timeout_s)
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -216,7 +238,7 @@ def turn_in_flight(session: Session) -> bool:
         pk=session.turn_id, status__in=[RunStatus.PENDING, RunStatus.RUNNING]).exists()
 
 
-def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: dict[str, Any],
+def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: ChatSampling,
                        timeout_s: float) -> TurnStart:
     """Submit the next turn of a session; Conflict while it is closed, its deployment is not
     running, or another turn is in flight."""
@@ -234,12 +256,10 @@ def start_session_turn(user: Any, session_id: Any, new: ChatMessages, sampling: 
         shape = chat_shape(deployment.version.spec)
         template = chat_template(deployment, shape)
         prompt = _rendered(lambda: template.turn(session.messages, new.messages))
-        params = {**sampling, "session": engine_session_id(session)}
-        held = _rendered(lambda: template.held(session.messages))
-        if held:  # a worker without the session (its replica was replaced), or with a stale copy, rebuilds it
-            params["session_history"] = held
-            params["session_turns"] = sum(1 for m in session.messages if m["role"] == "assistant")
-        start = _start(user, deployment, shape, template, prompt, new.images, params, timeout_s)
+        # What the session holds: a worker without it (its replica was replaced), or with a stale copy, rebuilds it.
+        turn = LLMTurn(sampling, engine_session_id(session), _rendered(lambda: template.held(session.messages)),
+                       sum(1 for m in session.messages if m["role"] == "assistant"))
+        start = _start(user, deployment, shape, template, prompt, new.images, turn, timeout_s)
         session.turn_id = start.run_id
         session.save(update_fields=["turn", "updated_at"])
     return start

@@ -31,13 +31,13 @@ from studio.workflows.api.deployments import ChatSessionSerializer
 from studio.workflows.apps import engine
 from studio.workflows.chat import turns
 from studio.workflows.chat.openai import (
+    ChatSampling,
     OpenAIError,
     chunk,
     completion,
     model_entry,
     parse_chat_request,
     parse_messages,
-    sampling_params,
 )
 from studio.workflows.chat.shape import NotAChatWorkflow
 from studio.workflows.models import DeploymentStatus, Session
@@ -147,8 +147,7 @@ async def chat_completions(request: HttpRequest, user: Any) -> HttpResponse:
     if deployment.status != DeploymentStatus.RUNNING:
         await _until_running(deployment.pk, chat.model, eng.config.chat_timeout_s)
     try:
-        start = await orm(turns.start_completion)(user, deployment, chat.conversation,
-                                                                     chat.sampling, eng.config.chat_timeout_s)
+        start = await orm(turns.start_completion)(user, deployment, chat, eng.config.chat_timeout_s)
     except NotAChatWorkflow as exc:
         raise OpenAIError(400, f"model {chat.model!r}: {exc}", param="model") from None
     completion_id = f"chatcmpl-{start.run_id.replace('-', '')}"
@@ -264,7 +263,7 @@ async def session_turns(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         if not isinstance(body, dict) or "content" not in body:
             raise OpenAIError(400, 'send {"content": "..."} (text, or OpenAI content parts)', param="content")
         new = parse_messages([{"role": "user", "content": body["content"]}], "content", roles=("user",))
-        sampling = sampling_params(body)
+        sampling = ChatSampling.parse(body)
         eng = engine()
         start = await orm(turns.start_session_turn)(user, pk, new, sampling,
                                                                        eng.config.chat_timeout_s)

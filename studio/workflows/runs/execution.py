@@ -25,6 +25,8 @@ import contextlib
 import logging
 from typing import Any, Protocol
 
+import msgspec
+
 from engine.client.graphs import GraphValidationError, parse_spec
 from engine.client.runs import (
     EventLog,
@@ -37,7 +39,6 @@ from engine.client.runs import (
     RunInputError,
     RunStatus,
     TransferError,
-    event_to_dict,
     in_process_executor,
 )
 from engine.spec.kinds import KindRegistry
@@ -82,8 +83,11 @@ class OwnExecutor:
 class RunStore(Protocol):
     async def claim(self, run_id: str) -> RunTicket | None: ...
 
-    async def record(self, run_id: str, events: list[dict], final_outputs: dict | None = None,
-                     blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]: ...
+    async def record(self, run_id: str, events: list[RunEvent], final_outputs: dict | None = None,
+                     blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]:
+        """Store the executor's events (typed; `seq` numbered on from the ticket's `seq_base`);
+        they come back as stored (JSON data), to publish."""
+        ...
 
     async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *,
                                only_pending: bool) -> list[dict] | None: ...
@@ -143,7 +147,7 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
                 continue
             final = isinstance(batch[-1], RunFinished)
             outputs = await executors.materialize(ticket, (await run.wait()).outputs) if final else None
-            events = [{**event_to_dict(e), "seq": e.seq + ticket.seq_base} for e in batch]
+            events = [msgspec.structs.replace(e, seq=e.seq + ticket.seq_base) for e in batch]
             blobs = await _blobs(run, batch, ticket, executors)
             stored = await store.record(run_id, events, outputs, blobs)
             await bus.publish(run_id, stored)

@@ -26,15 +26,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 from django.db import DatabaseError
 from django.utils import timezone
 
 log = logging.getLogger(__name__)
 
 RUN_RESTARTED = "run_restarted"
-"""The event the studio stores when a run whose executor stopped is executed again:
-`{seq, run_id, time, type: "run_restarted", attempt, error}`. Every node is pending again
-after it, and the events of the new execution follow (from `run_started`)."""
+"""The type of `RunRestarted`, as stored and published: `{seq, run_id, time, type, attempt, error}`."""
+
+
+class RunRestarted(msgspec.Struct, tag=RUN_RESTARTED, kw_only=True):
+    """The event the studio stores when a run whose executor stopped is executed again (its
+    `attempt`, and why the last one stopped). Every node is pending again after it, and the events
+    of the new execution follow (from `run_started`)."""
+
+    seq: int
+    run_id: str
+    time: float
+    attempt: int
+    error: str
 
 
 class LeaseLost(RuntimeError):

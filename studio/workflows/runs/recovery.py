@@ -36,7 +36,7 @@ from django.utils import timezone
 from engine.client.runs import RunStatus
 from studio.workflows.models import Run
 from studio.workflows.models import RunStatus as DbRunStatus
-from studio.workflows.runs.lease import RUN_RESTARTED
+from studio.workflows.runs.lease import RunRestarted
 from studio.workflows.runs.store import finish, record
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ def sweep_expired(retries: int) -> list[Swept]:
                 swept.append(Swept(str(run.pk), events, restarted=False))
             elif run.attempts <= retries:
                 log.warning("run %s: %s; executing it again (attempt %d)", run.pk, _stopped(run), run.attempts + 1)
-                event = {"seq": run.last_seq + 1, "run_id": str(run.pk), "time": now.timestamp(),
-                         "type": RUN_RESTARTED, "attempt": run.attempts + 1, "error": _stopped(run)}
+                event = RunRestarted(seq=run.last_seq + 1, run_id=str(run.pk), time=now.timestamp(),
+                                     attempt=run.attempts + 1, error=_stopped(run))
                 swept.append(Swept(str(run.pk), record(str(run.pk), [event]), restarted=True))
             else:
                 log.warning("run %s: %s; failing it after %d attempts", run.pk, _stopped(run), run.attempts)

@@ -2,7 +2,8 @@
 called from one thread at a time per run (the engine's database thread, or a Celery
 worker), so a run's events are written in order.
 
-A run's stored events are exactly the executor's events (`event_to_dict`), except that
+A run's stored events are exactly the executor's events (typed up to the write, then
+`event_to_dict`), except that
 `run_finished` gains `files`: output name -> download URL for outputs stored as files, and
 that a run executed again after its executor stopped has a `run_restarted` event (written by
 `recovery`) followed by the new execution's events, their `seq` numbered on from it
@@ -31,7 +32,19 @@ from django.urls import reverse
 from django.utils import timezone
 
 from engine.client.keys import PlaneKeys
-from engine.client.runs import BlobPath, HeldBlob, RunFinished, RunStatus, event_to_dict, preview
+from engine.client.runs import (
+    BlobPath,
+    HeldBlob,
+    NodeOutputEvent,
+    NodeProgressEvent,
+    NodeStateEvent,
+    RunFinished,
+    RunStarted,
+    RunStatus,
+    event_to_dict,
+    preview,
+)
+from engine.client.runs import RunEvent as EngineEvent
 from studio.dbcalls import orm
 from studio.workflows.apps import engine
 from studio.workflows.models import (
@@ -46,7 +59,7 @@ from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
 from studio.workflows.paths import PathRoots, resolve_spec_paths
-from studio.workflows.runs.lease import RUN_RESTARTED, LeaseCheck, LeaseLost, LeaseTerms
+from studio.workflows.runs.lease import LeaseCheck, LeaseLost, LeaseTerms, RunRestarted
 from studio.workflows.runs.outputs import ServerPaths
 
 log = logging.getLogger(__name__)
@@ -235,7 +248,11 @@ def _server_paths(run: Run) -> ServerPaths:
     return ServerPaths(PathRoots.of(engine().config).users / str(run.owner_id), save)
 
 
-def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, Any] | None = None,
+StoredEvent = EngineEvent | RunRestarted
+"""What `record` stores: the executor's events, and the studio's own `RunRestarted`."""
+
+
+def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any] | None = None,
            blobs: dict[int, list[HeldBlob]] | None = None, *, owner: str | None = None) -> list[dict]:
     """Store a batch of a run's events (in order, contiguous) and bring Run and NodeRun rows
     up to date. `final_outputs` (the run's real output values) comes with `run_finished`;
@@ -243,15 +260,15 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
     its lists and dicts, a streamed frame's too), kept as the run's files when they are images
     or audio (`_node_media`).
     With `owner`, the writer must still hold the run's lease (else `LeaseLost`, nothing
-    written). Returns the events as stored, which is what followers are sent."""
+    written). The events stay typed up to the write; returns them as stored (JSON data), which
+    is what followers are sent."""
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run_id)
         if owner is not None and (run.lease_owner != owner or run.status != DbRunStatus.RUNNING):
             raise LeaseLost(f"run {run_id}: the lease of {owner} was taken over (the run is {run.status},"
                             f" held by {run.lease_owner or 'nobody'})")
-        expected = run.last_seq + 1
-        if events and events[0]["seq"] != expected:
-            raise ValueError(f"run {run_id}: event seq {events[0]['seq']} does not follow {run.last_seq}")
+        if events and events[0].seq != run.last_seq + 1:
+            raise ValueError(f"run {run_id}: event seq {events[0].seq} does not follow {run.last_seq}")
         nodes = {n.node: n for n in run.nodes.all()}
         touched: dict[str, NodeRun] = {}
         run_fields: set[str] = {"last_seq"}
@@ -259,58 +276,41 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
         paths = _server_paths(run)
         for event in events:
             event = _hide_paths(event, paths)
-            kind = event["type"]
-            when = _when(event.get("time"))
-            if kind == "run_started":
+            when = _when(event.time)
+            files: dict[str, str] = {}
+            if isinstance(event, RunStarted):
                 run.status = DbRunStatus.RUNNING
                 run.started_at = run.started_at or when
                 run_fields |= {"status", "started_at"}
-            elif kind == "node_state" and event["node"] in nodes:
-                node = nodes[event["node"]]
-                state = event["state"]
-                node.state = state
-                node.attempts = event.get("attempt", node.attempts)
-                node.iterations = event.get("iteration", node.iterations)
-                if state == NodeState.RUNNING and node.started_at is None:
-                    node.started_at = when
-                if state in _TERMINAL_NODE_STATES:
-                    node.finished_at = when
-                    if state == NodeState.DONE and node.started_at is None:
-                        node.started_at = when  # input/output nodes finish without running
-                    if event.get("duration_ms") is not None:
-                        node.duration_ms = event["duration_ms"]
-                    node.error = event.get("error") or ("" if state == NodeState.DONE else node.error)
-                touched[node.node] = node
-            elif kind == "node_output" and event["node"] in nodes:
-                if blobs and event["seq"] in blobs:
-                    event = {**event, "value": _node_media(run, event, blobs[event["seq"]])}
-                node = nodes[event["node"]]
-                node.outputs = {**node.outputs, event["port"]: event.get("value")}
-                if event.get("frame") is not None:
+            elif isinstance(event, NodeStateEvent) and event.node in nodes:
+                touched[event.node] = _node_state(nodes[event.node], event, when)
+            elif isinstance(event, NodeOutputEvent) and event.node in nodes:
+                if blobs and event.seq in blobs:
+                    event = msgspec.structs.replace(event, value=_node_media(run, event, blobs[event.seq]))
+                node = nodes[event.node]
+                node.outputs = {**node.outputs, event.port: event.value}
+                if event.frame is not None:
                     node.frames += 1
                 touched[node.node] = node
-            elif kind == "node_progress" and event["node"] in nodes:
-                node = nodes[event["node"]]
-                node.progress = event.get("progress")
-                node.message = (event.get("message") or "")[:500]
+            elif isinstance(event, NodeProgressEvent) and event.node in nodes:
+                node = nodes[event.node]
+                node.progress = event.progress
+                node.message = event.message[:500]
                 touched[node.node] = node
-            elif kind == RUN_RESTARTED:
+            elif isinstance(event, RunRestarted):
                 run_fields |= _restart(run, nodes)
                 touched.update(nodes)
-            elif kind == "run_finished":
-                files: dict[str, str] = {}
-                outputs = event.get("outputs", {}) if final_outputs is None else paths.hide(final_outputs)
+            elif isinstance(event, RunFinished):
+                outputs = event.outputs if final_outputs is None else paths.hide(final_outputs)
                 run.outputs = {name: _output_value(run, name, value, files) for name, value in outputs.items()}
-                run.status = event["status"]
-                run.error = event.get("error") or ""
-                run.failed_node = event.get("failed_node") or ""
+                run.status = str(event.status)
+                run.error = event.error or ""
+                run.failed_node = event.failed_node or ""
                 run.finished_at = when
-                run.duration_ms = event.get("duration_ms")
+                run.duration_ms = event.duration_ms
                 run_fields |= {"outputs", "status", "error", "failed_node", "finished_at", "duration_ms"}
-                if files:
-                    event = {**event, "files": files}
-            run.last_seq = event["seq"]
-            stored.append(event)
+            run.last_seq = event.seq
+            stored.append({**event_to_dict(event), "files": files} if files else event_to_dict(event))
         RunEvent.objects.bulk_create(
             [RunEvent(run=run, seq=e["seq"], type=e["type"], data=e) for e in stored]
         )
@@ -324,6 +324,24 @@ def record(run_id: str, events: list[dict[str, Any]], final_outputs: dict[str, A
     return stored
 
 
+def _node_state(node: NodeRun, event: NodeStateEvent, when: dt.datetime) -> NodeRun:
+    """`node` brought up to `event` (a state change; 0 for attempt or iteration: not said)."""
+    state = str(event.state)
+    node.state = state
+    node.attempts = event.attempt or node.attempts
+    node.iterations = event.iteration or node.iterations
+    if state == NodeState.RUNNING and node.started_at is None:
+        node.started_at = when
+    if state in _TERMINAL_NODE_STATES:
+        node.finished_at = when
+        if state == NodeState.DONE and node.started_at is None:
+            node.started_at = when  # input/output nodes finish without running
+        if event.duration_ms is not None:
+            node.duration_ms = event.duration_ms
+        node.error = event.error or ("" if state == NodeState.DONE else node.error)
+    return node
+
+
 NODE_MEDIA_LIMIT = 64
 """At most this many images and audio clips that nodes produce are kept per run (a loop
 making one per iteration keeps its first ones)."""
@@ -332,12 +350,12 @@ NODE_MEDIA_BYTES = 32 * 1024 * 1024
 """A bigger blob is not kept for a preview."""
 
 
-def _node_media(run: Run, event: dict[str, Any], blobs: list[HeldBlob]) -> Any:
+def _node_media(run: Run, event: NodeOutputEvent, blobs: list[HeldBlob]) -> Any:
     """The event's value with each image or audio blob in it (`blobs`, at their places) as a
     file of the run, for the run view's previews (downloaded by the run's owner only, like every
     run file): `{"$file", "url", "content_type", "bytes"}`. Other blobs, and those past the limits,
     keep their previews."""
-    value = event.get("value")
+    value = event.value
     for blob in blobs:
         media = _media_file(run, event, blob.path, blob.value)
         if media is not None:
@@ -345,7 +363,7 @@ def _node_media(run: Run, event: dict[str, Any], blobs: list[HeldBlob]) -> Any:
     return value
 
 
-def _media_file(run: Run, event: dict[str, Any], path: BlobPath, data: bytes) -> dict[str, Any] | None:
+def _media_file(run: Run, event: NodeOutputEvent, path: BlobPath, data: bytes) -> dict[str, Any] | None:
     content_type, ext = sniff_content_type(data)
     if not content_type.startswith(("image/", "audio/")) or len(data) > NODE_MEDIA_BYTES:
         return None
@@ -356,7 +374,7 @@ def _media_file(run: Run, event: dict[str, Any], path: BlobPath, data: bytes) ->
         if files.count() >= NODE_MEDIA_LIMIT:
             return None
         # paint.picture; frames.clip#3 (a streamed frame); gallery.images[1] (in a list or dict)
-        name = f"{event['node']}.{event['port']}" + ("" if event.get("frame") is None else f"#{event['frame']}")
+        name = f"{event.node}.{event.port}" + ("" if event.frame is None else f"#{event.frame}")
         name += "".join(f"[{key}]" for key in path)
         record = store_file(run, FileRole.NODE, name[-64:], data, f"{name}{ext}", content_type)
     return {**file_ref(record), "url": file_url(run.pk, record.pk), "content_type": content_type, "bytes": len(data)}
@@ -374,17 +392,21 @@ def _put(value: Any, path: BlobPath, item: Any) -> Any:
     raise ValueError(f"a blob's place {path!r} is not in its preview")
 
 
-def _hide_paths(event: dict[str, Any], paths: ServerPaths) -> dict[str, Any]:
-    """The event as users may see it: no server path in its values or error."""
-    changed = {key: paths.hide(event[key]) for key in ("value", "outputs") if key in event}
-    if event.get("error"):
-        changed["error"] = paths.hide_in_text(event["error"])
-    return {**event, **changed} if changed else event
+def _hide_paths(event: StoredEvent, paths: ServerPaths) -> StoredEvent:
+    """The event as users may see it: no server path in its values (as JSON data) or error."""
+    changed: dict[str, Any] = {}
+    if isinstance(event, NodeOutputEvent):
+        changed["value"] = paths.hide(msgspec.to_builtins(event.value))
+    if isinstance(event, RunFinished):
+        changed["outputs"] = paths.hide(msgspec.to_builtins(event.outputs))
+    if isinstance(event, NodeStateEvent | RunFinished | RunRestarted) and event.error:
+        changed["error"] = paths.hide_in_text(event.error)
+    return msgspec.structs.replace(event, **changed) if changed else event
 
 
-def _synthetic_finish(run: Run, status: RunStatus, error: str) -> dict[str, Any]:
-    return event_to_dict(RunFinished(seq=run.last_seq + 1, run_id=str(run.pk), time=timezone.now().timestamp(),
-                                     status=status, error=error))
+def _synthetic_finish(run: Run, status: RunStatus, error: str) -> RunFinished:
+    return RunFinished(seq=run.last_seq + 1, run_id=str(run.pk), time=timezone.now().timestamp(), status=status,
+                       error=error)
 
 
 def finish(run: Run, status: RunStatus, error: str) -> list[dict]:
@@ -448,8 +470,8 @@ class ThreadedRunStore:
     async def claim(self, run_id: str) -> RunTicket | None:
         return await self._call(claim, run_id, self.lease)
 
-    async def record(self, run_id: str, events: list[dict], final_outputs: dict[str, Any] | None = None,
-                     blobs: dict[int, bytes] | None = None) -> list:
+    async def record(self, run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any] | None = None,
+                     blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]:
         return await self._call(record, run_id, events, final_outputs, blobs,
                                 owner=None if self.lease is None else self.lease.owner)
 

@@ -103,3 +103,25 @@ def test_handoff_is_the_hold_or_a_typed_error() -> None:
     with pytest.raises(KVRefError, match="a prefill handoff without its KV layout"):
         _ = msgspec.structs.replace(handoff(), layout=None).handoff
     assert msgspec.structs.replace(handoff(), hold=None).hold is None
+
+
+def test_pages_for_gives_the_page_keys_only_when_they_are_the_refs_own_contexts() -> None:
+    """The keys are the chain over the ref's token ids (key ids, else prompt ids, then output ids)
+    under its model and the reader's tenant (a reader without one: the ref's salt)."""
+    assert handoff().pages_for("t") == PAGES and handoff().pages_for(None) == PAGES
+    assert generated().pages_for("t") == PAGES  # prompt ids then output ids: 11 ids, two full pages
+    refused = {
+        r"page_hashes\[0\] is not the key of page 0 of its token ids under model 'm' and this run's tenant":
+            (handoff(), "u"),
+        r"page_hashes\[0\] is not the key of page 0": (generated(), None),  # no salt of its own: keyed under none
+        r"page_hashes\[1\] is not the key of page 1": (
+            msgspec.structs.replace(handoff(), page_hashes=(PAGES[0], PAGES[0])), "t"),
+        r"page_hashes names 3 pages of 4 tokens, more than its 11 token ids": (
+            msgspec.structs.replace(handoff(), page_hashes=(*PAGES, PAGES[0])), "t"),
+        r"its token ids cannot be keyed": (msgspec.structs.replace(handoff(), key_ids=(-1, *IDS[1:])), "t"),
+        r"page_hashes\[0\] is not the key of page 0 ": (msgspec.structs.replace(handoff(), model_id="n"), "t"),
+    }
+    for message, (ref, tenant) in refused.items():
+        with pytest.raises(KVRefError, match=f"^{message}"):
+            ref.pages_for(tenant)
+    assert msgspec.structs.replace(handoff(), page_hashes=()).pages_for("anyone") == ()
