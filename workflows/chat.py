@@ -33,7 +33,10 @@ llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": 16, **KV_TIER
 py = wf.role("py", kind="python")
 prompt = wf.input("prompt", "text", default=("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by"
                                             " Hugging Face<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
-                                            "<|im_start|>assistant\n"))
+                                            "<|im_start|>assistant\n"),
+                  description=("the conversation rendered in SmolLM2's chat template (<|im_start|>user ... "
+                               "<|im_start|>assistant); plain text may get an empty reply. /v1/chat/completions on a "
+                               "deployment renders plain messages itself"))
 reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": 256}, stream=True)
 wf.edge(prompt, reply.inp("prompt"))
 text = wf.python(join_text, role=py, id="join")

@@ -12,7 +12,8 @@
 * for a node agent starting `python -m engine.worker` processes itself: `replica_processes`, the
   command lines of one replica's processes (`WorkerProcess`, with `WorkerOptions` shared by a
   deployment's workers on the node) and the environment confining them to the replica's GPUs,
-  and `HOST_ID_ENV`, the host identity they share memory under;
+  and `HOST_ID_ENV`, the host identity they share memory under; `start_failure`, why one of
+  them could not start, read from what it printed;
 * `REFUSED_METRIC` -- the worker metric counting connections its sockets refused.
 
 Loads torch (the launcher forks workers from a zygote that has it): import it where workers
@@ -40,7 +41,7 @@ from engine.worker.launcher import (
     leader_worker_id,
     rank_worker_id,
 )
-from engine.worker.process import REFUSED_METRIC
+from engine.worker.process import REFUSED_METRIC, start_failure
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "leader_worker_id",
     "rank_worker_id",
     "replica_processes",
+    "start_failure",
 ]
 
 

@@ -11,7 +11,7 @@ import uuid
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
-from engine.worker.process import DEFAULT_LISTEN, WorkerConfig, run_role_worker
+from engine.worker.process import DEFAULT_LISTEN, WorkerConfig, report_start_failure, run_role_worker
 
 
 class WorkerOptionError(ValueError):
@@ -145,5 +145,6 @@ def run_worker(args: argparse.Namespace) -> int:
         config = worker_config(args)
     except WorkerOptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        report_start_failure(str(exc))
         return 1
     return run_role_worker(config)

@@ -11,7 +11,9 @@ Three endpoints, three threads:
 On SIGTERM the worker drains (refuses new work, finishes what runs), deregisters and
 exits; if spawned by a local launcher it exits when that parent dies. When it is
 ready it prints one line, `OMNIFLOW-READY {json}`, on standard output (with the
-`CUDA_VISIBLE_DEVICES` it runs under, `cuda_visible_devices`: null when unset).
+`CUDA_VISIBLE_DEVICES` it runs under, `cuda_visible_devices`: null when unset). One that
+cannot start says why there instead, `OMNIFLOW-FAILED {"error": ...}` (the exception, its
+traceback on standard error as before), for its launcher to report (`start_failure`).
 
 A worker whose registry record is gone registers again (Redis restarted or was flushed, or
 the worker paused past its TTL) unless its id was fenced (`Registry.fence`: it was declared
@@ -90,6 +92,7 @@ from engine.worker.kv import KVHosting, open_index
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "OMNIFLOW-READY "
+FAILED_PREFIX = "OMNIFLOW-FAILED "
 _ANSWER_LINGER_MS = 1000
 STALLED_EXIT = 5
 """The exit status of a worker whose event loop stopped turning (see the module docstring)."""
@@ -666,15 +669,42 @@ def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     return int(follow(config.role, tp_seat(config), ready=announce, parent_pid=config.parent_pid))
 
 
+def report_start_failure(error: str) -> None:
+    """Tell the launcher why this worker could not start: the FAILED line on standard output."""
+    print(FAILED_PREFIX + json.dumps({"error": error}), flush=True)
+
+
+def start_failure(output: str) -> str | None:
+    """Why a worker could not start, as the last FAILED line in `output` (what it printed) says;
+    None when there is none."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(FAILED_PREFIX):
+            try:
+                error = json.loads(line[len(FAILED_PREFIX):]).get("error")
+            except (json.JSONDecodeError, AttributeError):
+                return None
+            return error if isinstance(error, str) and error else None
+    return None
+
+
 def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> int:
-    """Serve `config.role` until told to stop; prints the READY line on standard output."""
+    """Serve `config.role` until told to stop; prints the READY line on standard output (the
+    FAILED line, and raises, when it cannot start)."""
+    announced = False
 
     def ready(details: dict) -> None:
+        nonlocal announced
         # The GPUs it was confined to, as it sees them: its launcher's record of them is only what it meant to set.
         print(READY_PREFIX + json.dumps({**details, "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV)}),
               flush=True)
+        announced = True
 
-    if config.tp_rank > 0:
-        return follow_rank(config, kinds or default_kinds(), ready=ready)
-    # uvloop: about a fifth less time per node execution than asyncio's own loop (`bench hops`).
-    return uvloop.run(serve(config, kinds or default_kinds(), ready=ready))
+    try:
+        if config.tp_rank > 0:
+            return follow_rank(config, kinds or default_kinds(), ready=ready)
+        # uvloop: about a fifth less time per node execution than asyncio's own loop (`bench hops`).
+        return uvloop.run(serve(config, kinds or default_kinds(), ready=ready))
+    except Exception as exc:  # raised on (its traceback on standard error); before READY, said on stdout too
+        if not announced:
+            report_start_failure(f"{type(exc).__name__}: {exc}")
+        raise

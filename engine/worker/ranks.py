@@ -3,8 +3,8 @@
 A worker process is `python -m engine.worker`, forked from the cluster's zygote (`fork_server`:
 `engine.worker.zygote`, which has imported the spec's compute units already) or started as a
 fresh interpreter. It is ready once it prints its READY line (`_ready_details`); one that exits
-first, prints a malformed line or is not ready within `ready_timeout_s` is a `LaunchError`, and
-is never left running. A tensor-parallel replica is its `tp_size` rank processes, started
+first (saying why in its FAILED line, when it could), prints a malformed line or is not ready
+within `ready_timeout_s` is a `LaunchError`, and is never left running. A tensor-parallel replica is its `tp_size` rank processes, started
 together (ranks meet on a socket bound here and handed to rank 0), ready when all are; if one
 fails, none is left. Ending a process is SIGTERM (it drains), then SIGKILL after
 `stop_timeout_s`.
@@ -29,7 +29,7 @@ from engine.data.rendezvous import listening_socket
 from engine.flow.gpus import gpu_environment
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
-from engine.worker.process import READY_PREFIX
+from engine.worker.process import READY_PREFIX, start_failure
 from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
 
 
@@ -87,15 +87,18 @@ async def _ready_details(process: asyncio.subprocess.Process | ForkedProcess, ro
     not ready within `timeout_s`, or is cancelled meanwhile (another rank failed) is ended."""
     assert process.stdout is not None
     settled = False  # ready, or ended by the timeout branch: the finally leaves it alone
+    reason: str | None = None  # what its FAILED line said
     try:
         while True:
             async with asyncio.timeout(timeout_s):
                 line = await process.stdout.readline()
             if not line:
                 code = await process.wait()
+                why = f": {reason}" if reason else " (its error is on standard error above)"
                 raise LaunchError(f"worker {worker_id} of role {role!r} exited with status {code}"
-                                  " before it was ready (its error is on standard error above)")
+                                  f" before it was ready{why}")
             text = line.decode("utf-8", "replace")
+            reason = start_failure(text) or reason
             if text.startswith(READY_PREFIX):
                 try:
                     details = json.loads(text[len(READY_PREFIX):])

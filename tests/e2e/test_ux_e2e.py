@@ -10,6 +10,7 @@ with the pickers; the README's quick start imported and run; the largest example
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,14 @@ def test_endpoints_tokens_and_guided_editing_in_chromium(live_studio: LiveStudio
     assert_shots(shots, ("tokens-created", "deploy-endpoint-workers", "deployment-view", "tokens-last-used", "tokens-revoked",
                  "editor-op-unregistered", "editor-model-missing", "editor-op-picked", "run-hello-done",
                  "editor-large-1024"))
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_cannot_start_shows_failed_with_its_reason_in_chromium(live_studio: LiveStudio) -> None:
+    """`frontend/e2e/failed.e2e.mjs`: an llm role on a checkpoint folder with a config and no weights
+    deploys, its worker exits before it registers, and the deploy dialog and the deployment view show
+    that worker's row failed with its reason. Screenshots land in tests/e2e/artifacts/failed/."""
+    shots = run_script("failed.e2e.mjs", live_studio, ARTIFACTS / "failed", timeout_s=220, env={
+        "E2E_FIXTURES": str(Path(__file__).resolve().parent / "workflows"),
+    })
+    assert_shots(shots, ("editor-no-weights-valid", "deploy-dialog-worker-failed", "deployment-view-worker-failed"))

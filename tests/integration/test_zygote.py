@@ -149,6 +149,8 @@ async def test_a_forked_worker_that_fails_before_ready_fails_the_start_and_leave
     (bad,) = [launch for launch in launches.seen if launch.role == "bad" and launch.state is not LaunchState.STARTING]
     assert streams[bad.worker_id] == [LaunchState.STARTING, LaunchState.FAILED]
     assert re.search(r"worker .*-bad-0-\d+ of role 'bad' exited with status 1 before it was ready", bad.error)
+    # Why, as the worker said it (its FAILED line), not only that it exited.
+    assert re.search(r"before it was ready: ModelLoadError: .*'no-such-model'", bad.error), bad.error
     assert bad.pid is not None and bad.worker is None
     py = [states for worker_id, states in streams.items() if worker_id != bad.worker_id]
     assert len(py) == 2

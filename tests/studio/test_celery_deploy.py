@@ -3,7 +3,8 @@ it consumes the node's queue `node.<name>` (deploy, stop_deployment) and a priva
 queue (execute_run). Its role workers register in Redis; a run of the deployment executes
 in the Celery worker and reaches them through the deployment's namespace. A node whose
 `nvidia-smi` (a fake one, first on its PATH) lists GPUs starts each replica asking for one
-with `CUDA_VISIBLE_DEVICES` naming its own, read back from the worker's environment."""
+with `CUDA_VISIBLE_DEVICES` naming its own, read back from the worker's environment. Over
+REST a worker the node spawned reads `starting` until it registered, then `ready`."""
 
 from __future__ import annotations
 
@@ -85,7 +86,10 @@ class CeleryNode:
 
 
 @contextlib.contextmanager
-def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[CeleryNode]:
+def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None,
+                 **studio_changes: Any) -> Iterator[CeleryNode]:
+    """A Celery node (its environment: `extra_env` on top of the test's) and this process's studio
+    engine dispatching to it (its config: `studio_changes` on top of the settings')."""
     tag = uuid.uuid4().hex[:8]
     node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
@@ -96,7 +100,7 @@ def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Ite
     log = tmp_path / "celery.log"
     worker = CeleryNode.start(node, run_queue, log, env)
     config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY,
-                                 node_name=node, deploy_node=node, run_queue=run_queue)
+                                 node_name=node, deploy_node=node, run_queue=run_queue, **studio_changes)
     app = apps.get_app_config("workflows")
     studio = build_engine(config)
     previous = app.install(studio)
@@ -135,6 +139,42 @@ def gpu_node(tmp_path: Path) -> Iterator[CeleryNode]:
     env = {"PATH": os.pathsep.join([str(folder), *path]), "CUDA_VISIBLE_DEVICES": "", "OMNIFLOW_NODE_GPUS": ""}
     with running_node(tmp_path, env) as node:
         yield node
+
+
+CHECKPOINT = "org/tiny"
+
+
+@pytest.fixture
+def checkpoint_node(tmp_path: Path) -> Iterator[tuple[CeleryNode, Path]]:
+    """A node (and this studio) whose OMNIFLOW_MODEL_DIRS holds the checkpoint `CHECKPOINT`: tiny-llama
+    exported to a folder of this test's own, so no other process of the host has loaded it. Its path."""
+    from engine.compute.models import export_model
+
+    models = (tmp_path / "models").resolve()
+    checkpoint = export_model("tiny-llama", models / CHECKPOINT)
+    with running_node(tmp_path, {"OMNIFLOW_MODEL_DIRS": str(models)}, model_dirs=(models,)) as node:
+        yield node, checkpoint
+
+
+def checkpoint_spec(model: str) -> dict[str, Any]:
+    """A prompt through one `llm` node on a role of the checkpoint `model`."""
+    return {
+        "version": 1,
+        "name": "ckptchat",
+        "roles": [{"name": "lm", "kind": "llm", "model": model, "params": {"page_size": 4}}],
+        "nodes": [
+            {"id": "prompt", "kind": "input", "outputs": {"value": {"type": "text"}}},
+            {"id": "gen", "kind": "llm", "role": "lm", "params": {"max_new_tokens": 4},
+             "inputs": {"prompt": {"type": "text"}},
+             "outputs": {"text": {"type": "text"}, "tokens": {"type": "tokens"}, "kv": {"type": "kv"},
+                         "usage": {"type": "json"}}},
+            {"id": "tokens", "kind": "output", "inputs": {"value": {"type": "tokens"}}},
+        ],
+        "edges": [
+            {"source": "prompt", "source_port": "value", "target": "gen", "target_port": "prompt"},
+            {"source": "gen", "source_port": "tokens", "target": "tokens", "target_port": "value"},
+        ],
+    }
 
 
 def live_rows(deployment_id: str) -> list[Worker]:
@@ -290,3 +330,59 @@ def test_a_gpu_node_starts_each_replica_on_gpus_of_its_own(gpu_node: CeleryNode,
 
     api.post(f"/api/deployments/{d['id']}/stop/")
     gpu_node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
+
+
+def test_a_nodes_worker_row_reads_starting_over_the_api_until_it_registers_then_ready(
+        checkpoint_node: tuple[CeleryNode, Path], api: Any) -> None:
+    """Over REST, as the deploy dialog reads it: the llm worker a Celery node spawned is `starting`
+    (its host, pid, replica) for as long as it has not registered, then the same row is `ready`.
+    It is held starting by the host lock of its model's weights, which the test takes as another
+    process of the host loading that model would (`HostWeights.publishing`): the worker waits for
+    it, and once it is let go loads the model itself, registers and serves."""
+    from engine.compute.weights.shared import HostWeights
+    from engine.compute.weights.store import WeightStore
+
+    node, checkpoint = checkpoint_node
+    wf = create_workflow(api, checkpoint_spec(CHECKPOINT))
+    seen: dict[str, list[str]] = {}  # worker id -> the statuses the API showed it in, in order
+
+    def detail(deployment_id: str) -> dict[str, Any]:
+        body = api.get(f"/api/deployments/{deployment_id}/").json()
+        for row in body["workers"]:
+            states = seen.setdefault(row["worker_id"], [])
+            if states[-1:] != [row["status"]]:
+                states.append(row["status"])
+        return body
+
+    def starting(deployment_id: str) -> bool:
+        return any(row["status"] == "starting" for row in detail(deployment_id)["workers"])
+
+    with HostWeights().publishing(str(WeightStore.llm_key(str(checkpoint))), wait_s=0) as locked:
+        assert locked, "another process of this host holds the test checkpoint's weights lock"
+        response = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+        assert response.status_code == 201, response.content
+        d = response.json()
+        node.wait_for("a worker row starting", lambda: starting(d["id"]))
+        shown = detail(d["id"])
+        (row,) = shown["workers"]
+        assert (row["role"], row["status"], row["host"], row["replica"], row["error"]) == (
+            "lm", "starting", node.node, 0, "")
+        assert row["pid"] is not None and psutil.pid_exists(row["pid"])
+        assert shown["status"] == "starting"
+
+    node.wait_for("the deployment running", lambda: detail(d["id"])["status"] == "running", 120.0)
+    (ready,) = detail(d["id"])["workers"]
+    assert (ready["worker_id"], ready["status"], ready["pid"]) == (row["worker_id"], "ready", row["pid"])
+    assert ready["address"].startswith("tcp://") and ready["live"] is not None
+    assert seen == {row["worker_id"]: ["starting", "ready"]}
+
+    run = api.post("/api/runs/", {"deployment": d["id"], "inputs": {"prompt": "held, then loaded"}},
+                   format="json").json()
+    node.wait_for("the run", lambda: Run.objects.get(pk=run["id"]).finished, 120.0)
+    done = Run.objects.get(pk=run["id"])
+    assert done.status == "done", done.error
+    assert len(done.outputs["tokens"]) == 4
+
+    api.post(f"/api/deployments/{d['id']}/stop/")
+    node.wait_for("stopped", lambda: Deployment.objects.get(pk=d["id"]).status == "stopped")
+    assert [w["status"] for w in detail(d["id"])["workers"]] == ["stopped"]

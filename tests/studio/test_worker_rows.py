@@ -173,6 +173,8 @@ def test_embedded_worker_that_cannot_start_leaves_a_failed_row_with_its_reason(a
     (row,) = d["workers"]
     assert (row["role"], row["status"], row["host"], row["replica"]) == ("py", "failed", "192.0.2.1", None)
     assert "exited with status" in row["error"] and row["worker_id"] in row["error"], row
+    # The reason as the worker said it, on the first line (what the deployment view shows).
+    assert "before it was ready: ZMQError: Cannot assign requested address" in row["error"].splitlines()[0], row
     assert row["pid"] is not None
     assert rows.of(row["worker_id"]) == ["starting", "failed"]
 
@@ -229,5 +231,9 @@ def test_node_agent_worker_that_cannot_start_leaves_a_failed_row_with_its_reason
     (row,) = api.get(f"/api/deployments/{deployment_id}/").json()["workers"]
     assert (row["role"], row["status"], row["host"], row["replica"]) == ("py", "failed", "node-rows", None)
     assert row["error"] == str(failed.value) and row["worker_id"] in row["error"]
+    # The reason as the worker said it first, then the end of its log (its traceback).
+    first, *rest = row["error"].splitlines()
+    assert "before it registered: ZMQError: Cannot assign requested address" in first, row
+    assert rest and "ZMQError: Cannot assign requested address" in rest[-1], row  # the traceback's last line
     assert row["pid"] is not None
     assert rows.of(row["worker_id"]) == ["starting", "failed"]

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { cacheScopeLabel, sampleOf, type WorkerSnapshot } from "./cluster";
+import { cacheScopeLabel, numberTick, percent, percentTick, sampleOf, stepDecimals, type WorkerSnapshot } from "./cluster";
 
 function worker(metrics: Record<string, number>): WorkerSnapshot {
   return {
@@ -50,5 +50,26 @@ describe("cacheScopeLabel", () => {
     expect(cacheScopeLabel({ cache_scope: "shared" })).toBe("cache: shared across users");
     expect(cacheScopeLabel({ cache_scope: "user" })).toBeNull();
     expect(cacheScopeLabel({})).toBeNull(); // a studio that does not report it: each user's own
+  });
+});
+
+describe("axis ticks stay distinct", () => {
+  it("stepDecimals: the decimals multiples of the step need", () => {
+    expect([1, 5, 20, 0.5, 0.25, 0.2, 0.05, 0.005, 0.0001].map(stepDecimals)).toEqual([0, 0, 0, 1, 2, 1, 2, 3, 3]);
+  });
+
+  it("percent ticks of a range under a few percent read 0.5%, 1.0% (not 0%, 1%, 1%)", () => {
+    const ticks = [0, 0.005, 0.01, 0.015].map((v) => percentTick(v, 0.005));
+    expect(ticks).toEqual(["0.0%", "0.5%", "1.0%", "1.5%"]);
+    expect([0, 0.5, 1].map((v) => percentTick(v, 0.5))).toEqual(["0%", "50%", "100%"]);
+  });
+
+  it("number ticks under 1 keep their decimals", () => {
+    expect([0, 0.5, 1, 1.5].map((v) => numberTick(v, 0.5))).toEqual(["0.0", "0.5", "1.0", "1.5"]);
+    expect([0, 2, 4].map((v) => numberTick(v, 2))).toEqual(["0", "2", "4"]);
+  });
+
+  it("a latest value under 10% keeps one decimal", () => {
+    expect([0, 0.004, 0.012, 0.5, 1].map(percent)).toEqual(["0%", "0.4%", "1.2%", "50%", "100%"]);
   });
 });

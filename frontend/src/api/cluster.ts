@@ -93,6 +93,32 @@ export const cluster = {
     items(await request<Page<WorkerSnapshot> | WorkerSnapshot[] | null>("GET", "/api/workers/", { allow: MISSING })),
 };
 
+/** The fewest decimals (at most 3) that write multiples of `step` exactly: an axis's ticks stay distinct. */
+export function stepDecimals(step: number): number {
+  if (!(step > 0)) return 0;
+  for (let d = 0; d < 3; d++) {
+    const scaled = step * 10 ** d;
+    if (Math.abs(scaled - Math.round(scaled)) < 1e-6 * Math.max(1, scaled)) return d;
+  }
+  return 3;
+}
+
+/** A fraction as a percentage: whole percents, or one decimal under 10% (0.4%, not 0%). */
+export function percent(v: number): string {
+  const p = v * 100;
+  return p !== 0 && Math.abs(p) < 10 ? `${p.toFixed(1)}%` : `${Math.round(p)}%`;
+}
+
+/** A fraction's axis tick as a percentage, with the decimals the ticks' `step` needs. */
+export function percentTick(v: number, step: number): string {
+  return `${(v * 100).toFixed(stepDecimals(step * 100))}%`;
+}
+
+/** A number's axis tick, with the decimals the ticks' `step` needs. */
+export function numberTick(v: number, step: number): string {
+  return v.toFixed(stepDecimals(step));
+}
+
 export const TIERS = ["device", "host", "disk"] as const;
 
 /** One chart sample of a worker, from its gauges (and its previous sample, for rates). */

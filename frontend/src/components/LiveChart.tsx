@@ -16,17 +16,21 @@ export function LiveChart({
   series,
   data,
   format = (v) => String(v),
+  tickFormat,
   yRange,
   testId,
   height = 180,
   note,
   span,
+  emptyNote = "No values in this range yet.",
 }: {
   title: string;
   series: ChartSeries[];
   /** [times (epoch s), ...one array per series]; null where a series has no value. */
   data: (number | null)[][];
   format?: (v: number) => string;
+  /** The y axis's labels, given the ticks' step (default: `format`, which may write close ticks alike). */
+  tickFormat?: (v: number, step: number) => string;
   /** Fixed bounds; a null upper bound follows the data (with room above it). */
   yRange?: [number, number | null];
   testId?: string;
@@ -35,11 +39,15 @@ export function LiveChart({
   note?: string;
   /** The most seconds the time axis spans, ending at the newest row (default: all the rows). */
   span?: number;
+  /** Said over the chart while no series has a value (an empty frame alone reads as broken). */
+  emptyNote?: string;
 }) {
   const box = useRef<HTMLDivElement>(null);
   const plot = useRef<uPlot | null>(null);
   const formatRef = useRef(format);
   formatRef.current = format;
+  const tickRef = useRef(tickFormat);
+  tickRef.current = tickFormat;
 
   useEffect(() => {
     const el = box.current!;
@@ -70,7 +78,8 @@ export function LiveChart({
           grid: { stroke: "#eef0f3" },
           ticks: { stroke: "#eef0f3" },
           size: 70,
-          values: (_u, vals) => vals.map((v) => formatRef.current(v)),
+          values: (_u, vals, _axis, _space, step) =>
+            vals.map((v) => (tickRef.current ? tickRef.current(v, step) : formatRef.current(v))),
         },
       ],
       series: [
@@ -132,7 +141,14 @@ export function LiveChart({
           ))}
         </div>
       </div>
-      <div ref={box} className="chart-box" />
+      <div className="chart-frame">
+        <div ref={box} className="chart-box" />
+        {latest.every((v) => v === null) && (
+          <div className="chart-empty muted small" data-testid={testId ? `${testId}-empty` : undefined}>
+            {emptyNote}
+          </div>
+        )}
+      </div>
     </div>
   );
 }

@@ -5,6 +5,33 @@ import type { DeploymentDetail } from "../api/deployments";
 import { CopyBlock, CopyButton } from "../components/CopyButton";
 import { TOKEN_ENV, curlSnippet, openaiBaseUrl, pythonSnippet, runSnippet } from "./snippets";
 
+/** What a deployment that is not running serves now (nothing, or requests that wait); null while it runs. */
+function notServing(status: DeploymentDetail["status"]): string | null {
+  switch (status) {
+    case "running":
+      return null;
+    case "pending":
+    case "starting":
+      return "Starting: a request sent now waits until its workers are up.";
+    case "failed":
+      return "Failed: this deployment serves nothing (its workers below say why). Deploy the workflow again once it is fixed.";
+    case "stopping":
+      return "Stopping: its workers are ending; it serves nothing once they are gone.";
+    default:
+      return "Stopped: this deployment serves nothing any more. Deploy the workflow again to serve it.";
+  }
+}
+
+function NotServing({ deployment }: { deployment: DeploymentDetail }) {
+  const note = notServing(deployment.status);
+  if (note === null) return null;
+  return (
+    <p className={deployment.status === "failed" ? "danger-text small" : "muted small"} data-testid="endpoint-not-serving">
+      {note}
+    </p>
+  );
+}
+
 export function EndpointPanel({ deployment }: { deployment: DeploymentDetail }) {
   const [tab, setTab] = useState<"curl" | "python">("curl");
   const origin = window.location.origin;
@@ -13,6 +40,7 @@ export function EndpointPanel({ deployment }: { deployment: DeploymentDetail }) 
     return (
       <section className="endpoint" data-testid="endpoint">
         <div className="section-title">Endpoint</div>
+        <NotServing deployment={deployment} />
         <p className="muted small">
           Not a chat workflow (one text input, one llm node, a text output), so <code>/v1</code> does not serve it.
           Submit runs to it through the REST API with an <Link to="/tokens">API token</Link> in <code>${TOKEN_ENV}</code>{" "}
@@ -26,6 +54,7 @@ export function EndpointPanel({ deployment }: { deployment: DeploymentDetail }) 
   return (
     <section className="endpoint" data-testid="endpoint">
       <div className="section-title">OpenAI endpoint</div>
+      <NotServing deployment={deployment} />
       <dl className="kv endpoint-kv">
         <dt>Base URL</dt>
         <dd>

@@ -31,7 +31,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
               <th>Where</th>
               <th>Device</th>
               <th>State</th>
-              <th>Since</th>
+              <th>Started</th>
             </tr>
           </thead>
           <tbody>

@@ -3,7 +3,7 @@ import { useCallback, useEffect, useState } from "react";
 import { Link } from "react-router-dom";
 import { cacheScopeLabel, cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
-import { ACTIVE_STATUSES } from "../api/deployments";
+import { ACTIVE_STATUSES, defaultDeploymentName } from "../api/deployments";
 import type { RoleSpec } from "../api/types";
 import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, formatTime } from "../components/ui";
@@ -39,17 +39,22 @@ export function DeployDialog({
   const [busy, setBusy] = useState(false);
   const toast = useToast();
 
+  /** The names the user's live deployments hold: what an unnamed deployment is numbered past. */
+  const [liveNames, setLiveNames] = useState<string[]>([]);
   const load = useCallback(
     () =>
-      cluster
-        .deployments(workflowId)
-        .then(setDeployments)
+      Promise.all([cluster.deployments(workflowId), cluster.deployments()])
+        .then(([mine, all]) => {
+          setDeployments(mine);
+          setLiveNames((all ?? []).filter((d) => ACTIVE_STATUSES.includes(d.status)).map((d) => d.name));
+        })
         .catch((err) => {
           setError(describeError(err));
           setDeployments(null);
         }),
     [workflowId],
   );
+  const defaultName = defaultDeploymentName(workflowName, liveNames);
   useEffect(() => {
     load();
   }, [load]);
@@ -159,13 +164,14 @@ export function DeployDialog({
             <input
               value={name}
               onChange={(e) => setName(e.target.value)}
-              placeholder={workflowName}
+              placeholder={defaultName}
               maxLength={100}
               data-testid="deploy-name"
             />
             <span className="field-hint">
-              A chat deployment is the OpenAI model of this name (<code>model="{name.trim() || workflowName}"</code>);
-              unique among your live deployments.
+              A chat deployment is the OpenAI model of this name (<code>model="{name.trim() || defaultName}"</code>);
+              unique among your live deployments
+              {!name.trim() && defaultName !== workflowName && ` (“${workflowName}” is taken: left empty, it is numbered)`}.
             </span>
           </label>
           <PlacementPreview workflowId={workflowId} version={version} replicas={replicas} />

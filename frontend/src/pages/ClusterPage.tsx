@@ -8,7 +8,7 @@
  */
 import { useEffect, useMemo, useState } from "react";
 import { useSearchParams } from "react-router-dom";
-import { cluster, type MetricsMessage, type Tier, type WorkerSample, type WorkerSnapshot } from "../api/cluster";
+import { cluster, type MetricsMessage, numberTick, percent, percentTick, type Tier, type WorkerSample, type WorkerSnapshot } from "../api/cluster";
 import { describeError, wsUrl } from "../api/client";
 import {
   EMPTY_TIMELINE,
@@ -34,7 +34,6 @@ import "./cluster.css";
 
 const TIER_COLORS: Record<string, string> = { device: "#4f46e5", host: "#0891b2", disk: "#d97706" };
 const DEVICE_COLORS = ["#7c3aed", "#db2777", "#059669", "#ea580c", "#2563eb", "#65a30d"];
-const percent = (v: number) => `${Math.round(v * 100)}%`;
 const CPU_ONLY = "CPU-only cluster: no worker runs on a GPU, so this charts the workers' process memory (RSS).";
 
 function tierSeries(tiers: Tier[]): ChartSeries[] {
@@ -208,8 +207,8 @@ export function ClusterPage() {
             ))}
           </div>
           {workers !== undefined && (
-            <Button icon="refresh" onClick={() => setAttempt((a) => a + 1)}>
-              Retry
+            <Button icon="refresh" onClick={() => setAttempt((a) => a + 1)} title="Read the history again and reopen the live stream">
+              Refresh
             </Button>
           )}
         </div>
@@ -305,6 +304,8 @@ export function ClusterPage() {
               data={charts.hit}
               yRange={[0, 1]}
               format={percent}
+              emptyNote="No KV lookups yet: the hit rate starts with the first prompt."
+              tickFormat={percentTick}
             />
             <LiveChart
               span={range.seconds}
@@ -314,6 +315,7 @@ export function ClusterPage() {
               data={charts.occupancy}
               yRange={[0, null]}
               format={percent}
+              tickFormat={percentTick}
             />
             {charts.gpu ? (
               <LiveChart
@@ -342,7 +344,8 @@ export function ClusterPage() {
               testId="chart-tokens"
               series={[{ label: "generated", color: "#16a34a" }]}
               data={charts.tokens}
-              format={(v) => v.toFixed(0)}
+              format={(v) => v.toFixed(v > 0 && v < 10 ? 1 : 0)}
+              tickFormat={numberTick}
             />
           </div>
           <h2 className="section-heading">Per worker</h2>
@@ -389,6 +392,8 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
               data={charts.hit}
               yRange={[0, 1]}
               format={percent}
+              emptyNote="No KV lookups yet: the hit rate starts with the first prompt."
+              tickFormat={percentTick}
               height={120}
             />
             <LiveChart
@@ -399,6 +404,7 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
               data={charts.occupancy}
               yRange={[0, null]}
               format={percent}
+              tickFormat={percentTick}
               height={120}
             />
           </>

@@ -31,7 +31,7 @@ export function DeploymentPage() {
           <h1 data-testid="deployment-name">{deployment.name}</h1>
           <p className="muted">
             <Link to={`/workflows/${deployment.workflow}`}>{deployment.workflow_name}</Link> <span className="pill">v{deployment.version}</span>{" "}
-            <StatusBadge status={deployment.status} /> <span className="small">since {formatTime(deployment.created_at)}</span>
+            <StatusBadge status={deployment.status} /> <span className="small">created {formatTime(deployment.created_at)}</span>
             {cacheScopeLabel(deployment) && <span className="pill">{cacheScopeLabel(deployment)}</span>}
           </p>
         </div>

@@ -699,7 +699,10 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
                 </div>
                 {validationError && <ErrorBox>Could not validate: {validationError}</ErrorBox>}
                 {issueCount === 0 && !validationError && (
-                  <p className="muted small">The workflow passes every check the studio makes. Save it and run it.</p>
+                  <p className="muted small">
+                    The workflow passes every check the studio makes.{" "}
+                    {dirty ? "Save it to run or deploy these edits." : "Run it, or deploy it."}
+                  </p>
                 )}
                 <IssueList issues={issues} onPick={focusIssue} />
               </div>

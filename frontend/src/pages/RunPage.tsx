@@ -376,8 +376,20 @@ function OutputValue({
   );
 }
 
+/** A text value; an empty one says so, rather than an empty box that reads as not loaded. */
+function TextView({ text, className = "" }: { text: string; className?: string }) {
+  if (text === "") {
+    return (
+      <div className={`output-text empty-value ${className}`} data-empty="yes">
+        (empty text)
+      </div>
+    );
+  }
+  return <div className={`output-text ${className}`}>{text}</div>;
+}
+
 export function ValueView({ value }: { value: unknown }) {
-  if (typeof value === "string") return <div className="output-text">{value}</div>;
+  if (typeof value === "string") return <TextView text={value} />;
   return <pre className="output-json">{JSON.stringify(value, null, 2)}</pre>;
 }
 
@@ -396,7 +408,11 @@ function StreamsPanel({ state }: { state: RunState }) {
               {key} <span className="muted small">{s.frames.length} frame{s.frames.length === 1 ? "" : "s"}</span>
             </div>
             {text !== null ? (
-              <div className={`output-text stream-text${running ? " typing" : ""}`}>{text}</div>
+              running ? (
+                <div className="output-text stream-text typing">{text}</div>
+              ) : (
+                <TextView text={text} className="stream-text" />
+              )
             ) : (
               <FramesView frames={s.frames} />
             )}
@@ -488,7 +504,7 @@ function NodeDetail({
             <div className="output-name mono">
               {k} <span className="muted small">streamed</span>
             </div>
-            {text !== null ? <div className="output-text">{text}</div> : <FramesView frames={s.frames} />}
+            {text !== null ? <TextView text={text} /> : <FramesView frames={s.frames} />}
           </div>
         );
       })}

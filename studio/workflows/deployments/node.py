@@ -56,7 +56,14 @@ from pathlib import Path
 import psutil
 
 from engine.client.cluster import RegistryError, deregister_workers, make_registry
-from engine.client.workers import HOST_ID_ENV, LaunchError, WorkerOptions, leader_worker_id, replica_processes
+from engine.client.workers import (
+    HOST_ID_ENV,
+    LaunchError,
+    WorkerOptions,
+    leader_worker_id,
+    replica_processes,
+    start_failure,
+)
 from engine.spec.graph import encode_spec
 from studio.config import StudioConfig
 from studio.workflows.deployments import records
@@ -75,6 +82,8 @@ HEARTBEAT_S = 0.5
 REGISTRY_TTL_S = 2.0
 STOP_TIMEOUT_S = 15.0
 _READY_POLL_S = 0.05
+_LOG_READ_BYTES = 64 << 10
+"""How much of a worker's log end is searched for why it could not start."""
 
 
 def node_queue(node: str) -> str:
@@ -135,6 +144,17 @@ def _terminate(processes: list[psutil.Process], timeout_s: float = STOP_TIMEOUT_
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     psutil.wait_procs(alive, timeout=5)
+
+
+def _exited(worker_id: str, code: int, log_path: Path) -> str:
+    """Why a worker exited before it registered: its FAILED line's reason first, when it printed
+    one, then the end of its log (its traceback)."""
+    with log_path.open("rb") as f:
+        f.seek(max(0, log_path.stat().st_size - _LOG_READ_BYTES))
+        output = f.read().decode(errors="replace")
+    reason = start_failure(output)
+    return (f"worker {worker_id} exited with status {code} before it registered"
+            f"{f': {reason}' if reason else ''}:\n{output[-2000:]}")
 
 
 class NodeAgent:
@@ -328,9 +348,7 @@ class NodeAgent:
             while True:
                 for worker_id, process in processes.items():
                     if process.poll() is not None:
-                        tail = (folder / f"{worker_id}.log").read_text(errors="replace")[-2000:]
-                        raise LaunchError(f"worker {worker_id} exited with status {process.returncode} before it"
-                                          f" registered:\n{tail}")
+                        raise LaunchError(_exited(worker_id, process.returncode, folder / f"{worker_id}.log"))
                 try:
                     listed = {s.info.worker_id: s for s in await registry.workers()}
                 except RegistryError as exc:
