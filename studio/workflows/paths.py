@@ -26,6 +26,7 @@ checkpoints); `server_path_name` is how run outputs hide what it made (see `runs
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -303,6 +304,18 @@ def server_path_name(value: str, user_root: Path) -> str | None:
     if not value.startswith(str(user_root) + os.sep) and value != str(user_root):
         return None
     return str(PurePosixPath(Path(value).relative_to(user_root))) or "."
+
+
+def without_roots(text: str, roots: PathRoots) -> str:
+    """An error message as its user may read it: a path under a model root reads as the model's
+    name there, a path in a user's folder as its name in that folder, so what the API shows never
+    says where the server keeps things (the worker's log keeps the whole message)."""
+    if not text:
+        return text
+    text = re.sub(re.escape(str(roots.users) + os.sep) + r"\d+(?:" + re.escape(os.sep) + r"|\b)", "", text)
+    for root in roots.models:
+        text = text.replace(str(root) + os.sep, "")
+    return text
 
 
 def output_folder_names(document: dict[str, Any], registry: OpRegistry) -> list[str]:

@@ -23,6 +23,7 @@ from studio.workflows.paths import (
     resolve_spec_paths,
     resolve_under,
     spec_path_issues,
+    without_roots,
 )
 from tests.studio.factories import create_workflow
 from tests.studio.limits import configured, llm_spec, python_spec
@@ -226,6 +227,32 @@ def test_a_deployment_whose_path_became_a_link_fails_instead_of_starting(api, us
     deployment = Deployment.objects.get()
     assert deployment.status == DeploymentStatus.FAILED and "symbolic link" in deployment.error
     assert str(engine().config.data_dir) not in deployment.error
+
+
+def test_error_messages_name_models_and_files_not_server_paths(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    r = roots(tmp_path, models)
+    text = (f"cannot load {models}/org/tiny-ckpt: no model.safetensors in {models}/org/tiny-ckpt;"
+            f" {r.users}/12/kv is a symbolic link; {r.users}/12")
+    assert without_roots(text, r) == ("cannot load org/tiny-ckpt: no model.safetensors in org/tiny-ckpt;"
+                                      " kv is a symbolic link; ")
+    assert without_roots("", r) == ""
+
+
+def test_a_failed_workers_reason_reaches_the_api_without_the_servers_roots(api, user, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    with configured(model_dirs=(models,)):
+        wf = create_workflow(api, python_spec())
+        created = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json")
+        assert created.status_code == 201, created.content
+        deployment_id = created.json()["id"]
+        reason = f"worker py-x exited: ModelLoadError: no model.safetensors in {models}/org/tiny-ckpt"
+        records.fail_starts(deployment_id, "node-a", [records.FailedStart("py", "py-x", reason)])
+        records.set_status(deployment_id, DeploymentStatus.FAILED, reason)
+        shown = api.get(f"/api/deployments/{deployment_id}/").json()
+    row = next(w for w in shown["workers"] if w["worker_id"] == "py-x")
+    assert row["error"] == shown["error"] == "worker py-x exited: ModelLoadError: no model.safetensors in org/tiny-ckpt"
+    assert str(tmp_path) not in str(shown)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -43,6 +43,7 @@ from studio.workflows.models import (
     Session,
     WorkflowVersion,
 )
+from studio.workflows.paths import PathRoots, without_roots
 
 MAX_NAME = MAX_DEPLOYMENT_NAME
 
@@ -97,9 +98,12 @@ class WorkerRowSerializer(serializers.Serializer):
     gpus = serializers.ListField(child=serializers.IntegerField(), help_text="the host's GPU indices it holds")
     pid = serializers.IntegerField(allow_null=True)
     status = serializers.CharField(help_text="starting, ready, busy, draining, stopped, lost, or failed")
-    error = serializers.CharField(help_text="failed: why it did not come up")
+    error = serializers.SerializerMethodField(help_text="failed: why it did not come up")
     started_at = serializers.DateTimeField()
     last_seen_at = serializers.DateTimeField(allow_null=True)
+
+    def get_error(self, obj: Any) -> str:
+        return without_roots(obj.error, PathRoots.of(engine().config))
 
 
 class DeploymentSerializer(serializers.ModelSerializer):
@@ -110,6 +114,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     inputs = serializers.SerializerMethodField()
     chat = serializers.SerializerMethodField()
     links = serializers.SerializerMethodField()
+    error = serializers.SerializerMethodField(help_text="failed or unplaced: why")
 
     class Meta:
         model = Deployment
@@ -117,6 +122,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
                   "placement", "namespace", "cache_scope", "roles", "inputs", "chat", "created_at", "updated_at",
                   "links"]
         read_only_fields = fields
+
+    def get_error(self, obj: Deployment) -> str:
+        return without_roots(obj.error, PathRoots.of(engine().config))
 
     def get_roles(self, obj: Deployment) -> list[dict[str, Any]]:
         return [{"name": r["name"], "kind": r["kind"], "model": r.get("model"), "device": r.get("device", "cpu")}
