@@ -63,3 +63,18 @@ def test_a_failed_start_counts_once_and_nothing_lost_counts_nothing(deployment: 
     # However long a failed start took, it counts (it never stayed up).
     Worker.objects.filter(worker_id="py-w").update(started_at=timezone.now() - datetime.timedelta(hours=1))
     assert records.loss_streak(str(deployment.pk), NODE, "py", healthy_s=60.0)[0] == 2
+
+
+def test_a_deployment_runs_once_every_placed_replica_is_up_not_while_one_is_starting(deployment: Deployment) -> None:
+    """Two replicas placed on two nodes: the first node's share up and the second's still starting
+    (its row made at spawn) is not running yet; both up is."""
+    Deployment.objects.filter(pk=deployment.pk).update(status="starting", placement={"slots": [
+        {"role": "py", "replica": 0, "node": "node-a"}, {"role": "py", "replica": 1, "node": "node-b"}]})
+    Worker.objects.create(deployment=deployment, role="py", worker_id="py-b", host="node-b", status="ready", pid=1)
+    starting = Worker.objects.create(deployment=deployment, role="py", worker_id="py-a", host="node-a",
+                                     status="starting", pid=2)
+    assert records.settle_started(str(deployment.pk))
+    assert Deployment.objects.get(pk=deployment.pk).status == "starting"
+    Worker.objects.filter(pk=starting.pk).update(status="ready")
+    assert records.settle_started(str(deployment.pk))
+    assert Deployment.objects.get(pk=deployment.pk).status == "running"

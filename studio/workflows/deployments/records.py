@@ -31,6 +31,8 @@ _KEYLESS = (DeploymentStatus.STOPPED, DeploymentStatus.FAILED)
 _ENDING = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
 """Deployments whose keys are cleared: they have no workers."""
 LIVE_WORKER_STATUSES = (WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
+UP_WORKER_STATUSES = (WorkerStatus.READY, WorkerStatus.BUSY, WorkerStatus.DRAINING)
+"""Live and registered: a replica whose rank 0 is in one of these serves (a starting one does not yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,11 +259,12 @@ def running_on(node: str) -> list[str]:
 
 
 def placed_replicas_live(deployment: Deployment) -> bool:
-    """Whether every replica of the deployment's placement has a live worker on its node (rank 0
-    of each replica: followers of a tensor-parallel one are not endpoints)."""
+    """Whether every replica of the deployment's placement has a worker up on its node (registered:
+    a starting one is not yet; rank 0 of each replica: followers of a tensor-parallel one are not
+    endpoints)."""
     placement = Placement.from_list((deployment.placement or {}).get("slots", []))
     live: dict[tuple[str, str], int] = {}
-    for role, host, worker_id in (Worker.objects.filter(deployment=deployment, status__in=LIVE_WORKER_STATUSES)
+    for role, host, worker_id in (Worker.objects.filter(deployment=deployment, status__in=UP_WORKER_STATUSES)
                                   .values_list("role", "host", "worker_id")):
         if leader_worker_id(worker_id) is None:
             live[(role, host)] = live.get((role, host), 0) + 1
