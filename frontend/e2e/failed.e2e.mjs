@@ -22,7 +22,7 @@ const WAIT = 30_000;
 const FAILED_ROW = `${tid("deployment-worker")}[data-role="lm"][data-state="failed"]`;
 const REASON = /before it was ready: ModelLoadError: .*no file named model\.safetensors/;
 
-const { page, ART, consoleErrors, results, shot, step, waitText, shotCount, close } = await openBrowser("failed", { wait: WAIT });
+const { page, ART, shot, step, waitText, expectQuietConsole, finish } = await openBrowser("failed", { wait: WAIT });
 
 /** The failed row's worker id and the reason it shows (its first line; the whole text is its title). */
 async function failedRow(scope) {
@@ -86,10 +86,7 @@ try {
     await shot("deployment-view-worker-failed");
   });
 
-  const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
-  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  expectQuietConsole();
 } finally {
-  writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
-  await close();
+  await finish();
 }
-console.log(`${results.filter((r) => r.ok).length} steps passed, ${shotCount()} screenshots in ${ART}`);

@@ -3,7 +3,7 @@
 // screenshots in E2E_ARTIFACTS (default e2e-artifacts), and named steps that log "ok"/"FAIL" and
 // leave FAILED-<step>.png when they throw.
 
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { chromium } from "playwright-core";
@@ -16,7 +16,7 @@ export function expect(cond, message) {
 
 /**
  * A browser for the script `name`: { context, page, ART, consoleErrors, results, shot, step,
- * waitText, shotCount, close }. Options: `viewport`, `wait` (the default timeout, ms),
+ * waitText, shotCount, expectQuietConsole, close, finish }. Options: `viewport`, `wait` (the default timeout, ms),
  * `fullPage` screenshots, `acceptDownloads`, `clipboardOrigin` (granted clipboard access).
  */
 export async function openBrowser(name, { viewport = { width: 1440, height: 960 }, wait = 30_000, fullPage = false,
@@ -64,11 +64,23 @@ export async function openBrowser(name, { viewport = { width: 1440, height: 960 
     await on.waitForFunction(([s, t]) => document.querySelector(s)?.textContent?.includes(t), [selector, text],
                              { timeout });
   }
+  /** Fail on the page's console errors but those `expected` matches (by default: the 4xx answers it probes with). */
+  function expectQuietConsole(expected = /status of 40[0-9]|Failed to load resource/) {
+    const unexpected = consoleErrors.filter((e) => !expected.test(e));
+    expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  }
   async function close() {
     await context.close();
     rmSync(profile, { recursive: true, force: true });
   }
-  return { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount: () => shots, close };
+  /** Close, leaving steps.json (each step, the console errors) beside the screenshots. */
+  async function finish() {
+    writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
+    await close();
+    console.log(`${results.filter((r) => r.ok).length} of ${results.length} steps passed, ${shots} screenshots in ${ART}`);
+  }
+  return { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount: () => shots,
+           expectQuietConsole, close, finish };
 }
 
 /** Log in on the studio's login page; the workflows list opens. */

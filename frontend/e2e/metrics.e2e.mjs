@@ -17,7 +17,7 @@ const WORKER = process.env.LLM_WORKER;
 const WAIT = 30_000;
 const TIERS = ["device", "host", "disk"];
 
-const { page, ART, consoleErrors, shot, step, shotCount, close } = await openBrowser(
+const { page, shot, step, expectQuietConsole, finish } = await openBrowser(
   "metrics", { viewport: { width: 1500, height: 1400 }, wait: WAIT, fullPage: true });
 /** A chart's rows and its first time (`LiveChart`'s data-points, data-first). */
 async function chartRows(testId) {
@@ -99,9 +99,7 @@ try {
     await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="5m"]`);
   });
 
-  const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
-  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  expectQuietConsole();
 } finally {
-  await close();
+  await finish();
 }
-console.log(`${shotCount()} screenshots in ${ART}`);

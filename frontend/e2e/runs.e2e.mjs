@@ -28,7 +28,7 @@ const DATA_DIR = process.env.E2E_DATA_DIR ?? "";
 const WAIT = 30_000;
 const CAPTION = "a lighthouse at dusk";
 
-const { context, page, ART, consoleErrors, shot, step, waitText, shotCount, close } = await openBrowser(
+const { context, page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser(
   "runs", { wait: WAIT });
 const runIdOf = (url) => url.split("/runs/")[1].replace(/[/?#].*$/, "");
 async function runDetail(id) {
@@ -235,9 +235,7 @@ try {
   });
 
   // The login page's session probe answers 401 before the login: expected, as in studio.e2e.mjs.
-  const unexpected = consoleErrors.filter((e) => !/status of 401|Failed to load resource: the server responded with a status of 401/.test(e));
-  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
-  console.log(`PASS ${shotCount()} screenshots in ${ART}`);
+  expectQuietConsole(/status of 401|Failed to load resource: the server responded with a status of 401/);
 } finally {
-  await close();
+  await finish();
 }

@@ -8,7 +8,7 @@
 // screenshot in E2E_ARTIFACTS; a failing step leaves FAILED-<step>.png and exits 1.
 // CHROMIUM names the browser (default /usr/bin/chromium, Debian's package).
 
-import { readFileSync, writeFileSync } from "node:fs";
+import { readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 
 import { expect, openBrowser, tid, validityShows } from "./harness.mjs";
@@ -19,7 +19,7 @@ const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const FIXTURES = resolve(process.env.E2E_FIXTURES ?? "../tests/e2e/workflows");
 const WAIT = 15_000;
 
-const { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount, close } = await openBrowser(
+const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser(
   "studio", { viewport: { width: 1600, height: 1000 }, wait: WAIT, acceptDownloads: true });
 async function center(selector) {
   const box = await page.locator(selector).first().boundingBox();
@@ -465,10 +465,7 @@ try {
     await page.waitForURL(/\/login/);
   });
 
-  const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
-  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  expectQuietConsole();
 } finally {
-  writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
-  await close();
+  await finish();
 }
-console.log(`${results.filter((r) => r.ok).length} steps passed, ${shotCount()} screenshots in ${ART}`);

@@ -28,7 +28,7 @@ const PYTHON = process.env.E2E_PYTHON ?? "python3";
 const HELLO = process.env.E2E_HELLO ?? "../workflows/hello.py";
 const WAIT = 30_000;
 
-const { context, page, ART, consoleErrors, results, shot, step, waitText, shotCount, close } = await openBrowser(
+const { page, ART, shot, step, waitText, expectQuietConsole, finish } = await openBrowser(
   "ux", { wait: WAIT, clipboardOrigin: BASE });
 const validity = (text) => validityShows(page, text);
 async function openWorkflow(name) {
@@ -284,10 +284,7 @@ try {
     await shot("deployment-stopped");
   });
 
-  const unexpected = consoleErrors.filter((e) => !/status of 40[0-9]|Failed to load resource/.test(e));
-  expect(unexpected.length === 0, `console errors: ${unexpected.join(" | ")}`);
+  expectQuietConsole();
 } finally {
-  writeFileSync(join(ART, "steps.json"), JSON.stringify({ results, consoleErrors }, null, 2));
-  await close();
+  await finish();
 }
-console.log(`${results.filter((r) => r.ok).length} steps passed, ${shotCount()} screenshots in ${ART}`);

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from studio.config import Dispatch
 from studio.workflows.apps import build_engine
 from studio.workflows.models import Deployment, Run, Worker
 from studio.workflows.tasks import deploy as deploy_task
+from tests import processes
 from tests.studio.factories import create_workflow
 from tests.studio.test_deployments import whoami_spec
 from tests.studio.test_live_server import database_url
@@ -58,12 +58,7 @@ class CeleryNode:
 
     def stop(self) -> None:
         """SIGTERM the Celery worker (its role workers, in sessions of their own, keep running)."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        processes.stop(self.proc)
 
     def restart(self) -> None:
         """Start the Celery worker again, the same node with the same environment, and wait until ready."""

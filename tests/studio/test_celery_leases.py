@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from studio.workflows.chat import turns
 from studio.workflows.chat.openai import ChatSampling, parse_messages
 from studio.workflows.models import Deployment, Run, RunEvent, Worker
 from studio.workflows.runs.lease import RUN_RESTARTED
+from tests import processes
 from tests.studio.factories import create_workflow, spec_doc
 from tests.studio.test_live_server import database_url
 from tests.studio.test_run_leases import stored_run, wait_until
@@ -49,13 +49,7 @@ class CeleryWorker:
     log: Path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        processes.stop(self.proc)
 
 
 @dataclasses.dataclass
