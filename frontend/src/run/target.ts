@@ -1,0 +1,25 @@
+/**
+ * Where the new-run form runs by default: "" is the studio's own engine, otherwise a deployment's id.
+ */
+
+/** What the form was opened with (its query string). */
+export interface TargetAsked {
+  /** `?deployment=`: run on this one (a "Run again" of a run that ran on it). */
+  deployment: string | null;
+  /** `?version=`: run this version. */
+  version: number | null;
+  /** `?from=`: a "Run again", which runs where the run it repeats ran. */
+  from: string | null;
+}
+
+/**
+ * The default target: the deployment asked for; else the workflow's running deployment when there is
+ * exactly one, unless this repeats a run (which ran on the studio's engine, as it named no deployment)
+ * or asks for a version that deployment does not run; else the studio's own engine.
+ */
+export function defaultTarget(asked: TargetAsked, running: readonly { id: string; version: number }[]): string {
+  if (asked.deployment) return asked.deployment;
+  if (asked.from || running.length !== 1) return "";
+  const [only] = running;
+  return asked.version === null || asked.version === only.version ? only.id : "";
+}
