@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { defaultTarget } from "./target";
+import { defaultTarget, deploymentLabel } from "./target";
 
 const none = { deployment: null, version: null, from: null };
 const one = [{ id: "d1", version: 3 }];
@@ -23,5 +23,14 @@ describe("the new-run form's default target", () => {
   it("is the deployment asked for, running or not (the form says when it is not)", () => {
     expect(defaultTarget({ ...none, deployment: "d9", from: "r1" }, one)).toBe("d9");
     expect(defaultTarget({ ...none, deployment: "d9" }, [])).toBe("d9");
+  });
+});
+
+describe("the deployment a run names", () => {
+  it("is its name, the start of its id when unnamed, none for a run on the studio's engine", () => {
+    const id = "0123456789abcdef";
+    expect(deploymentLabel({ deployment: id, deployment_name: "chat" })).toBe("chat");
+    expect(deploymentLabel({ deployment: id, deployment_name: "" })).toBe("01234567");
+    expect(deploymentLabel({ deployment: null, deployment_name: null })).toBeNull();
   });
 });

@@ -1,5 +1,6 @@
 /**
- * Where the new-run form runs by default: "" is the studio's own engine, otherwise a deployment's id.
+ * Where a run runs: the new-run form's default target ("" is the studio's own engine, otherwise a
+ * deployment's id), and how the run list and view name the deployment a run ran on.
  */
 
 /** What the form was opened with (its query string). */
@@ -22,4 +23,10 @@ export function defaultTarget(asked: TargetAsked, running: readonly { id: string
   if (asked.from || running.length !== 1) return "";
   const [only] = running;
   return asked.version === null || asked.version === only.version ? only.id : "";
+}
+
+/** A deployment as a run names it: its name, or (unnamed) the start of its id. */
+export function deploymentLabel(run: { deployment: string | null; deployment_name: string | null }): string | null {
+  if (!run.deployment) return null;
+  return run.deployment_name || run.deployment.slice(0, 8);
 }
