@@ -22,11 +22,14 @@ setup: $(STAMP)
 frontend:
 	VENV=$(VENV) bash scripts/frontend.sh build
 
-# The studio on http://127.0.0.1:8000 (embedded mode: SQLite, in-process channel layer and runs).
+# The studio on http://$(STUDIO_HOST):$(STUDIO_PORT), by default http://127.0.0.1:8000 (embedded mode: SQLite,
+# in-process channel layer and runs).
+STUDIO_HOST ?= 127.0.0.1
+STUDIO_PORT ?= 8000
 run: setup frontend
 	HF_HUB_OFFLINE=1 $(PY) manage.py migrate --noinput
-	HF_HUB_OFFLINE=1 $(PY) manage.py setup_demo
-	HF_HUB_OFFLINE=1 $(PY) -m daphne -b 127.0.0.1 -p 8000 studio.asgi:application
+	HF_HUB_OFFLINE=1 $(PY) manage.py setup_demo --url http://$(STUDIO_HOST):$(STUDIO_PORT)
+	HF_HUB_OFFLINE=1 $(PY) -m daphne -b $(STUDIO_HOST) -p $(STUDIO_PORT) studio.asgi:application
 
 # An example workflow through the command line, its roles in worker processes.
 example: setup

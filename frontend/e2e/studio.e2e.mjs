@@ -419,6 +419,7 @@ try {
     await page.keyboard.press("Escape");
     const run = await runOnDeployment(workflowIds.imageGeneration);
     expect(run.deployment, "the run went to the deployment's workers");
+    await page.waitForSelector(`${tid("run-deployment")} a[href="/deployments/${run.deployment}"]`);
     const img = page.locator(tid("output-image-image"));
     await img.waitFor();
     await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth > 0, tid("output-image-image"));

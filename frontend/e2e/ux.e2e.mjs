@@ -135,6 +135,7 @@ try {
     expect((await page.evaluate(() => navigator.clipboard.readText())) === curl, "the copy button copies the snippet");
     const byCurl = runSnippet("curl", curl, token);
     expect(byCurl.status === 0, `curl exited ${byCurl.status}: ${byCurl.stderr}`);
+    expect(byCurl.stderr === "", `curl wrote to stderr (a progress meter, in a script): ${byCurl.stderr}`);
     const answer = JSON.parse(byCurl.stdout);
     expect(answer.object === "chat.completion" && answer.model === model, `curl's answer: ${byCurl.stdout}`);
     expect(typeof answer.choices[0].message.content === "string" && answer.choices[0].message.content.length > 0,

@@ -14,7 +14,7 @@ from django.conf import settings as django_settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from studio.workflows.apps import build_engine, engine
-from studio.workflows.models import Run, RunEvent
+from studio.workflows.models import Deployment, DeploymentStatus, Run, RunEvent, WorkflowVersion
 from tests.studio import fns
 from tests.studio.factories import create_workflow, example_spec, spec_doc
 
@@ -178,6 +178,23 @@ def test_list_filters_and_isolation(api, other_api) -> None:
     assert other_api.get(f"/api/runs/{runs[0]['id']}/").status_code == 404
     assert other_api.get(f"/api/runs/{runs[0]['id']}/events/").status_code == 404
     assert api.get("/api/runs/00000000-0000-0000-0000-000000000000/").status_code == 404
+
+
+def test_a_run_names_the_deployment_it_ran_on(api, user) -> None:
+    wf = create_workflow(api, spec_doc())
+    on_engine = finished(api, submit(api, wf["id"], {"text": "a"}))
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"])
+    named = Deployment.objects.create(owner=user, version=version, name="echoer", status=DeploymentStatus.RUNNING)
+    unnamed = Deployment.objects.create(owner=user, version=version, status=DeploymentStatus.STOPPED)
+    # Recorded as a run of each would be; no worker runs it here (the serializer is what is tested).
+    runs = {d.pk: Run.objects.create(owner=user, workflow=version.workflow, version=version, deployment=d)
+            for d in (named, unnamed)}
+    listed = {r["id"]: (r["deployment"], r["deployment_name"]) for r in api.get("/api/runs/").json()["results"]}
+    assert listed == {on_engine["id"]: (None, None), str(runs[named.pk].pk): (str(named.pk), "echoer"),
+                      str(runs[unnamed.pk].pk): (str(unnamed.pk), "")}
+    detail = api.get(f"/api/runs/{runs[named.pk].pk}/").json()
+    assert (detail["deployment"], detail["deployment_name"]) == (str(named.pk), "echoer")
+    assert api.get(f"/api/runs/{on_engine['id']}/").json()["deployment_name"] is None
 
 
 def test_metrics_and_health(api, client, staff) -> None:

@@ -159,6 +159,14 @@ def test_setup_demo(django_user_model) -> None:
     assert "chat" not in out and Deployment.objects.filter(owner=demo, status="pending").count() == 1
 
 
+def test_setup_demo_prints_the_address_it_is_given() -> None:
+    out = run_command("setup_demo", "--url", "https://studio.example:9000/")
+    assert 'base_url="https://studio.example:9000/v1"' in out and "127.0.0.1" not in out
+    for bad in ("studio.example:9000", "ftp://studio.example", "http://"):
+        with pytest.raises(CommandError, match=f"--url '{bad}'"):
+            run_command("setup_demo", "--no-examples", "--url", bad)
+
+
 def test_openapi_schema_has_no_warnings(tmp_path: Path) -> None:
     target = tmp_path / "schema.yaml"
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(target))

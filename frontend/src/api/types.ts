@@ -229,6 +229,8 @@ export interface Run {
   workflow_name: string;
   version: number;
   deployment: string | null;
+  /** That deployment's name (may be blank); null for a run on the studio's own engine. */
+  deployment_name: string | null;
   owner: string;
   status: RunStatus;
   inputs: Record<string, unknown>;

@@ -15,9 +15,15 @@ function iconOf(kind: string): IconName {
 
 const JOIN_SHORT: Record<string, string> = { all: "all", ordered: "ord", dynamic: "dyn" };
 
+/** A port's full text on hover: a narrow node cuts its name short. */
+export function portTitle(name: string, port: PortSpec): string {
+  const head = `${name}${port.optional ? "?" : ""}: ${port.type}${port.join ? ` (join: ${port.join})` : ""}`;
+  return port.description ? `${head} — ${port.description}` : head;
+}
+
 function PortLabel({ name, port, side, bad }: { name: string; port: PortSpec; side: "in" | "out"; bad: boolean }) {
   return (
-    <span className={`port port-${side}${bad ? " port-issue" : ""}`} title={port.description || undefined}>
+    <span className={`port port-${side}${bad ? " port-issue" : ""}`} title={portTitle(name, port)}>
       {side === "out" && <span className={`type type-${port.type}`}>{port.type}</span>}
       <span className="port-name">
         {name}

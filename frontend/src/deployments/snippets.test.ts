@@ -5,7 +5,7 @@ describe("endpoint snippets", () => {
   it("puts the studio's /v1 and the deployment's name in both", () => {
     const base = openaiBaseUrl("http://127.0.0.1:8000/");
     expect(base).toBe("http://127.0.0.1:8000/v1");
-    expect(curlSnippet(base, "chat")).toContain("'http://127.0.0.1:8000/v1/chat/completions'");
+    expect(curlSnippet(base, "chat")).toContain("curl -sS 'http://127.0.0.1:8000/v1/chat/completions'");
     expect(curlSnippet(base, "chat")).toContain('"model":"chat"');
     expect(curlSnippet(base, "chat")).toContain('"Authorization: Bearer $OMNIFLOW_TOKEN"');
     expect(pythonSnippet(base, "chat")).toContain('model="chat",');
@@ -26,7 +26,7 @@ describe("the run snippet of a deployment that is not a chat workflow", () => {
       { name: "n", type: "json", default: 5 },
       { name: "caption", type: "text" },
     ]);
-    expect(text).toContain("'http://x/api/runs/'");
+    expect(text).toContain("curl -sS 'http://x/api/runs/'");
     expect(text).toContain('{"deployment":"d1","inputs":{"n":5,"caption":"hello"}}');
   });
 });

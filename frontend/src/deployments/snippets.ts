@@ -1,7 +1,8 @@
 /**
  * Client snippets for a deployment's OpenAI endpoint that work as pasted: the token comes
  * from the `OMNIFLOW_TOKEN` environment variable (made on the API tokens page), the base URL
- * is this studio's, the model is the deployment's name.
+ * is this studio's, the model is the deployment's name. curl runs with `-sS`: no progress meter
+ * on stderr when pasted into a script, but its errors still show.
  */
 
 export const TOKEN_ENV = "OMNIFLOW_TOKEN";
@@ -25,7 +26,7 @@ export function pyString(text: string): string {
 export function curlSnippet(baseUrl: string, model: string): string {
   const body = JSON.stringify({ model, messages: [{ role: "user", content: SAMPLE_MESSAGE }] });
   return [
-    `curl ${shellQuote(`${baseUrl}/chat/completions`)} \\`,
+    `curl -sS ${shellQuote(`${baseUrl}/chat/completions`)} \\`,
     `  -H "Authorization: Bearer $${TOKEN_ENV}" \\`,
     `  -H "Content-Type: application/json" \\`,
     `  -d ${shellQuote(body)}`,
@@ -60,7 +61,7 @@ export function runSnippet(origin: string, deploymentId: string, inputs: { name:
   const values = Object.fromEntries(inputs.map((i) => [i.name, "default" in i ? i.default : sample(i.type)]));
   const body = JSON.stringify({ deployment: deploymentId, inputs: values });
   return [
-    `curl ${shellQuote(`${origin.replace(/\/+$/, "")}/api/runs/`)} \\`,
+    `curl -sS ${shellQuote(`${origin.replace(/\/+$/, "")}/api/runs/`)} \\`,
     `  -H "Authorization: Bearer $${TOKEN_ENV}" \\`,
     `  -H "Content-Type: application/json" \\`,
     `  -d ${shellQuote(body)}`,

@@ -1,7 +1,8 @@
 /**
  * Submit a run: one field per workflow input, by port type (text, JSON, image or audio upload),
  * executed by the studio's own engine or on the role workers of one of the workflow's running
- * deployments (which runs the version it was deployed with).
+ * deployments (which runs the version it was deployed with); by default on its running
+ * deployment when it has exactly one (`defaultTarget`).
  */
 import { type FormEvent, useEffect, useMemo, useState } from "react";
 import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom";
@@ -12,6 +13,7 @@ import type { NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { Button, ErrorBox, Spinner, formatBytes } from "../components/ui";
+import { defaultTarget, type TargetAsked } from "../run/target";
 
 interface InputField {
   name: string;
@@ -34,6 +36,11 @@ function inputsOf(nodes: NodeSpec[]): InputField[] {
 }
 
 type Draft = { text: string; file: File | null; asJson: boolean };
+
+function targetAsked(params: URLSearchParams): TargetAsked {
+  const version = params.get("version");
+  return { deployment: params.get("deployment"), version: version ? Number(version) : null, from: params.get("from") };
+}
 
 function previousFile(run: RunDetail, name: string): RunFile | undefined {
   const value = run.inputs[name];
@@ -67,6 +74,7 @@ export function NewRunPage() {
   const [deployments, setDeployments] = useState<Deployment[] | null>(null);
   /** "" runs in the studio's own engine; otherwise the id of the deployment to run on. */
   const [target, setTarget] = useState(params.get("deployment") ?? "");
+  const asked = useMemo(() => targetAsked(params), [params]);
   const [error, setError] = useState<string | null>(null);
   const [busy, setBusy] = useState(false);
 
@@ -81,9 +89,14 @@ export function NewRunPage() {
       .catch((err) => setError(describeError(err)));
     cluster
       .deployments(id)
-      .then((list) => setDeployments(list === null ? null : list.filter((d) => d.status === "running")))
+      .then((list) => {
+        const running = list === null ? null : list.filter((d) => d.status === "running");
+        setDeployments(running);
+        // The choice shows once this list is in, so nothing the user picked is overridden here.
+        if (running !== null) setTarget(defaultTarget(asked, running));
+      })
       .catch((err) => setError(describeError(err)));
-  }, [id]);
+  }, [id, asked]);
 
   const deployment = deployments?.find((d) => d.id === target) ?? null;
   useEffect(() => {
@@ -187,7 +200,7 @@ export function NewRunPage() {
       <header className="page-head">
         <div>
           <div className="crumbs">
-            <Link to="/workflows">Workflows</Link> / <Link to={`/workflows/${workflow.id}`}>{workflow.name}</Link> /
+            <Link to="/workflows">Workflows</Link> / <Link to={`/workflows/${workflow.id}`}>{workflow.name}</Link>
           </div>
           <h1>New run</h1>
           {previous && (

@@ -24,6 +24,7 @@ import {
   runMedia,
   streamText,
 } from "../run/state";
+import { deploymentLabel } from "../run/target";
 
 function reducer(state: RunState, events: RunEvent[]): RunState {
   return events.reduce(reduceRun, state);
@@ -145,6 +146,14 @@ export function RunPage() {
           </h1>
           <div className="run-meta muted small">
             <span>created {formatTime(detail.created_at)}</span>
+            {detail.deployment && (
+              <span data-testid="run-deployment">
+                on deployment{" "}
+                <Link to={`/deployments/${detail.deployment}`} title={detail.deployment}>
+                  {deploymentLabel(detail)}
+                </Link>
+              </span>
+            )}
             {duration !== null && <span data-testid="run-duration">{live ? "running for" : "took"} {formatMs(duration)}</span>}
             {live && (
               <span className={`stream-state stream-${stream}`} title="Event stream">

@@ -11,6 +11,7 @@ import { runs, workflows } from "../api/studio";
 import { type Page, RUN_STATUSES, type Run, type Workflow } from "../api/types";
 import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, formatTime } from "../components/ui";
+import { deploymentLabel } from "../run/target";
 
 const POLL_ACTIVE_MS = 1000;
 const POLL_IDLE_MS = 3000;
@@ -121,6 +122,7 @@ export function RunsPage() {
               <tr>
                 <th>Run</th>
                 <th>Workflow</th>
+                <th>Ran on</th>
                 <th>Status</th>
                 <th>Created</th>
                 <th className="right">Duration</th>
@@ -137,6 +139,15 @@ export function RunsPage() {
                   </td>
                   <td>
                     {r.workflow_name} <span className="pill">v{r.version}</span>
+                  </td>
+                  <td className="small" data-testid="run-deployment">
+                    {r.deployment ? (
+                      <Link to={`/deployments/${r.deployment}`} title={r.deployment} onClick={(e) => e.stopPropagation()}>
+                        {deploymentLabel(r)}
+                      </Link>
+                    ) : (
+                      <span className="muted">studio engine</span>
+                    )}
                   </td>
                   <td>
                     <StatusBadge status={r.status} />

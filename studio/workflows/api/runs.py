@@ -86,7 +86,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
         return [RunThrottle()] if self.action == "create" else []
 
     def get_queryset(self) -> QuerySet[Run]:
-        qs = Run.objects.visible_to(self.request.user).select_related("workflow", "version", "owner")
+        qs = Run.objects.visible_to(self.request.user).select_related("workflow", "version", "deployment", "owner")
         if self.action != "list":
             return qs.prefetch_related("nodes", "files")
         params = self.request.query_params

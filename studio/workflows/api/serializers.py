@@ -170,6 +170,9 @@ class NodeRunSerializer(serializers.ModelSerializer):
 class RunSerializer(serializers.ModelSerializer):
     workflow_name = serializers.CharField(source="workflow.name", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True)
+    deployment_name = serializers.CharField(
+        source="deployment.name", read_only=True, allow_null=True,
+        help_text="the name of the deployment the run ran on (may be blank); null when it ran on the studio's engine")
     owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
     status = serializers.ChoiceField(choices=RunStatus.choices, read_only=True)
     links = serializers.SerializerMethodField()
@@ -179,9 +182,9 @@ class RunSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Run
-        fields = ["id", "workflow", "workflow_name", "version", "deployment", "owner", "status", "inputs", "outputs",
-                  "error", "failed_node", "timeout_s", "created_at", "started_at", "finished_at", "duration_ms",
-                  "last_seq", "queue_position", "links"]
+        fields = ["id", "workflow", "workflow_name", "version", "deployment", "deployment_name", "owner", "status",
+                  "inputs", "outputs", "error", "failed_node", "timeout_s", "created_at", "started_at", "finished_at",
+                  "duration_ms", "last_seq", "queue_position", "links"]
         read_only_fields = fields
 
     @extend_schema_field(serializers.IntegerField(allow_null=True))

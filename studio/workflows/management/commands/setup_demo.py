@@ -13,16 +13,18 @@ studio's web process starts the deployments it hosts as it starts (`resume_embed
 first request), and a chat request for a model still starting waits for it. A later call (a
 restart of `make run`) keeps the deployment when it runs the workflow's latest version, and
 replaces it when the workflow changed; either way the next server start deploys it again.
+The printed OpenAI base URL is `--url`'s (default `make run`'s address, `http://127.0.0.1:8000`).
 """
 
 from __future__ import annotations
 
 import secrets
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from studio.accounts.models import ApiToken
@@ -36,6 +38,16 @@ CHAT_WORKFLOW = "chat"
 CHAT_MODEL = "chat"
 """The deployment's name: what `model=` names in an OpenAI request."""
 CHAT_TOKEN_NAME = "setup_demo chat"
+DEFAULT_URL = "http://127.0.0.1:8000"
+"""Where `make run` serves the studio."""
+
+
+def studio_url(text: str) -> str:
+    """`text` as the studio's origin (no trailing `/`): an http(s) URL with a host, else a CommandError."""
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise CommandError(f"--url {text!r}: give the studio's address as http(s)://host[:port]")
+    return text.strip().rstrip("/")
 
 
 class Command(BaseCommand):
@@ -50,9 +62,12 @@ class Command(BaseCommand):
         parser.add_argument("--no-examples", action="store_true")
         parser.add_argument("--no-chat", action="store_true",
                             help="do not deploy the chat workflow as the model 'chat' (nor issue its token)")
+        parser.add_argument("--url", default=DEFAULT_URL,
+                            help=f"the address the studio is served on, for the printed snippet (default {DEFAULT_URL})")
 
     def handle(self, *args, username: str, password: str | None, admin: bool, token: bool,
-               no_examples: bool, no_chat: bool, **options) -> None:
+               no_examples: bool, no_chat: bool, url: str, **options) -> None:
+        origin = studio_url(url)
         User = get_user_model()
         user, created = User.objects.get_or_create(**{User.USERNAME_FIELD: username})
         password = password or secrets.token_urlsafe(12)
@@ -67,9 +82,9 @@ class Command(BaseCommand):
         if token:
             self.stdout.write(f"token: {ApiToken.objects.issue(user, 'demo').secret}")
         if not no_chat:
-            self._chat(user)
+            self._chat(user, origin)
 
-    def _chat(self, user: Any) -> None:
+    def _chat(self, user: Any, origin: str) -> None:
         workflow = Workflow.objects.filter(owner=user, name=CHAT_WORKFLOW).first()
         version = workflow.versions.order_by("-number").first() if workflow is not None else None
         if version is None:
@@ -100,6 +115,6 @@ class Command(BaseCommand):
                           f" {CHAT_MODEL!r} (deployment {live.pk}); the server starts it")
         self.stdout.write(f"chat token: {secret}")
         self.stdout.write("chat from Python (pip install openai), once the server is up:")
-        self.stdout.write(f'  client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="{secret}")')
+        self.stdout.write(f'  client = openai.OpenAI(base_url="{origin}/v1", api_key="{secret}")')
         self.stdout.write(f'  client.chat.completions.create(model="{CHAT_MODEL}",'
                           ' messages=[{"role": "user", "content": "Hello!"}]).choices[0].message.content')
