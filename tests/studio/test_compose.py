@@ -179,3 +179,51 @@ def test_dockerfile() -> None:
     assert "COPY --from=frontend /src/frontend/dist frontend/dist" in text
     for path in ("engine/", "studio/", "workflows/", "manage.py", "pyproject.toml"):
         assert path in text
+
+
+def _load(name: str, env: dict[str, str]) -> dict[str, Any]:
+    return interpolate(yaml.safe_load((ROOT / name).read_text()), env)
+
+
+NODE_ENV = {**SECRETS, "OMNIFLOW_NODE": "gpu-b"}
+"""A joining machine's `.env`: the first machine's secrets and this node's name."""
+
+
+def test_the_span_override_puts_the_stack_on_an_external_overlay_and_publishes_nothing_more(
+        compose: dict[str, Any]) -> None:
+    span = _load("docker-compose.span.yml", SECRETS)
+    assert set(span) == {"networks"}  # the network only: services, ports and URLs stay as they are
+    assert span["networks"]["default"] == {"name": "omniflow-span", "external": True}
+    assert "networks" not in compose  # so the override's default network is the one every service joins
+    text = (ROOT / "docker-compose.span.yml").read_text()
+    assert "--driver overlay --attachable --opt encrypted omniflow-span" in text
+
+
+def test_a_node_on_another_machine_joins_the_same_redis_postgres_and_network(
+        compose: dict[str, Any], tmp_path: Path) -> None:
+    node_file = _load("docker-compose.node.yml", NODE_ENV)
+    services = node_file["services"]
+    assert set(services) == {"node", "gpu-node"}
+    first = compose["services"]["node"]["environment"]
+    for name, service in services.items():
+        env = service["environment"]
+        for key in ("REDIS_URL", "DATABASE_URL", "OMNIFLOW_SECRET_KEY", "OMNIFLOW_DISPATCH", "OMNIFLOW_PLANE_BULK"):
+            assert env[key] == first[key], key  # the first machine's services, by their compose names
+        config = load_config({**env, "OMNIFLOW_DATA_DIR": str(tmp_path)})
+        assert config.distributed and config.node_name == "gpu-b" == service["hostname"]
+        assert config.node.labels == {"kind": "gpu" if name == "gpu-node" else "cpu"}
+        assert _queues(service["command"]) == ["node.$OMNIFLOW_NODE"]  # sh expands it: node.gpu-b
+        assert _listens_on_the_compose_network(service["command"])
+        assert "ports" not in service and "network_mode" not in service
+        assert _gpu(service) == (name == "gpu-node")
+    assert services["gpu-node"]["profiles"] == ["gpu"] and "profiles" not in services["node"]
+    span = _load("docker-compose.span.yml", SECRETS)
+    assert node_file["networks"] == span["networks"]  # the overlay the first machine's stack is on
+
+
+def test_a_joining_node_refuses_to_start_without_its_name_or_a_secret() -> None:
+    with pytest.raises(MissingVariable, match="^.OMNIFLOW_NODE: name this machine's node \\(unique"):
+        _load("docker-compose.node.yml", SECRETS)
+    for missing in sorted(SECRETS):
+        with pytest.raises(MissingVariable, match=f"^'{missing}: set it in .env"):
+            _load("docker-compose.node.yml", {k: v for k, v in NODE_ENV.items() if k != missing})
