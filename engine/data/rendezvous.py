@@ -13,13 +13,13 @@ import contextlib
 import socket
 
 
-def listening_socket(host: str = "127.0.0.1", *, backlog: int = 128) -> tuple[socket.socket, str]:
-    """A TCP socket bound to a free port of `host` and listening, and its address
+def listening_socket(host: str = "127.0.0.1", *, port: int = 0, backlog: int = 128) -> tuple[socket.socket, str]:
+    """A TCP socket bound to `port` of `host` (0: a free one) and listening, and its address
     `tcp://HOST:PORT`. Hand it on with `pass_fds`, or as SCM_RIGHTS to a fork server; the caller
     closes its copy once the serving process has one."""
     with contextlib.ExitStack() as undo:
         sock = undo.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-        sock.bind((host, 0))
+        sock.bind((host, port))
         sock.listen(backlog)
         undo.pop_all()
     return sock, f"tcp://{host}:{sock.getsockname()[1]}"

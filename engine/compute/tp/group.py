@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.data.rendezvous import listening_socket
+
+LOOPBACK_INTERFACE = "lo"
+LINK_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo and NCCL open their links between ranks. Unset, they bind the address the
+machine's hostname resolves to (often its LAN address), reachable from other hosts and not
+authenticated; the ranks of a replica are on one host, so `TPGroup.init` confines them to
+loopback."""
 
 
 class TPError(RuntimeError):
@@ -43,7 +54,14 @@ class TPGroup:
         never joins raises after `timeout_s` (gloo's timeout) instead of hanging; meeting the
         other ranks (and `lookup`) may take `rendezvous_timeout_s` (default: `timeout_s`).
         `device`: this rank's (`cuda:N` with NCCL). `listen_fd`: rank 0 only, a socket already
-        listening at `address` (`engine.data.rendezvous`), which its store then owns."""
+        listening at `address` (`engine.data.rendezvous`), which its store then owns.
+
+        The ranks of a replica run on one host, so `address` is a loopback address, and every
+        link of the group stays on loopback: the rendezvous store listens there only (without
+        `listen_fd`, rank 0 binds it there itself, not on every interface as `TCPStore` would),
+        and gloo's and NCCL's links between ranks open on the loopback interface (this process's
+        `LINK_INTERFACE_ENVS`), never on an address other hosts reach: nothing of torch's
+        rendezvous or collectives is authenticated."""
         if not 0 <= rank < size:
             raise TPError(f"rank {rank} is not in a group of {size}")
         if listen_fd is not None and rank != 0:
@@ -54,6 +72,13 @@ class TPGroup:
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise TPError(f"group address {address!r} is not tcp://HOST:PORT")
+        if not _is_loopback(host):
+            raise TPError(f"group address {address!r}: the ranks of a replica meet on loopback (127.0.0.1), "
+                          "on one host; torch's rendezvous and collectives are not authenticated")
+        for name in LINK_INTERFACE_ENVS:
+            os.environ[name] = LOOPBACK_INTERFACE
+        if rank == 0 and listen_fd is None:
+            listen_fd = listening_socket(host, port=int(port))[0].detach()
         meet_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
         try:
             store = dist.TCPStore(host, int(port), size, rank == 0, timeout=datetime.timedelta(seconds=meet_s),
@@ -132,3 +157,10 @@ class TPGroup:
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
