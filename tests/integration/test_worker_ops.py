@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import pytest_asyncio
 import zmq.asyncio
 
 from engine.data.peer import Peer, PeerConfig
@@ -32,6 +33,8 @@ from engine.worker.launcher import LocalCluster
 from tests.integration.workerfns import RawClient, whoami_request
 
 HB = 0.2
+# One strict worker serves the whole module (each test its own connection): starting one is what costs.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 async def answer(raw: RawClient, request) -> object:
@@ -53,7 +56,7 @@ def strict_spec():
     return wf.to_spec()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def strict_cluster() -> AsyncIterator[LocalCluster]:
     cluster = LocalCluster(strict_spec(), allow_module_ops=False, heartbeat_s=HB, stop_timeout_s=10.0,
                            extra_args=("--drain-timeout", "5"))
@@ -64,7 +67,7 @@ async def strict_cluster() -> AsyncIterator[LocalCluster]:
         await cluster.stop()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="module")
 async def raw(strict_cluster: LocalCluster) -> AsyncIterator[RawClient]:
     context = zmq.asyncio.Context()
     client = RawClient(context, strict_cluster.workers[0].details["address"], strict_cluster.keys)

@@ -300,6 +300,8 @@ async def test_metrics_socket_sends_the_history_first_then_live_workers(history_
     error = json.loads((await comm.receive_output(timeout=10))["text"])
     assert (error["type"], error["status"]) == ("error", 400) and "range" in error["error"]
     assert (await comm.receive_output(timeout=10))["code"] == 4400
+    # Ended here, else its channel layer read stays blocked in Redis until the loop closes (5 s in teardown).
+    await comm.disconnect()
 
 
 # ------------------------------------------------------------------ Prometheus and Grafana
