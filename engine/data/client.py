@@ -230,16 +230,17 @@ class ZmqClient:
         return self._fetch(ref, transports, timeout, sink, align, chunk_bytes)
 
     def _chunks(self, chunk_bytes: int | None) -> tuple[int, int]:
-        """The chunk size and window of a pull: the config's, or chunks of `chunk_bytes` with a
-        window that keeps as many bytes asked ahead as the config's does. Smaller chunks suit a
-        sink: it starts on the first bytes sooner, and the last chunk's bytes, which it handles
-        with nothing left on the wire, are fewer."""
+        """The chunk size and window of a pull: the config's, or chunks of `chunk_bytes` (at most
+        the config's) with a window that keeps as many bytes asked ahead as the config's does.
+        Smaller chunks suit a sink: it starts on the first bytes sooner, and the last chunk's
+        bytes, which it handles with nothing left on the wire, are fewer."""
         if chunk_bytes is None:
             return self.config.chunk_bytes, self.config.window
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        chunk = min(chunk_bytes, self.config.chunk_bytes)
         ahead = self.config.chunk_bytes * self.config.window
-        return chunk_bytes, max(self.config.window, -(-ahead // chunk_bytes))
+        return chunk, max(self.config.window, -(-ahead // chunk))
 
     def _fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink | None,
                align: int, chunk_bytes: int | None = None) -> TensorData | None:

@@ -62,10 +62,10 @@ BATCH_BYTES = 16 << 20
 the rest; once the holder lends its pages in place, the rest at once: `_Batches`), each asked
 for while the one before is on the wire."""
 CHUNK_BYTES = 2 << 20
-"""TCP chunks of a pull are about this big (rounded down to whole pages, at least one), with as many
-bytes asked ahead as a tensor pull's larger chunks (`ZmqClient._chunks`): the puller stores each
-page while the next ones travel, and the last chunk, stored with nothing left on the wire, is
-small (`omniflow bench hosts`: `kv_auth_vs_raw`)."""
+"""TCP chunks of a pull are about this big (rounded down to whole pages, at least one; at most the
+client's `chunk_bytes`), with as many bytes asked ahead as a tensor pull's larger chunks
+(`ZmqClient._chunks`): the puller stores each page while the next ones travel, and the last
+chunk, stored with nothing left on the wire, is small (`omniflow bench hosts`: `kv_auth_vs_raw`)."""
 REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
 RELEASE_TIMEOUT_S = 5.0
 
