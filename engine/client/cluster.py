@@ -6,7 +6,9 @@ host them, and where a deployment's replicas go.
   `WorkerSnapshot` a live worker, its load and metrics as last heartbeated; `RegistryError`, and
   `RegistryUnavailableError` when the registry cannot be reached (transient);
   `deregister_workers` takes lost workers off a namespace at once and fences them, so that
-  those still running (cut off, not dead) cannot register again;
+  those still running (cut off, not dead) cannot register again; `restore_fences` fences again
+  those whose tombstones a Redis flush or restart took (the caller's durable record says which
+  were lost within `FENCE_TTL_S`);
 * the node directory (`engine.flow.discovery.nodes`): `NodeDirectory`, the `NodeRecord` each
   node agent announces, with its `GpuInfo`; `NodeDirectoryError`; `detect_gpus`, this machine's
   GPUs as `nvidia-smi` lists them (`engine.flow.discovery.machine`);
@@ -20,9 +22,10 @@ host them, and where a deployment's replicas go.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.flow.discovery import (
+    FENCE_TTL_S,
     Registry,
     RegistryError,
     RegistryUnavailableError,
@@ -37,6 +40,7 @@ from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal,
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "FENCE_TTL_S",
     "GpuAssignmentError",
     "GpuGrant",
     "GpuInfo",
@@ -59,6 +63,7 @@ __all__ = [
     "deregister_workers",
     "make_registry",
     "place",
+    "restore_fences",
 ]
 
 
@@ -79,3 +84,30 @@ async def deregister_workers(registry_url: str, namespace: str, worker_ids: Iter
                             namespace, exc)
     finally:
         await registry.close()
+
+
+async def restore_fences(registry_url: str, namespace: str, worker_ids: Sequence[str]) -> list[str]:
+    """Fence again those of `worker_ids` (workers declared lost) that the namespace no longer has
+    fenced: Redis keeps its tombstones in memory only, so a flush or restart forgets them, and a
+    lost worker that still runs would register again beside its replacement. Fenced again, it is
+    taken off the registry (had it registered again) and stops itself at its next heartbeat.
+    Returns the ids fenced again; a registry that cannot be reached is logged and left to the
+    next call (never raises `RegistryError`)."""
+    if not worker_ids:
+        return []
+    registry = make_registry(registry_url, namespace=namespace)
+    try:
+        fenced = await registry.fenced(worker_ids)
+        missing = [w for w in worker_ids if w not in fenced]
+        for worker_id in missing:
+            await registry.fence(worker_id)
+    except RegistryError as exc:
+        log.warning("could not restore the fences of lost workers in %s (%s); the next sweep tries again",
+                    namespace, exc)
+        return []
+    finally:
+        await registry.close()
+    if missing:
+        log.warning("registry namespace %s had lost the fences of workers %s (Redis flushed or restarted);"
+                    " fenced them again", namespace, missing)
+    return missing

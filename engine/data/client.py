@@ -219,42 +219,58 @@ class ZmqClient:
         return data
 
     def fetch_to(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink,
-                 align: int = 1) -> TensorData | None:
+                 align: int = 1, chunk_bytes: int | None = None) -> TensorData | None:
         """`fetch`, but bytes that come as TCP chunks go to `sink` as each arrives (see
         `engine.data.pulls`), in chunks of a multiple of `align` bytes where the owner allows:
         returns None then. Bytes readable in place (shared memory, CUDA IPC, an inline reply)
-        are returned as `fetch` returns them, and `sink` is not called."""
+        are returned as `fetch` returns them, and `sink` is not called. `chunk_bytes`: see
+        `_chunks`."""
         if align < 1:
             raise ValueError(f"align must be positive, got {align}")
-        return self._fetch(ref, transports, timeout, sink, align)
+        return self._fetch(ref, transports, timeout, sink, align, chunk_bytes)
+
+    def _chunks(self, chunk_bytes: int | None) -> tuple[int, int]:
+        """The chunk size and window of a pull: the config's, or chunks of `chunk_bytes` (at most
+        the config's) with a window that keeps as many bytes asked ahead as the config's does.
+        Smaller chunks suit a sink: it starts on the first bytes sooner, and the last chunk's
+        bytes, which it handles with nothing left on the wire, are fewer."""
+        if chunk_bytes is None:
+            return self.config.chunk_bytes, self.config.window
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        chunk = min(chunk_bytes, self.config.chunk_bytes)
+        ahead = self.config.chunk_bytes * self.config.window
+        return chunk, max(self.config.window, -(-ahead // chunk))
 
     def _fetch(self, ref: TensorRef, transports: tuple[Transport, ...], timeout: float, sink: ChunkSink | None,
-               align: int) -> TensorData | None:
+               align: int, chunk_bytes: int | None = None) -> TensorData | None:
         in_place = self._read_in_place(ref, transports)
         if in_place is not None:
             return in_place
+        chunk, window = self._chunks(chunk_bytes)
 
         def drive(link: _DirectLink, deadline: float) -> TensorData | None:
             assert link.peer is not None
-            pull = PullState(ref, transports, next(self._request_ids), self._mapper, self.config.window,
+            pull = PullState(ref, transports, next(self._request_ids), self._mapper, window,
                              bulk=self._bulk, sink=sink, align=align)
-            return self._drive(link, pull, pull.start(link.peer, self.host, self.config.chunk_bytes), deadline)
+            return self._drive(link, pull, pull.start(link.peer, self.host, chunk), deadline)
 
         return self._with_direct(ref.owner, timeout, drive)
 
     def fetch_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float, sink: ChunkSink | None = None,
-                      align: int = 1) -> TensorData | None:
+                      align: int = 1, chunk_bytes: int | None = None) -> TensorData | None:
         """Pull `ref` over its owner's bulk channel under `grant`, which the owner gave in another
         reply (a `KVFetchReply`): no `PullRequest` round trip. As `fetch_to` with `sink` (None
         returned), as `fetch` without."""
         if align < 1:
             raise ValueError(f"align must be positive, got {align}")
+        chunk, window = self._chunks(chunk_bytes)
 
         def drive(link: _DirectLink, deadline: float) -> TensorData | None:
             assert link.peer is not None
-            pull = PullState(ref, (Transport.TCP,), next(self._request_ids), self._mapper, self.config.window,
+            pull = PullState(ref, (Transport.TCP,), next(self._request_ids), self._mapper, window,
                              bulk=self._bulk, sink=sink, align=align)
-            return self._drive(link, pull, pull.start_granted(link.peer, self.config.chunk_bytes, grant), deadline)
+            return self._drive(link, pull, pull.start_granted(link.peer, chunk, grant), deadline)
 
         return self._with_direct(ref.owner, timeout, drive)
 

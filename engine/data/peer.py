@@ -141,24 +141,24 @@ class Peer:
         return data
 
     def pull_to(self, ref: TensorRef, timeout: float | None, sink: ChunkSink, *, align: int = 1,
-                tcp: bool = False) -> TensorData | None:
-        """`pull`, but bytes that come as TCP chunks go to `sink` (`ZmqClient.fetch_to`): None
-        then; bytes readable in place come back as `pull` returns them. `tcp`: TCP (or an
-        inline reply) even on this host."""
+                tcp: bool = False, chunk_bytes: int | None = None) -> TensorData | None:
+        """`pull`, but bytes that come as TCP chunks go to `sink` (`ZmqClient.fetch_to`, in chunks
+        of `chunk_bytes` when given): None then; bytes readable in place come back as `pull`
+        returns them. `tcp`: TCP (or an inline reply) even on this host."""
         timeout = self.config.default_timeout_s if timeout is None else timeout
         if ref.owner == self.address and not tcp:
             data = self.local.fetch(ref, timeout)
             self.transfers.record(data)
             return data
         transports = (Transport.TCP, Transport.INLINE) if tcp else self._transports(ref)
-        return self._counted(ref, self.client.fetch_to(ref, transports, timeout, sink, align))
+        return self._counted(ref, self.client.fetch_to(ref, transports, timeout, sink, align, chunk_bytes))
 
     def pull_granted(self, ref: TensorRef, grant: BulkGrant, timeout: float | None, sink: ChunkSink | None = None,
-                     *, align: int = 1) -> TensorData | None:
+                     *, align: int = 1, chunk_bytes: int | None = None) -> TensorData | None:
         """Pull `ref` over its owner's bulk channel under `grant`, given in another reply on the
         CURVE connection (`ZmqClient.fetch_granted`); with `sink`, the chunks go there (None returned)."""
         timeout = self.config.default_timeout_s if timeout is None else timeout
-        return self._counted(ref, self.client.fetch_granted(ref, grant, timeout, sink, align))
+        return self._counted(ref, self.client.fetch_granted(ref, grant, timeout, sink, align, chunk_bytes))
 
     def _counted(self, ref: TensorRef, got: TensorData | None) -> TensorData | None:
         """`got` (None: `ref`'s bytes went to a sink as TCP chunks), counted in `transfers`."""

@@ -24,7 +24,8 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   live nodes, and `deploy`/`stop_deployment` go to each node with a share.
 * `supervise_node(node)`: a node's Celery worker sends it to its own queue every
   OMNIFLOW_NODE_SUPERVISE_S (from `worker_ready` on, unless OMNIFLOW_WORKER_RESTART=0); it
-  places the replicas of lost nodes again (`deployments.failover`), stops workers this node
+  places the replicas of lost nodes again (`deployments.failover`), fences again the lost workers
+  whose fences a Redis flush or restart took (`failover.restore_fences`), stops workers this node
   ran while it was lost (`NodeAgent.reap`), and
   reconciles the node's running deployments, so a worker that died is marked lost, taken off
   the registry and replaced (a tensor-parallel replica whole), as the embedded mode's
@@ -201,10 +202,13 @@ def supervise_node(node: str, nodes: bool = True) -> dict[str, Any]:
         try:
             for rehomed in failover.sweep(config):  # replicas of lost nodes, placed again
                 done[rehomed.deployment_id] = failover.describe(rehomed)
+            restored = failover.restore_fences(config)  # tombstones a Redis flush took, from the rows
             reaped = agent.reap()  # what this node ran while it was lost, and no longer owns
         except (DatabaseError, redis.exceptions.RedisError, OSError) as exc:
             log.warning("node %s: placing the replicas of lost nodes failed (next tick retries): %s", node, exc)
-            reaped = []
+            restored, reaped = {}, []
+        if restored:
+            done["fences_restored"] = restored
         if reaped:
             done["reaped"] = reaped
         try:

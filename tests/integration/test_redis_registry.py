@@ -160,6 +160,7 @@ async def test_a_fenced_id_is_removed_and_refused_while_its_tombstone_lasts(
         assert [s.worker_id for s in await registry.workers()] == ["w2"]
         assert await raw.smembers(f"{namespace}:role:llm") == {"w2"}
         assert 0 < await raw.pttl(f"{namespace}:fenced:w1") <= 1000
+        assert await registry.fenced(["w1", "w2"]) == {"w1"} and await registry.fenced([]) == set()
         with pytest.raises(UnknownWorkerError):
             await registry.heartbeat("w1", WorkerLoad())
         with pytest.raises(FencedWorkerError) as refused:
@@ -178,6 +179,7 @@ async def test_a_fenced_id_is_removed_and_refused_while_its_tombstone_lasts(
             return await raw.exists(f"{namespace}:fenced:w1") == 0
 
         await wait_until(fence_ended, timeout=3.0)
+        assert await registry.fenced(["w1"]) == set()
         await registry.register(info("w1"))
         assert "w1" in [s.worker_id for s in await registry.workers()]
     finally:

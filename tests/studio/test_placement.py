@@ -224,26 +224,47 @@ def registered(namespace: str) -> list[str]:
     return asyncio.run(listed())
 
 
+@dataclasses.dataclass
+class OnB:
+    """A running deployment of one replica, placed on node b of nodes a and b, each with its agent."""
+
+    a: str
+    b: str
+    d: dict[str, Any]
+    namespace: str
+    agents: dict[str, NodeAgent]
+
+
+def running_on_b(nodes: Nodes, api: Any, tmp_path: Any) -> OnB:
+    a, b = nodes.up("a", cpus=1), nodes.up("b", cpus=2)
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, b)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    agents = {node: NodeAgent(dataclasses.replace(nodes.config, node_name=node, data_dir=tmp_path / node))
+              for node in (a, b)}
+    return OnB(a, b, d, Deployment.objects.get(pk=d["id"]).namespace, agents)
+
+
+def start_on_b(on: OnB) -> tuple[str, psutil.Process]:
+    """Node b's agent starts the replica: its worker id and process."""
+    ticket = records.ticket(on.d["id"])
+    assert ticket is not None
+    (worker_id,) = on.agents[on.b].reconcile(ticket).started
+    return worker_id, psutil.Process(Worker.objects.get(worker_id=worker_id).pid)
+
+
 def test_a_cut_off_nodes_live_workers_are_fenced_and_only_their_replacements_serve(nodes: Nodes, api: Any,
                                                                                    tmp_path: Any) -> None:
     """Node b drops out of the node directory (its agent gone) while its worker still runs and
     still reaches Redis: failover fences the worker, which stops itself instead of registering
     again beside its replacement, so the deployment's registry lists the replacement on a only.
     When b comes back, its agent has nothing left to end."""
-    a, b = nodes.up("a", cpus=1), nodes.up("b", cpus=2)
-    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
-    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
-    assert slots(d) == [("py", 0, b)]
-    Deployment.objects.filter(pk=d["id"]).update(status="running")
-    namespace = Deployment.objects.get(pk=d["id"]).namespace
-    agents = {node: NodeAgent(dataclasses.replace(nodes.config, node_name=node, data_dir=tmp_path / node))
-              for node in (a, b)}
+    on = running_on_b(nodes, api, tmp_path)
+    a, b, d, namespace, agents = on.a, on.b, on.d, on.namespace, on.agents
     zombie: psutil.Process | None = None
     try:
-        ticket = records.ticket(d["id"])
-        assert ticket is not None
-        (cut_off,) = agents[b].reconcile(ticket).started
-        zombie = psutil.Process(Worker.objects.get(worker_id=cut_off).pid)
+        cut_off, zombie = start_on_b(on)
         assert registered(namespace) == [cut_off]
 
         nodes.down("b")
@@ -265,6 +286,55 @@ def test_a_cut_off_nodes_live_workers_are_fenced_and_only_their_replacements_ser
     finally:
         agents[a].stop(d["id"])
         if zombie is not None and zombie.is_running():
+            zombie.kill()
+
+
+def test_fences_a_redis_flush_took_are_restored_from_the_rows(nodes: Nodes, api: Any, tmp_path: Any) -> None:
+    """Node b is cut off (its worker paused: no heartbeat reaches Redis) and failover fences its
+    worker; then Redis is flushed (it keeps nothing on disk), taking the tombstone. The worker
+    resumes and registers again beside its replacement, as nothing in Redis forbids it; the next
+    supervision tick fences it again from its lost row, and it stops itself."""
+    on = running_on_b(nodes, api, tmp_path)
+    a, b, d, namespace, agents = on.a, on.b, on.d, on.namespace, on.agents
+    zombie: psutil.Process | None = None
+    try:
+        cut_off, zombie = start_on_b(on)
+        zombie.suspend()  # cut off: it neither heartbeats nor sees its fence
+
+        nodes.down("b")
+        (rehomed,) = failover.sweep(nodes.config)
+        assert rehomed.lost_workers == (cut_off,)
+        assert failover.restore_fences(nodes.config) == {}  # fenced: nothing to restore
+        client = redis.Redis.from_url(nodes.config.redis_url)
+        try:
+            client.flushdb()  # this test's database only: the tombstone, and everything else, gone
+        finally:
+            client.close()
+        nodes.up("a", cpus=1)
+        ticket = records.ticket(d["id"])
+        assert ticket is not None
+        (replacement,) = agents[a].reconcile(ticket).started
+
+        zombie.resume()  # back: its record is gone, and so is the fence that refused it
+        deadline = time.monotonic() + 30
+        while registered(namespace) != sorted([cut_off, replacement]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling Redis for its registration
+        assert registered(namespace) == sorted([cut_off, replacement])  # the attack: both serve
+
+        assert failover.restore_fences(nodes.config) == {namespace: [cut_off]}
+        assert registered(namespace) == [replacement]
+        zombie.wait(timeout=30)  # fenced again: it drains and exits by itself
+        log = (tmp_path / b / "deployments" / d["id"] / f"{cut_off}.log").read_text()
+        assert f"worker {cut_off!r} was fenced" in log
+        assert registered(namespace) == [replacement]
+        assert failover.restore_fences(nodes.config) == {}
+
+        nodes.up("b", cpus=2)
+        assert agents[b].reap() == []  # it ended itself
+    finally:
+        agents[a].stop(d["id"])
+        if zombie is not None and zombie.is_running():
+            zombie.resume()
             zombie.kill()
 
 

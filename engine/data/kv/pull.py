@@ -16,7 +16,7 @@ tensor store, in shared memory once it is larger than the store's inline limit, 
 puller maps and copies each page from once, into its own store. Across hosts (or with
 `transport=Transport.TCP`) the holder copies nothing where it can: the ref reads the pages in
 their slots (`KVStore.lend`, pinned until the ref is freed), and the bytes come as ZeroMQ
-frames of whole pages (chunks aligned to the page size, a frame per run of adjacent slots),
+frames of whole pages (chunks of whole pages, `CHUNK_BYTES` or so, a frame per run of adjacent slots),
 each put into the store straight from the received frame as it arrives, while the next ones
 are on the wire (`Peer.pull_to`): one copy in all, on the puller's side. The puller then
 releases the ref; its short lease frees it anyway if the puller dies first.
@@ -61,6 +61,11 @@ BATCH_BYTES = 16 << 20
 `max_pages`; the first of about `FIRST_BATCH_BYTES`, so that bytes move while the holder gathers
 the rest; once the holder lends its pages in place, the rest at once: `_Batches`), each asked
 for while the one before is on the wire."""
+CHUNK_BYTES = 2 << 20
+"""TCP chunks of a pull are about this big (rounded down to whole pages, at least one; at most the
+client's `chunk_bytes`), with as many bytes asked ahead as a tensor pull's larger chunks
+(`ZmqClient._chunks`): the puller stores each page while the next ones travel, and the last
+chunk, stored with nothing left on the wire, is small (`omniflow bench hosts`: `kv_auth_vs_raw`)."""
 REPLY_LEASE_S = 10.0  # the puller releases at once; the lease only bounds a puller that died
 RELEASE_TIMEOUT_S = 5.0
 
@@ -396,6 +401,7 @@ def _fetch_run(
     unused by a failure is freed by its lease (`REPLY_LEASE_S`)."""
     layout = store.layout
     fingerprint = layout.fingerprint()
+    chunk = max(1, CHUNK_BYTES // layout.page_nbytes) * layout.page_nbytes
     batch = batches.take(lent=None)
     tcp = _over_tcp(peer, transport, peer.client.owner_host(holder))
     reply = peer.client.request(holder, lambda rid: _request(rid, peer, batch, fingerprint, tcp),
@@ -424,9 +430,10 @@ def _fetch_run(
             if transport is Transport.SHM:
                 data: TensorData | None = peer.shm.fetch(ref, timeout)
             elif reply.bulk is not None:  # granted with the pages: the chunks are asked at once
-                data = peer.pull_granted(ref, reply.bulk, timeout, sink, align=layout.page_nbytes)
+                data = peer.pull_granted(ref, reply.bulk, timeout, sink, align=layout.page_nbytes, chunk_bytes=chunk)
             else:  # TCP chunks go straight into the store, page by page, as they arrive
-                data = peer.pull_to(ref, timeout, sink, align=layout.page_nbytes, tcp=transport is Transport.TCP)
+                data = peer.pull_to(ref, timeout, sink, align=layout.page_nbytes, tcp=transport is Transport.TCP,
+                                    chunk_bytes=chunk)
             ask_next()
             if data is not None:
                 store.put_many(found, data.torch())  # copies: a shared-memory view is the holder's

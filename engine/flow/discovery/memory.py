@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from engine.flow.discovery.records import (
     FENCE_TTL_S,
@@ -144,6 +145,11 @@ class InProcessRegistry:
         self._check_open()
         self._fenced[worker_id] = self._clock() + self.fence_ttl_s
         return await self.deregister(worker_id)
+
+    async def fenced(self, worker_ids: Sequence[str]) -> set[str]:
+        self._check_open()
+        self._expire()
+        return {w for w in worker_ids if w in self._fenced}
 
     async def workers(self, role: str | None = None) -> list[WorkerSnapshot]:
         self._check_open()

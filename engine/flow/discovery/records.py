@@ -8,7 +8,7 @@ import enum
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -329,6 +329,11 @@ class Registry(Protocol):
     async def fence(self, worker_id: str) -> bool:
         """Remove the record and retire the id: ``register`` refuses it from now on (for the
         registry's ``fence_ttl_s``). Returns whether a live record existed."""
+        ...
+
+    async def fenced(self, worker_ids: Sequence[str]) -> set[str]:
+        """Which of ``worker_ids`` are fenced now (their tombstones, which a Redis flush or restart
+        loses: whoever keeps the durable record of lost workers fences them again)."""
         ...
 
     async def workers(self, role: str | None = None) -> list[WorkerSnapshot]:

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_exc
@@ -218,6 +218,12 @@ class RedisRegistry:
             return False
         await self._publish([RegistryEvent(RegistryEventKind.REMOVED, worker_id, old.role)])
         return True
+
+    async def fenced(self, worker_ids: Sequence[str]) -> set[str]:
+        if not worker_ids:
+            return set()
+        tombstones = await self._call(self._client.mget([self._fence_key(w) for w in worker_ids]))
+        return {w for w, tombstone in zip(worker_ids, tombstones, strict=True) if tombstone is not None}
 
     async def workers(self, role: str | None = None) -> list[WorkerSnapshot]:
         if role is None:

@@ -23,19 +23,28 @@ Runs in flight on a lost worker are the dispatcher's: retried on another replica
 naming the worker, never left waiting. A lost node that comes back finds its rows lost and
 stops those processes (`NodeAgent.reap`): the fenced workers that could not reach Redis either
 (and so have not stopped themselves).
+
+The fences live in Redis, which keeps nothing on disk: a flush or restart forgets them, and a
+lost worker that still runs would register again. The rows are the durable record, so each tick
+also fences again the workers marked lost within `FENCE_TTL_S` whose tombstones are gone
+(`restore_fences`, from the engine's `restore_fences`): such a worker is taken off the registry and stops itself at its next
+heartbeat, whether or not its node's agent is there to end it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
 from engine.client.cluster import (
+    FENCE_TTL_S,
     NodeDirectoryError,
     NodeOffer,
     NodeRecord,
@@ -46,6 +55,7 @@ from engine.client.cluster import (
     deregister_workers,
     place,
 )
+from engine.client.cluster import restore_fences as fence_again
 from engine.client.graphs import parse_spec
 from engine.spec.resources import ResourcesError
 from studio.config import StudioConfig
@@ -88,6 +98,27 @@ def sweep(config: StudioConfig) -> list[Rehomed]:
         if result is not None:
             done.append(result)
     return done
+
+
+def restore_fences(config: StudioConfig) -> dict[str, list[str]]:
+    """Fence again, in each watched deployment's namespace, the workers its rows say were lost
+    within `FENCE_TTL_S` whose tombstones Redis no longer has (flushed or restarted); the ids, by
+    namespace (those it fenced again only)."""
+    if not config.redis_url:
+        return {}
+    since = timezone.now() - datetime.timedelta(seconds=FENCE_TTL_S)
+    lost: dict[str, list[str]] = {}
+    for namespace, worker_id in (Worker.objects.filter(deployment__status__in=_WATCHED, status=WorkerStatus.LOST,
+                                                       last_seen_at__gte=since)
+                                 .exclude(deployment__namespace="").order_by("worker_id")
+                                 .values_list("deployment__namespace", "worker_id")):
+        lost.setdefault(namespace, []).append(worker_id)
+    restored = {}
+    for namespace, ids in lost.items():
+        fenced = asyncio.run(fence_again(config.redis_url, namespace, ids))
+        if fenced:
+            restored[namespace] = fenced
+    return restored
 
 
 def _partial(demands: Sequence[RoleDemand], offers: Sequence[NodeOffer], keep: Placement,

@@ -106,6 +106,22 @@ def test_fetch_is_bit_exact_on_every_transport(producer: Peer, consumer: Peer, n
     assert str(back.dtype).removeprefix("torch.") == ref.dtype
 
 
+def test_a_sink_pull_takes_the_chunk_size_it_asks_for(producer: Peer, consumer: Peer) -> None:
+    """`chunk_bytes` (a KV pull's small chunks) overrides the client's 64 KiB chunks: the sink gets
+    the tensor in 16 KiB pieces, bit-exact, every byte over TCP."""
+    value = np.arange(64 * 1024, dtype=np.float32)  # 256 KiB
+    ref = producer.put(value)
+    got: list[tuple[int, bytes]] = []
+
+    data = consumer.pull_to(ref, 5.0, lambda offset, view: got.append((offset, bytes(view))), tcp=True,
+                            chunk_bytes=16 * KiB)
+
+    assert data is None
+    assert sorted(offset for offset, _ in got) == list(range(0, 256 * KiB, 16 * KiB))
+    assert {len(piece) for _, piece in got} == {16 * KiB}
+    assert b"".join(piece for _, piece in sorted(got)) == value.tobytes()
+
+
 def test_same_host_ref_is_read_in_place_without_asking_the_owner(producer: Peer, consumer: Peer) -> None:
     value = np.arange(300_000, dtype=np.float32)
     ref = producer.put(value)

@@ -185,7 +185,9 @@ async def test_a_fenced_id_is_removed_and_refused_until_its_fence_ends(clock: Fa
         await registry.fence("never-registered")
         with pytest.raises(FencedWorkerError):
             await registry.register(info("never-registered"))
+        assert await registry.fenced(["w1", "w2", "never-registered"]) == {"w1", "never-registered"}
         clock.advance(100.0)  # the fence ends (the heartbeats of w2 ended long ago too)
+        assert await registry.fenced(["w1", "never-registered"]) == set()
         await registry.register(info("w1"))
         assert [s.worker_id for s in await registry.workers()] == ["w1"]
         await watch.aclose()
