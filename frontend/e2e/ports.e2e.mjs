@@ -4,6 +4,7 @@
 //   node e2e/ports.e2e.mjs
 //
 // tests/e2e/test_ux_e2e.py runs it against the studio of tests/e2e/conftest.py:
+//  - signed out, the login page opens without a console error (not even a failed request);
 //  - every example workflow (E2E_EXAMPLES: the user's workflows of those names) opened in the editor: no port name cut short (its text wider than its
 //    box), no port label past its node's edge, no input label running into the output beside it;
 //  - a node of every kind in the palette (the built-in kinds and any plug-in's) added to a new
@@ -50,6 +51,14 @@ async function unreadablePorts() {
 }
 
 try {
+  await step("the login page opens without a console error", async () => {
+    await page.goto(`${BASE}/workflows`); // signed out: the app sends the visitor to its login page
+    await page.waitForURL(/\/login/);
+    await page.waitForSelector('input[name="username"]');
+    // Not even a failed request: it used to probe /api/tokens/ for a 401 to tell it was signed out.
+    expectQuietConsole(/(?!)/);
+  });
+
   await step("login", () => logIn(page, BASE, USER, PASSWORD));
 
   await step("every example workflow's port labels read whole", async () => {
