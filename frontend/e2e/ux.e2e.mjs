@@ -283,8 +283,11 @@ try {
     await page.setViewportSize({ width: 1440, height: 960 });
   });
 
-  await step("stop the deployment from its view", async () => {
-    await page.goto(`${BASE}${deploymentPath}`);
+  await step("stop the deployment from its view, opened by its row in the list", async () => {
+    await page.goto(`${BASE}/deployments`);
+    await page.click(`${tid("deployment-list-row")}:has-text("${model}") td:nth-child(3)`); // its status, not a link
+    await page.waitForSelector(tid("deployment-page"));
+    expect(page.url() === `${BASE}${deploymentPath}`, `the row opened ${page.url()}`);
     await page.click(tid("deployment-stop"));
     await waitText(tid("deployment-page"), "stopped", 60_000);
     await shot("deployment-stopped");
