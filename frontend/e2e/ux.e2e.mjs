@@ -265,8 +265,13 @@ try {
         return r.right > 0 && r.left < window.innerWidth && r.bottom > 0 && r.top < window.innerHeight;
       }).map((e) => e.getBoundingClientRect().height));
     expect(titles.length >= 3 && Math.min(...titles) >= 11, `visible titles: ${titles}`);
-    const inputs = await page.$$eval('.spec-node.cat-io', (els) => els.length);
-    expect(inputs > 0, "the inputs are in view");
+    // Each input node whole inside the canvas (the view opens on them when the graph is too big to fit).
+    const inputs = await page.$$eval(".spec-node", (els, c) =>
+      els.filter((e) => e.querySelector(".spec-node-sub").textContent === "input").map((e) => {
+        const r = e.getBoundingClientRect();
+        return { id: e.dataset.testid, inView: r.left >= c.x && r.right <= c.x + c.width && r.top >= c.y && r.bottom <= c.y + c.height };
+      }), canvas);
+    expect(inputs.length === 3 && inputs.every((i) => i.inView), `the inputs are in view: ${JSON.stringify(inputs)}`);
     await shot("editor-large-1024");
     await page.locator(".react-flow__node .spec-node-id").first().click();
     await page.waitForSelector(tid("node-inspector"));
@@ -278,8 +283,11 @@ try {
     await page.setViewportSize({ width: 1440, height: 960 });
   });
 
-  await step("stop the deployment from its view", async () => {
-    await page.goto(`${BASE}${deploymentPath}`);
+  await step("stop the deployment from its view, opened by its row in the list", async () => {
+    await page.goto(`${BASE}/deployments`);
+    await page.click(`${tid("deployment-list-row")}:has-text("${model}") td:nth-child(3)`); // its status, not a link
+    await page.waitForSelector(tid("deployment-page"));
+    expect(page.url() === `${BASE}${deploymentPath}`, `the row opened ${page.url()}`);
     await page.click(tid("deployment-stop"));
     await waitText(tid("deployment-page"), "stopped", 60_000);
     await shot("deployment-stopped");

@@ -1,7 +1,7 @@
 /** Who is logged in: the session from /api/auth/session/, login and logout. */
 import { createContext, type ReactNode, useCallback, useContext, useEffect, useState } from "react";
 import { Navigate, useLocation, useNavigate } from "react-router-dom";
-import { request, setCsrfToken, setUnauthorizedHandler } from "./api/client";
+import { setCsrfToken, setUnauthorizedHandler } from "./api/client";
 import { auth } from "./api/studio";
 import type { User } from "./api/types";
 import { Spinner } from "./components/ui";
@@ -15,23 +15,11 @@ interface AuthState {
 
 const AuthContext = createContext<AuthState | null>(null);
 
-/** The user this browser last signed in as (display only; the server decides access). */
-const USER_KEY = "omniflow.user";
-
-/**
- * Who is signed in. The session endpoint names the user; when it answers `user: null`
- * although the session cookie is valid (the studio's session view reports the request's
- * user after DRF has reset it to anonymous), an authenticated probe decides, and the
- * name comes from the last sign-in in this browser.
- */
+/** Who is signed in: the session endpoint names the session's user (null when signed out). */
 async function currentUser(): Promise<User | null> {
   const s = await auth.session();
   setCsrfToken(s.csrf_token);
-  if (s.user) return s.user;
-  const signedIn = await request<unknown>("GET", "/api/tokens/", { allow: [401, 403] });
-  if (signedIn === null) return null;
-  const remembered = window.localStorage.getItem(USER_KEY);
-  return remembered ? (JSON.parse(remembered) as User) : { id: 0, username: "signed in", is_staff: false };
+  return s.user;
 }
 
 export function AuthProvider({ children }: { children: ReactNode }) {
@@ -59,13 +47,11 @@ export function AuthProvider({ children }: { children: ReactNode }) {
     setCsrfToken((await auth.session()).csrf_token);
     const s = await auth.login(username, password);
     setCsrfToken(s.csrf_token);
-    if (s.user) window.localStorage.setItem(USER_KEY, JSON.stringify(s.user));
     setUser(s.user);
   }, []);
 
   const logout = useCallback(async () => {
     await auth.logout();
-    window.localStorage.removeItem(USER_KEY);
     setUser(null);
     const s = await auth.session();
     setCsrfToken(s.csrf_token);

@@ -4,7 +4,8 @@ client on a deployment reached by its name, then revoked and refused; the deploy
 deployment view's endpoint, snippets (run as pasted: bash for curl, this interpreter for the Python
 one) and live workers; a model-less llm role and an unregistered op flagged before save and fixed
 with the pickers; the README's quick start imported and run; the largest example readable at
-1024x768. Screenshots land in tests/e2e/artifacts/ux/.
+1024x768. Screenshots land in tests/e2e/artifacts/ux/. Port labels on the canvas read whole
+(`frontend/e2e/ports.e2e.mjs`), in tests/e2e/artifacts/ports/.
 """
 
 from __future__ import annotations
@@ -40,3 +41,14 @@ def test_a_worker_that_cannot_start_shows_failed_with_its_reason_in_chromium(liv
         "E2E_FIXTURES": str(Path(__file__).resolve().parent / "workflows"),
     })
     assert_shots(shots, ("editor-no-weights-valid", "deploy-dialog-worker-failed", "deployment-view-worker-failed"))
+
+
+@pytest.mark.timeout(180)
+def test_every_port_label_reads_whole_in_chromium(live_studio: LiveStudio) -> None:
+    """`frontend/e2e/ports.e2e.mjs`: in every example workflow (`workflows/*.py`, loaded for the demo
+    user) and on a node of every kind in the palette, no port name on the canvas is cut short, runs
+    past its node or into the output label beside it (issue #20: the llm node showed 'toke…')."""
+    examples = sorted(p.stem for p in (ROOT / "workflows").glob("*.py") if p.stem != "__init__")
+    shots = run_script("ports.e2e.mjs", live_studio, ARTIFACTS / "ports", timeout_s=160,
+                       env={"E2E_EXAMPLES": ",".join(examples)})
+    assert_shots(shots, ("chat-llm-ports", "every-kind"))

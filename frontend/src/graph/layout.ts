@@ -3,7 +3,11 @@ import dagre from "@dagrejs/dagre";
 import type { Edge, Node } from "@xyflow/react";
 import type { NodeSpec } from "../api/types";
 
-export const NODE_WIDTH = 210;
+/**
+ * The width of a node on the canvas (`.spec-node`'s min-width in styles.css): every port row of the
+ * built-in kinds fits in it; a node whose op names longer ports is wider.
+ */
+export const NODE_WIDTH = 230;
 
 /**
  * A node's size: what React Flow measured, else an estimate from what the node shows
@@ -22,7 +26,7 @@ function sizeOf(node: Node): { width: number; height: number } {
 
 export function autoLayout<N extends Node>(nodes: N[], edges: Edge[]): N[] {
   const g = new dagre.graphlib.Graph({ multigraph: true });
-  g.setGraph({ rankdir: "LR", nodesep: 28, ranksep: 64, marginx: 20, marginy: 20 });
+  g.setGraph({ rankdir: "LR", nodesep: 28, ranksep: 44, marginx: 20, marginy: 20 });
   g.setDefaultEdgeLabel(() => ({}));
   for (const n of nodes) g.setNode(n.id, sizeOf(n));
   for (const e of edges) {

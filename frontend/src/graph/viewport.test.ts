@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, union } from "./viewport";
+import { EDGE_MARGIN, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, union } from "./viewport";
 
 const canvas = { width: 800, height: 600 };
 
@@ -20,6 +20,19 @@ describe("the view a graph opens with", () => {
     expect(vp.y + (inputs.y + inputs.height / 2) * vp.zoom).toBeCloseTo(300); // centred when they fit
     const tall = { x: 20, y: 0, width: 210, height: 2000 };
     expect(readableViewport(all, tall, canvas).y).toBeCloseTo(FOCUS_MARGIN); // from the top when they do not
+  });
+
+  it("shows a graph whole across at the legible zoom when it is that wide, centred", () => {
+    // Too big to fit with the padding at LEGIBLE_ZOOM, narrow enough to show whole without it.
+    const all = { x: 0, y: 0, width: (canvas.width - 2 * EDGE_MARGIN) / LEGIBLE_ZOOM, height: 1500 };
+    const inputs = { x: 0, y: 100, width: 230, height: 100 };
+    const vp = readableViewport(all, inputs, canvas);
+    expect(vp.zoom).toBe(LEGIBLE_ZOOM);
+    expect(vp.x).toBeCloseTo(EDGE_MARGIN); // its left end and its right end both in view
+    expect(vp.x + all.width * vp.zoom).toBeCloseTo(canvas.width - EDGE_MARGIN);
+    expect(vp.y + (inputs.y + inputs.height / 2) * vp.zoom).toBeCloseTo(300); // the inputs, still
+    const wider = { ...all, width: all.width + 10 };
+    expect(readableViewport(wider, inputs, canvas).x).toBeCloseTo(FOCUS_MARGIN); // any wider: the inputs at the left
   });
 
   it("unites rectangles", () => {

@@ -10,6 +10,8 @@ export const MAX_FIT_ZOOM = 1.1;
 export const FIT_PADDING = 0.1;
 /** Room left of (and above) the inputs when the view focuses them. */
 export const FOCUS_MARGIN = 40;
+/** The least room either side of a graph shown whole across the canvas at LEGIBLE_ZOOM. */
+export const EDGE_MARGIN = 16;
 
 export interface Rect {
   x: number;
@@ -27,8 +29,9 @@ export interface Viewport {
 /**
  * The viewport for a graph whose nodes span `all`, on a canvas of `canvas` pixels: `all`
  * fitted and centred when that zoom is at least LEGIBLE_ZOOM, else LEGIBLE_ZOOM with `focus`
- * (the inputs; `all` when null) at the left edge, centred vertically when it fits, from its
- * top otherwise.
+ * (the inputs; `all` when null) centred vertically when it fits, from its top otherwise; across,
+ * `all` centred when it is as wide as the canvas at that zoom (the padding a fit leaves is what
+ * did not fit), else `focus` at the left edge.
  */
 export function readableViewport(all: Rect, focus: Rect | null, canvas: { width: number; height: number }): Viewport {
   const fit = Math.min(
@@ -46,9 +49,10 @@ export function readableViewport(all: Rect, focus: Rect | null, canvas: { width:
   const zoom = LEGIBLE_ZOOM;
   const target = focus ?? all;
   const fitsTall = target.height * zoom <= canvas.height - 2 * FOCUS_MARGIN;
+  const fitsWide = all.width * zoom <= canvas.width - 2 * EDGE_MARGIN;
   return {
     zoom,
-    x: FOCUS_MARGIN - target.x * zoom,
+    x: fitsWide ? canvas.width / 2 - (all.x + all.width / 2) * zoom : FOCUS_MARGIN - target.x * zoom,
     y: fitsTall ? canvas.height / 2 - (target.y + target.height / 2) * zoom : FOCUS_MARGIN - target.y * zoom,
   };
 }

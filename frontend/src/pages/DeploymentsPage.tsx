@@ -1,6 +1,6 @@
 /** The user's deployments, live ones first: each by name, with its workflow, version and status. */
 import { useCallback, useEffect, useState } from "react";
-import { Link } from "react-router-dom";
+import { Link, useNavigate } from "react-router-dom";
 import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { ACTIVE_STATUSES } from "../api/deployments";
@@ -11,6 +11,7 @@ type Row = Deployment & { workflow_name?: string; chat?: boolean };
 export function DeploymentsPage() {
   const [rows, setRows] = useState<Row[] | null>(null);
   const [error, setError] = useState<string | null>(null);
+  const navigate = useNavigate();
   const load = useCallback(
     () =>
       cluster
@@ -52,7 +53,7 @@ export function DeploymentsPage() {
       )}
       {sorted && sorted.length > 0 && (
         <div className="card">
-          <table className="table" data-testid="deployments-table">
+          <table className="table clickable" data-testid="deployments-table">
             <thead>
               <tr>
                 <th>Name</th>
@@ -64,14 +65,26 @@ export function DeploymentsPage() {
             </thead>
             <tbody>
               {sorted.map((d) => (
-                <tr key={d.id} data-testid="deployment-list-row" data-status={d.status}>
+                // The whole row opens the deployment, as a run's row opens the run.
+                <tr
+                  key={d.id}
+                  onClick={() => navigate(`/deployments/${d.id}`)}
+                  data-testid="deployment-list-row"
+                  data-status={d.status}
+                >
                   <td>
-                    <Link to={`/deployments/${d.id}`} className="row-title">
+                    <Link to={`/deployments/${d.id}`} className="row-title" onClick={(e) => e.stopPropagation()}>
                       {d.name}
                     </Link>
                   </td>
                   <td>
-                    {d.workflow ? <Link to={`/workflows/${d.workflow}`}>{d.workflow_name ?? "workflow"}</Link> : "—"}{" "}
+                    {d.workflow ? (
+                      <Link to={`/workflows/${d.workflow}`} onClick={(e) => e.stopPropagation()}>
+                        {d.workflow_name ?? "workflow"}
+                      </Link>
+                    ) : (
+                      "—"
+                    )}{" "}
                     <span className="pill">v{d.version}</span>
                   </td>
                   <td>

@@ -61,7 +61,11 @@ export function RunPage() {
 
   const onEvents = useCallback(
     (events: RunEvent[]) => {
-      skew.current = clockSkew(skew.current, events, Date.now());
+      const arrived = Date.now();
+      skew.current = clockSkew(skew.current, events, arrived);
+      // The clock moves with them: read on the last 250 ms tick, a node that just started would
+      // show 0.00 ms and the run's time lag the nodes' (the skew holds for the arrival time only).
+      setNow(arrived);
       apply(events);
       if (events.some((e) => e.type === "run_finished")) refresh();
     },
