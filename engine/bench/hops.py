@@ -223,22 +223,22 @@ class _CeleryAnchor:
 
     async def stop(self) -> None:
         if self._client is not None and self._client.stdin is not None:
-            self._client.stdin.close()
-            try:
-                async with asyncio.timeout(30):
-                    await self._client.wait()
-            except TimeoutError:
-                self._client.kill()
-                await self._client.wait()
+            self._client.stdin.close()  # the client's end of input: it exits
+            await _reap(self._client, 30)
         if self._worker is not None and self._worker.returncode is None:
             self._worker.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await self._worker.wait()
-            except TimeoutError:
-                self._worker.kill()
-                await self._worker.wait()
+            await _reap(self._worker, 15)
         self._tmp.cleanup()
+
+
+async def _reap(process: asyncio.subprocess.Process, timeout_s: float) -> None:
+    """Wait `timeout_s` for `process`, told to stop, to exit; then kill it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await process.wait()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 # ------------------------------------------------------------------ the run

@@ -19,23 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.compute.models.catalog import Weights
+from engine.compute.models.catalog import DecoderShape, Weights
 from engine.spec.kinds import BuiltinModel
 
 LLM_ROLE_KINDS = ("llm", "sglang_llm", "diffusion")
 """Role kinds whose `model` is an LLM (a diffusion role runs the LLM's transformer)."""
 SEEDED_HEAD_KINDS = frozenset({"diffusion"})
 """Role kinds that compute through seeded layers of their own, whatever their model is."""
-
-
-@dataclass(frozen=True, slots=True)
-class LLMShape:
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +36,7 @@ class CatalogueModel:
     role_kinds: tuple[str, ...]
     weights: Weights
     description: str
-    llm: LLMShape | None = None
+    llm: DecoderShape | None = None
 
     def to_dict(self) -> dict[str, Any]:
         shape = self.llm
@@ -77,12 +67,8 @@ def model_catalogue() -> list[CatalogueModel]:
     from engine.compute.models.catalog import BUILTIN_MODELS
     from engine.compute.models.packaged import PACKAGED_MODELS
 
-    rows = [CatalogueModel(p.name, LLM_ROLE_KINDS, Weights.REAL, p.description,
-                           LLMShape(p.family, p.num_layers, p.hidden_size, p.num_heads, p.num_kv_heads,
-                                    p.intermediate_size)) for p in PACKAGED_MODELS.values()]
-    rows += [CatalogueModel(c.name, LLM_ROLE_KINDS, Weights.RANDOM, c.description,
-                            LLMShape(c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
-                                     c.intermediate_size)) for c in BUILTIN_MODELS.values()]
+    rows = [CatalogueModel(p.name, LLM_ROLE_KINDS, Weights.REAL, p.description, p) for p in PACKAGED_MODELS.values()]
+    rows += [CatalogueModel(c.name, LLM_ROLE_KINDS, Weights.RANDOM, c.description, c) for c in BUILTIN_MODELS.values()]
     for kind, table in (("vision_encoder", VISION_ENCODERS), ("audio_encoder", AUDIO_ENCODERS),
                         ("vae_decoder", IMAGE_DECODERS), ("audio_decoder", AUDIO_DECODERS)):
         rows += [CatalogueModel(c.name, (kind,), Weights.RANDOM, c.description) for c in table.values()]

@@ -304,12 +304,7 @@ class BulkEndpoint:
 
     def _send(self, identity: bytes, message: BulkMessage, data: list[Any] | None = None) -> SendHandle | None:
         try:
-            self.socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-            if data is None:
-                self.socket.send(self._codec.encode(message), zmq.NOBLOCK)
-                return None
-            self.socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            return send_frames(self.socket, data)
+            return send_routed(self.socket, identity, self._codec.encode(message), data)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -337,6 +332,18 @@ def drop_stalled(socket: zmq.Socket, peer_timeout_s: float) -> None:
     if peer_timeout_s <= 0:
         raise ValueError(f"peer_timeout_s must be positive, got {peer_timeout_s}")
     socket.setsockopt(zmq.TCP_MAXRT, max(1, int(peer_timeout_s * 1000)))
+
+
+def send_routed(socket: zmq.Socket, identity: bytes, payload: bytes, data: list[Any] | None) -> SendHandle | None:
+    """Send `payload` to peer `identity` of a ROUTER, then the buffers of `data` as raw frames
+    (`send_frames`), none of it blocking; returns their handle, None without `data`. A peer
+    gone away raises `zmq.ZMQError` with errno EHOSTUNREACH."""
+    socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+    if data is None:
+        socket.send(payload, zmq.NOBLOCK)
+        return None
+    socket.send(payload, zmq.SNDMORE | zmq.NOBLOCK)
+    return send_frames(socket, data)
 
 
 def send_frames(socket: zmq.Socket, data: list[Any]) -> SendHandle:

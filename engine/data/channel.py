@@ -222,40 +222,36 @@ class InProcessChannel:
         """Nothing to close: the store belongs to its owner."""
 
 
-class SharedMemoryChannel:
+class _ClientChannel:
+    """A channel that asks the owner through a shared `ZmqClient` for `transport`, or for the
+    bytes inline when the tensor is small enough."""
+
+    transport: Transport
+
+    def __init__(self, client: ZmqClient) -> None:
+        self.client = client
+        self._transports = (self.transport, Transport.INLINE)
+
+    def pull(self, ref: TensorRef, timeout: float) -> Transfer:
+        return self.client.pull(ref, self._transports, timeout)
+
+    def fetch(self, ref: TensorRef, timeout: float) -> TensorData:
+        return self.client.fetch(ref, self._transports, timeout)
+
+    def close(self) -> None:
+        """The client is shared; its owner closes it."""
+
+
+class SharedMemoryChannel(_ClientChannel):
     """Same host: maps the owner's segment; tensors small enough to travel inline do so."""
 
     transport = Transport.SHM
 
-    def __init__(self, client: ZmqClient) -> None:
-        self.client = client
 
-    def pull(self, ref: TensorRef, timeout: float) -> Transfer:
-        return self.client.pull(ref, (Transport.SHM, Transport.INLINE), timeout)
-
-    def fetch(self, ref: TensorRef, timeout: float) -> TensorData:
-        return self.client.fetch(ref, (Transport.SHM, Transport.INLINE), timeout)
-
-    def close(self) -> None:
-        """The client is shared; its owner closes it."""
-
-
-class ZmqChannel:
+class ZmqChannel(_ClientChannel):
     """Any host: chunked raw frames over TCP."""
 
     transport = Transport.TCP
-
-    def __init__(self, client: ZmqClient) -> None:
-        self.client = client
-
-    def pull(self, ref: TensorRef, timeout: float) -> Transfer:
-        return self.client.pull(ref, (Transport.TCP, Transport.INLINE), timeout)
-
-    def fetch(self, ref: TensorRef, timeout: float) -> TensorData:
-        return self.client.fetch(ref, (Transport.TCP, Transport.INLINE), timeout)
-
-    def close(self) -> None:
-        """The client is shared; its owner closes it."""
 
 
 async def pull_async(channel: Channel, ref: TensorRef, timeout: float) -> TensorData:

@@ -425,25 +425,29 @@ class ZmqClient:
         """The next reply to `request_id` on the owner's bulk channel; stale ones are skipped."""
         assert link.bulk_socket is not None
         codec = self._bulk_codec_for_thread()
+        where = f"the bulk channel of {link.address}"
         while True:
-            frames = self._direct_frames(link.bulk_socket, link.address, deadline)
-            try:
-                message = codec.decode(frames[0].buffer)
-            except WireError as exc:
-                log.warning("unreadable reply from the bulk channel of %s: %s", link.address, exc)
-                continue
+            message, frames = self._direct_message(link.bulk_socket, codec, link.address, where, deadline)
             if getattr(message, "request_id", None) == request_id:
                 return message, frames[1:]
 
-    def _direct_frames(self, socket: zmq.Socket, address: str, deadline: float) -> list[zmq.Frame]:
+    def _direct_message(self, socket: zmq.Socket, codec: WireCodec, address: str, where: str,
+                        deadline: float) -> tuple[Message | BulkMessage, list[zmq.Frame]]:
+        """The next readable message on `socket` and its frames (the first is the message);
+        an unreadable one is logged (as from `where`) and skipped."""
         while True:
             if self._closed:
                 raise PeerUnavailable("client closed")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise TransferTimeout(f"no complete answer from {address} in time")
-            if socket.poll(min(remaining_ms, self._POLL_SLICE_MS), zmq.POLLIN):
-                return socket.recv_multipart(copy=False)
+            if not socket.poll(min(remaining_ms, self._POLL_SLICE_MS), zmq.POLLIN):
+                continue
+            frames = socket.recv_multipart(copy=False)
+            try:
+                return codec.decode(frames[0].buffer), frames
+            except WireError as exc:
+                log.warning("unreadable reply from %s: %s", where, exc)
 
     def _direct_reply(
         self, link: _DirectLink, request_id: int | None, deadline: float
@@ -452,12 +456,7 @@ class ZmqClient:
         assert link.socket is not None
         codec = self._codec_for_thread()
         while True:
-            frames = self._direct_frames(link.socket, link.address, deadline)
-            try:
-                message = codec.decode(frames[0].buffer)
-            except WireError as exc:
-                log.warning("unreadable reply from %s: %s", link.address, exc)
-                continue
+            message, frames = self._direct_message(link.socket, codec, link.address, link.address, deadline)
             got = getattr(message, "request_id", None)
             if isinstance(message, ErrorReply) and message.code == ErrorCode.HANDSHAKE_REQUIRED:
                 link.peer = None

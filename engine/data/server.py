@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from engine.data import cuda_ipc
-from engine.data.bulk import GRANT_S, BulkEndpoint, drop_stalled, send_frames
+from engine.data.bulk import GRANT_S, BulkEndpoint, drop_stalled, send_routed
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
 from engine.data.tensor_store import (
@@ -411,12 +411,7 @@ class TensorServer:
         """Send `message` (and each buffer of `data` as a raw frame, zero-copy); returns a
         handle done once ZeroMQ no longer reads `data`."""
         try:
-            self._socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-            if data is None:
-                self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
-                return None
-            self._socket.send(self._codec.encode(message), zmq.SNDMORE | zmq.NOBLOCK)
-            return send_frames(self._socket, data)
+            return send_routed(self._socket, identity, self._codec.encode(message), data)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

@@ -1,7 +1,8 @@
 """Wire messages of the Data Flow transfer plane, and nothing else.
 
-Every message is a tagged `msgspec.Struct` (tag field `"type"`, tag value = class name)
-encoded as msgpack by `engine.data.codec`. Tensor bytes never travel inside a message:
+Every message is a `Tagged` struct (tag field `"type"`, tag value = class name), and every
+message of one request an `Exchange`, which carries its `request_id`; all are encoded as
+msgpack by `engine.data.codec`. Tensor bytes never travel inside a message:
 they follow it as raw ZeroMQ frames, described by a `TensorHeader`.
 
 A connection is a ZeroMQ DEALER (client) talking to a ROUTER (the owner of a tensor
@@ -141,13 +142,23 @@ class TensorRef(msgspec.Struct, frozen=True):
     shm: ShmLocation | None = None
 
 
-class HelloRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class Tagged(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+    """A message: frozen, tagged with its class name in field `"type"` (subclasses inherit both)."""
+
+
+class Exchange(Tagged):
+    """A message of one request: the request and every answer to it carry its `request_id`."""
+
+    request_id: int
+
+
+class HelloRequest(Tagged):
     protocol_version: int
     peer: str
     host: str
 
 
-class HelloReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class HelloReply(Tagged):
     protocol_version: int
     server: str
     host: str
@@ -155,11 +166,10 @@ class HelloReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     max_request_bytes: int
 
 
-class PullRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class PullRequest(Exchange):
     """Ask for a ref's bytes; `transports` lists what the client accepts, best first. `bulk`:
     the client would take TCP bytes over the owner's bulk channel (`engine.data.bulk`)."""
 
-    request_id: int
     ref_id: RefId
     transports: tuple[Transport, ...]
     bulk: bool = False
@@ -176,12 +186,11 @@ class BulkGrant(msgspec.Struct, frozen=True, array_like=True):
     key: bytes
 
 
-class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class PullReply(Exchange):
     """How to read the ref. SHM: map `segment` (`segment_size` bytes) and read at
     `header.offset`; TCP: fetch `header.nbytes` with ChunkRequests; INLINE: one raw frame
     follows; CUDA_IPC: open `cuda` and read at `header.offset`."""
 
-    request_id: int
     ref_id: RefId
     transport: Transport
     header: TensorHeader
@@ -195,48 +204,41 @@ class PullReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     `bulk.address` with BulkChunkRequests instead of ChunkRequests on this connection."""
 
 
-class ChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ChunkRequest(Exchange):
     ref_id: RefId
     offset: int
     length: int
 
 
-class ChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class ChunkReply(Exchange):
     """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from)."""
 
-    request_id: int
     offset: int
     length: int
 
 
-class LeaseRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class LeaseRequest(Exchange):
     ref_id: RefId
     seconds: float
 
 
-class LeaseReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class LeaseReply(Exchange):
     lease_expires_at: float
 
 
-class ReleaseRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ReleaseRequest(Exchange):
     ref_id: RefId
 
 
-class ReleaseReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ReleaseReply(Exchange):
     released: bool
 
 
-class StatsRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class StatsRequest(Exchange):
+    pass
 
 
-class StatsReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class StatsReply(Exchange):
     live_refs: int
     live_bytes: int
     segments: int
@@ -244,15 +246,15 @@ class StatsReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     pooled_bytes: int
 
 
-class PingRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class PingRequest(Exchange):
+    pass
 
 
-class PingReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class PingReply(Exchange):
+    pass
 
 
-class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVFetchRequest(Exchange):
     """Ask a worker for KV cache pages, in chain order. `pages` are page keys (hex SHA-256,
     `engine.data.kv.keys.PageHash`); `layout` is the asker's `KVLayout.fingerprint()`: a holder
     with another layout refuses with BAD_REQUEST rather than hand out pages of another shape.
@@ -261,14 +263,13 @@ class KVFetchRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     may serve the pages from its own slots rather than copy them into shared memory (implied
     by `bulk`)."""
 
-    request_id: int
     pages: tuple[str, ...]
     layout: str
     bulk: bool = False
     tcp: bool = False
 
 
-class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVFetchReply(Exchange):
     """The pages the holder hands out: always the longest leading run of the request's pages
     that it holds intact (a page after a gap is useless to a prefix cache), so `found` is a
     prefix of the request's `pages`. `ref` names them stacked as one tensor
@@ -278,35 +279,32 @@ class KVFetchReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     so the asker asks for the chunks at once. `lent`: `ref` reads the pages in the holder's own
     slots (no copy there), so the asker may ask for the rest of its run at once."""
 
-    request_id: int
     found: tuple[str, ...]
     ref: TensorRef | None = None
     bulk: BulkGrant | None = None
     lent: bool = False
 
 
-class BulkChunkRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class BulkChunkRequest(Exchange):
     """A range of a granted ref, asked of the owner's bulk channel (`engine.data.bulk`)."""
 
-    request_id: int
     token: bytes
     ref_id: RefId
     offset: int
     length: int
 
 
-class BulkChunkReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class BulkChunkReply(Exchange):
     """Followed by raw frames of `length` bytes in all (one, or one per buffer they come from);
     `tag` is their MAC under the grant's key (`engine.data.bulk.parts_tag`), empty when the
     grant has none."""
 
-    request_id: int
     offset: int
     length: int
     tag: bytes
 
 
-class ErrorReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class ErrorReply(Tagged):
     """The answer to any request that cannot be served; `request_id` is None when the
     request was too broken to read one."""
 
@@ -356,12 +354,11 @@ class PortValue(msgspec.Struct, frozen=True, omit_defaults=True):
     ref: TensorRef | None = None
 
 
-class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class ExecuteRequest(Exchange):
     """Run one node execution of `role` on this worker: the call's header as it is
     (`engine.spec.calls.CallHeader`, its tenant included: the worker's unit namespaces its caches
     by it) and its input values as `PortValue`s."""
 
-    request_id: int
     role: str
     call: CallHeader
     inputs: dict[str, PortValue]
@@ -370,77 +367,65 @@ class ExecuteRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     node, and the frames of each stream-mode input port. 0: no limit."""
 
 
-class ExecuteStarted(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ExecuteStarted(Exchange):
     worker_id: str
 
 
-class ExecuteProgress(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ExecuteProgress(Exchange):
     progress: float | None
     message: str
 
 
-class ExecuteFrame(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ExecuteFrame(Exchange):
     index: int
     outputs: dict[str, PortValue]
 
 
-class ExecuteResult(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class ExecuteResult(Exchange):
     outputs: dict[str, PortValue]
     route: tuple[str, ...] | None = None
 
 
-class ExecuteFailed(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class ExecuteFailed(Exchange):
     """The node's own code failed (`error` is its exception, rendered); not a transport error."""
 
-    request_id: int
     error: str
     retryable: bool = True
 
 
-class CancelRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class CancelRequest(Exchange):
+    pass
 
 
-class InputFrame(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class InputFrame(Exchange):
     port: str
     value: PortValue
 
 
-class InputEnd(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class InputEnd(Exchange):
     port: str
 
 
-class FrameCredit(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class FrameCredit(Exchange):
     """Executor to worker: the executor took `frames` more output frames of a stream node;
     the worker may send that many more."""
 
-    request_id: int
     frames: int
 
 
-class InputCredit(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class InputCredit(Exchange):
     """Worker to executor: `frames` more frames of stream input `port` may be sent (the node
     took them, or it waits on another port and this one must not hold the sender back)."""
 
-    request_id: int
     port: str
     frames: int
 
 
-class LoadRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class LoadRequest(Exchange):
     """Asked of a worker's liveness endpoint: its current load, as a heartbeat carries it."""
 
-    request_id: int
 
-
-class LoadReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class LoadReply(Exchange):
     outstanding: int
     queue_depth: int
     busy: bool

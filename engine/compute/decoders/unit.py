@@ -16,22 +16,20 @@ import torch
 from engine.compute.context import UnitContext
 from engine.compute.decoders.audio import AudioCodeDecoder, audio_decoder_config
 from engine.compute.decoders.errors import DecoderError
-from engine.compute.threaded import ThreadedUnit, UnitInputError
-from engine.compute.weights.store import WeightKey, WeightStore
+from engine.compute.threaded import UnitInputError
+from engine.compute.weighted import WeightedUnit
+from engine.compute.weights.store import WeightKey
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
 from engine.spec.progress import ProgressMeter
 
 
-class _DecoderUnit(ThreadedUnit):
+class _DecoderUnit(WeightedUnit):
     port: str
     output: str
 
     def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
-        super().__init__(role)
-        shared = ctx.weights if ctx else None
-        self._own_store = shared is None
-        self.shared = shared if shared is not None else WeightStore()
+        super().__init__(role, ctx)
         self.key = self._load(role)
 
     def _load(self, role: RoleSpec) -> WeightKey:
@@ -56,12 +54,6 @@ class _DecoderUnit(ThreadedUnit):
         data = await self.run_blocking(run)
         meter.advance()
         return NodeResult(outputs=map_outputs(data, call.output_ports, call.node_id))
-
-    async def close(self) -> None:
-        await super().close()
-        self.shared.release(self.key)
-        if self._own_store:
-            self.shared.close()
 
 
 class VAEDecoderUnit(_DecoderUnit):

@@ -20,8 +20,9 @@ from engine.compute.encoders.vision import VisionEncoder, vision_config
 from engine.compute.media import MediaError
 from engine.compute.models.catalog import BUILTIN_MODELS
 from engine.compute.models.packaged import PACKAGED_MODELS
-from engine.compute.threaded import ThreadedUnit, UnitInputError
-from engine.compute.weights.store import WeightKey, WeightStore
+from engine.compute.threaded import UnitInputError
+from engine.compute.weighted import WeightedUnit
+from engine.compute.weights.store import WeightKey
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, map_outputs
 from engine.spec.graph import RoleSpec
 from engine.spec.progress import ProgressMeter
@@ -43,15 +44,12 @@ def projection_size(role: RoleSpec) -> int:
     return BUILTIN_MODELS[name].hidden_size
 
 
-class _EncoderUnit(ThreadedUnit):
+class _EncoderUnit(WeightedUnit):
     kind: str
     port: str
 
     def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
-        super().__init__(role)
-        shared = ctx.weights if ctx else None
-        self._own_store = shared is None
-        self.shared = shared if shared is not None else WeightStore()
+        super().__init__(role, ctx)
         self.key, self.encoder = self._load(role)
 
     encoder_class: type[VisionEncoder] | type[AudioEncoder]
@@ -85,12 +83,6 @@ class _EncoderUnit(ThreadedUnit):
         ports = call.output_ports
         return NodeResult(outputs=map_outputs(values[ports[0]] if len(ports) == 1 else
                                               {p: values[p] for p in ports if p in values}, ports, call.node_id))
-
-    async def close(self) -> None:
-        await super().close()
-        self.shared.release(self.key)
-        if self._own_store:
-            self.shared.close()
 
 
 class VisionEncoderUnit(_EncoderUnit):

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.compute.llm.errors import LLMUnitError
 from engine.compute.llm.sequence import FinishReason, RequestOutput
+from engine.compute.prompts import call_prompt
 from engine.compute.sampling import SamplingParams
 from engine.spec.calls import NodeCall
 from engine.spec.usage import Usage
@@ -47,16 +48,7 @@ def node_mode(call: NodeCall) -> NodeMode:
 
 def node_prompt(call: NodeCall) -> str | list[int]:
     """The call's prompt: exactly one of the inputs `prompt` (text) or `tokens` (ids)."""
-    prompt, tokens = call.inputs.get("prompt"), call.inputs.get("tokens")
-    if (prompt is None) == (tokens is None):
-        raise LLMUnitError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' (text) or 'tokens'")
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise LLMUnitError(f"node {call.node_id!r}: input 'prompt' must be text, not {type(prompt).__name__}")
-        return prompt
-    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
-        raise LLMUnitError(f"node {call.node_id!r}: input 'tokens' must be a list of token ids")
-    return list(tokens)
+    return call_prompt(call, LLMUnitError)
 
 
 def node_sampling(node_id: str, params: dict[str, Any]) -> SamplingParams:

@@ -53,16 +53,23 @@ class InitScales:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and seed of a tiny built-in decoder (a `transformers` Llama or Qwen2)."""
+class DecoderShape:
+    """The architecture of a decoder, as the model catalogue shows it and tensor parallelism
+    checks it: every built-in LLM, seeded (`ModelConfig`) or packaged (`PackagedModel`), is one."""
 
-    name: str
     family: Family
-    hidden_size: int
     num_layers: int
+    hidden_size: int
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig(DecoderShape):
+    """Shape and seed of a tiny built-in decoder (a `transformers` Llama or Qwen2)."""
+
+    name: str
     seed: int
     max_positions: int = 8192
     rope_theta: float = 10000.0

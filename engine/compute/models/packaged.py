@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from engine.compute.models.catalog import DecoderShape
 from engine.compute.models.errors import ModelLoadError
 
 DistributionLookup = Callable[[str], importlib.metadata.Distribution]
@@ -27,7 +28,7 @@ class PackageMissingError(ModelLoadError):
 
 
 @dataclass(frozen=True, slots=True)
-class PackagedModel:
+class PackagedModel(DecoderShape):
     """A decoder whose weights come from a GGUF file in a pinned, installed distribution."""
 
     name: str
@@ -35,12 +36,6 @@ class PackagedModel:
     version: str
     gguf_file: str
     """Path of the GGUF inside the distribution, as its RECORD lists it."""
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
     description: str = ""
 
     @property

@@ -45,6 +45,7 @@ import jsonschema
 
 from engine.compute.context import UnitContext
 from engine.compute.kinds import SGLANG_ENGINE_PARAMS, SGLANG_ROLE_PARAMS
+from engine.compute.prompts import call_prompt
 from engine.compute.sampling import SamplingParams, SamplingParamsError
 from engine.compute.sglang import hicache_config
 from engine.data.kv.errors import KVConfigError
@@ -185,16 +186,7 @@ def prompt_of(call: NodeCall) -> str | list[int]:
     if call.tenant is not None:
         raise SGLangRunnerError(f"node {call.node_id!r}: the sglang runner keeps one prefix cache for every caller,"
                                 " so it serves only runs without a tenant (not the studio's)")
-    prompt, tokens = call.inputs.get("prompt"), call.inputs.get("tokens")
-    if (prompt is None) == (tokens is None):
-        raise SGLangRunnerError(f"node {call.node_id!r}: give exactly one of the inputs 'prompt' (text) or 'tokens'")
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise SGLangRunnerError(f"node {call.node_id!r}: input 'prompt' must be text")
-        return prompt
-    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
-        raise SGLangRunnerError(f"node {call.node_id!r}: input 'tokens' must be a list of token ids")
-    return list(tokens)
+    return call_prompt(call, SGLangRunnerError)
 
 
 class SGLangLLMUnit(ComputeUnit):

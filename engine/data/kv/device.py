@@ -8,14 +8,15 @@ from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.tier import SlotTable, Tier
+from engine.data.kv.memory import MemorySlots
+from engine.data.kv.tier import Tier
 
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class DeviceTier(SlotTable):
+class DeviceTier(MemorySlots):
     """Page slots in one tensor `pool` of shape `(capacity, 2, L, page, H, D)`.
 
     The tier only stores bytes; which page to evict is the store's decision. Views
@@ -28,33 +29,21 @@ class DeviceTier(SlotTable):
     def __init__(
         self, layout: KVLayout, capacity_pages: int, device: torch.device | str | None = None
     ) -> None:
-        self.layout = layout
-        self.capacity_pages = capacity_pages
+        self._init_slots(layout, capacity_pages)
         self.device = torch.device(device) if device is not None else default_device()
         self.pool: torch.Tensor | None = torch.empty(
             (capacity_pages, *layout.page_shape), dtype=layout.torch_dtype, device=self.device
         )
-        self._slots: dict[PageHash, int] = {}
-        # Lowest slot first, so a fresh tier fills slots 0, 1, 2... (deterministic for tests).
-        self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
-        self._held: dict[int, int] = {}
-        self._orphaned: set[int] = set()
 
-    def _pool(self) -> torch.Tensor:
+    def _page_slots(self) -> torch.Tensor:
         if self.pool is None:
             raise KVClosedError("device tier is closed")
         return self.pool
 
 
-    def slot_of(self, page: PageHash) -> int:
-        return self._slots[page]
-
-    def view(self, page: PageHash) -> torch.Tensor:
-        return self._pool()[self._slots[page]]
-
     def write(self, page: PageHash, src: torch.Tensor) -> int:
         """Copy `src` (one page, any device) into a free slot; returns the slot."""
-        pool = self._pool()
+        pool = self._page_slots()
         if not self._free:
             raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
         slot = self._free.pop()
@@ -70,27 +59,16 @@ class DeviceTier(SlotTable):
 
     def allocate(self, page: PageHash) -> torch.Tensor:
         """Reserve a slot for `page` and return it for the caller to fill (e.g. a disk read)."""
-        pool = self._pool()
+        pool = self._page_slots()
         if not self._free:
             raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
         slot = self._free.pop()
         self._slots[page] = slot
         return pool[slot]
 
-    def slot_bytes(self, first: int, count: int) -> torch.Tensor:
-        """The bytes of `count` adjacent slots from `first`, 1-D uint8, no copy."""
-        return self._pool()[first : first + count].reshape(-1).view(torch.uint8)
-
-    def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
-        copy_page(dst, self._pool()[self._slots[page]])
-        return True
-
     def remove(self, page: PageHash) -> None:
         self._recycle(self._slots.pop(page))
 
     def close(self) -> None:
         self.pool = None
-        self._slots.clear()
-        self._free.clear()
-        self._held.clear()
-        self._orphaned.clear()
+        self._clear_slots()

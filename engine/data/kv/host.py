@@ -38,7 +38,8 @@ from engine.data.kv.copy import copy_page
 from engine.data.kv.errors import KVCapacityError, KVClosedError, KVConfigError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.tier import SlotTable, Tier
+from engine.data.kv.memory import MemorySlots
+from engine.data.kv.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _views(
     return table, pages
 
 
-class HostTier(SlotTable):
+class HostTier(MemorySlots):
     """Owner side of the host tier. Not thread-safe: the store serializes calls."""
 
     tier = Tier.HOST
@@ -85,8 +86,7 @@ class HostTier(SlotTable):
     def __init__(
         self, layout: KVLayout, capacity_pages: int, name: str | None = None, pin: bool | None = None
     ):
-        self.layout = layout
-        self.capacity_pages = capacity_pages
+        self._init_slots(layout, capacity_pages)
         self.name = name or f"omniflow-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         table_offset, data_offset, size = _segment_size(capacity_pages, layout.page_nbytes)
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
@@ -108,23 +108,19 @@ class HostTier(SlotTable):
         self._pages: torch.Tensor | None = pages
         self._table["version"] = 0
         self._table["used"] = 0
-        self._slots: dict[PageHash, int] = {}
-        self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
-        self._held: dict[int, int] = {}
-        self._orphaned: set[int] = set()
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
             self._pin()
 
     def _pin(self) -> None:
         """Page-lock the data region so host<->GPU copies run at full speed (CUDA only)."""
-        pages = self._live_pages()
+        pages = self._page_slots()
         result = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel() * pages.itemsize, 0)
         if int(result) != 0:
             raise KVConfigError(f"cudaHostRegister of the host KV segment failed with code {int(result)}")
         self.pinned = True
 
-    def _live_pages(self) -> torch.Tensor:
+    def _page_slots(self) -> torch.Tensor:
         if self._pages is None:
             raise KVClosedError(f"host tier {self.name} is closed")
         return self._pages
@@ -135,15 +131,8 @@ class HostTier(SlotTable):
         return self._table
 
 
-    def slot_of(self, page: PageHash) -> int:
-        return self._slots[page]
-
-    def view(self, page: PageHash) -> torch.Tensor:
-        """Zero-copy view of a resident page; valid until the page leaves the tier."""
-        return self._live_pages()[self._slots[page]]
-
     def write(self, page: PageHash, src: torch.Tensor) -> int:
-        pages, table = self._live_pages(), self._live_table()
+        pages, table = self._page_slots(), self._live_table()
         if not self._free:
             raise KVCapacityError(self.tier.label, self.capacity_pages, 0)
         slot = self._free.pop()
@@ -163,14 +152,6 @@ class HostTier(SlotTable):
         self._slots[page] = slot
         return slot
 
-    def slot_bytes(self, first: int, count: int) -> torch.Tensor:
-        """The bytes of `count` adjacent slots from `first`, 1-D uint8, no copy."""
-        return self._live_pages()[first : first + count].reshape(-1).view(torch.uint8)
-
-    def read_into(self, page: PageHash, dst: torch.Tensor) -> bool:
-        copy_page(dst, self._live_pages()[self._slots[page]])
-        return True
-
     def remove(self, page: PageHash) -> None:
         table = self._live_table()
         slot = self._slots.pop(page)
@@ -189,10 +170,7 @@ class HostTier(SlotTable):
             self.pinned = False
         self._table = None
         self._pages = None
-        self._slots.clear()
-        self._free.clear()
-        self._held.clear()
-        self._orphaned.clear()
+        self._clear_slots()
         shm, self._shm = self._shm, None
         shm.unlink()
         try:

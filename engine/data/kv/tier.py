@@ -89,8 +89,8 @@ class TierStats:
 class SlotTable:
     """Residency bookkeeping shared by the tiers: which page sits in which slot, and
     the free slots. A subclass sets `layout`, `_slots` (page -> slot) and `_free` in
-    its constructor; a tier of memory slots (device, host) also `_held` and `_orphaned`
-    (both empty), and gives a removed page's slot to `_recycle`.
+    its constructor; a tier of memory slots (device, host: `engine.data.kv.memory.MemorySlots`)
+    also `_held` and `_orphaned` (both empty), and gives a removed page's slot to `_recycle`.
 
     A held slot (`hold`, for a zero-copy send of its bytes) is never reused while held: a
     page removed meanwhile leaves the tier at once, but its slot (and its bytes) only

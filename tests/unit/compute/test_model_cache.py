@@ -3,6 +3,7 @@ tested in tests/integration/test_smollm2.py), the real distribution lookup, real
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import threading
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_a_missing_distribution_names_the_install_command(tmp_path: Path):
 
 
 def test_another_installed_version_is_named():
-    other = PackagedModel(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__}, "distribution": "msgspec"})
+    other = dataclasses.replace(SPEC, distribution="msgspec")
     with pytest.raises(PackageMissingError, match=r"needs msgspec==0\.1\.2, but 0\.23\.0 is installed"):
         find_gguf(other)
 

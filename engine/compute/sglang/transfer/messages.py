@@ -1,9 +1,9 @@
 """Wire messages of the SGLang KV transfer plug-in (`engine.compute.sglang.transfer`), and nothing else.
 
-Every message is a tagged `msgspec.Struct` (tag field `"type"`) encoded as msgpack with
-`engine.data.codec.WireCodec` over the unions below. KV bytes never travel inside these
-messages: the prefill side puts them in its tensor store and hands out a `TensorRef`,
-which the decode side pulls over `engine.data` (shared memory on one host, TCP otherwise).
+Every message is an `engine.data.wire.Exchange` (tag field `"type"`, and a `request_id`), encoded as
+msgpack with `engine.data.codec.WireCodec` over the unions below. KV bytes never travel inside these
+messages: the prefill side puts them in its tensor store and hands out a `TensorRef`, which the
+decode side pulls over `engine.data` (shared memory on one host, TCP otherwise).
 
 Bootstrap server (a ROUTER; prefill managers and decode managers are DEALERs):
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.data.wire import TensorRef
+from engine.data.wire import Exchange, TensorRef
 
 TRANSFER_PROTOCOL_VERSION = 1
 
@@ -37,10 +37,9 @@ class PrefillTopology(msgspec.Struct, frozen=True):
     kv_cache_dtype: str
 
 
-class BootstrapRegisterRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class BootstrapRegisterRequest(Exchange):
     """A prefill manager (one per dp rank and tp rank) announces its control endpoint."""
 
-    request_id: int
     protocol_version: int
     dp_rank: int
     engine_rank: int
@@ -48,31 +47,27 @@ class BootstrapRegisterRequest(msgspec.Struct, tag=True, tag_field="type", froze
     topology: PrefillTopology
 
 
-class BootstrapRegisterReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class BootstrapRegisterReply(Exchange):
     accepted: bool
     reason: str = ""
 
 
-class BootstrapLookupRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class BootstrapLookupRequest(Exchange):
     """Where is the prefill manager of (`dp_rank`, `engine_rank`)? `engine_rank` -1: topology only."""
 
-    request_id: int
     dp_rank: int
     engine_rank: int
 
 
-class BootstrapLookupReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class BootstrapLookupReply(Exchange):
     address: str | None
     topology: PrefillTopology | None
 
 
-class KVReceiveRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVReceiveRequest(Exchange):
     """A decode receiver is ready for `room`: `num_pages` pages of the given per-buffer sizes
     (bytes of one page in each KV buffer) and, when `aux` is set, one aux row."""
 
-    request_id: int
     protocol_version: int
     room: int
     num_pages: int
@@ -81,51 +76,46 @@ class KVReceiveRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
     aux: bool
 
 
-class KVReadyEvent(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVReadyEvent(Exchange):
     """The answer to a `KVReceiveRequest` once the prefill has sent every page of `room`.
 
     `ref` is one uint8 tensor: for each KV buffer in order its `num_pages` pages, then (when
     asked for) the aux row of each aux buffer in order. It lives under a lease as long as
     the transfer's timeout; the decode side answers with a `KVDoneRequest`."""
 
-    request_id: int
     room: int
     num_pages: int
     ref: TensorRef
 
 
-class KVFailedEvent(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class KVFailedEvent(Exchange):
     room: int
     reason: str
 
 
-class KVStatusRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class KVStatusRequest(Exchange):
     room: int
 
 
-class KVStatusReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVStatusReply(Exchange):
     """`alive` is False when the prefill holds no live transfer for `room` (never had one,
     failed, aborted or cleared): the decode side fails at once instead of waiting."""
 
-    request_id: int
     room: int
     alive: bool
     reason: str = ""
 
 
-class KVDoneRequest(msgspec.Struct, tag=True, tag_field="type", frozen=True):
+class KVDoneRequest(Exchange):
     """The decode side has written `room`'s pages (`ok`) or given up on them."""
 
-    request_id: int
     room: int
     ok: bool
     reason: str = ""
 
 
-class KVDoneReply(msgspec.Struct, tag=True, tag_field="type", frozen=True):
-    request_id: int
+class KVDoneReply(Exchange):
+    pass
 
 
 BootstrapMessage = (
