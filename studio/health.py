@@ -22,6 +22,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from django.db import DatabaseError, connection
@@ -38,7 +40,7 @@ from studio.accounts.auth import bearer_token, user_for_token
 from studio.errors import error_body
 from studio.workflows.apps import engine
 from studio.workflows.deployments.workers import active_deployments, snapshots_sync
-from studio.workflows.history.points import point_of
+from studio.workflows.history.points import TierPoint, point_of
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,24 @@ class _RunsByStatus:
         yield _by_status(Run, RunStatus.values, "omniflow_runs", "Runs stored, by status")
 
 
+_TIER_SERIES: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str,
+                         Callable[[TierPoint], float | None]], ...] = (
+    (GaugeMetricFamily, "omniflow_kv_hit_rate", "KV cache hit rate since the worker started, per tier",
+     lambda t: t.hit_rate or 0.0),
+    (CounterMetricFamily, "omniflow_kv_lookups", "KV pages looked up, per tier", attrgetter("lookups")),
+    (CounterMetricFamily, "omniflow_kv_hits", "KV pages found, per tier", attrgetter("hits")),
+    (GaugeMetricFamily, "omniflow_kv_occupancy", "KV pages held over the tier's capacity (0..1)",
+     attrgetter("occupancy")),
+    (GaugeMetricFamily, "omniflow_kv_pages", "KV pages held, per tier", attrgetter("pages_used")),
+    (GaugeMetricFamily, "omniflow_kv_capacity_pages", "KV cache capacity in pages, per tier",
+     attrgetter("capacity_pages")),
+    (GaugeMetricFamily, "omniflow_kv_bytes", "KV cache bytes held, per tier", attrgetter("bytes_used")),
+    (GaugeMetricFamily, "omniflow_kv_capacity_bytes", "KV cache capacity, per tier", attrgetter("capacity_bytes")),
+)
+"""The per-tier families of each worker's KV store: their type, name, help and the value a `TierPoint`
+gives them (None: no sample, as for a tier without capacity's occupancy)."""
+
+
 class _Deployments:
     """Deployments by status (database) and their live workers' gauges (registry)."""
 
@@ -100,17 +120,8 @@ class _Deployments:
         outstanding = GaugeMetricFamily("omniflow_worker_outstanding", "Node calls accepted, not finished",
                                         labels=labels)
         rss = GaugeMetricFamily("omniflow_worker_rss_bytes", "Resident memory of the worker process", labels=labels)
-        hit = GaugeMetricFamily("omniflow_kv_hit_rate", "KV cache hit rate since the worker started, per tier",
-                                labels=tiered)
-        lookups = CounterMetricFamily("omniflow_kv_lookups", "KV pages looked up, per tier", labels=tiered)
-        hits = CounterMetricFamily("omniflow_kv_hits", "KV pages found, per tier", labels=tiered)
-        occupancy = GaugeMetricFamily("omniflow_kv_occupancy", "KV pages held over the tier's capacity (0..1)",
-                                      labels=tiered)
-        pages = GaugeMetricFamily("omniflow_kv_pages", "KV pages held, per tier", labels=tiered)
-        capacity_pages = GaugeMetricFamily("omniflow_kv_capacity_pages", "KV cache capacity in pages, per tier",
-                                           labels=tiered)
-        used = GaugeMetricFamily("omniflow_kv_bytes", "KV cache bytes held, per tier", labels=tiered)
-        capacity = GaugeMetricFamily("omniflow_kv_capacity_bytes", "KV cache capacity, per tier", labels=tiered)
+        tier_families = [(family(name, documentation, labels=tiered), value_of)
+                         for family, name, documentation, value_of in _TIER_SERIES]
         gpu = GaugeMetricFamily("omniflow_gpu_memory_bytes", "GPU memory of the worker process on its device"
                                 " (allocated, reserved by its allocator; the device's total)",
                                 labels=[*labels, "device", "kind"])
@@ -129,16 +140,9 @@ class _Deployments:
                 if point.rss_bytes is not None:
                     rss.add_metric(key, point.rss_bytes)
                 for tier, t in point.tiers.items():
-                    labelled = [*key, tier]
-                    hit.add_metric(labelled, t.hit_rate or 0.0)
-                    lookups.add_metric(labelled, t.lookups)
-                    hits.add_metric(labelled, t.hits)
-                    if t.occupancy is not None:
-                        occupancy.add_metric(labelled, t.occupancy)
-                    pages.add_metric(labelled, t.pages_used)
-                    capacity_pages.add_metric(labelled, t.capacity_pages)
-                    used.add_metric(labelled, t.bytes_used)
-                    capacity.add_metric(labelled, t.capacity_bytes)
+                    for family, value_of in tier_families:
+                        if (sample := value_of(t)) is not None:
+                            family.add_metric([*key, tier], sample)
                 if point.gpu is not None:
                     for kind, value in (("allocated", point.gpu.allocated_bytes), ("reserved", point.gpu.reserved_bytes),
                                         ("total", point.gpu.total_bytes)):
@@ -147,8 +151,7 @@ class _Deployments:
                     tokens.add_metric(key, point.generated_tokens)
                 if REFUSED_METRIC in w.load.metrics:
                     refused.add_metric(key, w.load.metrics[REFUSED_METRIC])
-        yield from (up, queue, outstanding, rss, hit, lookups, hits, occupancy, pages, capacity_pages, used, capacity,
-                    gpu, tokens, refused)
+        yield from (up, queue, outstanding, rss, *(family for family, _ in tier_families), gpu, tokens, refused)
 
 
 def _refused(status: int, message: str) -> JsonResponse:

@@ -15,16 +15,24 @@ from studio.workflows.models import (
 )
 
 
-class VersionInline(admin.TabularInline):
-    model = WorkflowVersion
-    fields = ("number", "valid", "message", "author", "created_at")
-    readonly_fields = fields
+class ReadOnlyInline(admin.TabularInline):
+    """Rows the studio writes (versions, node states): listed under their parent, never added,
+    changed or deleted there. A subclass names `model` and its `fields`."""
+
     extra = 0
     can_delete = False
-    show_change_link = True
+
+    def get_readonly_fields(self, request, obj=None) -> tuple[str, ...]:
+        return tuple(self.fields)
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
+
+
+class VersionInline(ReadOnlyInline):
+    model = WorkflowVersion
+    fields = ("number", "valid", "message", "author", "created_at")
+    show_change_link = True
 
 
 @admin.register(Workflow)
@@ -77,15 +85,9 @@ class WorkerAdmin(admin.ModelAdmin):
     list_filter = ("status", "role")
 
 
-class NodeRunInline(admin.TabularInline):
+class NodeRunInline(ReadOnlyInline):
     model = NodeRun
     fields = ("node", "kind", "state", "attempts", "iterations", "duration_ms", "error")
-    readonly_fields = fields
-    extra = 0
-    can_delete = False
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(Run)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from studio.accounts.management.users import user_named
 from studio.accounts.models import ApiToken
 
 
@@ -16,11 +16,7 @@ class Command(BaseCommand):
         parser.add_argument("--name", default="cli", help="a label to recognise the token by")
 
     def handle(self, *args, username: str, name: str, **options) -> None:
-        User = get_user_model()
-        try:
-            user = User.objects.get(**{User.USERNAME_FIELD: username})
-        except User.DoesNotExist:
-            raise CommandError(f"no user {username!r}") from None
+        user = user_named(username)
         if not user.is_active:
             raise CommandError(f"user {username!r} is inactive")
         issued = ApiToken.objects.issue(user, name)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from engine.client.graphs import GraphValidationError, WorkflowLoadError, load_workflow
+from studio.accounts.management.users import user_named
 from studio.workflows.models import Workflow
 from studio.workflows.operations import check_spec_for_studio, create_workflow, save_version
 
@@ -23,11 +23,7 @@ class Command(BaseCommand):
         parser.add_argument("--dir", default=str(settings.ROOT_DIR / "workflows"), help="folder of DSL modules")
 
     def handle(self, *args, owner: str, dir: str, **options) -> None:
-        User = get_user_model()
-        try:
-            user = User.objects.get(**{User.USERNAME_FIELD: owner})
-        except User.DoesNotExist:
-            raise CommandError(f"no user {owner!r}") from None
+        user = user_named(owner)
         folder = Path(dir)
         paths = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
         if not paths:
