@@ -10,7 +10,8 @@ host them, and where a deployment's replicas go.
   those whose tombstones a Redis flush or restart took (the caller's durable record says which
   were lost within `FENCE_TTL_S`);
 * the node directory (`engine.flow.discovery.nodes`): `NodeDirectory`, the `NodeRecord` each
-  node agent announces, with its `GpuInfo`; `NodeDirectoryError`; `detect_gpus`, this machine's
+  node agent announces, with its `GpuInfo`; `NodeState`, a known node's last record and whether
+  its lease is live; `NodeDirectoryError`; `detect_gpus`, this machine's
   GPUs as `nvidia-smi` lists them (`engine.flow.discovery.machine`);
 * placement (`engine.flow.placement`, pure): `place` puts each `RoleDemand` on a `NodeOffer`,
   giving a `Placement` (a `Slot` per replica: its node and GPUs) or `PlacementError` with a
@@ -33,7 +34,7 @@ from engine.flow.discovery import (
     make_registry,
 )
 from engine.flow.discovery.machine import detect_gpus
-from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord
+from engine.flow.discovery.nodes import GpuInfo, NodeDirectory, NodeDirectoryError, NodeRecord, NodeState
 from engine.flow.gpus import GpuAssignmentError, GpuGrant, GpuRequest, assign_gpus
 from engine.flow.placement import NodeOffer, Placement, PlacementError, Refusal, RoleDemand, Slot, place
 
@@ -49,6 +50,7 @@ __all__ = [
     "NodeDirectoryError",
     "NodeOffer",
     "NodeRecord",
+    "NodeState",
     "Placement",
     "PlacementError",
     "Refusal",

@@ -181,6 +181,23 @@ def deployment_namespace(prefix: str, deployment_id: uuid.UUID) -> str:
     return f"{prefix}-d{deployment_id.hex}"
 
 
+class NodeHeartbeat(models.Model):
+    """A machine's (a node agent's node's) heartbeat, kept where a Redis flush cannot take it: the
+    latest announcement of its agent that the node directory accepted, on the database's clock
+    (`studio.workflows.deployments.liveness`). One row per node name."""
+
+    name = models.CharField(max_length=255, unique=True)
+    seen_at = models.DateTimeField(help_text="when the node directory last accepted its announcement")
+    lapses_at = models.DateTimeField(help_text="seen_at + ttl_s: when its lease ends unless it announces again")
+    ttl_s = models.FloatField(help_text="the lease its agent announces with (OMNIFLOW_NODE_TTL_S)")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class WorkerStatus(models.TextChoices):
     STARTING = "starting"
     """Its process is spawned; it has not registered yet."""

@@ -24,7 +24,8 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   live nodes, and `deploy`/`stop_deployment` go to each node with a share.
 * `supervise_node(node)`: a node's Celery worker sends it to its own queue every
   OMNIFLOW_NODE_SUPERVISE_S (from `worker_ready` on, unless OMNIFLOW_WORKER_RESTART=0); it
-  places the replicas of lost nodes again (`deployments.failover`), fences again the lost workers
+  places the replicas of lost nodes again (`deployments.failover`; lost: heartbeat lapsed, never
+  merely absent from a flushed Redis, `deployments.liveness`), fences again the lost workers
   whose fences a Redis flush or restart took (`failover.restore_fences`), stops workers this node
   ran while it was lost (`NodeAgent.reap`), and
   reconciles the node's running deployments, so a worker that died is marked lost, taken off

@@ -1,6 +1,7 @@
 """The node directory against the real Redis at REDIS_URL: a node is live while its agent
 announces it, lost (still known, with its last record) once the lease lapses or it withdraws,
-gone once forgotten. Each test uses its own namespace and deletes its keys afterwards."""
+gone once forgotten; a flush forgets every node, which says nothing of how long Redis has been
+up. Each test uses its own namespace and deletes its keys afterwards."""
 
 from __future__ import annotations
 
@@ -61,6 +62,22 @@ def test_a_node_is_live_while_announced_then_lost_then_forgotten(directory: Node
     assert [s.record.name for s in directory.known()] == ["a"]
 
 
+def test_a_flush_forgets_every_node_but_redis_stays_up(directory: NodeDirectory) -> None:
+    directory.announce(record("a"))
+    directory.withdraw("a")
+    before = directory.up_s()
+    assert before >= 0
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.flushdb()  # this test's database only
+    finally:
+        client.close()
+    assert directory.known() == []  # neither live nor lost: unknown
+    assert directory.up_s() >= before
+    directory.announce(record("a"))
+    assert [(s.record.name, s.live) for s in directory.known()] == [("a", True)]
+
+
 def test_bad_records_and_an_unreachable_redis_are_errors(directory: NodeDirectory) -> None:
     with pytest.raises(ValueError, match="positive ttl_s"):
         directory.announce(record("a", ttl_s=0))
@@ -74,4 +91,6 @@ def test_bad_records_and_an_unreachable_redis_are_errors(directory: NodeDirector
         away.known()
     with pytest.raises(NodeDirectoryError, match="announcing node 'a' failed"):
         away.announce(record("a"))
+    with pytest.raises(NodeDirectoryError, match="reading how long Redis has been up failed"):
+        away.up_s()
     away.close()

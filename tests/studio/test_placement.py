@@ -2,13 +2,15 @@
 database, without node agents: what each node has free counts the deployments already placed,
 a deployment is refused (409) when it fits nowhere, pinned to a node that must be live,
 scaled with its running replicas kept, and a lost node's replicas are placed again (or wait,
-said on the deployment, until a node has room). The `deploy`/`stop_deployment` tasks these send
+said on the deployment, until a node has room), but never a node's that a Redis flush took from
+the directory while its agent still announces it (its heartbeats kept in the database). The `deploy`/`stop_deployment` tasks these send
 go to queues no agent consumes here; the test removes them."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import subprocess
 import sys
 import time
@@ -21,15 +23,18 @@ import pytest
 import redis
 from django.apps import apps
 from django.conf import settings
+from django.db.models.functions import Now
+from django.utils import timezone
 
 from engine.client.cluster import make_registry
 from engine.flow.discovery.nodes import NodeDirectory, NodeRecord
 from engine.spec.resources import Amounts
 from studio.config import Dispatch
 from studio.workflows.apps import build_engine
-from studio.workflows.deployments import failover, records
+from studio.workflows.deployments import failover, liveness, records
+from studio.workflows.deployments.announce import NodeAnnouncer
 from studio.workflows.deployments.node import NodeAgent
-from studio.workflows.models import Deployment, Worker, WorkerStatus
+from studio.workflows.models import Deployment, NodeHeartbeat, Worker, WorkerStatus
 from tests.studio.conftest import client_for
 from tests.studio.factories import create_workflow, spec_doc
 
@@ -53,6 +58,20 @@ class Nodes:
 
     def down(self, name: str) -> None:
         self.directory.withdraw(f"{self.tag}-{name}")
+
+    def agent(self, name: str, *, cpus: float, ttl_s: float) -> NodeAnnouncer:
+        """The announcer of a node agent for node `name` (its thread not started: the test makes
+        each heartbeat with `announce()`)."""
+        node = dataclasses.replace(self.config.node, cpus=cpus, gpus=0, memory_gb=16, ttl_s=ttl_s)
+        return NodeAnnouncer(dataclasses.replace(self.config, node_name=f"{self.tag}-{name}", node=node))
+
+    def flush(self) -> None:
+        """What a Redis flush, or a restart without persistence, does to the node directory."""
+        client = redis.Redis.from_url(self.config.redis_url)
+        try:
+            client.flushdb()  # this test's database only
+        finally:
+            client.close()
 
 
 @pytest.fixture
@@ -185,6 +204,90 @@ def test_a_lost_nodes_replicas_move_or_wait_for_room(nodes: Nodes, api: Any) -> 
     assert [(s["role"], s["replica"], s["node"]) for s in moved["slots"]] == [("py", 0, c), ("py", 1, c)]
     assert moved["moved"][-1] | {"at": ""} == {"role": "py", "replica": 0, "from": a, "to": c, "at": "",
                                                "reason": f"node {a} lost"}
+
+
+def on_agents(nodes: Nodes, api: Any, ttl_s: float) -> tuple[dict[str, NodeAnnouncer], dict[str, Any], str]:
+    """Nodes a (1 CPU) and b (2 CPUs), each announced by its agent once; a running deployment whose
+    one replica is on b, with its live worker row there: the agents, the deployment, its worker."""
+    agents = {"a": nodes.agent("a", cpus=1, ttl_s=ttl_s), "b": nodes.agent("b", cpus=2, ttl_s=ttl_s)}
+    for agent in agents.values():
+        agent.announce()
+    b = agents["b"].config.node_name
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, b)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    worker = f"py-{b}-1"
+    records.add_workers(d["id"], [records.StartedWorker(worker, "py", "tcp://10.0.0.1:1", b, 999_999)])
+    return agents, d, worker
+
+
+def test_a_redis_flush_loses_no_node_and_moves_no_replica(nodes: Nodes, api: Any) -> None:
+    """Redis flushed: the directory forgets both nodes, but their agents' heartbeats (kept in the
+    database) have not lapsed, so the supervision tick marks nothing lost and moves nothing; each
+    agent's next announcement puts its node back. The directory's own word still stands: a node
+    it knows without a live lease is lost whatever its row says."""
+    agents, d, worker = on_agents(nodes, api, ttl_s=30)
+    b = agents["b"].config.node_name
+    before = Deployment.objects.get(pk=d["id"])
+    nodes.flush()
+    assert nodes.directory.known() == []
+    assert failover.sweep(nodes.config) == []
+    after = Deployment.objects.get(pk=d["id"])
+    assert (after.placement, after.error, after.updated_at) == (before.placement, "", before.updated_at)
+    assert Worker.objects.get(worker_id=worker).status == WorkerStatus.READY
+
+    for agent in agents.values():
+        agent.announce()
+    assert {s.record.name: (s.live, s.record.free) for s in nodes.directory.known()} == {
+        agents["a"].config.node_name: (True, Amounts(0, 1, 16)), b: (True, Amounts(0, 1, 16))}
+    assert failover.sweep(nodes.config) == []
+
+    nodes.directory.withdraw(b)  # known to the directory, its lease ended: lost, fresh row or not
+    (rehomed,) = failover.sweep(nodes.config)
+    assert rehomed.lost_nodes == (b,) and rehomed.lost_workers == (worker,)
+    assert slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, agents["a"].config.node_name)]
+
+
+def test_a_node_that_dies_across_a_flush_is_lost_once_its_heartbeat_lapses(nodes: Nodes, api: Any) -> None:
+    """Redis flushed and node b's agent gone with it: b is unknown, not lost, while its kept
+    heartbeat's lease runs; at the first tick after that lease lapsed (by the database's clock)
+    it is lost and its replica moves to a, whose agent kept announcing. Ticks come every quarter
+    TTL, so that is within two TTLs of b's last heartbeat."""
+    ttl_s = 2.0
+    agents, d, worker = on_agents(nodes, api, ttl_s=ttl_s)
+    a, b = (agents[n].config.node_name for n in ("a", "b"))
+    nodes.flush()
+    agents["a"].announce()
+    if NodeHeartbeat.objects.filter(name=b, lapses_at__gt=timezone.now()).exists():  # b's lease still runs
+        assert failover.sweep(nodes.config) == []
+        assert slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, b)]
+    deadline = time.monotonic() + 30
+    while not NodeHeartbeat.objects.filter(name=b, lapses_at__lt=Now()).exists():
+        assert time.monotonic() < deadline, "node b's kept lease did not lapse"
+        time.sleep(0.05)  # polling the database for the end of b's lease
+    agents["a"].announce()
+    (rehomed,) = failover.sweep(nodes.config)
+    assert rehomed.lost_nodes == (b,) and rehomed.lost_workers == (worker,)
+    assert slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, a)]
+    assert Worker.objects.get(worker_id=worker).status == WorkerStatus.LOST
+
+
+def test_after_a_redis_restart_a_node_forgotten_waits_a_lease_from_redis_return(nodes: Nodes) -> None:
+    """A Redis that came back empty less than a TTL ago has not given the agents their chance to
+    announce (maybe after an outage in which no announcement could land): a node it does not know
+    is unknown, even with its kept lease lapsed or no row at all; lost once Redis has been up a TTL."""
+    NodeHeartbeat.objects.create(name="lapsed", seen_at=timezone.now() - datetime.timedelta(seconds=60),
+                        lapses_at=timezone.now() - datetime.timedelta(seconds=50), ttl_s=10)
+    NodeHeartbeat.objects.create(name="fresh", seen_at=timezone.now(),
+                        lapses_at=timezone.now() + datetime.timedelta(seconds=60), ttl_s=60)
+    placed = ["lapsed", "fresh", "never"]
+    young = liveness.judge([], placed, redis_up_s=3, default_ttl_s=5)
+    assert (young.lost, young.unknown) == (frozenset(), frozenset(placed))
+    old = liveness.judge([], placed, redis_up_s=3600, default_ttl_s=5)
+    assert (old.lost, old.unknown) == ({"lapsed", "never"}, {"fresh"})
+    at_ttl = liveness.judge([], placed, redis_up_s=10, default_ttl_s=20)
+    assert (at_ttl.lost, at_ttl.unknown) == ({"lapsed"}, {"fresh", "never"})
 
 
 def test_a_node_back_from_being_lost_stops_what_it_no_longer_owns(nodes: Nodes, api: Any, tmp_path: Any) -> None:

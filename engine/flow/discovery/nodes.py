@@ -7,6 +7,12 @@ stop is *lost* once the lease lapses. Redis layout under `<namespace>:`:
 * ``nodes``: a hash, name -> the last record announced (no TTL), so a node whose lease lapsed
   is still known, and listed as lost, until it is forgotten (`forget`).
 
+Redis keeps the directory in memory only: a flush, or a restart without persistence, forgets
+every node, live or lost. A node the directory does not know is therefore not lost by the
+directory's word; the studio keeps each node's heartbeats durably and judges those
+(`studio.workflows.deployments.liveness`), with `up_s`: how long this Redis has been up, i.e.
+how long its agents have had to announce themselves to it.
+
 Records are msgspec JSON; nothing is pickled. Synchronous (the node agent's thread and the
 studio's views call it); every call is bounded by `op_timeout_s` and raises
 `NodeDirectoryError` when Redis cannot be reached.
@@ -131,6 +137,19 @@ class NodeDirectory:
                 raise NodeDirectoryError(f"node {name!r} has a malformed record: {exc}") from exc
             out.append(NodeState(record, live=now is not None))
         return out
+
+    def up_s(self) -> float:
+        """How long Redis has been up, in whole seconds (INFO's ``uptime_in_seconds``): a restart
+        forgets every node, so a node this directory does not know has had at most this long to
+        announce itself again. A flush does not reset it."""
+        try:
+            info = self._client.info("server")
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"reading how long Redis has been up failed: {exc}") from exc
+        try:
+            return float(info["uptime_in_seconds"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise NodeDirectoryError(f"Redis's INFO server has no uptime_in_seconds: {exc!r}") from exc
 
     def live(self) -> list[NodeRecord]:
         return [s.record for s in self.known() if s.live]

@@ -5,8 +5,10 @@ From `worker_ready` on, a node's Celery worker announces its `NodeRecord` every 
 machine's memory, the GPUs `nvidia-smi` lists (`engine.client.cluster.detect_gpus`), each overridden by `OMNIFLOW_NODE_GPUS`,
 `_GPU_MODEL`, `_GPU_MEMORY_GB`, `_CPUS`, `_MEMORY_GB`), its labels (`OMNIFLOW_NODE_LABELS`),
 and what the deployments placed on it take (read from the database; when the database cannot
-be read it keeps announcing the last it knew). On shutdown it stops announcing but does not
-withdraw the record: role workers outlive their agent, so an agent restarted within the lease
+be read it keeps announcing the last it knew). Each announcement the directory accepted is also
+the node's heartbeat on its `NodeHeartbeat` row (`liveness.heartbeat`): what tells a node whose
+agent is alive from a dead one after a Redis flush or restart took the directory. On shutdown it
+stops announcing but does not withdraw the record: role workers outlive their agent, so an agent restarted within the lease
 keeps its node (and its replicas where they are); one that stays away is lost when the lease
 lapses.
 """
@@ -24,7 +26,7 @@ from django.db import DatabaseError, connections
 from engine.client.cluster import GpuInfo, NodeDirectoryError, NodeRecord, detect_gpus
 from engine.spec.resources import Amounts
 from studio.config import NodeSettings, StudioConfig
-from studio.workflows.deployments import placing
+from studio.workflows.deployments import liveness, placing
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +80,26 @@ class NodeAnnouncer:
                           hosting=self._hosting, agent_pid=os.getpid(), started_at=self.started_at,
                           seen_at=time.time(), ttl_s=self.config.node.ttl_s)
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
+        """Announce the node once, and keep the heartbeat on its row (the thread of `start` does
+        this every third of the TTL); a failure is logged and left to the next announcement."""
         try:
             self.directory.announce(self.record())
         except NodeDirectoryError as exc:
             log.warning("node %s: %s; trying again in %.1f s", self.config.node_name, exc, self.config.node.ttl_s / 3)
+            return
+        try:
+            liveness.heartbeat(self.config.node_name, self.config.node.ttl_s)
+        except DatabaseError as exc:
+            log.warning("node %s: keeping its heartbeat in the database failed (%s); a Redis flush meanwhile"
+                        " would see it lost once its last kept heartbeat lapses", self.config.node_name, exc)
 
     def _run(self) -> None:
         try:
-            self._announce()
+            self.announce()
             self._first.set()
             while not self._stopped.wait(self.config.node.ttl_s / 3):
-                self._announce()
+                self.announce()
         finally:
             self._first.set()
             connections.close_all()

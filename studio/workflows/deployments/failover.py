@@ -1,9 +1,12 @@
 """Nodes that fail: their replicas placed again on the nodes left.
 
 Every node agent's supervision tick (`studio.workflows.tasks.supervise_node`, every
-OMNIFLOW_NODE_SUPERVISE_S) calls `sweep`. A node is lost once the node directory no longer has
-it live: its agent stopped announcing it (killed, cut off from Redis, or stopped and not back)
-for OMNIFLOW_NODE_TTL_S. With a tick shorter than the TTL, a node is acted on within two TTLs.
+OMNIFLOW_NODE_SUPERVISE_S) calls `sweep`. A node is lost once its heartbeat lapsed: its agent
+stopped announcing it (killed, cut off from Redis, or stopped and not back) for
+OMNIFLOW_NODE_TTL_S. With a tick shorter than the TTL, a node is acted on within two TTLs. A node
+the node directory forgot (a Redis flush or restart) is not lost for that: it is judged by its
+heartbeats kept in the database (`liveness`), and a deployment with a node in that doubt is left
+as it is until the node announces itself again or its lease lapses.
 
 For each deployment with replicas on a lost node (under the placement lock and the row's lock,
 so one agent does it, once):
@@ -59,7 +62,7 @@ from engine.client.cluster import restore_fences as fence_again
 from engine.client.graphs import parse_spec
 from engine.spec.resources import ResourcesError
 from studio.config import StudioConfig
-from studio.workflows.deployments import placing, records
+from studio.workflows.deployments import liveness, placing, records
 from studio.workflows.deployments.placing import DeploymentPlacement
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
 
@@ -83,18 +86,25 @@ def sweep(config: StudioConfig) -> list[Rehomed]:
     docstring); what it changed."""
     directory = placing.directory(config)
     try:
-        live = {s.record.name: s.record for s in directory.known() if s.live}
+        states, redis_up_s = directory.known(), directory.up_s()
     except NodeDirectoryError as exc:
         log.warning("cannot read the node directory (%s): no node is declared lost meanwhile", exc)
         return []
     finally:
         directory.close()
+    watched = {str(pk): DeploymentPlacement.of(raw) for pk, raw in Deployment.objects.filter(status__in=_WATCHED)
+               .exclude(placement={}).values_list("pk", "placement")}
+    placed = {node for current in watched.values() for node in current.placement.nodes()}
+    nodes = liveness.judge(states, placed, redis_up_s, config.node.ttl_s)
+    if nodes.unknown:
+        log.warning("nodes %s are not in the node directory (Redis flushed or restarted?) but their heartbeats"
+                    " have not lapsed: not lost; their deployments wait for them", ", ".join(sorted(nodes.unknown)))
     done = []
-    for pk, raw in Deployment.objects.filter(status__in=_WATCHED).exclude(placement={}).values_list("pk", "placement"):
-        current = DeploymentPlacement.of(raw)
-        if set(current.placement.nodes()) <= set(live) and not current.unplaced:
+    for pk, current in watched.items():
+        on = set(current.placement.nodes())
+        if on & nodes.unknown or (on <= set(nodes.live) and not current.unplaced):
             continue
-        result = _rehome(config, str(pk), live)
+        result = _rehome(config, pk, nodes)
         if result is not None:
             done.append(result)
     return done
@@ -140,14 +150,18 @@ def _partial(demands: Sequence[RoleDemand], offers: Sequence[NodeOffer], keep: P
     return current, refused
 
 
-def _rehome(config: StudioConfig, deployment_id: str, live: Mapping[str, NodeRecord]) -> Rehomed | None:
+def _rehome(config: StudioConfig, deployment_id: str, nodes: liveness.Liveness) -> Rehomed | None:
+    live = nodes.live
     with transaction.atomic():
         placing.lock()
         deployment = Deployment.objects.select_for_update().select_related("version").filter(pk=deployment_id).first()
         if deployment is None or deployment.status not in _WATCHED:
             return None
         current = DeploymentPlacement.of(deployment.placement)
-        lost = sorted(set(current.placement.nodes()) - set(live))
+        on = set(current.placement.nodes())
+        if on - set(live) - nodes.lost:  # placed meanwhile on a node this tick did not judge: the next one will
+            return None
+        lost = sorted(on & nodes.lost)
         if not lost and not current.unplaced:
             return None
         lost_rows = list(Worker.objects.filter(deployment=deployment, host__in=lost,

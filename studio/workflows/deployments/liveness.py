@@ -1,0 +1,84 @@
+"""Which nodes are live, lost or unknown: the node directory's word, and where Redis forgot a
+node, its heartbeats kept in the database.
+
+The node directory (Redis, `engine.flow.discovery.nodes`) knows a node as live (its lease key is
+there) or lost (its lease lapsed or it withdrew; its last record is kept). Redis keeps nothing on
+disk: a flush, or a restart without persistence, forgets every node, and a placed node the
+directory does not know is then *unknown*, not lost: its agent announces it again within a third
+of its TTL. So each announcement the directory accepted is also kept on the node's `NodeHeartbeat` row
+(`heartbeat`, on the database's clock), and a node the directory does not know is lost only when
+
+* its durable lease has lapsed: no announcement reached Redis for its TTL (a node without a row
+  never announced since rows were kept, and counts as lapsed); and
+* Redis has been up for that TTL (`NodeDirectory.up_s`): a Redis restarted less than a lease ago,
+  maybe after an outage in which no announcement could land, has not given the agents their
+  chance yet.
+
+A flush keeps Redis up, so a node whose agent died is lost as soon as its lease lapses, as without
+the flush: the supervision ticks that look for lost nodes come every quarter lease, so within two
+TTLs of its last heartbeat. After a restart it has at least a TTL from Redis's return.
+
+The directory's own word stands: a node it knows without a live lease is lost whatever its row
+says (its agent cut off from Redis, or withdrawn on purpose). Nothing here is decided from a row
+alone: a node is never live for the row's sake (placement offers only what the directory lists).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from django.db.models import BooleanField, ExpressionWrapper, Q
+from django.db.models.functions import Now
+
+from engine.client.cluster import NodeRecord, NodeState
+from studio.workflows.models import NodeHeartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """The nodes as one supervision tick sees them."""
+
+    live: Mapping[str, NodeRecord]
+    """Live in the node directory, with their records (what placement may offer)."""
+    lost: frozenset[str]
+    """Known to the directory without a live lease, or forgotten by it with a lapsed heartbeat."""
+    unknown: frozenset[str]
+    """Forgotten by the directory (a flush or restart) whose heartbeat has not lapsed yet, or not for
+    as long as Redis has been up: neither live nor lost until their agents announce or the lease ends."""
+
+
+def heartbeat(name: str, ttl_s: float) -> None:
+    """Record that the node directory accepted `name`'s announcement now, with lease `ttl_s`."""
+    now = Now()
+    lease = datetime.timedelta(seconds=ttl_s)
+    if not NodeHeartbeat.objects.filter(name=name).update(seen_at=now, lapses_at=now + lease, ttl_s=ttl_s):
+        NodeHeartbeat.objects.update_or_create(name=name, defaults={"seen_at": now, "lapses_at": now + lease, "ttl_s": ttl_s})
+
+
+def judge(states: Iterable[NodeState], placed: Iterable[str], redis_up_s: float, default_ttl_s: float) -> Liveness:
+    """The verdict on every node the directory knows (`states`) and every node of `placed` (the
+    nodes the watched deployments' placements name), given that Redis has been up `redis_up_s`;
+    `default_ttl_s` stands for the lease of a node without a row (see the module docstring)."""
+    known = {s.record.name: s for s in states}
+    live = {name: s.record for name, s in known.items() if s.live}
+    lost = {name for name, s in known.items() if not s.live}
+    forgotten = set(placed) - set(known)
+    rows = {name: (ttl_s, lapsed) for name, ttl_s, lapsed in _leases(forgotten)}
+    unknown = set()
+    for name in forgotten:
+        ttl_s, lapsed = rows.get(name, (default_ttl_s, True))
+        if lapsed and redis_up_s >= ttl_s:
+            lost.add(name)
+        else:
+            unknown.add(name)
+    return Liveness(live, frozenset(lost), frozenset(unknown))
+
+
+def _leases(names: set[str]) -> list[tuple[str, float, bool]]:
+    """(name, ttl_s, whether its lease has lapsed by the database's clock) of the rows of `names`."""
+    if not names:
+        return []
+    lapsed = ExpressionWrapper(Q(lapses_at__lt=Now()), output_field=BooleanField())
+    return list(NodeHeartbeat.objects.filter(name__in=names).annotate(lapsed=lapsed).values_list("name", "ttl_s", "lapsed"))
