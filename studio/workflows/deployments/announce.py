@@ -8,9 +8,9 @@ and what the deployments placed on it take (read from the database; when the dat
 be read it keeps announcing the last it knew). Each announcement the directory accepted is also
 the node's heartbeat on its `NodeHeartbeat` row (`liveness.heartbeat`): what tells a node whose
 agent is alive from a dead one after a Redis flush or restart took the directory. On shutdown it
-stops announcing but does not withdraw the record: role workers outlive their agent, so an agent restarted within the lease
-keeps its node (and its replicas where they are); one that stays away is lost when the lease
-lapses.
+stops announcing but does not withdraw the record: role workers outlive their agent, so an agent
+restarted within the lease keeps its node (and its replicas where they are); one that stays away
+is lost when the lease lapses.
 """
 
 from __future__ import annotations
