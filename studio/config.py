@@ -67,8 +67,9 @@ class Quotas:
     hicache_host_bytes: int
     """Host memory the hierarchical caches of a user's `sglang_llm` roles may take over their live
     deployments (a run: its own roles): per process Omni-Flow's host tier (`hicache.host_capacity_bytes`)
-    and, where `sglang.max_total_tokens` caps the device pool, SGLang's host pool (`hicache_ratio`
-    times it), times `replicas x tp_size` (`engine.compute.sglang.sizes`)."""
+    and SGLang's host pool (`hicache_ratio` times the device pool that `sglang.max_total_tokens`
+    caps: a role without that cap, or whose checkpoint does not say its KV shape, is refused), times
+    `replicas x tp_size` (`engine.compute.sglang.sizes`)."""
     hicache_disk_bytes: int
     """Disk their HiCache disk tiers may take (`hicache.disk_capacity_bytes` where a `disk_path` is
     set), counted the same way."""

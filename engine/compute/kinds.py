@@ -249,8 +249,8 @@ SGLANG_ROLE_PARAMS: dict[str, Any] = {
         "mem_fraction_static": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5},
         "hicache_ratio": {"type": "number", "minimum": 1, "maximum": MAX_HICACHE_RATIO, "default": 2.0,
                           "description": "SGLang's host pool size as a multiple of its device pool (host memory"
-                                         " per process: counted in the studio's HiCache host quota where"
-                                         " sglang.max_total_tokens caps the device pool)"},
+                                         " per process: counted in the studio's HiCache host quota, which"
+                                         " asks sglang.max_total_tokens to cap the device pool)"},
         "hicache_mem_layout": {"type": "string", "enum": ["layer_first", "page_first", "page_first_direct"],
                                "default": "page_first"},
         "seed": {"type": "integer"},

@@ -14,7 +14,11 @@ refusal, always the same status for the same kind:
 HiCache bytes (`hicache_host_bytes`, `hicache_disk_bytes`: the host memory and disk of the
 hierarchical caches of `sglang_llm` roles, `engine.compute.sglang.sizes`) are counted as worker
 processes are: per process, times `replicas x tp_size`, over the user's live deployments (busy
-when only the others make it too much, too large when one deployment alone is).
+when only the others make it too much, too large when one deployment alone is). A role whose
+SGLang host pool has no size known here (no `sglang.max_total_tokens`, which validation asks for
+too, or a checkpoint whose config does not give its KV shape) is refused, too large, rather than
+counted by its tier alone (its breach's `asked` is None). A live deployment stored before that
+rule counts its tier only.
 
 When both kinds are breached the answer is 403. Staff users are exempt from every quota (the
 engine's hard ceilings in the kind catalogue still bind them). Sizes are read from the stored
@@ -62,8 +66,8 @@ class QuotaBreach:
     """The quota's name (a field of `studio.config.Quotas`)."""
     value: int | float
     """The limit."""
-    asked: int | float
-    """What the request (with what the user already has) comes to."""
+    asked: int | float | None
+    """What the request (with what the user already has) comes to; None where it cannot be counted."""
     kind: BreachKind
     message: str
     role: str | None = None
@@ -250,8 +254,8 @@ HICACHE_LIMITS = (("hicache_host_bytes", "host", "host memory"), ("hicache_disk_
 
 def role_hicache(kind: Any, model: Any, params: Any, model_dirs: tuple[Path, ...]) -> HiCacheBytes | None:
     """One process's HiCache bytes of a role (None: the kind has no HiCache); its SGLang host pool
-    is counted where the role caps its device pool and its checkpoint (under `model_dirs`) says
-    its KV shape."""
+    is known where the role caps its device pool and its checkpoint (under `model_dirs`) says
+    its KV shape (else `why_unbounded` says why not)."""
     if kind != SGLANG_ROLE_KIND:
         return None
     from engine.client.models import checkpoint_config, hicache_bytes  # loads torch: only for these roles
@@ -276,7 +280,11 @@ def hicache_breaches(spec: GraphSpec, processes: dict[str, int], quotas: Quotas,
     whose other roles are counted with a role's ("the deployment's")."""
     sized = [(role, per) for role in spec.roles
              if (per := role_hicache(role.kind, role.model, role.params, model_dirs)) is not None]
-    breaches: list[QuotaBreach] = []
+    breaches = [QuotaBreach("hicache_host_bytes", quotas.hicache_host_bytes, None, BreachKind.TOO_LARGE,
+                            f"role {role.name!r}: the host memory of SGLang's host pool cannot be counted against"
+                            f" your quota of {quotas.hicache_host_bytes} bytes of HiCache host memory:"
+                            f" {per.why_unbounded}", role=role.name)
+                for role, per in sized if per.pool is None]
     for limit_name, amount, what in HICACHE_LIMITS:
         limit = getattr(quotas, limit_name)
         asked = {role.name: getattr(per, amount) * processes[role.name] for role, per in sized}

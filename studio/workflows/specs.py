@@ -17,9 +17,11 @@ server). Nothing a spec names is imported to check it.
 Nor may a node set `tenant` (whose caches it uses): the server gives every run its tenant.
 
 An `sglang_llm` role is reported too (`sglang_role_issues`): its HiCache backend's KV index
-settings (`hicache.redis_url`, ...) are the operator's, and its runner serves only runs without a
-tenant (one prefix cache for every caller), while every studio run has one; saying so at
-validation beats a deployment whose every run fails.
+settings (`hicache.redis_url`, ...) are the operator's; its SGLang host pool (`hicache_ratio`
+times its device pool) must have a size the quotas can count, so the role must cap its device
+pool (`sglang.max_total_tokens`, `size_unbounded` on the role otherwise); and its runner serves
+only runs without a tenant (one prefix cache for every caller), while every studio run has one;
+saying so at validation beats a deployment whose every run fails.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ OPERATOR_HICACHE_OPTIONS = ("redis_url", "index_namespace", "worker_id", "worker
 
 
 def sglang_role_issues(spec: GraphSpec) -> list[Issue]:
-    """Issues on each `sglang_llm` role: KV index options a workflow may not set, and the tenant it
-    cannot serve (SGLang 0.5.23's requests take a `cache_salt`, which the runner does not use yet)."""
+    """Issues on each `sglang_llm` role: KV index options a workflow may not set, a host pool
+    without a size (no `sglang.max_total_tokens`), and the tenant it cannot serve (SGLang 0.5.23's
+    requests take a `cache_salt`, which the runner does not use yet)."""
     issues = []
     for role in spec.roles:
         if role.kind != SGLANG_ROLE_KIND:
@@ -100,6 +103,13 @@ def sglang_role_issues(spec: GraphSpec) -> list[Issue]:
                 issues.append(Issue("operator_param", f"role {role.name!r}: params.hicache.{option} is set by the"
                                     " server's operator (the KV index's Redis and keys), not by a workflow",
                                     role=role.name, path=f"params.hicache.{option}"))
+        engine_params = role.params.get("sglang")
+        if not (isinstance(engine_params, dict) and "max_total_tokens" in engine_params):
+            issues.append(Issue("size_unbounded", f"role {role.name!r}: set params.sglang.max_total_tokens: SGLang"
+                                " keeps a host pool of hicache_ratio times its device pool, which without this cap"
+                                " it sizes from whatever GPU it gets, so the host memory it takes could not be"
+                                " counted against your HiCache quota", role=role.name,
+                                path="params.sglang.max_total_tokens"))
         issues.append(Issue("tenant_unsupported", f"role {role.name!r}: kind {SGLANG_ROLE_KIND!r} keeps one prefix"
                             " cache for every caller, so it serves only runs without a tenant (the command line);"
                             " every studio run has its tenant, so use kind 'llm' here", role=role.name, path="kind"))

@@ -1,6 +1,6 @@
 """Per-user quotas, attacked where they bite: deploy and scale (worker processes from the stored
 spec, whatever the body says; live deployments; KV pages; the HiCache bytes of sglang roles,
-SGLang's host pool included where its device pool is known), run submission over REST, `/v1` and
+SGLang's host pool included, and a role whose host pool has no size refused), run submission over REST, `/v1` and
 session turns (max_iterations, max_new_tokens, timeout, uploads, concurrent and queued runs),
 and the staff exemption.
 
@@ -222,6 +222,10 @@ CKPT_SHAPE = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_h
               "torch_dtype": "bfloat16"}
 """A checkpoint's KV shape: K and V of 2 heads of 256 / 8 = 32 dims, 4 layers, 2 bytes each."""
 CKPT_KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 32 * 2
+TOKENS = 1024
+"""The device pool's cap of `sglang_spec` roles (`sglang.max_total_tokens`) unless they say otherwise."""
+POOL = (2 * TOKENS + 16) * CKPT_KV_BYTES_PER_TOKEN
+"""SGLang's host pool of such a role: twice its device pool (the default `hicache_ratio`) and a page."""
 
 
 @pytest.fixture
@@ -233,6 +237,7 @@ def model_root(tmp_path: Path) -> Path:
 
 
 def sglang_spec(replicas: int = 1, name: str = "lm", **params: Any) -> dict[str, Any]:
+    params.setdefault("sglang", {"max_total_tokens": TOKENS})
     return llm_spec(name=name, role={"kind": "sglang_llm", "model": "org/ckpt", "replicas": replicas,
                                      "params": params})
 
@@ -256,18 +261,19 @@ def redis_prefix() -> str:
     return engine().config.redis_prefix
 
 
-def test_scaling_an_sglang_role_past_the_hicache_host_quota_is_refused(api, user) -> None:
-    with configured(quotas={"hicache_host_bytes": 10 * GIB}):
+def test_scaling_an_sglang_role_past_the_hicache_host_quota_is_refused(api, user, model_root: Path) -> None:
+    with configured(quotas={"hicache_host_bytes": 10 * GIB}, model_dirs=(model_root,)):
         deployment = live_sglang(api, user, "cached", hicache={"host_capacity_bytes": 4 * GIB})
         url = f"/api/deployments/{deployment.pk}/scale/"
-        assert api.post(url, {"role": "lm", "replicas": 2}, format="json").status_code == 200  # 8 GiB
+        assert api.post(url, {"role": "lm", "replicas": 2}, format="json").status_code == 200  # 8 GiB + 2 pools
         over = api.post(url, {"role": "lm", "replicas": 3}, format="json")
         assert over.status_code == 403, over.content
         [breach] = quota_details(over)
         assert (breach["limit"], breach["value"], breach["asked"], breach["role"]) == (
-            "hicache_host_bytes", 10 * GIB, 12 * GIB, "lm")
+            "hicache_host_bytes", 10 * GIB, 3 * (4 * GIB + POOL), "lm")
         assert breach["setting"] == "OMNIFLOW_QUOTA_HICACHE_HOST_BYTES"
-        assert f"3 replicas x tp_size 1 x {4 * GIB} bytes of HiCache host memory" in breach["message"]
+        assert (f"3 replicas x tp_size 1 x {4 * GIB + POOL} bytes of HiCache host memory"
+                f" (host tier {4 * GIB} + SGLang host pool {POOL})") in breach["message"]
         assert "hicache_host_bytes" in over.json()["error"]
     assert Deployment.objects.get().replicas == {"lm": 2}
 
@@ -279,21 +285,21 @@ def test_hicache_bytes_count_the_users_other_live_deployments(api, user, model_r
         spec = parse_document(sglang_spec(name="second", hicache={"host_capacity_bytes": 6 * GIB}))
         busy = deployment_check(user, spec, {}, quotas, model_dirs=(model_root,))
         [breach] = busy.breaches
-        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 14 * GIB, BreachKind.BUSY)
-        assert f"your other live deployments ({8 * GIB})" in breach.message
+        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 14 * GIB + 2 * POOL,
+                                                             BreachKind.BUSY)
+        assert f"your other live deployments ({8 * GIB + POOL})" in breach.message
         with pytest.raises(QuotaBusy) as refused:
             busy.enforce()
         assert refused.value.status_code == 429 and refused.value.details == [breach.to_dict()]
         # One deployment alone over the quota can never fit: too large, whatever else runs.
         two = parse_document(sglang_spec(replicas=2, name="third", hicache={"host_capacity_bytes": 7 * GIB}))
         [breach] = deployment_check(user, two, {}, quotas, model_dirs=(model_root,)).breaches
-        assert (breach.asked, breach.kind) == (22 * GIB, BreachKind.TOO_LARGE)
+        assert (breach.asked, breach.kind) == (22 * GIB + 3 * POOL, BreachKind.TOO_LARGE)
         Deployment.objects.update(status=DeploymentStatus.STOPPED)  # stopped: it no longer counts
         assert deployment_check(user, spec, {}, quotas, model_dirs=(model_root,)).ok
 
 
-def test_the_sglang_host_pool_implied_by_hicache_ratio_counts_where_the_device_pool_is_known(
-        user, model_root: Path) -> None:
+def test_the_sglang_host_pool_implied_by_hicache_ratio_counts(user, model_root: Path) -> None:
     quota = 4 * GIB
     with configured(quotas={"hicache_host_bytes": quota}) as studio:
         quotas = studio.config.quotas
@@ -310,34 +316,62 @@ def test_the_sglang_host_pool_implied_by_hicache_ratio_counts_where_the_device_p
         assert check(2.0, max_total_tokens=1_000_000).ok  # 1 GiB + 2M tokens fit in 4 GiB
         # fp8 KV halves the pool: 4M tokens then fit too.
         assert check(4.0, max_total_tokens=1_000_000, kv_cache_dtype="fp8_e4m3").ok
-        # Not capped (SGLang sizes it from its GPU): only the tier counts here; the ratio's ceiling binds.
-        assert check(16.0).ok
-        # A checkpoint not under the model roots says no shape: the same.
-        assert deployment_check(user, parse_document(sglang_spec(hicache_ratio=4.0, sglang={
-            "max_total_tokens": 1_000_000})), {}, quotas, model_dirs=()).ok
 
 
-def test_hicache_disk_bytes_count_only_a_disk_tier(user) -> None:
+
+def test_a_host_pool_without_a_size_is_refused_not_counted_by_its_tier(api, user, staff, model_root: Path) -> None:
+    """Without `sglang.max_total_tokens` SGLang sizes its device pool, and so its host pool, from the
+    GPU it gets; a checkpoint whose config does not say its KV shape gives no bytes per token. Either
+    way the pool has no size here: the role is refused (too large, `asked` None, why in the message),
+    however small its tier and however large the quota, over the API too (a deployment stored
+    before validation asked for the cap, scaled); staff are exempt."""
+    with configured(quotas={"hicache_host_bytes": 1 << 40}, model_dirs=(model_root,)) as studio:
+        quotas = studio.config.quotas
+        uncapped = parse_document(sglang_spec(hicache={"host_capacity_bytes": 1}, sglang={}))
+        [breach] = deployment_check(user, uncapped, {}, quotas, model_dirs=(model_root,)).breaches
+        assert (breach.limit, breach.value, breach.asked, breach.kind, breach.role) == (
+            "hicache_host_bytes", 1 << 40, None, BreachKind.TOO_LARGE, "lm")
+        assert breach.message.startswith("role 'lm': the host memory of SGLang's host pool cannot be counted")
+        assert "params.sglang.max_total_tokens is not set" in breach.message
+        [breach] = run_check(user, uncapped, quotas, timeout_s=None, upload_bytes=0, model_dirs=(model_root,)).breaches
+        assert breach.asked is None and breach.to_dict()["asked"] is None
+        capped_unknown_shape = parse_document(sglang_spec())
+        [breach] = deployment_check(user, capped_unknown_shape, {}, quotas, model_dirs=()).breaches
+        assert breach.asked is None and "does not give its KV shape" in breach.message
+        assert deployment_check(user, parse_document(sglang_spec()), {}, quotas, model_dirs=(model_root,)).ok
+        assert deployment_check(staff, uncapped, {}, quotas, model_dirs=()).ok
+
+        stored = live_sglang(api, user, "old", hicache={"host_capacity_bytes": 1}, sglang={})
+        over = api.post(f"/api/deployments/{stored.pk}/scale/", {"role": "lm", "replicas": 2}, format="json")
+        assert over.status_code == 403, over.content
+        [detail] = quota_details(over)
+        assert (detail["limit"], detail["asked"], detail["role"]) == ("hicache_host_bytes", None, "lm")
+        assert "params.sglang.max_total_tokens is not set" in detail["message"]
+    assert Deployment.objects.get().replicas == {"lm": 1}
+
+
+def test_hicache_disk_bytes_count_only_a_disk_tier(user, model_root: Path) -> None:
     with configured(quotas={"hicache_disk_bytes": 64 * GIB}) as studio:
         quotas = studio.config.quotas
         tiered = parse_document(sglang_spec(replicas=2, hicache={"disk_path": "kv", "disk_capacity_bytes": 40 * GIB}))
-        [breach] = deployment_check(user, tiered, {}, quotas, model_dirs=()).breaches
+        [breach] = deployment_check(user, tiered, {}, quotas, model_dirs=(model_root,)).breaches
         assert (breach.limit, breach.value, breach.asked, breach.role) == ("hicache_disk_bytes", 64 * GIB, 80 * GIB, "lm")
         assert breach.setting == "OMNIFLOW_QUOTA_HICACHE_DISK_BYTES" and breach.kind is BreachKind.TOO_LARGE
-        assert deployment_check(user, tiered, {"lm": 1}, quotas, model_dirs=()).breaches  # the spec's 2 count
+        assert deployment_check(user, tiered, {"lm": 1}, quotas, model_dirs=(model_root,)).breaches  # the spec's 2
         default_size = parse_document(sglang_spec(replicas=8, hicache={"disk_path": "kv"}))  # 8 GiB each
-        assert deployment_check(user, default_size, {}, quotas, model_dirs=()).ok
+        assert deployment_check(user, default_size, {}, quotas, model_dirs=(model_root,)).ok
         no_disk = parse_document(sglang_spec(replicas=2, hicache={"disk_capacity_bytes": 40 * GIB}))
-        assert deployment_check(user, no_disk, {}, quotas, model_dirs=()).ok
+        assert deployment_check(user, no_disk, {}, quotas, model_dirs=(model_root,)).ok
 
 
-def test_a_runs_hicache_bytes_are_checked_and_staff_are_exempt(user, staff) -> None:
+def test_a_runs_hicache_bytes_are_checked_and_staff_are_exempt(user, staff, model_root: Path) -> None:
     spec = parse_document(sglang_spec(replicas=3, hicache={"host_capacity_bytes": 4 * GIB}))
     with configured(quotas={"hicache_host_bytes": 10 * GIB}) as studio:
         quotas = studio.config.quotas
-        check = run_check(user, spec, quotas, timeout_s=None, upload_bytes=0, model_dirs=())
+        check = run_check(user, spec, quotas, timeout_s=None, upload_bytes=0, model_dirs=(model_root,))
         [breach] = check.breaches
-        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 12 * GIB, BreachKind.TOO_LARGE)
+        assert (breach.limit, breach.asked, breach.kind) == ("hicache_host_bytes", 3 * (4 * GIB + POOL),
+                                                             BreachKind.TOO_LARGE)
         assert "the workflow's other roles" in breach.message
         with pytest.raises(QuotaTooLarge) as refused:
             check.enforce()

@@ -1,7 +1,8 @@
 """An `sglang_llm` role in the studio: its free-form `hicache` and `sglang` params cannot make a
-GPU worker load code, reach a host or write outside the owner's folder, and a role the studio
-cannot run (its runner refuses tenant runs; every studio run has a tenant) is an issue on the
-role at validation and deployment, not a deployment whose every run fails."""
+GPU worker load code, reach a host or write outside the owner's folder; a role whose SGLang host
+pool has no size (no `sglang.max_total_tokens`) and a role the studio cannot run (its runner
+refuses tenant runs; every studio run has a tenant) are issues on the role at validation and
+deployment, not a deployment whose every run fails or whose host memory no quota counts."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ def checkpoints(tmp_path: Path) -> Iterator[StudioEngine]:
         yield studio
 
 
+MAX_TOTAL_TOKENS = 4096
+
+
 def sglang_spec(**params: Any) -> dict[str, Any]:
+    """An sglang_llm role with `params`, its device pool capped (`sglang.max_total_tokens`) unless
+    `params` say otherwise."""
+    params["sglang"] = {"max_total_tokens": MAX_TOTAL_TOKENS, **params.get("sglang", {})}
     return llm_spec(role={"kind": "sglang_llm", "model": "org/ckpt", "params": params})
 
 
@@ -89,6 +96,28 @@ def test_a_role_the_studio_cannot_run_is_an_issue_at_validation_and_deployment(a
     assert deployment.status_code == 422, deployment.content
     assert [d["code"] for d in deployment.json()["details"]] == ["tenant_unsupported"]
 
+
+@pytest.mark.django_db
+def test_a_role_without_a_cap_on_its_device_pool_is_an_issue_naming_the_field(api, checkpoints):
+    """SGLang's host pool is `hicache_ratio` times its device pool, which SGLang sizes from its GPU
+    unless `sglang.max_total_tokens` caps it: without the cap the pool has no size a quota can
+    count, so the role is refused, before save and at deployment; with it, nothing is said."""
+    for uncapped in (sglang_spec(sglang={"max_total_tokens": None}), sglang_spec(sglang={"attention_backend": "x"})):
+        uncapped["roles"][0]["params"]["sglang"].pop("max_total_tokens")
+        [issue] = [i for i in issues(api, uncapped) if i["code"] != "tenant_unsupported"]
+        assert (issue["code"], issue["role"], issue["path"]) == ("size_unbounded", "lm",
+                                                                 "params.sglang.max_total_tokens")
+        assert "role 'lm': set params.sglang.max_total_tokens" in issue["message"]
+        assert "HiCache quota" in issue["message"]
+    no_engine_params = sglang_spec()
+    del no_engine_params["roles"][0]["params"]["sglang"]
+    assert "size_unbounded" in [i["code"] for i in issues(api, no_engine_params)]
+    workflow = create_workflow(api, no_engine_params)
+    deployment = api.post("/api/deployments/", {"workflow": workflow["id"]}, format="json")
+    assert deployment.status_code == 422, deployment.content
+    assert [(d["code"], d.get("path")) for d in deployment.json()["details"]] == [
+        ("size_unbounded", "params.sglang.max_total_tokens"), ("tenant_unsupported", "kind")]
+    assert attacks(issues(api, sglang_spec())) == []  # capped: counted, nothing to say
 
 def test_the_hicache_disk_tier_resolves_under_the_owners_folder(tmp_path: Path):
     roots = PathRoots(users=tmp_path / "users", models=())

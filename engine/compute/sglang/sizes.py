@@ -6,7 +6,9 @@ read from its params and its checkpoint's `config.json` (no SGLang import): what
   token (plus a page: SGLang rounds the pool to whole pages). The device pool is known here only
   when the role caps it (`sglang.max_total_tokens`, an upper bound of SGLang's pool) and the
   checkpoint's config gives its KV shape; otherwise SGLang sizes it from the GPU it is given
-  (`mem_fraction_static`) and only the ratio's ceiling (`MAX_HICACHE_RATIO`) bounds the pool.
+  (`mem_fraction_static`), nothing here bounds the pool, and `HiCacheBytes.why_unbounded` says
+  why: the studio refuses such a role rather than count only its tier
+  (`studio.workflows.specs.sglang_role_issues`, `studio.workflows.quotas`).
 * disk: the disk tier (`hicache.disk_capacity_bytes`, default 8 GiB) where `hicache.disk_path` is set.
 
 A replica of a role is `tp_size` processes (an `sglang_llm` role runs with tp_size 1).
@@ -27,6 +29,11 @@ DEFAULT_DISK_CAPACITY_BYTES = 8 << 30
 DEFAULT_HICACHE_RATIO = 2.0
 DEFAULT_PAGE_SIZE = 16
 
+UNCAPPED = ("params.sglang.max_total_tokens is not set, so SGLang sizes its device pool, and its host pool"
+            " (hicache_ratio times that), from the GPU it is given")
+NO_SHAPE = ("the checkpoint's config.json cannot be read here or does not give its KV shape (num_hidden_layers,"
+            " num_attention_heads, num_key_value_heads, head_dim or hidden_size)")
+
 _DTYPE_BYTES = {"half": 2, "float16": 2, "bfloat16": 2, "bf16": 2, "float": 4, "float32": 4,
                 "fp8_e5m2": 1, "fp8_e4m3": 1}
 
@@ -40,6 +47,8 @@ class HiCacheBytes:
     pool: int | None
     """SGLang's host pool; None where its device pool's size is not known here."""
     disk: int
+    why_unbounded: str = ""
+    """Why `pool` is None, for people ('' when it is known)."""
 
     @property
     def host(self) -> int:
@@ -95,16 +104,17 @@ def hicache_bytes(params: Mapping[str, Any], config: Mapping[str, Any] | None) -
     if hicache.get("disk_path"):
         size = hicache.get("disk_capacity_bytes")
         disk = int(size) if _number(size) else DEFAULT_DISK_CAPACITY_BYTES
-    pool = None
     tokens = sglang.get("max_total_tokens")
+    if not _number(tokens):
+        return HiCacheBytes(tier=tier, pool=None, disk=disk, why_unbounded=UNCAPPED)
     per_token = kv_bytes_per_token(config, sglang) if config is not None else None
-    if _number(tokens) and per_token is not None:
-        ratio = params.get("hicache_ratio")
-        ratio = float(ratio) if _number(ratio) else DEFAULT_HICACHE_RATIO
-        page = params.get("page_size")
-        page = int(page) if _number(page) else DEFAULT_PAGE_SIZE
-        pool = (int(tokens * ratio) + page) * per_token
-    return HiCacheBytes(tier=tier, pool=pool, disk=disk)
+    if per_token is None:
+        return HiCacheBytes(tier=tier, pool=None, disk=disk, why_unbounded=NO_SHAPE)
+    ratio = params.get("hicache_ratio")
+    ratio = float(ratio) if _number(ratio) else DEFAULT_HICACHE_RATIO
+    page = params.get("page_size")
+    page = int(page) if _number(page) else DEFAULT_PAGE_SIZE
+    return HiCacheBytes(tier=tier, pool=(int(tokens * ratio) + page) * per_token, disk=disk)
 
 
 def checkpoint_config(folder: Path | None) -> dict[str, Any] | None:
@@ -118,5 +128,5 @@ def checkpoint_config(folder: Path | None) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "DEFAULT_HOST_CAPACITY_BYTES", "HiCacheBytes", "checkpoint_config",
-           "element_bytes", "hicache_bytes", "kv_bytes_per_token"]
+__all__ = ["DEFAULT_DISK_CAPACITY_BYTES", "DEFAULT_HOST_CAPACITY_BYTES", "NO_SHAPE", "UNCAPPED", "HiCacheBytes",
+           "checkpoint_config", "element_bytes", "hicache_bytes", "kv_bytes_per_token"]

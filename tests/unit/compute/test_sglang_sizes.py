@@ -1,5 +1,6 @@
 """What one process of an `sglang_llm` role gives its hierarchical cache (`engine.compute.sglang.sizes`):
-the per-token KV bytes against a real model's cache, the defaults, and what is counted only where known."""
+the per-token KV bytes against a real model's cache, the defaults, and SGLang's host pool where it is
+known, with why where it is not."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.compute.sglang.sizes import (
     DEFAULT_DISK_CAPACITY_BYTES,
     DEFAULT_HOST_CAPACITY_BYTES,
+    NO_SHAPE,
+    UNCAPPED,
     HiCacheBytes,
     checkpoint_config,
     element_bytes,
@@ -57,7 +60,7 @@ def test_a_config_that_does_not_say_its_shape_gives_none(config: dict) -> None:
 
 
 def test_the_tiers_defaults_and_the_pool_only_where_the_device_pool_is_capped() -> None:
-    assert hicache_bytes({}, SHAPE) == HiCacheBytes(DEFAULT_HOST_CAPACITY_BYTES, None, 0)
+    assert hicache_bytes({}, SHAPE) == HiCacheBytes(DEFAULT_HOST_CAPACITY_BYTES, None, 0, UNCAPPED)
     assert hicache_bytes({"hicache": {"disk_path": "kv"}}, None).disk == DEFAULT_DISK_CAPACITY_BYTES
     assert hicache_bytes({"hicache": {"disk_capacity_bytes": 5}}, None).disk == 0  # no disk tier without a path
     assert hicache_bytes({"hicache": {"host_capacity_bytes": True}}, None).tier == DEFAULT_HOST_CAPACITY_BYTES
@@ -68,8 +71,10 @@ def test_the_tiers_defaults_and_the_pool_only_where_the_device_pool_is_capped() 
     assert sized == HiCacheBytes(100, (3000 + 8) * per_token, 0)
     assert sized.host == 100 + (3000 + 8) * per_token
     assert hicache_bytes({**capped, "hicache_ratio": None}, SHAPE).pool == (2000 + 8) * per_token  # default 2
-    assert hicache_bytes(capped, None).pool is None  # no shape: not known here
-    assert hicache_bytes({**capped, "sglang": {}}, SHAPE).pool is None  # not capped: not known here
+    assert hicache_bytes(capped, None) == HiCacheBytes(100, None, 0, NO_SHAPE)  # no shape: not known here
+    assert hicache_bytes(capped, {"num_hidden_layers": 3}).why_unbounded == NO_SHAPE
+    assert hicache_bytes({**capped, "sglang": {}}, SHAPE) == HiCacheBytes(100, None, 0, UNCAPPED)  # not capped
+    assert "params.sglang.max_total_tokens" in UNCAPPED
 
 
 def test_checkpoint_config(tmp_path: Path) -> None:
