@@ -4,6 +4,7 @@ from django.contrib import admin
 
 from studio.workflows.models import (
     Deployment,
+    NodeHeartbeat,
     NodeRun,
     Run,
     RunEvent,
@@ -83,6 +84,17 @@ class DeploymentAdmin(admin.ModelAdmin):
 class WorkerAdmin(admin.ModelAdmin):
     list_display = ("worker_id", "deployment", "role", "status", "address", "last_seen_at")
     list_filter = ("status", "role")
+
+
+@admin.register(NodeHeartbeat)
+class NodeHeartbeatAdmin(admin.ModelAdmin):
+    """Written by the node agents (`deployments.liveness`): shown, never edited here."""
+
+    list_display = ("name", "seen_at", "lapses_at", "ttl_s")
+    readonly_fields = ("name", "seen_at", "lapses_at", "ttl_s")
+
+    def has_add_permission(self, request) -> bool:
+        return False
 
 
 class NodeRunInline(ReadOnlyInline):

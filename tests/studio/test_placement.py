@@ -254,9 +254,10 @@ def test_a_node_that_dies_across_a_flush_is_lost_once_its_heartbeat_lapses(nodes
     heartbeat's lease runs; at the first tick after that lease lapsed (by the database's clock)
     it is lost and its replica moves to a, whose agent kept announcing. Ticks come every quarter
     TTL, so that is within two TTLs of b's last heartbeat."""
-    ttl_s = 2.0
-    agents, d, worker = on_agents(nodes, api, ttl_s=ttl_s)
+    agents, d, worker = on_agents(nodes, api, ttl_s=5)
     a, b = (agents[n].config.node_name for n in ("a", "b"))
+    for agent in agents.values():
+        agent.announce()  # b's last heartbeat
     nodes.flush()
     agents["a"].announce()
     if NodeHeartbeat.objects.filter(name=b, lapses_at__gt=timezone.now()).exists():  # b's lease still runs
