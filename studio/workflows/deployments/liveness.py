@@ -5,8 +5,9 @@ The node directory (Redis, `engine.flow.discovery.nodes`) knows a node as live (
 there) or lost (its lease lapsed or it withdrew; its last record is kept). Redis keeps nothing on
 disk: a flush, or a restart without persistence, forgets every node, and a placed node the
 directory does not know is then *unknown*, not lost: its agent announces it again within a third
-of its TTL. So each announcement the directory accepted is also kept on the node's `NodeHeartbeat` row
-(`heartbeat`, on the database's clock), and a node the directory does not know is lost only when
+of its TTL. So each announcement the directory accepted is also kept on the node's
+`NodeHeartbeat` row (`heartbeat`, on the database's clock), and a node the directory does not
+know is lost only when
 
 * its durable lease has lapsed: no announcement reached Redis for its TTL (a node without a row
   never announced since rows were kept, and counts as lapsed); and
