@@ -33,7 +33,7 @@ import { NodeInspector, type NodeEdits } from "../editor/NodeInspector";
 import { DRAG_MIME, Palette } from "../editor/Palette";
 import { SaveDialog } from "../editor/SaveDialog";
 import { EdgeInspector, IssueList, RolesPanel, WorkflowPanel } from "../editor/SidePanels";
-import { useReadableFit } from "../editor/useReadableFit";
+import { useReadableFit } from "../hooks/useReadableFit";
 import { VersionHistory } from "../editor/VersionHistory";
 import { jsonEqual } from "../graph/canonical";
 import { placeIssues, withIssues } from "../graph/issues";
@@ -323,7 +323,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const canvasRef = useRef<HTMLDivElement>(null);
   // A saved view too far out to read opens fitted readably instead.
   const savedView = version?.layout.viewport && version.layout.viewport.zoom >= LEGIBLE_ZOOM ? version.layout.viewport : undefined;
-  const fit = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
+  const { fit } = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
   const layout = useCallback(() => {
     history.commit((d) => ({ ...d, nodes: autoLayout(d.nodes, d.edges) }));
     window.setTimeout(() => fit(300), 50);
