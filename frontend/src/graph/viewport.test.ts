@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { EDGE_MARGIN, FIT_PADDING, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, union, wholeFitZoom } from "./viewport";
+import { EDGE_MARGIN, FIT_PADDING, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, showsWhole, union, wholeFitZoom } from "./viewport";
 
 const canvas = { width: 800, height: 600 };
 
@@ -42,6 +42,12 @@ describe("the view a graph opens with", () => {
     expect(wholeFitZoom(big, canvas)).toBeCloseTo(canvas.width / (4000 * (1 + 2 * FIT_PADDING)));
     expect(wholeFitZoom(big, canvas)).toBeLessThan(LEGIBLE_ZOOM); // the view shows part of it
     expect(readableViewport(big, null, canvas).zoom).toBe(LEGIBLE_ZOOM);
+    expect(showsWhole(big, readableViewport(big, null, canvas), canvas)).toBe(false);
+    expect(showsWhole(small, readableViewport(small, null, canvas), canvas)).toBe(true);
+    // Too big to fit with the padding, small enough to show whole at the legible zoom without it.
+    const snug = { x: 0, y: 0, width: (canvas.width - 2 * EDGE_MARGIN) / LEGIBLE_ZOOM, height: 300 };
+    expect(wholeFitZoom(snug, canvas)).toBeLessThan(LEGIBLE_ZOOM);
+    expect(showsWhole(snug, readableViewport(snug, null, canvas), canvas)).toBe(true);
   });
 
   it("unites rectangles", () => {

@@ -6,7 +6,7 @@ import { useNodesInitialized, useReactFlow } from "@xyflow/react";
 import { type RefObject, useCallback, useEffect, useRef, useState } from "react";
 import type { SpecEdge, SpecNode } from "../graph/model";
 import { NODE_WIDTH } from "../graph/layout";
-import { LEGIBLE_ZOOM, readableViewport, wholeFitZoom } from "../graph/viewport";
+import { readableViewport, showsWhole } from "../graph/viewport";
 
 export interface ReadableFit {
   /** Show the whole graph when its titles stay legible, else its inputs (or its leftmost nodes) at the legible zoom. */
@@ -35,8 +35,9 @@ export function useReadableFit(canvas: RefObject<HTMLDivElement | null>, initial
         focus = nodes.filter((n) => n.position.x < left + NODE_WIDTH);
       }
       const all = flow.getNodesBounds(nodes);
-      flow.setViewport(readableViewport(all, flow.getNodesBounds(focus), box), { duration });
-      setWhole(wholeFitZoom(all, box) >= LEGIBLE_ZOOM);
+      const viewport = readableViewport(all, flow.getNodesBounds(focus), box);
+      flow.setViewport(viewport, { duration });
+      setWhole(showsWhole(all, viewport, box));
     },
     [flow, canvas],
   );
