@@ -7,7 +7,10 @@
 //    1024x768, opens its graph as the editor does: at a zoom where node titles are legible, the
 //    inputs in view, a minimap for the rest (the run view used to fit the whole graph, ~0.5);
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
-//    buttons, which take a click.
+//    buttons, which take a click;
+//  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
+//    drag from it), the bar's name and validity keep one line, a python node connected before its
+//    op is chosen keeps its edges when the op is picked, and page buttons stay on one row.
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
 import { expect, logIn, openBrowser, tid } from "./harness.mjs";
@@ -64,6 +67,23 @@ function expectReadable(where, r) {
   expect(r.inputsOut.length === 0, `${where}: inputs out of view ${r.inputsOut}`);
   expect(r.titleHeights.length === r.nodes || r.minimap, `${where}: part of the graph shown and no minimap`);
 }
+
+async function center(selector) {
+  const box = await page.locator(selector).first().boundingBox();
+  expect(box, `${selector} is not on screen`);
+  return { x: box.x + box.width / 2, y: box.y + box.height / 2 };
+}
+/** Drag from one port handle to another with the mouse, as a user connects ports. */
+async function drag(from, to) {
+  const a = await center(from);
+  const b = await center(to);
+  await page.mouse.move(a.x, a.y);
+  await page.mouse.down();
+  await page.mouse.move((a.x + b.x) / 2, (a.y + b.y) / 2, { steps: 8 });
+  await page.mouse.move(b.x, b.y, { steps: 8 });
+  await page.mouse.up();
+}
+const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
 
 const overlaps = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
 
@@ -126,6 +146,46 @@ try {
     await page.waitForSelector(tid("deployment-page"));
     await page.click(tid("deployment-stop"));
     await waitText(tid("deployment-page"), "stopped", 60_000);
+  });
+
+  await step("a newcomer draws a first workflow at 1024x768", async () => {
+    await page.setViewportSize({ width: 1024, height: 768 });
+    await page.goto(`${BASE}/workflows`);
+    const [add, create] = [await page.locator(tid("new-workflow")).boundingBox(), await page.locator(".head-actions .btn").first().boundingBox()];
+    expect(Math.abs(add.y - create.y) < 2, `the workflows page's buttons share a row: ${JSON.stringify([add, create])}`);
+    await page.click(tid("new-workflow"));
+    await page.fill(`${tid("create-dialog")} input[name="name"]`, `a-first-workflow-with-a-long-name-${Date.now()}`);
+    await page.click(tid("create-submit"));
+    await page.waitForSelector(tid("editor"));
+    await page.waitForSelector(tid("palette-python")); // open, though the window is narrow: the canvas is empty
+    const canvas = tid("canvas");
+    await page.dragAndDrop(tid("palette-input"), canvas, { targetPosition: { x: 90, y: 110 } });
+    await page.dragAndDrop(tid("palette-python"), canvas, { targetPosition: { x: 260, y: 300 } });
+    await page.dragAndDrop(tid("palette-output"), canvas, { targetPosition: { x: 420, y: 130 } });
+    await page.waitForSelector(tid("node-output"));
+    await drag(tid("port-input-out-value"), tid("port-python-in-x"));
+    await page.waitForSelector('[data-testid="rf__edge-input.value->python.x"]');
+    await drag(tid("port-python-out-out"), tid("port-output-in-value"));
+    await page.waitForSelector('[data-testid="rf__edge-python.out->output.value"]');
+    await page.locator(`${tid("node-python")} .spec-node-id`).click();
+    await page.selectOption(tid("node-op-select"), "hello.greet"); // name (text) -> out (text)
+    await page.waitForSelector(tid("port-python-in-name"));
+    // React Flow draws an edge once its handles are measured: wait for both edges, on the op's ports.
+    const want = ["rf__edge-input.value->python.name", "rf__edge-python.out->output.value"];
+    const kept = await page.waitForFunction(
+      (w) => JSON.stringify([...document.querySelectorAll(".react-flow__edge")].map((e) => e.dataset.testid).sort()) === JSON.stringify(w),
+      want, { timeout: 5000 }).then(() => true, () => false);
+    expect(kept, `the edges drawn before the op was picked: ${await edgeIds()}`);
+    for (const one of [tid("validity"), tid("editor-name"), ".editor-sub"]) {
+      const box = await page.locator(one).boundingBox();
+      expect(box.height <= 32, `${one} keeps one line: ${box.height} px tall`);
+    }
+    // The name and its state stay clear of the tools beside them.
+    const [title, tools] = [await page.locator(".editor-title").boundingBox(), await page.locator(".editor-tools").boundingBox()];
+    expect(!overlaps(title, tools), `the title ${JSON.stringify(title)} runs into the tools ${JSON.stringify(tools)}`);
+    const sub = await page.$eval(".editor-sub", (el) => el.scrollWidth <= el.clientWidth);
+    expect(sub, "the name's state line shows whole");
+    await shot("editor-first-workflow-1024");
   });
 
   expectQuietConsole();
