@@ -5,7 +5,8 @@ deployment view's endpoint, snippets (run as pasted: bash for curl, this interpr
 one) and live workers; a model-less llm role and an unregistered op flagged before save and fixed
 with the pickers; the README's quick start imported and run; the largest example readable at
 1024x768. Screenshots land in tests/e2e/artifacts/ux/. Port labels on the canvas read whole
-(`frontend/e2e/ports.e2e.mjs`), in tests/e2e/artifacts/ports/.
+(`frontend/e2e/ports.e2e.mjs`), in tests/e2e/artifacts/ports/. Runs of large graphs open readable and
+notices leave a dialog's buttons clear (`frontend/e2e/views.e2e.mjs`), in tests/e2e/artifacts/views/.
 """
 
 from __future__ import annotations
@@ -52,3 +53,14 @@ def test_every_port_label_reads_whole_in_chromium(live_studio: LiveStudio) -> No
     shots = run_script("ports.e2e.mjs", live_studio, ARTIFACTS / "ports", timeout_s=160,
                        env={"E2E_EXAMPLES": ",".join(examples)})
     assert_shots(shots, ("chat-llm-ports", "every-kind"))
+
+
+@pytest.mark.timeout(240)
+def test_run_views_open_readable_and_toasts_leave_dialog_buttons_clear_in_chromium(live_studio: LiveStudio) -> None:
+    """`frontend/e2e/views.e2e.mjs`: a run of image_generation and of omni_dialogue (the largest
+    example), at 1440x960 and 1024x768, opens at a zoom where node titles are legible with the
+    inputs in view (as the editor opens them); a toast shown while the wide deploy dialog is open
+    overlaps none of its footer's buttons, and they take a click."""
+    shots = run_script("views.e2e.mjs", live_studio, ARTIFACTS / "views", timeout_s=220)
+    assert_shots(shots, ("run-image_generation-1440", "run-omni_dialogue-1440", "run-image_generation-1024",
+                         "run-omni_dialogue-1024", "deploy-dialog-toast-1024"))

@@ -5,6 +5,7 @@ that send only the new text, chat shapes."""
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import io
 from pathlib import Path
@@ -191,6 +192,30 @@ def test_chat_shapes() -> None:
     with pytest.raises(NotAChatWorkflow) as caught:
         chat_shape(spec_doc())
     assert caught.value.problems == ["it needs exactly one node of kind 'llm' (it has 0)"]
+    dialogue = chat_shape(example_spec("omni_dialogue"))
+    assert (dialogue.prompt_input, dialogue.llm_node, dialogue.reply_output) == ("message", "think", "reply_text")
+
+
+def test_a_workflow_whose_llm_only_feeds_a_picture_is_no_chat_model() -> None:
+    """image_generation has one llm, one text input and a text output (the rewritten prompt), but its
+    result is an image: a chat reply would drop it."""
+    with pytest.raises(NotAChatWorkflow) as caught:
+        chat_shape(example_spec("image_generation"))
+    assert caught.value.problems == ["its reply would drop its image or audio outputs (image): a chat reply is text"]
+
+
+def test_the_reply_is_the_text_output_the_llm_text_reaches() -> None:
+    """The reply output is the one fed by the llm node's text, through python nodes passing text;
+    a text output fed by anything else (the prompt itself, the llm's kv) is no reply."""
+    spec = copy.deepcopy(example_spec("chat"))
+    echo = {"id": "echo", "kind": "output", "inputs": {"value": {"type": "text"}}}
+    spec["nodes"].insert(0, echo)
+    spec["edges"].append({"source": "prompt", "source_port": "value", "target": "echo", "target_port": "value"})
+    assert chat_shape(spec).reply_output == "text"
+    spec["edges"] = [e for e in spec["edges"] if e["target"] != "text"]
+    with pytest.raises(NotAChatWorkflow) as caught:
+        chat_shape(spec)
+    assert caught.value.problems == ["it needs an output of type text fed by the text of its llm node 'reply'"]
 
 
 def test_a_turn_makes_the_llm_nodes_params_from_the_checked_request() -> None:

@@ -1,23 +1,33 @@
-/** A version's graph, read-only, painted with its nodes' run states. */
-import { Background, BackgroundVariant, Controls, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
-import { useEffect, useMemo } from "react";
+/**
+ * A version's graph, read-only, painted with its nodes' run states. It opens as the editor does
+ * (`useReadableFit`): whole when its titles stay legible, else its inputs with a minimap for the rest.
+ */
+import { Background, BackgroundVariant, Controls, MiniMap, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
+import { useEffect, useMemo, useRef } from "react";
 import type { EditorLayout, GraphSpec } from "../api/types";
 import { type NodeRunView, type SpecEdge, type SpecNode, specToDoc } from "../graph/model";
+import { useReadableFit } from "../hooks/useReadableFit";
 import { nodeTypes } from "./SpecNodeView";
 
-export function RunGraph({
-  spec,
-  layout,
-  states,
-  onSelect,
-  selected,
-}: {
+interface RunGraphProps {
   spec: GraphSpec;
   layout?: EditorLayout;
   states?: Record<string, NodeRunView>;
   onSelect?: (node: string | null) => void;
   selected?: string | null;
-}) {
+}
+
+export function RunGraph(props: RunGraphProps) {
+  return (
+    <ReactFlowProvider>
+      <RunGraphView {...props} />
+    </ReactFlowProvider>
+  );
+}
+
+function RunGraphView({ spec, layout, states, onSelect, selected }: RunGraphProps) {
+  const canvas = useRef<HTMLDivElement>(null);
+  const { fit, whole } = useReadableFit(canvas, true);
   const base = useMemo(() => specToDoc(spec, layout ? { nodes: layout.nodes } : {}), [spec, layout]);
   // Controlled nodes keep what React Flow measured: run states update the nodes many times
   // a second, and a node object rebuilt without its size would be hidden until re-measured.
@@ -43,7 +53,7 @@ export function RunGraph({
     [base, states],
   );
   return (
-    <ReactFlowProvider>
+    <div ref={canvas} className="run-graph-canvas" data-testid="run-graph-canvas">
       <ReactFlow<SpecNode, SpecEdge>
         nodes={nodes}
         edges={edges}
@@ -53,16 +63,15 @@ export function RunGraph({
         nodesConnectable={false}
         edgesFocusable={false}
         deleteKeyCode={null}
-        fitView
-        fitViewOptions={{ padding: 0.1, maxZoom: 1.1 }}
         minZoom={0.2}
         proOptions={{ hideAttribution: true }}
         onNodeClick={(_, n) => onSelect?.(n.id)}
         onPaneClick={() => onSelect?.(null)}
       >
         <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#d5dae2" />
-        <Controls showInteractive={false} />
+        <Controls showInteractive={false} onFitView={() => fit(300)} />
+        {whole === false && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor="#c7d2fe" />}
       </ReactFlow>
-    </ReactFlowProvider>
+    </div>
   );
 }

@@ -166,7 +166,10 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
       )}
       {run?.worker && (
         <div className="spec-node-where muted" title={`ran on worker ${run.worker}${run.host ? ` on host ${run.host}` : ""}`}>
-          <Icon name="cpu" size={11} /> {run.host ?? ""} · {run.worker}
+          <Icon name="cpu" size={11} />
+          <span className="spec-node-where-text">
+            {run.host ?? ""} · {run.worker}
+          </span>
         </div>
       )}
       {run?.error && (

@@ -1,6 +1,7 @@
 /** Small building blocks shared by the pages. */
 import { type ReactNode, useEffect, useRef } from "react";
 import { Icon, type IconName } from "./icons";
+import { useToastSlot } from "./toast";
 
 export function Spinner({ label }: { label?: string }) {
   return (
@@ -46,6 +47,7 @@ export function Modal({
   testId?: string;
 }) {
   const ref = useRef<HTMLDivElement>(null);
+  const toastSlot = useToastSlot();
   useEffect(() => {
     const onKey = (e: KeyboardEvent) => e.key === "Escape" && onClose();
     window.addEventListener("keydown", onKey);
@@ -62,6 +64,8 @@ export function Modal({
           </button>
         </header>
         <div className="modal-body">{children}</div>
+        {/* Notices shown while the dialog is open: in its flow, above the footer, covering none of it. */}
+        <div className="modal-toasts" aria-live="polite" ref={toastSlot} data-testid="modal-toasts" />
         {footer && <footer className="modal-foot">{footer}</footer>}
       </div>
     </div>

@@ -51,4 +51,23 @@ describe("choosing an op", () => {
     expect(step.stream).toBe(true);
     expect(out.edges.map((e) => e.target_port)).toEqual(["value"]);
   });
+
+  it("keeps the edges of a node's one input and one output on the op's one input and output", () => {
+    // A fresh python node (`x` -> `out`), connected before its op is chosen.
+    const fresh: GraphSpec = {
+      ...spec,
+      nodes: spec.nodes.map((n) => (n.id === "step" ? { ...n, inputs: { x: { type: "any" } }, outputs: { out: { type: "any" } } } : n)),
+      edges: [
+        { source: "name", source_port: "value", target: "step", target_port: "x" },
+        { source: "step", source_port: "out", target: "greeting", target_port: "value" },
+      ],
+    };
+    const join: OpInfo = { ...greet, name: "chat.join_text", inputs: { parts: { type: "text", optional: false, join: "ordered" } },
+                           outputs: { text: { type: "text", optional: false } } };
+    const out = docToSpec(applyOp(specToDoc(fresh), "step", join));
+    expect(out.edges.map((e) => `${e.source}.${e.source_port}->${e.target}.${e.target_port}`)).toEqual([
+      "name.value->step.parts",
+      "step.text->greeting.value",
+    ]);
+  });
 });

@@ -277,8 +277,14 @@ export function applyOp(doc: EditorDoc, id: string, op: OpInfo): EditorDoc {
     if (name in old) params[name] = old[name];
     else if (schema.default !== undefined) params[name] = schema.default;
   }
-  let next = setPorts(doc, id, "inputs", ports(op.inputs));
-  next = setPorts(next, id, "outputs", ports(op.outputs));
+  // A node with one port on a side, given an op with one port there under another name (a fresh
+  // python node's `x` -> `out`, connected before its op was chosen), keeps that port's edges on it.
+  const carried = (now: Record<string, PortSpec> | undefined, declared: OpInfo["inputs"]): Record<string, string> => {
+    const [before, after] = [Object.keys(now ?? {}), Object.keys(declared)];
+    return before.length === 1 && after.length === 1 ? { [before[0]]: after[0] } : {};
+  };
+  let next = setPorts(doc, id, "inputs", ports(op.inputs), carried(node.data.spec.inputs, op.inputs));
+  next = setPorts(next, id, "outputs", ports(op.outputs), carried(node.data.spec.outputs, op.outputs));
   const stream = op.stream || undefined;
   return updateNodeSpec(next, id, { op: op.name, params, stream, ...(stream ? { routes: null } : {}) });
 }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { EDGE_MARGIN, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, union } from "./viewport";
+import { EDGE_MARGIN, FIT_PADDING, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, showsWhole, union, wholeFitZoom } from "./viewport";
 
 const canvas = { width: 800, height: 600 };
 
@@ -33,6 +33,21 @@ describe("the view a graph opens with", () => {
     expect(vp.y + (inputs.y + inputs.height / 2) * vp.zoom).toBeCloseTo(300); // the inputs, still
     const wider = { ...all, width: all.width + 10 };
     expect(readableViewport(wider, inputs, canvas).x).toBeCloseTo(FOCUS_MARGIN); // any wider: the inputs at the left
+  });
+
+  it("says whether the readable view shows the whole graph", () => {
+    const small = { x: 0, y: 0, width: 200, height: 100 };
+    expect(wholeFitZoom(small, canvas)).toBe(MAX_FIT_ZOOM);
+    const big = { x: 0, y: 0, width: 4000, height: 1500 };
+    expect(wholeFitZoom(big, canvas)).toBeCloseTo(canvas.width / (4000 * (1 + 2 * FIT_PADDING)));
+    expect(wholeFitZoom(big, canvas)).toBeLessThan(LEGIBLE_ZOOM); // the view shows part of it
+    expect(readableViewport(big, null, canvas).zoom).toBe(LEGIBLE_ZOOM);
+    expect(showsWhole(big, readableViewport(big, null, canvas), canvas)).toBe(false);
+    expect(showsWhole(small, readableViewport(small, null, canvas), canvas)).toBe(true);
+    // Too big to fit with the padding, small enough to show whole at the legible zoom without it.
+    const snug = { x: 0, y: 0, width: (canvas.width - 2 * EDGE_MARGIN) / LEGIBLE_ZOOM, height: 300 };
+    expect(wholeFitZoom(snug, canvas)).toBeLessThan(LEGIBLE_ZOOM);
+    expect(showsWhole(snug, readableViewport(snug, null, canvas), canvas)).toBe(true);
   });
 
   it("unites rectangles", () => {

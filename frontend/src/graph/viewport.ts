@@ -34,11 +34,7 @@ export interface Viewport {
  * did not fit), else `focus` at the left edge.
  */
 export function readableViewport(all: Rect, focus: Rect | null, canvas: { width: number; height: number }): Viewport {
-  const fit = Math.min(
-    canvas.width / Math.max(1, all.width * (1 + 2 * FIT_PADDING)),
-    canvas.height / Math.max(1, all.height * (1 + 2 * FIT_PADDING)),
-    MAX_FIT_ZOOM,
-  );
+  const fit = wholeFitZoom(all, canvas);
   if (fit >= LEGIBLE_ZOOM) {
     return {
       zoom: fit,
@@ -55,6 +51,25 @@ export function readableViewport(all: Rect, focus: Rect | null, canvas: { width:
     x: fitsWide ? canvas.width / 2 - (all.x + all.width / 2) * zoom : FOCUS_MARGIN - target.x * zoom,
     y: fitsTall ? canvas.height / 2 - (target.y + target.height / 2) * zoom : FOCUS_MARGIN - target.y * zoom,
   };
+}
+
+/** The zoom that shows all of `all`, padded, on `canvas` (at most MAX_FIT_ZOOM); below LEGIBLE_ZOOM the
+ * readable view opens at LEGIBLE_ZOOM instead. */
+export function wholeFitZoom(all: Rect, canvas: { width: number; height: number }): number {
+  return Math.min(
+    canvas.width / Math.max(1, all.width * (1 + 2 * FIT_PADDING)),
+    canvas.height / Math.max(1, all.height * (1 + 2 * FIT_PADDING)),
+    MAX_FIT_ZOOM,
+  );
+}
+
+/** Whether `viewport` shows all of `all` on `canvas` (else the view shows part of the graph). */
+export function showsWhole(all: Rect, viewport: Viewport, canvas: { width: number; height: number }): boolean {
+  const left = viewport.x + all.x * viewport.zoom;
+  const top = viewport.y + all.y * viewport.zoom;
+  const slack = 0.5; // rounding
+  return left >= -slack && top >= -slack && left + all.width * viewport.zoom <= canvas.width + slack &&
+    top + all.height * viewport.zoom <= canvas.height + slack;
 }
 
 /** The smallest rectangle holding every one of `rects` (null for none). */

@@ -33,7 +33,7 @@ import { NodeInspector, type NodeEdits } from "../editor/NodeInspector";
 import { DRAG_MIME, Palette } from "../editor/Palette";
 import { SaveDialog } from "../editor/SaveDialog";
 import { EdgeInspector, IssueList, RolesPanel, WorkflowPanel } from "../editor/SidePanels";
-import { useReadableFit } from "../editor/useReadableFit";
+import { useReadableFit } from "../hooks/useReadableFit";
 import { VersionHistory } from "../editor/VersionHistory";
 import { jsonEqual } from "../graph/canonical";
 import { placeIssues, withIssues } from "../graph/issues";
@@ -188,7 +188,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const selectedEdge = selectedEdges.length === 1 && selectedNodes.length === 0 ? selectedEdges[0] : null;
   const [tab, setTab] = useState<Tab>("workflow");
   const selectionKey = `${selectedNode?.id ?? ""}|${selectedEdge?.id ?? ""}`;
-  const [paletteOpen, setPaletteOpen] = useState(() => window.innerWidth >= WIDE_WINDOW);
+  // An empty graph starts with its palette open at any width: the canvas says to drag from it.
+  const [paletteOpen, setPaletteOpen] = useState(() => window.innerWidth >= WIDE_WINDOW || initial.nodes.length === 0);
   const [panelOpen, setPanelOpen] = useState(() => window.innerWidth >= WIDE_WINDOW);
   useEffect(() => {
     if (selectedNode || selectedEdge) {
@@ -323,7 +324,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const canvasRef = useRef<HTMLDivElement>(null);
   // A saved view too far out to read opens fitted readably instead.
   const savedView = version?.layout.viewport && version.layout.viewport.zoom >= LEGIBLE_ZOOM ? version.layout.viewport : undefined;
-  const fit = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
+  const { fit } = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
   const layout = useCallback(() => {
     history.commit((d) => ({ ...d, nodes: autoLayout(d.nodes, d.edges) }));
     window.setTimeout(() => fit(300), 50);
@@ -434,8 +435,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
           <Link to="/workflows" className="icon-btn" aria-label="Back to workflows">
             <Icon name="chevron" style={{ transform: "rotate(180deg)" }} />
           </Link>
-          <div>
-            <div className="editor-name" data-testid="editor-name">
+          <div className="editor-title-text">
+            <div className="editor-name" data-testid="editor-name" title={workflow.name}>
               {workflow.name}
             </div>
             <div className="editor-sub">
@@ -452,14 +453,14 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
           <Button small variant="ghost" icon="undo" onClick={history.undo} disabled={!history.canUndo} title="Undo (Ctrl+Z)" aria-label="Undo" />
           <Button small variant="ghost" icon="redo" onClick={history.redo} disabled={!history.canRedo} title="Redo (Ctrl+Shift+Z)" aria-label="Redo" />
           <span className="divider" />
-          <Button small variant="ghost" icon="layout" onClick={layout} disabled={doc.nodes.length === 0}>
+          <Button small variant="ghost" icon="layout" onClick={layout} disabled={doc.nodes.length === 0} title="Auto-layout" aria-label="Auto-layout">
             Auto-layout
           </Button>
-          <Button small variant="ghost" icon="history" onClick={() => setShowHistory(true)} disabled={base === null}>
+          <Button small variant="ghost" icon="history" onClick={() => setShowHistory(true)} disabled={base === null} title="Version history" aria-label="History">
             History
           </Button>
           <div className="menu-wrap">
-            <Button small variant="ghost" icon="download" onClick={() => setExportOpen((o) => !o)} disabled={base === null} data-testid="export-menu">
+            <Button small variant="ghost" icon="download" onClick={() => setExportOpen((o) => !o)} disabled={base === null} title="Export" aria-label="Export" data-testid="export-menu">
               Export
             </Button>
             {exportOpen && base !== null && (

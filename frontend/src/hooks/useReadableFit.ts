@@ -1,0 +1,50 @@
+/**
+ * Fit a React Flow view (the editor's canvas, a run's graph) to its graph without going below a
+ * legible zoom (`graph/viewport.ts`). Call it inside the view's ReactFlowProvider.
+ */
+import { useNodesInitialized, useReactFlow } from "@xyflow/react";
+import { type RefObject, useCallback, useEffect, useRef, useState } from "react";
+import type { SpecEdge, SpecNode } from "../graph/model";
+import { NODE_WIDTH } from "../graph/layout";
+import { readableViewport, showsWhole } from "../graph/viewport";
+
+export interface ReadableFit {
+  /** Show the whole graph when its titles stay legible, else its inputs (or its leftmost nodes) at the legible zoom. */
+  fit: (duration?: number) => void;
+  /** Whether the last fit showed the whole graph (false: part of it, the minimap shows the rest; null: not fitted yet). */
+  whole: boolean | null;
+}
+
+/**
+ * `canvas` is the element the view fills. Once the first nodes are measured, it fits by itself when
+ * `initial` says so (a graph opened without a saved view, or with one too small to read).
+ */
+export function useReadableFit(canvas: RefObject<HTMLDivElement | null>, initial: boolean): ReadableFit {
+  const flow = useReactFlow<SpecNode, SpecEdge>();
+  const measured = useNodesInitialized();
+  const done = useRef(false);
+  const [whole, setWhole] = useState<boolean | null>(null);
+  const fit = useCallback(
+    (duration = 0) => {
+      const nodes = flow.getNodes();
+      const box = canvas.current?.getBoundingClientRect();
+      if (nodes.length === 0 || !box) return;
+      let focus: SpecNode[] = nodes.filter((n) => n.data.spec.kind === "input");
+      if (focus.length === 0) {
+        const left = Math.min(...nodes.map((n) => n.position.x));
+        focus = nodes.filter((n) => n.position.x < left + NODE_WIDTH);
+      }
+      const all = flow.getNodesBounds(nodes);
+      const viewport = readableViewport(all, flow.getNodesBounds(focus), box);
+      flow.setViewport(viewport, { duration });
+      setWhole(showsWhole(all, viewport, box));
+    },
+    [flow, canvas],
+  );
+  useEffect(() => {
+    if (!measured || done.current) return;
+    done.current = true;
+    if (initial) fit();
+  }, [measured, initial, fit]);
+  return { fit, whole };
+}
