@@ -11,7 +11,9 @@ into one batch; `tok_s_hf_sequential`, `generate` on each prompt alone, whose to
 the engine's must equal (`same_tokens_hf_sequential`). After a warm-up the engine and
 the batched anchor run in alternation `--repeats` times; throughputs are medians, and
 `engine_vs_hf_batched` is the median of the ratios of runs taken side by side (robust
-to load that comes and goes). Goal (issue 18, real model): engine_vs_hf_batched >= 1.5.
+to load that comes and goes). `--packed-float32` runs the engine with the role param of that
+name (a packed copy of the float32 weights for batched decode). Goal (issue 18, real model):
+engine_vs_hf_batched >= 1.5.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--packed-float32", action="store_true",
+                        help="the engine's role param packed_float32: oneDNN's products over packed float32 weights")
 
 
 def _prompts(model: LoadedModel, args: argparse.Namespace) -> list[list[int]]:
@@ -55,7 +59,8 @@ def _prompts(model: LoadedModel, args: argparse.Namespace) -> list[list[int]]:
 
 
 def _engine_once(model: LoadedModel, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
-    engine = LLMEngine(model, EngineConfig(page_size=args.page_size, max_running=max(args.requests, 1)))
+    engine = LLMEngine(model, EngineConfig(page_size=args.page_size, max_running=max(args.requests, 1),
+                                           packed_float32=args.packed_float32))
     try:
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         started = time.perf_counter()
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
     return {
         "model": args.model,
         "dtype": args.dtype,
+        "packed_float32": args.packed_float32,
         **context,
         "requests": args.requests,
         "new_tokens": args.new_tokens,

@@ -12,6 +12,8 @@ request has its first token to the last token), the median of `--repeats` runs;
 llama-cpp-python 0.3.36 on the Q4_1 GGUF with 2 threads, on a machine like this one;
 a recorded figure, not measured in this run).
 Goals (issue 18): b1_vs_limit >= 0.8 in each dtype; bfloat16_b16_vs_float32 >= 2.
+`--packed-float32` runs the engine with the role param of that name (float32 batches of 2 to 64
+rows multiplied by oneDNN over a packed copy of the weights).
 `bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
 bfloat16 goals assume it; without it bfloat16 products are emulated, several times slower than
 float32's, and the bfloat16 figures measure that emulation.
@@ -45,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--packed-float32", action="store_true",
+                        help="the engine's role param packed_float32: oneDNN's products over packed float32 weights")
     parser.add_argument("--llamacpp-tok-s", type=float, default=LLAMACPP_B1_TOK_S,
                         help="llama.cpp's batch-1 decode figure to compare with (recorded, not measured here)")
 
@@ -70,7 +74,7 @@ def decode_tok_s(model: LoadedModel, args: argparse.Namespace, batch: int, rng: 
     vocab = model.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
     config = EngineConfig(page_size=args.page_size, max_running=batch,
-                          max_prefill_tokens=max(batch * args.prompt_tokens, 64))
+                          max_prefill_tokens=max(batch * args.prompt_tokens, 64), packed_float32=args.packed_float32)
     engine = LLMEngine(model, config)
     try:
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, float | int | bool | str]:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     result: dict[str, float | int | bool | str] = {"model": args.model, **context,
                                                    "llamacpp_b1_tok_s": args.llamacpp_tok_s,
+                                                   "packed_float32": args.packed_float32,
                                                    "bfloat16_native": native_bfloat16()}
     for dtype in dtypes:
         for key, value in _one_dtype(args, dtype, batches).items():

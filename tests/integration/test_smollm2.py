@@ -137,17 +137,23 @@ def hf_no_eos(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
 
 def test_a_batch_of_chat_prompts_decodes_hf_tokens(ours: LoadedModel, reference: PreTrainedModel,
                                                    hf_tokenizer: PreTrainedTokenizerBase):
-    """Six chat prompts batched past their EOS: the batched decode kernel's rounding may only flip
+    """Six chat prompts batched past their EOS, with MKL's products and with oneDNN's over packed
+    float32 weights (`packed_float32`): the batched decode kernels' rounding may only flip
     near-ties of HF's own logits (none did when this was written)."""
     prompts = [list(hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
-    engine = LLMEngine(ours, EngineConfig(page_size=16, max_running=len(prompts)))
-    try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=LONG, ignore_eos=True))
-    finally:
-        engine.close()
-    for prompt, out in zip(prompts, outs, strict=True):
-        check_greedy(reference, prompt, list(out.output_ids), hf_no_eos(reference, prompt, LONG))
+    runs = []
+    for packed in (False, True):
+        engine = LLMEngine(ours, EngineConfig(page_size=16, max_running=len(prompts), packed_float32=packed))
+        try:
+            assert (engine.forward.weights.lm_packed is not None) is packed
+            runs.append(engine.generate(prompts, SamplingParams(max_new_tokens=LONG, ignore_eos=True)))
+        finally:
+            engine.close()
+    for i, prompt in enumerate(prompts):
+        theirs = hf_no_eos(reference, prompt, LONG)
+        for outs in runs:
+            check_greedy(reference, prompt, list(outs[i].output_ids), theirs)
 
 
 def test_bfloat16_greedy_tokens_agree_with_hf_in_bfloat16(smollm2_cache: ModelCache, checkpoint: Path,

@@ -99,7 +99,8 @@ class LLMEngine:
         elif store.layout != self.layout:
             raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         self.store = store
-        self.forward = PagedForward(model.model, self.layout, packed=config.packed_weights)
+        self.forward = PagedForward(model.model, self.layout, packed=config.packed_weights,
+                                    packed_float32=config.packed_float32)
         if make_cache is None:
             self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)
         else:

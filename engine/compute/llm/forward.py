@@ -111,10 +111,11 @@ class PrefillOutput:
 class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
-    def __init__(self, model: PreTrainedModel, layout: KVLayout, *, packed: bool = True) -> None:
-        """`packed`: bind packed weights where they are faster (`DecoderWeights.of`)."""
+    def __init__(self, model: PreTrainedModel, layout: KVLayout, *, packed: bool = True,
+                 packed_float32: bool = False) -> None:
+        """`packed`, `packed_float32`: bind packed weights where they are faster (`DecoderWeights.of`)."""
         self.model = model
-        self.weights = w = DecoderWeights.of(model, packed=packed)
+        self.weights = w = DecoderWeights.of(model, packed=packed, packed_float32=packed_float32)
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
         self.group = w.num_heads // w.num_kv_heads
         self.q_width = w.num_heads * w.head_dim

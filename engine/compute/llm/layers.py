@@ -18,7 +18,12 @@
   weight also in oneDNN's packed layout (`packed_weight`), made once here: `F.linear` packs its
   weight again at every call, which at decode costs more than the product. The packed product
   gives `F.linear`'s numbers to the bit. It is the one copy made: a second copy of the linear
-  weights in this process, beside the shared one the modules keep.
+  weights in this process, beside the shared one the modules keep;
+* in float32, only when asked (`packed_float32`), the same packed copy for batched decode:
+  MKL's float32 product over a few rows (2 to `PACKED_FLOAT32_MAX_ROWS`) runs far below the
+  weight-read limit, oneDNN's over a packed weight in about 0.5-0.85x its time. One row (where
+  `F.linear` streams the weight) and prefills keep `F.linear`. The numbers are the same
+  products summed in another order (within about 1e-4 of `F.linear`'s).
 
 `RotaryTable` holds cos and signed sin per position (grown on demand), so a step looks its
 positions up instead of recomputing them, and rotates in three operations.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +236,13 @@ class LayerWeights:
 SMALL_BATCH = 32
 """Up to this many rows, `project` multiplies a bfloat16 weight as `weight @ x.T`."""
 
+PACKED_FLOAT32_MAX_ROWS = 64
+"""Up to this many rows (and from 2), `project` multiplies a packed float32 weight by oneDNN;
+from about 256 rows MKL's `F.linear` is as fast or faster."""
+
+PACKED_FLOAT32_HINT_ROWS = 16
+"""The row count oneDNN lays a packed float32 weight out for (a decode batch)."""
+
 
 def native_bfloat16() -> bool:
     """Whether this CPU's oneDNN runs bfloat16 products natively (AVX512-BF16, AMX). Where it does
@@ -237,20 +250,35 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def packed_weight(weight: torch.Tensor, *, float32: bool = False) -> torch.Tensor | None:
     """`weight` in oneDNN's packed layout for `project`, where that is faster than `F.linear`:
-    bfloat16 on a CPU whose oneDNN runs bfloat16 natively; None elsewhere."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not native_bfloat16():
+    bfloat16 on a CPU whose oneDNN runs bfloat16 natively; float32 where `float32` asks for it
+    (a second copy of the weight, for batched decode); None elsewhere."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    if weight.dtype == torch.bfloat16 and native_bfloat16():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    if weight.dtype == torch.float32 and float32:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FLOAT32_HINT_ROWS)
+    return None
+
+
+def _takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `project` multiplies `x` by `packed`: always in bfloat16; in float32 for 2 to
+    `PACKED_FLOAT32_MAX_ROWS` rows."""
+    if packed is None:
+        return False
+    return x.dtype != torch.float32 or 2 <= x.shape[0] <= PACKED_FLOAT32_MAX_ROWS
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` `(rows, in)`, by the product that reads `weight` fastest.
 
-    With `packed` (`packed_weight(weight)`), oneDNN's product over it: `F.linear`'s numbers
-    without its packing `weight` again at each call. Otherwise, as follows.
+    With `packed` (`packed_weight(weight)`), oneDNN's product over it: in bfloat16
+    `F.linear`'s numbers without its packing `weight` again at each call; in float32 for the
+    rows `_takes_packed` gives it (the same products, summed in another order). Otherwise, as
+    follows.
 
     A decode step is a few rows against weights that do not fit in cache, so a product costs
     what reading its weight costs, unless the kernel first repacks the weight (reads it and
@@ -263,7 +291,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     prefill, where repacking pays for itself) take `F.linear`. The result may be a transposed
     view.
     """
-    if packed is not None:
+    if _takes_packed(x, packed):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_BATCH:
         out = torch.mv(weight, x[0])[None] if x.shape[0] == 1 else torch.mm(weight, x.t()).t()
@@ -275,8 +303,11 @@ def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  packed: torch.Tensor | None) -> torch.Tensor:
     """`residual + x @ weight.T`. In float32 one `addmm` (the product is rounded to float32 before
     the sum either way). In a reduced precision HF rounds the product to that precision before it
-    adds it, which `addmm` would not: there it is two operations, as HF does them."""
+    adds it, which `addmm` would not: there it is two operations, as HF does them. A packed
+    float32 weight adds in oneDNN's product (its `add` post-op)."""
     if residual.dtype == torch.float32:
+        if _takes_packed(x, packed):
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
         return torch.addmm(residual, x, weight.t())
     return residual + project(x, weight, packed=packed)
 
@@ -341,9 +372,10 @@ class DecoderWeights:
     """`lm_weight` in oneDNN's packed layout, where `packed_weight` makes one."""
 
     @classmethod
-    def of(cls, model: torch.nn.Module, *, packed: bool = True) -> DecoderWeights:
-        """`packed`: also bind the weights in oneDNN's packed layout where `packed_weight` makes one."""
-        pack = packed_weight if packed else _unpacked
+    def of(cls, model: torch.nn.Module, *, packed: bool = True, packed_float32: bool = False) -> DecoderWeights:
+        """`packed`: also bind the weights in oneDNN's packed layout where `packed_weight` makes
+        one; `packed_float32`: float32 weights too."""
+        pack = partial(packed_weight, float32=packed_float32) if packed else _unpacked
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or any(not hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
@@ -375,13 +407,13 @@ class DecoderWeights:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the final hidden states `(rows, hidden)`.
 
-        A few rows (2 to 15) go through the LM head as `W @ h^T`: on this code's CPU (MKL,
+        A few rows (2 to 15) with no packed weight for them go through the LM head as `W @ h^T`: on this code's CPU (MKL,
         AVX2) `F.linear`'s form of that product over a vocabulary-sized weight took about three
         times as long at 4 rows as at 1 (it repacks the weight), the transposed form did not; the
         two give the same numbers. Other counts as `project` takes them (`mv` for one bfloat16 row).
         """
         normed = self.final_norm(hidden)
-        if self.lm_packed is None and 1 < normed.shape[0] < 16:
+        if not _takes_packed(normed, self.lm_packed) and 1 < normed.shape[0] < 16:
             out = torch.mm(self.lm_weight, normed.t()).t()
             if self.lm_bias is not None:
                 out = out + self.lm_bias

@@ -12,9 +12,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.llm.forward import DecodeBatch, PagedForward, PrefillChunk
 from engine.compute.llm.layers import (
+    PACKED_FLOAT32_MAX_ROWS,
     DecoderWeights,
     RotaryTable,
     UnsupportedModelError,
+    _add_product,
     fuse_rows,
     rms_norm,
     rotate,
@@ -234,6 +236,34 @@ def test_packed_bfloat16_products_give_f_linear_to_the_bit_and_packing_can_be_tu
     assert outs[0] == outs[1]
 
 
-def test_float32_weights_are_never_packed(tiny_llama: LoadedModel):
+def test_float32_weights_are_packed_only_when_asked(tiny_llama: LoadedModel):
     weights = DecoderWeights.of(tiny_llama.model)
     assert weights.lm_packed is None and all(layer.qkv_packed is None for layer in weights.layers)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN: nothing is packed")
+def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decode_batches(tiny_llama: LoadedModel):
+    """`packed_float32`: 2 to `PACKED_FLOAT32_MAX_ROWS` rows go through oneDNN's packed product (the
+    same products summed in another order); one row and longer inputs keep MKL's, to the bit."""
+    weights = DecoderWeights.of(tiny_llama.model, packed_float32=True)
+    layer = weights.layers[0]
+    assert layer.qkv_packed is not None and layer.gate_up_packed is not None and weights.lm_packed is not None
+    assert layer.o_packed is not None and layer.down_packed is not None
+    torch.manual_seed(0)
+    width = layer.qkv_weight.shape[1]
+    for rows in (1, 2, 16, PACKED_FLOAT32_MAX_ROWS, PACKED_FLOAT32_MAX_ROWS + 1, 200):
+        hidden = torch.randn(rows, width)
+        normed = layer.input_norm(hidden)
+        expected = torch.nn.functional.linear(normed, layer.qkv_weight, layer.qkv_bias)
+        residual = torch.randn(rows, width)
+        inner = torch.randn(rows, layer.intermediate)
+        added = residual + torch.nn.functional.linear(inner, layer.down_weight)
+        logits = torch.nn.functional.linear(weights.final_norm(hidden), weights.lm_weight, weights.lm_bias)
+        summed = _add_product(residual, inner, layer.down_weight, layer.down_packed)
+        if 2 <= rows <= PACKED_FLOAT32_MAX_ROWS:
+            torch.testing.assert_close(layer.qkv(hidden), expected, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(summed, added, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(weights.logits(hidden), logits, atol=1e-5, rtol=1e-4)
+        else:
+            assert torch.equal(layer.qkv(hidden), expected), rows
+            assert torch.equal(summed, torch.addmm(residual, inner, layer.down_weight.t())), rows
