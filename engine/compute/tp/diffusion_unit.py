@@ -46,7 +46,7 @@ from engine.compute.tp.group import TPError, TPGroup, TPRankError
 from engine.compute.tp.kv import pull_shards
 from engine.compute.tp.link import FollowerLink, RefusalReporter, greet_leader
 from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
-from engine.compute.tp.unit import (
+from engine.compute.tp.seat import (
     LeaderWatch,
     TPSeat,
     join_group,
@@ -177,7 +177,7 @@ class TPDiffusionUnit(ThreadedUnit):
             self.runner = rank.runner
             self.whole = rank.whole
             self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}", keys=tp.keys)
-            self._link.meet(0)
+            self._link.meet()
             undo.pop_all()
 
     def _broadcast(self, message: TPMessage) -> None:
