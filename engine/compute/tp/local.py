@@ -26,9 +26,9 @@ STOP_TIMEOUT_S = 10.0
 
 
 class LocalRanks:
-    """Follower ranks of `role` (its `tp_size`) as child processes; `seat` is rank 0's. Use as a
-    context manager, or `close()` it (after rank 0 stopped them, it waits for their exit; a rank
-    still running then is killed)."""
+    """Follower ranks of `role` (its `tp_size`) as child processes; `seat` is rank 0's, to join the
+    group with once (its `listen_fd` is then the group's). Use as a context manager, or `close()`
+    it (after rank 0 stopped them, it waits for their exit; a rank still running then is killed)."""
 
     def __init__(self, role: RoleSpec) -> None:
         if role.tp_size < 2:
@@ -37,7 +37,8 @@ class LocalRanks:
         self.procs: list[subprocess.Popen[bytes]] = []
         listener, address = listening_socket()
         self._listener = listener
-        self.seat = TPSeat(0, role.tp_size, address, listen_fd=listener.fileno())
+        # Rank 0's group store takes over (and closes) a duplicate; this one is closed by `close`.
+        self.seat = TPSeat(0, role.tp_size, address, listen_fd=os.dup(listener.fileno()))
         payload = msgspec.json.encode(role).decode()
         with contextlib.ExitStack() as undo:
             undo.callback(self.close)
