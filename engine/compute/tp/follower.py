@@ -51,7 +51,6 @@ from engine.compute.tp.messages import (
     TPStop,
     WritePage,
 )
-from engine.compute.tp.runner import DECODED_BUFFER, HANDED_BUFFER
 from engine.compute.tp.seat import LeaderWatch, TPSeat, join_group, load_role_model, shard_to_device
 from engine.data.kv.copy import copy_page
 from engine.data.kv.disk import DiskTier
@@ -204,7 +203,11 @@ class Follower:
         self._handed = output.buffer
 
     def _decode(self, work: DecodeInputs) -> None:
-        previous = {DECODED_BUFFER: self._decoded, HANDED_BUFFER: self._handed}.get(work.previous)
+        keys = tuple(work.keys)
+        previous = next((buffer for buffer in (self._decoded, self._handed) if buffer is not None
+                         and buffer.keys == keys and len(buffer.positions) == len(work.positions)
+                         and all(now == before + 1 for now, before in zip(work.positions, buffer.positions,
+                                                                          strict=True))), None)
         batch = DecodeBatch(work.token_ids, work.positions, work.page_slots, work.tail_slots, work.keys)
         _, self._decoded = self.forward.decode(batch, self.kv.pool, self.kv.tails, previous)
 

@@ -156,15 +156,15 @@ class PrefillInputs(msgspec.Struct, tag=True, frozen=True):
 
 
 class DecodeInputs(msgspec.Struct, tag=True, frozen=True):
-    """`PagedForward.decode`'s arguments; `previous` names the decode buffer rank 0 passed:
-    0 none, 1 the last decode's, 2 the one the last prefill handed over."""
+    """`PagedForward.decode`'s batch. A follower continues a decode buffer of its own where one
+    fits the batch (`engine.compute.llm.forward.DecodeBuffer`): a buffer only caches what the
+    pages and tail pages hold, so which one a rank reuses never changes the result."""
 
     token_ids: list[int]
     positions: list[int]
     page_slots: list[list[int]]
     tail_slots: list[int]
     keys: list[str]
-    previous: int
 
 
 class GatherRequest(msgspec.Struct, tag=True, frozen=True):

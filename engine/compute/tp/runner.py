@@ -3,7 +3,7 @@
 `BroadcastForward` is the `PagedForward` of rank 0's engine (`LLMEngine(make_forward=...)`).
 Before each forward it sends every follower one `TPPass`: the KV memory operations the engine
 did since the last pass (`journal.py`), then the forward's inputs (token ids, positions, page
-and tail slots, which decode buffer it continues). Then it runs its own shard of the forward;
+and tail slots). Then it runs its own shard of the forward;
 the all-reduces of the row-parallel layers (`shard.py`) pair it with the followers' forwards.
 Its other collective, `gather`, brings every rank's heads of some pages to rank 0 (a prefill
 handoff served whole to another role).
@@ -28,9 +28,6 @@ from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.store import KVStore
 
-NO_BUFFER, DECODED_BUFFER, HANDED_BUFFER = 0, 1, 2
-"""`DecodeInputs.previous`: which decode buffer a decode step continues."""
-
 
 class BroadcastForward(PagedForward):
     """`PagedForward` of rank 0 that sends each forward's pass to the followers first."""
@@ -41,8 +38,6 @@ class BroadcastForward(PagedForward):
         self.journal = journal
         self._send = send
         self.tp_group = group
-        self._decoded: DecodeBuffer | None = None
-        self._handed: DecodeBuffer | None = None
 
     def _pass(self, forward: PrefillInputs | DecodeInputs | GatherRequest | None) -> None:
         self._send(TPPass(self.journal.drain(), forward))
@@ -57,24 +52,13 @@ class BroadcastForward(PagedForward):
         self._pass(PrefillInputs(inputs, list(want_logits), decode_key))
         output = super().prefill_batch(chunks, pool, want_logits, decode_key)
         self.journal.fresh = [fresh for _, fresh in output.results]
-        self._handed = output.buffer
         return output
 
     def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
                previous: DecodeBuffer | None = None) -> tuple[torch.Tensor, DecodeBuffer]:
-        if previous is None:
-            which = NO_BUFFER
-        elif previous is self._decoded:
-            which = DECODED_BUFFER
-        elif previous is self._handed:
-            which = HANDED_BUFFER
-        else:
-            raise TPError("a decode step continues a buffer the followers never made")
         self._pass(DecodeInputs(list(batch.token_ids), list(batch.positions), [list(s) for s in batch.page_slots],
-                                list(batch.tail_slots), list(batch.keys), which))
-        logits, buffer = super().decode(batch, pool, tails, previous)
-        self._decoded = buffer
-        return logits, buffer
+                                list(batch.tail_slots), list(batch.keys)))
+        return super().decode(batch, pool, tails, previous)
 
     def flush(self) -> None:
         """Send the operations not sent yet, without a forward (before the followers stop)."""

@@ -64,7 +64,7 @@ def test_no_tp_module_pickles(module: str) -> None:
 @pytest.mark.parametrize("forward", [
     None,
     PrefillInputs([ChunkInputs([1, 2, 3], 4, [0, 5], 1)], [True], "r1"),
-    DecodeInputs([7], [9], [[0, 5]], [1], ["r1"], 2),
+    DecodeInputs([7], [9], [[0, 5]], [1], ["r1"]),
     GatherRequest(["ab" * 32], 3),
 ])
 def test_a_pass_round_trips(forward) -> None:
