@@ -11,8 +11,8 @@
   page boundary and the pages are still cached (fan-out sampling belongs in one decode request).
 
 A decode node takes only its own tenant's handoffs (`check_handoff_tenant`). A tensor-parallel
-rank 0 (`engine.compute.tp.unit`) serves the whole model's layout and gathers its ranks' heads
-first (`layout`, `tail`), and pulls on every rank (`decode`).
+rank 0 (`engine.compute.tp.handoff`) serves the whole model's layout and gathers its ranks' heads
+first (`layout`, `tail`), and splits the pages it pulls by head (`pull`).
 """
 
 from __future__ import annotations

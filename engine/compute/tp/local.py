@@ -30,7 +30,8 @@ class LocalRanks:
     group with once (its `listen_fd` is then the group's). Use as a context manager, or `close()`
     it (after rank 0 stopped them, it waits for their exit; a rank still running then is killed)."""
 
-    def __init__(self, role: RoleSpec) -> None:
+    def __init__(self, role: RoleSpec, *, threads: int | None = None) -> None:
+        """`threads`: the followers' torch threads (`OMP_NUM_THREADS`; default: torch's own choice)."""
         if role.tp_size < 2:
             raise TPError(f"role {role.name!r} has tp_size {role.tp_size}: no follower ranks to start")
         self.role = role
@@ -40,12 +41,13 @@ class LocalRanks:
         # Rank 0's group store takes over (and closes) a duplicate; this one is closed by `close`.
         self.seat = TPSeat(0, role.tp_size, address, listen_fd=os.dup(listener.fileno()))
         payload = msgspec.json.encode(role).decode()
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         with contextlib.ExitStack() as undo:
             undo.callback(self.close)
             for rank in range(1, role.tp_size):
                 argv = [sys.executable, "-m", "engine.compute.tp.local", "--rank", str(rank), "--address", address,
                         "--parent-pid", str(os.getpid()), "--role", payload]
-                self.procs.append(subprocess.Popen(argv))
+                self.procs.append(subprocess.Popen(argv, env=env))
             undo.pop_all()
 
     @property
