@@ -121,7 +121,7 @@ class ShardKV:
         elif isinstance(op, SaveTail):
             self.saved[op.id] = self._origin(op.origin).clone()
         elif isinstance(op, ForgetTail):
-            self.saved.pop(op.id, None)
+            del self.saved[op.id]
         else:
             raise TPError(f"a follower does not mirror {type(op).__name__}")
 
@@ -156,11 +156,13 @@ class ShardKV:
 
     def _drop(self, page: PageHash, tier: Tier) -> None:
         if tier is Tier.DEVICE:
-            self.slots.pop(page, None)
+            if self.slots.pop(page, None) is None:
+                raise TPError(f"rank {self.rank}: page {page[:16]} left a device slot it never had here")
             return
         target = self.host if tier is Tier.HOST else self.disk
-        if target is not None and page in target:
-            target.remove(page)
+        if target is None or page not in target:
+            raise TPError(f"rank {self.rank}: page {page[:16]} left the {tier.label} tier, which lacks it here")
+        target.remove(page)
 
     def read(self, page: PageHash, tier: Tier | None = None) -> torch.Tensor:
         """This rank's heads of `page`, from `tier` (default: the fastest holding it)."""
