@@ -97,9 +97,9 @@ class KVJournal:
         if event.kind is KVEventKind.STORED and tier is Tier.DEVICE:
             with self._lock:
                 origin = self._expected.pop(page, None)
-            if origin is None:
-                self._broken = f"page {page[:16]} was written from bytes no follower holds"
-                return
+                if origin is None:
+                    self._broken = f"page {page[:16]} was written from bytes no follower holds"
+                    return
             self.record(WritePage(page, self._slot(page), origin))
         elif event.kind is KVEventKind.STORED:  # write-through: the device copy just written
             self.record(CopyPage(page, int(Tier.DEVICE), int(tier)))
