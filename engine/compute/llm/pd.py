@@ -208,12 +208,6 @@ class PrefillDecode:
     def pull(self, peer: Peer, ref: KVRef, holder: KVHolder, hold: KVHold, node_id: str) -> PulledHandoff:
         """Blocking (run in a thread): bring the handoff's pages into the store and fetch its tail
         (a tensor-parallel unit splits them by head)."""
-        pulled, tail = self._pull(peer, ref, holder, hold, node_id)
-        return PulledHandoff(pulled, handoff_of(ref, tail), HolderPageSource(peer, holder.address))
-
-    def _pull(self, peer: Peer, ref: KVRef, holder: KVHolder, hold: KVHold,
-              node_id: str) -> tuple[int, torch.Tensor | None]:
-        """Returns (pages pulled, tail)."""
         pages = list(ref.page_hashes)
         deadline = time.monotonic() + self.pull_timeout_s
         where = f"prefill worker {holder.worker_id or '?'} at {holder.address}"
@@ -238,7 +232,7 @@ class PrefillDecode:
         except (KVTransferError, TransferError) as exc:
             raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
                                f" {self.pull_timeout_s} s: {exc}") from exc
-        return pulled, tail
+        return PulledHandoff(pulled, handoff_of(ref, tail), HolderPageSource(peer, holder.address))
 
     @staticmethod
     def _let_go(peer: Peer, ref: TensorRef) -> None:
