@@ -9,7 +9,7 @@ Indices are the node's GPU indices as `nvidia-smi` numbers them (PCI bus order);
 started with them sets `CUDA_DEVICE_ORDER=PCI_BUS_ID` and `CUDA_VISIBLE_DEVICES` to them
 (`gpu_environment`), so CUDA's `cuda:0` is the replica's first GPU. Every rank of a
 tensor-parallel replica sees all of the replica's GPUs; rank r runs on `cuda:{r * gpus}`
-(`engine.compute.tp.unit.rank_device`), its own GPUs, distinct from every other rank's.
+(`engine.compute.tp.seat.rank_device`), its own GPUs, distinct from every other rank's.
 
 The packing: larger replicas first (then by role and replica), each on the lowest run of
 consecutive free indices that holds it (a replica's ranks side by side, which on most

@@ -648,7 +648,7 @@ async def serve(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
 
 def tp_seat(config: WorkerConfig) -> Any:
     """This process's seat in its tensor-parallel replica (`config.role.tp_size > 1`)."""
-    from engine.compute.tp.unit import TPSeat  # torch: imported by the worker only
+    from engine.compute.tp.seat import TPSeat  # torch: imported by the worker only
 
     if config.tp_address is None:
         raise ValueError(f"role {config.role.name!r} has tp_size {config.role.tp_size} but no tp_address")

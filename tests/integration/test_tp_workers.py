@@ -20,7 +20,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import msgspec
@@ -37,10 +36,9 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.models.loader import load_builtin
 from engine.compute.sampling import SamplingParams
-from engine.compute.tp.kv import merge_pages, shard_layout
+from engine.compute.tp.kv import merge_pages, pull_whole, split_page
 from engine.compute.tp.link import LEADER_KEY
 from engine.compute.tp.messages import TPHello
-from engine.compute.tp.unit import _HandoffPuller
 from engine.data.curve import PlaneKeys
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -161,23 +159,6 @@ async def test_tp2_text_prompt_streams_like_tp1(deployment: Deployment):
     assert two == one
 
 
-class _SoloGroup:
-    """The collective of a puller run for one rank at a time in this process: agreement is its own."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-
-    def min_int(self, value: int) -> int:
-        return value
-
-
-@dataclass
-class _RankEngine:
-    group: _SoloGroup
-    store: KVStore
-    layout: KVLayout
-
-
 async def test_a_tp2_session_with_a_stale_copy_is_replaced_on_every_rank(deployment: Deployment, reference):
     """The client's history holds more turns than the ranks' copy (the session moved away and
     back): every rank closes its copy and reopens it with the history."""
@@ -191,9 +172,10 @@ async def test_a_tp2_session_with_a_stale_copy_is_replaced_on_every_rank(deploym
     assert out3 == hf_greedy(reference, history + third, NEW)
 
 
-async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment):
-    """What every rank of the TP-2 role does with a handoff (`_HandoffPuller`), for ranks 0 and 1,
-    against the real TP-1 prefill worker: merged, the ranks' pages are the holder's bytes."""
+async def test_a_tp1_handoff_pulled_whole_splits_by_head_bit_exact(deployment: Deployment):
+    """What rank 0 of the TP-2 role does with a decode's handoff (`pull_whole`, then `split_page`),
+    against the real TP-1 prefill worker: split and merged again, the pages and the partial last
+    page are the holder's bytes, and each rank's shard is its KV head."""
     prompt = text_ids(5, 4 * PAGE + 3)
     out = await deployment.execute("one", {"tokens": prompt}, ("kv",), {"max_new_tokens": NEW})
     ref = out["kv"]
@@ -203,36 +185,28 @@ async def test_ranks_pull_a_tp1_handoff_by_head_bit_exact(deployment: Deployment
     pages = [PageHash(p) for p in ref.page_hashes]
     assert len(pages) == 4 and ref.hold.tail_len == 3
 
-    def pull_all() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    def pull_all() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         holder = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=8), device="cpu"))
-        stores = [KVStore(KVStoreConfig(layout=shard_layout(whole, 2, r), device_capacity=Capacity(pages=8),
-                                        device="cpu")) for r in range(2)]
         try:
             assert len(fetch_pages(holder, deployment.peer, ref.holder.address, pages, 10.0).pages) == 4
             served = torch.stack([holder.get(p) for p in pages])
-            tails = []
-            for rank, store in enumerate(stores):
-                engine = _RankEngine(_SoloGroup(rank, 2), store, store.layout)
-                handoff = _HandoffPuller(engine, whole, lambda: deployment.peer).pull(ref, 10.0)  # type: ignore[arg-type]
-                assert handoff.layout == store.layout.to_dict() and handoff.page_hashes == tuple(pages)
-                tails.append(handoff.tail)
-            shards = [torch.stack([s.get(p) for p in pages]) for s in stores]
-            tail = deployment.peer.pull(hold, 10.0).torch().clone()
-            return served, shards, tail, tails
+            pulled = torch.stack(pull_whole(deployment.peer, ref.holder.address, pages, whole, 10.0))
+            return served, pulled, deployment.peer.pull(hold, 10.0).torch().clone()
         finally:
             holder.close()
-            for store in stores:
-                store.close()
 
     try:
-        served, shards, tail, tails = await asyncio.to_thread(pull_all)
+        served, pulled, tail = await asyncio.to_thread(pull_all)
     finally:
         # Let the prefill worker go of the handoff (nobody decodes it).
         await asyncio.to_thread(deployment.peer.client.call, hold.owner,
                                 lambda rid: ReleaseRequest(rid, hold.id), 5.0)
-    assert [s.shape[-2] for s in shards] == [1, 1]
-    assert torch.equal(merge_pages(shards, whole.num_kv_heads), served)
-    assert torch.equal(merge_pages(tails, whole.num_kv_heads), tail)
+    assert torch.equal(pulled, served)
+    for data in (pulled, tail):
+        shards = split_page(data, whole.num_kv_heads, 2)
+        assert [s.shape[-2] for s in shards] == [1, 1]
+        assert all(torch.equal(shard, data[..., r : r + 1, :]) for r, shard in enumerate(shards))
+        assert torch.equal(merge_pages(shards, whole.num_kv_heads), data)
 
 
 async def test_a_tp2_prefill_serves_whole_pages_matching_tp1(deployment: Deployment):

@@ -255,8 +255,8 @@ class PagedKVCache:
             if self._take(seq, pages) < len(pages):
                 raise HandoffError(f"handoff {handoff.handoff_id}: pages were evicted before they could be locked")
             if handoff.tail_len:
-                assert handoff.tail is not None
-                self.tails[seq.tail_slot].copy_(handoff.tail)
+                assert handoff.tail is not None and seq.tail_slot is not None
+                self._write_tail(seq.tail_slot, handoff.tail)
         finally:
             seq.matched = True
         seq.num_computed = len(pages) * self.page_size + handoff.tail_len
@@ -286,7 +286,7 @@ class PagedKVCache:
         if full:
             self._commit(seq, fresh[:full], full)
         if filled % self.page_size:
-            self.tails[seq.tail_slot].copy_(fresh[full])
+            self._write_tail(seq.tail_slot, fresh[full])
         seq.num_computed += tokens
 
     def commit_decoded(self, seq: Sequence) -> None:
@@ -298,8 +298,13 @@ class PagedKVCache:
 
     def restore_tail(self, seq: Sequence, tail: torch.Tensor, tokens: int) -> None:
         assert seq.tail_slot is not None and 0 < tokens < self.page_size
-        self.tails[seq.tail_slot].copy_(tail)
+        self._write_tail(seq.tail_slot, tail)
         seq.num_computed = len(seq.pages) * self.page_size + tokens
+
+    def _write_tail(self, slot: int, data: torch.Tensor) -> None:
+        """Every write into a tail page but the decode forward's own (a tensor-parallel rank 0's
+        cache tells its followers here)."""
+        self.tails[slot].copy_(data)
 
     def copy_tail(self, seq: Sequence) -> torch.Tensor | None:
         tail = self.tail(seq)

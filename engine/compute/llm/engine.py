@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import TypeVar
 
 from engine.compute.llm.cache import PagedKVCache
 from engine.compute.llm.config import EngineConfig
@@ -40,11 +41,27 @@ from engine.data.kv.source import PageSource
 from engine.data.kv.store import DiskTierConfig, KVStore, KVStoreConfig, WritePolicy
 from engine.data.kv.tier import Capacity
 
+T = TypeVar("T")
+
 DISK_SLOTS = 1024
 """The most engines that may share one `disk_path` (see `EngineConfig`)."""
 
 
-def _own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
+def open_disk_slot(disk_path: str, layout: KVLayout, open_slot: Callable[[Path], T]) -> T:
+    """`open_slot(directory)` of the first slot directory of `disk_path` no live process holds
+    (the disk tier in it raises `DiskTierBusy` when one does)."""
+    for slot in range(DISK_SLOTS):
+        directory = Path(disk_path) / f"slot-{slot}"
+        if DiskTier.held(directory, layout):
+            continue  # another live engine holds it (probed first: a store costs its tiers' memory)
+        try:
+            return open_slot(directory)
+        except DiskTierBusy:
+            continue  # taken between the probe and the store
+    raise DiskTierBusy(f"every one of the {DISK_SLOTS} disk slots in {disk_path} is held by a live process")
+
+
+def own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
     """The engine's KV store as `config` sizes it, its disk tier in the first free slot of
     `disk_path`."""
 
@@ -61,15 +78,17 @@ def _own_store(config: EngineConfig, layout: KVLayout, device: str) -> KVStore:
 
     if not config.disk_path:
         return store(None)
-    for slot in range(DISK_SLOTS):
-        directory = Path(config.disk_path) / f"slot-{slot}"
-        if DiskTier.held(directory, layout):
-            continue  # another live engine holds it (probed first: a store costs its tiers' memory)
-        try:
-            return store(DiskTierConfig(directory, Capacity(pages=config.disk_pages)))
-        except DiskTierBusy:
-            continue  # taken between the probe and the store
-    raise DiskTierBusy(f"every one of the {DISK_SLOTS} disk slots in {config.disk_path} is held by a live process")
+    return open_disk_slot(config.disk_path, layout,
+                          lambda directory: store(DiskTierConfig(directory, Capacity(pages=config.disk_pages))))
+
+
+def engine_layout(model: LoadedModel, config: EngineConfig) -> KVLayout:
+    """The KV layout of `model`'s pages (a tensor-parallel shard's: its own KV heads)."""
+    return KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype_name(model.dtype))
+
+
+ForwardFactory = Callable[..., PagedForward]
+"""Builds an engine's model runner as `PagedForward(model, layout, packed=..., packed_float32=...)` does."""
 
 
 class LLMEngine:
@@ -84,22 +103,24 @@ class LLMEngine:
         peers: Seq[PageSource] = (),
         clock: Callable[[], float] = time.monotonic,
         make_cache: Callable[[KVStore, KVLayout], PagedKVCache] | None = None,
+        make_forward: ForwardFactory = PagedForward,
     ) -> None:
         """`make_cache`: the page bookkeeping over the store (default: a `PagedKVCache` with
-        `peers`; a tensor-parallel rank's agrees its prefix hits with the group)."""
+        `peers`); `make_forward`: the model runner (default: `PagedForward`). A tensor-parallel
+        rank 0 passes both: its cache and runner tell the follower ranks what to mirror
+        (`engine.compute.tp`)."""
         self.model = model
         self.config = config = config or EngineConfig()
         self.clock = clock
-        self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim,
-                               dtype_name(model.dtype))
+        self.layout = engine_layout(model, config)
         device = str(next(model.model.parameters()).device)
         self._own_store = store is None
         if store is None:
-            store = _own_store(config, self.layout, device)
+            store = own_store(config, self.layout, device)
         elif store.layout != self.layout:
             raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         self.store = store
-        self.forward = PagedForward(model.model, self.layout, packed=config.packed_weights,
+        self.forward = make_forward(model.model, self.layout, packed=config.packed_weights,
                                     packed_float32=config.packed_float32)
         if make_cache is None:
             self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)

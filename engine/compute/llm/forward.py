@@ -53,6 +53,9 @@ class PrefillChunk:
     tail: torch.Tensor | None
     embeds: Sequence[tuple[int, torch.Tensor]] = field(default=())
     """(row in this chunk, rows of input embeddings) replacing token embeddings (multimodal items)."""
+    tail_slot: int | None = None
+    """The engine's tail page slot `tail` is (None without `tail`): a tensor-parallel rank 0
+    names it to its followers."""
 
 
 @dataclass(slots=True)

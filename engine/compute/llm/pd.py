@@ -11,8 +11,8 @@
   page boundary and the pages are still cached (fan-out sampling belongs in one decode request).
 
 A decode node takes only its own tenant's handoffs (`check_handoff_tenant`). A tensor-parallel
-rank 0 (`engine.compute.tp.unit`) serves the whole model's layout and gathers its ranks' heads
-first (`layout`, `tail`), and pulls on every rank (`decode`).
+rank 0 (`engine.compute.tp.handoff`) serves the whole model's layout and gathers its ranks' heads
+first (`layout`, `tail`), and splits the pages it pulls by head (`pull`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from engine.data.kv.errors import KVTransferError
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.pull import fetch_pages
 from engine.data.kv.ref import KVHold, KVHolder, KVRef, KVRefError
-from engine.data.kv.source import HolderPageSource
+from engine.data.kv.source import HolderPageSource, PageSource
 from engine.data.peer import Peer
 from engine.data.wire import ReleaseRequest, TensorRef
 from engine.spec.calls import NodeCall
@@ -57,6 +57,16 @@ class Pulled:
 
 
 NOTHING_PULLED = Pulled()
+
+
+@dataclass(frozen=True, slots=True)
+class PulledHandoff:
+    """A decode's handoff as the engine admits it: `pages` pulled, and where the engine gets those
+    it lacks when it admits the request (pages evicted meanwhile)."""
+
+    pages: int
+    handoff: KVHandoff
+    source: PageSource
 
 
 def check_handoff_tenant(call: NodeCall, ref: KVRef) -> None:
@@ -163,10 +173,10 @@ class PrefillDecode:
         peer = self.transfer()
 
         async def admit(request_id: str) -> Pulled:
-            count, tail = await asyncio.to_thread(self._pull, peer, ref, holder, hold, call.node_id)
+            pulled = await asyncio.to_thread(self.pull, peer, ref, holder, hold, call.node_id)
             self.loop.put(AddRequest(request_id, None, sampling, None, call.tenant, stream_text=stream,
-                                     handoff=handoff_of(ref, tail), source=HolderPageSource(peer, holder.address)))
-            return Pulled(count, holder)
+                                     handoff=pulled.handoff, source=pulled.source))
+            return Pulled(pulled.pages, holder)
 
         async for item in self.held_decode(call, peer, hold.token, admit):
             yield item
@@ -195,10 +205,9 @@ class PrefillDecode:
             if not released:
                 self._let_go(peer, token)
 
-    def _pull(self, peer: Peer, ref: KVRef, holder: KVHolder, hold: KVHold,
-              node_id: str) -> tuple[int, torch.Tensor | None]:
-        """Blocking (run in a thread): bring the handoff's pages into the store and fetch its tail.
-        Returns (pages pulled, tail)."""
+    def pull(self, peer: Peer, ref: KVRef, holder: KVHolder, hold: KVHold, node_id: str) -> PulledHandoff:
+        """Blocking (run in a thread): bring the handoff's pages into the store and fetch its tail
+        (a tensor-parallel unit splits them by head)."""
         pages = list(ref.page_hashes)
         deadline = time.monotonic() + self.pull_timeout_s
         where = f"prefill worker {holder.worker_id or '?'} at {holder.address}"
@@ -223,7 +232,7 @@ class PrefillDecode:
         except (KVTransferError, TransferError) as exc:
             raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
                                f" {self.pull_timeout_s} s: {exc}") from exc
-        return pulled, tail
+        return PulledHandoff(pulled, handoff_of(ref, tail), HolderPageSource(peer, holder.address))
 
     @staticmethod
     def _let_go(peer: Peer, ref: TensorRef) -> None:

@@ -255,7 +255,8 @@ def _prefill_chunk(seq: Sequence, tokens: int, tail: torch.Tensor | None) -> Pre
     """The next `tokens` of `seq`'s prompt to compute, over its cached pages and `tail`."""
     start = seq.num_computed
     return PrefillChunk(token_ids=seq.token_ids[start : start + tokens], start=start, prefix_slots=seq.slots,
-                        tail=tail, embeds=seq.embeds_in(start, start + tokens))
+                        tail=tail, embeds=seq.embeds_in(start, start + tokens),
+                        tail_slot=seq.tail_slot if tail is not None else None)
 
 
 def _decode_batch(batch: Seq[Sequence]) -> DecodeBatch:

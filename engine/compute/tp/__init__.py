@@ -8,24 +8,28 @@ embeddings, norms and the LM head replicated) and runs the *unchanged* paged for
 (`engine.compute.diffusion.forward.ImageTokenForward`) over it: they read the head counts
 from the model's config, which the shard rewrites to the rank's own.
 
+`llm` roles broadcast below the engine, at the model runner (as vLLM and nano-vllm do): rank 0
+runs the ordinary engine (scheduler, prefix cache, sampling, sessions, handoffs, KV tiers) over
+its shard, and its followers hold only their shard and their heads' KV memory.
+
 * `group.py` — the process group (gloo on the CPU, NCCL on GPUs) with a collective timeout.
+* `seat.py` — where a rank sits: its seat, device, group and shard; `LeaderWatch`.
 * `kv.py` — which KV heads a rank holds, and re-sharding pages by head between TP sizes.
-* `engine.py` — `TPEngine`, the `LLMEngine` of one rank: its KV pages hold only its heads,
-  under the same page keys, and a prefix hit is agreed by all ranks (the smallest wins).
-* `role.py` — `TPRole`: the ranks as subprocesses of the caller's process, sent every
-  command over their stdin as msgspec frames (nothing pickled); rank 0's result is the
-  answer; a dead rank fails the call with `TPRankError`.
-* `unit.py` — the same as role workers: a GraphSpec role with `tp_size = N` runs N worker
-  processes per replica (`engine.worker.launcher`); rank 0 hosts `TPLLMUnit` (the `llm`
-  unit over its shard, sending each engine operation to the followers first, as
-  `messages.py` types over ZeroMQ), ranks 1.. run `follow()`. For prefill/decode across TP
-  sizes its ranks pull a handoff's whole pages and keep their own heads, and gather their
-  heads of their own prefill's pages on rank 0, which serves them whole.
-* `diffusion_unit.py` — the same for a `diffusion` role: rank 0 hosts `TPDiffusionUnit`
-  and sends each node's prompts to the followers (`TPDiffuse`); every rank denoises over
-  its shard.
-* `link.py` — the control link both units use: rank 0's `FollowerLink` (meet the followers'
-  hellos, send them the setup, broadcast, stop them) and a follower's `greet_leader`.
+* `journal.py` — rank 0's record of what its engine did to KV memory (`KVJournal`, fed by the
+  store's events and `MirroredCache`), which the followers mirror.
+* `runner.py` — `BroadcastForward`, rank 0's model runner: one `TPPass` per paged forward (the
+  journal's operations, then the forward's inputs), and gathering pages whole.
+* `follower.py` — a follower rank: `ShardKV` (its heads' pages at rank 0's slots, its own host and
+  disk tiers) and the loop that mirrors each pass and runs its shard of the forward.
+* `leader.py` — `lead()`: rank 0's engine with that cache and runner, its link met.
+* `unit.py` — `TPLLMUnit`: the `llm` unit over `lead()`'s engine (rank 0 of a role worker).
+* `handoff.py` — prefill/decode across TP sizes: pages pulled whole and split, gathered and served whole.
+* `messages.py` — the ranks' msgspec messages; `link.py` — the control link both units use: rank
+  0's `FollowerLink` (meet the followers' hellos, send them the setup, broadcast, stop them) and a
+  follower's `greet_leader`.
+* `local.py` — `LocalRanks`: follower ranks as child processes, for tests and `omniflow bench tp`.
+* `diffusion_unit.py` — a `diffusion` role: rank 0 hosts `TPDiffusionUnit` and sends each node's
+  prompts to the followers (`TPDiffuse`); every rank denoises over its shard.
 """
 
 from engine.compute.tp.group import TPError, TPGroup, TPRankError

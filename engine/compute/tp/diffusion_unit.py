@@ -46,7 +46,7 @@ from engine.compute.tp.group import TPError, TPGroup, TPRankError
 from engine.compute.tp.kv import pull_shards
 from engine.compute.tp.link import FollowerLink, RefusalReporter, greet_leader
 from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
-from engine.compute.tp.unit import (
+from engine.compute.tp.seat import (
     LeaderWatch,
     TPSeat,
     join_group,
@@ -177,7 +177,7 @@ class TPDiffusionUnit(ThreadedUnit):
             self.runner = rank.runner
             self.whole = rank.whole
             self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}", keys=tp.keys)
-            self._link.meet(0)
+            self._link.meet()
             undo.pop_all()
 
     def _broadcast(self, message: TPMessage) -> None:
@@ -214,21 +214,28 @@ class TPDiffusionUnit(ThreadedUnit):
                          int(steps) if steps is not None else None, guidance, holder, pages)
 
     def _generate(self, call: NodeCall, inputs: dict[str, Any]) -> torch.Tensor:
+        message = self._message(call, inputs)
+        try:
+            return self.diffuse(message)[0]
+        except DiffusionModelError as exc:  # every rank met it on the same input; the group is intact
+            raise UnitInputError(f"node {call.node_id!r}: {exc}") from exc
+
+    def diffuse(self, message: TPDiffuse) -> torch.Tensor:
+        """Every rank runs `message` (the latents, rank 0's); `DiffusionModelError` when every rank
+        met the same input error, `TPRankError` when the group broke (the unit fails with it)."""
         if self.failed is not None:
             raise TPRankError(self.failed)
-        message = self._message(call, inputs)
         try:
             self._broadcast(message)
             assert self._rank is not None  # built, or the unit would not exist
-            latents = self._rank.diffuse(message)
-        except DiffusionModelError as exc:  # every rank met it on the same input; the group is intact
-            raise UnitInputError(f"node {call.node_id!r}: {exc}") from exc
+            return self._rank.diffuse(message)
+        except DiffusionModelError:
+            raise
         except Exception as exc:  # the group broke (or this rank did): the lockstep is lost
             self.failed = (f"diffusion role {self.role.name!r}: the tensor-parallel group failed:"
                            f" {type(exc).__name__}: {exc}")
             log.error("%s", self.failed)
             raise TPRankError(self.failed) from exc
-        return latents[0]
 
     async def execute(self, call: NodeCall, ctx: NodeContext) -> NodeResult:
         inputs = await self.joined_inputs(call)

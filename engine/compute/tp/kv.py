@@ -84,22 +84,30 @@ def reshard_pages(shards: Sequence[torch.Tensor], num_kv_heads: int, tp_size: in
     return [whole] if tp_size == 1 else split_page(whole, num_kv_heads, tp_size)
 
 
-def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout, tp_size: int, rank: int,
-                timeout_s: float) -> list[torch.Tensor]:
-    """Rank `rank`'s KV heads of the leading run of `pages` that the worker at `holder` serves
-    whole (in `whole`'s layout): fetched into a scratch store, then split. Raises what
-    `fetch_pages` raises (`KVTransferError`: the holder is dead, silent or serves another layout)."""
+def pull_whole(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout,
+               timeout_s: float) -> list[torch.Tensor]:
+    """The leading run of `pages` that the worker at `holder` serves whole (in `whole`'s layout),
+    fetched through a scratch store. Raises what `fetch_pages` raises (`KVTransferError`: the
+    holder is dead, silent or serves another layout)."""
     if not pages:
         return []
-    heads = kv_heads_of(whole.num_kv_heads, tp_size, rank)
     scratch = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=len(pages)), device="cpu"))
     try:
-        shards = []
+        got = []
         for page in fetch_pages(scratch, peer, holder, pages, timeout_s).pages:
             data = scratch.get(page)
             if data is None:
                 raise KVTransferError(f"page {page} vanished from the pull's scratch store")
-            shards.append(data[..., heads.start : heads.stop, :].contiguous())
-        return shards
+            got.append(data)
+        return got
     finally:
         scratch.close()
+
+
+def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout, tp_size: int, rank: int,
+                timeout_s: float) -> list[torch.Tensor]:
+    """Rank `rank`'s KV heads of the leading run of `pages` that the worker at `holder` serves
+    whole (`pull_whole`, then split)."""
+    heads = kv_heads_of(whole.num_kv_heads, tp_size, rank)
+    return [page[..., heads.start : heads.stop, :].contiguous()
+            for page in pull_whole(peer, holder, pages, whole, timeout_s)]

@@ -2,7 +2,7 @@
 
 Rank 0 binds a ROUTER next to the group's address and publishes it in the group's store
 (`LEADER_KEY`); each follower connects a DEALER, says `TPHello`, and waits for `TPSetup`
-(the sampler seed and rank 0's pid). The link is on the worker plane's CURVE (the ranks'
+(rank 0's pid and the disk pages every rank keeps). The link is on the worker plane's CURVE (the ranks'
 `--keys`): a process without them cannot join or hear the operations. Then rank 0 sends every operation to every follower,
 in order (`broadcast`), and `TPStop` when it stops. Messages are msgpack (`TPMessage`);
 a send to a follower that is gone raises (ROUTER_MANDATORY, a send timeout), which breaks
@@ -100,15 +100,22 @@ class FollowerLink:
             self._reported[identity] = max(self._reported.get(identity, 0), report.refused)
             self._followers_refused = sum(self._reported.values())
 
-    def meet(self, seed: int) -> None:
-        """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup."""
+    def meet(self, agree: Callable[[list[TPHello]], list[str]] | None = None) -> None:
+        """Wait for every follower's hello (up to SETUP_TIMEOUT_S), then send each the setup:
+        with `agree`, the recovered disk pages it keeps given the hellos (every rank keeps them)."""
         with self._lock:
-            self._meet(seed)
+            hellos = self._meet()
+            disk_pages = agree(hellos) if agree is not None else []
+            setup = _encoder.encode(TPSetup(os.getpid(), disk_pages))
+            assert self._socket is not None
+            for identity in self.followers:
+                self._socket.send_multipart([identity, setup])
 
-    def _meet(self, seed: int) -> None:
+    def _meet(self) -> list[TPHello]:
         sock = self._socket
         assert sock is not None
         deadline = time.monotonic() + SETUP_TIMEOUT_S
+        hellos: list[TPHello] = []
         while len(self.followers) < self._size - 1:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000)):
@@ -119,8 +126,8 @@ class FollowerLink:
             if not isinstance(hello, TPHello):
                 raise TPRankError(f"expected a follower's TPHello, got {type(hello).__name__}")
             self.followers.append(identity)
-        for identity in self.followers:
-            sock.send_multipart([identity, _encoder.encode(TPSetup(seed, os.getpid()))])
+            hellos.append(hello)
+        return hellos
 
     def broadcast(self, message: TPMessage) -> None:
         """Send `message` to every follower; TPRankError when one is unreachable."""
@@ -153,13 +160,14 @@ class FollowerLink:
             self._context.term()
 
 
-def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int, keys: PlaneKeys | None) -> TPSetup:
+def greet_leader(sock: zmq.Socket, group: TPGroup, rank: int, keys: PlaneKeys | None,
+                 disk_pages: list[str] | None = None) -> TPSetup:
     """A follower's handshake on its DEALER `sock`: connect to rank 0 (its address from the
-    group's store) with the plane's `keys`, say hello, and return rank 0's setup (TPRankError
-    after SETUP_TIMEOUT_S)."""
+    group's store) with the plane's `keys`, say hello (with the pages its disk tier recovered),
+    and return rank 0's setup (TPRankError after SETUP_TIMEOUT_S)."""
     connect_as_client(sock, keys)
     sock.connect(group.lookup(LEADER_KEY).decode())
-    sock.send(_encoder.encode(TPHello(rank, os.getpid())))
+    sock.send(_encoder.encode(TPHello(rank, os.getpid(), disk_pages or [])))
     if not sock.poll(int(SETUP_TIMEOUT_S * 1000)):
         raise TPRankError(f"rank {rank}: rank 0 sent no setup within {SETUP_TIMEOUT_S:.0f}s")
     setup = _decoder.decode(sock.recv())

@@ -1,107 +1,36 @@
 """Messages of a tensor-parallel role's ranks (msgspec, msgpack; nothing is pickled).
 
-Role workers (`unit.py`): rank 0 sends every operation it applies to its engine, in order,
-and each follower applies the same one to its own engine; `now` is rank 0's clock at that
-moment, which the followers' engines read as theirs, so time-dependent decisions (session
-expiry) agree too. Upstream a follower sends only its hello and, now and then, `TPRefusals`.
+`llm` roles (`unit.py`, `runner.py`, `follower.py`): at every paged forward rank 0 sends one
+`TPPass`: the KV memory operations its engine did since the last pass (`KVOp`: pages written,
+copied between tiers, dropped; tail pages set, saved, forgotten), then the forward's inputs
+(`PrefillInputs` or `DecodeInputs`: token ids, positions, page and tail slots), or a request
+to gather whole pages (`GatherRequest`). A follower mirrors the operations on its own heads'
+pages at the same slots and runs its shard of the same forward. Upstream a follower sends
+only its hello (with the pages its disk tier recovered) and, now and then, `TPRefusals`.
 
-`TPRole` (`role.py`): the driver sends every rank the same `TPRoleCall`s (and `TPStop`);
-each rank says `TPHello` once its shard is built, and rank 0 answers each call with a
-`TPRoleResult` or a `TPRoleFailure`. Tensors in results travel as `TPTensor`: a header and
-their raw bytes.
+`diffusion` roles (`diffusion_unit.py`): rank 0 sends each node's prompts (`TPDiffuse`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
-
-from engine.data.wire import TensorHeader
 
 
 class TPHello(msgspec.Struct, tag=True, frozen=True):
-    """Follower -> rank 0 (every rank -> the driver, for `TPRole`), once its shard is built:
-    it is ready to follow."""
+    """Follower -> rank 0, once its shard is built: it is ready to follow. `disk_pages`: the page
+    keys its disk tier recovered from an earlier run (rank 0 keeps only those every rank has)."""
 
     rank: int
     pid: int
+    disk_pages: list[str] = []
 
 
 class TPSetup(msgspec.Struct, tag=True, frozen=True):
-    """Rank 0 -> follower: the sampler seed every rank's engine uses (unseeded requests then
-    draw the same tokens on every rank) and rank 0's pid (a follower exits when it is gone)."""
+    """Rank 0 -> follower: rank 0's pid (a follower exits when it is gone) and the recovered disk
+    pages every rank holds (a follower drops the others)."""
 
-    seed: int
     leader_pid: int
-
-
-class TPAdd(msgspec.Struct, tag=True, frozen=True):
-    now: float
-    request_id: str
-    prompt: str | list[int] | None
-    params: dict[str, Any]
-    """`SamplingParams` fields (no logits processors: they cannot travel)."""
-    session_id: str | None = None
-    tenant_salt: str | None = None
-    stream_text: bool = False
-    prefill_only: bool = False
-    handoff_id: str | None = None
-    """Admit the handoff the last `TPPullHandoff` of this id brought in (the prompt is its)."""
-
-
-class TPAbort(msgspec.Struct, tag=True, frozen=True):
-    now: float
-    request_id: str
-
-
-class TPOpenSession(msgspec.Struct, tag=True, frozen=True):
-    now: float
-    session_id: str
-    tenant_salt: str | None = None
-    turns: int = 0
-
-
-class TPCloseSession(msgspec.Struct, tag=True, frozen=True):
-    now: float
-    session_id: str
-
-
-class TPStep(msgspec.Struct, tag=True, frozen=True):
-    now: float
-
-
-class TPExpire(msgspec.Struct, tag=True, frozen=True):
-    now: float
-
-
-class TPPullHandoff(msgspec.Struct, tag=True, frozen=True):
-    """Every rank pulls a prefill handoff's whole KV pages (and partial last page) from its
-    holder and keeps its own KV heads; then the ranks agree that each of them has all of it."""
-
-    now: float
-    ref: bytes
-    """The handoff: a msgpack-encoded `engine.data.kv.ref.KVRef` (with its `KVHold`)."""
-    timeout_s: float
-
-
-class TPExport(msgspec.Struct, tag=True, frozen=True):
-    """Every rank hands its KV heads of prefill handoff `handoff_id` (pages and partial last page)
-    to rank 0, which serves them whole to a decode role of any TP size."""
-
-    now: float
-    handoff_id: str
-
-
-class TPRelease(msgspec.Struct, tag=True, frozen=True):
-    """The decode side has the pages: every rank drops its hold on handoff `handoff_id`."""
-
-    now: float
-    handoff_id: str
-
-
-class TPStop(msgspec.Struct, tag=True, frozen=True):
-    pass
+    disk_pages: list[str] = []
 
 
 class TPRefusals(msgspec.Struct, tag=True, frozen=True):
@@ -129,37 +58,132 @@ class TPDiffuse(msgspec.Struct, tag=True, frozen=True):
     own, checked, where it names them; else hashed under the call's tenant)."""
 
 
-class TPRoleCall(msgspec.Struct, tag=True, frozen=True):
-    """Driver -> every rank of a `TPRole`: run `RankState.cmd_<name>(*args)` (msgpack-native args)."""
-
-    name: str
-    args: list[Any]
 
 
-class TPRoleResult(msgspec.Struct, tag=True, frozen=True):
-    """Rank 0 -> driver: the call's result, encoded as the command's return annotation says."""
-
-    value: msgspec.Raw
+# -- an llm role's pass: KV memory operations and the forward ---------------------------------------------
 
 
-class TPRoleFailure(msgspec.Struct, tag=True, frozen=True):
-    """Rank 0 -> driver: the call raised; `broken` when the group itself failed (`TPRankError`)."""
+class Fresh(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Page `index` of chunk `chunk`'s fresh pages in the last prefill forward."""
 
-    message: str
-    broken: bool
-
-
-class TPTensor(msgspec.Struct, frozen=True, array_like=True):
-    """A CPU tensor in a `TPRoleResult`: C-contiguous bytes under their header."""
-
-    header: TensorHeader
-    data: bytes
+    chunk: int
+    index: int
 
 
-TPMessage = (TPHello | TPSetup | TPAdd | TPAbort | TPOpenSession | TPCloseSession | TPStep | TPExpire | TPPullHandoff | TPExport
-             | TPRelease | TPStop | TPDiffuse | TPRefusals)
+class Tail(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Tail page slot `slot`, as it is now."""
 
-TPRoleRequest = TPRoleCall | TPStop
-"""What a `TPRole` rank reads from its driver."""
-TPRoleReply = TPHello | TPRoleResult | TPRoleFailure
-"""What a `TPRole` driver reads from a rank."""
+    slot: int
+
+
+class Saved(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Saved tail `id` (a session's or a handoff's copy; see `SaveTail`)."""
+
+    id: int
+
+
+class Shards(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Bytes from outside the role (a pulled handoff): follower rank r's heads are `data[r - 1]`."""
+
+    data: list[bytes]
+
+
+PageOrigin = Fresh | Tail | Saved | Shards
+
+
+class WritePage(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Page `page` was written into device slot `slot` from `origin`."""
+
+    page: str
+    slot: int
+    origin: PageOrigin
+
+
+class CopyPage(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Page `page` was copied from tier `source` into tier `tier` (`engine.data.kv.tier.Tier`
+    values; a demotion, a promotion or a write-through); `slot`: its device slot when `tier` is the
+    device tier."""
+
+    page: str
+    source: int
+    tier: int
+    slot: int = -1
+
+
+class DropPage(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Page `page` left tier `tier` (evicted, found corrupt, removed)."""
+
+    page: str
+    tier: int
+
+
+class SetTail(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Tail page slot `slot` was overwritten from `origin`."""
+
+    slot: int
+    origin: PageOrigin
+
+
+class SaveTail(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """A copy of `origin` is kept as saved tail `id` (until `ForgetTail`)."""
+
+    id: int
+    origin: PageOrigin
+
+
+class ForgetTail(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    id: int
+
+
+KVOp = WritePage | CopyPage | DropPage | SetTail | SaveTail | ForgetTail
+
+
+class ChunkInputs(msgspec.Struct, frozen=True, array_like=True):
+    """One `PrefillChunk`: `tail_slot` is the slot of its tail page (None: it starts page-aligned)."""
+
+    token_ids: list[int]
+    start: int
+    prefix_slots: list[int]
+    tail_slot: int | None
+
+
+class PrefillInputs(msgspec.Struct, tag=True, frozen=True):
+    """`PagedForward.prefill_batch`'s arguments."""
+
+    chunks: list[ChunkInputs]
+    want_logits: list[bool]
+    decode_key: str | None
+
+
+class DecodeInputs(msgspec.Struct, tag=True, frozen=True):
+    """`PagedForward.decode`'s batch. A follower continues a decode buffer of its own where one
+    fits the batch (`engine.compute.llm.forward.DecodeBuffer`): a buffer only caches what the
+    pages and tail pages hold, so which one a rank reuses never changes the result."""
+
+    token_ids: list[int]
+    positions: list[int]
+    page_slots: list[list[int]]
+    tail_slots: list[int]
+    keys: list[str]
+
+
+class GatherRequest(msgspec.Struct, tag=True, frozen=True):
+    """Every rank sends rank 0 its heads of `pages` (in order) and of saved tail `tail` (None: no
+    tail), in two collectives (pages first, when there are any)."""
+
+    pages: list[str]
+    tail: int | None
+
+
+class TPPass(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 -> follower, one per forward (or gather): mirror `ops` in order, then run `forward`."""
+
+    ops: list[KVOp]
+    forward: PrefillInputs | DecodeInputs | GatherRequest | None = None
+
+
+class TPStop(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+TPMessage = TPHello | TPSetup | TPPass | TPStop | TPDiffuse | TPRefusals

@@ -471,6 +471,14 @@ class KVStore:
                 run += 1
             return run
 
+    def device_slot(self, page: PageHash) -> int | None:
+        """The device tier slot holding `page` (None: not there). Valid only while it stays; a
+        listener reads it under the mutex, when an event says where the page went."""
+        with self._mutex:
+            tier = self._levels[Tier.DEVICE].tier
+            assert isinstance(tier, DeviceTier)
+            return tier.slot_of(page) if page in tier else None
+
     def tiers_of(self, page: PageHash) -> tuple[Tier, ...]:
         with self._mutex:
             return tuple(tier for tier, level in self._levels.items() if page in level.tier)

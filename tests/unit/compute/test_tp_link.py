@@ -59,15 +59,15 @@ def test_a_foreign_peer_is_refused_on_the_link_and_a_rank_with_the_keys_joins() 
         while link.refused < 1:
             assert time.monotonic() < deadline, "the link did not refuse the peer with a key of its own"
             peers[1].poll(20)
-        met = threading.Thread(target=link.meet, args=(7,))
+        met = threading.Thread(target=link.meet, args=(lambda hellos: sorted(set(hellos[0].disk_pages) & {"p1"}),))
         met.start()
         follower = context.socket(zmq.DEALER)
         follower.setsockopt(zmq.LINGER, 0)
         peers.append(follower)
-        setup = greet_leader(follower, group, 1, keys)  # type: ignore[arg-type]
+        setup = greet_leader(follower, group, 1, keys, ["p1", "p2"])  # type: ignore[arg-type]
         met.join(timeout=30)
         assert not met.is_alive()
-        assert setup == TPSetup(7, os.getpid())
+        assert setup == TPSetup(os.getpid(), ["p1"])  # the disk pages rank 0 agreed on
         assert len(link.followers) == 1  # the foreign hellos never reached rank 0
         assert not peers[0].poll(0) and not peers[1].poll(0)  # and got no setup
     finally:
@@ -90,7 +90,7 @@ def test_a_followers_refusals_reach_rank_0_and_a_foreign_message_does_not() -> N
     seat = Peer.start(PeerConfig(keys=keys))
     intruders: list[zmq.Socket] = []
     try:
-        met = threading.Thread(target=link.meet, args=(3,))
+        met = threading.Thread(target=link.meet)
         met.start()
         greet_leader(follower, group, 1, keys)  # type: ignore[arg-type]
         met.join(timeout=30)

@@ -1,5 +1,5 @@
-"""The pure parts of a tensor-parallel role's ranks: devices, what travels to the followers, and
-the pull timeout of a diffusion rank."""
+"""The pure parts of a tensor-parallel role's ranks: devices, a follower watching rank 0, and the
+pull timeout of a diffusion rank (what travels to the followers: `test_tp_mirror.py`)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,12 @@ import select
 import subprocess
 import sys
 
-import msgspec
 import pytest
 
 from engine.compute.llm.unit import LLMUnitError
-from engine.compute.sampling import SamplingParams
 from engine.compute.threaded import UnitInputError
 from engine.compute.tp.diffusion_unit import pull_timeout_s
-from engine.compute.tp.messages import TPAdd, TPCloseSession, TPMessage, TPPullHandoff, TPStep, TPStop
-from engine.compute.tp.unit import LeaderWatch, _sampling_fields, _sampling_of, rank_device
+from engine.compute.tp.seat import LeaderWatch, rank_device
 from engine.spec.graph import RoleSpec
 
 
@@ -40,25 +37,6 @@ def test_each_rank_gets_its_own_gpus_or_the_cpu(device, gpus, ranks):
 def test_other_devices_are_refused(device):
     with pytest.raises(LLMUnitError, match="runs on cpu or cuda"):
         rank_device(role(device), 0)
-
-
-def test_sampling_params_travel_without_pickle():
-    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, seed=11, stop=("\n",), stop_token_ids=(2, 3))
-    message = TPAdd(1.5, "r1", [1, 2, 3], _sampling_fields(params), session_id="s", stream_text=True)
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage)
-    assert decoded == message
-    assert _sampling_of(decoded.params) == params
-
-
-def test_logits_processors_cannot_travel():
-    with pytest.raises(LLMUnitError, match="logits processors"):
-        _sampling_fields(SamplingParams(logits_processors=(lambda ids, logits: logits,)))
-
-
-@pytest.mark.parametrize("message", [TPStep(2.0), TPStop(), TPPullHandoff(3.0, b"\x80", 5.0),
-                                     TPCloseSession(4.0, "s")])
-def test_every_message_round_trips(message):
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=TPMessage) == message
 
 
 def test_a_follower_sees_rank_0_gone_even_before_it_is_reaped():
