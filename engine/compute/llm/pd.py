@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,15 @@ from engine.spec.calls import NodeCall
 HANDOFF_LEASE_S = 60.0
 KV_PULL_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 5.0
+
+
+def pull_tail(peer: Peer, hold: KVHold, deadline: float) -> torch.Tensor | None:
+    """A handoff's partial last page, by its hold token (None when the prompt filled its pages)."""
+    if not hold.tail_len:
+        return None
+    assert hold.token is not None
+    remaining = max(0.001, deadline - time.monotonic())
+    return peer.pull(hold.token, remaining).torch().clone()  # a shared-memory view is the holder's
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +221,7 @@ class PrefillDecode:
         deadline = time.monotonic() + self.pull_timeout_s
         where = f"prefill worker {holder.worker_id or '?'} at {holder.address}"
         store = self.engine.store
-        try:
+        with self.pull_errors(node_id, where):
             have = store.resident_run(pages)
             pulled = 0
             if have < len(pages):
@@ -220,11 +229,14 @@ class PrefillDecode:
                 if have + pulled < len(pages):
                     raise LLMUnitError(f"node {node_id!r}: {where} holds only {have + pulled} of the prompt's"
                                        f" {len(pages)} KV pages (its hold on them ended?)")
-            tail = None
-            if hold.tail_len:
-                assert hold.token is not None
-                remaining = max(0.001, deadline - time.monotonic())
-                tail = peer.pull(hold.token, remaining).torch().clone()  # a shared-memory view is the holder's
+            tail = pull_tail(peer, hold, deadline)
+        return PulledHandoff(pulled, handoff_of(ref, tail), HolderPageSource(peer, holder.address))
+
+    @contextlib.contextmanager
+    def pull_errors(self, node_id: str, where: str) -> Iterator[None]:
+        """A handoff pull's transfer failures as the node's error, naming the prefill worker."""
+        try:
+            yield
         except RefGone as exc:
             # One handoff feeds one decode node: the first to take it ends the hold.
             raise LLMUnitError(f"node {node_id!r}: {where} no longer holds this handoff (another llm.decode"
@@ -232,7 +244,6 @@ class PrefillDecode:
         except (KVTransferError, TransferError) as exc:
             raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
                                f" {self.pull_timeout_s} s: {exc}") from exc
-        return PulledHandoff(pulled, handoff_of(ref, tail), HolderPageSource(peer, holder.address))
 
     @staticmethod
     def _let_go(peer: Peer, ref: TensorRef) -> None:

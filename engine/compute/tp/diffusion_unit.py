@@ -45,10 +45,11 @@ from engine.compute.threaded import ThreadedUnit, UnitInputError
 from engine.compute.tp.group import TPError, TPGroup, TPRankError
 from engine.compute.tp.kv import pull_shards
 from engine.compute.tp.link import FollowerLink, RefusalReporter, greet_leader
-from engine.compute.tp.messages import TPDiffuse, TPMessage, TPStop
+from engine.compute.tp.messages import TPDiffuse, TPMessage
 from engine.compute.tp.seat import (
     LeaderWatch,
     TPSeat,
+    follow_leader,
     join_group,
     load_role_model,
     shard_to_device,
@@ -130,6 +131,13 @@ class _Rank:
             branches.append(runner.encode_prompt(Prompt.of(ids), self._reused_pages(keys, message)))
         return runner.denoise(branches, seed=message.seed, steps=message.steps,
                               guidance_scale=message.guidance_scale)
+
+    def follow(self, message: TPDiffuse) -> None:
+        """A follower's turn at `message`. An input error is rank 0's to report (it met the same)."""
+        try:
+            self.diffuse(message)
+        except DiffusionModelError as exc:
+            log.info("rank %d: %s", self.group.rank, exc)
 
 
 def pull_timeout_s(role: RoleSpec) -> float:
@@ -301,28 +309,7 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)
         reporter = RefusalReporter(sock, seat.rank, rank.refused, interval_s=seat.heartbeat_s)
-        while True:
-            reporter.tick()
-            if not sock.poll(int(seat.heartbeat_s * 1000)):
-                why = watch.gone()
-                if why is not None:
-                    log.warning("rank %d stops: %s", seat.rank, why)
-                    return 2
-                continue
-            message = decoder.decode(sock.recv())
-            if isinstance(message, TPStop):
-                return 0
-            if not isinstance(message, TPDiffuse):
-                log.error("rank %d: a diffusion follower does not apply %s; exiting", seat.rank,
-                          type(message).__name__)
-                return 3
-            try:
-                rank.diffuse(message)
-            except DiffusionModelError as exc:  # rank 0 met the same error and reported it
-                log.info("rank %d: %s", seat.rank, exc)
-            except Exception:  # a follower that cannot follow exits; the group fails at rank 0
-                log.exception("rank %d cannot diffuse; exiting", seat.rank)
-                return 3
+        return follow_leader(sock, decoder, watch, seat, TPDiffuse, rank.follow, tick=reporter.tick)
     finally:
         if watch is not None:
             watch.close()

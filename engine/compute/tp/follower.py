@@ -48,10 +48,16 @@ from engine.compute.tp.messages import (
     Tail,
     TPMessage,
     TPPass,
-    TPStop,
     WritePage,
 )
-from engine.compute.tp.seat import LeaderWatch, TPSeat, join_group, load_role_model, shard_to_device
+from engine.compute.tp.seat import (
+    LeaderWatch,
+    TPSeat,
+    follow_leader,
+    join_group,
+    load_role_model,
+    shard_to_device,
+)
 from engine.data.kv.copy import copy_page
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.host import HostTier
@@ -246,7 +252,7 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)
         try:
-            return _follow(sock, follower, watch, seat)
+            return follow_leader(sock, _decoder, watch, seat, TPPass, follower.run)
         finally:
             watch.close()
     finally:
@@ -255,27 +261,6 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
         sock.close()
         context.term()
         group.close()
-
-
-def _follow(sock: zmq.Socket, follower: Follower, watch: LeaderWatch, seat: TPSeat) -> int:
-    while True:
-        if not sock.poll(int(seat.heartbeat_s * 1000)):
-            why = watch.gone()
-            if why is not None:
-                log.warning("rank %d stops: %s", seat.rank, why)
-                return 2
-            continue
-        message = _decoder.decode(sock.recv())
-        if isinstance(message, TPStop):
-            return 0
-        if not isinstance(message, TPPass):
-            log.error("rank %d: an llm follower does not apply %s; exiting", seat.rank, type(message).__name__)
-            return 3
-        try:
-            follower.run(message)
-        except Exception:  # a follower that cannot follow exits; the group fails at rank 0
-            log.exception("rank %d cannot apply a pass; exiting", seat.rank)
-            return 3
 
 
 __all__ = ["Follower", "ShardKV", "follow", "rank_config"]

@@ -27,14 +27,13 @@ import torch
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMUnitError
 from engine.compute.llm.loop import EngineLoop
-from engine.compute.llm.pd import PrefillDecode, PulledHandoff
+from engine.compute.llm.pd import PrefillDecode, PulledHandoff, pull_tail
 from engine.compute.llm.transfer import KVHandoff, handoff_of
 from engine.compute.tp.group import TPGroup
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import pull_whole, split_page
 from engine.compute.tp.runner import BroadcastForward
-from engine.data.channel import RefGone, TransferError
-from engine.data.kv.errors import KVError, KVTransferError
+from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.ref import KVHold, KVHolder, KVRef
@@ -186,20 +185,11 @@ class TPPrefillDecode(PrefillDecode):
         where = f"prefill worker {holder.worker_id or '?'} at {holder.address}"
         deadline = time.monotonic() + self.pull_timeout_s
         pages = [PageHash(p) for p in ref.page_hashes]
-        try:
+        with self.pull_errors(node_id, where):
             have = self.engine.store.resident_run(pages)
             whole = pull_whole(peer, holder.address, pages[have:], self.whole, self.pull_timeout_s)
             if have + len(whole) < len(pages):
                 raise LLMUnitError(f"node {node_id!r}: {where} holds only {have + len(whole)} of the prompt's"
                                    f" {len(pages)} KV pages (its hold on them ended?)")
-            tail = None
-            if hold.tail_len:
-                assert hold.token is not None
-                tail = peer.pull(hold.token, max(0.001, deadline - time.monotonic())).torch().clone()
-        except RefGone as exc:
-            raise LLMUnitError(f"node {node_id!r}: {where} no longer holds this handoff (another llm.decode"
-                               f" node took it, or its handoff_lease_s ran out): {exc}") from exc
-        except (KVTransferError, TransferError) as exc:
-            raise LLMUnitError(f"node {node_id!r}: cannot pull the prompt's KV from {where} within"
-                               f" {self.pull_timeout_s} s: {exc}") from exc
+            tail = pull_tail(peer, hold, deadline)
         return split_handoff(ref, whole, tail, self.group, self.journal, self.engine.layout)

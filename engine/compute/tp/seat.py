@@ -7,21 +7,30 @@ Shared by the `llm` and `diffusion` tensor-parallel units (`unit.py`, `follower.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+import msgspec
 import torch
+import zmq
 
 from engine.compute.llm.errors import LLMUnitError
 from engine.compute.models.loader import LoadedModel, load_model
 from engine.compute.tp.group import TPGroup
 from engine.compute.tp.link import SETUP_TIMEOUT_S
+from engine.compute.tp.messages import TPStop
 from engine.compute.tp.shard import shard_model
 from engine.data.curve import PlaneKeys
 from engine.spec.graph import RoleSpec
 from engine.spec.resources import role_resources
+
+log = logging.getLogger(__name__)
+M = TypeVar("M")
 
 TP_TIMEOUT_S = 10.0
 """Default deadline of one collective (role param `tp_timeout_s`): a stuck rank fails the role after it."""
@@ -118,5 +127,37 @@ class LeaderWatch:
             self._pidfd = None
 
 
-__all__ = ["TP_TIMEOUT_S", "LeaderWatch", "TPSeat", "join_group", "load_role_model", "rank_device",
-           "shard_to_device", "tp_timeout_s"]
+def follow_leader(sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, watch: LeaderWatch, seat: TPSeat,
+                  expected: type[M], apply: Callable[[M], None], tick: Callable[[], None] | None = None) -> int:
+    """A follower rank's loop: apply each `expected` message rank 0 sends until it says stop.
+
+    Returns the process's exit status: 0 at `TPStop`; 2 when its launcher or rank 0 is gone
+    (checked each `seat.heartbeat_s` without a message); 3 at a message of another type or one
+    `apply` raises on (a follower that cannot follow exits, and the group fails at rank 0).
+    `tick` runs before each wait.
+    """
+    while True:
+        if tick is not None:
+            tick()
+        if not sock.poll(int(seat.heartbeat_s * 1000)):
+            why = watch.gone()
+            if why is not None:
+                log.warning("rank %d stops: %s", seat.rank, why)
+                return 2
+            continue
+        message = decoder.decode(sock.recv())
+        if isinstance(message, TPStop):
+            return 0
+        if not isinstance(message, expected):
+            log.error("rank %d: a follower waiting for %s does not apply %s; exiting", seat.rank,
+                      expected.__name__, type(message).__name__)
+            return 3
+        try:
+            apply(message)
+        except Exception:  # a follower that cannot follow exits; the group fails at rank 0
+            log.exception("rank %d cannot apply %s; exiting", seat.rank, expected.__name__)
+            return 3
+
+
+__all__ = ["TP_TIMEOUT_S", "LeaderWatch", "TPSeat", "follow_leader", "join_group", "load_role_model",
+           "rank_device", "shard_to_device", "tp_timeout_s"]
