@@ -84,6 +84,38 @@ export async function openBrowser(name, { viewport = { width: 1440, height: 960 
 }
 
 /** Log in on the studio's login page; the workflows list opens. */
+/** Drag from one port handle to another with the mouse, as a user connects ports. */
+export async function dragPorts(page, from, to) {
+  const center = async (selector) => {
+    const box = await page.locator(selector).first().boundingBox();
+    expect(box, `${selector} is not on screen`);
+    return { x: box.x + box.width / 2, y: box.y + box.height / 2 };
+  };
+  const a = await center(from);
+  const b = await center(to);
+  await page.mouse.move(a.x, a.y);
+  await page.mouse.down();
+  await page.mouse.move((a.x + b.x) / 2, (a.y + b.y) / 2, { steps: 8 });
+  await page.mouse.move(b.x, b.y, { steps: 8 });
+  await page.mouse.up();
+}
+
+/** Wait until React Flow's viewport stops moving (an animated pan or zoom has ended), so a click
+ * lands on the node it aims at and not where the node was a frame ago. */
+export async function viewportSettled(page, timeout = 15_000) {
+  await page.waitForFunction(
+    () =>
+      new Promise((resolve) => {
+        const view = document.querySelector(".react-flow__viewport");
+        if (!view) return resolve(true);
+        const before = view.style.transform;
+        setTimeout(() => resolve(view.style.transform === before), 200);
+      }),
+    null,
+    { timeout, polling: 50 },
+  );
+}
+
 export async function logIn(page, base, user, password) {
   await page.goto(`${base}/login`);
   await page.fill('input[name="username"]', user);

@@ -11,7 +11,7 @@
 import { readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 
-import { expect, openBrowser, tid, validityShows } from "./harness.mjs";
+import { dragPorts, expect, openBrowser, tid, validityShows, viewportSettled } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -21,22 +21,8 @@ const WAIT = 15_000;
 
 const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser(
   "studio", { viewport: { width: 1600, height: 1000 }, wait: WAIT, acceptDownloads: true });
-async function center(selector) {
-  const box = await page.locator(selector).first().boundingBox();
-  expect(box, `${selector} is not on screen`);
-  return { x: box.x + box.width / 2, y: box.y + box.height / 2 };
-}
-/** Drag from one port handle to another with the mouse, as a user connects ports. */
-async function drag(from, to) {
-  const a = await center(from);
-  const b = await center(to);
-  await page.mouse.move(a.x, a.y);
-  await page.mouse.down();
-  await page.mouse.move((a.x + b.x) / 2, (a.y + b.y) / 2, { steps: 8 });
-  await page.mouse.move(b.x, b.y, { steps: 8 });
-  await page.mouse.up();
-}
 async function selectNode(id) {
+  await viewportSettled(page); // a pan to an issue's node may still be under way
   await page.locator(`${tid(`node-${id}`)} .spec-node-id`).click();
   await page.waitForSelector(tid("node-inspector"));
 }
@@ -158,7 +144,7 @@ try {
     await selectNode("input");
     await page.selectOption(`${tid("ports-outputs")} select[aria-label="value type"]`, "image");
     await waitText(`${tid("node-input")} .port-out`, "image");
-    await drag(tid("port-input-out-value"), tid("port-square-in-x"));
+    await dragPorts(page, tid("port-input-out-value"), tid("port-square-in-x"));
     await waitText(tid("connect-hint"), "Type mismatch");
     await waitText(tid("connect-hint"), "expects json");
     expect((await page.locator(".react-flow__edge").count()) === 0, "the refused edge was not added");
@@ -169,9 +155,9 @@ try {
     await selectNode("input");
     await page.selectOption(`${tid("ports-outputs")} select[aria-label="value type"]`, "json");
     await waitText(`${tid("node-input")} .port-out`, "json");
-    await drag(tid("port-input-out-value"), tid("port-square-in-x"));
+    await dragPorts(page, tid("port-input-out-value"), tid("port-square-in-x"));
     await page.waitForSelector('[data-testid="rf__edge-input.value->square.x"]');
-    await drag(tid("port-square-out-out"), tid("port-output-in-value"));
+    await dragPorts(page, tid("port-square-out-out"), tid("port-output-in-value"));
     await page.waitForSelector('[data-testid="rf__edge-square.out->output.value"]');
   });
 

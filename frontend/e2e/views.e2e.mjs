@@ -13,7 +13,7 @@
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row.
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { expect, logIn, openBrowser, tid } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, tid } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -68,21 +68,6 @@ function expectReadable(where, r) {
   expect(r.titleHeights.length === r.nodes || r.minimap, `${where}: part of the graph shown and no minimap`);
 }
 
-async function center(selector) {
-  const box = await page.locator(selector).first().boundingBox();
-  expect(box, `${selector} is not on screen`);
-  return { x: box.x + box.width / 2, y: box.y + box.height / 2 };
-}
-/** Drag from one port handle to another with the mouse, as a user connects ports. */
-async function drag(from, to) {
-  const a = await center(from);
-  const b = await center(to);
-  await page.mouse.move(a.x, a.y);
-  await page.mouse.down();
-  await page.mouse.move((a.x + b.x) / 2, (a.y + b.y) / 2, { steps: 8 });
-  await page.mouse.move(b.x, b.y, { steps: 8 });
-  await page.mouse.up();
-}
 const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
 
 const overlaps = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
@@ -165,9 +150,9 @@ try {
     await page.dragAndDrop(tid("palette-python"), canvas, { targetPosition: { x: 260, y: 300 } });
     await page.dragAndDrop(tid("palette-output"), canvas, { targetPosition: { x: 420, y: 130 } });
     await page.waitForSelector(tid("node-output"));
-    await drag(tid("port-input-out-value"), tid("port-python-in-x"));
+    await dragPorts(page, tid("port-input-out-value"), tid("port-python-in-x"));
     await page.waitForSelector('[data-testid="rf__edge-input.value->python.x"]');
-    await drag(tid("port-python-out-out"), tid("port-output-in-value"));
+    await dragPorts(page, tid("port-python-out-out"), tid("port-output-in-value"));
     await page.waitForSelector('[data-testid="rf__edge-python.out->output.value"]');
     await page.locator(`${tid("node-python")} .spec-node-id`).click();
     await page.selectOption(tid("node-op-select"), "hello.greet"); // name (text) -> out (text)
