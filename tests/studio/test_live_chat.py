@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import openai
 import psutil
@@ -65,7 +65,7 @@ class LiveStudio:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.server: Server | None = None
-        self.log: Any = None
+        self.log: BinaryIO | None = None
 
     def acquire(self) -> Server:
         if self.server is not None and self.server.proc.poll() is None:
