@@ -80,43 +80,124 @@ class CeleryNode:
             raise RuntimeError(f"the Celery worker exited:\n{self.log.read_text()[-3000:]}")
 
 
-@contextlib.contextmanager
-def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None,
-                 **studio_changes: Any) -> Iterator[CeleryNode]:
-    """A Celery node (its environment: `extra_env` on top of the test's) and this process's studio
-    engine dispatching to it (its config: `studio_changes` on top of the settings')."""
+def node_environment(tmp: Path, node: str, run_queue: str, extra_env: dict[str, str] | None) -> dict[str, str]:
+    """A node's Celery worker's environment: the test's, the node's settings, then `extra_env`."""
+    return {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
+            "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
+            "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_DATA_DIR": str(tmp / "data"),
+            "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
+            "PYTHONPATH": str(ROOT), **(extra_env or {})}
+
+
+def started_node(tmp: Path, extra_env: dict[str, str] | None = None) -> CeleryNode:
+    """A fresh node's Celery worker, started (not yet ready: `CeleryNode.wait_for` its ` ready.`)."""
     tag = uuid.uuid4().hex[:8]
     node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
-           "OMNIFLOW_DISPATCH": "celery", "OMNIFLOW_NODE": node, "OMNIFLOW_RUN_QUEUE": run_queue,
-           "OMNIFLOW_ALLOW_MODULE_OPS": "1", "OMNIFLOW_DATA_DIR": str(tmp_path / "data"),
-           "OMNIFLOW_NODE_SUPERVISE_S": "0.3", "OMNIFLOW_WORKER_MAX_RESTARTS": "2",
-           "PYTHONPATH": str(ROOT), **(extra_env or {})}
-    log = tmp_path / "celery.log"
-    worker = CeleryNode.start(node, run_queue, log, env)
+    log = tmp / f"celery-{tag}.log"
+    return CeleryNode.start(node, run_queue, log, node_environment(tmp, node, run_queue, extra_env))
+
+
+def wait_ready(worker: CeleryNode) -> None:
+    worker.wait_for("the Celery worker ready", lambda: b" ready." in worker.log.read_bytes())
+
+
+def leftover_workers(node: str) -> list[psutil.Process]:
+    """The role worker processes of `node` whose rows a test left (a failed one: a passing test stops
+    its deployments), alive or not yet reaped."""
+    left = []
+    for row in Worker.objects.filter(host=node):
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie of the node's Celery worker
+            if row.pid and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):
+                left.append(psutil.Process(row.pid))
+    return left
+
+
+@contextlib.contextmanager
+def dispatching_to(worker: CeleryNode, **studio_changes: Any) -> Iterator[CeleryNode]:
+    """This process's studio engine dispatching to the node `worker` (its config: `studio_changes` on
+    top of the settings'), replaced by the previous one after."""
     config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=True, dispatch=Dispatch.CELERY,
-                                 node_name=node, deploy_node=node, run_queue=run_queue, **studio_changes)
+                                 node_name=worker.node, deploy_node=worker.node, run_queue=worker.run_queue,
+                                 **studio_changes)
     app = apps.get_app_config("workflows")
     studio = build_engine(config)
     previous = app.install(studio)
     try:
-        worker.wait_for("the Celery worker ready", lambda: b" ready." in log.read_bytes())
         yield worker
     finally:
-        if worker.proc.poll() is None:
-            worker.stop()
-        for row in Worker.objects.filter(host=node):  # whatever a failed test left running
-            with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie of the stopped worker
-                if row.pid and row.worker_id in " ".join(psutil.Process(row.pid).cmdline()):
-                    psutil.Process(row.pid).kill()
         studio.runs.stop()
         app.install(previous)
 
 
+@contextlib.contextmanager
+def running_node(tmp_path: Path, extra_env: dict[str, str] | None = None,
+                 **studio_changes: Any) -> Iterator[CeleryNode]:
+    """A Celery node of its own (its environment: `extra_env` on top of the test's) and this process's
+    studio engine dispatching to it (its config: `studio_changes` on top of the settings')."""
+    worker = started_node(tmp_path, extra_env)
+    try:
+        with dispatching_to(worker, **studio_changes):
+            wait_ready(worker)
+            yield worker
+    finally:
+        if worker.proc.poll() is None:
+            worker.stop()
+        for process in leftover_workers(worker.node):
+            process.kill()
+
+
+class SharedNode:
+    """One node's Celery worker for the tests of this module that need no node environment of their
+    own (starting one costs seconds of imports); its OMNIFLOW_MODEL_DIRS holds `models`, a folder
+    empty until a test exports a checkpoint into it. A test that leaves role workers running (a
+    failed one) has the node stopped with them, and the next test gets a fresh one."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.models = (tmp / "models").resolve()
+        self.worker: CeleryNode | None = None
+
+    def acquire(self) -> CeleryNode:
+        if self.worker is None or self.worker.proc.poll() is not None:
+            self.worker = started_node(self.tmp, {"OMNIFLOW_MODEL_DIRS": str(self.models)})
+            wait_ready(self.worker)
+        return self.worker
+
+    def release(self) -> None:
+        """After a test: stop the node if the test left role workers (or the node) behind, and them."""
+        if self.worker is None:
+            return
+        left = leftover_workers(self.worker.node)
+        if left or self.worker.proc.poll() is not None:
+            self.close()
+            for process in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+
+    def close(self) -> None:
+        if self.worker is not None and self.worker.proc.poll() is None:
+            self.worker.stop()
+        self.worker = None
+
+
+@pytest.fixture(scope="module")
+def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedNode]:
+    shared = SharedNode(tmp_path_factory.mktemp("celery-node"))
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
 @pytest.fixture
-def celery_node(tmp_path: Path) -> Iterator[CeleryNode]:
-    with running_node(tmp_path) as node:
-        yield node
+def celery_node(shared_node: SharedNode) -> Iterator[CeleryNode]:
+    """The module's node, this test's studio engine dispatching to it."""
+    worker = shared_node.acquire()
+    try:
+        with dispatching_to(worker, model_dirs=(shared_node.models,)):
+            yield worker
+    finally:
+        shared_node.release()
 
 
 FAKE_GPUS = 3
@@ -140,15 +221,13 @@ CHECKPOINT = "org/tiny"
 
 
 @pytest.fixture
-def checkpoint_node(tmp_path: Path) -> Iterator[tuple[CeleryNode, Path]]:
-    """A node (and this studio) whose OMNIFLOW_MODEL_DIRS holds the checkpoint `CHECKPOINT`: tiny-llama
-    exported to a folder of this test's own, so no other process of the host has loaded it. Its path."""
+def checkpoint_node(celery_node: CeleryNode, shared_node: SharedNode) -> tuple[CeleryNode, Path]:
+    """The module's node (and this studio) whose OMNIFLOW_MODEL_DIRS holds the checkpoint `CHECKPOINT`:
+    tiny-llama exported there by this test, so no other process of the host has loaded it. Its path."""
     from engine.compute.models import export_model
 
-    models = (tmp_path / "models").resolve()
-    checkpoint = export_model("tiny-llama", models / CHECKPOINT)
-    with running_node(tmp_path, {"OMNIFLOW_MODEL_DIRS": str(models)}, model_dirs=(models,)) as node:
-        yield node, checkpoint
+    checkpoint = export_model("tiny-llama", shared_node.models / CHECKPOINT)
+    return celery_node, checkpoint
 
 
 def checkpoint_spec(model: str) -> dict[str, Any]:
