@@ -1,22 +1,50 @@
-"""Model families: tiny seeded `transformers` decoders and packaged real models by name, local checkpoints by path."""
+"""Model families: tiny seeded `transformers` decoders and packaged real models by name, local checkpoints by path.
+
+The names below load their module on first use (PEP 562), so that a process which only needs the
+catalogue (a worker of python ops reads `models.catalog` through weight seeding) does not import
+`transformers` with the loader: seconds of every worker start on a loaded machine.
+"""
 
 from __future__ import annotations
 
-from engine.compute.models.catalog import BUILTIN_MODELS, InitScales, ModelConfig, Weights
-from engine.compute.models.loader import (
-    MODEL_DTYPES,
-    LoadedModel,
-    ModelLoadError,
-    build_model,
-    export_model,
-    list_models,
-    load_builtin,
-    load_checkpoint,
-    load_model,
-    model_dtype,
-)
-from engine.compute.models.packaged import PACKAGED_MODELS, PackagedModel, PackageMissingError
-from engine.compute.models.text import IncrementalDetokenizer, ModelTokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.compute.models.catalog import BUILTIN_MODELS, InitScales, ModelConfig, Weights
+    from engine.compute.models.loader import (
+        MODEL_DTYPES,
+        LoadedModel,
+        ModelLoadError,
+        build_model,
+        export_model,
+        list_models,
+        load_builtin,
+        load_checkpoint,
+        load_model,
+        model_dtype,
+    )
+    from engine.compute.models.packaged import PACKAGED_MODELS, PackagedModel, PackageMissingError
+    from engine.compute.models.text import IncrementalDetokenizer, ModelTokenizer
+
+_HOMES = {
+    "catalog": ("BUILTIN_MODELS", "InitScales", "ModelConfig", "Weights"),
+    "loader": ("MODEL_DTYPES", "LoadedModel", "ModelLoadError", "build_model", "export_model", "list_models",
+               "load_builtin", "load_checkpoint", "load_model", "model_dtype"),
+    "packaged": ("PACKAGED_MODELS", "PackagedModel", "PackageMissingError"),
+    "text": ("IncrementalDetokenizer", "ModelTokenizer"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BUILTIN_MODELS",

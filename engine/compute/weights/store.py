@@ -21,13 +21,15 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from engine.compute.models.loader import LoadedModel, load_model, load_tokenizer
 from engine.compute.weights.cuda import DeviceWeights, DeviceWeightsManifest
 from engine.compute.weights.shared import HostWeights, SharedWeightsError, WeightsManifest
+
+if TYPE_CHECKING:
+    from engine.compute.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -265,6 +267,8 @@ class WeightStore:
 def _load_llm(ref: str, device: str, dtype: str = "float32") -> LoadedModel:
     from pathlib import Path
 
+    from engine.compute.models.loader import load_model  # transformers: only where an llm is loaded
+
     loaded = load_model(path=ref, dtype=dtype) if Path(ref).is_dir() else load_model(name=ref, dtype=dtype)
     if device != "cpu":
         loaded.model.to(device)
@@ -284,6 +288,8 @@ def _llm_meta(loaded: LoadedModel, ref: str) -> dict[str, Any]:
 
 def _attach_llm(host: HostWeights | DeviceWeights, manifest: WeightsManifest | DeviceWeightsManifest) -> LoadedModel:
     import transformers
+
+    from engine.compute.models.loader import LoadedModel, load_tokenizer  # as in _load_llm
 
     meta = manifest.meta
     model_cls = getattr(transformers, str(meta["architecture"]), None)

@@ -146,6 +146,7 @@ def test_reclaim_leaves_an_index_being_written_by_a_live_publisher(prefix: str):
 _CHILD = r"""
 import gc, json, resource, sys
 import psutil, torch
+import engine.compute.models.loader  # the code `store.llm` runs (transformers) is in the baseline: only weights count
 from engine.compute.weights import HostWeights, WeightStore
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 ref, prefix = sys.argv[1], sys.argv[2]
