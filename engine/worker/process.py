@@ -50,7 +50,6 @@ from typing import Any
 
 import msgspec
 import psutil
-import setproctitle
 import uvloop
 import zmq
 import zmq.asyncio
@@ -88,6 +87,7 @@ from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, default_ops
 from engine.worker.core import RoleWorkerCore
 from engine.worker.kv import KVHosting, open_index
+from engine.worker.title import set_title
 
 log = logging.getLogger(__name__)
 
@@ -604,7 +604,7 @@ class RoleWorkerProc:
         liveness_address = self.liveness.start_and_bind()
         info = self.info(liveness_address, local)
         self.liveness.register(info)
-        setproctitle.setproctitle(f"omniflow-worker role={config.role.name} id={config.worker_id}"
+        set_title(f"omniflow-worker role={config.role.name} id={config.worker_id}"
                                   f" listen={self.address}")
         self._control = LoopSocket(self.sock, self._receive_frames)
         self._ready({"worker_id": config.worker_id, "role": config.role.name, "address": self.address,
@@ -660,7 +660,7 @@ def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
     """Run rank `config.tp_rank` >= 1 of a tensor-parallel replica: no endpoint of its own, it
     applies rank 0's operations to its shard until rank 0 (or the parent) is gone or stops it."""
     _, follow = kinds.role_kind(config.role.kind).load_tp_runner()
-    setproctitle.setproctitle(f"omniflow-worker role={config.role.name} id={config.worker_id}"
+    set_title(f"omniflow-worker role={config.role.name} id={config.worker_id}"
                               f" tp_rank={config.tp_rank}")
 
     def announce(details: dict) -> None:

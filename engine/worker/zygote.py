@@ -47,7 +47,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 
 import msgspec
-import setproctitle
+
+from engine.worker.title import set_title
 
 _MAX_PACKET = 256 * 1024
 _PR_SET_PDEATHSIG = 1
@@ -475,7 +476,7 @@ class _Server:
         os.dup2(stdout_fd, 1)
         os.close(stdout_fd)
         random.seed()  # a fresh interpreter would seed from the OS; the zygote's state is shared
-        setproctitle.setproctitle(request.title)
+        set_title(request.title)
         os.environ.update(request.env)
         argv = [str(inherited) if arg == INHERITED_FD else arg for arg in request.argv]
         sys.argv = ["python -m engine.worker", *argv]
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group: the launcher and the workers act on it, the
     # zygote follows the launcher (its channel closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    setproctitle.setproctitle(f"omniflow-zygote parent={args.parent_pid}")
+    set_title(f"omniflow-zygote parent={args.parent_pid}")
     for module in args.preload:
         importlib.import_module(module)
     _Server(sock, args.grace).serve(list(args.preload))

@@ -125,3 +125,15 @@ def api(user: Any) -> APIClient:
 @pytest.fixture
 def other_api(other_user: Any) -> APIClient:
     return client_for(other_user)
+
+
+@pytest.fixture(scope="module")
+def live_studio(django_db_setup: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One live studio for the module's tests (its own daphne); see tests/studio/livestudio.py."""
+    from tests.studio.livestudio import LiveStudio
+
+    live = LiveStudio(tmp_path_factory.mktemp("live-studio"))
+    try:
+        yield live
+    finally:
+        live.close()

@@ -14,20 +14,14 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import openai
-import psutil
 import pytest
 import torch
-from django.conf import settings
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
@@ -38,123 +32,20 @@ from engine.flow.executor import Executor
 from engine.flow.validate import parse_spec
 from engine.spec.kinds import default_kinds
 from studio.accounts.models import ApiToken
-from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker
-from tests.liveserver import free_port, wait_ready
 from tests.studio.factories import example_spec
-from tests.studio.test_live_server import METRICS_TOKEN, Server, database_url, scrape
+from tests.studio.livestudio import LiveStudio, poll, wait_running
+from tests.studio.test_live_server import Server, scrape
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
               pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (worker metrics)")]
 MODEL = "tiny-chat"
 NEW = 8
 
 
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-class LiveStudio:
-    """One daphne for the tests of this module (starting one imports the studio, torch with it: seconds
-    on two cores). A test must leave no deployment active and no role worker alive (they stop theirs);
-    one that does has the server stopped with them, and the next test gets a fresh server."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.server: Server | None = None
-        self.log: BinaryIO | None = None
-
-    def acquire(self) -> Server:
-        if self.server is not None and self.server.proc.poll() is None:
-            return self.server
-        self.close()
-        port = free_port()
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "studio.settings", "DATABASE_URL": database_url(),
-               "OMNIFLOW_DATA_DIR": str(settings.OMNIFLOW.data_dir), "PYTHONPATH": str(ROOT),
-               "OMNIFLOW_METRICS_INTERVAL_S": "0.2", "HF_HUB_OFFLINE": "1", "OMNIFLOW_METRICS_TOKEN": METRICS_TOKEN}
-        self.log = (self.tmp / "server.log").open("ab")
-        proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                                 "studio.asgi:application"], cwd=ROOT, env=env, stdout=self.log,
-                                stderr=subprocess.STDOUT)
-        self.server = Server(proc, f"http://127.0.0.1:{port}")
-        wait_ready(proc, f"http://127.0.0.1:{port}/healthz")
-        return self.server
-
-    def release(self) -> None:
-        """After a test: wait until its deployments have stopped and their workers are gone (what a
-        passing test leaves), else stop the server (its role workers exit with it)."""
-        if self.server is None:
-            return
-
-        def settled() -> bool:
-            if Deployment.objects.filter(status__in=ACTIVE_DEPLOYMENT_STATUSES).exists():
-                return False
-            return all(gone(pid) for pid in Worker.objects.exclude(pid=None).values_list("pid", flat=True))
-
-        try:
-            poll(self.server, settled, bool, "the test's deployments stopped", 60.0)
-        except (TimeoutError, RuntimeError):
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.proc.terminate()  # its role workers exit with it (they watch their parent)
-            try:
-                self.server.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.server.proc.kill()
-                self.server.proc.wait(timeout=10)
-            self.server = None
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-
-@pytest.fixture(scope="module")
-def live_studio(django_db_setup: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStudio]:
-    live = LiveStudio(tmp_path_factory.mktemp("live-chat"))
-    try:
-        yield live
-    finally:
-        live.close()
-
-
 @pytest.fixture
 def server(live_studio: LiveStudio) -> Iterator[Server]:
-    """The module's live studio, left as the test found it: nothing deployed."""
-    yield live_studio.acquire()
-    live_studio.release()
-
-
-def poll(server: Server, read: Callable[[], Any], ready: Callable[[Any], bool], what: str,
-         deadline_s: float = 60.0) -> Any:
-    """`read()` again until `ready` says so (readiness), and return it; the pause is the server's."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        value = read()
-        if ready(value):
-            return value
-        try:
-            server.proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        raise RuntimeError("the server exited")
-    raise TimeoutError(f"{what}: not within {deadline_s} s")
-
-
-def wait_running(server: Server, deployment_id: str, token: str) -> dict[str, Any]:
-    """The deployment once its workers are up (or it failed)."""
-    def read() -> dict[str, Any]:
-        status, body = server.request("GET", f"/api/deployments/{deployment_id}/", token=token)
-        assert status == 200, body
-        return body
-
-    return poll(server, read, lambda body: body["status"] not in ("pending", "starting"),
-                f"deployment {deployment_id} starts")
+    with live_studio.serving() as server:
+        yield server
 
 
 def hf_reply(prompt: str, new: int) -> str:

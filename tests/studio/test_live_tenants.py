@@ -6,6 +6,7 @@ user's repeat hits; once staff mark the deployment's cache shared, each hits the
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -13,7 +14,7 @@ import pytest
 
 from studio.accounts.models import ApiToken
 from tests.studio.factories import example_spec
-from tests.studio.test_live_chat import server, wait_running  # noqa: F401 - the live server fixture
+from tests.studio.livestudio import LiveStudio, wait_running
 from tests.studio.test_live_server import Server
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis,
@@ -23,13 +24,19 @@ SECRET = [{"role": "user", "content": "The launch code is 4242-7319, keep it saf
 PAGES = 4  # of 16 tokens (one a byte) in the rendered prompt, before its last token
 
 
+@pytest.fixture
+def server(live_studio: LiveStudio) -> Iterator[Server]:
+    with live_studio.serving() as server:
+        yield server
+
+
 def cached(client: openai.OpenAI) -> int:
     done = client.chat.completions.create(model=MODEL, messages=SECRET, max_tokens=2, temperature=0)
     assert done.usage.prompt_tokens > PAGES * 16
     return done.usage.prompt_tokens_details.cached_tokens
 
 
-def test_two_users_of_one_deployment_share_no_cache_unless_staff_share_it(server: Server,  # noqa: F811
+def test_two_users_of_one_deployment_share_no_cache_unless_staff_share_it(server: Server,
                                                                           user: Any, staff: Any) -> None:
     owner = ApiToken.objects.issue(user, "live-tenants").secret
     root = ApiToken.objects.issue(staff, "live-tenants").secret
