@@ -1,7 +1,7 @@
 """The node directory against the real Redis at REDIS_URL: a node is live while its agent
 announces it, lost (still known, with its last record) once the lease lapses or it withdraws,
 gone once forgotten; a flush forgets every node, which says nothing of how long Redis has been
-up. Each test uses its own namespace and deletes its keys afterwards."""
+up but starts the directory's memory anew. Each test uses its own namespace and deletes its keys afterwards."""
 
 from __future__ import annotations
 
@@ -68,12 +68,18 @@ def test_a_flush_forgets_every_node_but_redis_stays_up(directory: NodeDirectory)
     before = directory.up_s()
     assert before >= 0
     client = redis.Redis.from_url(REDIS_URL)
+    since = f"{directory.namespace}:since"
     try:
+        first = directory.remembered_s()  # the first reading marks the directory's memory as starting now
+        mark = float(client.get(since))
+        assert 0 <= first < 1 and directory.remembered_s() >= first and float(client.get(since)) == mark
         client.flushdb()  # this test's database only
+        assert directory.known() == []  # neither live nor lost: unknown
+        assert directory.up_s() >= before
+        assert client.get(since) is None  # the flush took the mark with the nodes
+        assert 0 <= directory.remembered_s() < 1 and float(client.get(since)) > mark  # marked anew
     finally:
         client.close()
-    assert directory.known() == []  # neither live nor lost: unknown
-    assert directory.up_s() >= before
     directory.announce(record("a"))
     assert [(s.record.name, s.live) for s in directory.known()] == [("a", True)]
 
@@ -93,4 +99,6 @@ def test_bad_records_and_an_unreachable_redis_are_errors(directory: NodeDirector
         away.announce(record("a"))
     with pytest.raises(NodeDirectoryError, match="reading how long Redis has been up failed"):
         away.up_s()
+    with pytest.raises(NodeDirectoryError, match="how long the node directory has remembered failed"):
+        away.remembered_s()
     away.close()

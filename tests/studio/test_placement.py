@@ -3,8 +3,9 @@ database, without node agents: what each node has free counts the deployments al
 a deployment is refused (409) when it fits nowhere, pinned to a node that must be live,
 scaled with its running replicas kept, and a lost node's replicas are placed again (or wait,
 said on the deployment, until a node has room), but never a node's that a Redis flush took from
-the directory while its agent still announces it (its heartbeats kept in the database). The `deploy`/`stop_deployment` tasks these send
-go to queues no agent consumes here; the test removes them."""
+the directory while its agent still announces it (its heartbeats kept in the database, or without
+any, a TTL's grace from the flush). The `deploy`/`stop_deployment` tasks these send go to queues
+no agent consumes here; the test removes them."""
 
 from __future__ import annotations
 
@@ -277,18 +278,67 @@ def test_a_node_that_dies_across_a_flush_is_lost_once_its_heartbeat_lapses(nodes
 def test_after_a_redis_restart_a_node_forgotten_waits_a_lease_from_redis_return(nodes: Nodes) -> None:
     """A Redis that came back empty less than a TTL ago has not given the agents their chance to
     announce (maybe after an outage in which no announcement could land): a node it does not know
-    is unknown, even with its kept lease lapsed or no row at all; lost once Redis has been up a TTL."""
+    is unknown, even with its kept lease lapsed or no row at all; lost once Redis has been up a TTL.
+    A node without a row is lost only once the directory has also kept its memory for a TTL."""
     NodeHeartbeat.objects.create(name="lapsed", seen_at=timezone.now() - datetime.timedelta(seconds=60),
                         lapses_at=timezone.now() - datetime.timedelta(seconds=50), ttl_s=10)
     NodeHeartbeat.objects.create(name="fresh", seen_at=timezone.now(),
                         lapses_at=timezone.now() + datetime.timedelta(seconds=60), ttl_s=60)
     placed = ["lapsed", "fresh", "never"]
-    young = liveness.judge([], placed, redis_up_s=3, default_ttl_s=5)
+    young = liveness.judge([], placed, redis_up_s=3, remembered_s=3, default_ttl_s=5)
     assert (young.lost, young.unknown) == (frozenset(), frozenset(placed))
-    old = liveness.judge([], placed, redis_up_s=3600, default_ttl_s=5)
+    old = liveness.judge([], placed, redis_up_s=3600, remembered_s=3600, default_ttl_s=5)
     assert (old.lost, old.unknown) == ({"lapsed", "never"}, {"fresh"})
-    at_ttl = liveness.judge([], placed, redis_up_s=10, default_ttl_s=20)
+    at_ttl = liveness.judge([], placed, redis_up_s=10, remembered_s=10, default_ttl_s=20)
     assert (at_ttl.lost, at_ttl.unknown) == ({"lapsed"}, {"fresh", "never"})
+    flushed = liveness.judge([], placed, redis_up_s=3600, remembered_s=3, default_ttl_s=5)
+    assert (flushed.lost, flushed.unknown) == ({"lapsed"}, {"fresh", "never"})
+
+
+def remembered_for(nodes: Nodes, seconds: float) -> None:
+    """Wait until the node directory has kept its memory `seconds` (the first reading marks it)."""
+    deadline = time.monotonic() + seconds + 10
+    while nodes.directory.remembered_s() < seconds:
+        assert time.monotonic() < deadline, f"the node directory did not remember for {seconds} s"
+        time.sleep(0.05)  # polling Redis's clock
+
+
+def test_a_node_placed_before_heartbeats_were_kept_survives_every_flush(nodes: Nodes, api: Any) -> None:
+    """Node b is announced in the directory only, as by an agent started before heartbeat rows
+    were kept (still running through the upgrade): it has workers placed on it and no row. A
+    flush leaves it unknown, not lost, for a TTL from the first tick that found the directory
+    emptied; its agent's next announcement puts it back, and the next flush, a TTL later, gives it
+    its grace again. When it stays away, it is lost at the first tick after that grace."""
+    config = dataclasses.replace(nodes.config, node=dataclasses.replace(nodes.config.node, ttl_s=1.0))
+    agent_a = nodes.agent("a", cpus=1, ttl_s=30)
+    agent_a.announce()
+    a, b = agent_a.config.node_name, nodes.up("b", cpus=2)
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, b)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    worker = f"py-{b}-1"
+    records.add_workers(d["id"], [records.StartedWorker(worker, "py", "tcp://10.0.0.1:1", b, 999_999)])
+    assert not NodeHeartbeat.objects.filter(name=b).exists()
+    before = Deployment.objects.get(pk=d["id"])
+    for _ in range(2):
+        remembered_for(nodes, config.node.ttl_s)  # a grace an earlier flush gave is over
+        nodes.flush()
+        agent_a.announce()
+        assert failover.sweep(config) == []  # b unknown: nothing lost, nothing moved
+        after = Deployment.objects.get(pk=d["id"])
+        assert (after.placement, after.error, after.updated_at) == (before.placement, "", before.updated_at)
+        assert Worker.objects.get(worker_id=worker).status == WorkerStatus.READY
+        nodes.up("b", cpus=2)  # its agent's next announcement
+        assert failover.sweep(config) == []
+    nodes.flush()
+    agent_a.announce()
+    assert failover.sweep(config) == []
+    remembered_for(nodes, config.node.ttl_s)  # b's agent stayed away for the grace
+    (rehomed,) = failover.sweep(config)
+    assert rehomed.lost_nodes == (b,) and rehomed.lost_workers == (worker,)
+    assert slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, a)]
+    assert Worker.objects.get(worker_id=worker).status == WorkerStatus.LOST
 
 
 def test_a_node_back_from_being_lost_stops_what_it_no_longer_owns(nodes: Nodes, api: Any, tmp_path: Any) -> None:

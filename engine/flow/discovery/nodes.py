@@ -5,13 +5,16 @@ stop is *lost* once the lease lapses. Redis layout under `<namespace>:`:
 
 * ``node:<name>``: the record's JSON, ``SET ... PX ttl``: the key's TTL is the liveness lease;
 * ``nodes``: a hash, name -> the last record announced (no TTL), so a node whose lease lapsed
-  is still known, and listed as lost, until it is forgotten (`forget`).
+  is still known, and listed as lost, until it is forgotten (`forget`);
+* ``since``: Redis's clock when `remembered_s` first found the directory without it (no TTL):
+  a flush takes it with the nodes, and the next reading marks the directory's memory anew.
 
 Redis keeps the directory in memory only: a flush, or a restart without persistence, forgets
 every node, live or lost. A node the directory does not know is therefore not lost by the
 directory's word; the studio keeps each node's heartbeats durably and judges those
 (`studio.workflows.deployments.liveness`), with `up_s`: how long this Redis has been up, i.e.
-how long its agents have had to announce themselves to it.
+how long its agents have had to announce themselves to it, and `remembered_s`: how long the
+directory has kept its memory (``since``), which a flush resets too.
 
 Records are msgspec JSON; nothing is pickled. Synchronous (the node agent's thread and the
 studio's views call it); every call is bounded by `op_timeout_s` and raises
@@ -73,6 +76,13 @@ class NodeState:
 
 _DECODER = msgspec.json.Decoder(NodeRecord)
 
+# Marks the directory's memory as starting now unless it has a mark: Redis's TIME, then the mark.
+_REMEMBERED = """
+local now = redis.call('TIME')
+redis.call('SET', KEYS[1], now[1] .. '.' .. string.format('%06d', tonumber(now[2])), 'NX')
+return {now[1], now[2], redis.call('GET', KEYS[1])}
+"""
+
 
 class NodeDirectory:
     """The node records of one Redis namespace."""
@@ -82,6 +92,7 @@ class NodeDirectory:
             raise ValueError(f"namespace must be non-empty and contain no ':', got {namespace!r}")
         self.namespace = namespace
         self._client = redis.Redis.from_url(url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s)
+        self._remembered = self._client.register_script(_REMEMBERED)
 
     def _key(self, name: str) -> str:
         return f"{self.namespace}:node:{name}"
@@ -150,6 +161,21 @@ class NodeDirectory:
             return float(info["uptime_in_seconds"])
         except (KeyError, TypeError, ValueError) as exc:
             raise NodeDirectoryError(f"Redis's INFO server has no uptime_in_seconds: {exc!r}") from exc
+
+    def remembered_s(self) -> float:
+        """How long the directory has kept its memory, by Redis's clock: since the first reading
+        after Redis started empty or was flushed, which marks it (see the module docstring). A node
+        the directory does not know has had at least this long to announce itself again. A
+        restart with persistence keeps the mark: `up_s` tells that one."""
+        try:
+            seconds, micros, since = self._remembered(keys=[f"{self.namespace}:since"])
+        except redis_exc.RedisError as exc:
+            raise NodeDirectoryError(f"reading how long the node directory has remembered failed: {exc}") from exc
+        try:
+            remembered = float(seconds) + int(micros) / 1e6 - float(since)
+        except (TypeError, ValueError) as exc:
+            raise NodeDirectoryError(f"the node directory's memory mark is not a time: {since!r}") from exc
+        return max(remembered, 0.0)
 
     def live(self) -> list[NodeRecord]:
         return [s.record for s in self.known() if s.live]

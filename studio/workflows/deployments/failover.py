@@ -5,8 +5,9 @@ OMNIFLOW_NODE_SUPERVISE_S) calls `sweep`. A node is lost once its heartbeat laps
 stopped announcing it (killed, cut off from Redis, or stopped and not back) for
 OMNIFLOW_NODE_TTL_S. With a tick shorter than the TTL, a node is acted on within two TTLs. A node
 the node directory forgot (a Redis flush or restart) is not lost for that: it is judged by its
-heartbeats kept in the database (`liveness`), and a deployment with a node in that doubt is left
-as it is until the node announces itself again or its lease lapses.
+heartbeats kept in the database (`liveness`; a node without any has a TTL from when a tick first
+found the directory emptied), and a deployment with a node in that doubt is left as it is until
+the node announces itself again or its lease lapses.
 
 For each deployment with replicas on a lost node (under the placement lock and the row's lock,
 so one agent does it, once):
@@ -86,7 +87,7 @@ def sweep(config: StudioConfig) -> list[Rehomed]:
     docstring); what it changed."""
     directory = placing.directory(config)
     try:
-        states, redis_up_s = directory.known(), directory.up_s()
+        states, redis_up_s, remembered_s = directory.known(), directory.up_s(), directory.remembered_s()
     except NodeDirectoryError as exc:
         log.warning("cannot read the node directory (%s): no node is declared lost meanwhile", exc)
         return []
@@ -95,9 +96,10 @@ def sweep(config: StudioConfig) -> list[Rehomed]:
     watched = {str(pk): DeploymentPlacement.of(raw) for pk, raw in Deployment.objects.filter(status__in=_WATCHED)
                .exclude(placement={}).values_list("pk", "placement")}
     placed = {node for current in watched.values() for node in current.placement.nodes()}
-    nodes = liveness.judge(states, placed, redis_up_s, config.node.ttl_s)
+    nodes = liveness.judge(states, placed, redis_up_s=redis_up_s, remembered_s=remembered_s,
+                           default_ttl_s=config.node.ttl_s)
     if nodes.unknown:
-        log.warning("nodes %s are not in the node directory (Redis flushed or restarted?) but their heartbeats"
+        log.warning("nodes %s are not in the node directory (Redis flushed or restarted?) but their kept leases"
                     " have not lapsed: not lost; their deployments wait for them", ", ".join(sorted(nodes.unknown)))
     done = []
     for pk, current in watched.items():

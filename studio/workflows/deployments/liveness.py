@@ -9,8 +9,7 @@ of its TTL. So each announcement the directory accepted is also kept on the node
 `NodeHeartbeat` row (`heartbeat`, on the database's clock), and a node the directory does not
 know is lost only when
 
-* its durable lease has lapsed: no announcement reached Redis for its TTL (a node without a row
-  never announced since rows were kept, and counts as lapsed); and
+* its durable lease has lapsed: no announcement reached Redis for its TTL; and
 * Redis has been up for that TTL (`NodeDirectory.up_s`): a Redis restarted less than a lease ago,
   maybe after an outage in which no announcement could land, has not given the agents their
   chance yet.
@@ -18,6 +17,13 @@ know is lost only when
 A flush keeps Redis up, so a node whose agent died is lost as soon as its lease lapses, as without
 the flush: the supervision ticks that look for lost nodes come every quarter lease, so within two
 TTLs of its last heartbeat. After a restart it has at least a TTL from Redis's return.
+
+A placed node without a row has no kept lease to judge: its agent has not announced since rows
+were kept (one started before they were, still running through an upgrade) or could never write
+its row. Its lease counts as lapsed only once the directory has kept its memory for a TTL
+(`NodeDirectory.remembered_s`; the studio's TTL stands for the node's): the directory marks when
+a supervision tick first read it after a flush or a restart, so such a node has a TTL from then
+to announce itself again, at every flush, not only the first after the upgrade.
 
 The directory's own word stands: a node it knows without a live lease is lost whatever its row
 says (its agent cut off from Redis, or withdrawn on purpose). Nothing here is decided from a row
@@ -47,7 +53,8 @@ class Liveness:
     """Known to the directory without a live lease, or forgotten by it with a lapsed heartbeat."""
     unknown: frozenset[str]
     """Forgotten by the directory (a flush or restart) whose heartbeat has not lapsed yet, or not for
-    as long as Redis has been up: neither live nor lost until their agents announce or the lease ends."""
+    as long as Redis has been up, or without a row, before the directory has kept its memory for a
+    TTL: neither live nor lost until their agents announce or the lease (or that grace) ends."""
 
 
 def heartbeat(name: str, ttl_s: float) -> None:
@@ -58,10 +65,12 @@ def heartbeat(name: str, ttl_s: float) -> None:
         NodeHeartbeat.objects.update_or_create(name=name, defaults={"seen_at": now, "lapses_at": now + lease, "ttl_s": ttl_s})
 
 
-def judge(states: Iterable[NodeState], placed: Iterable[str], redis_up_s: float, default_ttl_s: float) -> Liveness:
+def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: float, remembered_s: float,
+          default_ttl_s: float) -> Liveness:
     """The verdict on every node the directory knows (`states`) and every node of `placed` (the
-    nodes the watched deployments' placements name), given that Redis has been up `redis_up_s`;
-    `default_ttl_s` stands for the lease of a node without a row (see the module docstring)."""
+    nodes the watched deployments' placements name), given that Redis has been up `redis_up_s` and
+    the directory has kept its memory `remembered_s`; `default_ttl_s` stands for the lease of a node
+    without a row (see the module docstring)."""
     known = {s.record.name: s for s in states}
     live = {name: s.record for name, s in known.items() if s.live}
     lost = {name for name, s in known.items() if not s.live}
@@ -69,11 +78,11 @@ def judge(states: Iterable[NodeState], placed: Iterable[str], redis_up_s: float,
     rows = {name: (ttl_s, lapsed) for name, ttl_s, lapsed in _leases(forgotten)}
     unknown = set()
     for name in forgotten:
-        ttl_s, lapsed = rows.get(name, (default_ttl_s, True))
-        if lapsed and redis_up_s >= ttl_s:
-            lost.add(name)
+        if name in rows:
+            ttl_s, lapsed = rows[name]
         else:
-            unknown.add(name)
+            ttl_s, lapsed = default_ttl_s, remembered_s >= default_ttl_s
+        (lost if lapsed and redis_up_s >= ttl_s else unknown).add(name)
     return Liveness(live, frozenset(lost), frozenset(unknown))
 
 
