@@ -183,13 +183,15 @@ def deployment_namespace(prefix: str, deployment_id: uuid.UUID) -> str:
 
 class NodeHeartbeat(models.Model):
     """A machine's (a node agent's node's) heartbeat, kept where a Redis flush cannot take it: the
-    latest announcement of its agent that the node directory accepted, on the database's clock
-    (`studio.workflows.deployments.liveness`). One row per node name."""
+    latest announcement of its agent that the node directory accepted, on the database's clock,
+    and the record it announced (`studio.workflows.deployments.liveness`). One row per node name."""
 
     name = models.CharField(max_length=255, unique=True)
     seen_at = models.DateTimeField(help_text="when the node directory last accepted its announcement")
     lapses_at = models.DateTimeField(help_text="seen_at + ttl_s: when its lease ends unless it announces again")
     ttl_s = models.FloatField(help_text="the lease its agent announces with (OMNIFLOW_NODE_TTL_S)")
+    record = models.JSONField(null=True, help_text="the NodeRecord it announced (null: kept before records were),"
+                                                   " what /api/nodes/ shows while Redis has forgotten the node")
 
     class Meta:
         ordering = ["name"]

@@ -4,8 +4,9 @@ a deployment is refused (409) when it fits nowhere, pinned to a node that must b
 scaled with its running replicas kept, and a lost node's replicas are placed again (or wait,
 said on the deployment, until a node has room), but never a node's that a Redis flush took from
 the directory while its agent still announces it (its heartbeats kept in the database, or without
-any, a TTL's grace from the flush). The `deploy`/`stop_deployment` tasks these send go to queues
-no agent consumes here; the test removes them."""
+any, a TTL's grace from the flush); the nodes list keeps showing such nodes meanwhile. The
+`deploy`/`stop_deployment` tasks these send go to queues no agent consumes here; the test removes
+them."""
 
 from __future__ import annotations
 
@@ -339,6 +340,51 @@ def test_a_node_placed_before_heartbeats_were_kept_survives_every_flush(nodes: N
     assert rehomed.lost_nodes == (b,) and rehomed.lost_workers == (worker,)
     assert slots(Deployment.objects.get(pk=d["id"])) == [("py", 0, a)]
     assert Worker.objects.get(worker_id=worker).status == WorkerStatus.LOST
+
+
+def test_the_nodes_list_keeps_nodes_a_flush_took_while_their_kept_lease_runs(nodes: Nodes, api: Any,
+                                                                               other_user: Any) -> None:
+    """After a flush, `/api/nodes/` lists the nodes whose kept lease runs as their last heartbeat
+    announced them, with the same keys and values and `"source": "kept-lease"`, until their agents
+    announce them again; a node whose kept lease lapsed, or whose row has no record, is not
+    listed, and the directory's word stands for the nodes it knows."""
+    agents, d, worker = on_agents(nodes, api, ttl_s=30)
+    a, b = (agents[n].config.node_name for n in ("a", "b"))
+    for agent in agents.values():
+        agent.announce()  # the records now say what the deployment takes
+    gone = nodes.agent("c", cpus=1, ttl_s=0.5)
+    gone.announce()
+    c = gone.config.node_name
+    NodeHeartbeat.objects.create(name=f"{nodes.tag}-old", seen_at=timezone.now(), ttl_s=30,
+                                 lapses_at=timezone.now() + datetime.timedelta(seconds=30))  # before records
+    announced = {n["name"]: n for n in api.get("/api/nodes/").json()}
+    assert set(announced) == {a, b, c}  # the row without a record is not a node of the list
+    assert set(announced[b]) == {"name", "status", "address", "labels", "total", "free", "gpus", "hosting",
+                                 "seen_at", "started_at", "ttl_s", "workers", "source"}
+    assert {announced[n]["source"] for n in (a, b, c)} == {"announced"}
+    assert [w["worker_id"] for w in announced[b]["workers"]] == [worker]
+    assert [h["deployment"] for h in announced[b]["hosting"]] == [d["id"]]
+
+    deadline = time.monotonic() + 30
+    while not NodeHeartbeat.objects.filter(name=c, lapses_at__lt=Now()).exists():
+        assert time.monotonic() < deadline, "node c's kept lease did not lapse"
+        time.sleep(0.05)  # polling the database for the end of c's lease
+    nodes.flush()
+    assert nodes.directory.known() == []
+    kept = api.get("/api/nodes/").json()
+    assert [n["name"] for n in kept] == [a, b]  # by name; c's lease lapsed, the row without a record shows nothing
+    for node in kept:
+        assert node == announced[node["name"]] | {"source": "kept-lease"}
+    theirs = {n["name"]: n for n in client_for(other_user).get("/api/nodes/").json()}
+    assert (theirs[b]["workers"], theirs[b]["hosting"], theirs[b]["source"]) == ([], [], "kept-lease")
+
+    agents["a"].announce()  # a is back in the directory; b is still kept
+    assert [(n["name"], n["status"], n["source"]) for n in api.get("/api/nodes/").json()] == [
+        (a, "live", "announced"), (b, "live", "kept-lease")]
+    agents["b"].announce()
+    nodes.directory.withdraw(b)  # the directory's word: lost, fresh kept lease or not, and listed once
+    assert [(n["name"], n["status"], n["source"]) for n in api.get("/api/nodes/").json()] == [
+        (a, "live", "announced"), (b, "lost", "announced")]
 
 
 def test_a_node_back_from_being_lost_stops_what_it_no_longer_owns(nodes: Nodes, api: Any, tmp_path: Any) -> None:

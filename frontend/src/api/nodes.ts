@@ -1,7 +1,8 @@
 /**
  * Nodes of a distributed studio and where a deployment would go on them.
  *
- *   GET  /api/nodes/            -> Node[] (live and lost; [] when the studio hosts workers itself)
+ *   GET  /api/nodes/            -> Node[] (live and lost, and those Redis forgot whose kept lease runs;
+ *                                  [] when the studio hosts workers itself)
  *   POST /api/nodes/placement/  {workflow, version?, replicas?, node?} -> PlacementPreview
  *
  * A node's `workers` are the live workers of your deployments on it (worker ids, as
@@ -42,6 +43,11 @@ export interface ClusterNode {
   started_at: number;
   ttl_s: number;
   workers: NodeWorker[];
+  /**
+   * "kept-lease": Redis (a flush or restart) has forgotten the node, but its last heartbeat, kept in
+   * the database, has not lapsed; this is that heartbeat's record until its agent announces it again.
+   */
+  source: "announced" | "kept-lease";
 }
 
 export interface PlacementSlot {

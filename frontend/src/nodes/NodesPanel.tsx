@@ -90,6 +90,12 @@ function NodeCard({ node, workers, gpus }: { node: ClusterNode; workers: WorkerS
             · {node.gpus.map((g) => `${g.model} (${g.memory_gb} GB)`).join(", ")}
           </span>
         )}
+        {node.source === "kept-lease" && (
+          <span className="muted" data-testid="node-kept-lease">
+            {" "}
+            · Redis forgot it (flushed or restarted): shown from its last heartbeat until its agent announces it again
+          </span>
+        )}
         {node.status === "lost" && (
           <span className="danger-text"> · no announcement for over {node.ttl_s} s: its replicas are placed elsewhere</span>
         )}

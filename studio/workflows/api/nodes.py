@@ -1,7 +1,10 @@
 """Nodes (distributed mode): `GET /api/nodes/` lists the machines of the node directory, live
 and lost, with their resources, labels, free capacity and the workers of your deployments on
-each; `POST /api/nodes/placement/` says where deploying a version would put its replicas now
-(the deploy dialog shows it before you confirm), or every reason it cannot.
+each. While a Redis flush or restart has taken nodes from the directory, it also lists those
+whose kept lease has not lapsed, as live, from the record of their last heartbeat
+(`liveness.kept`), with `"source": "kept-lease"` rather than `"announced"`, until their agents
+announce them again. `POST /api/nodes/placement/` says where deploying a version would put its
+replicas now (the deploy dialog shows it before you confirm), or every reason it cannot.
 
 Every signed-in user sees the nodes themselves (names, labels, resources); the workers and
 deployments on them only where the deployment is theirs (staff: all).
@@ -24,14 +27,15 @@ from studio.workflows.api.deployments import DeploymentCreateSerializer, deploy_
 from studio.workflows.api.serializers import ErrorSerializer
 from studio.workflows.api.workflows import ERRORS
 from studio.workflows.apps import engine
-from studio.workflows.deployments import placing, service
+from studio.workflows.deployments import liveness, placing, service
 from studio.workflows.deployments.records import LIVE_WORKER_STATUSES
 from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Worker
 
 
 def node_json(record: NodeRecord, live: bool, workers: list[dict[str, Any]],
-              hosting_names: Mapping[str, str]) -> dict[str, Any]:
-    """A node as `/api/nodes/` shows it."""
+              hosting_names: Mapping[str, str], *, announced: bool = True) -> dict[str, Any]:
+    """A node as `/api/nodes/` shows it; `announced` False: the node directory has forgotten it and
+    `record` is its last heartbeat's, kept in the database, whose lease has not lapsed."""
     return {
         "name": record.name,
         "status": "live" if live else "lost",
@@ -46,6 +50,7 @@ def node_json(record: NodeRecord, live: bool, workers: list[dict[str, Any]],
         "started_at": record.started_at,
         "ttl_s": record.ttl_s,
         "workers": workers,
+        "source": "announced" if announced else "kept-lease",
     }
 
 
@@ -73,7 +78,10 @@ class NodesView(APIView):
                 "worker_id": row.worker_id, "role": row.role, "deployment": str(row.deployment_id),
                 "status": row.status, "address": row.address, "pid": row.pid, "device": row.device,
                 "gpus": list(row.gpus)})
-        return Response([node_json(s.record, s.live, workers.get(s.record.name, []), names) for s in states])
+        listed = [node_json(s.record, s.live, workers.get(s.record.name, []), names) for s in states]
+        kept = liveness.kept({s.record.name for s in states})
+        listed += [node_json(r, True, workers.get(r.name, []), names, announced=False) for r in kept]
+        return Response(sorted(listed, key=lambda n: n["name"]))
 
 
 class PlacementPreviewView(APIView):

@@ -6,8 +6,9 @@ machine's memory, the GPUs `nvidia-smi` lists (`engine.client.cluster.detect_gpu
 `_GPU_MODEL`, `_GPU_MEMORY_GB`, `_CPUS`, `_MEMORY_GB`), its labels (`OMNIFLOW_NODE_LABELS`),
 and what the deployments placed on it take (read from the database; when the database cannot
 be read it keeps announcing the last it knew). Each announcement the directory accepted is also
-the node's heartbeat on its `NodeHeartbeat` row (`liveness.heartbeat`): what tells a node whose
-agent is alive from a dead one after a Redis flush or restart took the directory. On shutdown it
+the node's heartbeat on its `NodeHeartbeat` row, with the record (`liveness.heartbeat`): what
+tells a node whose agent is alive from a dead one after a Redis flush or restart took the
+directory, and what `/api/nodes/` shows of the node meanwhile. On shutdown it
 stops announcing but does not withdraw the record: role workers outlive their agent, so an agent
 restarted within the lease keeps its node (and its replicas where they are); one that stays away
 is lost when the lease lapses.
@@ -83,13 +84,14 @@ class NodeAnnouncer:
     def announce(self) -> None:
         """Announce the node once, and keep the heartbeat on its row (the thread of `start` does
         this every third of the TTL); a failure is logged and left to the next announcement."""
+        record = self.record()
         try:
-            self.directory.announce(self.record())
+            self.directory.announce(record)
         except NodeDirectoryError as exc:
             log.warning("node %s: %s; trying again in %.1f s", self.config.node_name, exc, self.config.node.ttl_s / 3)
             return
         try:
-            liveness.heartbeat(self.config.node_name, self.config.node.ttl_s)
+            liveness.heartbeat(record)
         except DatabaseError as exc:
             log.warning("node %s: keeping its heartbeat in the database failed (%s); a Redis flush meanwhile"
                         " would see it lost once its last kept heartbeat lapses", self.config.node_name, exc)

@@ -6,8 +6,8 @@ there) or lost (its lease lapsed or it withdrew; its last record is kept). Redis
 disk: a flush, or a restart without persistence, forgets every node, and a placed node the
 directory does not know is then *unknown*, not lost: its agent announces it again within a third
 of its TTL. So each announcement the directory accepted is also kept on the node's
-`NodeHeartbeat` row (`heartbeat`, on the database's clock), and a node the directory does not
-know is lost only when
+`NodeHeartbeat` row (`heartbeat`: the time, on the database's clock, and the record), and a node
+the directory does not know is lost only when
 
 * its durable lease has lapsed: no announcement reached Redis for its TTL; and
 * Redis has been up for that TTL (`NodeDirectory.up_s`): a Redis restarted less than a lease ago,
@@ -26,16 +26,19 @@ a supervision tick first read it after a flush or a restart, so such a node has 
 to announce itself again, at every flush, not only the first after the upgrade.
 
 The directory's own word stands: a node it knows without a live lease is lost whatever its row
-says (its agent cut off from Redis, or withdrawn on purpose). Nothing here is decided from a row
-alone: a node is never live for the row's sake (placement offers only what the directory lists).
+says (its agent cut off from Redis, or withdrawn on purpose). For placement and failover a node
+is never live for the row's sake (placement offers only what the directory lists); only the nodes
+API shows one (`kept`): a forgotten node whose kept lease runs, from the record of its last
+heartbeat, marked as kept rather than announced, so a flush does not empty the list meanwhile.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+import msgspec
 from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 
@@ -57,12 +60,13 @@ class Liveness:
     TTL: neither live nor lost until their agents announce or the lease (or that grace) ends."""
 
 
-def heartbeat(name: str, ttl_s: float) -> None:
-    """Record that the node directory accepted `name`'s announcement now, with lease `ttl_s`."""
+def heartbeat(record: NodeRecord) -> None:
+    """Record that the node directory accepted `record` now, with its lease `record.ttl_s`."""
     now = Now()
-    lease = datetime.timedelta(seconds=ttl_s)
-    if not NodeHeartbeat.objects.filter(name=name).update(seen_at=now, lapses_at=now + lease, ttl_s=ttl_s):
-        NodeHeartbeat.objects.update_or_create(name=name, defaults={"seen_at": now, "lapses_at": now + lease, "ttl_s": ttl_s})
+    lease = datetime.timedelta(seconds=record.ttl_s)
+    fields = {"seen_at": now, "lapses_at": now + lease, "ttl_s": record.ttl_s, "record": msgspec.to_builtins(record)}
+    if not NodeHeartbeat.objects.filter(name=record.name).update(**fields):
+        NodeHeartbeat.objects.update_or_create(name=record.name, defaults=fields)
 
 
 def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: float, remembered_s: float,
@@ -84,6 +88,15 @@ def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: flo
             ttl_s, lapsed = default_ttl_s, remembered_s >= default_ttl_s
         (lost if lapsed and redis_up_s >= ttl_s else unknown).add(name)
     return Liveness(live, frozenset(lost), frozenset(unknown))
+
+
+def kept(known: Collection[str]) -> list[NodeRecord]:
+    """The records of the last heartbeats of the nodes not in `known` (the names the directory
+    knows) whose kept lease has not lapsed, by name: what the nodes API lists while Redis has
+    forgotten them. A row kept before records were has none to show and is left out."""
+    rows = (NodeHeartbeat.objects.filter(lapses_at__gte=Now(), record__isnull=False).exclude(name__in=list(known))
+            .values_list("record", flat=True))
+    return [msgspec.convert(raw, NodeRecord) for raw in rows]
 
 
 def _leases(names: set[str]) -> list[tuple[str, float, bool]]:
