@@ -12,7 +12,8 @@
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
 //  - a saved version with issues (a python node without its op) cannot be run: the Run button is
-//    disabled and says which version has how many issues.
+//    disabled and says which version has how many issues; editing that incomplete graph leaves no
+//    error in the console (the editor asks /api/validate/ for its report: issues as data, not a 400).
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
 import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
@@ -23,7 +24,7 @@ const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const LEGIBLE_ZOOM = 0.75; // graph/viewport.ts
 const LEGIBLE_TITLE_PX = 11;
 
-const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
+const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
 
 async function openWorkflow(name) {
   await page.goto(`${BASE}/workflows`);
@@ -184,6 +185,7 @@ try {
     await page.fill(`${tid("create-dialog")} input[name="name"]`, `a-draft-${Date.now()}`);
     await page.click(tid("create-submit"));
     await page.waitForSelector(tid("palette-python"));
+    const before = consoleErrors.length;
     await page.dragAndDrop(tid("palette-python"), tid("canvas"), { targetPosition: { x: 300, y: 260 } });
     await page.waitForSelector(tid("node-python"));
     await validityShows(page, "issue");
@@ -199,6 +201,8 @@ try {
     expect(title === want, `the Run button says ${JSON.stringify(title)}, not ${JSON.stringify(want)}`);
     await run.hover({ force: true });
     await shot("editor-draft-cannot-run");
+    const noisy = consoleErrors.slice(before);
+    expect(noisy.length === 0, `editing an incomplete graph logged console errors: ${noisy.join(" | ")}`);
   });
 
   expectQuietConsole();
