@@ -11,7 +11,6 @@ import {
   Controls,
   type EdgeChange,
   type FinalConnectionState,
-  MiniMap,
   type NodeChange,
   Panel,
   ReactFlow,
@@ -23,6 +22,7 @@ import { Link, useNavigate, useParams } from "react-router-dom";
 import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
 import type { GraphSpec, Issue, ModelInfo, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
+import { FlowMiniMap } from "../components/FlowMiniMap";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
 import { useToast } from "../components/toast";
@@ -574,7 +574,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
           >
             <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#cfd5de" />
             <Controls showInteractive={false} onFitView={() => fit(300)} />
-            {doc.nodes.length > 0 && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor={(n) => ((n.data as SpecNode["data"]).issues?.length ? "#fca5a5" : "#c7d2fe")} />}
+            {doc.nodes.length > 0 && <FlowMiniMap nodeColor={(n) => (n.data.issues?.length ? "#fca5a5" : "#c7d2fe")} />}
             {hint && (
               <Panel position="top-center">
                 <div className="connect-hint" role="alert" data-testid="connect-hint">
