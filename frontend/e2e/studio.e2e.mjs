@@ -421,6 +421,13 @@ try {
     const be32 = (at) => ((head.bytes[at] << 24) | (head.bytes[at + 1] << 16) | (head.bytes[at + 2] << 8) | head.bytes[at + 3]) >>> 0;
     expect(be32(16) === shown.width && be32(20) === shown.height && shown.width >= 64,
       `IHDR ${be32(16)}x${be32(20)}, decoded ${shown.width}x${shown.height}`);
+    // `saved` is JSON naming the files save_outputs wrote: shown as those files (the PNG as a
+    // thumbnail, the text as a download), served as the run's files, never as server paths.
+    const saved = tid("output-files-saved");
+    await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth > 0, `${saved} .output-file-thumb img`);
+    const links = await page.$$eval(`${saved} a.output-file-link`, (els) => els.map((a) => a.getAttribute("href")));
+    expect(links.length === 2 && links.every((href) => href.startsWith(`/api/runs/${run.id}/files/`)),
+      `the saved output's files are the run's: ${links}`);
     await shot("run-image-generation-done");
   });
 

@@ -10,10 +10,13 @@
 //    buttons, which take a click;
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
-//    op is chosen keeps its edges when the op is picked, and page buttons stay on one row.
+//    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
+//  - a saved version with issues (a python node without its op) cannot be run: the Run button is
+//    disabled and says which version has how many issues; editing that incomplete graph leaves no
+//    error in the console (the editor asks /api/validate/ for its report: issues as data, not a 400).
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { dragPorts, expect, logIn, openBrowser, tid } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -21,7 +24,7 @@ const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const LEGIBLE_ZOOM = 0.75; // graph/viewport.ts
 const LEGIBLE_TITLE_PX = 11;
 
-const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
+const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
 
 async function openWorkflow(name) {
   await page.goto(`${BASE}/workflows`);
@@ -173,6 +176,33 @@ try {
     const sub = await page.$eval(".editor-sub", (el) => el.scrollWidth <= el.clientWidth);
     expect(sub, "the name's state line shows whole");
     await shot("editor-first-workflow-1024");
+  });
+
+  await step("a saved version with issues cannot be run", async () => {
+    await page.setViewportSize({ width: 1024, height: 768 });
+    await page.goto(`${BASE}/workflows`);
+    await page.click(tid("new-workflow"));
+    await page.fill(`${tid("create-dialog")} input[name="name"]`, `a-draft-${Date.now()}`);
+    await page.click(tid("create-submit"));
+    await page.waitForSelector(tid("palette-python"));
+    const before = consoleErrors.length;
+    await page.dragAndDrop(tid("palette-python"), tid("canvas"), { targetPosition: { x: 300, y: 260 } });
+    await page.waitForSelector(tid("node-python"));
+    await validityShows(page, "issue");
+    const count = Number((await page.locator(tid("validity")).textContent()).match(/(\d+) issues?/)[1]);
+    expect(count === 2, `a python node without its op has 2 issues (no op, input x unconnected), not ${count}`);
+    await page.click(tid("save"));
+    await page.click(tid("save-submit"));
+    await waitText(".editor-sub", "v1");
+    const run = page.locator(tid("run"));
+    expect(await run.isDisabled(), "Run is disabled for a saved version with issues");
+    const title = await run.getAttribute("title");
+    const want = `v1 has ${count} issue${count === 1 ? "" : "s"}: fix and save to run it`;
+    expect(title === want, `the Run button says ${JSON.stringify(title)}, not ${JSON.stringify(want)}`);
+    await run.hover({ force: true });
+    await shot("editor-draft-cannot-run");
+    const noisy = consoleErrors.slice(before);
+    expect(noisy.length === 0, `editing an incomplete graph logged console errors: ${noisy.join(" | ")}`);
   });
 
   expectQuietConsole();

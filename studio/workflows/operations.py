@@ -63,10 +63,15 @@ def invalid_workflow(exc: GraphValidationError, status: type[BadRequest] | type[
     return status(f"invalid workflow: {count} problem{'s' if count != 1 else ''}", [i.to_dict() for i in exc.issues])
 
 
+def parse_spec_input(*, spec: Any = None, source: str | None = None) -> GraphSpec:
+    """A GraphSpec from a JSON document or DSL source; GraphValidationError lists every schema problem."""
+    return spec_from_source(source, engine().ops.registry) if source is not None else parse_document(spec)
+
+
 def read_spec(*, spec: Any = None, source: str | None = None) -> GraphSpec:
     """A GraphSpec from a JSON document or DSL source; BadRequest lists every schema problem."""
     try:
-        return spec_from_source(source, engine().ops.registry) if source is not None else parse_document(spec)
+        return parse_spec_input(spec=spec, source=source)
     except GraphValidationError as exc:
         raise invalid_workflow(exc) from None
 

@@ -111,6 +111,30 @@ def test_validate_reports_every_issue_with_ids(api) -> None:
     }
 
 
+def test_validate_report_answers_an_invalid_workflow_with_200_and_its_issues(api) -> None:
+    """`?report=1` (what the editor sends as it checks each edit): the same issues as the 400, as data."""
+    bad = spec_doc()
+    bad["nodes"][1]["role"] = "ghost"
+    refused = api.post("/api/validate/", {"spec": bad}, format="json")
+    assert refused.status_code == 400  # the default is unchanged
+    reported = api.post("/api/validate/?report=1", {"spec": bad}, format="json")
+    assert reported.status_code == 200
+    body = reported.json()
+    assert body["valid"] is False
+    assert body["issues"] == error_of(refused)["details"]
+    assert body["spec"]["name"] == bad["name"]
+    ok = api.post("/api/validate/?report=true", {"spec": example_spec("loop")}, format="json")
+    assert ok.status_code == 200 and ok.json()["valid"] is True and ok.json()["issues"] == []
+    schema = api.post("/api/validate/?report=1", {"spec": {"version": 1, "name": "x", "roles": [], "nodes": [{"id": 3}],
+                                                           "edges": "no"}}, format="json")
+    assert schema.status_code == 200 and schema.json()["valid"] is False and schema.json()["spec"] is None
+    assert {"$.edges", "$.nodes[0].id", "$.nodes[0]"} <= {i.get("path") for i in schema.json()["issues"]}
+    malformed = api.post("/api/validate/?report=1", b'{"spec": {', content_type="application/json")
+    assert malformed.status_code == 400  # a request that is not one stays an error
+    unknown = api.post("/api/validate/?report=yes", {"spec": bad}, format="json")
+    assert unknown.status_code == 400 and "report must be" in error_of(unknown)["error"]
+
+
 def test_validate_schema_errors_and_malformed_json(api) -> None:
     schema = api.post("/api/validate/", {"spec": {"version": 1, "name": "x", "roles": [], "nodes": [{"id": 3}],
                                                   "edges": "no"}}, format="json")

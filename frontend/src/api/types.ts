@@ -100,6 +100,13 @@ export interface Issue {
   path?: string;
 }
 
+/** `POST /api/validate/?report=1`: valid or not, with every issue; `spec` (canonical) null when it does not parse. */
+export interface ValidationResult {
+  valid: boolean;
+  issues: Issue[];
+  spec: GraphSpec | null;
+}
+
 export type JsonSchema = {
   type?: string | string[];
   description?: string;

@@ -5,6 +5,7 @@
  */
 import { useEffect, useRef } from "react";
 import uPlot from "uplot";
+import { niceScale, ticksOf } from "./chartScale";
 
 export interface ChartSeries {
   label: string;
@@ -18,6 +19,7 @@ export function LiveChart({
   format = (v) => String(v),
   tickFormat,
   yRange,
+  yUnit,
   testId,
   height = 180,
   note,
@@ -31,8 +33,10 @@ export function LiveChart({
   format?: (v: number) => string;
   /** The y axis's labels, given the ticks' step (default: `format`, which may write close ticks alike). */
   tickFormat?: (v: number, step: number) => string;
-  /** Fixed bounds; a null upper bound follows the data (with room above it). */
+  /** Fixed bounds; a null upper bound follows the data, ending on a labelled tick above it (`chartScale.ts`). */
   yRange?: [number, number | null];
+  /** With a following upper bound: the unit the ticks step in, given the highest value (`byteUnit` for bytes). */
+  yUnit?: (max: number) => number;
   testId?: string;
   height?: number;
   /** A line under the title (what the chart stands in for, say). */
@@ -51,6 +55,11 @@ export function LiveChart({
 
   useEffect(() => {
     const el = box.current!;
+    // About one labelled tick per 30 px of plot (the axes take ~50 px of the height).
+    const ticks = Math.max(2, Math.floor((height - 50) / 30));
+    const following = yRange && yRange[1] === null ? yRange[0] : null;
+    const scaleOf = (max: number | null) => niceScale(max ?? 0, ticks, yUnit ? yUnit(max ?? 0) : 1, following ?? 0);
+    let scale = scaleOf(null); // the last one the y range took: its ticks are the axis's
     const opts: uPlot.Options = {
       width: el.clientWidth || 400,
       height,
@@ -61,7 +70,13 @@ export function LiveChart({
         // charts stay readable instead of a sliver at the right edge).
         x: span ? { time: true, range: (_u, min, max) => [Math.min(Math.max(min, max - span), max - 1), max] } : { time: true },
         y: yRange
-          ? { range: (_u, _min, max) => [yRange[0], yRange[1] ?? (max > yRange[0] ? max * 1.15 : yRange[0] + 1)] }
+          ? {
+              range: (_u, _min, max) => {
+                if (yRange[1] !== null) return [yRange[0], yRange[1]];
+                scale = scaleOf(max);
+                return [yRange[0], scale.top];
+              },
+            }
           : { auto: true },
       },
       axes: [
@@ -78,6 +93,8 @@ export function LiveChart({
           grid: { stroke: "#eef0f3" },
           ticks: { stroke: "#eef0f3" },
           size: 70,
+          // A following top is a tick (see `niceScale`): its label sits level with the top of the plot.
+          ...(following !== null ? { splits: () => ticksOf(following, scale) } : {}),
           values: (_u, vals, _axis, _space, step) =>
             vals.map((v) => (tickRef.current ? tickRef.current(v, step) : formatRef.current(v))),
         },

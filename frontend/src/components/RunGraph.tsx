@@ -2,11 +2,12 @@
  * A version's graph, read-only, painted with its nodes' run states. It opens as the editor does
  * (`useReadableFit`): whole when its titles stay legible, else its inputs with a minimap for the rest.
  */
-import { Background, BackgroundVariant, Controls, MiniMap, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
+import { Background, BackgroundVariant, Controls, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
 import { useEffect, useMemo, useRef } from "react";
 import type { EditorLayout, GraphSpec } from "../api/types";
 import { type NodeRunView, type SpecEdge, type SpecNode, specToDoc } from "../graph/model";
 import { useReadableFit } from "../hooks/useReadableFit";
+import { FlowMiniMap } from "./FlowMiniMap";
 import { nodeTypes } from "./SpecNodeView";
 
 interface RunGraphProps {
@@ -70,7 +71,7 @@ function RunGraphView({ spec, layout, states, onSelect, selected }: RunGraphProp
       >
         <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#d5dae2" />
         <Controls showInteractive={false} onFitView={() => fit(300)} />
-        {whole === false && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor="#c7d2fe" />}
+        {whole === false && <FlowMiniMap nodeColor="#c7d2fe" />}
       </ReactFlow>
     </div>
   );

@@ -27,6 +27,7 @@ import {
   sum,
   tiersOf,
 } from "../api/metrics";
+import { byteUnit } from "../components/chartScale";
 import { type ChartSeries, LiveChart } from "../components/LiveChart";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatBytes } from "../components/ui";
 import { NodesPanel } from "../nodes/NodesPanel";
@@ -267,9 +268,13 @@ export function ClusterPage() {
                     data-role={w.info.role}
                     data-heartbeat={w.last_heartbeat}
                   >
-                    <td className="mono small">
-                      {w.info.worker_id}
-                      <div className="muted">{w.info.host || w.info.address}</div>
+                    <td className="mono small worker-cell">
+                      <div className="worker-id" title={w.info.worker_id}>
+                        {w.info.worker_id}
+                      </div>
+                      <div className="muted worker-id" title={w.info.host || w.info.address}>
+                        {w.info.host || w.info.address}
+                      </div>
                     </td>
                     <td>{w.info.role}</td>
                     <td>{w.info.model ?? <span className="muted">—</span>}</td>
@@ -335,6 +340,7 @@ export function ClusterPage() {
                 series={charts.memorySeries}
                 data={charts.memory}
                 yRange={[0, null]}
+                yUnit={byteUnit}
                 format={(v) => formatBytes(v)}
               />
             )}
@@ -374,7 +380,10 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
   return (
     <section className="card worker-card" data-testid={id} data-role={track.role} data-live={live}>
       <header className="worker-card-head">
-        <strong>{track.role}</strong> <span className="mono small">{track.workerId}</span>
+        <strong>{track.role}</strong>{" "}
+        <span className="mono small worker-id" title={track.workerId}>
+          {track.workerId}
+        </span>
         <span className="muted small">
           {" "}
           · {track.host} · {track.device}
@@ -416,6 +425,7 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
           series={charts.memorySeries}
           data={charts.memory}
           yRange={[0, null]}
+          yUnit={byteUnit}
           format={(v) => formatBytes(v)}
           height={120}
         />

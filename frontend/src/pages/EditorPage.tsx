@@ -11,7 +11,6 @@ import {
   Controls,
   type EdgeChange,
   type FinalConnectionState,
-  MiniMap,
   type NodeChange,
   Panel,
   ReactFlow,
@@ -23,6 +22,7 @@ import { Link, useNavigate, useParams } from "react-router-dom";
 import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
 import type { GraphSpec, Issue, ModelInfo, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
+import { FlowMiniMap } from "../components/FlowMiniMap";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
 import { useToast } from "../components/toast";
@@ -31,6 +31,7 @@ import { LEGIBLE_ZOOM } from "../graph/viewport";
 import { DeployDialog } from "../editor/DeployDialog";
 import { NodeInspector, type NodeEdits } from "../editor/NodeInspector";
 import { DRAG_MIME, Palette } from "../editor/Palette";
+import { runGate } from "../editor/runGate";
 import { SaveDialog } from "../editor/SaveDialog";
 import { EdgeInspector, IssueList, RolesPanel, WorkflowPanel } from "../editor/SidePanels";
 import { useReadableFit } from "../hooks/useReadableFit";
@@ -146,6 +147,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   docRef.current = doc;
 
   const [base, setBase] = useState<number | null>(version?.number ?? null);
+  /** How many issues the saved version (`base`) has: Run runs that version, so they decide whether it may. */
+  const [baseIssues, setBaseIssues] = useState(version?.issues.length ?? 0);
   const [saved, setSaved] = useState(() => savedKey(docToSpec(initial), docLayout(initial)));
   const spec = useMemo(() => docToSpec(doc), [doc]);
   const layoutNow = useMemo(() => docLayout(doc), [doc]);
@@ -364,6 +367,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
 
   const onSaved = (v: Version, created: boolean) => {
     setBase(v.number);
+    setBaseIssues(v.issues.length);
     setSaved(savedKey(v.spec, docLayout(specToDoc(v.spec, v.layout))));
     toast(created ? `Saved version ${v.number}` : `No changes since version ${v.number}`, "success");
   };
@@ -415,6 +419,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   }, [dirty]);
 
   const issueCount = issues.length;
+  const gate = runGate(base, baseIssues, dirty);
   const focusIssue = (issue: Issue) => {
     const nodeId = issue.node ?? (issue.edge ? issue.edge.split(".")[0] : null);
     if (issue.role && !issue.node) {
@@ -523,8 +528,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
             small
             variant="primary"
             icon="play"
-            disabled={base === null}
-            title={base === null ? "Save a version first" : dirty ? `Runs the saved version v${base}` : undefined}
+            disabled={gate.disabled}
+            title={gate.title}
             onClick={() => navigate(`/workflows/${workflow.id}/run`)}
             data-testid="run"
           >
@@ -569,7 +574,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
           >
             <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#cfd5de" />
             <Controls showInteractive={false} onFitView={() => fit(300)} />
-            {doc.nodes.length > 0 && <MiniMap pannable zoomable nodeStrokeWidth={3} nodeColor={(n) => ((n.data as SpecNode["data"]).issues?.length ? "#fca5a5" : "#c7d2fe")} />}
+            {doc.nodes.length > 0 && <FlowMiniMap nodeColor={(n) => (n.data.issues?.length ? "#fca5a5" : "#c7d2fe")} />}
             {hint && (
               <Panel position="top-center">
                 <div className="connect-hint" role="alert" data-testid="connect-hint">

@@ -14,6 +14,7 @@ import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatM
 import { useRunEvents } from "../hooks/useRunEvents";
 import {
   clockSkew,
+  fileIdsIn,
   initialRunState,
   isTerminal,
   liveDurationMs,
@@ -384,7 +385,37 @@ function OutputValue({
   return (
     <div className="output" data-testid={`output-${name}`}>
       <div className="output-name mono">{name}</div>
+      {!url && <OutputFiles name={name} ids={fileIdsIn(value)} files={files} />}
       {body}
+    </div>
+  );
+}
+
+/**
+ * The run files a JSON output names (`{"$file": ...}` inside it): images as thumbnails that open
+ * full size, audio as a player, anything else as a download; served as the run's files, to its owner.
+ */
+function OutputFiles({ name, ids, files }: { name: string; ids: string[]; files: RunFile[] }) {
+  const named = ids.map((id) => files.find((f) => f.id === id)).filter((f): f is RunFile => f !== undefined);
+  if (named.length === 0) return null;
+  return (
+    <div className="output-files" data-testid={`output-files-${name}`}>
+      {named.map((f) => (
+        <div className="output-file" key={f.id} data-testid={`output-file-${f.id}`}>
+          {f.content_type.startsWith("image/") ? (
+            <a href={f.url} target="_blank" rel="noreferrer" className="output-file-thumb" title={`${f.filename}: open full size`}>
+              <img src={f.url} alt={f.filename} />
+            </a>
+          ) : f.content_type.startsWith("audio/") ? (
+            <audio controls src={f.url} className="audio" />
+          ) : null}
+          <a href={f.url} download={f.filename} className="output-file-link" title={`Download ${f.filename}`}>
+            <Icon name="download" size={12} />
+            <span className="mono">{f.filename}</span>
+            <span className="muted">{formatBytes(f.size)}</span>
+          </a>
+        </div>
+      ))}
     </div>
   );
 }

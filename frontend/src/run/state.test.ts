@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText } from "./state";
+import { clockSkew, fileIdsIn, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -135,5 +135,30 @@ describe("watching a run", () => {
     expect(mediaOf({ ...image, content_type: "application/json" })).toBeNull();
     expect(mediaOf({ bytes: 10 })).toBeNull();
     expect(mediaOf("a")).toBeNull();
+  });
+});
+
+describe("fileIdsIn", () => {
+  it("finds the run files named anywhere inside a value, each once, in order", () => {
+    const saved = {
+      dir: "omniflow-out/r1",
+      files: {
+        text: { $file: "f-text", url: "/api/runs/r1/files/f-text/", name: "omniflow-out/r1/reply.txt" },
+        image: { $file: "f-image", url: "/api/runs/r1/files/f-image/", name: "omniflow-out/r1/image.png" },
+      },
+    };
+    expect(fileIdsIn(saved)).toEqual(["f-text", "f-image"]);
+    expect(fileIdsIn([{ $file: "a" }, [{ nested: { $file: "b" } }], { $file: "a" }])).toEqual(["a", "b"]);
+  });
+
+  it("names nothing in values without file references", () => {
+    expect(fileIdsIn("$file")).toEqual([]);
+    expect(fileIdsIn({ $file: 3, other: "x" })).toEqual([]);
+    expect(fileIdsIn(null)).toEqual([]);
+    expect(fileIdsIn([1, "two", { three: 3 }])).toEqual([]);
+  });
+
+  it("takes a file reference as a leaf: what it holds besides its id is not searched", () => {
+    expect(fileIdsIn({ $file: "outer", inner: { $file: "ignored" } })).toEqual(["outer"]);
   });
 });

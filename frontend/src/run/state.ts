@@ -174,6 +174,28 @@ export function runMedia(state: RunState): NamedMedia[] {
 }
 
 /**
+ * The run files a value names, wherever inside it (`{"$file": "<id>", ...}` objects in its lists and
+ * dicts, as `saved: {dir, files: {image: {$file, url, name}}}`): their ids, each once, in the order
+ * they appear. A string that merely says "$file" names nothing.
+ */
+export function fileIdsIn(value: unknown): string[] {
+  const ids: string[] = [];
+  const walk = (v: unknown) => {
+    if (Array.isArray(v)) v.forEach(walk);
+    else if (v && typeof v === "object") {
+      const ref = (v as { $file?: unknown }).$file;
+      if (typeof ref === "string") {
+        if (!ids.includes(ref)) ids.push(ref);
+        return;
+      }
+      Object.values(v as Record<string, unknown>).forEach(walk);
+    }
+  };
+  walk(value);
+  return ids;
+}
+
+/**
  * Streamed frames as one text, joined the way the engine joins text frames for a
  * stream-mode consumer (`"".join(frames)`); null when the frames are not all strings.
  */

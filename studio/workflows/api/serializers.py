@@ -113,7 +113,8 @@ class WorkflowCreateSerializer(serializers.Serializer):
 class ValidationResultSerializer(serializers.Serializer):
     valid = serializers.BooleanField()
     issues = IssueSerializer(many=True)
-    spec = serializers.JSONField(help_text="the canonical GraphSpec")
+    spec = serializers.JSONField(allow_null=True,
+                                 help_text="the canonical GraphSpec (null, with ?report=1, when it does not parse)")
 
 
 class DiffSerializer(serializers.Serializer):

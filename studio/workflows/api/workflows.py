@@ -16,7 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from engine.client.graphs import parse_spec, to_python
+from engine.client.graphs import GraphValidationError, parse_spec, to_python
 from studio.errors import BadRequest, Conflict
 from studio.jsonbody import LimitedJSONParser
 from studio.workflows.api.serializers import (
@@ -34,6 +34,8 @@ from studio.workflows.operations import (
     check_spec_for_studio,
     create_workflow,
     delete_workflow,
+    invalid_workflow,
+    parse_spec_input,
     read_spec,
     save_version,
 )
@@ -273,20 +275,34 @@ class ValidateView(APIView):
     @extend_schema(
         summary="Validate a workflow",
         description="Body: `{\"spec\": GraphSpec}`, `{\"source\": DSL}`, a bare GraphSpec, or text/x-python source."
-                    " 200 when valid; 400 listing every problem with its node/edge/port/role id.",
+                    " 200 when valid; 400 listing every problem with its node/edge/port/role id. With `?report=1`"
+                    " an invalid workflow answers 200 too, `valid` false and its problems in `issues` (`spec` null"
+                    " when the document does not parse): for an editor checking as it edits, where an incomplete"
+                    " graph is the normal case and not a failed request (browsers log every 4xx).",
+        parameters=[OpenApiParameter("report", str, enum=["1", "true"],
+                                     description="answer an invalid workflow with 200 and its issues")],
         request=SpecInputSerializer,
         responses={200: ValidationResultSerializer, **ERRORS},
     )
     def post(self, request: Request) -> Response:
+        report = request.query_params.get("report")
+        if report not in (None, "1", "true"):
+            raise BadRequest(f"report must be 1 or true, not {report!r}")
         data = request.data
         if isinstance(data, dict) and ("spec" in data or "source" in data):
             body = SpecInputSerializer(data=data)
             body.is_valid(raise_exception=True)
-            spec = read_spec(spec=body.validated_data.get("spec"), source=body.validated_data.get("source"))
+            doc, source = body.validated_data.get("spec"), body.validated_data.get("source")
         else:
-            spec = read_spec(spec=data if isinstance(data, dict) else None)
+            doc, source = (data if isinstance(data, dict) else None), None
+        try:
+            spec = parse_spec_input(spec=doc, source=source)
+        except GraphValidationError as exc:
+            if report is None:
+                raise invalid_workflow(exc) from None
+            return Response({"valid": False, "issues": [i.to_dict() for i in exc.issues], "spec": None})
         checked = check_spec_for_studio(spec)
-        if not checked.valid:
+        if not checked.valid and report is None:
             count = len(checked.issues)
             raise BadRequest(f"invalid workflow: {count} problem{'s' if count != 1 else ''}", checked.issue_dicts())
-        return Response({"valid": True, "issues": [], "spec": checked.document})
+        return Response({"valid": checked.valid, "issues": checked.issue_dicts(), "spec": checked.document})
