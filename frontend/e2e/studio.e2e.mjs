@@ -254,6 +254,8 @@ try {
   await step("deploy the saved version onto role workers, then stop it", async () => {
     await page.click(tid("deploy"));
     await page.waitForSelector(tid("deploy-submit"));
+    const hint = await page.textContent(tid("deploy-name-hint"));
+    expect(!hint.includes("OpenAI"), `a workflow that is not chat names no OpenAI model: ${hint}`);
     await shot("deploy");
     await page.click(tid("deploy-submit"));
     await page.waitForSelector('[data-testid="deployment-row"][data-status="running"]', { timeout: 120000 });

@@ -83,6 +83,8 @@ try {
     await page.click(tid("deploy"));
     await page.waitForSelector(tid("deploy-submit"));
     expect((await page.getAttribute(tid("deploy-name"), "placeholder")) === "chat", "the name defaults to the workflow's");
+    const hint = await page.textContent(tid("deploy-name-hint"));
+    expect(hint.includes('model="chat"'), `the chat workflow's name is its OpenAI model: ${hint}`);
     // What the dialog shows as the deployment comes up, sampled in the page: the states seen per role,
     // and per real worker row (not a placeholder) the states it went through, in order.
     await page.evaluate(() => {

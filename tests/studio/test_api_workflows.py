@@ -37,6 +37,14 @@ def test_create_list_get_update_delete(api, other_api) -> None:
     assert api.get(f"/api/workflows/{wf['id']}/").status_code == 404
 
 
+def test_a_version_says_whether_it_is_a_chat_model(api) -> None:
+    """The editor's deploy dialog calls a deployment's name an OpenAI model only where it is one."""
+    for name, chat in (("chat", True), ("vision_chat", True), ("diamond", False), ("image_generation", False)):
+        wf = create_workflow(api, example_spec(name, tiny=True))
+        version = api.get(f"/api/workflows/{wf['id']}/versions/1/")
+        assert version.status_code == 200 and version.json()["chat"] is chat, (name, version.json().get("chat"))
+
+
 def test_staff_see_everything(api, staff) -> None:
     from tests.studio.conftest import client_for
 

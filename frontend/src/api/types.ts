@@ -199,6 +199,8 @@ export interface Version {
   created_at: string;
   valid: boolean;
   issues: Issue[];
+  /** Whether a deployment of it is a chat model on `/v1/chat/completions`. */
+  chat: boolean;
 }
 
 export interface SectionDiff {

@@ -16,6 +16,7 @@ export function DeployDialog({
   workflowId,
   workflowName,
   version,
+  chat,
   roles,
   dirty,
   onClose,
@@ -24,6 +25,8 @@ export function DeployDialog({
   /** The default name of a new deployment (numbered past your live ones by the studio). */
   workflowName: string;
   version: number | null;
+  /** Whether the version is a chat workflow: its deployment's name is then an OpenAI model name. */
+  chat: boolean;
   roles: RoleSpec[];
   dirty: boolean;
   onClose: () => void;
@@ -168,9 +171,15 @@ export function DeployDialog({
               maxLength={100}
               data-testid="deploy-name"
             />
-            <span className="field-hint">
-              A chat deployment is the OpenAI model of this name (<code>model="{name.trim() || defaultName}"</code>);
-              unique among your live deployments
+            <span className="field-hint" data-testid="deploy-name-hint">
+              {chat ? (
+                <>
+                  The OpenAI model this chat workflow answers as (<code>model="{name.trim() || defaultName}"</code>);
+                  unique among your live deployments
+                </>
+              ) : (
+                "Unique among your live deployments"
+              )}
               {!name.trim() && defaultName !== workflowName && ` (“${workflowName}” is taken: left empty, it is numbered)`}.
             </span>
           </label>

@@ -149,6 +149,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const [base, setBase] = useState<number | null>(version?.number ?? null);
   /** How many issues the saved version (`base`) has: Run runs that version, so they decide whether it may. */
   const [baseIssues, setBaseIssues] = useState(version?.issues.length ?? 0);
+  /** Whether the saved version is a chat model (what its deployment's name also names on /v1). */
+  const [baseChat, setBaseChat] = useState(version?.chat ?? false);
   const [saved, setSaved] = useState(() => savedKey(docToSpec(initial), docLayout(initial)));
   const spec = useMemo(() => docToSpec(doc), [doc]);
   const layoutNow = useMemo(() => docLayout(doc), [doc]);
@@ -368,6 +370,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const onSaved = (v: Version, created: boolean) => {
     setBase(v.number);
     setBaseIssues(v.issues.length);
+    setBaseChat(v.chat);
     setSaved(savedKey(v.spec, docLayout(specToDoc(v.spec, v.layout))));
     toast(created ? `Saved version ${v.number}` : `No changes since version ${v.number}`, "success");
   };
@@ -739,6 +742,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
           workflowId={workflow.id}
           workflowName={workflow.name}
           version={base}
+          chat={baseChat}
           roles={doc.roles}
           dirty={dirty}
           onClose={() => setShowDeploy(false)}

@@ -26,7 +26,7 @@ from studio.errors import BadRequest, Conflict
 from studio.workflows.api.serializers import ErrorSerializer
 from studio.workflows.api.workflows import ERRORS, get_workflow, statuses_param
 from studio.workflows.apps import engine
-from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
+from studio.workflows.chat.shape import is_chat
 from studio.workflows.deployments import service
 from studio.workflows.deployments.workers import (
     active_deployments,
@@ -138,11 +138,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
     def get_chat(self, obj: Deployment) -> bool:
         """Whether `/v1/chat/completions` serves it (its spec is a chat workflow)."""
-        try:
-            chat_shape(obj.version.spec)
-        except NotAChatWorkflow:
-            return False
-        return True
+        return is_chat(obj.version.spec)
 
     def get_links(self, obj: Deployment) -> dict[str, str]:
         return {"self": reverse("deployment-detail", kwargs={"pk": obj.pk}),

@@ -11,6 +11,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from studio.workflows.chat.shape import is_chat
 from studio.workflows.models import NodeRun, Run, RunFile, RunStatus, Workflow, WorkflowVersion
 from studio.workflows.runs.store import file_url
 
@@ -66,12 +67,16 @@ class VersionSerializer(serializers.ModelSerializer):
     workflow = serializers.UUIDField(source="workflow_id", read_only=True)
     author = serializers.SlugRelatedField(slug_field="username", read_only=True)
     issues = IssueSerializer(many=True, read_only=True)
+    chat = serializers.SerializerMethodField(help_text="whether a deployment of it is a chat model on /v1")
 
     class Meta:
         model = WorkflowVersion
         fields = ["workflow", "number", "spec", "spec_hash", "layout", "message", "author", "created_at", "valid",
-                  "issues"]
+                  "issues", "chat"]
         read_only_fields = fields
+
+    def get_chat(self, obj: WorkflowVersion) -> bool:
+        return is_chat(obj.spec)
 
 
 class WorkflowSerializer(serializers.ModelSerializer):

@@ -107,3 +107,12 @@ def chat_shape(spec: dict[str, Any]) -> ChatShape:
         llm_usage="usage" in (llm.get("outputs") or {}),
         max_new_tokens=int(max_new_tokens) if max_new_tokens is not None else None,
     )
+
+
+def is_chat(spec: dict[str, Any]) -> bool:
+    """Whether `/v1/chat/completions` would serve a deployment of `spec` (`chat_shape` finds its parts)."""
+    try:
+        chat_shape(spec)
+    except NotAChatWorkflow:
+        return False
+    return True
