@@ -21,90 +21,46 @@ The store is thread-safe (one re-entrant mutex; copies run under it, which keeps
 state simple and costs little next to a forward pass). Listeners get a `KVEvent` for
 every change of residency, in order, while the mutex is held: keep them short (the
 index publisher only buffers).
+
+`KVStore` is the public face: it owns the mutex, the open/closed state and the pull metrics,
+and under the mutex calls its parts: `hierarchy.TierHierarchy` (the tiers, their locks and pins,
+eviction, demotion, promotion and the events), `loan` (pages lent in place) and
+`prefetch.Prefetcher` (promotion on a background thread). Its config is in `config`, its events
+in `events`; both are re-exported here, as is `Capacity`.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from enum import StrEnum
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from engine.data.kv.copy import copy_page
-from engine.data.kv.device import DeviceTier
-from engine.data.kv.disk import Checksum, DiskTier
-from engine.data.kv.errors import (
-    KVCapacityError,
-    KVClosedError,
-    KVLockError,
-    KVPageNotFound,
-    KVTimeoutError,
-)
+from engine.data.kv.config import DiskTierConfig, KVStoreConfig, WritePolicy
+from engine.data.kv.errors import KVClosedError, KVLockError, KVPageNotFound
+from engine.data.kv.events import KVEvent, KVEventKind, KVListener
+from engine.data.kv.hierarchy import TierHierarchy
 from engine.data.kv.host import HostTier
 from engine.data.kv.keys import PageHash
-from engine.data.kv.layout import KVLayout
-from engine.data.kv.loan import PageLoan
-from engine.data.kv.policy import EvictionPolicy, PageTracker, make_tracker
-from engine.data.kv.tier import Capacity, Tier, TierStats
+from engine.data.kv.loan import HeldSlot, PageLoan, give_back, hold_in_place, lent_runs
+from engine.data.kv.prefetch import Prefetcher, PrefetchHandle, PrefetchResult
+from engine.data.kv.tier import Capacity, Tier
 
-AnyTier = DeviceTier | HostTier | DiskTier
-
-
-class WritePolicy(StrEnum):
-    WRITE_THROUGH = "write_through"
-    WRITE_BACK = "write_back"
-
-
-@dataclass(frozen=True, slots=True)
-class DiskTierConfig:
-    path: Path | str
-    capacity: Capacity
-    fsync: bool = False
-    checksum: Checksum = Checksum.BLOCKSUM64
-
-
-@dataclass(frozen=True, slots=True)
-class KVStoreConfig:
-    """Everything a store needs; built once by the worker and passed down.
-
-    `device` is the torch device of the device tier (default: CUDA when present, else
-    CPU). `pin_host` page-locks the host segment (default: when CUDA is present).
-    """
-
-    layout: KVLayout
-    device_capacity: Capacity
-    host_capacity: Capacity | None = None
-    disk: DiskTierConfig | None = None
-    eviction: EvictionPolicy = EvictionPolicy.LRU
-    write: WritePolicy = WritePolicy.WRITE_BACK
-    device: str | None = None
-    host_segment_name: str | None = None
-    pin_host: bool | None = None
-
-
-class KVEventKind(StrEnum):
-    STORED = "stored"  # written into `tier` by put (or write-through)
-    PROMOTED = "promoted"  # copied up into `tier` from `source`
-    DEMOTED = "demoted"  # moved down into `tier` from `source` (copied unless already there)
-    EVICTED = "evicted"  # removed from `tier` to make room
-    DROPPED = "dropped"  # removed from `tier` because it was corrupt or explicitly removed
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    kind: KVEventKind
-    page: PageHash
-    tier: Tier
-    source: Tier | None = None
-    best: Tier | None = None  # the fastest tier holding the page after the event; None: gone
+__all__ = [
+    "Capacity",
+    "DiskTierConfig",
+    "KVEvent",
+    "KVEventKind",
+    "KVStore",
+    "KVStoreConfig",
+    "LookupResult",
+    "PrefetchHandle",
+    "PrefetchResult",
+    "WritePolicy",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,36 +74,6 @@ class LookupResult:
         return sum(1 for t in self.tiers if t is tier)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    loaded: int  # promoted into the device tier by this prefetch
-    resident: int  # already in the device tier
-    missing: tuple[PageHash, ...]  # in no tier (or found corrupt)
-    locked: int = 0
-    cancelled: bool = False  # stopped by `PrefetchHandle.cancel` before the end of the list
-
-
-class PrefetchHandle:
-    """A prefetch in flight. `wait` returns its result or raises what stopped it."""
-
-    def __init__(self, future: Future[PrefetchResult], cancelled: threading.Event) -> None:
-        self._future = future
-        self._cancelled = cancelled
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> PrefetchResult:
-        try:
-            return self._future.result(timeout)
-        except TimeoutError as exc:
-            raise KVTimeoutError(f"prefetch did not finish within {timeout} s") from exc
-
-    def cancel(self) -> None:
-        """Stop after the page being loaded now; pages already loaded stay and `wait` reports them."""
-        self._cancelled.set()
-
-
 @dataclass(slots=True)
 class _PullStats:
     pages: int = 0
@@ -157,238 +83,73 @@ class _PullStats:
     paths: Counter[str] = field(default_factory=Counter)
     """Pages pulled per transport (`shm`, `tcp`, `inline`, `local`): which path they took."""
 
+    def record(self, pages: int, nbytes: int, seconds: float, failed: bool, paths: Mapping[str, int]) -> None:
+        if failed:
+            self.failures += 1
+        else:
+            self.pages += pages
+            self.bytes += nbytes
+        self.paths.update(paths)
+        self.seconds += seconds
 
-@dataclass(slots=True)
-class _Level:
-    tier: AnyTier
-    tracker: PageTracker
-    stats: TierStats = field(default_factory=TierStats)
-    pins: Counter[PageHash] = field(default_factory=Counter)
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "pull.pages": self.pages, "pull.bytes": self.bytes, "pull.seconds": self.seconds,
+            "pull.failures": self.failures,
+        }
+        for path, pages in self.paths.items():
+            out[f"pull.{path}.pages"] = pages
+        return out
 
 
 class KVStore:
-    """The paged KV cache of one worker process. See the module docstring for the rules."""
+    """The paged KV cache of one worker process. See the module docstring for the rules and its parts."""
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
         self.layout = config.layout
-        nbytes = config.layout.page_nbytes
         self._mutex = threading.RLock()
-        self._levels: dict[Tier, _Level] = {}
-        self._locks: Counter[PageHash] = Counter()
-        self._listeners: list[Callable[[KVEvent], None]] = []
-        self._executor: ThreadPoolExecutor | None = None
-        self._staging: torch.Tensor | None = None
         self._closed = False
         self.pulls = _PullStats()
-        with ExitStack() as undo:
-            undo.callback(self._close_tiers)  # a store that cannot open all its tiers closes those it opened
-            self._levels[Tier.DEVICE] = _Level(
-                DeviceTier(config.layout, config.device_capacity.in_pages(nbytes), config.device),
-                make_tracker(config.eviction),
-            )
-            if config.host_capacity is not None:
-                host = HostTier(
-                    config.layout,
-                    config.host_capacity.in_pages(nbytes),
-                    name=config.host_segment_name,
-                    pin=config.pin_host,
-                )
-                self._levels[Tier.HOST] = _Level(host, make_tracker(config.eviction))
-            if config.disk is not None:
-                disk = DiskTier(
-                    config.layout,
-                    config.disk.capacity.in_pages(nbytes),
-                    config.disk.path,
-                    fsync=config.disk.fsync,
-                    checksum=config.disk.checksum,
-                )
-                tracker = make_tracker(config.eviction)
-                for page in disk.pages():  # oldest write first: LRU order survives a restart
-                    tracker.insert(page)
-                self._levels[Tier.DISK] = _Level(disk, tracker)
-            undo.pop_all()
+        self._tiers = TierHierarchy(config)
+        self._prefetcher = Prefetcher(self._tiers, self._mutex, self._check_open)
 
     # -- plumbing ------------------------------------------------------------------
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
-        return tuple(self._levels)
+        return tuple(self._tiers.levels)
 
     @property
     def device(self) -> torch.device:
-        tier = self._levels[Tier.DEVICE].tier
-        assert isinstance(tier, DeviceTier)
-        return tier.device
+        return self._tiers.device.device
 
     @property
     def device_pool(self) -> torch.Tensor:
         """The device tier's slots, `(capacity, 2, L, page, H, D)`, for kernels that index by slot."""
-        tier = self._levels[Tier.DEVICE].tier
-        assert isinstance(tier, DeviceTier) and tier.pool is not None
+        tier = self._tiers.device
+        assert tier.pool is not None
         return tier.pool
 
     @property
     def host_segment_name(self) -> str | None:
         """Name other processes attach to (`HostPageReader(name)`); None without a host tier."""
-        level = self._levels.get(Tier.HOST)
+        level = self._tiers.levels.get(Tier.HOST)
         return level.tier.name if level is not None and isinstance(level.tier, HostTier) else None
 
-    def add_listener(self, listener: Callable[[KVEvent], None]) -> None:
+    def add_listener(self, listener: KVListener) -> None:
         with self._mutex:
-            self._listeners.append(listener)
+            self._tiers.listeners.append(listener)
 
-    def remove_listener(self, listener: Callable[[KVEvent], None]) -> None:
+    def remove_listener(self, listener: KVListener) -> None:
         """Stop sending events to `listener` (no error if it was not, or no longer is, registered)."""
         with self._mutex:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+            if listener in self._tiers.listeners:
+                self._tiers.listeners.remove(listener)
 
     def _check_open(self) -> None:
         if self._closed:
             raise KVClosedError("KV store is closed")
-
-    def _below(self, tier: Tier) -> Tier | None:
-        for lower in self._levels:
-            if lower > tier:
-                return lower
-        return None
-
-    def _best(self, page: PageHash) -> Tier | None:
-        for tier, level in self._levels.items():
-            if page in level.tier:
-                return tier
-        return None
-
-    def _emit(self, kind: KVEventKind, page: PageHash, tier: Tier, source: Tier | None = None) -> None:
-        if not self._listeners:
-            return
-        event = KVEvent(kind=kind, page=page, tier=tier, source=source, best=self._best(page))
-        for listener in self._listeners:
-            listener(event)
-
-    @contextmanager
-    def _pinned(self, tier: Tier, page: PageHash) -> Iterator[None]:
-        pins = self._levels[tier].pins
-        pins[page] += 1
-        try:
-            yield
-        finally:
-            pins[page] -= 1
-            if not pins[page]:
-                del pins[page]
-
-    def _protected(self, tier: Tier, page: PageHash) -> bool:
-        if tier is Tier.DEVICE and self._locks.get(page):
-            return True
-        return bool(self._levels[tier].pins.get(page))
-
-    def _transfer(self, page: PageHash, src: Tier, dst: Tier, copy: Callable[[], bool]) -> bool:
-        started = time.perf_counter()
-        ok = copy()
-        elapsed = time.perf_counter() - started
-        nbytes = self.layout.page_nbytes
-        src_stats, dst_stats = self._levels[src].stats, self._levels[dst].stats
-        src_stats.reads += 1
-        src_stats.read_seconds += elapsed
-        dst_stats.writes += 1
-        dst_stats.write_seconds += elapsed
-        if ok:
-            src_stats.bytes_read += nbytes
-            dst_stats.bytes_written += nbytes
-        return ok
-
-    # -- room, eviction, promotion ---------------------------------------------------
-
-    def _make_room(self, tier: Tier) -> None:
-        level = self._levels[tier]
-        while level.tier.free_pages == 0:
-            victim = next((p for p in level.tracker.order() if not self._protected(tier, p)), None)
-            if victim is None:
-                locked = sum(1 for p in level.tracker.order() if self._protected(tier, p))
-                raise KVCapacityError(tier.label, level.tier.capacity_pages, locked)
-            self._evict(tier, victim)
-
-    def _evict(self, tier: Tier, page: PageHash) -> None:
-        level = self._levels[tier]
-        lower = self._below(tier)
-        if lower is not None:
-            below = self._levels[lower]
-            with self._pinned(tier, page):
-                if page in below.tier:
-                    below.tracker.touch(page)
-                else:
-                    self._make_room(lower)
-                    self._transfer(page, tier, lower, lambda: self._copy_down(page, tier, lower))
-                    below.tracker.insert(page, level.tracker.frequency(page))
-                below.stats.demotions += 1
-                self._emit(KVEventKind.DEMOTED, page, lower, source=tier)
-        level.tier.remove(page)
-        level.tracker.remove(page)
-        level.stats.evictions += 1
-        self._emit(KVEventKind.EVICTED, page, tier)
-
-    def _copy_down(self, page: PageHash, src: Tier, dst: Tier) -> bool:
-        source = self._levels[src].tier
-        assert isinstance(source, DeviceTier | HostTier)
-        self._levels[dst].tier.write(page, source.view(page))
-        return True
-
-    def _staging_page(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty(
-                self.layout.page_shape, dtype=self.layout.torch_dtype, pin_memory=torch.cuda.is_available()
-            )
-        return self._staging
-
-    def _load_into_device(self, page: PageHash, src: Tier) -> bool:
-        device = self._levels[Tier.DEVICE].tier
-        assert isinstance(device, DeviceTier)
-        source = self._levels[src].tier
-        if isinstance(source, HostTier):
-            device.write(page, source.view(page))
-            return True
-        assert isinstance(source, DiskTier)
-        if device.device.type == "cpu":
-            target = device.allocate(page)
-            if source.read_into(page, target):
-                return True
-            device.remove(page)
-            return False
-        staging = self._staging_page()
-        if not source.read_into(page, staging):
-            return False
-        device.write(page, staging)
-        return True
-
-    def _promote(self, page: PageHash) -> bool:
-        """Copy a page held only by a lower tier into the device tier. False if none has it intact."""
-        for src in (Tier.HOST, Tier.DISK):
-            level = self._levels.get(src)
-            if level is None or page not in level.tier:
-                continue
-            with self._pinned(src, page):
-                self._make_room(Tier.DEVICE)
-                if not self._transfer(page, src, Tier.DEVICE, lambda s=src: self._load_into_device(page, s)):
-                    self._drop_corrupt(src, page)
-                    continue
-            frequency = level.tracker.frequency(page)
-            level.tracker.touch(page)
-            device = self._levels[Tier.DEVICE]
-            device.tracker.insert(page, frequency + 1)
-            device.stats.promotions += 1
-            self._emit(KVEventKind.PROMOTED, page, Tier.DEVICE, source=src)
-            return True
-        return False
-
-    def _drop_corrupt(self, tier: Tier, page: PageHash) -> None:
-        level = self._levels[tier]
-        # The disk tier already forgot the page when its checksum failed.
-        if page in level.tier:
-            level.tier.remove(page)
-        level.tracker.remove(page)
-        level.stats.dropped_corrupt += 1
-        self._emit(KVEventKind.DROPPED, page, tier)
 
     # -- public API -------------------------------------------------------------------
 
@@ -397,36 +158,29 @@ class KVStore:
         data = self.layout.check_page(data)
         with self._mutex:
             self._check_open()
-            device = self._levels[Tier.DEVICE]
+            levels = self._tiers.levels
+            device = levels[Tier.DEVICE]
             if page in device.tier:
                 device.tracker.touch(page)
             else:
                 frequency = max(
-                    (lv.tracker.frequency(page) for lv in self._levels.values() if page in lv.tracker),
+                    (lv.tracker.frequency(page) for lv in levels.values() if page in lv.tracker),
                     default=0,
                 )
-                self._make_room(Tier.DEVICE)
-                self._timed_write(Tier.DEVICE, page, data)
+                self._tiers.make_room(Tier.DEVICE)
+                self._tiers.write(Tier.DEVICE, page, data)
                 device.tracker.insert(page, frequency + 1)
-                self._emit(KVEventKind.STORED, page, Tier.DEVICE)
+                self._tiers.emit(KVEventKind.STORED, page, Tier.DEVICE)
             if self.config.write is WritePolicy.WRITE_THROUGH:
-                with self._pinned(Tier.DEVICE, page):
+                with self._tiers.pinned(Tier.DEVICE, page):
                     for tier in (Tier.HOST, Tier.DISK):
-                        level = self._levels.get(tier)
+                        level = levels.get(tier)
                         if level is None or page in level.tier:
                             continue
-                        self._make_room(tier)
-                        self._timed_write(tier, page, data)
+                        self._tiers.make_room(tier)
+                        self._tiers.write(tier, page, data)
                         level.tracker.insert(page)
-                        self._emit(KVEventKind.STORED, page, tier)
-
-    def _timed_write(self, tier: Tier, page: PageHash, data: torch.Tensor) -> None:
-        stats = self._levels[tier].stats
-        started = time.perf_counter()
-        self._levels[tier].tier.write(page, data)
-        stats.write_seconds += time.perf_counter() - started
-        stats.writes += 1
-        stats.bytes_written += self.layout.page_nbytes
+                        self._tiers.emit(KVEventKind.STORED, page, tier)
 
     def put_many(self, pages: Sequence[PageHash], data: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Store pages in order; `data` is one tensor per page or a stacked `(n, *page_shape)` tensor."""
@@ -446,13 +200,8 @@ class KVStore:
         with self._mutex:
             self._check_open()
             for page in pages:
-                best = None
-                for tier, level in self._levels.items():
-                    level.stats.lookups += 1
-                    if page in level.tier:
-                        level.stats.hit_pages += 1
-                        best = tier
-                        break
+                best = self._tiers.best(page)
+                self._tiers.count_lookup(best)
                 if best is None:
                     break
                 found.append(best)
@@ -460,14 +209,14 @@ class KVStore:
 
     def contains(self, page: PageHash) -> bool:
         with self._mutex:
-            return self._best(page) is not None
+            return self._tiers.best(page) is not None
 
     def resident_run(self, pages: Sequence[PageHash]) -> int:
         """How many leading `pages` some tier holds, looked at under one hold of the mutex. Does
         not move or touch pages and, unlike `lookup`, counts no lookups in the tiers' metrics."""
         with self._mutex:
             run = 0
-            while run < len(pages) and self._best(pages[run]) is not None:
+            while run < len(pages) and self._tiers.best(pages[run]) is not None:
                 run += 1
             return run
 
@@ -475,13 +224,12 @@ class KVStore:
         """The device tier slot holding `page` (None: not there). Valid only while it stays; a
         listener reads it under the mutex, when an event says where the page went."""
         with self._mutex:
-            tier = self._levels[Tier.DEVICE].tier
-            assert isinstance(tier, DeviceTier)
+            tier = self._tiers.device
             return tier.slot_of(page) if page in tier else None
 
     def tiers_of(self, page: PageHash) -> tuple[Tier, ...]:
         with self._mutex:
-            return tuple(tier for tier, level in self._levels.items() if page in level.tier)
+            return tuple(tier for tier, level in self._tiers.levels.items() if page in level.tier)
 
     def get(
         self, page: PageHash, out: torch.Tensor | None = None, promote: bool = True
@@ -494,52 +242,29 @@ class KVStore:
         """
         with self._mutex:
             self._check_open()
-            device = self._levels[Tier.DEVICE]
-            for tier, level in self._levels.items():
+            device = self._tiers.levels[Tier.DEVICE]
+            for tier, level in self._tiers.levels.items():
                 level.stats.lookups += 1
                 if page not in level.tier:
                     continue
                 if tier is not Tier.DEVICE and promote:
-                    if not self._promote(page):
+                    if not self._tiers.promote(page):
                         continue
                     level.stats.hit_pages += 1
-                    return self._copy_out(Tier.DEVICE, page, out)
+                    dst = out if out is not None else self._tiers.page_buffer(Tier.DEVICE)
+                    device.tier.read_into(page, dst)
+                    return dst
                 if tier is Tier.DEVICE:
                     device.tracker.touch(page)
-                dst = out if out is not None else self._new_page_buffer(tier)
-                if not self._transfer_out(tier, page, dst):
-                    self._drop_corrupt(tier, page)
+                dst = out if out is not None else self._tiers.page_buffer(tier)
+                if not self._tiers.read(tier, page, dst):
+                    self._tiers.drop_corrupt(tier, page)
                     continue
                 level.stats.hit_pages += 1
                 if tier is not Tier.DEVICE:
                     level.tracker.touch(page)
                 return dst
             return None
-
-    def _new_page_buffer(self, tier: Tier) -> torch.Tensor:
-        device = self.device if tier is Tier.DEVICE else torch.device("cpu")
-        return torch.empty(self.layout.page_shape, dtype=self.layout.torch_dtype, device=device)
-
-    def _copy_out(self, tier: Tier, page: PageHash, out: torch.Tensor | None) -> torch.Tensor:
-        dst = out if out is not None else self._new_page_buffer(tier)
-        self._levels[tier].tier.read_into(page, dst)
-        return dst
-
-    def _transfer_out(self, tier: Tier, page: PageHash, dst: torch.Tensor) -> bool:
-        level = self._levels[tier]
-        started = time.perf_counter()
-        if isinstance(level.tier, DiskTier) and dst.device.type != "cpu":
-            staging = self._staging_page()
-            ok = level.tier.read_into(page, staging)
-            if ok:
-                copy_page(dst, staging)
-        else:
-            ok = level.tier.read_into(page, dst)
-        level.stats.read_seconds += time.perf_counter() - started
-        level.stats.reads += 1
-        if ok:
-            level.stats.bytes_read += self.layout.page_nbytes
-        return ok
 
     def lend(self, pages: Sequence[PageHash]) -> PageLoan | None:
         """Lend the bytes of `pages` in place, for a zero-copy send (see `PageLoan`): None, and
@@ -553,57 +278,16 @@ class KVStore:
         """
         with self._mutex:
             self._check_open()
-            tiers: list[Tier] = []
-            for page in pages:
-                tier = self._best(page)
-                if tier is None or not self._in_host_memory(tier):
-                    return None
-                tiers.append(tier)
-            held: list[tuple[Tier, PageHash, int]] = []
-            for page, tier in zip(pages, tiers, strict=True):
-                level = self._levels[tier]
-                assert isinstance(level.tier, DeviceTier | HostTier)
-                for upper in self._levels:
-                    self._levels[upper].stats.lookups += 1
-                    if upper is tier:
-                        break
-                level.tracker.touch(page)
-                level.stats.hit_pages += 1
-                level.stats.reads += 1
-                level.stats.bytes_read += self.layout.page_nbytes
-                level.pins[page] += 1
-                held.append((tier, page, level.tier.hold(page)))
-            return PageLoan(tuple(pages), self._runs(held), lambda: self._give_back(held))
+            held = hold_in_place(self._tiers, pages)
+            if held is None:
+                return None
+            return PageLoan(tuple(pages), lent_runs(self._tiers, held), lambda: self._give_back(held))
 
-    def _in_host_memory(self, tier: Tier) -> bool:
-        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device.type == "cpu")
-
-    def _runs(self, held: Sequence[tuple[Tier, PageHash, int]]) -> tuple[np.ndarray, ...]:
-        """The lent slots' bytes, one view per run of adjacent slots of one tier."""
-        runs: list[tuple[Tier, int, int]] = []
-        for tier, _page, slot in held:
-            if runs and runs[-1][0] is tier and runs[-1][1] + runs[-1][2] == slot:
-                runs[-1] = (tier, runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((tier, slot, 1))
-        views = []
-        for tier, first, count in runs:
-            slots = self._levels[tier].tier
-            assert isinstance(slots, DeviceTier | HostTier)
-            views.append(slots.slot_bytes(first, count).numpy())
-        return tuple(views)
-
-    def _give_back(self, held: Sequence[tuple[Tier, PageHash, int]]) -> None:
+    def _give_back(self, held: Sequence[HeldSlot]) -> None:
         with self._mutex:
             if self._closed:  # the tiers let go of every slot when they closed
                 return
-            for tier, page, slot in held:
-                level = self._levels[tier]
-                level.pins[page] -= 1
-                if not level.pins[page]:
-                    del level.pins[page]
-                assert isinstance(level.tier, DeviceTier | HostTier)
-                level.tier.let_go(slot)
+            give_back(self._tiers, held)
 
     def lock(self, pages: Sequence[PageHash], *, lookup: bool = False) -> list[int]:
         """Pin pages in the device tier (promoting them first); returns their device slots.
@@ -622,117 +306,74 @@ class KVStore:
         held: list[Tier] = []
         with self._mutex:
             self._check_open()
-            device = self._levels[Tier.DEVICE]
+            device = self._tiers.device
             with ExitStack() as undo:
-                undo.callback(self._release, taken)  # on any failure, the locks this call took so far
+                undo.callback(self._tiers.release, taken)  # on any failure, the locks this call took so far
                 for page in pages:
-                    if page in device.tier:
-                        device.tracker.touch(page)
+                    if page in device:
+                        self._tiers.levels[Tier.DEVICE].tracker.touch(page)
                         held.append(Tier.DEVICE)
                     else:
-                        source = self._best(page)
-                        if source is None or not self._promote(page):
+                        source = self._tiers.best(page)
+                        if source is None or not self._tiers.promote(page):
                             raise KVPageNotFound(page)
                         held.append(source)
-                    self._locks[page] += 1
+                    self._tiers.locks[page] += 1
                     taken.append(page)
                 undo.pop_all()
             if lookup:
                 for source in held:
-                    for tier, level in self._levels.items():
-                        level.stats.lookups += 1
-                        if tier is source:
-                            level.stats.hit_pages += 1
-                            break
-            assert isinstance(device.tier, DeviceTier)
-            return [device.tier.slot_of(page) for page in pages]
+                    self._tiers.count_lookup(source)
+            return [device.slot_of(page) for page in pages]
 
     def record_miss(self) -> None:
         """Count a lookup of a page no tier holds (a lookup in every tier, no hit): how a
         prefix search that stopped short of what it wanted ends (see `lock`)."""
         with self._mutex:
-            for level in self._levels.values():
-                level.stats.lookups += 1
-
-    def _release(self, pages: Iterable[PageHash]) -> None:
-        for page in pages:
-            self._locks[page] -= 1
-            if not self._locks[page]:
-                del self._locks[page]
+            self._tiers.count_lookup(None)
 
     def unlock(self, pages: Sequence[PageHash]) -> None:
         with self._mutex:
-            missing = [page for page, n in Counter(pages).items() if self._locks.get(page, 0) < n]
+            missing = [page for page, n in Counter(pages).items() if self._tiers.locks.get(page, 0) < n]
             if missing:
                 raise KVLockError(f"unlock of pages that are not locked: {missing[:4]}")
-            self._release(pages)
+            self._tiers.release(pages)
 
     def lock_count(self, page: PageHash) -> int:
         with self._mutex:
-            return self._locks.get(page, 0)
+            return self._tiers.locks.get(page, 0)
 
     def view(self, page: PageHash) -> torch.Tensor:
         """The device tier's own bytes of a locked page (no copy); valid until it is unlocked."""
         with self._mutex:
-            if not self._locks.get(page):
+            if not self._tiers.locks.get(page):
                 raise KVLockError(f"page {page[:16]}... is not locked; lock it before taking a view")
-            device = self._levels[Tier.DEVICE].tier
-            assert isinstance(device, DeviceTier)
-            return device.view(page)
+            return self._tiers.device.view(page)
 
     def prefetch(self, pages: Sequence[PageHash], lock: bool = False) -> PrefetchHandle:
         """Promote pages into the device tier in the background; `lock` also locks each one loaded."""
         with self._mutex:
             self._check_open()
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-            cancelled = threading.Event()
-            future = self._executor.submit(self._prefetch_job, list(pages), lock, cancelled)
-        return PrefetchHandle(future, cancelled)
-
-    def _prefetch_job(self, pages: list[PageHash], lock: bool, cancelled: threading.Event) -> PrefetchResult:
-        loaded = resident = locked = 0
-        missing: list[PageHash] = []
-        stopped = False
-        for page in pages:
-            with self._mutex:
-                if cancelled.is_set():
-                    stopped = True
-                    break
-                self._check_open()
-                device = self._levels[Tier.DEVICE]
-                if page in device.tier:
-                    resident += 1
-                elif self._promote(page):
-                    loaded += 1
-                else:
-                    missing.append(page)
-                    continue
-                if lock:
-                    self._locks[page] += 1
-                    locked += 1
-        return PrefetchResult(
-            loaded=loaded, resident=resident, missing=tuple(missing), locked=locked, cancelled=stopped
-        )
+            return self._prefetcher.start(list(pages), lock)
 
     def remove(self, page: PageHash) -> None:
         """Forget a page in every tier. Refused while it is locked."""
         with self._mutex:
             self._check_open()
-            if self._locks.get(page):
+            if self._tiers.locks.get(page):
                 raise KVLockError(f"page {page[:16]}... is locked")
-            for tier, level in self._levels.items():
+            for tier, level in self._tiers.levels.items():
                 if page in level.tier:
                     level.tier.remove(page)
                     level.tracker.remove(page)
-                    self._emit(KVEventKind.DROPPED, page, tier)
+                    self._tiers.emit(KVEventKind.DROPPED, page, tier)
 
     def resident_pages(self) -> dict[PageHash, Tier]:
         """Every page the store holds, with the fastest tier holding it."""
         with self._mutex:
             best: dict[PageHash, Tier] = {}
-            for tier in sorted(self._levels, reverse=True):
-                for page in self._levels[tier].tier.pages():
+            for tier in sorted(self._tiers.levels, reverse=True):
+                for page in self._tiers.levels[tier].tier.pages():
                     best[page] = tier
             return best
 
@@ -741,39 +382,12 @@ class KVStore:
         """Account a cross-worker pull (done by `engine.data.kv.pull`) in the metrics; `paths`:
         its pages per transport (`pull.<transport>.pages`)."""
         with self._mutex:
-            if failed:
-                self.pulls.failures += 1
-            else:
-                self.pulls.pages += pages
-                self.pulls.bytes += nbytes
-            self.pulls.paths.update(paths or {})
-            self.pulls.seconds += seconds
+            self.pulls.record(pages, nbytes, seconds, failed, paths or {})
 
     def metrics(self) -> dict[str, float]:
         """Plain numbers per tier (`device.hit_rate`, `host.bytes_used`, ...) and for pulls."""
         with self._mutex:
-            out: dict[str, float] = {}
-            nbytes = self.layout.page_nbytes
-            for tier, level in self._levels.items():
-                prefix = tier.label
-                out.update(level.stats.as_dict(prefix))
-                out[f"{prefix}.pages_used"] = len(level.tier)
-                out[f"{prefix}.capacity_pages"] = level.tier.capacity_pages
-                out[f"{prefix}.bytes_used"] = len(level.tier) * nbytes
-                out[f"{prefix}.capacity_bytes"] = level.tier.capacity_pages * nbytes
-                out[f"{prefix}.lent_pages"] = len(level.pins)  # outside the mutex, pins are loans
-            out["device.locked_pages"] = len(self._locks)
-            out["pull.pages"] = self.pulls.pages
-            out["pull.bytes"] = self.pulls.bytes
-            out["pull.seconds"] = self.pulls.seconds
-            out["pull.failures"] = self.pulls.failures
-            for path, pages in self.pulls.paths.items():
-                out[f"pull.{path}.pages"] = pages
-            return out
-
-    def _close_tiers(self) -> None:
-        for level in self._levels.values():
-            level.tier.close()
+            return self._tiers.metrics() | self.pulls.as_dict()
 
     def close(self) -> None:
         """Stop prefetching, unlink the host segment and close the disk file. Idempotent."""
@@ -781,13 +395,9 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+        self._prefetcher.stop()
         with self._mutex:
-            self._listeners.clear()
-            self._close_tiers()
-            self._staging = None
+            self._tiers.close()
 
     def __enter__(self) -> KVStore:
         return self

@@ -28,7 +28,7 @@ def damage(path: Path, offset: int, data: bytes) -> None:
 
 
 def disk_tier(store: KVStore) -> DiskTier:
-    tier = store._levels[Tier.DISK].tier
+    tier = store._tiers.levels[Tier.DISK].tier
     assert isinstance(tier, DiskTier)
     return tier
 
