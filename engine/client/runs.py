@@ -36,6 +36,7 @@ from engine.flow.events import (
 from engine.flow.executor import Executor, Run, RunInputError, resolve_inputs
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
+from engine.spec.userfiles import UsersRoot
 
 __all__ = [
     "BlobPath",
@@ -60,10 +61,11 @@ __all__ = [
 ]
 
 
-def in_process_executor(kinds: KindRegistry, *, ops: OpConfig) -> Executor:
+def in_process_executor(kinds: KindRegistry, *, ops: OpConfig, users: UsersRoot | None = None) -> Executor:
     """An executor whose units all run in this process, sharing one copy of each model's
-    weights; python units may run `ops`. Loads torch: call it where runs execute, not at import.
+    weights; python units may run `ops` and write a run's files in its owner's folder under
+    `users` (`engine.spec.userfiles`). Loads torch: call it where runs execute, not at import.
     The caller owns it (`aclose()`)."""
     from engine.worker.units import SharedUnits  # torch: when an executor is made, not at import
 
-    return Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops)), kinds)
+    return Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops, users=users)), kinds)

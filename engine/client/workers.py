@@ -83,6 +83,9 @@ class WorkerOptions:
     allow_module_ops: bool = False
     """Whether its python nodes may name `module:function` ops (the studio's setting of the same
     name); by default a worker runs registered ops only, whatever a graph names."""
+    users_root: Path | None = None
+    """Where the node keeps its users' folders (`<OMNIFLOW_DATA_DIR>/users`): its workers write a
+    run's files there, in the run owner's folder (`engine.spec.userfiles`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +121,8 @@ def replica_processes(role: str, worker_id: str, tp_size: int, options: WorkerOp
     common = (sys.executable, "-m", "engine.worker", "--role", role, "--workflow", str(options.workflow),
               "--registry", options.registry_url, "--namespace", options.namespace, "--listen", options.listen,
               "--heartbeat", str(options.heartbeat_s), "--registry-ttl", str(options.registry_ttl_s),
-              "--keys", str(options.keys_dir), "--module-ops" if options.allow_module_ops else "--no-module-ops")
+              "--keys", str(options.keys_dir), "--module-ops" if options.allow_module_ops else "--no-module-ops",
+              *(("--users-root", str(options.users_root)) if options.users_root is not None else ()))
     if tp_size <= 1:
         yield [WorkerProcess(worker_id, (*common, "--worker-id", worker_id), gpus=tuple(gpus), env=env)]
         return

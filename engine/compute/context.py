@@ -10,7 +10,10 @@ A unit is built as `Unit(role, ctx)`. Whoever builds it says what the process sh
   `module:function` ops — trusted code);
 * `seat`: the worker's seat on the transfer plane (its `Peer`, its worker id and the KV index),
   for the units that pull or serve KV pages; a unit without one starts a peer of its own the
-  first time it needs one (in-process dispatch).
+  first time it needs one (in-process dispatch);
+* `users`: where this host keeps its owners' folders (`engine.spec.userfiles.UsersRoot`): a python
+  unit resolves a call's output folder names under it for the call's owner (None: a call with an
+  owner and an output folder is refused).
 
 The worker process (`engine.worker.process`) and the in-process builder of the command line and
 the studio (`engine.worker.units.SharedUnits`) give a context; `InProcessDispatcher`'s default
@@ -26,6 +29,7 @@ from engine.data.kv.pull import KVHolderIndex
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer
 from engine.spec.ops import OpConfig
+from engine.spec.userfiles import UsersRoot
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +50,4 @@ class UnitContext:
     kv_store: KVStore | None = None
     ops: OpConfig | None = None
     seat: TransferSeat | None = None
+    users: UsersRoot | None = None

@@ -12,6 +12,12 @@ functions run in the unit's bounded thread pool, never on the loop that other ru
 generator in a thread of the pool, at most `READ_AHEAD` frames ahead of its reader). A
 stream-mode input arrives as an async iterator to a coroutine function, and as a blocking
 iterator to a plain function.
+
+A call with an owner (`NodeCall.owner`: a server's run) has its output folder params (`out_dir`,
+and those its registered op declares: `@op(output_dirs=...)`) resolved here, under this
+process's users root (`UnitContext.users`) and the owner's folder, before the function sees
+them (`engine.spec.userfiles.output_params`): the process that writes decides where, with the
+same refusals (absolute names, `..`, links) wherever it runs.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from engine.compute.context import UnitContext
 from engine.spec.calls import ComputeUnit, NodeCall, NodeContext, NodeResult, Route, map_frame, map_outputs
 from engine.spec.graph import RoleSpec
 from engine.spec.ops import OpConfig, OpNotAllowedError, UnknownOpError, attribute_path_message, default_ops
+from engine.spec.userfiles import OwnerId, UsersRoot, output_params
 
 
 class OperationError(LookupError):
@@ -45,6 +52,8 @@ class _Function:
     is_coroutine: bool
     is_generator: bool
     is_async_generator: bool
+    output_dirs: tuple[str, ...] = ()
+    """The params its op declares as output folders (a registered op's `output_dirs`)."""
 
 
 def resolve_function(op: str) -> Callable[..., Any]:
@@ -100,10 +109,12 @@ class PythonUnit(ComputeUnit):
 
     def __init__(self, role: RoleSpec, ctx: UnitContext | None = None) -> None:
         """`ctx.ops`: the registered ops, and whether `module:function` ops may run (None: the
-        command line's: every registered op and `module:function` ops, trusted code)."""
+        command line's: every registered op and `module:function` ops, trusted code);
+        `ctx.users`: where owners' folders are here (None: calls with an owner write nothing)."""
         self.role = role
         ops = ctx.ops if ctx else None
         self._ops = ops if ops is not None else OpConfig(default_ops(), allow_module_ops=True)
+        self._users: UsersRoot | None = ctx.users if ctx else None
         self._functions: dict[str, _Function] = {}
         # A thread for every execution the role's replicas may run at once (one unit serves them
         # all in process): plain functions run here, off the loop other runs share, and a
@@ -131,18 +142,23 @@ class PythonUnit(ComputeUnit):
             entry = self._ops.registry.get(op)
             info = entry.info
             return _Function(fn=entry.fn, takes_ctx=info.takes_ctx, is_coroutine=info.is_coroutine,
-                             is_generator=info.is_generator, is_async_generator=info.is_async_generator)
+                             is_generator=info.is_generator, is_async_generator=info.is_async_generator,
+                             output_dirs=info.output_dirs)
         fn = resolve_function(op)
         try:
             takes_ctx = "ctx" in inspect.signature(fn).parameters
         except (TypeError, ValueError):
             takes_ctx = False
+        # A module op naming a registered op's function writes where that op declares (as the
+        # studio's path checks read it: `OpRegistry.find`).
+        registered = self._ops.registry.find(op)
         return _Function(
             fn=fn,
             takes_ctx=takes_ctx,
             is_coroutine=inspect.iscoroutinefunction(fn),
             is_generator=inspect.isgeneratorfunction(fn),
             is_async_generator=inspect.isasyncgenfunction(fn),
+            output_dirs=() if registered is None else registered.info.output_dirs,
         )
 
     def _kwargs(self, call: NodeCall, ctx: NodeContext, func: _Function, blocking: bool) -> dict[str, Any]:
@@ -152,7 +168,8 @@ class PythonUnit(ComputeUnit):
             for name, value in kwargs.items():
                 if isinstance(value, AsyncIterator):
                     kwargs[name] = _BlockingIterator(value, loop)
-        kwargs.update(call.params)
+        owner = None if call.owner is None else OwnerId(call.owner)
+        kwargs.update(output_params(call.params, func.output_dirs, self._users, owner, node_id=call.node_id))
         if func.takes_ctx:
             kwargs["ctx"] = _threadsafe(ctx, asyncio.get_running_loop()) if blocking else ctx
         return kwargs

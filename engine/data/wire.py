@@ -48,8 +48,9 @@ import msgspec
 
 from engine.spec.calls import CallHeader
 
-PROTOCOL_VERSION = 5  # 4: a chunk may come in several frames; a node call's header is one struct;
-# 5: an llm node's kv value travels as itself (`ValueKind.KV`)
+PROTOCOL_VERSION = 6  # 4: a chunk may come in several frames; a node call's header is one struct;
+# 5: an llm node's kv value travels as itself (`ValueKind.KV`); 6: a call carries its run's owner
+# (`CallHeader.owner`: a worker that dropped it would write a run's files outside the owner's folder)
 
 RefId = NewType("RefId", str)
 
@@ -357,7 +358,8 @@ class PortValue(msgspec.Struct, frozen=True, omit_defaults=True):
 class ExecuteRequest(Exchange):
     """Run one node execution of `role` on this worker: the call's header as it is
     (`engine.spec.calls.CallHeader`, its tenant included: the worker's unit namespaces its caches
-    by it) and its input values as `PortValue`s."""
+    by it; and its owner: the worker resolves the node's output folder names under its own users
+    root) and its input values as `PortValue`s."""
 
     role: str
     call: CallHeader

@@ -26,9 +26,9 @@ class AttemptFailed:
 
 
 def node_call(run_id: str, tenant: str | None, spec: NodeSpec, inputs: dict[str, Any], *, iteration: int,
-              attempt: int) -> NodeCall:
+              attempt: int, owner: str | None = None) -> NodeCall:
     """The call for `spec`'s `iteration`-th activation, try `attempt`, in run `run_id` of `tenant`
-    (None: the node's `tenant` param, if any)."""
+    (None: the node's `tenant` param, if any) and `owner` (whose folder its output names are in)."""
     return NodeCall(
         run_id=run_id,
         node_id=spec.id,
@@ -42,6 +42,7 @@ def node_call(run_id: str, tenant: str | None, spec: NodeSpec, inputs: dict[str,
         attempt=attempt,
         tenant=node_tenant(tenant, spec.params),
         kind=spec.kind,
+        owner=owner,
     )
 
 

@@ -113,12 +113,15 @@ class Run:
         timeout_s: float | None,
         stream_capacity: int = 0,
         tenant: str | None = None,
+        owner: str | None = None,
         keep_blobs: int = 0,
     ) -> None:
         self.id = run_id
         self._record = RunRecorder(run_id, plan, keep_blobs=keep_blobs)
         self.tenant = tenant
         """Whose run this is (`NodeCall.tenant`); None: the nodes' `tenant` params, if any."""
+        self.owner = owner
+        """Whose folder its output folder names are in (`NodeCall.owner`); None: no owner."""
         self.plan = plan
         self.inputs = inputs
         self.timeout_s = timeout_s
@@ -312,7 +315,8 @@ class Run:
         spec = node.spec
         role = self.plan.roles[spec.role] if spec.role is not None else None
         assert role is not None, "validated: dispatched nodes have a role"
-        call = node_call(self.id, self.tenant, spec, inputs, iteration=node.fired, attempt=node.attempt)
+        call = node_call(self.id, self.tenant, spec, inputs, iteration=node.fired, attempt=node.attempt,
+                         owner=self.owner)
         ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
                           report_progress=lambda f, m: self._progress(spec.id, f, m))
         try:
@@ -416,11 +420,14 @@ class Executor:
         run_id: str | None = None,
         timeout_s: float | None = None,
         tenant: str | None = None,
+        owner: str | None = None,
         keep_blobs: int = 0,
     ) -> Run:
         """Start a run of `workflow`. `tenant`: whose run it is (a server's user, or a sharing
         scope); every cache its nodes touch is namespaced by it, whatever the nodes' params say.
-        None (the command line): a node's `tenant` param, if it has one. `keep_blobs`: keep up to
+        None (the command line): a node's `tenant` param, if it has one. `owner`: whose folder the
+        nodes' output folder names are relative to (`engine.spec.userfiles`; None: the command
+        line's, names as they are). `keep_blobs`: keep up to
         this many of the byte blobs nodes produce (outputs and streamed frames) for `Run.take_blobs`."""
         plan = workflow if isinstance(workflow, Plan) else self.plan(workflow)
         values = resolve_inputs(plan, inputs or {})
@@ -428,7 +435,7 @@ class Executor:
         if rid in self._runs:
             raise ValueError(f"run id {rid!r} is already in use")
         run = Run(plan, values, self._dispatcher, run_id=rid, timeout_s=timeout_s,
-                  stream_capacity=self._stream_capacity, tenant=tenant, keep_blobs=keep_blobs)
+                  stream_capacity=self._stream_capacity, tenant=tenant, owner=owner, keep_blobs=keep_blobs)
         self._runs[rid] = run
         run.start()
         return run

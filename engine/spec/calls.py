@@ -7,7 +7,8 @@ values (or, for stream-mode ports, async iterators of frames' values).
 A call carries its run's tenant (`NodeCall.tenant`): whoever submits the run says whose it is
 (the studio: the owning user, or a deployment's sharing scope), never the graph. Every unit that
 keeps a cache across calls keys it by the tenant (page keys, prefix tree roots, sessions), so one
-tenant's cached state is never a hit for another's call.
+tenant's cached state is never a hit for another's call. It carries its run's owner too
+(`NodeCall.owner`): whose folder its output folder names are relative to (`engine.spec.userfiles`).
 
 A call is its `CallHeader` (what the node is and what it is asked) and its input values; the
 header travels to a role worker as one struct inside the wire's `ExecuteRequest`.
@@ -78,6 +79,7 @@ class CallHeader(msgspec.Struct, frozen=True):
     attempt: int
     tenant: str | None = None
     kind: str | None = None
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,10 @@ class NodeCall:
     None: no tenant (one person's own runs)."""
     kind: str | None = None
     """The node's kind (`llm`, `python`, ...), as the graph says; None where the caller did not."""
+    owner: str | None = None
+    """Whose folder the node's output folder names are relative to (`engine.spec.userfiles`: the
+    writing process resolves them under its own users root). None: no owner (the command line);
+    the names stay as they are."""
 
     @property
     def call_id(self) -> str:
@@ -106,13 +112,14 @@ class NodeCall:
 
     def header(self) -> CallHeader:
         return CallHeader(self.run_id, self.node_id, self.op, self.params, self.output_ports, self.stream,
-                          self.router, self.iteration, self.attempt, self.tenant, self.kind)
+                          self.router, self.iteration, self.attempt, self.tenant, self.kind, self.owner)
 
     @classmethod
     def of(cls, header: CallHeader, inputs: dict[str, Any]) -> NodeCall:
         """The call `header` describes, with `inputs`."""
         return cls(header.run_id, header.node_id, header.op, header.params, inputs, header.output_ports,
-                   header.stream, header.router, header.iteration, header.attempt, header.tenant, header.kind)
+                   header.stream, header.router, header.iteration, header.attempt, header.tenant, header.kind,
+                   header.owner)
 
     def session_key(self) -> SessionKey | None:
         """The key of the session the call is a turn of (its `session` param, a string, within

@@ -46,6 +46,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -182,6 +183,7 @@ class LocalCluster:
         plaintext: bool = False,
         listen: str = DEFAULT_LISTEN,
         gpus: GpuPool | None = None,
+        users_root: Path | None = None,
     ) -> None:
         """`allow_module_ops`: whether the workers run `module:function` ops besides the registered
         ones (the command line: yes; a studio: its operator's setting); each worker enforces it.
@@ -194,7 +196,9 @@ class LocalCluster:
         user can read and whoever dispatches to them uses too (`keys`, give them to the
         dispatcher's `Peer`); `plaintext`: no CURVE at all (only to measure what it costs).
         `gpus`: the machine's GPUs its replicas are seated on, shared with whatever else launches
-        replicas here (default: a pool of its own over those `nvidia-smi` lists, read at start)."""
+        replicas here (default: a pool of its own over those `nvidia-smi` lists, read at start).
+        `users_root`: where the workers write a run's files, in its owner's folder
+        (`engine.spec.userfiles`; a studio: its node's `<data dir>/users`; None: they write none)."""
         if plaintext and keys is not None:
             raise ValueError("a plaintext cluster takes no keys")
         self.keys: PlaneKeys | None = None if plaintext else keys or PlaneKeys.generate()
@@ -204,7 +208,7 @@ class LocalCluster:
         self.launcher = ProcessLauncher(
             spec, allow_module_ops=allow_module_ops, registry_url=registry_url, namespace=namespace,
             ready_timeout_s=ready_timeout_s, stop_timeout_s=stop_timeout_s, heartbeat_s=heartbeat_s, listen=listen,
-            extra_args=extra_args, fork_server=fork_server, keys=self.keys)
+            extra_args=extra_args, fork_server=fork_server, keys=self.keys, users_root=users_root)
         self._on_launch = on_launch
         self.workers: list[LaunchedWorker] = []
         self.registry: Registry = (

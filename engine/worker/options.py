@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import uuid
+from pathlib import Path
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
@@ -47,6 +48,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run python nodes whose op is a `module:function` (code named by the request) besides"
                              " the registered ops (default: yes, your own code; a studio's workers get"
                              " --no-module-ops unless its operator allows them)")
+    parser.add_argument("--users-root", default=None, metavar="DIR",
+                        help="where this host keeps its users' folders (a studio node's <data dir>/users): the"
+                             " output folders a server's run names are resolved there, under the run's owner"
+                             " (default: none; a run with an owner then writes no files)")
     parser.add_argument("--host-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="share CPU model weights with the other workers of this host: one copy per host"
                              " (default: yes; --no-host-weights loads a copy per worker, only to measure what"
@@ -104,6 +109,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         allow_module_ops=args.module_ops,
         host_weights=args.host_weights,
         keys=keys,
+        users_root=None if args.users_root is None else Path(args.users_root).resolve(),
     )
 
 

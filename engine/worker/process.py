@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -85,6 +86,7 @@ from engine.flow.links import LoopSocket
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, default_ops
+from engine.spec.userfiles import UsersRoot
 from engine.worker.core import RoleWorkerCore
 from engine.worker.kv import KVHosting, open_index
 from engine.worker.title import set_title
@@ -140,6 +142,10 @@ class WorkerConfig:
     """The plane's CURVE keys (`engine.data.curve`): control, liveness and the tensor/KV page
     server admit only their holders. None is the plaintext plane, which only an explicit
     `--plaintext` asks for (the benchmarks' anchor)."""
+    users_root: Path | None = None
+    """Where this host keeps its owners' folders (a studio node's `<OMNIFLOW_DATA_DIR>/users`): a
+    run's output folder names are resolved under it (`engine.spec.userfiles`). None: calls with
+    an owner write no files here (the command line's calls have none)."""
 
 
 def host_of_endpoint(endpoint: str) -> str:
@@ -470,7 +476,8 @@ class RoleWorkerProc:
             index = open_index(config.registry_url, config.namespace)
             seat = TransferSeat(peer, config.worker_id, index)
             ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
-            ctx = UnitContext(weights=self.weights, kv_store=self._kv_store, ops=ops, seat=seat)
+            users = None if config.users_root is None else UsersRoot(config.users_root)
+            ctx = UnitContext(weights=self.weights, kv_store=self._kv_store, ops=ops, seat=seat, users=users)
             self.unit = self.kinds.role_kind(config.role.kind).load_runner()(role, ctx)
             # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
             self.kv = KVHosting.start(self.unit, peer, config.worker_id, index=index,

@@ -128,8 +128,10 @@ class ProcessLauncher:
 
     def __init__(self, spec: GraphSpec, *, allow_module_ops: bool, registry_url: str | None, namespace: str,
                  ready_timeout_s: float, stop_timeout_s: float, heartbeat_s: float, listen: str,
-                 extra_args: tuple[str, ...], fork_server: bool, keys: PlaneKeys | None) -> None:
-        """`keys`: the plane's keys the workers get as files (None: a plaintext plane)."""
+                 extra_args: tuple[str, ...], fork_server: bool, keys: PlaneKeys | None,
+                 users_root: Path | None = None) -> None:
+        """`keys`: the plane's keys the workers get as files (None: a plaintext plane); `users_root`:
+        where the workers resolve a run's output folder names (`--users-root`; None: nowhere)."""
         self.spec = spec
         self.allow_module_ops = allow_module_ops
         self.registry_url = registry_url
@@ -141,6 +143,7 @@ class ProcessLauncher:
         self.extra_args = extra_args
         self.fork_server = fork_server
         self.keys = keys
+        self.users_root = users_root
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.zygote: Zygote | None = None
 
@@ -254,6 +257,8 @@ class ProcessLauncher:
         args += ["--plaintext"] if self.keys is None else ["--keys", str(Path(self._tmp.name) / "keys")]
         if self.registry_url:
             args += ["--registry", self.registry_url]
+        if self.users_root is not None:
+            args += ["--users-root", str(self.users_root)]
         process: asyncio.subprocess.Process | ForkedProcess
         if self.zygote is not None:
             if inherit is not None:

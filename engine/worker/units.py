@@ -14,17 +14,19 @@ from engine.spec.calls import ComputeUnit
 from engine.spec.graph import RoleSpec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
+from engine.spec.userfiles import UsersRoot
 
 
 class SharedUnits:
     """`(role) -> unit` for `InProcessDispatcher(build=...)`: every unit built with one
     `WeightStore` (in-process sharing only: no host segments, no CUDA IPC), and python units with
-    `ops` (what the caller allows: the command line all, a studio its setting)."""
+    `ops` (what the caller allows: the command line all, a studio its setting) and `users` (where
+    this host keeps its owners' folders: a studio's `<data dir>/users`; None: the command line's)."""
 
-    def __init__(self, kinds: KindRegistry, *, ops: OpConfig) -> None:
+    def __init__(self, kinds: KindRegistry, *, ops: OpConfig, users: UsersRoot | None = None) -> None:
         self._kinds = kinds
         self.weights = WeightStore()
-        self._ctx = UnitContext(weights=self.weights, ops=ops)
+        self._ctx = UnitContext(weights=self.weights, ops=ops, users=users)
 
     def __call__(self, role: RoleSpec) -> ComputeUnit:
         return self._kinds.role_kind(role.kind).load_runner()(role, self._ctx)

@@ -43,6 +43,7 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     from engine.client.models import RoleTokenizers
     from engine.spec.kinds import default_kinds
     from engine.spec.ops import OpConfig, default_ops
+    from engine.spec.userfiles import UsersRoot
     from studio.workflows.chat.templates import ChatTemplates
     from studio.workflows.deployments.embedded import EmbeddedDeployments
     from studio.workflows.history import build_sampler
@@ -55,7 +56,8 @@ def build_engine(config: StudioConfig) -> StudioEngine:
     prompt_tokenizer = RoleTokenizers()
     deployments = EmbeddedDeployments(config, kinds, prompt_tokenizer)
     runs = RunService(kinds, bus, ops=ops, deployments=deployments, lease_s=config.run_lease_s,
-                      lease_retries=config.run_lease_retries, max_runs=config.max_runs)
+                      lease_retries=config.run_lease_retries, max_runs=config.max_runs,
+                      users=UsersRoot(config.users_root))
     return StudioEngine(config=config, kinds=kinds, ops=ops, runs=runs, deployments=deployments,
                         templates=ChatTemplates(), history=build_sampler(config, runs, deployments),
                         prompt_tokenizer=prompt_tokenizer)

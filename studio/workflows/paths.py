@@ -9,7 +9,10 @@ root, never as a server path. Three kinds of names:
   registry: `media.save_outputs`'s `out_dir`) are relative to the owner's own folder,
   `<OMNIFLOW_DATA_DIR>/users/<user id>/` (made 0700 on first use). A declared output folder the
   node does not give is `outputs/` there (the op's own default is relative to the server's
-  working directory);
+  working directory). The rules are the engine's (`engine.spec.userfiles`): a node's names stay
+  names in the spec its run executes, and the process that writes (a role worker on its node, or
+  the run worker's in-process unit) resolves them under its own users root and the run's owner
+  (`NodeCall.owner`), so every node writes under its own data dir;
 * **model checkpoints**: a role `model` of a kind that loads checkpoints (`llm`, `sglang_llm`,
   `diffusion`) is a built-in model name or a checkpoint folder (one holding a `config.json`)
   relative to one of `OMNIFLOW_MODEL_DIRS` (the first that holds it). `find_checkpoint` is
@@ -18,9 +21,12 @@ root, never as a server path. Three kinds of names:
 
 Absolute names, `..`, and symbolic links (any component, under the root) are refused with an
 issue on the role or node naming the param. `spec_path_issues` checks the names (no file
-system: the editor and REST validation report them); `resolve_spec_paths` turns them into
-server paths just before a run or deployment starts (it also refuses links and missing
-checkpoints); `server_path_name` is how run outputs hide what it made (see `runs.store`).
+system: the editor and REST validation report them); `resolve_role_paths` turns the roles' into
+server paths just before a run or deployment starts, on the process that starts its role units
+(the run worker, or the node agent that launches a deployment's share: its own data dir), and
+refuses links and missing checkpoints; `resolve_spec_paths` resolves the nodes' names too, here,
+only to check them when a run or deployment is asked for; `server_path_name` is how run outputs
+hide what it made (see `runs.store`).
 """
 
 from __future__ import annotations
@@ -34,15 +40,22 @@ from typing import Any
 from engine.client.graphs import Issue
 from engine.spec.graph import GraphSpec
 from engine.spec.ops import OpRegistry
+from engine.spec.userfiles import (
+    DEFAULT_OUT_DIR,
+    OUT_DIR_PARAM,
+    UserPathRefused,
+    UsersRoot,
+    name_problem,
+    owner_id,
+    resolve_under,
+)
 
 USER_PATH_ROLE_PARAMS = ("disk_path", "hicache.disk_path")
 """Role params naming a folder under the owner's root (dotted: a key inside a mapping param, as
 `sglang_llm`'s HiCache disk tier)."""
-USER_PATH_NODE_PARAMS = ("out_dir",)
+USER_PATH_NODE_PARAMS = (OUT_DIR_PARAM,)
 """Node params naming a folder under the owner's root, whatever the node's op (besides the
 output folders its op declares)."""
-DEFAULT_OUT_DIR = "outputs"
-"""What a declared output folder the node leaves out is, under the owner's root."""
 CHECKPOINT_ROLE_KINDS = frozenset({"llm", "sglang_llm", "diffusion"})
 """Role kinds whose `model` may be a checkpoint folder (the others take built-in names only)."""
 
@@ -69,44 +82,11 @@ class PathRoots:
         return cls(users=config.users_root, models=tuple(config.model_dirs))
 
     def user_root(self, user_id: Any) -> Path:
-        """The user's own folder, made (0700) if need be."""
-        root = self.users / str(int(user_id))
-        self.users.mkdir(mode=0o700, parents=True, exist_ok=True)
-        root.mkdir(mode=0o700, exist_ok=True)
-        if root.is_symlink() or not root.is_dir():
-            raise PathRefused([Issue("path_refused", f"the folder of user {user_id} is not a plain directory")])
-        os.chmod(root, 0o700)
-        return root
-
-
-def name_problem(name: Any) -> str | None:
-    """Why `name` is not a relative name (None: it is one). No file system access."""
-    if not isinstance(name, str) or not name.strip():
-        return f"{name!r} is not a name"
-    if "\x00" in name or "\\" in name:
-        return f"{name!r} holds a NUL or a backslash"
-    path = PurePosixPath(name)
-    if path.is_absolute() or name.startswith("~"):
-        return f"{name!r} is an absolute path; name a folder relative to your files instead"
-    if ".." in path.parts:
-        return f"{name!r} climbs out of its root with '..'"
-    return None
-
-
-def resolve_under(root: Path, name: str) -> Path:
-    """`root / name` for a relative `name`, refused (ValueError) when the name is not relative or
-    any existing component below `root` is a symbolic link. Nothing is created."""
-    problem = name_problem(name)
-    if problem is not None:
-        raise ValueError(problem)
-    path = root
-    for part in PurePosixPath(name).parts:
-        if part == ".":
-            continue
-        path = path / part
-        if path.is_symlink():
-            raise ValueError(f"{name!r}: {str(path.relative_to(root))!r} is a symbolic link")
-    return path
+        """The user's own folder, made (0700) if need be (`UsersRoot.folder`)."""
+        try:
+            return UsersRoot(self.users).folder(owner_id(int(user_id)))
+        except UserPathRefused as exc:
+            raise PathRefused([Issue("path_refused", str(exc))]) from None
 
 
 CHECKPOINT_MARKER = "config.json"
@@ -257,11 +237,25 @@ def model_reference(roots: PathRoots, kind: str, model: str) -> str:
     return resolved
 
 
+def resolve_role_paths(document: dict[str, Any], user_id: Any, roots: PathRoots) -> dict[str, Any]:
+    """`document` (a GraphSpec dict) with its roles' names (`USER_PATH_ROLE_PARAMS`, checkpoint
+    models) replaced by the server paths they stand for on this process, which starts the role
+    units; its nodes' names stay names (whoever writes resolves them: `engine.spec.userfiles`).
+    The document itself is not modified. PathRefused lists every name that cannot be used."""
+    return _resolved(document, user_id, roots, None)
+
+
 def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots,
                        registry: OpRegistry) -> dict[str, Any]:
-    """`document` (a GraphSpec dict) with every name above replaced by the server path it stands
-    for (`registry`: the ops whose declared output folders are names too); the document itself is
-    not modified. PathRefused lists every name that cannot be used."""
+    """`resolve_role_paths`, and the nodes' output folder names too (`registry`: the ops whose
+    declared output folders are names) as they resolve here: how a run or deployment asked for
+    is checked before it is queued. PathRefused lists every name that cannot be used."""
+    return _resolved(document, user_id, roots, registry)
+
+
+def _resolved(document: dict[str, Any], user_id: Any, roots: PathRoots,
+              registry: OpRegistry | None) -> dict[str, Any]:
+    """The document with its roles' names resolved, and its nodes' too given a `registry`."""
     issues: list[Issue] = []
     root = roots.user_root(user_id)
 
@@ -284,16 +278,18 @@ def resolve_spec_paths(document: dict[str, Any], user_id: Any, roots: PathRoots,
         if problem is not None:
             issues.append(_issue(f"role {role['name']!r}: model: {problem}", role=role["name"], param="model"))
         roles.append({**role, "params": params, **({"model": model} if model is not None else {})})
-    nodes = []
-    for node in document.get("nodes", []):
-        params = dict(node.get("params", {}))
-        for param in _output_dirs(registry, node.get("kind"), node.get("op")):
-            params.setdefault(param, DEFAULT_OUT_DIR)
-        for param in _node_path_params(registry, node.get("kind"), node.get("op")):
-            if param in params:
-                params[param] = under(params[param], f"node {node['id']!r}: params.{param}", node=node["id"],
-                                      param=f"params.{param}")
-        nodes.append({**node, "params": params} if params else node)
+    nodes = document.get("nodes", [])
+    if registry is not None:
+        nodes = []
+        for node in document.get("nodes", []):
+            params = dict(node.get("params", {}))
+            for param in _output_dirs(registry, node.get("kind"), node.get("op")):
+                params.setdefault(param, DEFAULT_OUT_DIR)
+            for param in _node_path_params(registry, node.get("kind"), node.get("op")):
+                if param in params:
+                    params[param] = under(params[param], f"node {node['id']!r}: params.{param}", node=node["id"],
+                                          param=f"params.{param}")
+            nodes.append({**node, "params": params} if params else node)
     if issues:
         raise PathRefused(issues)
     return {**document, "roles": roles, "nodes": nodes}

@@ -61,6 +61,7 @@ from django.utils import timezone
 
 from engine.client.cluster import RegistryUnavailableError
 from engine.client.workers import LaunchError, RestartPolicy
+from engine.spec.userfiles import UsersRoot
 from studio.config import Dispatch
 from studio.workflows.apps import engine
 from studio.workflows.deployments import failover, records
@@ -97,7 +98,8 @@ async def _execute(run_id: str, owner: str) -> str | None:
     keeper = LeaseKeeper(store, store.lease)
     try:
         status = await execute_standalone(run_id, kinds=eng.kinds, ops=eng.ops, store=store, bus=ChannelLayerRunEventBus(),
-                                          metrics=RunMetrics(), executors=executors, keeper=keeper)
+                                          metrics=RunMetrics(), executors=executors, keeper=keeper,
+                                          users=UsersRoot(eng.config.users_root))
     except (LeaseLost, asyncio.CancelledError):  # the lease lapsed and the run was taken over: stop here
         task = asyncio.current_task()
         if task is not None and task.cancelling():

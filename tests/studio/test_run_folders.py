@@ -1,7 +1,8 @@
 """Deleting runs removes what their ops wrote on the nodes that ran them (`studio.workflows.runs.folders`):
 through a real Celery node agent whose role worker wrote the run's folder under the node's own data
 dir (a live node is told at once; one away at the deletion removes it when it is back), and a
-node's removal builds its paths itself, refusing a forged run id."""
+node's removal builds its paths itself, refusing a forged run id. A node whose data dir is not the
+run worker's writes under its own (the run's folder names travel as names, `engine.spec.userfiles`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ from studio.workflows.runs.folders import BadRunIds, parse_run_ids
 from studio.workflows.tasks import remove_run_folders
 from tests.studio.factories import create_workflow
 from tests.studio.limits import python_spec
-from tests.studio.test_celery_deploy import CeleryNode, running_node
+from tests.studio.test_celery_deploy import (
+    CeleryNode,
+    leftover_workers,
+    running_node,
+    started_node,
+    wait_ready,
+)
 from tests.studio.test_run_leases import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -134,3 +141,66 @@ def test_deleting_runs_removes_their_folders_on_the_node_that_ran_them(tmp_path:
         assert api.delete(f"/api/workflows/{wf['id']}/").status_code == 204
         node.wait_for("the workflow's last run's folder removed", lambda: not (home / runs[2]).exists())
         assert home.is_dir()
+
+
+# ---------------------------------------------- a node whose data dir is not the run worker's
+@pytest.mark.redis
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL (the Celery broker)")
+def test_a_role_worker_writes_under_its_own_nodes_root_not_the_run_workers(tmp_path: Path, api: Any,
+                                                                            user: Any) -> None:
+    """Two nodes with data dirs of their own: `runner` claims the runs (its queue), `host` runs the
+    deployments' python role, whose `media.save_outputs` writes the run's folder under the host's
+    users root (the run worker sends the folder's name, never its path there); a name that goes
+    through a link in the owner's folder on the host is refused by the host's worker (the studio
+    cannot see that link: it is not in its data dir); and deleting the run has the host remove
+    what it wrote."""
+    (tmp_path / "runner").mkdir()
+    (tmp_path / "host").mkdir()
+    host = started_node(tmp_path / "host", {"OMNIFLOW_NODE_TTL_S": "2"})
+    try:
+        wait_ready(host)
+        with running_node(tmp_path / "runner", {"OMNIFLOW_NODE_TTL_S": "2"}) as runner:
+            wait_until("both nodes live", lambda: node_live(host.node) and node_live(runner.node))
+            homes = {node: tmp_path / node / "data" / "users" / str(user.pk) for node in ("runner", "host")}
+            saving = create_workflow(api, saving_spec())
+            deployments = [api.post("/api/deployments/", {"workflow": saving["id"], "node": host.node},
+                                    format="json").json()]
+            host.wait_for("running", lambda: Deployment.objects.get(pk=deployments[0]["id"]).status == "running")
+            run_id = run_to_end(api, runner, deployments[0]["id"], "hello")
+            run = Run.objects.get(pk=run_id)
+            assert run.executed_on == [runner.node]
+            assert (homes["host"] / "outputs" / run_id / "reply.txt").read_text() == "hello"
+            assert not (homes["runner"] / "outputs").exists()
+            assert not list((tmp_path / "runner").rglob(run_id))
+
+            victim = tmp_path / "victim"
+            victim.mkdir()
+            (homes["host"] / "linked").symlink_to(victim)
+            linked = saving_spec()
+            linked["name"] = "through-a-link"
+            linked["nodes"][1]["params"] = {"out_dir": "linked"}
+            escaping = create_workflow(api, linked)
+            deployments.append(api.post("/api/deployments/", {"workflow": escaping["id"], "node": host.node},
+                                        format="json").json())
+            host.wait_for("running", lambda: Deployment.objects.get(pk=deployments[1]["id"]).status == "running")
+            refused = api.post("/api/runs/", {"deployment": deployments[1]["id"], "inputs": {"text": "x"}},
+                               format="json").json()
+            runner.wait_for("the run through a link", lambda: Run.objects.get(pk=refused["id"]).finished)
+            failed = Run.objects.get(pk=refused["id"])
+            assert failed.status == "failed" and "'linked' is a symbolic link" in failed.error, failed.error
+            assert str(tmp_path) not in failed.error
+            assert list(victim.iterdir()) == []
+
+            assert api.delete(f"/api/runs/{run_id}/").status_code == 204
+            host.wait_for("the host removed the run's folder", lambda: not (homes["host"] / "outputs" / run_id).exists())
+            runner.wait_for("nothing owed", lambda: not RunFolderRemoval.objects.exists())
+            assert (homes["host"] / "outputs").is_dir() and (homes["host"] / "linked").is_symlink()
+
+            for d in deployments:
+                api.post(f"/api/deployments/{d['id']}/stop/")
+                host.wait_for("stopped", lambda d=d: Deployment.objects.get(pk=d["id"]).status == "stopped")
+    finally:
+        if host.proc.poll() is None:
+            host.stop()
+        for process in leftover_workers(host.node):
+            process.kill()

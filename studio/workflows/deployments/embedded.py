@@ -192,6 +192,7 @@ class EmbeddedDeployments:
             cluster = LocalCluster(
                 ticket.spec,
                 allow_module_ops=self.config.allow_module_ops,
+                users_root=self.config.users_root,
                 registry_url=self.config.redis_url,
                 namespace=ticket.namespace,
                 keys=ticket.keys,

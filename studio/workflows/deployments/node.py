@@ -306,7 +306,8 @@ class NodeAgent:
             options = WorkerOptions(workflow=spec_path, registry_url=self.registry_url, namespace=ticket.namespace,
                                     listen=self.config.worker_listen, heartbeat_s=HEARTBEAT_S,
                                     registry_ttl_s=REGISTRY_TTL_S, keys_dir=keys_dir,
-                                    allow_module_ops=self.config.allow_module_ops)
+                                    allow_module_ops=self.config.allow_module_ops,
+                                    users_root=self.config.users_root)
             devices = {r.name: r.device for r in ticket.spec.roles}
             for want in wanted:
                 with replica_processes(want.role, want.worker_id, ticket.spec.role(want.role).tp_size, options,

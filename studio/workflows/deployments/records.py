@@ -25,7 +25,7 @@ from engine.client.workers import TP_RANK_SUFFIX, leader_worker_id
 from engine.spec.graph import GraphSpec
 from studio.workflows.apps import engine
 from studio.workflows.models import Deployment, DeploymentStatus, Worker, WorkerStatus
-from studio.workflows.paths import PathRefused, PathRoots, resolve_spec_paths
+from studio.workflows.paths import PathRefused, PathRoots, resolve_role_paths
 
 _KEYLESS = (DeploymentStatus.STOPPED, DeploymentStatus.FAILED)
 _ENDING = (DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)
@@ -117,8 +117,7 @@ def ticket(deployment_id: str) -> DeploymentTicket | None:
         keys = _keys_for_start(deployment_id)
     document = deployment.version.spec
     try:
-        document = resolve_spec_paths(document, deployment.owner_id, PathRoots.of(engine().config),
-                                      engine().ops.registry)
+        document = resolve_role_paths(document, deployment.owner_id, PathRoots.of(engine().config))
     except PathRefused as exc:
         if set_status(deployment_id, DeploymentStatus.FAILED, f"cannot start: {exc}",
                       unless=(DeploymentStatus.STOPPING, DeploymentStatus.STOPPED)):

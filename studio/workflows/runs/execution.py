@@ -43,6 +43,7 @@ from engine.client.runs import (
 )
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
+from engine.spec.userfiles import UsersRoot
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.lease import LeaseKeeper
 from studio.workflows.runs.metrics import RunMetrics
@@ -205,7 +206,7 @@ async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | N
             executor = await executors.executor_for(ticket)
             plan = executor.plan(parse_spec(ticket.spec))
             run = await executor.submit(plan, ticket.inputs, run_id=run_id, timeout_s=ticket.timeout_s,
-                                        tenant=ticket.tenant, keep_blobs=NODE_MEDIA_LIMIT)
+                                        tenant=ticket.tenant, owner=ticket.owner, keep_blobs=NODE_MEDIA_LIMIT)
         except GraphValidationError as exc:
             error = "the workflow is not valid: " + "; ".join(i.message for i in exc.issues)
         except RunInputError as exc:
@@ -233,10 +234,11 @@ async def _execute_claimed(run_id: str, ticket: RunTicket | None, error: str | N
 
 async def execute_standalone(run_id: str, *, kinds: KindRegistry, ops: OpConfig, store: RunStore, bus: RunEventBus,
                              metrics: RunMetrics, executors: ExecutorSource | None = None,
-                             keeper: LeaseKeeper | None = None) -> RunStatus | None:
+                             keeper: LeaseKeeper | None = None, users: UsersRoot | None = None) -> RunStatus | None:
     """Execute one run with an executor of its own (a Celery worker's task). `ops`: what its
-    python units may run. `executors` (when given) serves runs of deployments; the caller closes it."""
-    executor = in_process_executor(kinds, ops=ops)  # torch: when a run executes, not at import
+    python units may run; `users`: where they write a run's files (this node's users root).
+    `executors` (when given) serves runs of deployments; the caller closes it."""
+    executor = in_process_executor(kinds, ops=ops, users=users)  # torch: when a run executes, not at import
     source = executors or OwnExecutor(executor)
     try:
         return await execute_run(run_id, executors=_Fallback(source, executor), store=store, bus=bus,

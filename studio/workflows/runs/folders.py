@@ -23,11 +23,11 @@ goes once its folders were tried: one that could not be removed (permissions) is
 why, not retried forever. A node that never comes back keeps its rows (its data dir went with
 it); `forget`ting it in the node directory means later deletions owe it nothing.
 
-One assumption: a role worker writes where the run queue's worker resolved the folder name
-(`store.claim`, with that worker's `OMNIFLOW_DATA_DIR`), which is under the node's own data dir
-where every machine gives the same `OMNIFLOW_DATA_DIR` (as the compose file's `/data` does). A node
-configured with another data dir than the run worker's holds the folders under the run worker's
-path, and removes nothing there: it only walks its own root.
+Every node finds what it wrote: the run's nodes get their output folder names as names with the
+run's owner (`NodeCall.owner`), and the process that writes resolves them under its own users
+root (`engine.spec.userfiles`: a role worker's `--users-root`, which its node agent sets from the
+node's `OMNIFLOW_DATA_DIR`; the run worker's in-process units under its own), so the folders lie
+below the root the node's removal walks, whatever data dir each machine is configured with.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from engine.client.runs import Executor, RunStatus, in_process_executor
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig
+from engine.spec.userfiles import UsersRoot
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.execution import ExecutorSource, OwnExecutor, execute_run
 from studio.workflows.runs.lease import LeaseKeeper, LeaseTerms, executor_id
@@ -111,8 +112,10 @@ class _Executors:
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
                  *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
-                 lease_s: float = 30.0, lease_retries: int = 1, max_runs: int = 0) -> None:
-        """`ops`: what the python units of runs without a deployment may run. `max_runs`: how many
+                 lease_s: float = 30.0, lease_retries: int = 1, max_runs: int = 0,
+                 users: UsersRoot | None = None) -> None:
+        """`ops`: what the python units of runs without a deployment may run; `users`: where they
+        write a run's files (`engine.spec.userfiles`: the studio's users root). `max_runs`: how many
         runs execute at once (0: no limit); the others wait, pending, first come first served.
         `lease_retries`: how often a swept run is executed again before it is failed."""
         if max_runs < 0:
@@ -121,6 +124,7 @@ class RunService:
             raise ValueError(f"lease_retries must be >= 0, not {lease_retries}")
         self.kinds = kinds
         self.ops = ops
+        self.users = users
         self.bus = bus
         self.metrics = metrics or RunMetrics()
         self.deployments = deployments
@@ -165,7 +169,7 @@ class RunService:
     def _main(self, ready: threading.Event) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        self._executor = in_process_executor(self.kinds, ops=self.ops)  # torch: on the engine thread, not at import
+        self._executor = in_process_executor(self.kinds, ops=self.ops, users=self.users)  # torch: on the engine thread, not at import
         self._executors = _Executors(self._executor, self.deployments)
         self._slots = asyncio.Semaphore(self._max_runs) if self._max_runs else None  # FIFO: runs start in turn
         self._loop = loop

@@ -58,7 +58,7 @@ from studio.workflows.models import (
 from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
-from studio.workflows.paths import PathRoots, resolve_spec_paths
+from studio.workflows.paths import PathRoots, resolve_role_paths
 from studio.workflows.runs.lease import LeaseCheck, LeaseLost, LeaseTerms, RunRestarted
 from studio.workflows.runs.outputs import ServerPaths
 
@@ -86,6 +86,8 @@ class RunTicket:
     """The deployment's worker registry namespace."""
     tenant: str | None = None
     """Whose caches the run reads and fills (`Run.tenant`): every run the studio executes has one."""
+    owner: str | None = None
+    """Whose folder its nodes' output folder names are in (the run's owner's id: `NodeCall.owner`)."""
     seq_base: int = 0
     """Added to the executor's event `seq`s: the events stored before this execution (a run
     executed again after its executor stopped keeps the earlier attempt's events)."""
@@ -180,9 +182,11 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         else:
             inputs[name] = value
     spec = with_node_params(run.version.spec, run.node_params)
-    # The names become server paths only here (a deployment's workers got their roles' when it
-    # started, records.ticket; its runs' nodes, `out_dir`, get theirs here too).
-    spec = resolve_spec_paths(spec, run.owner_id, PathRoots.of(engine().config), engine().ops.registry)
+    # The roles' names become server paths only here, where the run's own role units start (a
+    # deployment's workers got theirs from their node agent, records.ticket). Its nodes' output
+    # folder names stay names: the process that writes resolves them under its own users root
+    # for the run's owner (`engine.spec.userfiles`), on whichever node that is.
+    spec = resolve_role_paths(spec, run.owner_id, PathRoots.of(engine().config))
     deployment = run.deployment
     return RunTicket(
         run_id=str(run.pk),
@@ -193,6 +197,7 @@ def claim(run_id: str, lease: LeaseTerms | None = None) -> RunTicket | None:
         deployment_id=None if deployment is None else str(deployment.pk),
         namespace=None if deployment is None else deployment.namespace,
         tenant=run.tenant,
+        owner=str(run.owner_id),
         seq_base=run.last_seq + 1,
         plane_keys=None if deployment is None else deployment.plane_keys(),
     )

@@ -4,9 +4,11 @@ functions off the event loop that the runs share."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,6 +23,7 @@ from engine.spec.calls import NodeContext
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, OpNotAllowedError, OpRegistry, op
+from engine.spec.userfiles import UsersRoot
 from engine.worker.units import SharedUnits
 
 DEADLINE_S = 20.0
@@ -186,3 +189,60 @@ async def test_progress_from_a_plain_op_reaches_the_run_in_order(kinds) -> None:
     assert result.outputs == {"y": 5}, result.error
     assert [e.message if isinstance(e, NodeProgressEvent) else "out" for e in events] == [
         "step 0", "step 1", "step 2", "out"]
+
+
+@op("test.export", output_dirs=("folder",))
+def export(ctx: NodeContext, x: Any, folder: str = "cwd-out") -> str:
+    target = Path(folder) / ctx.run_id
+    target.mkdir(parents=True)
+    (target / "x.json").write_text(json.dumps(x))
+    return str(target)
+
+
+async def run_owned(kinds: KindRegistry, spec: GraphSpec, users: UsersRoot | None, owner: str | None) -> RunResult:
+    ops = OpConfig(OpRegistry([export]), allow_module_ops=True)
+    executor = Executor(InProcessDispatcher(kinds, build=SharedUnits(kinds, ops=ops, users=users)), kinds)
+    try:
+        run = await executor.submit(spec, {"x": [1, 2]}, run_id="r1", timeout_s=DEADLINE_S, owner=owner)
+        return await run.wait()
+    finally:
+        await executor.aclose()
+
+
+async def test_a_runs_output_folders_resolve_under_the_units_users_root_for_its_owner(kinds, tmp_path) -> None:
+    users = UsersRoot(tmp_path / "users")
+    by_name = one_node("test.export")
+    result = await run_owned(kinds, by_name, users, "7")
+    written = tmp_path / "users" / "7" / "outputs" / "r1"  # a declared folder left out: `outputs`
+    assert result.outputs == {"y": str(written)}, result.error
+    assert json.loads((written / "x.json").read_text()) == [1, 2]
+
+    by_name.nodes[1].params["folder"] = "mine/here"
+    result = await run_owned(kinds, by_name, users, "8")
+    assert result.outputs == {"y": str(tmp_path / "users" / "8" / "mine" / "here" / "r1")}, result.error
+
+    module_op = one_node("tests.unit.compute.test_python_unit:export")  # the registered op's function
+    result = await run_owned(kinds, module_op, UsersRoot(tmp_path / "other"), "7")
+    assert result.outputs == {"y": str(tmp_path / "other" / "7" / "outputs" / "r1")}, result.error
+
+
+@pytest.mark.parametrize(("folder", "why"), [("../8", "climbs out"), ("/tmp", "absolute"),
+                                             ("link/x", "'link' is a symbolic link")])
+async def test_an_owned_run_cannot_write_outside_its_owners_folder(kinds, tmp_path, folder: str, why: str) -> None:
+    (tmp_path / "users" / "7").mkdir(parents=True)
+    (tmp_path / "users" / "7" / "link").symlink_to(tmp_path)
+    spec = one_node("test.export")
+    spec.nodes[1].params["folder"] = folder
+    result = await run_owned(kinds, spec, UsersRoot(tmp_path / "users"), "7")
+    assert result.status == "failed" and why in (result.error or ""), result.error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["users"]
+    assert sorted(p.name for p in (tmp_path / "users").iterdir()) == ["7"]
+
+
+async def test_owned_runs_need_a_users_root_and_unowned_ones_keep_their_names(kinds, tmp_path, monkeypatch) -> None:
+    result = await run_owned(kinds, one_node("test.export"), None, "7")
+    assert result.status == "failed" and "this worker has no users root" in (result.error or ""), result.error
+    monkeypatch.chdir(tmp_path)  # the command line: names relative to the working directory
+    result = await run_owned(kinds, one_node("test.export"), UsersRoot(tmp_path / "users"), None)
+    assert result.outputs == {"y": "cwd-out/r1"}, result.error
+    assert (tmp_path / "cwd-out" / "r1" / "x.json").is_file() and not (tmp_path / "users").exists()
