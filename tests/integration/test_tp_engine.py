@@ -1,7 +1,9 @@
 """A TP-2 `llm` group on the CPU with gloo, without workers: rank 0's engine in this process
 (`leader.lead`), its follower a child process (`LocalRanks`). Greedy tokens equal Hugging Face
 `generate` (and so TP-1), also when the prompt's pages come back from the host tier or the disk
-tier after being evicted there, and after a restart that recovers the disk tier; a TP-2 prefill's
+tier after being evicted there, and after a restart that recovers the disk tier; a prompt with
+an image's embeddings spliced in equals a TP-1 engine and `generate` over `inputs_embeds`, and
+its repeat hits its pages (another picture does not); a TP-2 prefill's
 pages gathered whole feed a TP-1 decode; rank 0 never pickles; followers exit when their driver
 is killed; and a killed follower fails rank 0's step within the group timeout instead of hanging.
 
@@ -33,6 +35,7 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.transfer import KVHandoff
 from engine.compute.models.loader import LoadedModel, load_builtin
+from engine.compute.prefix import MultimodalItem, content_hash
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp import TPRankError
 from engine.compute.tp.leader import Leader, lead
@@ -85,6 +88,28 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], new: int = NEW) -> list[
     return [(list(o.output_ids), o.cached_tokens) for o in outs]
 
 
+IMAGE_AT, IMAGE_ROWS = 5, 6
+
+
+def image_prompt(seed: int, picture: int) -> tuple[list[int], MultimodalItem]:
+    """A prompt of 4 pages and a token, whose positions 5..10 are an image item's embedding rows."""
+    hidden = load_builtin(MODEL).model.config.hidden_size
+    embeds = torch.randn(IMAGE_ROWS, hidden, generator=torch.Generator().manual_seed(picture))
+    prompt = text_ids(seed, IMAGE_AT) + [259] * IMAGE_ROWS + text_ids(seed + 1, 4 * PAGE + 1 - IMAGE_AT - IMAGE_ROWS)
+    return prompt, MultimodalItem("image", content_hash("image", embeds), IMAGE_AT, IMAGE_ROWS, embeds)
+
+
+def hf_greedy_embeds(model: PreTrainedModel, prompt: list[int], item: MultimodalItem, new: int) -> list[int]:
+    """Hugging Face `generate` over the prompt's token embeddings with the item's rows in place."""
+    assert item.embeds is not None
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([prompt])).clone()
+        embeds[0, item.start : item.end] = item.embeds
+        out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, do_sample=False)
+    return out[0, -new:].tolist()
+
+
 def evict_and_hit(engine: LLMEngine, reference: PreTrainedModel, tier: str, seed: int) -> None:
     """A prompt of 10 pages, two others of 10 pages that push its pages down to `tier`, then the
     first again: a prefix hit served from `tier`, with Hugging Face's tokens every time."""
@@ -127,8 +152,11 @@ def test_rank_0_never_pickles(monkeypatch, loaded, reference) -> None:
     monkeypatch.setattr(multiprocessing.reduction.ForkingPickler, "loads", refuse)
     monkeypatch.setattr(multiprocessing.reduction, "dump", refuse)
     prompt = text_ids(50, 11)
+    pictured, item = image_prompt(52, picture=3)
     with group(loaded, {"page_size": PAGE, "tp_timeout_s": TIMEOUT_S}) as (leader, ranks):
         assert greedy(leader.engine, [prompt])[0][0] == hf_greedy(reference, prompt, NEW)
+        ((tokens, _),) = greedy_items(leader.engine, pictured, item)  # embedding rows on the link too
+        assert tokens == hf_greedy_embeds(reference, pictured, item, NEW)
         (out,) = leader.engine.generate([prompt], SamplingParams(max_new_tokens=2), prefill_only=True)
         assert out.handoff is not None
         pages, tail = leader.forward.gather(leader.store, out.handoff.page_hashes, out.handoff.tail, 2)
@@ -143,6 +171,29 @@ def test_tp2_greedy_tokens_equal_hf_generate(tp2, reference) -> None:
     assert leader.engine.layout.num_kv_heads == 1  # rank 0's pages hold its head only
     got = greedy(leader.engine, prompts)
     assert [tokens for tokens, _ in got] == [hf_greedy(reference, p, NEW) for p in prompts]
+
+
+def greedy_items(engine: LLMEngine, prompt: list[int], item: MultimodalItem) -> list[tuple[list[int], int]]:
+    outs = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True), mm_items=[item])
+    return [(list(o.output_ids), o.cached_tokens) for o in outs]
+
+
+def test_a_tp2_image_prompt_equals_tp1_and_its_repeat_hits_its_pages(tp2, loaded, reference) -> None:
+    leader, _ = tp2
+    prompt, item = image_prompt(70, picture=1)
+    expected = hf_greedy_embeds(reference, prompt, item, NEW)
+    assert expected != hf_greedy(reference, prompt, NEW)  # the picture matters
+    tp1 = LLMEngine(loaded, EngineConfig(page_size=PAGE))
+    try:
+        assert greedy_items(tp1, prompt, item) == [(expected, 0)]
+    finally:
+        tp1.close()
+    assert greedy_items(leader.engine, prompt, item) == [(expected, 0)]
+    # The repeat finds every full page, the picture's included; another picture only the page before it.
+    assert greedy_items(leader.engine, prompt, item) == [(expected, 4 * PAGE)]
+    _, other = image_prompt(70, picture=2)
+    ((tokens, cached),) = greedy_items(leader.engine, prompt, other)
+    assert cached == PAGE and tokens == hf_greedy_embeds(reference, prompt, other, NEW)
 
 
 def test_pages_evicted_to_the_host_tier_hit_again(tp2, reference) -> None:

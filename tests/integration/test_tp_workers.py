@@ -3,7 +3,8 @@
 One cluster for the module, in-process registry: role `one` (tiny-llama, TP-1, also a prefill
 role), role `two` (the same model, TP-2: two rank processes per replica, rank 0 the one
 endpoint) and role `decode` (TP-1, decoding TP-2 prefills). Greedy tokens of TP-2 equal those
-of TP-1 and of Hugging Face `generate`, and so do prefill -> decode across TP sizes: a TP-1
+of TP-1 and of Hugging Face `generate` (with an image item's `items`/`embeds` inputs, those of
+TP-1; the repeat hits its pages), and so do prefill -> decode across TP sizes: a TP-1
 prefill's pages pulled by the TP-2 ranks, each keeping its KV heads (checked bit-exact against
 the bytes the prefill worker serves), and a TP-2 prefill's pages merged on its rank 0 and pulled
 by a TP-1 decode (checked against a TP-1 engine's pages). A process with a key of its own gets
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.models.loader import load_builtin
+from engine.compute.prefix import content_hash
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp.kv import merge_pages, pull_whole, split_page
 from engine.compute.tp.link import LEADER_KEY
@@ -157,6 +159,24 @@ async def test_tp2_text_prompt_streams_like_tp1(deployment: Deployment):
     one = await deployment.execute("one", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
     two = await deployment.execute("two", {"prompt": "tensor parallel"}, ("text", "tokens"), params)
     assert two == one
+
+
+async def test_a_tp2_image_prompt_equals_tp1_and_its_repeat_hits_its_pages(deployment: Deployment):
+    """An `llm` node with `items`/`embeds` inputs (an encoder's outputs) on TP-2 and on TP-1: the
+    item spliced at its marker in the text prompt; the repeat on TP-2 finds every full page."""
+    embeds = torch.randn(6, load_builtin(MODEL).model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    item = {"kind": "image", "hash": content_hash("image", embeds), "length": 6, "hidden": embeds.shape[1]}
+    inputs = {"prompt": "a picture: <|image|> shows", "items": item, "embeds": embeds}
+    params = {"max_new_tokens": NEW, "ignore_eos": True}
+    two = await deployment.execute("two", inputs, ("tokens", "usage"), params)
+    one = await deployment.execute("one", inputs, ("tokens", "usage"), params)
+    plain = await deployment.execute("one", {"prompt": "a picture: <|image|> shows"}, ("tokens",), params)
+    assert two["tokens"] == one["tokens"] != plain["tokens"]
+    prompt_tokens = two["usage"]["prompt_tokens"]
+    assert prompt_tokens == one["usage"]["prompt_tokens"] > 6 and two["usage"]["cached_tokens"] == 0
+    again = await deployment.execute("two", inputs, ("tokens", "usage"), params)
+    assert again["tokens"] == one["tokens"]
+    assert again["usage"]["cached_tokens"] == (prompt_tokens - 1) // PAGE * PAGE
 
 
 async def test_a_tp2_session_with_a_stale_copy_is_replaced_on_every_rank(deployment: Deployment, reference):

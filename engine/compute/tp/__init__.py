@@ -19,6 +19,7 @@ its shard, and its followers hold only their shard and their heads' KV memory.
   store's events and `MirroredCache`), which the followers mirror.
 * `runner.py` — `BroadcastForward`, rank 0's model runner: one `TPPass` per paged forward (the
   journal's operations, then the forward's inputs), and gathering pages whole.
+* `embeds.py` — a prefill chunk's multimodal embedding rows as they travel in its inputs.
 * `follower.py` — a follower rank: `ShardKV` (its heads' pages at rank 0's slots, its own host and
   disk tiers) and the loop that mirrors each pass and runs its shard of the forward.
 * `leader.py` — `lead()`: rank 0's engine with that cache and runner, its link met.

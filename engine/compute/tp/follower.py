@@ -3,7 +3,8 @@
 A follower holds no scheduler, sampler, prefix tree or sessions: only its model shard, its
 `ShardKV` (its KV heads of every page rank 0 holds, at the same device slots, and in its own
 host and disk tiers), and a loop: receive a `TPPass` -> mirror its KV operations -> run its
-shard of the forward (or send its heads of some pages to rank 0). The row-parallel layers'
+shard of the forward (a prefill chunk's multimodal embedding rows come with its inputs:
+`embeds.py`), or send its heads of some pages to rank 0. The row-parallel layers'
 all-reduces pair its forward with rank 0's.
 
 Its disk tier is its own (`disk_path/rank-N`): the pages it recovered from an earlier run go to
@@ -29,6 +30,7 @@ import zmq
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import engine_layout, open_disk_slot
 from engine.compute.llm.forward import DecodeBatch, DecodeBuffer, PagedForward, PrefillChunk
+from engine.compute.tp.embeds import chunk_embeds
 from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.link import greet_leader
 from engine.compute.tp.messages import (
@@ -204,9 +206,13 @@ class Follower:
 
     def _prefill(self, work: PrefillInputs) -> None:
         kv = self.kv
+        forward = self.forward
+        hidden = forward.weights.embed.embedding_dim
         chunks = [PrefillChunk(c.token_ids, c.start, c.prefix_slots,
-                               kv.tails[c.tail_slot] if c.tail_slot is not None else None) for c in work.chunks]
-        output = self.forward.prefill_batch(chunks, kv.pool, work.want_logits, work.decode_key)
+                               kv.tails[c.tail_slot] if c.tail_slot is not None else None,
+                               chunk_embeds(c.embeds, len(c.token_ids), hidden, forward.dtype, kv.pool.device))
+                  for c in work.chunks]
+        output = forward.prefill_batch(chunks, kv.pool, work.want_logits, work.decode_key)
         kv.fresh = [fresh for _, fresh in output.results]
         self._handed = output.buffer
 

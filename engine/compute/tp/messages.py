@@ -3,8 +3,9 @@
 `llm` roles (`unit.py`, `runner.py`, `follower.py`): at every paged forward rank 0 sends one
 `TPPass`: the KV memory operations its engine did since the last pass (`KVOp`: pages written,
 copied between tiers, dropped; tail pages set, saved, forgotten), then the forward's inputs
-(`PrefillInputs` or `DecodeInputs`: token ids, positions, page and tail slots), or a request
-to gather whole pages (`GatherRequest`). A follower mirrors the operations on its own heads'
+(`PrefillInputs` or `DecodeInputs`: token ids, positions, page and tail slots, and a prefill
+chunk's multimodal embedding rows, `EmbedRows`), or a request to gather whole pages
+(`GatherRequest`). A follower mirrors the operations on its own heads'
 pages at the same slots and runs its shard of the same forward. Upstream a follower sends
 only its hello (with the pages its disk tier recovered) and, now and then, `TPRefusals`.
 
@@ -14,6 +15,8 @@ only its hello (with the pages its disk tier recovered) and, now and then, `TPRe
 from __future__ import annotations
 
 import msgspec
+
+from engine.data.wire import TensorHeader
 
 
 class TPHello(msgspec.Struct, tag=True, frozen=True):
@@ -138,13 +141,26 @@ class ForgetTail(msgspec.Struct, tag=True, frozen=True, array_like=True):
 KVOp = WritePage | CopyPage | DropPage | SetTail | SaveTail | ForgetTail
 
 
+class EmbedRows(msgspec.Struct, frozen=True, array_like=True):
+    """Rows of input embeddings (a multimodal item's, or part of one) replacing a prefill chunk's
+    token embeddings from row `row` of the chunk on: `data` is a C-contiguous `(rows, hidden)`
+    tensor in the model's dtype, read as `header` says (`engine.data.codec`; see `tp/embeds.py`)."""
+
+    row: int
+    header: TensorHeader
+    data: bytes
+
+
 class ChunkInputs(msgspec.Struct, frozen=True, array_like=True):
-    """One `PrefillChunk`: `tail_slot` is the slot of its tail page (None: it starts page-aligned)."""
+    """One `PrefillChunk`: `tail_slot` is the slot of its tail page (None: it starts page-aligned);
+    `embeds`: its multimodal embedding rows (`PrefillChunk.embeds`), at most its own rows, so a
+    pass carries at most the engine's `max_prefill_tokens` rows of them."""
 
     token_ids: list[int]
     start: int
     prefix_slots: list[int]
     tail_slot: int | None
+    embeds: list[EmbedRows] = []
 
 
 class PrefillInputs(msgspec.Struct, tag=True, frozen=True):

@@ -3,7 +3,8 @@
 `BroadcastForward` is the `PagedForward` of rank 0's engine (`LLMEngine(make_forward=...)`).
 Before each forward it sends every follower one `TPPass`: the KV memory operations the engine
 did since the last pass (`journal.py`), then the forward's inputs (token ids, positions, page
-and tail slots). Then it runs its own shard of the forward;
+and tail slots, and a prefill chunk's multimodal embedding rows, `embeds.py`). Then it runs its
+own shard of the forward;
 the all-reduces of the row-parallel layers (`shard.py`) pair it with the followers' forwards.
 Its other collective, `gather`, brings every rank's heads of some pages to rank 0 (a prefill
 handoff served whole to another role).
@@ -20,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.compute.llm.forward import DecodeBatch, DecodeBuffer, PagedForward, PrefillChunk, PrefillOutput
+from engine.compute.tp.embeds import embed_rows
 from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import merge_pages
@@ -45,9 +47,8 @@ class BroadcastForward(PagedForward):
 
     def prefill_batch(self, chunks: Sequence[PrefillChunk], pool: torch.Tensor, want_logits: Sequence[bool],
                       decode_key: str | None = None) -> PrefillOutput:
-        if any(chunk.embeds for chunk in chunks):
-            raise TPError("multimodal items do not run on a tensor-parallel role")
-        inputs = [ChunkInputs(list(c.token_ids), c.start, list(c.prefix_slots), c.tail_slot) for c in chunks]
+        inputs = [ChunkInputs(list(c.token_ids), c.start, list(c.prefix_slots), c.tail_slot,
+                              embed_rows(c.embeds, self.dtype)) for c in chunks]
         if any(c.tail is not None and c.tail_slot is None for c in chunks):
             raise TPError("a prefill chunk over a tail page that names no tail slot")
         self._pass(PrefillInputs(inputs, list(want_logits), decode_key))

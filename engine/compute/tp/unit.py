@@ -22,9 +22,12 @@ Failure: a follower that dies breaks the group: rank 0's next send fails (the pe
 its next collective does (gloo notices the closed connection, or `tp_timeout_s` runs out), and
 every in-flight node of the replica fails with the group's error; so does every later call.
 
-Not on tensor-parallel roles: multimodal items (their embeddings do not travel to the
-followers); rank 0 does not serve its own (sharded) pages to other workers, and prefix
-matching does not pull from peers.
+Multimodal prompts (`items`/`embeds` inputs) run as on any `llm` role: rank 0 splices them and
+keys their pages by item hash (`LLMUnit._multimodal`, the engine's prefix tree); each prefill
+chunk's embedding rows go to the followers with its inputs (`embeds.py`).
+
+Not on tensor-parallel roles: rank 0 does not serve its own (sharded) pages to other workers,
+and prefix matching does not pull from peers.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.loop import EngineLoop
 from engine.compute.llm.pd import PrefillDecode
-from engine.compute.llm.unit import LLMUnit, LLMUnitError
+from engine.compute.llm.unit import LLMUnit
 from engine.compute.models.loader import LoadedModel
-from engine.compute.prefix.keys import MultimodalItem
 from engine.compute.tp.follower import follow
 from engine.compute.tp.group import TPError
 from engine.compute.tp.handoff import TPEngineLoop, TPPrefillDecode
@@ -47,7 +49,6 @@ from engine.data.kv.pull import KVPageServer
 from engine.data.kv.source import PageSource
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
-from engine.spec.calls import NodeCall
 from engine.spec.graph import RoleSpec
 
 
@@ -108,12 +109,6 @@ class TPLLMUnit(LLMUnit):
         exported = self.loop.exported_pages  # type: ignore[attr-defined]
         return {**super().metrics(), "llm.exported_pages": float(exported),
                 "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None)}
-
-    def _multimodal(self, call: NodeCall, prompt: str | list[int]) -> tuple[str | list[int],
-                                                                           tuple[MultimodalItem, ...]]:
-        if call.inputs.get("items") is not None or call.inputs.get("embeds") is not None:
-            raise LLMUnitError(f"node {call.node_id!r}: multimodal items do not run on a tensor-parallel role")
-        return prompt, ()
 
     # -- shutdown -------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 import engine.compute.tp as tp
 from engine.compute.llm.config import EngineConfig
+from engine.compute.tp.embeds import embed_rows
 from engine.compute.tp.follower import ShardKV
 from engine.compute.tp.group import TPError
 from engine.compute.tp.journal import KVJournal
@@ -64,6 +65,8 @@ def test_no_tp_module_pickles(module: str) -> None:
 @pytest.mark.parametrize("forward", [
     None,
     PrefillInputs([ChunkInputs([1, 2, 3], 4, [0, 5], 1)], [True], "r1"),
+    PrefillInputs([ChunkInputs([259] * 3, 0, [], None, embed_rows([(1, torch.ones(2, 4))], torch.bfloat16))],
+                  [False], None),
     DecodeInputs([7], [9], [[0, 5]], [1], ["r1"]),
     GatherRequest(["ab" * 32], 3),
 ])
