@@ -10,6 +10,7 @@
 //    leaves no node under the minimap in the canvas's bottom-right corner;
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
 //    buttons, which take a click;
+//  - the runs and deployments lists fit their card at 1024x768, each row on one line;
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
@@ -177,6 +178,29 @@ try {
     await page.waitForSelector(tid("deployment-page"));
     await page.click(tid("deployment-stop"));
     await waitText(tid("deployment-page"), "stopped", 60_000);
+  });
+
+  await step("the runs and deployments lists fit their card at 1024 px, a row a line", async () => {
+    await page.setViewportSize({ width: 1024, height: 768 });
+    for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
+      await page.goto(`${BASE}${path}`);
+      await page.waitForSelector(tid(row));
+      const seen = await page.$eval(tid(card), (frame) => {
+        const scroller = frame.querySelector(".scroll-table-body");
+        return {
+          overflow: scroller.scrollWidth - scroller.clientWidth,
+          cue: frame.dataset.hiddenRight,
+          // A one-line row is ~47 px; a name, version pill or time that wraps made it ~67.
+          tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
+        };
+      });
+      expect(seen.overflow <= 1 && seen.cue === "false", `${path}: the table runs past its card: ${JSON.stringify(seen)}`);
+      expect(seen.tall.length === 0, `${path}: rows that wrap: ${seen.tall}`);
+      await shot(`${path.slice(1)}-1024`);
+    }
+    // A chat deployment's row says what a client names on /v1 (the deploy dialog made one of diamond: not chat).
+    expect((await page.locator(tid("deployment-serves")).allTextContents()).every((t) => t === "runs" || t.startsWith("OpenAI model ")),
+      "the Serves column reads 'runs' or 'OpenAI model <name>'");
   });
 
   await step("a newcomer draws a first workflow at 1024x768", async () => {
