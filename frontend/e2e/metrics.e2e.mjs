@@ -64,6 +64,11 @@ try {
     expect(Number(await page.getAttribute(tid(`${card}-memory-rss`), "data-value")) > 0, "the worker's RSS");
     await page.waitForFunction((id) => Number(document.querySelector(`[data-testid="${id}"]`)?.dataset.points) >= 8,
       "chart-occupancy");
+    // The y axes label their ticks distinctly (with 0.5% steps, occupancy read "0%, 1%, 1%, 2%, 2%").
+    for (const chart of ["chart-occupancy", "chart-hit-rate", "chart-process-memory", `${card}-occupancy`]) {
+      const labels = (await page.getAttribute(`${tid(chart)} .chart-box`, "data-y-ticks")).split("|");
+      expect(labels.length >= 2 && new Set(labels).size === labels.length, `${chart}'s y axis reads ${labels.join(", ")}`);
+    }
     await page.locator(tid("worker-charts")).scrollIntoViewIfNeeded();
     await shot("cluster-tiers");
     before = await chartRows("chart-occupancy");
