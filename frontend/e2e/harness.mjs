@@ -83,7 +83,6 @@ export async function openBrowser(name, { viewport = { width: 1440, height: 960 
            expectQuietConsole, close, finish };
 }
 
-/** Log in on the studio's login page; the workflows list opens. */
 /** Drag from one port handle to another with the mouse, as a user connects ports. */
 export async function dragPorts(page, from, to) {
   const center = async (selector) => {
@@ -116,6 +115,7 @@ export async function viewportSettled(page, timeout = 15_000) {
   );
 }
 
+/** Log in on the studio's login page; the workflows list opens. */
 export async function logIn(page, base, user, password) {
   await page.goto(`${base}/login`);
   await page.fill('input[name="username"]', user);

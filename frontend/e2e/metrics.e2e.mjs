@@ -2,7 +2,8 @@
 // per-worker charts of a chat deployment's llm worker carry its device, host and disk tiers, the
 // memory panel says the cluster is CPU-only and charts process memory, a reload keeps the charts
 // (the points from before it come back from the studio's history), and the range picker switches
-// to an hour, kept in the URL across a reload.
+// to an hour, kept in the URL across a reload; the workers table fits its card at 1024 px (fewer
+// columns, the rest in each row) and 1440 px (every column), and scrolls inside it, with a cue, narrower.
 //
 //   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... LLM_WORKER=<worker id> E2E_ARTIFACTS=... \
 //   node e2e/metrics.e2e.mjs
@@ -63,6 +64,11 @@ try {
     expect(Number(await page.getAttribute(tid(`${card}-memory-rss`), "data-value")) > 0, "the worker's RSS");
     await page.waitForFunction((id) => Number(document.querySelector(`[data-testid="${id}"]`)?.dataset.points) >= 8,
       "chart-occupancy");
+    // The y axes label their ticks distinctly (with 0.5% steps, occupancy read "0%, 1%, 1%, 2%, 2%").
+    for (const chart of ["chart-occupancy", "chart-hit-rate", "chart-process-memory", `${card}-occupancy`]) {
+      const labels = (await page.getAttribute(`${tid(chart)} .chart-box`, "data-y-ticks")).split("|");
+      expect(labels.length >= 2 && new Set(labels).size === labels.length, `${chart}'s y axis reads ${labels.join(", ")}`);
+    }
     await page.locator(tid("worker-charts")).scrollIntoViewIfNeeded();
     await shot("cluster-tiers");
     before = await chartRows("chart-occupancy");
@@ -97,6 +103,55 @@ try {
     await shot("cluster-range-1h");
     await page.click(tid("range-5m"));
     await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="5m"]`);
+  });
+
+  await step("the workers table fits its card at 1024 px and shows every column at 1440", async () => {
+    /** The table's frame (ScrollTable), how its columns sit in it, and the labels of the columns shown. */
+    const layout = () =>
+      page.evaluate(() => {
+        const frame = document.querySelector('[data-testid="workers-card"]');
+        const scroller = frame.querySelector(".scroll-table-body");
+        const right = frame.getBoundingClientRect().right;
+        const shown = [...frame.querySelectorAll("thead th")].filter((th) => th.offsetParent !== null);
+        return {
+          overflow: scroller.scrollWidth - scroller.clientWidth,
+          cue: frame.dataset.hiddenRight,
+          headers: shown.map((th) => th.textContent.trim()),
+          cut: shown.filter((th) => th.getBoundingClientRect().right > right + 0.5).map((th) => th.textContent.trim()),
+          narrowShown: [...frame.querySelectorAll("tbody .narrow-only")].filter((el) => el.offsetParent !== null).length,
+        };
+      });
+    for (const [width, height] of [[1024, 768], [1440, 900]]) {
+      await page.setViewportSize({ width, height });
+      // once resized: the cue agrees with the table's overflow (ScrollTable measured the new width)
+      await page.waitForFunction(() => {
+        const frame = document.querySelector('[data-testid="workers-card"]');
+        const scroller = frame?.querySelector(".scroll-table-body");
+        return scroller && frame.dataset.hiddenRight === String(scroller.scrollWidth - scroller.clientWidth > 1);
+      });
+      const rows = await page.locator(tid("worker-row")).count();
+      expect(rows >= 2, `the chat deployment's workers are listed: ${rows} rows`);
+      const l = await layout();
+      expect(l.overflow <= 1 && l.cue === "false", `at ${width} px the table fits its card: ${JSON.stringify(l)}`);
+      expect(l.cut.length === 0, `at ${width} px no column runs past the card: ${l.cut.join(", ")}`);
+      if (width === 1024) {
+        expect(!l.headers.includes("Heartbeat") && !l.headers.includes("Device"), `at 1024 px: ${l.headers.join(", ")}`);
+        // what the two columns said is still in each row: the device under the role, the heartbeat under the state
+        expect(l.narrowShown === 2 * rows, `the device and heartbeat of each of ${rows} rows: ${l.narrowShown} shown`);
+        await page.waitForSelector(`${tid("worker-row")} >> text=/seen \\d+ s ago/`);
+      } else {
+        expect(l.headers.length === 8 && l.headers.at(-1) === "Heartbeat", `at 1440 px every column: ${l.headers.join(", ")}`);
+        expect(l.narrowShown === 0, "no repeated device or heartbeat lines when the columns are there");
+      }
+      await page.locator(tid("workers-table")).scrollIntoViewIfNeeded();
+      await shot(`cluster-workers-${width}`);
+    }
+    // A window narrower still: the table scrolls inside its card, its right side fading (the cue).
+    await page.setViewportSize({ width: 800, height: 700 });
+    await page.waitForSelector(`${tid("workers-card")}[data-hidden-right="true"]`);
+    await page.locator(`${tid("workers-card")} .scroll-table-body`).evaluate((el) => { el.scrollLeft = el.scrollWidth; });
+    await page.waitForSelector(`${tid("workers-card")}[data-hidden-right="false"][data-hidden-left="true"]`);
+    await page.setViewportSize({ width: 1500, height: 1400 });
   });
 
   expectQuietConsole();

@@ -6,8 +6,11 @@
 //  - a run of image_generation and of the largest example (omni_dialogue), at 1440x960 and at
 //    1024x768, opens its graph as the editor does: at a zoom where node titles are legible, the
 //    inputs in view, a minimap for the rest (the run view used to fit the whole graph, ~0.5);
+//  - fit-to-view, in the editor (on opening and with the fit-view control) and in the run view,
+//    leaves no node under the minimap in the canvas's bottom-right corner;
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
 //    buttons, which take a click;
+//  - the runs and deployments lists fit their card at 1024x768, each row on one line;
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
@@ -60,7 +63,7 @@ async function readability(container) {
       minimap: root.querySelector(".react-flow__minimap") !== null,
     };
   });
-  return { zoom, ...seen };
+  return { zoom, ...seen, underMap: await nodesUnderMap(container) };
 }
 
 function expectReadable(where, r) {
@@ -69,6 +72,22 @@ function expectReadable(where, r) {
          `${where}: node titles in view ${JSON.stringify(r.titleHeights)}`);
   expect(r.inputsOut.length === 0, `${where}: inputs out of view ${r.inputsOut}`);
   expect(r.titleHeights.length === r.nodes || r.minimap, `${where}: part of the graph shown and no minimap`);
+  expect(r.underMap.length === 0, `${where}: fitted with nodes under the minimap: ${r.underMap}`);
+}
+
+/** The nodes shown whole in `container` that the minimap or its Hide button covers (one the canvas's
+ * edge cuts is part of the rest of the graph, which the map stands for). */
+function nodesUnderMap(container) {
+  return page.$eval(container, (root) => {
+    const c = root.getBoundingClientRect();
+    const covers = [root.querySelector(".react-flow__minimap"), root.querySelector(".minimap-toggle")]
+      .filter(Boolean).map((e) => e.getBoundingClientRect());
+    return [...root.querySelectorAll(".spec-node")].filter((n) => {
+      const r = n.getBoundingClientRect();
+      const shown = r.left >= c.left && r.right <= c.right && r.top >= c.top && r.bottom <= c.bottom;
+      return shown && covers.some((m) => r.right > m.left && r.left < m.right && r.bottom > m.top && r.top < m.bottom);
+    }).map((n) => n.dataset.testid);
+  });
 }
 
 const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
@@ -103,6 +122,29 @@ try {
     }
   }
 
+  await step("fit-to-view in the editor leaves the minimap's corner clear", async () => {
+    for (const [width, height] of [[1024, 768], [1440, 900]]) {
+      await page.setViewportSize({ width, height });
+      // image_generation's diffusion and vae nodes sat under the map at 1024x768 after the fit.
+      for (const name of ["image_generation", "omni_dialogue", "diamond"]) {
+        await openWorkflow(name);
+        const canvas = tid("canvas");
+        const opened = await readability(canvas);
+        expectReadable(`${name} opened at ${width}x${height}`, opened);
+        expect(opened.minimap, `${name}: the editor draws its minimap`);
+        // Zoomed in, then fitted again with the fit-view control: the same view, clear of the map.
+        await page.click(`${canvas} .react-flow__controls-zoomin`);
+        await page.click(`${canvas} .react-flow__controls-zoomin`);
+        await settledZoom(canvas);
+        await page.click(`${canvas} .react-flow__controls-fitview`);
+        const fitted = await readability(canvas);
+        expectReadable(`${name} fitted at ${width}x${height}`, fitted);
+        expect(Math.abs(fitted.zoom - opened.zoom) < 1e-3, `${name}: fit-to-view gives the opening view: ${fitted.zoom}, ${opened.zoom}`);
+        if (name === "image_generation") await shot(`editor-fit-beside-map-${width}`);
+      }
+    }
+  });
+
   await step("a toast leaves the wide deploy dialog's buttons clear and clickable", async () => {
     await page.setViewportSize({ width: 1024, height: 768 });
     await openWorkflow("diamond");
@@ -136,6 +178,29 @@ try {
     await page.waitForSelector(tid("deployment-page"));
     await page.click(tid("deployment-stop"));
     await waitText(tid("deployment-page"), "stopped", 60_000);
+  });
+
+  await step("the runs and deployments lists fit their card at 1024 px, a row a line", async () => {
+    await page.setViewportSize({ width: 1024, height: 768 });
+    for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
+      await page.goto(`${BASE}${path}`);
+      await page.waitForSelector(tid(row));
+      const seen = await page.$eval(tid(card), (frame) => {
+        const scroller = frame.querySelector(".scroll-table-body");
+        return {
+          overflow: scroller.scrollWidth - scroller.clientWidth,
+          cue: frame.dataset.hiddenRight,
+          // A one-line row is ~47 px; a name, version pill or time that wraps made it ~67.
+          tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
+        };
+      });
+      expect(seen.overflow <= 1 && seen.cue === "false", `${path}: the table runs past its card: ${JSON.stringify(seen)}`);
+      expect(seen.tall.length === 0, `${path}: rows that wrap: ${seen.tall}`);
+      await shot(`${path.slice(1)}-1024`);
+    }
+    // A chat deployment's row says what a client names on /v1 (the deploy dialog made one of diamond: not chat).
+    expect((await page.locator(tid("deployment-serves")).allTextContents()).every((t) => t === "runs" || t.startsWith("OpenAI model ")),
+      "the Serves column reads 'runs' or 'OpenAI model <name>'");
   });
 
   await step("a newcomer draws a first workflow at 1024x768", async () => {

@@ -118,7 +118,8 @@ def test_cluster_page_history_tiers_and_range_in_chromium(live_studio: LiveStudi
 
         shots = run_script("metrics.e2e.mjs", live_studio, ARTIFACTS / "metrics", timeout_s=240,
                            env={"LLM_WORKER": llm["worker_id"]})
-        assert_shots(shots, ("cluster-tiers", "cluster-after-reload", "cluster-range-1h"))
+        assert_shots(shots, ("cluster-tiers", "cluster-after-reload", "cluster-range-1h", "cluster-workers-1024",
+                             "cluster-workers-1440"))
 
         # Prometheus sees the same series: every tier of the llm worker, its RSS; the dashboard's names
         request = urllib.request.Request(live_studio.url + "/metrics",

@@ -1,7 +1,8 @@
 /**
  * A uPlot time-series chart that follows its container's width and takes new data in place.
  * Its element says how many rows it holds and the time of the first (`data-points`,
- * `data-first`), and each series' latest value (`data-value` on `<testId>-<label>`).
+ * `data-first`), each series' latest value (`data-value` on `<testId>-<label>`), and its y axis's
+ * labels (`data-y-ticks` on `.chart-box`, "|"-separated: the axis itself is drawn on a canvas).
  */
 import { useEffect, useRef } from "react";
 import uPlot from "uplot";
@@ -95,8 +96,14 @@ export function LiveChart({
           size: 70,
           // A following top is a tick (see `niceScale`): its label sits level with the top of the plot.
           ...(following !== null ? { splits: () => ticksOf(following, scale) } : {}),
-          values: (_u, vals, _axis, _space, step) =>
-            vals.map((v) => (tickRef.current ? tickRef.current(v, step) : formatRef.current(v))),
+          values: (_u, vals, _axis, _space, step) => {
+            // uPlot's `step` is its own tick spacing, not that of the splits above: labelled with it, 0.5%
+            // steps read "0%, 1%, 1%, 2%, 2%".
+            const spacing = following !== null ? scale.step : step;
+            const labels = vals.map((v) => (tickRef.current ? tickRef.current(v, spacing) : formatRef.current(v)));
+            el.dataset.yTicks = labels.join("|"); // what the axis reads, drawn on a canvas: for the browser tests
+            return labels;
+          },
         },
       ],
       series: [

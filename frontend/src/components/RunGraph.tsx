@@ -2,11 +2,12 @@
  * A version's graph, read-only, painted with its nodes' run states. It opens as the editor does
  * (`useReadableFit`): whole when its titles stay legible, else its inputs with a minimap for the rest.
  */
-import { Background, BackgroundVariant, Controls, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
+import { Background, BackgroundVariant, ReactFlow, ReactFlowProvider, useNodesState } from "@xyflow/react";
 import { useEffect, useMemo, useRef } from "react";
 import type { EditorLayout, GraphSpec } from "../api/types";
 import { type NodeRunView, type SpecEdge, type SpecNode, specToDoc } from "../graph/model";
 import { useReadableFit } from "../hooks/useReadableFit";
+import { FlowControls } from "./FlowControls";
 import { FlowMiniMap } from "./FlowMiniMap";
 import { nodeTypes } from "./SpecNodeView";
 
@@ -28,7 +29,7 @@ export function RunGraph(props: RunGraphProps) {
 
 function RunGraphView({ spec, layout, states, onSelect, selected }: RunGraphProps) {
   const canvas = useRef<HTMLDivElement>(null);
-  const { fit, whole } = useReadableFit(canvas, true);
+  const { fit, whole } = useReadableFit(canvas, true, "when-partial");
   const base = useMemo(() => specToDoc(spec, layout ? { nodes: layout.nodes } : {}), [spec, layout]);
   // Controlled nodes keep what React Flow measured: run states update the nodes many times
   // a second, and a node object rebuilt without its size would be hidden until re-measured.
@@ -70,7 +71,7 @@ function RunGraphView({ spec, layout, states, onSelect, selected }: RunGraphProp
         onPaneClick={() => onSelect?.(null)}
       >
         <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#d5dae2" />
-        <Controls showInteractive={false} onFitView={() => fit(300)} />
+        <FlowControls onFit={() => fit(300)} />
         {whole === false && <FlowMiniMap nodeColor="#c7d2fe" />}
       </ReactFlow>
     </div>

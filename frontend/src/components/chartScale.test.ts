@@ -1,4 +1,5 @@
 import { describe, expect, it } from "vitest";
+import { percentTick } from "../api/cluster";
 import { byteUnit, niceScale, ticksOf } from "./chartScale";
 
 const MiB = 1024 ** 2;
@@ -40,5 +41,17 @@ describe("byteUnit", () => {
     expect(byteUnit(3 * 1024)).toBe(1024);
     expect(byteUnit(130 * MiB)).toBe(MiB);
     expect(byteUnit(2 * GiB)).toBe(GiB);
+  });
+});
+
+describe("a following axis's labels", () => {
+  it("are distinct when written with the scale's own step (occupancy at 1.6% read 0%, 1%, 1%, 2%, 2%)", () => {
+    for (const max of [0.004, 0.016, 0.0213, 0.08, 0.33, 0.97]) {
+      for (const ticks of [2, 3, 4, 6]) {
+        const scale = niceScale(max, ticks);
+        const labels = ticksOf(0, scale).map((v) => percentTick(v, scale.step));
+        expect(new Set(labels).size, `${max} over ${ticks} ticks: ${labels.join(", ")}`).toBe(labels.length);
+      }
+    }
   });
 });

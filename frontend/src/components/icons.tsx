@@ -34,6 +34,7 @@ const paths: Record<string, string> = {
   copy: "M9 9h11v11H9zM5 15H4V4h11v1",
   key: `${c(7, 15, 4)}M10 12l9-9M16 6l3 3M14 8l2 2`,
   panel: "M4 4h16v16H4zM9 4v16",
+  fit: "M4 9V4h5M15 4h5v5M20 15v5h-5M9 20H4v-5",
 };
 
 export type IconName = keyof typeof paths;

@@ -1,5 +1,18 @@
 import { describe, expect, it } from "vitest";
-import { EDGE_MARGIN, FIT_PADDING, FOCUS_MARGIN, LEGIBLE_ZOOM, MAX_FIT_ZOOM, readableViewport, showsWhole, union, wholeFitZoom } from "./viewport";
+import {
+  EDGE_MARGIN,
+  FIT_PADDING,
+  FOCUS_MARGIN,
+  LEGIBLE_ZOOM,
+  MAX_FIT_ZOOM,
+  type Rect,
+  coversCorner,
+  readableViewport,
+  readableViewportBesideMap,
+  showsWhole,
+  union,
+  wholeFitZoom,
+} from "./viewport";
 
 const canvas = { width: 800, height: 600 };
 
@@ -55,5 +68,107 @@ describe("the view a graph opens with", () => {
     expect(union([{ x: 0, y: 5, width: 10, height: 10 }, { x: -5, y: 0, width: 5, height: 30 }])).toEqual({
       x: -5, y: 0, width: 15, height: 30,
     });
+  });
+});
+
+describe("fit-to-view beside the minimap", () => {
+  const corner = { width: 160, height: 140 };
+  /** A row of `n` nodes 230x80, 300 apart, the last one `drop` px lower: a graph whose bottom right is a node. */
+  const row = (n: number, drop = 0): Rect[] =>
+    Array.from({ length: n }, (_, i) => ({ x: i * 300, y: i === n - 1 ? drop : 0, width: 230, height: 80 }));
+  const onScreen = (r: Rect, vp: { x: number; y: number; zoom: number }) => ({
+    left: vp.x + r.x * vp.zoom,
+    top: vp.y + r.y * vp.zoom,
+    right: vp.x + (r.x + r.width) * vp.zoom,
+    bottom: vp.y + (r.y + r.height) * vp.zoom,
+  });
+
+  it("finds a node in the map's corner, and only there", () => {
+    const vp = { x: 0, y: 0, zoom: 1 };
+    expect(coversCorner([{ x: 700, y: 500, width: 50, height: 50 }], vp, canvas, corner)).toBe(true);
+    expect(coversCorner([{ x: 600, y: 500, width: 39, height: 50 }], vp, canvas, corner)).toBe(false); // left of it
+    expect(coversCorner([{ x: 700, y: 400, width: 50, height: 59 }], vp, canvas, corner)).toBe(false); // above it
+    expect(coversCorner([{ x: 900, y: 500, width: 50, height: 50 }], vp, canvas, corner)).toBe(false); // off the canvas
+    expect(coversCorner([{ x: 700, y: 500, width: 150, height: 50 }], vp, canvas, corner)).toBe(false); // cut by its edge
+  });
+
+  it("keeps the plain fit when no node lies under the map", () => {
+    const nodes = row(2);
+    const all = union(nodes)!;
+    expect(readableViewportBesideMap(all, null, nodes, canvas, corner)).toEqual(readableViewport(all, null, canvas));
+  });
+
+  it("moves a whole view up just enough when its last node would lie under the map", () => {
+    const wide = { width: 900, height: 700 };
+    const nodes: Rect[] = [{ x: 0, y: 0, width: 230, height: 80 }, { x: 670, y: 520, width: 230, height: 80 }];
+    const all = union(nodes)!;
+    const plain = readableViewport(all, null, wide);
+    expect(coversCorner(nodes, plain, wide, corner)).toBe(true);
+    const vp = readableViewportBesideMap(all, null, nodes, wide, corner);
+    expect(vp.zoom).toBe(plain.zoom); // as large as the plain fit
+    expect(vp.x).toBe(plain.x);
+    expect(onScreen(nodes[1], vp).bottom).toBeCloseTo(wide.height - corner.height); // up to the map's top, no more
+    expect(coversCorner(nodes, vp, wide, corner)).toBe(false);
+    expect(showsWhole(all, vp, wide)).toBe(true);
+  });
+
+  it("fits the graph left of the map when no move clears it, if it stays whole and legible", () => {
+    const small = { width: 900, height: 660 };
+    const nodes: Rect[] = [{ x: 0, y: 0, width: 230, height: 80 }, { x: 570, y: 500, width: 230, height: 80 }];
+    const all = union(nodes)!;
+    const plain = readableViewport(all, null, small);
+    expect(coversCorner(nodes, plain, small, corner)).toBe(true);
+    const vp = readableViewportBesideMap(all, null, nodes, small, corner);
+    const left = readableViewport(all, null, { width: small.width - corner.width, height: small.height });
+    expect(vp).toEqual(left);
+    expect(vp.zoom).toBeLessThan(plain.zoom);
+    expect(vp.zoom).toBeGreaterThanOrEqual(LEGIBLE_ZOOM);
+    expect(coversCorner(nodes, vp, small, corner)).toBe(false);
+    expect(showsWhole(all, vp, small)).toBe(true);
+    const last = onScreen(nodes[1], vp);
+    expect(last.right).toBeLessThanOrEqual(small.width - corner.width);
+  });
+
+  it("keeps a whole graph whole rather than clear of the map", () => {
+    // As wide as the canvas allows at the legible zoom: neither beside the map nor above it is it whole.
+    const width = (canvas.width - 2 * EDGE_MARGIN) / LEGIBLE_ZOOM;
+    const nodes: Rect[] = [
+      { x: 0, y: 0, width: 230, height: 80 },
+      { x: width - 230, y: 600, width: 230, height: 80 },
+    ];
+    const all = union(nodes)!;
+    const plain = readableViewport(all, null, canvas);
+    expect(showsWhole(all, plain, canvas)).toBe(true);
+    expect(coversCorner(nodes, plain, canvas, corner)).toBe(true);
+    expect(readableViewportBesideMap(all, null, nodes, canvas, corner)).toEqual(plain);
+  });
+
+  it("leaves a whole view alone where the map is only drawn over partial ones (a run's graph)", () => {
+    const nodes = row(3, 320);
+    const all = union(nodes)!;
+    expect(readableViewportBesideMap(all, null, nodes, canvas, corner, false)).toEqual(readableViewport(all, null, canvas));
+  });
+
+  it("moves a partial view up when that clears the map and keeps its inputs in view", () => {
+    // Too wide to fit legibly: the view shows the inputs at the legible zoom, centred, with the rest to the right.
+    const wide = { width: 1300, height: 300 };
+    const inputs: Rect[] = [{ x: 0, y: 200, width: 230, height: 80 }];
+    const nodes: Rect[] = [...inputs, { x: 1450, y: 230, width: 230, height: 80 }, { x: 3000, y: 0, width: 230, height: 80 }];
+    const all = union(nodes)!;
+    const focus = union(inputs)!;
+    const plain = readableViewport(all, focus, wide);
+    expect(plain.zoom).toBe(LEGIBLE_ZOOM);
+    expect(coversCorner(nodes, plain, wide, corner)).toBe(true);
+    const vp = readableViewportBesideMap(all, focus, nodes, wide, corner);
+    expect(vp.zoom).toBe(LEGIBLE_ZOOM);
+    expect(vp.x).toBe(plain.x);
+    expect(onScreen(nodes[1], vp).bottom).toBeCloseTo(wide.height - corner.height);
+    expect(coversCorner(nodes, vp, wide, corner)).toBe(false);
+    expect(showsWhole(focus, vp, wide)).toBe(true); // the inputs still in view
+    // a canvas too short to keep the inputs in view and clear the map: the plain view stays
+    const short = { width: 1300, height: 200 };
+    const tight = readableViewport(all, focus, short);
+    expect(coversCorner(nodes, tight, short, corner)).toBe(true);
+    expect(readableViewportBesideMap(all, focus, nodes, short, corner)).toEqual(tight);
   });
 });

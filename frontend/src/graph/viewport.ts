@@ -20,6 +20,11 @@ export interface Rect {
   height: number;
 }
 
+export interface Size {
+  width: number;
+  height: number;
+}
+
 export interface Viewport {
   x: number;
   y: number;
@@ -70,6 +75,62 @@ export function showsWhole(all: Rect, viewport: Viewport, canvas: { width: numbe
   const slack = 0.5; // rounding
   return left >= -slack && top >= -slack && left + all.width * viewport.zoom <= canvas.width + slack &&
     top + all.height * viewport.zoom <= canvas.height + slack;
+}
+
+/**
+ * Whether a node of `nodes` (flow coordinates) that `viewport` shows whole lies in the `corner` of
+ * the canvas's bottom right. A node the canvas's edge cuts is part of the rest of the graph, which
+ * the minimap stands for.
+ */
+export function coversCorner(nodes: Rect[], viewport: Viewport, canvas: Size, corner: Size): boolean {
+  const left = canvas.width - corner.width;
+  const top = canvas.height - corner.height;
+  return nodes.some((n) => {
+    const x = viewport.x + n.x * viewport.zoom;
+    const y = viewport.y + n.y * viewport.zoom;
+    const right = x + n.width * viewport.zoom;
+    const bottom = y + n.height * viewport.zoom;
+    const shown = x >= 0 && y >= 0 && right <= canvas.width && bottom <= canvas.height;
+    return shown && right > left && bottom > top;
+  });
+}
+
+/**
+ * The readable view (`readableViewport`) with no node of `nodes` that it shows whole under the
+ * minimap, which covers `corner` in the canvas's bottom right. When the plain view puts a node there, the first of these
+ * that clears the corner is taken: the same view moved up or left just enough (the smaller move),
+ * else the graph fitted into the canvas left of the map or above it (the larger zoom). Each must
+ * keep in view what the plain view shows whole (the graph, or its focus): legibility comes first,
+ * and where nothing clears the corner the plain view stays (the map's Hide button clears it then).
+ * With `mapWhenWhole` false the map is only drawn over a partial view, so a whole view makes no room for it.
+ */
+export function readableViewportBesideMap(
+  all: Rect,
+  focus: Rect | null,
+  nodes: Rect[],
+  canvas: Size,
+  corner: Size,
+  mapWhenWhole = true,
+): Viewport {
+  const plain = readableViewport(all, focus, canvas);
+  const whole = showsWhole(all, plain, canvas);
+  if ((whole && !mapWhenWhole) || !coversCorner(nodes, plain, canvas, corner)) return plain;
+  const kept = whole ? all : focus && showsWhole(focus, plain, canvas) ? focus : null;
+  const clear = (vp: Viewport) =>
+    (!kept || showsWhole(kept, vp, canvas)) && !coversCorner(nodes, vp, canvas, corner);
+  const covered = nodes.filter((n) => coversCorner([n], plain, canvas, corner));
+  const below = Math.max(...covered.map((n) => plain.y + (n.y + n.height) * plain.zoom)) - (canvas.height - corner.height);
+  const right = Math.max(...covered.map((n) => plain.x + (n.x + n.width) * plain.zoom)) - (canvas.width - corner.width);
+  const moves = [{ ...plain, y: plain.y - below }, { ...plain, x: plain.x - right }]
+    .filter(clear)
+    .sort((a, b) => Math.abs(a.x - plain.x) + Math.abs(a.y - plain.y) - (Math.abs(b.x - plain.x) + Math.abs(b.y - plain.y)));
+  if (moves.length > 0) return moves[0];
+  const refits = [
+    readableViewport(all, focus, { width: canvas.width - corner.width, height: canvas.height }),
+    readableViewport(all, focus, { width: canvas.width, height: canvas.height - corner.height }),
+  ].filter(clear);
+  if (refits.length === 0) return plain;
+  return refits.reduce((best, vp) => (vp.zoom > best.zoom ? vp : best));
 }
 
 /** The smallest rectangle holding every one of `rects` (null for none). */

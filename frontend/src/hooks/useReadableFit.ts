@@ -1,12 +1,14 @@
 /**
  * Fit a React Flow view (the editor's canvas, a run's graph) to its graph without going below a
- * legible zoom (`graph/viewport.ts`). Call it inside the view's ReactFlowProvider.
+ * legible zoom, and with no node under the minimap in the bottom-right corner where that can be
+ * had (`graph/viewport.ts`). Call it inside the view's ReactFlowProvider.
  */
 import { useNodesInitialized, useReactFlow } from "@xyflow/react";
 import { type RefObject, useCallback, useEffect, useRef, useState } from "react";
 import type { SpecEdge, SpecNode } from "../graph/model";
 import { NODE_WIDTH } from "../graph/layout";
-import { readableViewport, showsWhole } from "../graph/viewport";
+import { MINIMAP_CORNER } from "../components/FlowMiniMap";
+import { readableViewportBesideMap, showsWhole } from "../graph/viewport";
 
 export interface ReadableFit {
   /** Show the whole graph when its titles stay legible, else its inputs (or its leftmost nodes) at the legible zoom. */
@@ -15,11 +17,18 @@ export interface ReadableFit {
   whole: boolean | null;
 }
 
+/** When the view draws its minimap: always (the editor), or only over a view that shows part of the graph (a run's). */
+export type MinimapShown = "always" | "when-partial";
+
 /**
  * `canvas` is the element the view fills. Once the first nodes are measured, it fits by itself when
  * `initial` says so (a graph opened without a saved view, or with one too small to read).
  */
-export function useReadableFit(canvas: RefObject<HTMLDivElement | null>, initial: boolean): ReadableFit {
+export function useReadableFit(
+  canvas: RefObject<HTMLDivElement | null>,
+  initial: boolean,
+  minimap: MinimapShown,
+): ReadableFit {
   const flow = useReactFlow<SpecNode, SpecEdge>();
   const measured = useNodesInitialized();
   const done = useRef(false);
@@ -35,11 +44,14 @@ export function useReadableFit(canvas: RefObject<HTMLDivElement | null>, initial
         focus = nodes.filter((n) => n.position.x < left + NODE_WIDTH);
       }
       const all = flow.getNodesBounds(nodes);
-      const viewport = readableViewport(all, flow.getNodesBounds(focus), box);
+      // Hidden, the map is a button away: its corner is kept clear either way, so showing it covers nothing.
+      const rects = nodes.map((n) => flow.getNodesBounds([n]));
+      const viewport = readableViewportBesideMap(all, flow.getNodesBounds(focus), rects, box, MINIMAP_CORNER,
+        minimap === "always");
       flow.setViewport(viewport, { duration });
       setWhole(showsWhole(all, viewport, box));
     },
-    [flow, canvas],
+    [flow, canvas, minimap],
   );
   useEffect(() => {
     if (!measured || done.current) return;

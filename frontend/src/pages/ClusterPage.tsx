@@ -29,6 +29,7 @@ import {
 } from "../api/metrics";
 import { byteUnit } from "../components/chartScale";
 import { type ChartSeries, LiveChart } from "../components/LiveChart";
+import { ScrollTable } from "../components/ScrollTable";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatBytes } from "../components/ui";
 import { NodesPanel } from "../nodes/NodesPanel";
 import "./cluster.css";
@@ -239,18 +240,18 @@ export function ClusterPage() {
       {workers && (
         <>
           <NodesPanel workers={workers} />
-          <div className="card">
-            <table className="table" data-testid="workers-table">
+          <ScrollTable className="workers-card" testId="workers-card">
+            <table className="table workers-table" data-testid="workers-table">
               <thead>
                 <tr>
                   <th>Worker</th>
                   <th>Role</th>
                   <th>Model</th>
-                  <th>Device</th>
+                  <th className="wide-only">Device</th>
                   <th>State</th>
                   <th className="right">Load</th>
                   <th className="right">KV hits (device)</th>
-                  <th className="right">Heartbeat</th>
+                  <th className="right wide-only">Heartbeat</th>
                 </tr>
               </thead>
               <tbody>
@@ -261,40 +262,55 @@ export function ClusterPage() {
                     </td>
                   </tr>
                 )}
-                {workers.map((w) => (
-                  <tr
-                    key={w.info.worker_id}
-                    data-testid="worker-row"
-                    data-role={w.info.role}
-                    data-heartbeat={w.last_heartbeat}
-                  >
-                    <td className="mono small worker-cell">
-                      <div className="worker-id" title={w.info.worker_id}>
-                        {w.info.worker_id}
-                      </div>
-                      <div className="muted worker-id" title={w.info.host || w.info.address}>
-                        {w.info.host || w.info.address}
-                      </div>
-                    </td>
-                    <td>{w.info.role}</td>
-                    <td>{w.info.model ?? <span className="muted">—</span>}</td>
-                    <td>{w.info.device}</td>
-                    <td>
-                      <StatusBadge status={w.status ?? (w.load.busy ? "busy" : "ready")} />
-                    </td>
-                    <td className="right small">
-                      {w.load.outstanding}/{w.info.capacity}
-                      {w.load.queue_depth ? <span className="muted"> ({w.load.queue_depth} queued)</span> : null}
-                    </td>
-                    <td className="right small">
-                      <KvHits worker={w} />
-                    </td>
-                    <td className="right muted small">{Math.max(0, Math.round(Date.now() / 1000 - w.last_heartbeat))} s ago</td>
-                  </tr>
-                ))}
+                {workers.map((w) => {
+                  const beat = `${Math.max(0, Math.round(Date.now() / 1000 - w.last_heartbeat))} s ago`;
+                  return (
+                    <tr
+                      key={w.info.worker_id}
+                      data-testid="worker-row"
+                      data-role={w.info.role}
+                      data-heartbeat={w.last_heartbeat}
+                    >
+                      <td className="mono small worker-cell">
+                        <div className="worker-id" title={w.info.worker_id}>
+                          {w.info.worker_id}
+                        </div>
+                        <div className="muted worker-id" title={w.info.host || w.info.address}>
+                          {w.info.host || w.info.address}
+                        </div>
+                      </td>
+                      <td>
+                        {w.info.role}
+                        <div className="muted small narrow-only" title="Device">
+                          {w.info.device}
+                        </div>
+                      </td>
+                      <td className="nowrap">
+                        <span className="worker-model" title={w.info.model ?? undefined}>
+                          {w.info.model ?? <span className="muted">—</span>}
+                        </span>
+                      </td>
+                      <td className="wide-only">{w.info.device}</td>
+                      <td>
+                        <StatusBadge status={w.status ?? (w.load.busy ? "busy" : "ready")} />
+                        <div className="muted small narrow-only" title="Last heartbeat">
+                          seen {beat}
+                        </div>
+                      </td>
+                      <td className="right small nowrap">
+                        {w.load.outstanding}/{w.info.capacity}
+                        {w.load.queue_depth ? <span className="muted"> ({w.load.queue_depth} queued)</span> : null}
+                      </td>
+                      <td className="right small nowrap">
+                        <KvHits worker={w} />
+                      </td>
+                      <td className="right muted small wide-only">{beat}</td>
+                    </tr>
+                  );
+                })}
               </tbody>
             </table>
-          </div>
+          </ScrollTable>
           <div className="muted small source-note">
             {source === "websocket" ? "Live over /ws/metrics/" : "Refreshed every 2 s from /api/workers/"} · the last{" "}
             {range.label} kept by the studio · averages across workers for rates, sums for memory and throughput

@@ -4,6 +4,7 @@ import { Link, useNavigate } from "react-router-dom";
 import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { ACTIVE_STATUSES } from "../api/deployments";
+import { ScrollTable } from "../components/ScrollTable";
 import { EmptyState, ErrorBox, Spinner, StatusBadge, formatTime } from "../components/ui";
 
 type Row = Deployment & { workflow_name?: string; chat?: boolean };
@@ -52,7 +53,7 @@ export function DeploymentsPage() {
         </EmptyState>
       )}
       {sorted && sorted.length > 0 && (
-        <div className="card">
+        <ScrollTable testId="deployments-card">
           <table className="table clickable" data-testid="deployments-table">
             <thead>
               <tr>
@@ -77,7 +78,7 @@ export function DeploymentsPage() {
                       {d.name}
                     </Link>
                   </td>
-                  <td>
+                  <td className="nowrap">
                     {d.workflow ? (
                       <Link to={`/workflows/${d.workflow}`} onClick={(e) => e.stopPropagation()}>
                         {d.workflow_name ?? "workflow"}
@@ -90,13 +91,22 @@ export function DeploymentsPage() {
                   <td>
                     <StatusBadge status={d.status} />
                   </td>
-                  <td className="small">{d.chat ? <code>/v1 · model “{d.name}”</code> : <span className="muted">runs</span>}</td>
-                  <td className="muted small">{formatTime(d.created_at)}</td>
+                  <td className="small" data-testid="deployment-serves">
+                    {d.chat ? (
+                      // What a client names on /v1: the label and the name each keep one line.
+                      <>
+                        <span className="muted nowrap">OpenAI model</span> <code className="nowrap">{d.name}</code>
+                      </>
+                    ) : (
+                      <span className="muted">runs</span>
+                    )}
+                  </td>
+                  <td className="muted small nowrap">{formatTime(d.created_at)}</td>
                 </tr>
               ))}
             </tbody>
           </table>
-        </div>
+        </ScrollTable>
       )}
     </div>
   );

@@ -8,7 +8,6 @@ import {
   Background,
   BackgroundVariant,
   type Connection,
-  Controls,
   type EdgeChange,
   type FinalConnectionState,
   type NodeChange,
@@ -22,6 +21,7 @@ import { Link, useNavigate, useParams } from "react-router-dom";
 import { type ApiError, describeError } from "../api/client";
 import { catalogue, validateSpec, workflows } from "../api/studio";
 import type { GraphSpec, Issue, ModelInfo, NodeKind, OpInfo, RoleKind, RoleSpec, Version, Workflow } from "../api/types";
+import { FlowControls } from "../components/FlowControls";
 import { FlowMiniMap } from "../components/FlowMiniMap";
 import { Icon } from "../components/icons";
 import { nodeTypes } from "../components/SpecNodeView";
@@ -329,7 +329,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const canvasRef = useRef<HTMLDivElement>(null);
   // A saved view too far out to read opens fitted readably instead.
   const savedView = version?.layout.viewport && version.layout.viewport.zoom >= LEGIBLE_ZOOM ? version.layout.viewport : undefined;
-  const { fit } = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0);
+  const { fit } = useReadableFit(canvasRef, !savedView && initial.nodes.length > 0, "always");
   const layout = useCallback(() => {
     history.commit((d) => ({ ...d, nodes: autoLayout(d.nodes, d.edges) }));
     window.setTimeout(() => fit(300), 50);
@@ -576,7 +576,7 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
             connectionRadius={28}
           >
             <Background variant={BackgroundVariant.Dots} gap={18} size={1.2} color="#cfd5de" />
-            <Controls showInteractive={false} onFitView={() => fit(300)} />
+            <FlowControls onFit={() => fit(300)} />
             {doc.nodes.length > 0 && <FlowMiniMap nodeColor={(n) => (n.data.issues?.length ? "#fca5a5" : "#c7d2fe")} />}
             {hint && (
               <Panel position="top-center">

@@ -9,6 +9,7 @@ import { Link, useNavigate, useSearchParams } from "react-router-dom";
 import { ApiError, describeError } from "../api/client";
 import { runs, workflows } from "../api/studio";
 import { type Page, RUN_STATUSES, type Run, type Workflow } from "../api/types";
+import { ScrollTable } from "../components/ScrollTable";
 import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, formatTime } from "../components/ui";
 import { deploymentLabel } from "../run/target";
@@ -116,7 +117,7 @@ export function RunsPage() {
         </EmptyState>
       )}
       {data && data.results.length > 0 && (
-        <div className="card">
+        <ScrollTable testId="runs-card">
           <table className="table clickable" data-testid="runs-table">
             <thead>
               <tr>
@@ -137,7 +138,7 @@ export function RunsPage() {
                       {r.id.slice(0, 8)}
                     </Link>
                   </td>
-                  <td>
+                  <td className="nowrap">
                     {r.workflow_name} <span className="pill">v{r.version}</span>
                   </td>
                   <td className="small" data-testid="run-deployment">
@@ -182,7 +183,7 @@ export function RunsPage() {
               ))}
             </tbody>
           </table>
-        </div>
+        </ScrollTable>
       )}
       {data && (data.next || data.previous) && (
         <div className="pager">
