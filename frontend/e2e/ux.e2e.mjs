@@ -110,13 +110,14 @@ try {
     });
     writeFileSync(join(ART, "deploy-workers.json"), JSON.stringify({ seen, workers }, null, 2));
     expect(seen.includes("llm:starting") && seen.includes("llm:ready"), `the workers filled in live: ${seen}`);
-    // The llm worker's own row was there while it started (its process spawned, not yet
-    // registered), and the same row then went ready: not only a placeholder before it.
+    // One llm worker row, which went ready and never failed. Whether the dialog's poll caught that
+    // very row starting (its process spawned, not yet registered) depends on how fast the worker
+    // registers: a warm fork server can beat one poll. The role's starting state was seen above.
     const llm = Object.entries(workers).filter(([key]) => key.startsWith("llm "));
     expect(llm.length === 1, `one llm worker row: ${JSON.stringify(workers)}`);
     const [, states] = llm[0];
-    expect(states[0] === "starting" && states.at(-1) === "ready" && !states.includes("failed"),
-      `the llm worker's row went starting, then ready: ${JSON.stringify(workers)}`);
+    expect(["starting", "ready"].includes(states[0]) && states.at(-1) === "ready" && !states.includes("failed"),
+      `the llm worker's row went (starting, then) ready: ${JSON.stringify(workers)}`);
     model = (await page.textContent(tid("endpoint-model"))).trim();
     expect(model === "chat", `the deployment is named ${model}`);
     expect((await page.textContent(tid("endpoint-base-url"))).trim() === `${BASE}/v1`, "the base URL is this studio's /v1");
