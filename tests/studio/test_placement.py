@@ -208,6 +208,18 @@ def test_a_lost_nodes_replicas_move_or_wait_for_room(nodes: Nodes, api: Any) -> 
                                                "reason": f"node {a} lost"}
 
 
+def running_on(api: Any, node: str) -> tuple[dict[str, Any], str]:
+    """A running deployment of one 1-CPU python replica, placed on `node`, with its live worker
+    row there: the deployment and its worker id."""
+    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    assert slots(d) == [("py", 0, node)]
+    Deployment.objects.filter(pk=d["id"]).update(status="running")
+    worker = f"py-{node}-1"
+    records.add_workers(d["id"], [records.StartedWorker(worker, "py", "tcp://10.0.0.1:1", node, 999_999)])
+    return d, worker
+
+
 def on_agents(nodes: Nodes, api: Any, ttl_s: float) -> tuple[dict[str, NodeAnnouncer], dict[str, Any], str]:
     """Nodes a (1 CPU) and b (2 CPUs), each announced by its agent once; a running deployment whose
     one replica is on b, with its live worker row there: the agents, the deployment, its worker."""
@@ -215,12 +227,7 @@ def on_agents(nodes: Nodes, api: Any, ttl_s: float) -> tuple[dict[str, NodeAnnou
     for agent in agents.values():
         agent.announce()
     b = agents["b"].config.node_name
-    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
-    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
-    assert slots(d) == [("py", 0, b)]
-    Deployment.objects.filter(pk=d["id"]).update(status="running")
-    worker = f"py-{b}-1"
-    records.add_workers(d["id"], [records.StartedWorker(worker, "py", "tcp://10.0.0.1:1", b, 999_999)])
+    d, worker = running_on(api, b)
     return agents, d, worker
 
 
@@ -314,12 +321,7 @@ def test_a_node_placed_before_heartbeats_were_kept_survives_every_flush(nodes: N
     agent_a = nodes.agent("a", cpus=1, ttl_s=30)
     agent_a.announce()
     a, b = agent_a.config.node_name, nodes.up("b", cpus=2)
-    wf = create_workflow(api, spec({"resources": {"cpus": 1}}))
-    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
-    assert slots(d) == [("py", 0, b)]
-    Deployment.objects.filter(pk=d["id"]).update(status="running")
-    worker = f"py-{b}-1"
-    records.add_workers(d["id"], [records.StartedWorker(worker, "py", "tcp://10.0.0.1:1", b, 999_999)])
+    d, worker = running_on(api, b)
     assert not NodeHeartbeat.objects.filter(name=b).exists()
     before = Deployment.objects.get(pk=d["id"])
     for _ in range(2):
