@@ -1,6 +1,6 @@
 /** A GraphSpec node on the canvas: typed port handles, badges, issues, and its run state. */
-import { Handle, type NodeProps, Position } from "@xyflow/react";
-import { memo } from "react";
+import { Handle, type NodeProps, Position, useUpdateNodeInternals } from "@xyflow/react";
+import { memo, useEffect } from "react";
 import type { PortSpec } from "../api/types";
 import { issuePorts } from "../graph/issues";
 import type { SpecNode } from "../graph/model";
@@ -44,6 +44,12 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
   const inputs = Object.entries(spec.inputs ?? {});
   const outputs = Object.entries(spec.outputs ?? {});
   const rows = Math.max(inputs.length, outputs.length);
+  // React Flow measures a node's handles when the node resizes; a port renamed in place (a python
+  // node's `x` becoming its op's `name`) keeps the size, so its edges would wait on a handle it never
+  // measured. Re-measure whenever the port names change.
+  const updateNodeInternals = useUpdateNodeInternals();
+  const handleKey = `${inputs.map(([name]) => name).join(",")}|${outputs.map(([name]) => name).join(",")}`;
+  useEffect(() => updateNodeInternals(id), [id, handleKey, updateNodeInternals]);
   const badPorts = issuePorts(issues);
   const classes = ["spec-node", `cat-${spec.kind === "input" || spec.kind === "output" ? "io" : spec.role ? "role" : "exec"}`];
   if (selected) classes.push("selected");
