@@ -380,8 +380,10 @@ class _Server:
     def serve(self, preloaded: list[str]) -> None:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.send(ZygoteReadyEvent(os.getpid(), preloaded))
         try:
+            # A launcher that gave up while the zygote imported has closed the channel: the
+            # zygote then has no one to serve and exits like any other closed channel.
+            self.send(ZygoteReadyEvent(os.getpid(), preloaded))
             while True:
                 readable, _, _ = select.select([self.sock, self.wake_r], [], [])
                 if self.wake_r in readable:

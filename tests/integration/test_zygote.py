@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -251,3 +252,20 @@ async def test_a_spawn_passes_its_inherited_descriptor_by_the_number_the_child_h
         unbound.close()
         await zygote.close(5.0)
     assert re.search(r"--tp-listen-fd \d+: not an open, listening TCP socket", capfd.readouterr().err)
+
+
+def test_a_zygote_whose_launcher_is_gone_before_it_is_ready_exits_quietly():
+    """A launcher that gives up while the zygote imports (a deployment stopped during its start)
+    has closed the channel: the zygote's ready event finds no reader, and it exits 0 without a
+    traceback on the studio's log."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.close()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.worker.zygote", "--control-fd", str(theirs.fileno()),
+             "--parent-pid", str(os.getpid())],
+            pass_fds=[theirs.fileno()], capture_output=True, text=True, timeout=60, check=False,
+        )
+    finally:
+        theirs.close()
+    assert (done.returncode, done.stderr) == (0, "")
