@@ -25,6 +25,7 @@ from studio.workflows.paths import (
     spec_path_issues,
     without_roots,
 )
+from studio.workflows.runs.outputs import ServerPaths
 from tests.studio.factories import create_workflow
 from tests.studio.limits import configured, llm_spec, python_spec
 
@@ -214,6 +215,55 @@ def test_outputs_reach_the_user_as_run_files_not_server_paths(api, other_api, us
     assert written.read_text() == "hello"
     assert json.dumps(detail).count(text["$file"]) >= 1
     assert not os.path.exists(Path.cwd() / "omniflow-out" / run["id"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_output_naming_another_users_file_through_dotdot_is_not_read(api, user, other_user) -> None:
+    """An output string is read as a file only where it names one in its owner's folder the way a
+    name resolves there (`resolve_under`): `<own folder>/../<other's id>/secret.txt`, passed from
+    the user's own input to the workflow's output, begins with the owner's folder but is not stored as a run
+    file, and the other user's bytes never reach the run."""
+    users = engine().config.users_root
+    (users / str(other_user.pk)).mkdir(parents=True, exist_ok=True)
+    (users / str(other_user.pk) / "secret.txt").write_text("bob's secret")
+    (users / str(user.pk)).mkdir(parents=True, exist_ok=True)
+    attack = f"{users}/{user.pk}/../{other_user.pk}/secret.txt"
+    spec = python_spec()
+    spec["nodes"] = [spec["nodes"][0], spec["nodes"][2]]
+    spec["roles"], spec["edges"] = [], [{"source": "text", "source_port": "value", "target": "result", "target_port": "value"}]
+    wf = create_workflow(api, spec)
+    run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": attack}}, format="json").json()
+    engine().runs.wait(run["id"])
+    detail = api.get(f"/api/runs/{run['id']}/").json()
+    assert detail["status"] == "done", detail
+    assert not RunFile.objects.filter(run_id=run["id"], role="output").exists()
+    assert detail["outputs"]["result"] == f"../{other_user.pk}/secret.txt"
+    assert "bob's secret" not in json.dumps([detail, api.get(f"/api/runs/{run['id']}/events/").json()])
+
+
+def test_server_paths_store_only_regular_files_that_resolve_in_the_owners_folder(tmp_path: Path) -> None:
+    """`ServerPaths.hide` saves a file only through the owner's folder: not through `..`, not
+    through a link in it (to another user's folder or out of the root), not a link itself."""
+    root = tmp_path / "users"
+    mine, theirs = root / "7", root / "8"
+    (mine / "out").mkdir(parents=True)
+    theirs.mkdir()
+    (mine / "out" / "reply.txt").write_text("mine")
+    (theirs / "secret.txt").write_text("theirs")
+    (mine / "linked").symlink_to(theirs)
+    (mine / "out" / "alias.txt").symlink_to(theirs / "secret.txt")
+    saved: list[str] = []
+
+    def save(name: str, path: Path) -> dict[str, str]:
+        saved.append(path.read_text())
+        return {"$file": name}
+
+    hide = ServerPaths(mine, save).hide
+    assert hide(f"{mine}/out/reply.txt") == {"$file": "out/reply.txt"}
+    assert hide(f"{mine}/../8/secret.txt") == "../8/secret.txt"
+    assert hide(f"{mine}/linked/secret.txt") == "linked/secret.txt"
+    assert hide(f"{mine}/out/alias.txt") == "out/alias.txt"
+    assert saved == ["mine"]
 
 
 @pytest.mark.django_db

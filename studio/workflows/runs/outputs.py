@@ -5,7 +5,8 @@ are server paths below the owner's folder (`studio.workflows.paths`). `ServerPat
 a value about to be stored or sent (a node output, the run's outputs, an error message) and
 replaces every such path: a file becomes a run file of the run (`{"$file", "url", "name"}`,
 downloaded by its owner only through the API), a folder or a path that is gone its name
-relative to the user's folder.
+relative to the user's folder. Only a name that resolves in that folder is read (`resolve_under`:
+no `..`, no link on the way): a value beginning with the folder's path may still point elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from studio.workflows.paths import server_path_name
+from studio.workflows.paths import resolve_under, server_path_name
 
 SaveFile = Callable[[str, Path], dict[str, Any]]
 """Stores the file at the path as a run file named by the str (once); returns its reference."""
@@ -47,7 +48,12 @@ class ServerPaths:
         name = server_path_name(value, self.root)
         if name is None:
             return self.hide_in_text(value)
-        path = Path(value)
-        if path.is_file() and not path.is_symlink():
+        # Read only what the name reaches the way a name resolves in the owner's folder: a string
+        # beginning with the folder may still climb out of it (`..`) or pass through a link.
+        try:
+            path = resolve_under(self.root, name)
+        except ValueError:
+            return name
+        if path.is_file():
             return self._save(name, path)
         return name
