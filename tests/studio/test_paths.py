@@ -266,6 +266,22 @@ def test_server_paths_store_only_regular_files_that_resolve_in_the_owners_folder
     assert saved == ["mine"]
 
 
+def test_paths_a_run_wrote_on_another_nodes_root_read_as_names_and_are_not_read(tmp_path: Path) -> None:
+    """A role worker on another node writes under that node's users root: its paths in the run's
+    values are shown as names in the owner's folder there, and nothing is read through them (the
+    file lies on that machine's disk), whatever this machine holds at that path."""
+    here, there = tmp_path / "here" / "7", tmp_path / "there" / "7"
+    (there / "out").mkdir(parents=True)
+    (there / "out" / "reply.txt").write_text("on the other node")
+    saved: list[Path] = []
+    paths = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name}, elsewhere=[there, here])
+    assert paths.hide({"dir": f"{there}/out", "files": [f"{there}/out/reply.txt"]}) == {
+        "dir": "out", "files": ["out/reply.txt"]}
+    assert paths.hide_in_text(f"cannot write {there}/out/x and {here}/y") == "cannot write out/x and y"
+    assert paths.hide(f"{tmp_path}/there/8/secret.txt") == f"{tmp_path}/there/8/secret.txt"
+    assert saved == []
+
+
 @pytest.mark.django_db
 def test_a_deployment_whose_path_became_a_link_fails_instead_of_starting(api, user) -> None:
     wf = create_workflow(api, llm_spec(role={"params": {"disk_path": "kv", "disk_pages": 8}}))

@@ -7,6 +7,7 @@ run worker's writes under its own (the run's folder names travel as names, `engi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 from pathlib import Path
@@ -170,6 +171,10 @@ def test_a_role_worker_writes_under_its_own_nodes_root_not_the_run_workers(tmp_p
             run = Run.objects.get(pk=run_id)
             assert run.executed_on == [runner.node]
             assert (homes["host"] / "outputs" / run_id / "reply.txt").read_text() == "hello"
+            # What the host wrote reads as names in the owner's folder, not the host's server paths.
+            shown = [api.get(f"/api/runs/{run_id}/").json(), api.get(f"/api/runs/{run_id}/events/").json()]
+            assert str(tmp_path) not in json.dumps(shown)
+            assert shown[0]["outputs"]["result"]["files"] == {"text": f"outputs/{run_id}/reply.txt"}
             assert not (homes["runner"] / "outputs").exists()
             assert not list((tmp_path / "runner").rglob(run_id))
 

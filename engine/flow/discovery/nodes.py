@@ -60,6 +60,10 @@ class NodeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seen_at: float = 0.0
     """Wall-clock time of this announcement."""
     ttl_s: float = 0.0
+    users_root: str = ""
+    """Where the node's processes keep their owners' folders (`<its data dir>/users`): the studio
+    reads it to hide paths a run's nodes wrote there (`studio.workflows.runs.outputs`); the nodes
+    list never shows it."""
 
     @property
     def gpu_memory_gb(self) -> float:

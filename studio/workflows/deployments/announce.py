@@ -79,7 +79,8 @@ class NodeAnnouncer:
         return NodeRecord(name=self.config.node_name, address=node_address(self.config), total=self.total,
                           free=self.total - self._taken, gpus=self.gpus, labels=dict(self.config.node.labels),
                           hosting=self._hosting, agent_pid=os.getpid(), started_at=self.started_at,
-                          seen_at=time.time(), ttl_s=self.config.node.ttl_s)
+                          seen_at=time.time(), ttl_s=self.config.node.ttl_s,
+                          users_root=str(self.config.users_root))
 
     def announce(self) -> None:
         """Announce the node once, and keep the heartbeat on its row (the thread of `start` does

@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 from django.db.models import BooleanField, ExpressionWrapper, Q
@@ -88,6 +89,17 @@ def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: flo
             ttl_s, lapsed = default_ttl_s, remembered_s >= default_ttl_s
         (lost if lapsed and redis_up_s >= ttl_s else unknown).add(name)
     return Liveness(live, frozenset(lost), frozenset(unknown))
+
+
+def users_roots() -> list[Path]:
+    """Every users root a node announced (its last record's, lapsed or not: a run's nodes may have
+    run on a node lost since), each once."""
+    roots: dict[Path, None] = {}
+    for raw in NodeHeartbeat.objects.filter(record__isnull=False).values_list("record", flat=True):
+        record = msgspec.convert(raw, NodeRecord)
+        if record.users_root:
+            roots[Path(record.users_root)] = None
+    return list(roots)
 
 
 def kept(known: Collection[str]) -> list[NodeRecord]:

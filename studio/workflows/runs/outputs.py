@@ -12,7 +12,7 @@ no `..`, no link on the way): a value beginning with the folder's path may still
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,15 @@ SaveFile = Callable[[str, Path], dict[str, Any]]
 
 
 class ServerPaths:
-    """Hides the server paths below one user's folder in the values of one run."""
+    """Hides the server paths below one user's folder in the values of one run: the folder on this
+    machine (`user_root`), and the user's folders on the other nodes (`elsewhere`), where the run's
+    role workers wrote under their own data dir. A file there is on another machine's disk: its
+    name is shown, nothing is read."""
 
-    def __init__(self, user_root: Path, save: SaveFile) -> None:
+    def __init__(self, user_root: Path, save: SaveFile, elsewhere: Sequence[Path] = ()) -> None:
         self.root = user_root
         self.prefix = str(user_root) + os.sep
+        self.elsewhere = [root for root in elsewhere if root != user_root]
         self._save = save
 
     def hide(self, value: Any) -> Any:
@@ -41,12 +45,20 @@ class ServerPaths:
         return value
 
     def hide_in_text(self, text: str) -> str:
-        """A message with the user's folder cut out of the paths it mentions."""
-        return text.replace(self.prefix, "") if text else text
+        """A message with the user's folders cut out of the paths it mentions."""
+        if not text:
+            return text
+        for root in self.elsewhere:
+            text = text.replace(str(root) + os.sep, "")
+        return text.replace(self.prefix, "")
 
     def _string(self, value: str) -> Any:
         name = server_path_name(value, self.root)
         if name is None:
+            for root in self.elsewhere:
+                name = server_path_name(value, root)
+                if name is not None:
+                    return name
             return self.hide_in_text(value)
         # Read only what the name reaches the way a name resolves in the owner's folder: a string
         # beginning with the folder may still climb out of it (`..`) or pass through a link.

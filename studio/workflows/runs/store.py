@@ -47,6 +47,7 @@ from engine.client.runs import (
 from engine.client.runs import RunEvent as EngineEvent
 from studio.dbcalls import orm
 from studio.workflows.apps import engine
+from studio.workflows.deployments import liveness
 from studio.workflows.models import (
     FileRole,
     NodeRun,
@@ -250,7 +251,9 @@ def _server_paths(run: Run) -> ServerPaths:
                                 if content_type != "application/octet-stream" else "")
         return {**file_ref(record), "url": file_url(run.pk, record.pk), "name": name}
 
-    return ServerPaths(PathRoots.of(engine().config).users / str(run.owner_id), save)
+    owner = str(run.owner_id)
+    nodes = [root / owner for root in liveness.users_roots()]
+    return ServerPaths(PathRoots.of(engine().config).users / owner, save, elsewhere=nodes)
 
 
 StoredEvent = EngineEvent | RunRestarted
