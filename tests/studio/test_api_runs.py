@@ -200,17 +200,17 @@ def test_a_run_names_the_deployment_it_ran_on(api, user) -> None:
 def test_only_chat_shaped_deployments_are_chat_models(api, user) -> None:
     """`/v1/models` and a deployment's `chat` flag offer the examples that answer in text, and not
     image_generation: it has an llm, a text input and a text output, but its result is a picture."""
-    names = ("chat", "vision_chat", "omni_dialogue", "image_generation", "hello")
+    names = ("chat", "vision_chat", "omni_dialogue", "pd_chat", "image_generation", "hello")
     for name in names:
         wf = create_workflow(api, example_spec(name))
         version = WorkflowVersion.objects.get(workflow_id=wf["id"], number=1)
         Deployment.objects.create(owner=user, version=version, name=name, status=DeploymentStatus.RUNNING)
     models = api.get("/v1/models")
     assert models.status_code == 200, models.content
-    assert sorted(m["id"] for m in models.json()["data"]) == ["chat", "omni_dialogue", "vision_chat"]
+    assert sorted(m["id"] for m in models.json()["data"]) == ["chat", "omni_dialogue", "pd_chat", "vision_chat"]
     flags = {d["name"]: d["chat"] for d in api.get("/api/deployments/").json()["results"]}
-    assert flags == {"chat": True, "vision_chat": True, "omni_dialogue": True, "image_generation": False,
-                     "hello": False}
+    assert flags == {"chat": True, "vision_chat": True, "omni_dialogue": True, "pd_chat": True,
+                     "image_generation": False, "hello": False}
     refused = api.post("/v1/chat/completions", {"model": "image_generation", "messages": [{"role": "user",
                                                                                          "content": "hi"}]},
                        format="json")

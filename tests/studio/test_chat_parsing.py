@@ -191,7 +191,8 @@ def test_chat_shapes() -> None:
         "prompt", ("image",), "reply", "text")
     with pytest.raises(NotAChatWorkflow) as caught:
         chat_shape(spec_doc())
-    assert caught.value.problems == ["it needs exactly one node of kind 'llm' (it has 0)"]
+    assert caught.value.problems == ["it needs exactly one node of kind 'llm' or one llm.prefill -> llm.decode pair"
+                                     " (it has 0)"]
     dialogue = chat_shape(example_spec("omni_dialogue"))
     assert (dialogue.prompt_input, dialogue.llm_node, dialogue.reply_output) == ("message", "think", "reply_text")
 
@@ -216,6 +217,35 @@ def test_the_reply_is_the_text_output_the_llm_text_reaches() -> None:
     with pytest.raises(NotAChatWorkflow) as caught:
         chat_shape(spec)
     assert caught.value.problems == ["it needs an output of type text fed by the text of its llm node 'reply'"]
+
+
+def test_a_prefill_decode_pair_is_a_chat_model_without_sessions() -> None:
+    """pd_chat generates with an llm.prefill -> llm.decode pair: the turn's sampling params go to
+    the prefill node (the decode node continues with them), the reply is the decode node's text,
+    the prompt is rendered for the prefill role's model, and the pair keeps no sessions."""
+    shape = chat_shape(example_spec("pd_chat"))
+    assert (shape.prompt_input, shape.llm_node, shape.sampled_node, shape.reply_output) == (
+        "prompt", "decode", "prefill", "text")
+    assert (shape.model, shape.max_new_tokens, shape.llm_usage, shape.sessions) == ("smollm2-135m", 32, True, False)
+    assert chat_shape(example_spec("chat")).sampled_node == "reply" and chat_shape(example_spec("chat")).sessions
+
+
+def test_a_prefill_or_decode_node_without_its_other_half_is_named() -> None:
+    """A decode node fed by no prefill node, and a prefill node feeding no decode node, are each
+    named; a pair beside an llm node is two generators."""
+    spec = copy.deepcopy(example_spec("pd_chat"))
+    spec["edges"] = [e for e in spec["edges"] if e["target"] != "decode"]
+    with pytest.raises(NotAChatWorkflow) as caught:
+        chat_shape(spec)
+    assert caught.value.problems[:2] == ["its llm.decode node 'decode' needs the kv of one llm.prefill node",
+                                         "its llm.prefill node 'prefill' feeds no llm.decode node"]
+    both = copy.deepcopy(example_spec("pd_chat"))
+    chat = example_spec("chat")
+    both["roles"] += chat["roles"]
+    both["nodes"].append(next(n for n in chat["nodes"] if n["kind"] == "llm"))
+    with pytest.raises(NotAChatWorkflow) as caught:
+        chat_shape(both)
+    assert "(it has 2)" in caught.value.problems[0]
 
 
 def test_a_turn_makes_the_llm_nodes_params_from_the_checked_request() -> None:

@@ -303,3 +303,34 @@ def test_openai_client_sends_an_image_part_to_a_live_vision_chat_deployment(serv
     status, _ = server.request("POST", f"/api/deployments/{d['id']}/stop/", None, token)
     assert status == 200
     assert wait_running(server, d["id"], token)["status"] in ("stopping", "stopped")
+
+
+def test_openai_client_against_a_live_prefill_decode_chat_deployment(server: Server, user: Any) -> None:
+    """A deployment of `workflows/pd_chat.py` is a chat model: the prefill role computes the rendered
+    conversation and the decode role, another worker, pulls its pages and answers; greedy, the
+    answer is Hugging Face's, streamed or not, and the request's `max_tokens` reaches the pair (the
+    prefill node samples with it, the decode node continues). It keeps no sessions: opening one is
+    refused, naming why."""
+    token = ApiToken.objects.issue(user, "live-pd").secret
+    status, wf = server.request("POST", "/api/workflows/", {"spec": example_spec("pd_chat", tiny=True)}, token)
+    assert status == 201, wf
+    status, d = server.request("POST", "/api/deployments/", {"workflow": wf["id"], "name": "pd"}, token)
+    assert status == 201, d
+    d = wait_running(server, d["id"], token)
+    assert d["status"] == "running" and d["chat"] is True, d
+
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=token, max_retries=0, timeout=60)
+    assert "pd" in [m.id for m in client.models.list().data]
+    messages = [{"role": "user", "content": "Hello"}]
+    reference = hf_reply("### User:\nHello\n\n### Assistant:\n", NEW)
+    done = client.chat.completions.create(model="pd", messages=messages, max_tokens=NEW, temperature=0)
+    assert done.choices[0].message.content == reference
+    assert done.usage.completion_tokens == NEW and done.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="pd", messages=messages, max_tokens=NEW, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
+
+    status, refused = server.request("POST", "/api/sessions/", {"deployment": d["id"], "title": "t"}, token)
+    assert status == 400 and "keeps no sessions" in json.dumps(refused), refused
+    status, _ = server.request("POST", f"/api/deployments/{d['id']}/stop/", None, token)
+    assert status == 200

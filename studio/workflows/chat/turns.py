@@ -205,7 +205,7 @@ def _start(user: Any, deployment: Deployment, shape: ChatShape, template: ChatTe
     params = turn.node_params()
     run = create_run(user, deployment.version, {shape.prompt_input: prompt}, files=_image_files(shape, images),
                      deployment=deployment, timeout_s=timeout_s,
-                     node_params={shape.llm_node: params} if params else {})
+                     node_params={shape.sampled_node: params} if params else {})
     return TurnStart(str(run.pk), shape, turn.max_new_tokens(shape), template)
 
 
@@ -224,9 +224,12 @@ def open_session(user: Any, deployment: Deployment, *, title: str = "", system: 
     if deployment.status != DeploymentStatus.RUNNING:
         raise Conflict(f"deployment {deployment.pk} is {deployment.status}, not running")
     try:
-        chat_shape(deployment.version.spec)
+        shape = chat_shape(deployment.version.spec)
     except NotAChatWorkflow as exc:
         raise BadRequest(str(exc), exc.problems) from None
+    if not shape.sessions:
+        raise BadRequest(f"deployment {deployment.pk} keeps no sessions: its workflow generates with an"
+                         " llm.prefill -> llm.decode pair, whose kinds take no session; use /v1/chat/completions")
     messages: list[Message] = [{"role": "system", "content": system}] if system else []
     return Session.objects.create(owner=user, deployment=deployment, title=title, messages=messages)
 
