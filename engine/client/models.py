@@ -11,7 +11,7 @@
 * `hicache_bytes`, `HiCacheBytes`, `checkpoint_config` -- the host memory and disk one process of
   an `sglang_llm` role gives its hierarchical cache (`engine.compute.sglang.sizes`: what quotas count).
 
-Loads torch and transformers.
+Importing it loads neither torch nor transformers: loading a model's text does, on first use.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.compute.builtin_models import model_catalogue, role_weights
-from engine.compute.llm.routing import RoleTokenizers
 from engine.compute.models.catalog import BUILTIN_MODELS, Weights
 from engine.compute.models.errors import ModelLoadError
-from engine.compute.models.loader import eos_token_ids, load_tokenizer
 from engine.compute.models.packaged import PACKAGED_MODELS
+from engine.compute.models.role_tokenizers import RoleTokenizers
 from engine.compute.models.text import ChatPromptError, ModelTokenizer
 from engine.compute.sglang.sizes import HiCacheBytes, checkpoint_config, hicache_bytes
 
@@ -63,5 +62,7 @@ def load_model_text(model: str) -> ModelText:
     """The text side of `model` (a built-in name or a checkpoint directory), from its tokenizer
     files only: a packaged model's from the model cache, built there first if need be. Raises
     `ModelLoadError` for an unknown name or an unreadable checkpoint."""
+    from engine.compute.models.loader import eos_token_ids, load_tokenizer  # torch: on first use only
+
     tokenizer = load_tokenizer(model)
     return ModelText(ModelTokenizer(tokenizer), frozenset(eos_token_ids(model, tokenizer)))

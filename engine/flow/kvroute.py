@@ -16,7 +16,7 @@ with that policy the dispatcher asks a `KVRouter` for a `PrefixHint`:
      its `page_hashes` as they are;
    * `tokens` (token ids): hashed as above;
    * `prompt` (text): only with a `PromptTokenizer`, a callable the composition root may
-     pass in (e.g. `engine.compute.llm.routing.RoleTokenizers`, which loads just the role
+     pass in (e.g. `engine.compute.models.role_tokenizers.RoleTokenizers`, which loads just the role
      model's tokenizer); without one a text prompt has no keys.
 
    A node with a `session` param has no keys either (its prompt is the server-side history

@@ -24,8 +24,8 @@ import pytest
 import pytest_asyncio
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine.compute.llm.routing import RoleTokenizers
 from engine.compute.models import export_model
+from engine.compute.models.role_tokenizers import RoleTokenizers
 from engine.data.kv.index import RedisKVIndex
 from engine.flow.dsl import Workflow
 from engine.flow.kvroute import KV_META_KEY, KVRouter, kv_index_namespace, prompt_pages

@@ -33,7 +33,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from engine.bench._netns import Lan
 from engine.client.cluster import make_registry
-from engine.compute.llm.routing import RoleTokenizers
+from engine.compute.models.role_tokenizers import RoleTokenizers
 from studio.config import Dispatch
 from studio.workflows.apps import build_engine
 from studio.workflows.models import Deployment, Run, RunFile, Worker

@@ -33,7 +33,7 @@ def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
     does, then what it generated): the diffusion role attends to it, reusing the pages the LLM
     computed. A diffusion node fed the llm node's `kv` does not need it: that value carries these
     ids (`workflows/image_generation.py`); kept for graphs that pass the context as `tokens`."""
-    from engine.compute.llm.routing import RoleTokenizers
+    from engine.compute.models.role_tokenizers import RoleTokenizers
 
     return list(RoleTokenizers().tokenizer(model)(prompt).input_ids) + [int(t) for t in tokens]
 

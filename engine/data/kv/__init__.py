@@ -12,35 +12,64 @@
 * `source`: `PageSource` and its kinds, where a store gets pages it lacks (another store, a
   named holder, the holder the index names).
 * `ref`: `KVRef`, the `kv` value of llm nodes (pages, holder, a prefill's hold).
+
+The names below load their module on first use (PEP 562), so that a process which only passes
+`KVRef`s along (the studio, a flow executor) does not import torch with the tiers.
 """
 
-from engine.data.kv.errors import (
-    KVCapacityError,
-    KVClosedError,
-    KVConfigError,
-    KVError,
-    KVIndexError,
-    KVLayoutError,
-    KVLockError,
-    KVPageNotFound,
-    KVTimeoutError,
-    KVTransferError,
-)
-from engine.data.kv.keys import ExtraKeys, MMItem, PageHash, get_hash_str, page_hashes
-from engine.data.kv.layout import KVLayout
-from engine.data.kv.policy import EvictionPolicy
-from engine.data.kv.store import (
-    DiskTierConfig,
-    KVEvent,
-    KVEventKind,
-    KVStore,
-    KVStoreConfig,
-    LookupResult,
-    PrefetchHandle,
-    PrefetchResult,
-    WritePolicy,
-)
-from engine.data.kv.tier import Capacity, Tier
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.data.kv.errors import (
+        KVCapacityError,
+        KVClosedError,
+        KVConfigError,
+        KVError,
+        KVIndexError,
+        KVLayoutError,
+        KVLockError,
+        KVPageNotFound,
+        KVTimeoutError,
+        KVTransferError,
+    )
+    from engine.data.kv.keys import ExtraKeys, MMItem, PageHash, get_hash_str, page_hashes
+    from engine.data.kv.layout import KVLayout
+    from engine.data.kv.policy import EvictionPolicy
+    from engine.data.kv.store import (
+        DiskTierConfig,
+        KVEvent,
+        KVEventKind,
+        KVStore,
+        KVStoreConfig,
+        LookupResult,
+        PrefetchHandle,
+        PrefetchResult,
+        WritePolicy,
+    )
+    from engine.data.kv.tier import Capacity, Tier
+
+_HOMES = {
+    "errors": ("KVCapacityError", "KVClosedError", "KVConfigError", "KVError", "KVIndexError", "KVLayoutError",
+               "KVLockError", "KVPageNotFound", "KVTimeoutError", "KVTransferError"),
+    "keys": ("ExtraKeys", "MMItem", "PageHash", "get_hash_str", "page_hashes"),
+    "layout": ("KVLayout",),
+    "policy": ("EvictionPolicy",),
+    "store": ("DiskTierConfig", "KVEvent", "KVEventKind", "KVStore", "KVStoreConfig", "LookupResult",
+              "PrefetchHandle", "PrefetchResult", "WritePolicy"),
+    "tier": ("Capacity", "Tier"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Capacity",

@@ -22,14 +22,17 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from engine.data.kv.errors import KVIndexError
+from engine.data.kv.events import KVEvent
 from engine.data.kv.keys import PageHash
-from engine.data.kv.store import KVEvent, KVStore
 from engine.data.kv.tier import Tier
+
+if TYPE_CHECKING:
+    from engine.data.kv.store import KVStore
 
 log = logging.getLogger(__name__)
 

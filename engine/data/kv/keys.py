@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import TYPE_CHECKING, NewType, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PageHash = NewType("PageHash", str)
 """Hex SHA-256 digest naming one page of KV cache (64 lowercase hex characters)."""
@@ -55,7 +58,7 @@ _U32_LIMIT = 1 << 32
 _I64_LIMIT = 1 << 63
 _NAMESPACE_DOMAIN = b"sglang-cache-namespace-v1"
 
-TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+TokenIds: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,8 @@ def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> Pag
 
 
 def _as_int64(token_ids: TokenIds) -> np.ndarray:
-    if isinstance(token_ids, torch.Tensor):
+    torch_module = sys.modules.get("torch")  # a tensor exists only where torch is loaded: hashing never loads it
+    if torch_module is not None and isinstance(token_ids, torch_module.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     try:
         ids = np.asarray(token_ids, dtype=np.int64)

@@ -11,35 +11,33 @@ a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.data.kv.errors import KVConfigError, KVLayoutError
 
-# Names a layout may carry, mapped to torch dtypes. Names (not torch objects) are what
-# get written into disk headers and shared segments, so they must stay stable.
-_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
+if TYPE_CHECKING:
+    import torch
+
+# Names a layout may carry (torch's dtype names), with their item sizes. Names (not torch objects)
+# are what get written into disk headers and shared segments, so they must stay stable; a layout
+# names its dtype without importing torch, which a process that only passes refs along never loads.
+_ITEMSIZES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """The stable name of a KV dtype (`torch.bfloat16` -> `"bfloat16"`)."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name not in _DTYPES:
-            raise KVConfigError(f"unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}")
-        return name
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise KVConfigError(f"unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}")
+    name = (dtype if isinstance(dtype, str) else str(dtype)).removeprefix("torch.")
+    if name not in _ITEMSIZES:
+        raise KVConfigError(f"unsupported KV dtype {dtype!r}; one of {sorted(_ITEMSIZES)}")
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +59,13 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch  # a page's dtype: only where pages are
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return _ITEMSIZES[self.dtype]
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -89,6 +89,8 @@ class KVLayout:
 
         A page given flat as `page_nbytes` uint8 bytes is accepted and viewed as the page shape.
         """
+        import torch
+
         if page.dtype == torch.uint8 and self.dtype != "uint8" and page.numel() == self.page_nbytes:
             if not page.is_contiguous():
                 raise KVLayoutError("a raw-byte page must be contiguous")

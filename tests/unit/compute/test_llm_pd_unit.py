@@ -15,8 +15,8 @@ import pytest
 from engine.cli import main as cli_main
 from engine.compute.kinds import register
 from engine.compute.llm import EngineConfig, LLMEngine
-from engine.compute.llm.routing import RoleTokenizers
 from engine.compute.llm.unit import LLMUnit, LLMUnitError, NodeMode, node_mode
+from engine.compute.models.role_tokenizers import RoleTokenizers
 from engine.compute.sampling import SamplingParams
 from engine.data.kv.ref import KVRef
 from engine.flow.dispatch import InProcessDispatcher
@@ -291,7 +291,7 @@ def test_a_model_whose_tokenizer_cannot_load_routes_its_text_on_load(tmp_path, c
     the failure is said once in the log, not at every call."""
     tokenizers = RoleTokenizers()
     role = RoleSpec(name="llm", kind="llm", model=str(tmp_path / "no-such-checkpoint"))
-    with caplog.at_level("WARNING", logger="engine.compute.llm.routing"):
+    with caplog.at_level("WARNING", logger="engine.compute.models.role_tokenizers"):
         assert tokenizers(role, "a prompt") == []
         assert tokenizers(role, "another prompt") == []
     assert len([r for r in caplog.records if "falls back to load" in r.getMessage()]) == 1

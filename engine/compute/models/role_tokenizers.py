@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
-from engine.compute.models.loader import ModelLoadError, load_tokenizer
+from engine.compute.models.errors import ModelLoadError
 from engine.spec.graph import RoleSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class RoleTokenizers:
 
     @staticmethod
     def _load(model: str) -> PreTrainedTokenizerBase:
+        from engine.compute.models.loader import load_tokenizer  # torch and transformers: on first use only
+
         return load_tokenizer(model)
 
     def __call__(self, role: RoleSpec, text: str) -> list[int]:
