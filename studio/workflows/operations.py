@@ -47,7 +47,7 @@ from studio.workflows.runs import folders
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
 from studio.workflows.runs.store import file_ref, store_file, with_node_params
-from studio.workflows.specs import CheckedSpec, check, parse_document, spec_from_source
+from studio.workflows.specs import CheckedSpec, check, kv_ref_paths, parse_document, spec_from_source
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,10 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
                             policy.issue_dicts())
     check_paths(user, policy.document, f"version {version.number} of {version.workflow.name!r} cannot run here")
     _file_inputs(spec, files)
+    forged = [where for name, value in inputs.items() for where in kv_ref_paths(value, f"inputs.{name}")]
+    if forged:
+        raise Unprocessable("a run's inputs cannot carry a KV reference (it names the worker its pages are"
+                            " pulled from); only an llm node of the same run makes one", forged)
     overlap = sorted(set(files) & set(inputs))
     if overlap:
         raise BadRequest("an input is given both as a value and as a file", overlap)

@@ -15,6 +15,9 @@ a name the studio's registry lacks, and `op_not_allowed` for a `module:function`
 `OMNIFLOW_ALLOW_MODULE_OPS` is set (a `module:function` lets its author run any code on the
 server). Nothing a spec names is imported to check it.
 Nor may a node set `tenant` (whose caches it uses): the server gives every run its tenant.
+Nor may a workflow input be a KV reference (`kv_input_issues`, `kv_ref_paths`): a `KVRef` names
+the worker address its pages are pulled from, so one written by a user would point a role worker
+at any address; only an llm node of the same run makes one.
 
 An `sglang_llm` role is reported too (`sglang_role_issues`): its HiCache backend's KV index
 settings (`hicache.redis_url`, ...) are the operator's; its SGLang host pool (`hicache_ratio`
@@ -84,6 +87,34 @@ def tenant_param_issues(spec: GraphSpec) -> list[Issue]:
             for node in spec.nodes if "tenant" in node.params]
 
 
+def kv_ref_paths(value: Any, path: str) -> list[str]:
+    """Where `value` (JSON from a user) holds something shaped as a KV reference (an object with
+    `"type": "kv"`), as paths below `path`."""
+    if isinstance(value, dict):
+        here = [path] if value.get("type") == "kv" else []
+        return here + [found for key, item in value.items() for found in kv_ref_paths(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [found for index, item in enumerate(value) for found in kv_ref_paths(item, f"{path}[{index}]")]
+    return []
+
+
+def kv_input_issues(spec: GraphSpec) -> list[Issue]:
+    """An input node may not take a KV reference (a `kv` port, or a default shaped as one): its
+    holder address would come from the user, and a role worker pulls pages from it."""
+    issues = []
+    for node in spec.nodes:
+        if node.kind != "input":
+            continue
+        issues.extend(Issue("kv_input", f"node {node.id!r}: output {port!r} is of type 'kv'; a KV reference"
+                            " comes only from an llm node of the same run, never from a run's inputs",
+                            node=node.id, port=port)
+                      for port, decl in node.outputs.items() if decl.type == "kv")
+        issues.extend(Issue("kv_input", f"node {node.id!r}: {where} is shaped as a KV reference; a KV reference"
+                            " comes only from an llm node of the same run", node=node.id, path=where)
+                      for where in kv_ref_paths(node.params.get("default"), "params.default"))
+    return issues
+
+
 SGLANG_ROLE_KIND = "sglang_llm"
 OPERATOR_HICACHE_OPTIONS = ("redis_url", "index_namespace", "worker_id", "worker_ttl_s")
 """`hicache` options of an sglang_llm role that name the operator's KV index (a Redis host, its keys)."""
@@ -119,13 +150,14 @@ def sglang_role_issues(spec: GraphSpec) -> list[Issue]:
 def check(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig,
           checkpoints: CheckpointLookup | None = None) -> CheckedSpec:
     """`spec` canonicalised, with every problem `check_spec` finds, its ops' included (and its
-    models', given `checkpoints`), nodes naming a tenant, sglang roles, and names that are not relative."""
+    models', given `checkpoints`), nodes naming a tenant, KV inputs, sglang roles, and names that are not
+    relative."""
     document, digest = canonical(spec)
     paths = spec_path_issues(spec, ops.registry)
     refused = {issue.role for issue in paths if issue.path == "model"}
     found = [issue for issue in check_spec(spec, kinds, ops, checkpoints)
              if not (issue.code == "model_unknown" and issue.role in refused)]  # said once, as path_refused
-    issues = [*found, *tenant_param_issues(spec), *sglang_role_issues(spec), *paths]
+    issues = [*found, *tenant_param_issues(spec), *kv_input_issues(spec), *sglang_role_issues(spec), *paths]
     return CheckedSpec(spec=spec, document=document, spec_hash=digest, issues=tuple(issues))
 
 
