@@ -139,6 +139,9 @@ class StudioConfig:
     redis_prefix: str
     dispatch: Dispatch
     max_upload_bytes: int
+    max_run_file_bytes: int
+    """`OMNIFLOW_MAX_RUN_FILE_BYTES`: the largest file a run wrote in its owner's folder that is stored
+    as a run file (larger ones are shown by name and size, and read no further)."""
     run_timeout_s: float | None
     allow_module_ops: bool
     """`OMNIFLOW_ALLOW_MODULE_OPS`: python nodes may name `module:function` ops besides the
@@ -509,6 +512,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         redis_prefix=(env.get("OMNIFLOW_REDIS_PREFIX") or "omniflow").strip(),
         dispatch=dispatch,
         max_upload_bytes=env_int(env, "OMNIFLOW_MAX_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=1024),
+        max_run_file_bytes=env_int(env, "OMNIFLOW_MAX_RUN_FILE_BYTES", 64 * 1024 * 1024, minimum=1024),
         run_timeout_s=env_float_or_none(env, "OMNIFLOW_RUN_TIMEOUT_S"),
         allow_module_ops=_allow_module_ops(env),
         log_level=log_level,

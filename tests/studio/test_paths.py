@@ -241,6 +241,33 @@ def test_an_output_naming_another_users_file_through_dotdot_is_not_read(api, use
     assert "bob's secret" not in json.dumps([detail, api.get(f"/api/runs/{run['id']}/events/").json()])
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_file_over_the_run_file_limit_is_named_and_not_read_into_the_studio(api, user) -> None:
+    """A run may name (or write) a file of any size in its owner's folder; reading it whole into the
+    web process and the database would let one run exhaust both. Past `max_run_file_bytes` it is
+    shown by name, nothing stored; a file within the limit in the same run is still a run file."""
+    folder = engine().config.users_root / str(user.pk)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "big.bin").write_bytes(b"x" * 4096)
+    (folder / "small.txt").write_bytes(b"y" * 1024)
+    spec = python_spec()
+    spec["nodes"] = [spec["nodes"][0], spec["nodes"][2]]
+    spec["nodes"][0]["outputs"]["value"]["type"] = "json"
+    spec["nodes"][1]["inputs"]["value"]["type"] = "json"
+    spec["roles"], spec["edges"] = [], [{"source": "text", "source_port": "value", "target": "result", "target_port": "value"}]
+    with configured(max_run_file_bytes=2048):
+        wf = create_workflow(api, spec)
+        inputs = {"text": [f"{folder}/big.bin", f"{folder}/small.txt"]}
+        run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": inputs}, format="json").json()
+        engine().runs.wait(run["id"])
+    detail = api.get(f"/api/runs/{run['id']}/").json()
+    assert detail["status"] == "done", detail
+    big, small = detail["outputs"]["result"]
+    assert big == "big.bin (not stored as a run file: larger than 2048 bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
+    assert small["name"] == "small.txt"
+    assert list(RunFile.objects.filter(run_id=run["id"], role="output").values_list("size", flat=True)) == [1024]
+
+
 def test_server_paths_store_only_regular_files_that_resolve_in_the_owners_folder(tmp_path: Path) -> None:
     """`ServerPaths.hide` saves a file only through the owner's folder: not through `..`, not
     through a link in it (to another user's folder or out of the root), not a link itself."""

@@ -18,8 +18,9 @@ from typing import Any
 
 from studio.workflows.paths import resolve_under, server_path_name
 
-SaveFile = Callable[[str, Path], dict[str, Any]]
-"""Stores the file at the path as a run file named by the str (once); returns its reference."""
+SaveFile = Callable[[str, Path], dict[str, Any] | str]
+"""Stores the file at the path as a run file named by the str (once); returns its reference, or
+what to show instead where it is not stored (a file over the size limit)."""
 
 
 class ServerPaths:

@@ -241,11 +241,16 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
 def _server_paths(run: Run) -> ServerPaths:
     """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`)."""
 
-    def save(name: str, path: Path) -> dict[str, Any]:
+    limit = engine().config.max_run_file_bytes
+
+    def save(name: str, path: Path) -> dict[str, Any] | str:
         key = name[-64:]  # RunFile.name's length; the tail keeps the file's own name
         record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=key).first()
         if record is None:
-            data = path.read_bytes()
+            with path.open("rb") as file:
+                data = file.read(limit + 1)  # never more: the file may still be growing
+            if len(data) > limit:
+                return f"{name} (not stored as a run file: larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
             content_type, _ = sniff_content_type(data)
             record = store_file(run, FileRole.OUTPUT, key, data, path.name, content_type
                                 if content_type != "application/octet-stream" else "")
