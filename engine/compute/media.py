@@ -18,6 +18,8 @@ import wave
 import numpy as np
 import torch
 
+from engine.spec.graph import MAX_IMAGE_PIXELS
+
 DEFAULT_SAMPLE_RATE = 16_000
 
 
@@ -87,9 +89,16 @@ def read_image(data: bytes | bytearray | memoryview | np.ndarray | torch.Tensor)
     """An image value as `(H, W, 3)` uint8: encoded bytes (PNG, JPEG, … whatever Pillow reads) or
     an array — uint8 `(H, W[, C])`, or float in [0, 1] of the same shapes (also `(3, H, W)`)."""
     if isinstance(data, bytes | bytearray | memoryview):
+        image = _pil()
         try:
-            with _pil().open(io.BytesIO(bytes(data))) as img:
+            with image.open(io.BytesIO(bytes(data))) as img:
+                width, height = img.size  # from the header: nothing is decoded yet
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise MediaError(f"the image is {width}x{height} pixels, over the limit of"
+                                     f" {MAX_IMAGE_PIXELS} pixels (width times height)")
                 return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
+        except image.DecompressionBombError as exc:
+            raise MediaError(f"the image is too large to decode: {exc}") from exc
         except OSError as exc:
             raise MediaError(f"not an image file: {exc}") from exc
     array = data.detach().cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)

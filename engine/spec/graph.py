@@ -32,6 +32,11 @@ Ident = Annotated[
 MAX_ITERATIONS = 1_000_000
 """The hard ceiling of a node's `max_iterations` (a studio's per-user quota is lower)."""
 
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""The most pixels an encoded `image` value may decode to (width times height): a small
+compressed file can claim a picture of gigabytes, so readers check the size its header gives
+before decoding it."""
+
 SCHEMA_PATH = Path(__file__).with_name("graphspec.schema.json")
 
 

@@ -43,6 +43,7 @@ from studio.workflows.paths import (
     resolve_spec_paths,
     run_output_folders,
 )
+from studio.workflows.pictures import oversized
 from studio.workflows.runs import folders
 from studio.workflows.runs.recovery import request_cancel
 from studio.workflows.runs.service import CANCEL_OUTCOMES, CancelOutcome
@@ -152,8 +153,18 @@ def _file_inputs(spec: GraphSpec, files: dict[str, UploadedFile]) -> None:
         elif input_types[name] not in FILE_PORT_TYPES:
             problems.append({"field": name, "message": f"input {name!r} is of type {input_types[name]};"
                              f" files go to inputs of type {', '.join(sorted(FILE_PORT_TYPES))}"})
+        elif input_types[name] == "image" and (too_large := _oversized_upload(files[name])):
+            problems.append({"field": name, "message": too_large})
     if problems:
         raise BadRequest("invalid file upload", problems)
+
+
+def _oversized_upload(upload: UploadedFile) -> str | None:
+    """Why an upload to an image input is too large a picture (its header's size), or None."""
+    upload.seek(0)
+    head = upload.read()
+    upload.seek(0)
+    return oversized(head)
 
 
 def resolve_run_target(user: Any, *, workflow: Workflow | None, number: int | None,

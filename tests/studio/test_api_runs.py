@@ -15,6 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from studio.workflows.apps import build_engine, engine
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunEvent, WorkflowVersion
+from tests.pictures import claimed_png
 from tests.studio import fns
 from tests.studio.factories import create_workflow, example_spec, spec_doc
 
@@ -141,6 +142,13 @@ def test_bad_uploads(api, settings) -> None:
     big = api.post("/api/runs/", {"workflow": img["id"], "text": SimpleUploadedFile("big.png", b"x" * (limit + 1))},
                    format="multipart")
     assert big.status_code == 413 and "upload limit" in big.json()["error"]
+    bomb = api.post("/api/runs/", {"workflow": img["id"], "text": SimpleUploadedFile("bomb.png", claimed_png(5000, 4000))},
+                    format="multipart")
+    assert bomb.status_code == 400 and bomb.json()["details"] == [
+        {"field": "text", "message": "the image is 5000x4000 pixels, over the limit of 16777216 pixels (width times height)"}]
+    pillows_bomb = api.post("/api/runs/", {"workflow": img["id"], "text": SimpleUploadedFile(
+        "bomb.png", claimed_png(20000, 20000))}, format="multipart")
+    assert pillows_bomb.status_code == 400 and "too large" in pillows_bomb.json()["details"][0]["message"]
     big_json = api.post("/api/validate/", {"spec": {"description": "x" * limit}}, format="json")
     assert big_json.status_code == 413
     assert Run.objects.count() == 0

@@ -22,6 +22,7 @@ from studio.workflows.chat.openai import ChatSampling, OpenAIError, parse_chat_r
 from studio.workflows.chat.shape import NotAChatWorkflow, chat_shape
 from studio.workflows.chat.templates import ChatTemplates, TemplateError
 from studio.workflows.chat.turns import LLMTurn
+from tests.pictures import claimed_png
 from tests.studio.factories import example_spec, spec_doc
 
 USER = [{"role": "user", "content": "hi"}]
@@ -105,6 +106,13 @@ def test_bad_requests_name_their_field(body: Any, param: str | None) -> None:
         parse_chat_request(body)
     assert caught.value.status == 400 and caught.value.param == param
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_picture_whose_header_claims_more_pixels_than_the_limit_is_refused_before_decoding() -> None:
+    with pytest.raises(OpenAIError, match="4097x4097 pixels, over the limit") as caught:
+        parse_chat_request(request(messages=[{"role": "user", "content": [image_part(claimed_png(4097, 4097))]}]))
+    assert caught.value.param == "messages[0].content[0]"
+    parse_chat_request(request(messages=[{"role": "user", "content": [image_part(png_bytes((64, 64)))]}]))
 
 
 def test_simple_template_and_session_turns() -> None:

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
-
 from studio.workflows.chat.templates import Message
+from studio.workflows.pictures import PictureRefused, check_picture
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_NEW_TOKENS = 4096
@@ -137,17 +135,13 @@ def _image(url: Any, param: str) -> bytes:
 
 
 def _check_picture(data: bytes, param: str) -> None:
-    """400 unless Pillow reads `data` as a whole image (the vision encoder decodes it with Pillow,
-    so a broken picture is refused here rather than failing the run on a worker)."""
+    """400 unless Pillow reads `data` as a whole image of a size the workers decode (the vision
+    encoder decodes it with Pillow, so a broken picture is refused here rather than failing the
+    run on a worker)."""
     try:
-        with Image.open(io.BytesIO(data)) as picture:
-            picture.verify()
-    except UnidentifiedImageError:
-        raise invalid("the image is not in a format this studio reads (PNG, JPEG, WebP, ...)", param) from None
-    except Image.DecompressionBombError as exc:
-        raise invalid(f"the image is too large: {exc}", param) from None
-    except (OSError, SyntaxError, ValueError) as exc:  # how Pillow reports truncated or corrupt files
-        raise invalid(f"the image is broken: {exc}", param) from None
+        check_picture(data)
+    except PictureRefused as exc:
+        raise invalid(str(exc), param) from None
 
 
 def parse_messages(raw: Any, param: str = "messages", *, roles: tuple[str, ...] = ROLES) -> ChatMessages:

@@ -26,6 +26,7 @@ from engine.compute.media import (
 )
 from engine.compute.models.tokenizer import BOS_ID, IMAGE_ID
 from engine.compute.sampling import SamplingParams
+from tests.pictures import claimed_png
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,8 @@ def test_sample_media_are_deterministic_and_round_trip():
 def test_media_readers_refuse_what_they_cannot_read():
     with pytest.raises(MediaError):
         read_image(b"not a picture")
+    with pytest.raises(MediaError, match="5000x4000 pixels, over the limit"):  # before decoding a pixel
+        read_image(claimed_png(5000, 4000))
     with pytest.raises(MediaError):
         read_audio(b"RIFF....WAVE")
     with pytest.raises(MediaError):
