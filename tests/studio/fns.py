@@ -83,3 +83,9 @@ async def gate_file(text: str, gate: str) -> str:
             raise TimeoutError(f"{folder / 'open'} did not appear")
         await asyncio.sleep(0.02)
     return text
+
+
+def announce(text: str, ctx) -> str:
+    """Reports progress with a message naming `text` (a server path, in the test that uses it)."""
+    ctx.progress(0.5, f"writing {text}")
+    return "done"

@@ -268,6 +268,23 @@ def test_a_file_over_the_run_file_limit_is_named_and_not_read_into_the_studio(ap
     assert list(RunFile.objects.filter(run_id=run["id"], role="output").values_list("size", flat=True)) == [1024]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_progress_message_naming_a_server_path_reaches_the_user_as_a_name(api, user) -> None:
+    spec = python_spec()
+    spec["nodes"][1]["op"] = "tests.studio.fns:announce"
+    folder = engine().config.users_root / str(user.pk)
+    with configured(allow_module_ops=True):
+        wf = create_workflow(api, spec)
+        run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": f"{folder}/outputs/big.bin"}},
+                       format="json").json()
+        engine().runs.wait(run["id"])
+    events = api.get(f"/api/runs/{run['id']}/events/").json()
+    messages = [e["data"]["message"] for e in events if e["type"] == "node_progress"]
+    assert messages == ["writing outputs/big.bin"], events
+    nodes = api.get(f"/api/runs/{run['id']}/").json()["nodes"]  # the run's inputs show what the user gave
+    assert str(engine().config.data_dir) not in json.dumps([[e for e in events if e["type"] != "run_started"], nodes])
+
+
 def test_server_paths_store_only_regular_files_that_resolve_in_the_owners_folder(tmp_path: Path) -> None:
     """`ServerPaths.hide` saves a file only through the owner's folder: not through `..`, not
     through a link in it (to another user's folder or out of the root), not a link itself."""

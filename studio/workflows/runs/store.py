@@ -406,7 +406,8 @@ def _put(value: Any, path: BlobPath, item: Any) -> Any:
 
 
 def _hide_paths(event: StoredEvent, paths: ServerPaths) -> StoredEvent:
-    """The event as users may see it: no server path in its values (as JSON data) or error."""
+    """The event as users may see it: no server path in its values (as JSON data), error or
+    progress message."""
     changed: dict[str, Any] = {}
     if isinstance(event, NodeOutputEvent):
         changed["value"] = paths.hide(msgspec.to_builtins(event.value))
@@ -414,6 +415,8 @@ def _hide_paths(event: StoredEvent, paths: ServerPaths) -> StoredEvent:
         changed["outputs"] = paths.hide(msgspec.to_builtins(event.outputs))
     if isinstance(event, NodeStateEvent | RunFinished | RunRestarted) and event.error:
         changed["error"] = paths.hide_in_text(event.error)
+    if isinstance(event, NodeProgressEvent) and event.message:
+        changed["message"] = paths.hide_in_text(event.message)
     return msgspec.structs.replace(event, **changed) if changed else event
 
 
