@@ -81,6 +81,10 @@ class Quotas:
     """Bytes of the files one run submission uploads."""
     run_timeout_s: float
     """The timeout of a user's run that asks for none, and the longest one it may ask for."""
+    workflows: int
+    """Workflows one user keeps (each holds its versions' specs in the database)."""
+    versions: int
+    """Versions one workflow keeps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +384,8 @@ def load_quotas(env: Mapping[str, str]) -> Quotas:
         max_new_tokens=env_int(env, "OMNIFLOW_QUOTA_MAX_NEW_TOKENS", 4096, minimum=1),
         upload_bytes=env_int(env, "OMNIFLOW_QUOTA_UPLOAD_BYTES", 20 * 1024 * 1024, minimum=0),
         run_timeout_s=env_seconds(env, "OMNIFLOW_QUOTA_RUN_TIMEOUT_S", 3600.0),
+        workflows=env_int(env, "OMNIFLOW_QUOTA_WORKFLOWS", 1000, minimum=1),
+        versions=env_int(env, "OMNIFLOW_QUOTA_VERSIONS", 1000, minimum=1),
     )
 
 

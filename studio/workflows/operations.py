@@ -115,6 +115,7 @@ def save_version(workflow: Workflow, checked: CheckedSpec, *, layout: dict[str, 
                            " reload and merge", [{"latest": latest_number}])
         if latest is not None and latest.spec_hash == checked.spec_hash and latest.layout == layout:
             return SavedVersion(latest, created=False)
+        quotas.version_check(workflow, workflow.versions.count(), engine().config.quotas).enforce()
         version = WorkflowVersion.objects.create(
             workflow=workflow,
             number=latest_number + 1,
@@ -134,6 +135,8 @@ def create_workflow(owner: Any, *, name: str, description: str = "", checked: Ch
                     layout: dict[str, Any] | None = None, message: str = "") -> Workflow:
     try:
         with transaction.atomic():
+            quotas.lock_user(owner)
+            quotas.workflow_check(owner, engine().config.quotas).enforce()
             workflow = Workflow.objects.create(owner=owner, name=name, description=description)
             if checked is not None:
                 save_version(workflow, checked, layout=layout, message=message or "imported", author=owner)

@@ -1,15 +1,18 @@
 """Per-user quotas (`studio.config.Quotas`), checked where they bite: deploying and scaling
 (`studio.workflows.deployments.service`), submitting a run (`studio.workflows.operations.create_run`,
-which REST runs, `/v1/chat/completions` and session turns all go through) and uploading its files.
+which REST runs, `/v1/chat/completions` and session turns all go through) and uploading its files,
+and keeping workflows and versions (`operations.create_workflow`, `operations.save_version`).
 
 Every check returns a `QuotaCheck` (the breaches found, each naming the limit, its value, what
 was asked and where: role or node); `QuotaCheck.enforce()` raises the API error. Two kinds of
 refusal, always the same status for the same kind:
 
 * **busy** (429 `QuotaBusy`): a count of things a user has live at once (concurrent and queued
-  runs, live deployments, worker processes). It frees up when they end; retrying later may work;
+  runs, live deployments, worker processes, workflows). It frees up when they end (or are
+  deleted); retrying later may work;
 * **too large** (403 `QuotaTooLarge`): one request asks for more than a user may ever have (KV
-  pages, `max_iterations`, `max_new_tokens`, upload bytes, run timeout). Retrying will not help.
+  pages, `max_iterations`, `max_new_tokens`, upload bytes, run timeout, a workflow's versions,
+  which are never deleted one by one). Retrying will not help.
 
 HiCache bytes (`hicache_host_bytes`, `hicache_disk_bytes`: the host memory and disk of the
 hierarchical caches of `sglang_llm` roles, `engine.compute.sglang.sizes`) are counted as worker
@@ -40,7 +43,7 @@ from rest_framework import status
 from engine.spec.graph import GraphSpec
 from studio.config import Quotas
 from studio.errors import ApiError
-from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Run, RunStatus
+from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Run, RunStatus, Workflow
 from studio.workflows.paths import find_checkpoint
 from studio.workflows.specs import SGLANG_ROLE_KIND
 
@@ -210,6 +213,28 @@ def admission_check(user: Any, quotas: Quotas) -> QuotaCheck:
                                     BreachKind.BUSY, f"you have {counts[RunStatus.PENDING]} runs waiting; your"
                                     f" quota is {quotas.queued_runs}"))
     return QuotaCheck(tuple(breaches))
+
+
+def workflow_check(user: Any, quotas: Quotas) -> QuotaCheck:
+    """Whether `user` may keep one more workflow. Call it inside the transaction that creates it,
+    after `lock_user`."""
+    if exempt(user):
+        return EXEMPT
+    have = Workflow.objects.filter(owner=user).count()
+    if have < quotas.workflows:
+        return EXEMPT
+    return QuotaCheck((QuotaBreach("workflows", quotas.workflows, have + 1, BreachKind.BUSY,
+                                   f"you have {have} workflows; your quota is {quotas.workflows}"
+                                   " (delete one you no longer need)"),))
+
+
+def version_check(workflow: Workflow, have: int, quotas: Quotas) -> QuotaCheck:
+    """Whether `workflow` (of `have` versions) may keep one more, by its owner's quota."""
+    if exempt(workflow.owner) or have < quotas.versions:
+        return EXEMPT
+    return QuotaCheck((QuotaBreach("versions", quotas.versions, have + 1, BreachKind.TOO_LARGE,
+                                   f"workflow {workflow.name!r} has {have} versions; the quota is {quotas.versions}"
+                                   " a workflow (export it and import it as a new workflow)"),))
 
 
 def role_processes(spec: GraphSpec, counts: dict[str, Any]) -> dict[str, int]:
