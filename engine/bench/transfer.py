@@ -181,7 +181,8 @@ class _Consumer:
                                                    "curve": keys.with_bulk(BulkMode.ENCRYPTED), "plain": None}
             self.producers: dict[str, Producer] = {}
             for plane, k in planes.items():
-                self.producers[plane] = Producer(size_mib, None if k is None else str(k.write(Path(keys_home) / plane)))
+                keys_dir = None if k is None else str(k.write(Path(keys_home) / plane))
+                self.producers[plane] = Producer(size_mib, keys_dir)
                 stack.callback(self.producers[plane].close)
             config = ClientConfig(chunk_bytes=chunk_mib * MiB, window=window)
             self.clients: dict[str, ZmqClient] = {}

@@ -235,7 +235,8 @@ class DecodeRooms:
 
     def _probe(self, incoming: Incoming, now: float) -> None:
         if now - incoming.last_heard > self._config.timeout_s:
-            incoming.progress.fail(f"the prefill at {incoming.prefill} stopped answering for {self._config.timeout_s}s")
+            silent = self._config.timeout_s
+            incoming.progress.fail(f"the prefill at {incoming.prefill} stopped answering for {silent}s")
             return
         if now < incoming.next_probe or incoming.prefill is None:
             return

@@ -74,7 +74,8 @@ class OmniFlowKVManager(BaseKVManager):
         if self.mode == DisaggregationMode.PREFILL:
             self.rooms = PrefillRooms(self.loop, self.peer, self.kv, self.aux, self.config, self.registration)
         else:
-            self.rooms = DecodeRooms(self.loop, self.peer, self.kv, self.aux, self.config, self.engine_rank, bootstraps)
+            self.rooms = DecodeRooms(self.loop, self.peer, self.kv, self.aux, self.config, self.engine_rank,
+                                     bootstraps)
         ready = threading.Event()
         failed: list[zmq.ZMQError] = []
         self.loop.call(lambda: self._serve(ready, failed))

@@ -159,7 +159,8 @@ class PrefillRooms:
         if request.protocol_version != TRANSFER_PROTOCOL_VERSION:
             self._reply(waiter.identity, KVFailedEvent(request.request_id, request.room, "protocol version mismatch"))
             return
-        if request.kv_item_lens != self._kv.item_lens or (request.aux and request.aux_item_lens != self._aux.item_lens):
+        aux_mismatch = request.aux and request.aux_item_lens != self._aux.item_lens
+        if request.kv_item_lens != self._kv.item_lens or aux_mismatch:
             reason = (f"page layout mismatch: decode {request.kv_item_lens}/{request.aux_item_lens}, "
                       f"prefill {self._kv.item_lens}/{self._aux.item_lens}")
             self._reply(waiter.identity, KVFailedEvent(request.request_id, request.room, reason))
@@ -214,7 +215,8 @@ class PrefillRooms:
             return
         finally:
             outgoing.payload = None
-        self._reply(waiter.identity, KVReadyEvent(request.request_id, outgoing.room, outgoing.pages_sent, outgoing.ref))
+        ready = KVReadyEvent(request.request_id, outgoing.room, outgoing.pages_sent, outgoing.ref)
+        self._reply(waiter.identity, ready)
 
     def _on_done(self, message: KVDoneRequest) -> None:
         outgoing = self._outgoing.get(message.room)
