@@ -69,6 +69,7 @@ class OmniFlowKVManager(BaseKVManager):
         self.prefill_info_table: dict[str, Any] = {}
         self._closed = False
         bootstraps = Dealers(self.loop)
+        # Started by register_to_bootstrap (prefill only); a decode manager keeps it unset and unfailed.
         self.registration = BootstrapRegistration(self.loop, bootstraps, self.config.timeout_s)
         self.rooms: PrefillRooms | DecodeRooms
         if self.mode == DisaggregationMode.PREFILL:
