@@ -50,7 +50,7 @@ import tempfile
 import time
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
@@ -58,6 +58,7 @@ import uvloop
 from engine.data.peer import Peer, PeerConfig
 from engine.flow.dsl import Workflow
 from engine.flow.executor import Executor
+from engine.flow.plan import Plan
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
@@ -246,6 +247,9 @@ PLANES = ("curve", "plain")
 """The authenticated worker plane (CURVE keys, the default) and the plaintext one."""
 PATHS = ("local", "tcp")
 """How the executor reaches the workers: their local stream sockets (one host), or ZeroMQ TCP."""
+Key = tuple[str, str]
+"""(plane, path)."""
+KEYS: list[Key] = [(plane, path) for plane in PLANES for path in PATHS]
 
 
 def _hop_key(plane: str, path: str) -> str:
@@ -253,80 +257,93 @@ def _hop_key(plane: str, path: str) -> str:
             ("curve", "tcp"): "tcp_hop", ("plain", "tcp"): "tcp_plain_hop"}[(plane, path)]
 
 
-async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
-    spec = chain_spec()
-    kinds = default_kinds()
-    anchor = None if args.no_celery else _CeleryAnchor(args.redis_url, args.celery_db)
-    poll = {} if args.poll_after_send_us is None else {"poll_after_send_s": args.poll_after_send_us * 1e-6}
-    # Generous readiness: the figures are of serving, not of starting, and a busy machine starts slowly.
-    clusters = {"curve": LocalCluster(spec, allow_module_ops=True, ready_timeout_s=300.0),
-                "plain": LocalCluster(spec, allow_module_ops=True, plaintext=True, ready_timeout_s=300.0)}
-    peers = {plane: Peer.start(PeerConfig(keys=cluster.keys)) for plane, cluster in clusters.items()}
-    executors: dict[tuple[str, str], Executor] = {}
-    hops: dict[tuple[str, str], list[float]] = {(plane, path): [] for plane in PLANES for path in PATHS}
-    celery: list[float] = []
-    rates: list[float] = []
-    try:
-        for cluster in clusters.values():
+class _Chains:
+    """The chain on each plane's `LocalCluster`, with an `Executor` (and its plan) per plane and
+    path, all in this process; `aclose` stops what `start` started."""
+
+    def __init__(self, spec: GraphSpec, poll_after_send_us: float | None) -> None:
+        self.spec = spec
+        self._poll = {} if poll_after_send_us is None else {"poll_after_send_s": poll_after_send_us * 1e-6}
+        # Generous readiness: the figures are of serving, not of starting, and a busy machine starts slowly.
+        self.clusters = {"curve": LocalCluster(spec, allow_module_ops=True, ready_timeout_s=300.0),
+                         "plain": LocalCluster(spec, allow_module_ops=True, plaintext=True, ready_timeout_s=300.0)}
+        self.peers = {plane: Peer.start(PeerConfig(keys=cluster.keys)) for plane, cluster in self.clusters.items()}
+        self.executors: dict[Key, Executor] = {}
+        self._plans: dict[Key, Plan] = {}
+
+    async def start(self) -> None:
+        kinds = default_kinds()
+        for cluster in self.clusters.values():
             await cluster.start()
-        for plane, path in hops:
-            executors[plane, path] = Executor(WorkerDispatcher(clusters[plane].registry, peers[plane],
-                                                               local_streams=path == "local", **poll), kinds)
-        if anchor is not None:
-            await anchor.start()
-        plans = {key: executor.plan(spec) for key, executor in executors.items()}
+        for plane, path in KEYS:
+            dispatcher = WorkerDispatcher(self.clusters[plane].registry, self.peers[plane],
+                                          local_streams=path == "local", **self._poll)
+            self.executors[plane, path] = Executor(dispatcher, kinds)
+        self._plans = {key: executor.plan(self.spec) for key, executor in self.executors.items()}
 
-        async def one(key: tuple[str, str], i: int) -> float:
-            executor = executors[key]
-            t0 = time.perf_counter()
-            run = await executor.submit(plans[key], {"x": i})
-            result = await run.wait()
-            elapsed = time.perf_counter() - t0
-            if result.status != "done" or result.outputs != {"y": i}:
-                raise RuntimeError(f"bench run failed ({key[0]} plane, {key[1]}): {result.error or result.outputs}")
-            executor.forget(run.id)
-            return elapsed
+    async def one(self, key: Key, i: int) -> float:
+        """Seconds of one run of the chain with input `i`, from submit until its result."""
+        executor = self.executors[key]
+        t0 = time.perf_counter()
+        run = await executor.submit(self._plans[key], {"x": i})
+        result = await run.wait()
+        elapsed = time.perf_counter() - t0
+        if result.status != "done" or result.outputs != {"y": i}:
+            raise RuntimeError(f"bench run failed ({key[0]} plane, {key[1]}): {result.error or result.outputs}")
+        executor.forget(run.id)
+        return elapsed
 
-        for key in hops:
-            for i in range(args.warmup):
-                await one(key, i)
-        # Alternating blocks: drift on a busy machine hits every plane, path and the anchor alike.
-        blocks: list[Callable[[], Awaitable[None]]] = []
-        for runs, calls in zip(_split(args.runs, args.blocks), _split(args.celery_n, args.blocks), strict=True):
-            for key in hops:
-                async def hop_block(runs: int = runs, key: tuple[str, str] = key) -> None:
-                    for i in range(runs):
-                        hops[key].append(await one(key, i) / NODES * 1e6)
-
-                blocks.append(hop_block)
-            if anchor is not None:
-                async def celery_block(calls: int = calls) -> None:
-                    celery.extend(await anchor.round_trips(calls))
-
-                blocks.append(celery_block)
-        for block in blocks:
-            await block()
-
-        for r in range(args.rounds + 1):
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(("curve", "local"), i) for i in range(args.concurrent)))
-            if r:  # the first round warms up the concurrent path
-                rates.append(args.concurrent / (time.perf_counter() - t0))
-    finally:
-        for executor in executors.values():
+    async def aclose(self) -> None:
+        for executor in self.executors.values():
             await executor.aclose()
-        if anchor is not None:
-            await anchor.stop()
-        for cluster in clusters.values():
+        for cluster in self.clusters.values():
             await cluster.stop()
-        for peer in peers.values():
+        for peer in self.peers.values():
             peer.close()
+
+
+@dataclass(slots=True)
+class _Timings:
+    hops: dict[Key, list[float]] = field(default_factory=lambda: {key: [] for key in KEYS})
+    """Microseconds per hop, by (plane, path)."""
+    celery: list[float] = field(default_factory=list)
+    """Microseconds per Celery round trip."""
+    rates: list[float] = field(default_factory=list)
+    """Completed runs per second, per round of concurrent runs."""
+
+
+async def _time_sequential(chains: _Chains, anchor: _CeleryAnchor | None, args: argparse.Namespace,
+                           timings: _Timings) -> None:
+    """Warm-up runs, then alternating blocks of hop runs (every plane and path) and Celery round
+    trips, so that drift on a busy machine hits them all alike."""
+    for key in KEYS:
+        for i in range(args.warmup):
+            await chains.one(key, i)
+    for runs, calls in zip(_split(args.runs, args.blocks), _split(args.celery_n, args.blocks), strict=True):
+        for key in KEYS:
+            for i in range(runs):
+                timings.hops[key].append(await chains.one(key, i) / NODES * 1e6)
+        if anchor is not None:
+            timings.celery.extend(await anchor.round_trips(calls))
+
+
+async def _time_concurrent(chains: _Chains, args: argparse.Namespace, timings: _Timings) -> None:
+    """`--concurrent` runs at once on the authenticated local path, `--rounds` times after a warm-up round."""
+    for r in range(args.rounds + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(chains.one(("curve", "local"), i) for i in range(args.concurrent)))
+        if r:  # the first round warms up the concurrent path
+            timings.rates.append(args.concurrent / (time.perf_counter() - t0))
+
+
+def _figures(timings: _Timings, celery_version: str | None) -> dict[str, float | str | bool]:
+    hops = timings.hops
     p50 = {key: statistics.median(values) for key, values in hops.items()}
     hop_p50 = p50["curve", "local"]
     result: dict[str, float | str | bool] = {
         "hop_p50_us": round(hop_p50, 1),
         "hop_p99_us": round(_pct(hops["curve", "local"], 0.99), 1),
-        "runs_per_s": round(statistics.median(rates), 1),
+        "runs_per_s": round(statistics.median(timings.rates), 1),
         "goal_hop_p50_us": GOAL_HOP_US,
     }
     for key in [k for k in hops if k != ("curve", "local")]:
@@ -337,15 +354,32 @@ async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
     result["goal_auth_vs_plain"] = GOAL_AUTH_RATIO
     meets = hop_p50 <= GOAL_HOP_US and max(result["hop_ratio_auth_vs_plain"],
                                            result["tcp_hop_ratio_auth_vs_plain"]) <= GOAL_AUTH_RATIO
-    if anchor is not None:
-        celery_p50 = statistics.median(celery)
+    if celery_version is not None:
+        celery_p50 = statistics.median(timings.celery)
         result["celery_roundtrip_p50_us"] = round(celery_p50, 1)
-        result["celery_roundtrip_p99_us"] = round(_pct(celery, 0.99), 1)
-        result["celery_version"] = anchor.version
+        result["celery_roundtrip_p99_us"] = round(_pct(timings.celery, 0.99), 1)
+        result["celery_version"] = celery_version
         result["hop_ratio_vs_celery"] = round(hop_p50 / celery_p50, 3)
         meets = meets and hop_p50 <= GOAL_RATIO * celery_p50
     result["meets_goal"] = meets
     return result
+
+
+async def _main(args: argparse.Namespace) -> dict[str, float | str | bool]:
+    anchor = None if args.no_celery else _CeleryAnchor(args.redis_url, args.celery_db)
+    chains = _Chains(chain_spec(), args.poll_after_send_us)
+    timings = _Timings()
+    try:
+        await chains.start()
+        if anchor is not None:
+            await anchor.start()
+        await _time_sequential(chains, anchor, args, timings)
+        await _time_concurrent(chains, args, timings)
+    finally:
+        if anchor is not None:
+            await anchor.stop()
+        await chains.aclose()
+    return _figures(timings, None if anchor is None else anchor.version)
 
 
 def run(args: argparse.Namespace) -> dict[str, float | str | bool]:

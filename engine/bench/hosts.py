@@ -35,6 +35,7 @@ drift on a small machine hits all alike), in GB/s = bytes / seconds / 1e9:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -151,79 +152,117 @@ def _page_tensor(rng: np.random.Generator) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- consumer
-def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int, warmup: int,
-              keys_dir: str) -> dict[str, float]:
-    keys = _plane_keys(keys_dir)
-    nbytes = size_mib * MiB
-    kv_nbytes = kv_pages * LAYOUT.page_nbytes
-    peers = {plane: Peer.start(PeerConfig(keys=keys[plane])) for plane in PLANES}
-    stores = {plane: _store(kv_pages) for plane in peers}
-    pages = _pages(kv_pages)
-    context = zmq.Context()
-    control = context.socket(zmq.REQ)
-    control.setsockopt(zmq.LINGER, 0)
-    control.connect(hello["control"])
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(hello["raw"])
-    times: dict[str, list[float]] = {f"{what}_{plane}": [] for what in ("tensor", "kv") for plane in PLANES}
-    times.update(raw_tensor=[], raw_kv=[], rawstored_kv=[])
-    kinds = list(times)
-    cache = np.empty(kv_nbytes, dtype=np.uint8)  # where raw ZeroMQ's KV bytes are stored, as a KV cache would
+class _Consumer:
+    """Node b's side of a run: a peer and a KV store per plane, a REQ to the producer's control
+    socket and a DEALER to its raw ROUTER. `time(kind, i)` times one transfer of a kind
+    (`tensor_<plane>`, `kv_<plane>`, `raw_tensor`, `raw_kv`, `rawstored_kv`). A context manager:
+    everything it opened closes on exit."""
 
-    def one(kind: str, i: int) -> float:
+    def __init__(self, hello: dict[str, str], size_mib: int, kv_pages: int, keys_dir: str) -> None:
+        keys = _plane_keys(keys_dir)
+        self.hello = hello
+        self.nbytes = size_mib * MiB
+        self.kv_pages = kv_pages
+        self.kv_nbytes = kv_pages * LAYOUT.page_nbytes
+        with contextlib.ExitStack() as stack:
+            # Unwound in reverse: the sockets, the context, the stores, then the peers.
+            self.peers: dict[str, Peer] = {}
+            for plane in PLANES:
+                self.peers[plane] = Peer.start(PeerConfig(keys=keys[plane]))
+                stack.callback(self.peers[plane].close)
+            self.stores: dict[str, KVStore] = {}
+            for plane in self.peers:
+                self.stores[plane] = _store(kv_pages)
+                stack.callback(self.stores[plane].close)
+            self.pages = _pages(kv_pages)
+            context = zmq.Context()
+            stack.callback(context.term)
+            self.control = context.socket(zmq.REQ)
+            stack.callback(self.control.close, linger=0)
+            self.control.setsockopt(zmq.LINGER, 0)
+            self.control.connect(hello["control"])
+            self.raw = context.socket(zmq.DEALER)
+            stack.callback(self.raw.close, linger=0)
+            self.raw.setsockopt(zmq.LINGER, 0)
+            self.raw.connect(hello["raw"])
+            self._close = stack.pop_all().close
+        # Where raw ZeroMQ's KV bytes are stored, as a KV cache would.
+        self.cache = np.empty(self.kv_nbytes, dtype=np.uint8)
+
+    def __enter__(self) -> _Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def time(self, kind: str, i: int) -> float:
+        """Seconds of one transfer of `kind`; `i` marks a fresh tensor."""
         what, plane = kind.split("_")
         if what in ("raw", "rawstored"):
-            start = time.perf_counter()
-            raw.send(plane.encode())
-            frame = raw.recv(copy=False)
-            if what == "rawstored":
-                np.copyto(cache, np.frombuffer(frame.buffer, dtype=np.uint8))
-            elapsed = time.perf_counter() - start
-            if len(frame.buffer) != (nbytes if plane == "tensor" else kv_nbytes):
-                raise RuntimeError(f"raw ZeroMQ sent {len(frame.buffer)} bytes")
-            return elapsed
-        peer = peers[plane]
+            return self._time_raw(what, plane)
         if what == "tensor":
-            control.send_string(f"put {plane} {i}")
-            ref = msgspec.convert(json.loads(control.recv_string()), TensorRef)
-            start = time.perf_counter()
-            data = peer.pull(ref, TIMEOUT_S)
-            elapsed = time.perf_counter() - start
-            array = data.numpy()
-            if data.transport is not Transport.TCP or array[0] != i or array[-1] != nbytes // 4 - 1:
-                raise RuntimeError(f"tensor pull took {data.transport} or returned the wrong bytes")
-            del data, array
-            peer.client.request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), TIMEOUT_S)
-            return elapsed
-        store = stores[plane]
-        for page in pages:
+            return self._time_tensor(plane, i)
+        return self._time_kv(plane)
+
+    def _time_raw(self, what: str, payload: str) -> float:
+        start = time.perf_counter()
+        self.raw.send(payload.encode())
+        frame = self.raw.recv(copy=False)
+        if what == "rawstored":
+            np.copyto(self.cache, np.frombuffer(frame.buffer, dtype=np.uint8))
+        elapsed = time.perf_counter() - start
+        if len(frame.buffer) != (self.nbytes if payload == "tensor" else self.kv_nbytes):
+            raise RuntimeError(f"raw ZeroMQ sent {len(frame.buffer)} bytes")
+        return elapsed
+
+    def _time_tensor(self, plane: str, i: int) -> float:
+        peer = self.peers[plane]
+        self.control.send_string(f"put {plane} {i}")
+        ref = msgspec.convert(json.loads(self.control.recv_string()), TensorRef)
+        start = time.perf_counter()
+        data = peer.pull(ref, TIMEOUT_S)
+        elapsed = time.perf_counter() - start
+        array = data.numpy()
+        if data.transport is not Transport.TCP or array[0] != i or array[-1] != self.nbytes // 4 - 1:
+            raise RuntimeError(f"tensor pull took {data.transport} or returned the wrong bytes")
+        del data, array
+        peer.client.request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), TIMEOUT_S)
+        return elapsed
+
+    def _time_kv(self, plane: str) -> float:
+        store = self.stores[plane]
+        for page in self.pages:
             if store.contains(page):
                 store.remove(page)
         start = time.perf_counter()
-        result = fetch_pages(store, peer, hello[plane], pages, TIMEOUT_S)
+        result = fetch_pages(store, self.peers[plane], self.hello[plane], self.pages, TIMEOUT_S)
         elapsed = time.perf_counter() - start
-        if len(result.pages) != kv_pages or set(result.transports) != {Transport.TCP}:
+        if len(result.pages) != self.kv_pages or set(result.transports) != {Transport.TCP}:
             raise RuntimeError(f"KV fetch brought {len(result.pages)} pages over {result.transports}")
         return elapsed
 
-    try:
-        for i in range(warmup + repeats):
-            shift = i % len(kinds)
-            for kind in kinds[shift:] + kinds[:shift]:
-                elapsed = one(kind, i)
-                if i >= warmup:
-                    times[kind].append(elapsed)
-        control.send_string("stop")
-        control.recv_string()
-    finally:
-        raw.close(linger=0)
-        control.close(linger=0)
-        context.term()
-        for store in stores.values():
-            store.close()
-        for peer in peers.values():
-            peer.close()
+    def stop_producer(self) -> None:
+        self.control.send_string("stop")
+        self.control.recv_string()
+
+
+def _time_kinds(consumer: _Consumer, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Every kind once per repetition, in an order that rotates each time: seconds by kind."""
+    times: dict[str, list[float]] = {f"{what}_{plane}": [] for what in ("tensor", "kv") for plane in PLANES}
+    times.update(raw_tensor=[], raw_kv=[], rawstored_kv=[])
+    kinds = list(times)
+    for i in range(warmup + repeats):
+        shift = i % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            elapsed = consumer.time(kind, i)
+            if i >= warmup:
+                times[kind].append(elapsed)
+    return times
+
+
+def _figures(times: dict[str, list[float]], size_mib: int, kv_pages: int) -> dict[str, float]:
+    nbytes = size_mib * MiB
+    kv_nbytes = kv_pages * LAYOUT.page_nbytes
     size = {"tensor": nbytes, "kv": kv_nbytes}
     gbps = {k: size[k.split("_")[1] if k.startswith("raw") else k.split("_")[0]]
             / statistics.median(v) / 1e9 for k, v in times.items()}
@@ -238,6 +277,14 @@ def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int,
         "goal_vs_raw": GOAL,
         "goal_auth_vs_plain": GOAL,
     }
+
+
+def _consumer(hello: dict[str, str], size_mib: int, kv_pages: int, repeats: int, warmup: int,
+              keys_dir: str) -> dict[str, float]:
+    with _Consumer(hello, size_mib, kv_pages, keys_dir) as consumer:
+        times = _time_kinds(consumer, repeats, warmup)
+        consumer.stop_producer()
+    return _figures(times, size_mib, kv_pages)
 
 
 # ------------------------------------------------------------------------------------- driver

@@ -47,6 +47,7 @@ same run. The shared-memory figures above are the authenticated plane's; beside 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -164,122 +166,155 @@ def _producer_main(size_mib: int, keys_dir: str | None) -> None:
         peer.close()
 
 
-def run(args: argparse.Namespace) -> dict[str, float]:
-    if args.across_nodes:
-        from engine.bench import hosts
+class _Consumer:
+    """This process's side of a run: a producer process and a client on each plane, a bare
+    DEALER to the plaintext producer's raw ROUTER, and the source and warm destination buffers
+    of `size_mib`. A context manager: everything it started stops on exit."""
 
-        return hosts.run(args)
-    nbytes = args.size_mib * MiB
-    total = args.warmup + args.repeats
-    keys_home = tempfile.TemporaryDirectory(prefix="omniflow-bench-transfer-")
-    keys = PlaneKeys.generate()
-    planes: dict[str, PlaneKeys | None] = {"auth": keys, "mac": keys.with_bulk(BulkMode.MAC),
-                                           "curve": keys.with_bulk(BulkMode.ENCRYPTED), "plain": None}
-    producers = {plane: Producer(args.size_mib, None if k is None else str(k.write(Path(keys_home.name) / plane)))
-                 for plane, k in planes.items()}
-    producer = producers["auth"]
-    config = ClientConfig(chunk_bytes=args.chunk_mib * MiB, window=args.window)
-    clients = {plane: ZmqClient(config, keys=k) for plane, k in planes.items()}
-    client = clients["auth"]
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(producers["plain"].hello["raw"])
-    source = np.arange(nbytes // 4, dtype=np.float32)
-    sink = np.empty(nbytes // 4, dtype=np.float32)
-    sink[:] = 0  # warm: the consumer's destination is faulted in before timing
-    memcpy_times: list[float] = []
-    shm_times: list[float] = []
-    asked_times: list[float] = []
-    asked_plain_times: list[float] = []
-    put_times: list[float] = []
-    tcp_times: dict[str, list[float]] = {kind: [] for kind in ("plain", "raw", "auth", "mac", "curve")}
-    cold = 0.0
+    def __init__(self, size_mib: int, chunk_mib: int, window: int) -> None:
+        self.nbytes = size_mib * MiB
+        with contextlib.ExitStack() as stack:
+            # Unwound in reverse: the raw socket, the clients, the producers, then the keys.
+            keys_home = stack.enter_context(tempfile.TemporaryDirectory(prefix="omniflow-bench-transfer-"))
+            keys = PlaneKeys.generate()
+            planes: dict[str, PlaneKeys | None] = {"auth": keys, "mac": keys.with_bulk(BulkMode.MAC),
+                                                   "curve": keys.with_bulk(BulkMode.ENCRYPTED), "plain": None}
+            self.producers: dict[str, Producer] = {}
+            for plane, k in planes.items():
+                keys_dir = None if k is None else str(k.write(Path(keys_home) / plane))
+                self.producers[plane] = Producer(size_mib, keys_dir)
+                stack.callback(self.producers[plane].close)
+            config = ClientConfig(chunk_bytes=chunk_mib * MiB, window=window)
+            self.clients: dict[str, ZmqClient] = {}
+            for plane, k in planes.items():
+                self.clients[plane] = ZmqClient(config, keys=k)
+                stack.callback(self.clients[plane].close)
+            context = zmq.Context()
+            stack.callback(context.term)
+            self.raw = context.socket(zmq.DEALER)
+            stack.callback(self.raw.close, linger=0)
+            self.raw.setsockopt(zmq.LINGER, 0)
+            self.raw.connect(self.producers["plain"].hello["raw"])
+            self._close = stack.pop_all().close
+        self.source = np.arange(self.nbytes // 4, dtype=np.float32)
+        self.sink = np.empty(self.nbytes // 4, dtype=np.float32)
+        self.sink[:] = 0  # warm: the consumer's destination is faulted in before timing
 
-    def release(ref: TensorRef, plane: str = "auth") -> None:
-        clients[plane].request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), PULL_TIMEOUT_S)
+    def __enter__(self) -> _Consumer:
+        return self
 
-    try:
-        for i in range(total):
-            # memcpy and the hand-off alternate, into the same buffer, so drift hits both.
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def release(self, ref: TensorRef, plane: str = "auth") -> None:
+        self.clients[plane].request(ref.owner, lambda rid: ReleaseRequest(rid, ref.id), PULL_TIMEOUT_S)
+
+
+@dataclass(slots=True)
+class _HandOffTimes:
+    """Seconds per timed repetition of the same-host hand-off and the memcpy beside it."""
+
+    memcpy: list[float] = field(default_factory=list)
+    shm: list[float] = field(default_factory=list)
+    put: list[float] = field(default_factory=list)
+    cold_gbps: float = 0.0
+
+
+def _time_handoff(consumer: _Consumer, warmup: int, repeats: int) -> _HandOffTimes:
+    """memcpy and the authenticated plane's shared-memory hand-off (a ref with its location),
+    alternately into the same buffer, so drift hits both."""
+    nbytes, sink, times = consumer.nbytes, consumer.sink, _HandOffTimes()
+    producer, client = consumer.producers["auth"], consumer.clients["auth"]
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        np.copyto(sink, consumer.source)
+        copy_seconds = time.perf_counter() - start
+        ref, put_seconds = producer.put(i)
+        start = time.perf_counter()
+        data = client.fetch(ref, (Transport.SHM,), PULL_TIMEOUT_S)
+        np.copyto(sink, data.numpy())
+        elapsed = time.perf_counter() - start
+        if sink[0] != i or sink[-1] != nbytes // 4 - 1 or data.transport is not Transport.SHM:
+            raise RuntimeError("shared-memory hand-off returned the wrong bytes")
+        del data
+        consumer.release(ref)
+        if i == 0:
+            times.cold_gbps = nbytes / elapsed / 1e9
+        if i >= warmup:
+            times.shm.append(elapsed)
+            times.put.append(put_seconds)
+            times.memcpy.append(copy_seconds)
+    return times
+
+
+def _time_asked(consumer: _Consumer, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """The asked hand-off (a ref without its location: one round trip to the owner), on the
+    authenticated and the plaintext plane in alternating order: seconds by plane."""
+    sink = consumer.sink
+    times: dict[str, list[float]] = {"auth": [], "plain": []}
+    for i in range(warmup + repeats):
+        for plane in ("auth", "plain") if i % 2 == 0 else ("plain", "auth"):
+            ref, _ = consumer.producers[plane].put(i)
             start = time.perf_counter()
-            np.copyto(sink, source)
-            copy_seconds = time.perf_counter() - start
-            ref, put_seconds = producer.put(i)
-            start = time.perf_counter()
-            data = client.fetch(ref, (Transport.SHM,), PULL_TIMEOUT_S)
+            data = consumer.clients[plane].fetch(msgspec.structs.replace(ref, shm=None), (Transport.SHM,),
+                                                 PULL_TIMEOUT_S)
             np.copyto(sink, data.numpy())
             elapsed = time.perf_counter() - start
-            if sink[0] != i or sink[-1] != nbytes // 4 - 1 or data.transport is not Transport.SHM:
+            if sink[0] != i or data.transport is not Transport.SHM:
                 raise RuntimeError("shared-memory hand-off returned the wrong bytes")
             del data
-            release(ref)
-            if i == 0:
-                cold = nbytes / elapsed / 1e9
-            if i >= args.warmup:
-                shm_times.append(elapsed)
-                put_times.append(put_seconds)
-                memcpy_times.append(copy_seconds)
+            consumer.release(ref, plane)
+            if i >= warmup:
+                times[plane].append(elapsed)
+    return times
 
-        for i in range(total):
-            for plane in ("auth", "plain") if i % 2 == 0 else ("plain", "auth"):
-                ref, _ = producers[plane].put(i)
-                start = time.perf_counter()
-                data = clients[plane].fetch(msgspec.structs.replace(ref, shm=None), (Transport.SHM,), PULL_TIMEOUT_S)
-                np.copyto(sink, data.numpy())
-                elapsed = time.perf_counter() - start
-                if sink[0] != i or data.transport is not Transport.SHM:
-                    raise RuntimeError("shared-memory hand-off returned the wrong bytes")
-                del data
-                release(ref, plane)
-                if i >= args.warmup:
-                    (asked_times if plane == "auth" else asked_plain_times).append(elapsed)
 
-        kinds = tuple(tcp_times)
-        for i in range(total):
-            refs = {kind: producers[kind].put(i)[0] for kind in kinds if kind != "raw"}
-            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-                start = time.perf_counter()
-                if kind != "raw":
-                    data = clients[kind].fetch(refs[kind], (Transport.TCP,), PULL_TIMEOUT_S)
-                    array = data.numpy()
-                else:
-                    raw.send(b"go")
-                    frame = raw.recv(copy=False)
-                    array = np.frombuffer(frame.buffer, np.float32)
-                elapsed = time.perf_counter() - start
-                if array[-1] != nbytes // 4 - 1 or (kind != "raw" and array[0] != i):
-                    raise RuntimeError(f"{kind} transfer returned the wrong bytes")
-                if i >= args.warmup:
-                    tcp_times[kind].append(elapsed)
-            for kind, ref in refs.items():
-                release(ref, kind)
-    finally:
-        raw.close(linger=0)
-        context.term()
-        for started_client in clients.values():
-            started_client.close()
-        for started in producers.values():
-            started.close()
-        keys_home.cleanup()
+def _time_tcp(consumer: _Consumer, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """`ZmqChannel` over TCP on every plane and bare pyzmq (`raw`), in rotating order: seconds by kind."""
+    nbytes = consumer.nbytes
+    times: dict[str, list[float]] = {kind: [] for kind in ("plain", "raw", "auth", "mac", "curve")}
+    kinds = tuple(times)
+    for i in range(warmup + repeats):
+        refs = {kind: consumer.producers[kind].put(i)[0] for kind in kinds if kind != "raw"}
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            start = time.perf_counter()
+            if kind != "raw":
+                data = consumer.clients[kind].fetch(refs[kind], (Transport.TCP,), PULL_TIMEOUT_S)
+                array = data.numpy()
+            else:
+                consumer.raw.send(b"go")
+                frame = consumer.raw.recv(copy=False)
+                array = np.frombuffer(frame.buffer, np.float32)
+            elapsed = time.perf_counter() - start
+            if array[-1] != nbytes // 4 - 1 or (kind != "raw" and array[0] != i):
+                raise RuntimeError(f"{kind} transfer returned the wrong bytes")
+            if i >= warmup:
+                times[kind].append(elapsed)
+        for kind, ref in refs.items():
+            consumer.release(ref, kind)
+    return times
 
-    memcpy = gbps(nbytes, memcpy_times)
-    shm = gbps(nbytes, shm_times)
+
+def _figures(size_mib: int, handoff: _HandOffTimes, asked: dict[str, list[float]],
+             tcp_times: dict[str, list[float]]) -> dict[str, float]:
+    nbytes = size_mib * MiB
+    memcpy = gbps(nbytes, handoff.memcpy)
+    shm = gbps(nbytes, handoff.shm)
     tcp = {kind: gbps(nbytes, times) for kind, times in tcp_times.items()}
     ours, bare = tcp["plain"], tcp["raw"]
     return {
-        "size_mib": float(args.size_mib),
+        "size_mib": float(size_mib),
         "memcpy_gbps": memcpy,
         "shm_gbps": shm,
         "shm_vs_memcpy": shm / memcpy,
-        "shm_asked_gbps": gbps(nbytes, asked_times),
-        "shm_cold_gbps": cold,
-        "shm_put_gbps": gbps(nbytes, put_times),
+        "shm_asked_gbps": gbps(nbytes, asked["auth"]),
+        "shm_cold_gbps": handoff.cold_gbps,
+        "shm_put_gbps": gbps(nbytes, handoff.put),
         "zmq_gbps": ours,
         "raw_zmq_gbps": bare,
         "zmq_vs_raw_zmq": ours / bare,
-        "shm_asked_plain_gbps": gbps(nbytes, asked_plain_times),
-        "auth_vs_plain": gbps(nbytes, asked_times) / gbps(nbytes, asked_plain_times),
+        "shm_asked_plain_gbps": gbps(nbytes, asked["plain"]),
+        "auth_vs_plain": gbps(nbytes, asked["auth"]) / gbps(nbytes, asked["plain"]),
         "auth_zmq_gbps": tcp["auth"],
         "tcp_auth_vs_plain": tcp["auth"] / ours,
         "mac_zmq_gbps": tcp["mac"],
@@ -288,6 +323,18 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "tcp_encrypted_vs_plain": tcp["curve"] / ours,
         "goal_auth_vs_plain": GOAL_AUTH_RATIO,
     }
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    if args.across_nodes:
+        from engine.bench import hosts
+
+        return hosts.run(args)
+    with _Consumer(args.size_mib, args.chunk_mib, args.window) as consumer:
+        handoff = _time_handoff(consumer, args.warmup, args.repeats)
+        asked = _time_asked(consumer, args.warmup, args.repeats)
+        tcp = _time_tcp(consumer, args.warmup, args.repeats)
+    return _figures(args.size_mib, handoff, asked, tcp)
 
 
 if __name__ == "__main__":

@@ -263,6 +263,27 @@ def test_sender_without_a_decode_fails_within_the_timeout(bootstrap: transfer.Om
         manager.close()
 
 
+def test_a_side_serves_only_its_own_role(bootstrap: transfer.OmniFlowKVBootstrapServer) -> None:
+    """A decode manager has no rooms to send from, a prefill manager none to receive into, and a
+    prefill does not answer the decode's topology question: each says so instead of timing out."""
+    kv, aux = peer.empty_like_buffers(*peer.prefill_buffers(seed=5))
+    decode = decode_manager(kv, aux, bootstrap.port, 5.0)
+    config = transfer.TransferConfig(timeout_s=5.0)
+    prefill = kv_class("manager")(peer.kv_args(kv, aux), DisaggregationMode.PREFILL, peer.server_args(bootstrap.port),
+                                  config=config)
+    try:
+        with pytest.raises(transfer.KVTransferConfigError, match="prefill manager sends KV; this one is decode"):
+            kv_class("sender")(decode, f"127.0.0.1:{bootstrap.port}", 1)
+        with pytest.raises(transfer.KVTransferConfigError, match="decode manager receives KV; this one is prefill"):
+            kv_class("receiver")(prefill, f"127.0.0.1:{bootstrap.port}", 1)
+        with pytest.raises(transfer.KVTransferConfigError, match="only a decode manager receives KV"):
+            prefill.try_ensure_parallel_info(f"127.0.0.1:{bootstrap.port}")
+        assert decode.check_alive() is None and prefill.check_alive() is None
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_config_from_env_rejects_bad_values() -> None:
     config = transfer.TransferConfig.from_env({"OMNIFLOW_SGLANG_KV_TIMEOUT_S": "2.5"})
     assert config.timeout_s == 2.5 and config.waiting_timeout_s == 300.0

@@ -28,7 +28,9 @@ receiver then, not at the end of the longer waiting deadline.
 
 Modules: `config` (settings from the environment, errors), `messages` (the wire messages),
 `buffers` (SGLang's buffers by pointer), `loop` (the I/O thread, a transfer's progress),
-`bootstrap`, `manager`, `conn` (sender and receiver).
+`bootstrap` (the server), `dealers` (sockets to peers), `registration` (a prefill rank at its
+bootstrap server), `prefill` and `decode` (each side's rooms), `manager` (one per scheduler,
+owning the above), `conn` (sender and receiver).
 
 Buffers are read and written through the raw pointers SGLang hands over in `KVArgs`: KV
 buffers on the server's device (`server_args.device`: `cuda` or `cpu`), aux (metadata)

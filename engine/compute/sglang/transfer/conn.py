@@ -30,7 +30,8 @@ class OmniFlowKVSender(BaseKVSender):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room)
-        self._outgoing = mgr.open_outgoing(self.bootstrap_room)
+        self._rooms = mgr.prefill_rooms()
+        self._outgoing = self._rooms.open(self.bootstrap_room)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._outgoing.num_pages = int(num_kv_indices)
@@ -45,15 +46,15 @@ class OmniFlowKVSender(BaseKVSender):
         if outgoing.progress.done:
             return
         if state_indices:
-            self.kv_mgr.abort_outgoing(outgoing, "state buffers (Mamba/SWA/DSA) are not supported by this backend")
+            self._rooms.abort(outgoing, "state buffers (Mamba/SWA/DSA) are not supported by this backend")
             return
         if outgoing.num_pages is None:
-            self.kv_mgr.abort_outgoing(outgoing, "send() before init()")
+            self._rooms.abort(outgoing, "send() before init()")
             return
         try:
             outgoing.chunks.append(self.kv_mgr.kv.gather(kv_indices))
         except KVTransferError as exc:
-            self.kv_mgr.abort_outgoing(outgoing, str(exc))
+            self._rooms.abort(outgoing, str(exc))
             return
         outgoing.pages_sent += len(kv_indices)
         if outgoing.pages_sent < outgoing.num_pages:
@@ -63,7 +64,7 @@ class OmniFlowKVSender(BaseKVSender):
         if outgoing.aux_index is not None:
             parts += self.kv_mgr.aux.gather(np.array([outgoing.aux_index]))
         outgoing.chunks = []
-        self.kv_mgr.complete(outgoing, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
+        self._rooms.complete(outgoing, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
 
     def poll(self) -> int:
         failure = self.kv_mgr.check_alive()
@@ -83,10 +84,10 @@ class OmniFlowKVSender(BaseKVSender):
                                 transfer_total_bytes=self.kv_mgr.kv.nbytes(outgoing.pages_sent))
 
     def abort(self) -> None:
-        self.kv_mgr.abort_outgoing(self._outgoing, "aborted by the prefill scheduler")
+        self._rooms.abort(self._outgoing, "aborted by the prefill scheduler")
 
     def clear(self) -> None:
-        self.kv_mgr.clear_outgoing(self._outgoing)
+        self._rooms.clear(self._outgoing)
 
 
 class OmniFlowKVReceiver(BaseKVReceiver):
@@ -104,7 +105,8 @@ class OmniFlowKVReceiver(BaseKVReceiver):
         self.require_staging = False
         self.abort_notified = False
         self.bootstrap_infos: list[Any] = []
-        self._incoming = mgr.open_incoming(self.bootstrap_room, bootstrap_addr)
+        self._rooms = mgr.decode_rooms()
+        self._incoming = self._rooms.open(self.bootstrap_room, bootstrap_addr)
 
     @property
     def conclude_state(self) -> int | None:
@@ -112,18 +114,18 @@ class OmniFlowKVReceiver(BaseKVReceiver):
         return progress.state if progress.done else None
 
     def init(self, prefill_dp_rank: int) -> None:
-        self.kv_mgr.resolve(self._incoming, int(prefill_dp_rank or 0))
+        self._rooms.resolve(self._incoming, int(prefill_dp_rank or 0))
 
     def send_metadata(self, kv_indices: np.ndarray, aux_index: int | None = None, state_indices: list | None = None,
                       decode_prefix_len: int | None = None,
                       destination: KVTransferDestination = KVTransferDestination.DEVICE) -> None:
         if state_indices:
-            self.kv_mgr.abort_incoming(self._incoming, "state buffers (Mamba/SWA/DSA) are not supported by this backend")
+            self._rooms.abort(self._incoming, "state buffers (Mamba/SWA/DSA) are not supported by this backend")
             return
         if destination != KVTransferDestination.DEVICE or decode_prefix_len:
-            self.kv_mgr.abort_incoming(self._incoming, "only whole transfers to device pages are supported")
+            self._rooms.abort(self._incoming, "only whole transfers to device pages are supported")
             return
-        self.kv_mgr.ask(self._incoming, kv_indices, aux_index)
+        self._rooms.ask(self._incoming, kv_indices, aux_index)
 
     def poll(self) -> int:
         incoming = self._incoming
@@ -135,9 +137,9 @@ class OmniFlowKVReceiver(BaseKVReceiver):
         if state == KVPoll.Transferring and transfer is not None:
             pulled = transfer.poll()
             if pulled is TransferState.DONE:
-                self.kv_mgr.finish_incoming(incoming)
+                self._rooms.finish(incoming)
             elif pulled is TransferState.FAILED:
-                self.kv_mgr.abort_incoming(incoming, f"pulling the pages failed: {transfer.error}")
+                self._rooms.abort(incoming, f"pulling the pages failed: {transfer.error}")
             state = incoming.progress.current()
         return state
 
@@ -148,7 +150,7 @@ class OmniFlowKVReceiver(BaseKVReceiver):
         """The prefill learns of an abort through `KVDoneRequest`; nothing waits on an ack."""
 
     def abort(self) -> None:
-        self.kv_mgr.abort_incoming(self._incoming, "aborted by the decode scheduler")
+        self._rooms.abort(self._incoming, "aborted by the decode scheduler")
 
     def clear(self) -> None:
-        self.kv_mgr.clear_incoming(self._incoming)
+        self._rooms.clear(self._incoming)
