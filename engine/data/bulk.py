@@ -47,7 +47,9 @@ import numpy as np
 import zmq
 
 from engine.data.codec import Limits, WireCodec, WireError
-from engine.data.tensor_store import RefNotFound, SendHandle, SentFrames, StoredTensor, TensorStore
+from engine.data.ref_table import StoredTensor
+from engine.data.store_memory import SendHandle, SentFrames
+from engine.data.tensor_store import RefNotFound, TensorStore
 from engine.data.wire import (
     BulkChunkReply,
     BulkChunkRequest,

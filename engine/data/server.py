@@ -3,7 +3,8 @@
 `TensorServer` binds, creates the `TensorStore` whose refs carry its address, and serves
 from one thread. Each connection must open with a `HelloRequest` of our protocol version;
 any frame it cannot read (malformed, unknown type, oversized, out of order) gets an
-`ErrorReply` and the server carries on serving everyone else. Tensor bytes leave as
+`ErrorReply` and the server carries on serving everyone else. A pull goes by the transport that
+`engine.data.transport_choice.choose_transport` picks among those it accepts. Tensor bytes leave as
 zero-copy frames, tracked so that a released segment is not recycled while ZeroMQ still
 reads it. The thread also sweeps expired leases every `sweep_interval_s` and reclaims dead
 processes' segments every `reclaim_interval_s`.
@@ -35,13 +36,10 @@ from engine.data import cuda_ipc
 from engine.data.bulk import GRANT_S, BulkEndpoint, drop_stalled, send_routed
 from engine.data.codec import Limits, WireCodec, WireError
 from engine.data.curve import BulkMode, PlaneGuard, PlaneKeys
-from engine.data.tensor_store import (
-    RefNotFound,
-    SendHandle,
-    StoreConfig,
-    StoredTensor,
-    TensorStore,
-)
+from engine.data.ref_table import StoredTensor
+from engine.data.store_memory import SendHandle
+from engine.data.tensor_store import RefNotFound, StoreConfig, TensorStore
+from engine.data.transport_choice import NoTransport, choose_transport
 from engine.data.wire import (
     PROTOCOL_VERSION,
     BulkGrant,
@@ -278,6 +276,8 @@ class TensorServer:
             self._reply(identity, ErrorReply(request_id, exc.code, exc.message))
         except RefNotFound as exc:
             self._reply(identity, ErrorReply(request_id, ErrorCode.NOT_FOUND, str(exc)))
+        except NoTransport as exc:
+            self._reply(identity, ErrorReply(request_id, ErrorCode.UNSUPPORTED, str(exc)))
         except Exception as exc:  # a bug in serving one request must not stop the server
             log.exception("internal error serving a request")
             self._reply(identity, ErrorReply(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
@@ -336,7 +336,7 @@ class TensorServer:
                 raise RequestRefused(ErrorCode.BAD_REQUEST, f"{type(message).__name__} is not a request")
 
     def _serve_pull(self, identity: bytes, request: PullRequest) -> None:
-        transport = self._choose(self.store.get(request.ref_id), request.transports)
+        transport = choose_transport(self.store.get(request.ref_id), request.transports, self.store.config)
 
         def send(entry: StoredTensor) -> SendHandle | None:
             header = entry.header
@@ -369,28 +369,6 @@ class TensorServer:
             return self._reply(identity, reply, [entry.data] if inline else None)
 
         self.store.serve(request.ref_id, send, host=transport is not Transport.CUDA_IPC)
-
-    def _choose(self, entry: StoredTensor, accepted: tuple[Transport, ...]) -> Transport:
-        # A lent tensor (several buffers, not in a segment) travels as TCP chunks only.
-        small = entry.header.nbytes <= self.store.config.inline_max_bytes and entry.parts is None
-        if (entry.cuda is not None and entry.header.nbytes > 0 and Transport.CUDA_IPC in accepted
-                and not (small and Transport.INLINE in accepted)):
-            # The consumer opens it where it is, no host copy at all; a small one is cheaper
-            # staged and inline than shared (an IPC event, a reference count, a mapping).
-            return Transport.CUDA_IPC
-        if small and Transport.INLINE in accepted:
-            return Transport.INLINE
-        for transport in accepted:
-            # A large CUDA tensor gets a segment when it is staged for this pull.
-            in_segment = entry.location is not None or (
-                entry.cuda is not None and entry.data is None and self.store.config.use_shm and not small)
-            if transport is Transport.SHM and in_segment:
-                return transport
-            if transport is Transport.TCP:
-                return transport
-        raise RequestRefused(
-            ErrorCode.UNSUPPORTED, f"none of {[t.value for t in accepted]} can carry this tensor"
-        )
 
     def _serve_chunk(self, identity: bytes, request: ChunkRequest) -> None:
         if request.length > self.config.limits.max_chunk_bytes:

@@ -12,39 +12,43 @@ ones live in private memory and travel inline. A CUDA tensor stays on its GPU (o
 there): consumers on this host with CUDA open it by CUDA IPC (`engine.data.cuda_ipc`), and
 the first consumer that cannot has it staged to host memory once, as above. The store is
 thread-safe: the server thread reads it while the producer puts.
+
+`TensorStore` is the public face: it owns the lock and the clocks, and under the lock calls its
+parts: `engine.data.ref_table.RefTable` (the live refs, their ids and leases) and
+`engine.data.store_memory.StoreMemory` (segments, their recycling after zero-copy sends, lent
+buffers' give-back, the GPU budget). `StoredTensor` (one live tensor) is in `ref_table`;
+`Reservation`, `SendHandle` and the segment layout are in `store_memory`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-import secrets
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.data.codec import (
     DTYPE_SIZES,
-    TORCH_ONLY_DTYPES,
     KiB,
     MiB,
     UnsupportedTensor,
     contiguous_strides,
     flatten_tensor,
 )
-from engine.data.shm import PAGE, SHM_ROOT, Segment, SegmentAllocator, host_id, reclaim_dead_segments
-from engine.data.wire import RefId, ShmLocation, TensorHeader, TensorRef
+from engine.data.ref_table import RefTable, StoredTensor, generation_of
+from engine.data.shm import SHM_ROOT, SegmentAllocator, host_id, reclaim_dead_segments
+from engine.data.store_memory import Reservation, SendHandle, StoreMemory
+from engine.data.wire import RefId, TensorHeader, TensorRef
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RefNotFound", "Reservation", "SentFrames", "StoreConfig", "StoreStats", "StoredTensor", "TensorRef", "TensorStore"]
+__all__ = ["RefNotFound", "StoreConfig", "StoreError", "StoreStats", "TensorRef", "TensorStore"]
 
 
 def _is_cuda(value: object) -> bool:
@@ -57,11 +61,6 @@ class StoreError(Exception):
 
 class RefNotFound(StoreError):
     """No live tensor under this ref id: never stored, released, or its lease expired."""
-
-
-# Segment layout: the generation of the ref that occupies it (uint64, little-endian, 0 when
-# free) in the first page, the tensor from the second page on (page-aligned for the reader).
-DATA_OFFSET = PAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,66 +80,6 @@ class StoreConfig:
     counted): a CUDA tensor put beyond it is staged to host memory at `put` instead."""
 
 
-class SendHandle(Protocol):
-    """Something still reading a segment (a ZeroMQ zero-copy send): the segment is not
-    recycled before `done`."""
-
-    @property
-    def done(self) -> bool: ...
-
-
-@dataclass(slots=True, eq=False)
-class SentFrames:
-    """A `SendHandle` for bytes sent as several zero-copy frames (one per tracker)."""
-
-    trackers: list[SendHandle]
-
-    @property
-    def done(self) -> bool:
-        return all(tracker.done for tracker in self.trackers)
-
-
-@dataclass(slots=True, eq=False)
-class StoredTensor:
-    """One live tensor. `data` is its bytes (uint8, 1-D, read-only); `segment` holds them
-    when they live in shared memory, at `location`. A CUDA tensor kept on its GPU is `cuda`;
-    its `data` is None until a consumer needs host bytes (`TensorStore.serve(host=True)`).
-    A lent tensor (`TensorStore.lend`) has `parts` instead of `data`, and `on_free`.
-    Valid while the ref is live."""
-
-    ref: TensorRef
-    header: TensorHeader
-    data: np.ndarray | None
-    segment: Segment | None
-    expires: float  # monotonic
-    sends: list[SendHandle] = field(default_factory=list)
-    location: ShmLocation | None = None
-    cuda: torch.Tensor | None = None
-    cuda_ready: torch.cuda.Event | None = None
-    """Recorded after the GPU copy on the producer's stream: waited for before the tensor is
-    shared or staged from another thread (whose stream knows nothing of the producer's)."""
-    cuda_budgeted: bool = False
-    parts: tuple[np.ndarray, ...] | None = None
-    """A lent tensor's bytes, in order: buffers its lender owns (uint8, 1-D)."""
-    on_free: Callable[[], None] | None = None
-    """Gives a lent tensor's `parts` back, once it is freed and no send reads them."""
-
-    def byte_range(self, offset: int, end: int) -> list[np.ndarray]:
-        """Host bytes [offset, end) as views, no copy: one for a tensor in one buffer, one per
-        part the range touches for a lent tensor. Needs host bytes (`data` or `parts`)."""
-        if self.parts is None:
-            assert self.data is not None, "a CUDA tensor not staged to host memory"
-            return [self.data[offset:end]]
-        views = []
-        start = 0
-        for part in self.parts:
-            stop = start + part.nbytes
-            if stop > offset and start < end:
-                views.append(part[max(offset, start) - start : min(end, stop) - start])
-            start = stop
-        return views
-
-
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     live_refs: int
@@ -148,27 +87,6 @@ class StoreStats:
     segments: int  # this store's segments on /dev/shm: live ones plus pooled ones
     pooled_segments: int
     pooled_bytes: int
-
-
-@dataclass(slots=True, eq=False)
-class Reservation:
-    """A writable buffer in the store for a producer to fill before `TensorStore.commit`."""
-
-    header: TensorHeader
-    data: np.ndarray  # uint8, 1-D, writable
-    segment: Segment | None
-    committed: bool = False
-
-    @property
-    def array(self) -> np.ndarray:
-        if self.header.dtype in TORCH_ONLY_DTYPES:
-            raise UnsupportedTensor(f"numpy has no {self.header.dtype}; use .torch()")
-        return self.data.view(np.dtype(self.header.dtype)).reshape(self.header.shape)
-
-    def torch(self) -> torch.Tensor:
-        import torch
-
-        return torch.from_numpy(self.data).view(getattr(torch, self.header.dtype)).reshape(self.header.shape)
 
 
 class TensorStore:
@@ -190,22 +108,16 @@ class TensorStore:
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
-        self._entries: dict[RefId, StoredTensor] = {}
-        self._leases: list[tuple[float, RefId]] = []  # heap; stale entries skipped on pop
-        self._draining: list[tuple[Segment | Callable[[], None], list[SendHandle]]] = []
-        """Freed segments and lent tensors' `on_free`, waiting for their sends to finish."""
-        self._to_free: list[Callable[[], None]] = []  # lent tensors to give back, outside the lock
-        self._reserved: set[Segment] = set()  # taken by reservations not yet committed
-        self._epoch = secrets.token_hex(4)  # ids never repeat across restarts at one address
-        self._serial = itertools.count()
-        self._live_bytes = 0
-        self._cuda_bytes = 0
-        self._segments: SegmentAllocator | None = None
+        self._refs = RefTable(owner, self.host, default_lease_s=self.config.default_lease_s,
+                              max_lease_s=self.config.max_lease_s, wall_clock=wall_clock)
+        segments = None
         if self.config.use_shm:
             reclaim_dead_segments(self.config.shm_root)
-            self._segments = SegmentAllocator(
+            segments = SegmentAllocator(
                 self.config.shm_root, pool_bytes=self.config.pool_bytes, pool_idle_s=self.config.pool_idle_s
             )
+        self._memory = StoreMemory(segments, inline_max_bytes=self.config.inline_max_bytes,
+                                   cuda_max_bytes=self.config.cuda_max_bytes, clock=clock)
 
     # --- producing -------------------------------------------------------------------------
 
@@ -246,21 +158,17 @@ class TensorStore:
         if sum(part.nbytes for part in parts) != nbytes or any(part.dtype != np.uint8 or part.ndim != 1
                                                                for part in parts):
             raise ValueError(f"parts are not the {nbytes} bytes of a {dtype} tensor of shape {shape}")
-        lease = self._lease_seconds(lease_s)
+        lease = self._refs.lease_seconds(lease_s)
         header = TensorHeader(dtype, shape, contiguous_strides(shape), nbytes)
-        ref = TensorRef(owner=self.owner, id=RefId(f"{self._epoch}.{next(self._serial)}"), dtype=dtype,
-                        shape=shape, nbytes=nbytes, lease_expires_at=self._wall() + lease, host=self.host,
-                        device="cpu")
+        ref = self._refs.new_ref(self._refs.next_id(), header, lease, "cpu")
         expires = self._clock() + lease
         with self._lock:
-            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, parts=parts, on_free=on_free)
-            heapq.heappush(self._leases, (expires, ref.id))
-            self._live_bytes += nbytes
+            self._refs.add(StoredTensor(ref, header, None, None, expires, parts=parts, on_free=on_free))
         return ref
 
     def _cuda_room(self, tensor: torch.Tensor) -> bool:
         with self._lock:
-            return self._cuda_bytes + tensor.numel() * tensor.element_size() <= self.config.cuda_max_bytes
+            return self._memory.cuda_room(tensor.numel() * tensor.element_size())
 
     def _put_cuda(self, tensor: torch.Tensor, lease_s: float | None, *, copy: bool = True) -> TensorRef:
         name = str(tensor.dtype).removeprefix("torch.")
@@ -273,24 +181,18 @@ class TensorStore:
         shape = tuple(int(d) for d in gpu.shape)
         header = TensorHeader(name, shape, contiguous_strides(shape), gpu.numel() * gpu.element_size())
         # Kept tensors (no copy) have no lease: they stay until released.
-        lease = self._lease_seconds(lease_s) if copy else math.inf
-        serial = next(self._serial)
-        ref = TensorRef(owner=self.owner, id=RefId(f"{self._epoch}.{serial}"), dtype=name, shape=shape,
-                        nbytes=header.nbytes, lease_expires_at=self._wall() + lease, host=self.host,
-                        device=str(gpu.device))
+        lease = self._refs.lease_seconds(lease_s) if copy else math.inf
+        ref = self._refs.new_ref(self._refs.next_id(), header, lease, str(gpu.device))
         import torch
 
         ready = torch.cuda.Event()
         ready.record()  # on this thread's current stream, which made the copy
         expires = self._clock() + lease
         with self._lock:
-            self._entries[ref.id] = StoredTensor(ref, header, None, None, expires, cuda=gpu, cuda_ready=ready,
-                                                 cuda_budgeted=copy)
+            self._refs.add(StoredTensor(ref, header, None, None, expires, cuda=gpu, cuda_ready=ready,
+                                        cuda_budgeted=copy))
             if copy:
-                self._cuda_bytes += header.nbytes
-            if math.isfinite(expires):
-                heapq.heappush(self._leases, (expires, ref.id))
-            self._live_bytes += header.nbytes
+                self._memory.charge_cuda(header.nbytes)
         return ref
 
     def reserve(self, shape: tuple[int, ...], dtype: str) -> Reservation:
@@ -314,82 +216,45 @@ class TensorStore:
         reservation.committed = True
         if reservation.segment is not None:
             with self._lock:
-                self._reserved.discard(reservation.segment)
-                self._draining.append((reservation.segment, []))
-                self._drain()
+                self._memory.abort(reservation.segment)
 
     def _reserve(self, header: TensorHeader) -> Reservation:
-        if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
-            with self._lock:
-                return self._reserve_locked(header)
-        return Reservation(header, np.empty(header.nbytes, np.uint8), None)
-
-    def _reserve_locked(self, header: TensorHeader) -> Reservation:
-        if self._segments is not None and header.nbytes > self.config.inline_max_bytes:
-            self._drain()
-            segment = self._segments.take(DATA_OFFSET + header.nbytes)
-            self._reserved.add(segment)
-            return Reservation(header, segment.array[DATA_OFFSET : DATA_OFFSET + header.nbytes], segment)
-        return Reservation(header, np.empty(header.nbytes, np.uint8), None)
+        if not self._memory.in_segment(header.nbytes):
+            return self._memory.reserve(header)  # private memory: nothing shared to guard
+        with self._lock:
+            return self._memory.reserve(header)
 
     def _stage_locked(self, entry: StoredTensor) -> None:
         """Give a CUDA entry its host bytes (once): into a segment when large, like `put`."""
         if entry.data is not None or entry.cuda is None:
             return
         flat = flatten_tensor(entry.cuda)  # the device-to-host copy
-        reservation = self._reserve_locked(entry.header)
+        reservation = self._memory.reserve(entry.header)
         reservation.data[:] = flat.data
         reservation.committed = True
         reservation.data.flags.writeable = False
         entry.data = reservation.data
         segment = reservation.segment
         if segment is not None:
-            self._reserved.discard(segment)
             entry.segment = segment
-            # The generation of a staged tensor is its serial + 1, as if it had been put here.
-            serial = int(entry.ref.id.rsplit(".", 1)[1])
-            entry.location = ShmLocation(segment.name, segment.size, DATA_OFFSET, generation=serial + 1)
-            segment.array[:8].view(np.uint64)[0] = entry.location.generation
+            # Stamped with the generation of its ref, as if it had been put here.
+            entry.location = self._memory.publish(segment, generation_of(entry.ref.id))
 
     def _commit(self, reservation: Reservation, lease_s: float | None, device: str) -> TensorRef:
         reservation.committed = True
-        lease = self._lease_seconds(lease_s)
+        lease = self._refs.lease_seconds(lease_s)
         header = reservation.header
-        serial = next(self._serial)
-        ref_id = RefId(f"{self._epoch}.{serial}")
+        ref_id = self._refs.next_id()
         segment = reservation.segment
-        location = None
-        if segment is not None:
-            location = ShmLocation(segment.name, segment.size, DATA_OFFSET, generation=serial + 1)
-        ref = TensorRef(
-            owner=self.owner,
-            id=ref_id,
-            dtype=header.dtype,
-            shape=header.shape,
-            nbytes=header.nbytes,
-            lease_expires_at=self._wall() + lease,
-            host=self.host,
-            device=device,
-            shm=location,
-        )
         data = reservation.data
         data.flags.writeable = False
         expires = self._clock() + lease
         with self._lock:
-            if segment is not None and location is not None:
-                self._reserved.discard(segment)
-                # Written after the data: a reader that sees this generation sees the tensor.
-                segment.array[:8].view(np.uint64)[0] = location.generation
-            self._entries[ref_id] = StoredTensor(ref, header, data, segment, expires, location=location)
-            heapq.heappush(self._leases, (expires, ref_id))
-            self._live_bytes += header.nbytes
+            # Stamped after the data: a reader that sees this generation sees the tensor.
+            location = None if segment is None else self._memory.publish(segment, generation_of(ref_id))
+            ref = self._refs.new_ref(ref_id, header, lease, device, shm=location)
+            self._refs.add(StoredTensor(ref, header, data, segment, expires, location=location))
         return ref
-
-    def _lease_seconds(self, lease_s: float | None) -> float:
-        lease = self.config.default_lease_s if lease_s is None else float(lease_s)
-        if not 0 < lease <= self.config.max_lease_s:
-            raise ValueError(f"lease must be in (0, {self.config.max_lease_s}] seconds, got {lease}")
-        return lease
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -418,9 +283,10 @@ class TensorStore:
                 entry.sends.append(handle)
 
     def _live(self, ref_id: RefId) -> StoredTensor:
-        entry = self._entries.get(ref_id)
+        entry = self._refs.get(ref_id)
         if entry is not None and entry.expires <= self._clock():
-            self._drop(entry)
+            self._refs.remove(entry)
+            self._free(entry)
             entry = None
         if entry is None:
             raise RefNotFound(f"no live tensor {ref_id!r}")
@@ -428,135 +294,93 @@ class TensorStore:
 
     def extend(self, ref_id: RefId, lease_s: float) -> float:
         """Extend the lease to `lease_s` from now; returns the new expiry as a UNIX time."""
-        lease = self._lease_seconds(lease_s)
+        lease = self._refs.lease_seconds(lease_s)
         with self._lock:
-            entry = self._entries.get(ref_id)
+            entry = self._refs.get(ref_id)
             now = self._clock()
             if entry is None or entry.expires <= now:
                 raise RefNotFound(f"no live tensor {ref_id!r}")
             if math.isinf(entry.expires):
                 return math.inf  # kept until released: no lease to extend
-            entry.expires = now + lease
-            heapq.heappush(self._leases, (entry.expires, ref_id))
+            self._refs.extend(entry, now + lease)
         return self._wall() + lease
 
     def release(self, ref_id: RefId) -> bool:
         """Free the tensor now; False if it was not live. Views that consumers mapped stay
         readable but may be overwritten once the segment is reused."""
         with self._lock:
-            entry = self._entries.get(ref_id)
+            entry = self._refs.get(ref_id)
             if entry is not None:
-                self._drop(entry)
+                self._refs.remove(entry)
+                self._free(entry)
         self._give_back()
         return entry is not None
 
     def sweep(self, now: float | None = None) -> list[RefId]:
         """Free every tensor whose lease ended by `now` (monotonic; default: the clock), let
         go of idle pooled segments and reclaim dead processes' segments. Returns freed ids."""
-        freed: list[RefId] = []
         with self._lock:
             now = self._clock() if now is None else now
-            while self._leases and self._leases[0][0] <= now:
-                _expires, ref_id = heapq.heappop(self._leases)
-                entry = self._entries.get(ref_id)
-                if entry is not None and entry.expires <= now:
-                    self._drop(entry)
-                    freed.append(ref_id)
-            self._drain()
-            if self._segments is not None:
-                self._segments.trim(now)
+            expired = self._refs.expired(now)
+            for entry in expired:
+                self._free(entry)
+            self._memory.drain()
+            self._memory.trim(now)
         self._give_back()
-        return freed
+        return [entry.ref.id for entry in expired]
 
     def reclaim_dead(self) -> list[str]:
         """Unlink segments of dead processes on this host (any producer may do this)."""
         return reclaim_dead_segments(self.config.shm_root)
 
-    def _drop(self, entry: StoredTensor) -> None:
-        del self._entries[entry.ref.id]
+    def _free(self, entry: StoredTensor) -> None:
+        """Free what `entry`, just taken out of the ref table, holds."""
         if entry.cuda_budgeted:
-            self._cuda_bytes -= entry.header.nbytes
+            self._memory.refund_cuda(entry.header.nbytes)
         entry.cuda = None  # freed, or parked by torch until consumers' mappings are gone
         entry.cuda_ready = None
-        self._live_bytes -= entry.header.nbytes
         if entry.segment is not None:
-            entry.segment.array[:8].view(np.uint64)[0] = 0  # in-place readers must ask the owner now
-            self._draining.append((entry.segment, entry.sends))
-            self._drain()
+            self._memory.free_segment(entry.segment, entry.sends)
         elif entry.on_free is not None:
             entry.parts = None
-            self._draining.append((entry.on_free, entry.sends))
-            self._drain()
-
-    def _drain(self) -> None:
-        """Recycle released segments, and queue lent tensors for `_give_back`, once no
-        zero-copy send still reads them."""
-        if not self._draining:
-            return
-        now = self._clock()
-        keep = []
-        for freed, sends in self._draining:
-            if not all(h.done for h in sends):
-                keep.append((freed, sends))
-            elif isinstance(freed, Segment):
-                assert self._segments is not None
-                self._segments.give_back(freed, now)
-            else:
-                self._to_free.append(freed)
-        self._draining = keep
+            self._memory.free_lent(entry.on_free, entry.sends)
 
     def _give_back(self) -> None:
-        """Call the `on_free` of lent tensors that `_drain` found done (outside the store's
-        lock: the lender takes its own)."""
+        """Call the `on_free` of lent tensors whose sends are done (outside the store's lock:
+        the lender takes its own)."""
         with self._lock:
-            to_free, self._to_free = self._to_free, []
+            to_free = self._memory.take_lent()
         for on_free in to_free:
             on_free()
 
     # --- introspection and shutdown ----------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._refs)
 
     def __contains__(self, ref_id: object) -> bool:
-        return ref_id in self._entries
+        return ref_id in self._refs
 
     def stats(self) -> StoreStats:
         with self._lock:
-            live_segments = sum(1 for e in self._entries.values() if e.segment is not None)
-            pooled = self._segments.pooled_segments if self._segments else 0
-            pooled_bytes = self._segments.pooled_bytes if self._segments else 0
+            live_segments = sum(1 for e in self._refs.values() if e.segment is not None)
             return StoreStats(
-                live_refs=len(self._entries),
-                live_bytes=self._live_bytes,
-                segments=live_segments + pooled + len(self._draining) + len(self._reserved),
-                pooled_segments=pooled,
-                pooled_bytes=pooled_bytes,
+                live_refs=len(self._refs),
+                live_bytes=self._refs.live_bytes,
+                segments=live_segments + self._memory.unheld_segments,
+                pooled_segments=self._memory.pooled_segments,
+                pooled_bytes=self._memory.pooled_bytes,
             )
 
     def close(self) -> None:
         """Free everything and unlink every segment this store created."""
         with self._lock:
-            lent = [e.on_free for e in self._entries.values() if e.on_free is not None]
-            for entry in list(self._entries.values()):
+            entries = list(self._refs.values())
+            lent = [e.on_free for e in entries if e.on_free is not None]
+            for entry in entries:
                 if entry.segment is not None:
                     entry.segment.unlink()
-            self._entries.clear()
-            self._leases.clear()
-            for freed, _sends in self._draining:
-                if isinstance(freed, Segment):
-                    freed.unlink()
-                else:
-                    lent.append(freed)
-            self._draining.clear()
-            lent.extend(self._to_free)
-            self._to_free.clear()
-            for segment in self._reserved:
-                segment.unlink()
-            self._reserved.clear()
-            self._live_bytes = 0
-            self._cuda_bytes = 0
-            if self._segments is not None:
-                self._segments.close()
+            self._refs.clear()
+            lent.extend(self._memory.close())
         for on_free in lent:  # the lenders' buffers are theirs again: nothing here sends any more
             on_free()

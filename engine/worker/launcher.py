@@ -66,7 +66,7 @@ from engine.flow.discovery.machine import detect_gpus
 from engine.flow.gpus import GpuAssignmentError, GpuPool, GpuRequest
 from engine.spec.graph import GraphSpec
 from engine.spec.resources import role_resources
-from engine.worker.process import DEFAULT_LISTEN, host_of_endpoint
+from engine.worker.config import DEFAULT_LISTEN, host_of_endpoint
 from engine.worker.ranks import (
     TP_RANK_SUFFIX,
     LaunchedWorker,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
-from engine.worker.process import DEFAULT_LISTEN, WorkerConfig, report_start_failure, run_role_worker
+from engine.worker.config import DEFAULT_LISTEN, WorkerConfig
+from engine.worker.process import report_start_failure, run_role_worker
 
 
 class WorkerOptionError(ValueError):

@@ -31,7 +31,7 @@ from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import GraphSpec
 from engine.spec.kinds import default_kinds
 from engine.worker.launcher import LaunchState, LocalCluster, WorkerLaunch
-from engine.worker.process import STALLED_EXIT
+from engine.worker.liveness import STALLED_EXIT
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 from tests.integration.deployments import hf_greedy, text_ids
 from tests.integration.workerfns import block_loop, die, whoami

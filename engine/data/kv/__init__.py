@@ -5,8 +5,9 @@
 * `device`, `host`, `disk`: the three tiers (torch slots; a named shared-memory
   segment other processes map with `HostPageReader`; a checksummed segment file).
 * `store`: `KVStore`, one per worker process, serving every role in it; its parts:
-  `hierarchy` (the tiers and the moves of pages between them), `loan` (pages lent in place),
-  `prefetch` (background promotion), `config` (`KVStoreConfig`), `events` (`KVEvent`).
+  `hierarchy` (the tiers and the moves of pages between them), `locks` (pages locked for
+  compute), `loan` (pages lent in place), `prefetch` (background promotion), `config`
+  (`KVStoreConfig`), `events` (`KVEvent`).
 * `index`: `RedisKVIndex` and `KVIndexPublisher`, which worker holds which pages.
 * `pull`: `KVPageServer` and `fetch_pages`, pages between workers' stores.
 * `source`: `PageSource` and its kinds, where a store gets pages it lacks (another store, a

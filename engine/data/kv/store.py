@@ -24,9 +24,9 @@ index publisher only buffers).
 
 `KVStore` is the public face: it owns the mutex, the open/closed state and the pull metrics,
 and under the mutex calls its parts: `hierarchy.TierHierarchy` (the tiers, their locks and pins,
-eviction, demotion, promotion and the events), `loan` (pages lent in place) and
-`prefetch.Prefetcher` (promotion on a background thread). Its config is in `config`, its events
-in `events`; both are re-exported here, as is `Capacity`.
+eviction, demotion, promotion and the events), `locks` (taking and giving back locks), `loan`
+(pages lent in place) and `prefetch.Prefetcher` (promotion on a background thread). Its config
+is in `config`, its events in `events`; both are re-exported here, as is `Capacity`.
 """
 
 from __future__ import annotations
@@ -34,18 +34,18 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.data.kv.config import DiskTierConfig, KVStoreConfig, WritePolicy
-from engine.data.kv.errors import KVClosedError, KVLockError, KVPageNotFound
+from engine.data.kv.errors import KVClosedError, KVLockError
 from engine.data.kv.events import KVEvent, KVEventKind, KVListener
 from engine.data.kv.hierarchy import TierHierarchy
 from engine.data.kv.host import HostTier
 from engine.data.kv.keys import PageHash
 from engine.data.kv.loan import HeldSlot, PageLoan, give_back, hold_in_place, lent_runs
+from engine.data.kv.locks import lock_pages, unlock_pages
 from engine.data.kv.prefetch import Prefetcher, PrefetchHandle, PrefetchResult
 from engine.data.kv.tier import Capacity, Tier
 
@@ -302,29 +302,13 @@ class KVStore:
         way (with `record_miss` for the page that ended it), so the tier hit rates show
         prefix reuse, not only pages served to peers.
         """
-        taken: list[PageHash] = []
-        held: list[Tier] = []
         with self._mutex:
             self._check_open()
-            device = self._tiers.device
-            with ExitStack() as undo:
-                undo.callback(self._tiers.release, taken)  # on any failure, the locks this call took so far
-                for page in pages:
-                    if page in device:
-                        self._tiers.levels[Tier.DEVICE].tracker.touch(page)
-                        held.append(Tier.DEVICE)
-                    else:
-                        source = self._tiers.best(page)
-                        if source is None or not self._tiers.promote(page):
-                            raise KVPageNotFound(page)
-                        held.append(source)
-                    self._tiers.locks[page] += 1
-                    taken.append(page)
-                undo.pop_all()
+            found = lock_pages(self._tiers, pages)
             if lookup:
-                for source in held:
+                for source in found:
                     self._tiers.count_lookup(source)
-            return [device.slot_of(page) for page in pages]
+            return [self._tiers.device.slot_of(page) for page in pages]
 
     def record_miss(self) -> None:
         """Count a lookup of a page no tier holds (a lookup in every tier, no hit): how a
@@ -333,11 +317,9 @@ class KVStore:
             self._tiers.count_lookup(None)
 
     def unlock(self, pages: Sequence[PageHash]) -> None:
+        """Give back one lock on each of `pages` (all or nothing: `KVLockError` if one holds fewer)."""
         with self._mutex:
-            missing = [page for page, n in Counter(pages).items() if self._tiers.locks.get(page, 0) < n]
-            if missing:
-                raise KVLockError(f"unlock of pages that are not locked: {missing[:4]}")
-            self._tiers.release(pages)
+            unlock_pages(self._tiers, pages)
 
     def lock_count(self, page: PageHash) -> int:
         with self._mutex:

@@ -25,7 +25,8 @@ from engine.data.shm import (
     reclaim_dead_segments,
     size_class,
 )
-from engine.data.tensor_store import DATA_OFFSET, RefNotFound, StoreConfig, StoreError, TensorStore
+from engine.data.store_memory import DATA_OFFSET
+from engine.data.tensor_store import RefNotFound, StoreConfig, StoreError, TensorStore
 
 
 @dataclass(slots=True)
@@ -112,7 +113,7 @@ def test_sweep_frees_exactly_the_expired_leases(store: TensorStore, clock: FakeC
     assert store.sweep() == [short.id]
     clock.now += 2.0
     assert store.sweep() == [long.id]
-    assert list(store._entries) == [extended.id]
+    assert len(store) == 1 and extended.id in store
 
 
 def test_expired_ref_is_gone_even_before_a_sweep(store: TensorStore, clock: FakeClock) -> None:

@@ -40,8 +40,9 @@ from engine.data.wire import (
 from engine.spec.calls import CallHeader
 
 ENGINE_DATA = Path(__file__).resolve().parents[3] / "engine" / "data"
-WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "server.py", "peer.py",
-                     "values.py", "framed.py", "cuda_ipc.py",
+WIRE_PATH_MODULES = ["wire.py", "codec.py", "channel.py", "shm.py", "tensor_store.py", "ref_table.py",
+                     "store_memory.py", "server.py", "transport_choice.py", "peer.py", "values.py", "framed.py",
+                     "cuda_ipc.py",
                      *sorted(f"client/{path.name}" for path in (ENGINE_DATA / "client").glob("*.py"))]
 
 

@@ -8,7 +8,8 @@ import threading
 
 from engine.flow.discovery import WorkerLoad
 from engine.spec.graph import RoleSpec
-from engine.worker.process import WorkerConfig, _Liveness, _LoopWatch
+from engine.worker.config import WorkerConfig
+from engine.worker.liveness import Liveness, LoopWatch
 
 
 def test_a_failed_check_stops_the_worker_once_with_its_reason() -> None:
@@ -25,7 +26,7 @@ def test_a_failed_check_stops_the_worker_once_with_its_reason() -> None:
         return "the publisher of GPU weights this worker attached is gone: m (pid 1)" if len(checks) >= 2 else None
 
     config = WorkerConfig(RoleSpec(name="py", kind="python"), "py-0", heartbeat_s=0.02)
-    liveness = _Liveness(config, "127.0.0.1", lambda: WorkerLoad(), stop_worker, check)
+    liveness = Liveness(config, "127.0.0.1", lambda: WorkerLoad(), stop_worker, check)
     liveness.start_and_bind()
     try:
         assert stopped.wait(10), "the failed check did not stop the worker"
@@ -37,7 +38,7 @@ def test_a_failed_check_stops_the_worker_once_with_its_reason() -> None:
 
 
 class _Loop:
-    """The probes a `_LoopWatch` posts, held until the test lets the 'loop' run them."""
+    """The probes a `LoopWatch` posts, held until the test lets the 'loop' run them."""
 
     def __init__(self) -> None:
         self.posted: list = []
@@ -53,7 +54,7 @@ class _Loop:
 
 def test_a_loop_that_answers_its_probes_is_never_stalled() -> None:
     loop = _Loop()
-    watch = _LoopWatch(loop, timeout_s=1e-9)  # any probe older than now counts as overdue
+    watch = LoopWatch(loop, timeout_s=1e-9)  # any probe older than now counts as overdue
     for _ in range(5):
         assert watch.stalled() is None
         assert len(loop.posted) == 1
@@ -62,7 +63,7 @@ def test_a_loop_that_answers_its_probes_is_never_stalled() -> None:
 
 def test_a_stuck_loop_is_reported_on_the_check_after_its_probe_is_overdue() -> None:
     loop = _Loop()
-    watch = _LoopWatch(loop, timeout_s=1e-9)
+    watch = LoopWatch(loop, timeout_s=1e-9)
     assert watch.stalled() is None  # posts the probe
     assert watch.stalled() is None  # overdue: suspect, confirmed only on the next check
     reason = watch.stalled()
@@ -75,7 +76,7 @@ def test_a_loop_that_answers_late_after_a_whole_process_pause_is_not_stalled() -
     """Both threads held up together: the check may run before the loop's first turn, but the
     loop answers long before the check after it."""
     loop = _Loop()
-    watch = _LoopWatch(loop, timeout_s=1e-9)
+    watch = LoopWatch(loop, timeout_s=1e-9)
     assert watch.stalled() is None
     assert watch.stalled() is None  # the pause ends; the liveness thread happens to run first
     loop.turn()
@@ -86,6 +87,6 @@ def test_a_loop_that_answers_late_after_a_whole_process_pause_is_not_stalled() -
 
 def test_a_zero_stall_timeout_never_probes() -> None:
     loop = _Loop()
-    watch = _LoopWatch(loop, timeout_s=0)
+    watch = LoopWatch(loop, timeout_s=0)
     assert [watch.stalled() for _ in range(3)] == [None, None, None]
     assert loop.posted == []

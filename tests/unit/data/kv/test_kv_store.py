@@ -176,6 +176,19 @@ def test_lock_is_all_or_nothing_and_nests(make_store: StoreFactory) -> None:
         store.remove(KEYS["A"])
 
 
+def test_unlock_is_all_or_nothing(make_store: StoreFactory) -> None:
+    store = make_store(device=2, host=2, disk=None)
+    put(store, "A", "B")
+    store.lock([KEYS["A"]])
+    with pytest.raises(KVLockError, match="unlock of pages that are not locked"):
+        store.unlock([KEYS["A"], KEYS["B"]])  # B holds no lock: A keeps its own
+    with pytest.raises(KVLockError):
+        store.unlock([KEYS["A"], KEYS["A"]])  # two given back, one held
+    assert (store.lock_count(KEYS["A"]), store.lock_count(KEYS["B"])) == (1, 0)
+    store.unlock([KEYS["A"]])
+    assert store.lock_count(KEYS["A"]) == 0
+
+
 def test_capacity_error_when_a_lock_needs_more_room_than_there_is(make_store: StoreFactory) -> None:
     store = make_store(device=2, host=4, disk=None)
     put(store, "A", "B", "C", "D")
