@@ -31,6 +31,7 @@ from pathlib import Path
 from engine.data.rendezvous import listening_socket
 from engine.data.shm import HOST_ID_ENV
 from engine.flow.gpus import GpuPool, gpu_environment
+from engine.worker.announce import REFUSED_METRIC, start_failure
 from engine.worker.launcher import (
     TP_RANK_SUFFIX,
     LaunchedWorker,
@@ -41,7 +42,6 @@ from engine.worker.launcher import (
     leader_worker_id,
     rank_worker_id,
 )
-from engine.worker.process import REFUSED_METRIC, start_failure
 from engine.worker.supervise import ReplicaEvent, ReplicaEventKind, RestartPolicy
 
 __all__ = [

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from engine.data.curve import PlaneKeyError, PlaneKeys
 from engine.flow.loader import load_workflow
+from engine.worker.announce import report_start_failure
 from engine.worker.config import DEFAULT_LISTEN, WorkerConfig
-from engine.worker.process import report_start_failure, run_role_worker
+from engine.worker.process import run_role_worker
 
 
 class WorkerOptionError(ValueError):

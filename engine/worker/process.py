@@ -13,7 +13,7 @@ exits; if spawned by a local launcher it exits when that parent dies. When it is
 ready it prints one line, `OMNIFLOW-READY {json}`, on standard output (with the
 `CUDA_VISIBLE_DEVICES` it runs under, `cuda_visible_devices`: null when unset). One that
 cannot start says why there instead, `OMNIFLOW-FAILED {"error": ...}` (the exception, its
-traceback on standard error as before), for its launcher to report (`start_failure`).
+traceback on standard error as before), for its launcher to report (`engine.worker.announce`).
 
 A worker whose registry record is gone registers again (Redis restarted or was flushed, or
 the worker paused past its TTL) unless its id was fenced (`Registry.fence`: it was declared
@@ -68,6 +68,7 @@ from engine.flow.links import LoopSocket
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, default_ops
 from engine.spec.userfiles import UsersRoot
+from engine.worker.announce import FENCED_EXIT, READY_PREFIX, REFUSED_METRIC, report_start_failure
 from engine.worker.config import WorkerConfig, bound_endpoint, host_of_endpoint
 from engine.worker.core import RoleWorkerCore
 from engine.worker.kv import KVHosting, open_index
@@ -76,16 +77,7 @@ from engine.worker.title import set_title
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "OMNIFLOW-READY "
-FAILED_PREFIX = "OMNIFLOW-FAILED "
 _ANSWER_LINGER_MS = 1000
-FENCED_EXIT = 6
-"""The exit status of a worker whose id was fenced: another replica took its place."""
-REFUSED_METRIC = "plane.refused"
-"""The worker metric counting connections its sockets refused: no CURVE, a key not authorised,
-or (the local socket) a process of another uid; with those its unit's own sockets refused
-(`ComputeUnit.refused`: a tensor-parallel replica's link and transfer seats, its follower ranks'
-included)."""
 
 
 def process_metrics(device: str) -> dict[str, float]:
@@ -374,24 +366,6 @@ def follow_rank(config: WorkerConfig, kinds: KindRegistry, *, ready: Callable[[d
         ready({"worker_id": config.worker_id, "host": host_of_endpoint(config.listen), **details})
 
     return int(follow(config.role, tp_seat(config), ready=announce, parent_pid=config.parent_pid))
-
-
-def report_start_failure(error: str) -> None:
-    """Tell the launcher why this worker could not start: the FAILED line on standard output."""
-    print(FAILED_PREFIX + json.dumps({"error": error}), flush=True)
-
-
-def start_failure(output: str) -> str | None:
-    """Why a worker could not start, as the last FAILED line in `output` (what it printed) says;
-    None when there is none."""
-    for line in reversed(output.splitlines()):
-        if line.startswith(FAILED_PREFIX):
-            try:
-                error = json.loads(line[len(FAILED_PREFIX):]).get("error")
-            except (json.JSONDecodeError, AttributeError):
-                return None
-            return error if isinstance(error, str) and error else None
-    return None
 
 
 def run_role_worker(config: WorkerConfig, kinds: KindRegistry | None = None) -> int:

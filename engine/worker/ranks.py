@@ -29,7 +29,7 @@ from engine.data.rendezvous import listening_socket
 from engine.flow.gpus import gpu_environment
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import default_kinds
-from engine.worker.process import READY_PREFIX, start_failure
+from engine.worker.announce import READY_PREFIX, start_failure
 from engine.worker.zygote import INHERITED_FD, ForkedProcess, Zygote
 
 

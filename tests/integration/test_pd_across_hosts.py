@@ -33,7 +33,7 @@ from engine.flow.executor import Executor
 from engine.flow.remote import WorkerDispatcher
 from engine.spec.graph import encode_spec
 from engine.spec.kinds import default_kinds
-from engine.worker.process import READY_PREFIX
+from engine.worker.announce import READY_PREFIX
 from tests.integration.deployments import hf_greedy, text_ids
 from tests.integration.workerfns import wait_until
 

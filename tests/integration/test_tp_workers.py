@@ -51,8 +51,8 @@ from engine.data.wire import PROTOCOL_VERSION, HelloRequest, ReleaseRequest
 from engine.flow.dsl import Workflow
 from engine.flow.remote import RemoteNodeError, WorkerLost
 from engine.spec.graph import GraphSpec
+from engine.worker.announce import REFUSED_METRIC
 from engine.worker.launcher import LaunchError, LocalCluster, rank_worker_id
-from engine.worker.process import REFUSED_METRIC
 from tests.integration.deployments import Deployment, deployed, equals, hf_greedy, text_ids
 from tests.integration.workerfns import wait_until
 

@@ -57,7 +57,7 @@ from engine.flow.discovery import InProcessRegistry, WorkerInfo
 from engine.flow.remote import WorkerDispatcher, WorkerLost
 from engine.spec.calls import CallHeader, NodeCall, NodeContext
 from engine.spec.graph import RoleSpec, encode_spec
-from engine.worker.process import READY_PREFIX, REFUSED_METRIC
+from engine.worker.announce import READY_PREFIX, REFUSED_METRIC
 from tests.integration import workerfns
 from tests.integration.workerfns import (
     LocalClient,

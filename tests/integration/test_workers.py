@@ -50,8 +50,8 @@ from engine.flow.remote import WorkerDispatcher
 from engine.spec.calls import NodeCall, NodeContext, NodeResult, RanOn
 from engine.spec.graph import GraphSpec, RoleSpec
 from engine.spec.kinds import default_kinds
+from engine.worker.announce import FAILED_PREFIX, FENCED_EXIT, READY_PREFIX
 from engine.worker.launcher import LaunchedWorker, LocalCluster
-from engine.worker.process import FAILED_PREFIX, FENCED_EXIT, READY_PREFIX
 from tests.integration import workerfns
 from tests.integration.workerfns import RawClient, markers, wait_until, whoami_request, whoami_spec
 
