@@ -85,6 +85,8 @@ class Quotas:
     """Workflows one user keeps (each holds its versions' specs in the database)."""
     versions: int
     """Versions one workflow keeps."""
+    websockets: int
+    """WebSockets one user holds open at once in one web process (`studio.workflows.sockets`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +388,7 @@ def load_quotas(env: Mapping[str, str]) -> Quotas:
         run_timeout_s=env_seconds(env, "OMNIFLOW_QUOTA_RUN_TIMEOUT_S", 3600.0),
         workflows=env_int(env, "OMNIFLOW_QUOTA_WORKFLOWS", 1000, minimum=1),
         versions=env_int(env, "OMNIFLOW_QUOTA_VERSIONS", 1000, minimum=1),
+        websockets=env_int(env, "OMNIFLOW_QUOTA_WEBSOCKETS", 64, minimum=1),
     )
 
 

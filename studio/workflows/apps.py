@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from django.apps import AppConfig, apps
 from django.conf import settings
 
+from studio.workflows.sockets import SocketSlots
+
 if TYPE_CHECKING:
     from engine.client.plane import PromptTokenizer
     from engine.spec.kinds import KindRegistry
@@ -37,6 +39,8 @@ class StudioEngine:
     """The workers' metrics over time: its `store`, and the sampler that fills it once started."""
     prompt_tokenizer: PromptTokenizer
     """The llm roles' tokenizers, loaded once per model, for KV-aware routing of text prompts."""
+    sockets: SocketSlots
+    """The WebSockets each user holds open in this process, within their quota."""
 
 
 def build_engine(config: StudioConfig) -> StudioEngine:
@@ -60,7 +64,7 @@ def build_engine(config: StudioConfig) -> StudioEngine:
                       users=UsersRoot(config.users_root))
     return StudioEngine(config=config, kinds=kinds, ops=ops, runs=runs, deployments=deployments,
                         templates=ChatTemplates(), history=build_sampler(config, runs, deployments),
-                        prompt_tokenizer=prompt_tokenizer)
+                        prompt_tokenizer=prompt_tokenizer, sockets=SocketSlots(config.quotas.websockets))
 
 
 class WorkflowsConfig(AppConfig):

@@ -9,7 +9,8 @@ seq k reconnects with `since=k+1`. Sending `{"since": N}` restarts the stream at
 the same socket. Failures close the socket after one message
 `{"type": "error", "status": 4xx, "error": ...}` with close code 4000 + status
 (4400 bad request, 4401 not authenticated, 4404 no such run, 4413 a message over
-OMNIFLOW_MAX_WS_MESSAGE_BYTES). Client messages are parsed with the limits of
+OMNIFLOW_MAX_WS_MESSAGE_BYTES, 4429 the user holds their quota of open sockets,
+OMNIFLOW_QUOTA_WEBSOCKETS, on this socket and on `/ws/metrics/`). Client messages are parsed with the limits of
 `studio.jsonbody` (depth, size), on this socket and on `/ws/metrics/`.
 
 No gaps, no duplicates: the consumer subscribes to the run's live events *before* it
@@ -40,6 +41,7 @@ from studio.workflows.history.query import RangeError, history, parse_range
 from studio.workflows.history.store import HistoryUnavailable
 from studio.workflows.models import Deployment, Run, RunEvent
 from studio.workflows.runs.bus import RunEventBus
+from studio.workflows.sockets import SocketSlots
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,26 @@ def _since(raw: Any) -> int:
     if raw < 0:
         raise _Refused(400, "since must be a non-negative integer")
     return raw
+
+
+class Slot:
+    """One open socket of a user, counted against their quota (`studio.workflows.sockets`) from
+    `take` until `give_back`."""
+
+    def __init__(self, slots: SocketSlots, user: Any) -> None:
+        self._slots, self._user = slots, user
+
+    @classmethod
+    def take(cls, user: Any) -> Slot:
+        """The user's next slot; `_Refused` 429 when they hold their quota of open sockets."""
+        slots = engine().sockets
+        if not slots.take(user):
+            raise _Refused(429, f"you have {slots.held(user)} WebSockets open on this server; your quota is"
+                                f" {slots.limit} (OMNIFLOW_QUOTA_WEBSOCKETS): close one first")
+        return cls(slots, user)
+
+    def give_back(self) -> None:
+        self._slots.give_back(self._user)
 
 
 def client_message(text_data: str | None, bytes_data: bytes | None) -> Any:
@@ -101,6 +123,7 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
         self._live: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue()
         self._follow: asyncio.Task[None] | None = None
         self._subscribed = False
+        self._slot: Slot | None = None
 
     # ------------------------------------------------------------------ connection
     async def connect(self) -> None:
@@ -109,6 +132,7 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
             user = self.scope.get("user")
             if user is None or not user.is_authenticated:
                 raise _Refused(401, "authentication required: send 'Authorization: Bearer <token>' or log in")
+            self._slot = Slot.take(user)
             raw_id = self.scope["url_route"]["kwargs"]["run_id"]
             try:
                 run_id = str(uuid.UUID(str(raw_id)))
@@ -131,6 +155,9 @@ class RunEventsConsumer(AsyncWebsocketConsumer):
         await self.close(code=4000 + refused.status)
 
     async def disconnect(self, code: int) -> None:
+        if self._slot is not None:
+            self._slot, slot = None, self._slot
+            slot.give_back()
         await self._stop_follow()
         if self._subscribed and self.run_id is not None:
             self._subscribed = False
@@ -229,12 +256,18 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ticker: asyncio.Task[None] | None = None
+        self._slot: Slot | None = None
 
     async def connect(self) -> None:
         await self.accept()
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self._refuse(401, "authentication required: send 'Authorization: Bearer <token>' or log in")
+            return
+        try:
+            self._slot = Slot.take(user)
+        except _Refused as refused:
+            await self._refuse(refused.status, refused.message)
             return
         query = parse_qs(self.scope.get("query_string", b"").decode("latin1"))
         try:
@@ -249,6 +282,9 @@ class WorkerMetricsConsumer(AsyncWebsocketConsumer):
         await self.close(code=4000 + status)
 
     async def disconnect(self, code: int) -> None:
+        if self._slot is not None:
+            self._slot, slot = None, self._slot
+            slot.give_back()
         task, self._ticker = self._ticker, None
         if task is not None:
             task.cancel()
