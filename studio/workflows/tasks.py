@@ -69,7 +69,7 @@ from studio.workflows.deployments.announce import NodeAnnouncer
 from studio.workflows.deployments.node import NodeAgent, node_queue
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
-from studio.workflows.runs import folders, recovery
+from studio.workflows.runs import folders, nodefiles, recovery
 from studio.workflows.runs.bus import ChannelLayerRunEventBus
 from studio.workflows.runs.execution import execute_standalone
 from studio.workflows.runs.lease import LeaseKeeper, LeaseLost, LeaseTerms, executor_id
@@ -187,6 +187,17 @@ def remove_run_folders(node: str, run_ids: list[str] | None = None) -> list[str]
         return []
     checked = None if run_ids is None else folders.parse_run_ids(run_ids)
     return folders.remove_owed(config.users_root, node, checked)
+
+
+@shared_task(name="omniflow.read_user_file", ignore_result=True)
+def read_user_file(node: str, owner: str, name: str, reply: str) -> None:
+    """Answer a studio's fetch of a file a run wrote on this node (`runs.nodefiles`): the file
+    `name` in user `owner`'s folder under this node's data dir, on the Redis list `reply`."""
+    config = engine().config
+    if node != config.node_name:  # a message for another node's queue: not ours to act on
+        log.warning("read_user_file(%r) reached node %r; ignored", node, config.node_name)
+        return
+    nodefiles.serve(config, owner, name, reply)
 
 
 @shared_task(name="omniflow.supervise_node", ignore_result=True)

@@ -318,12 +318,19 @@ def test_paths_a_run_wrote_on_another_nodes_root_read_as_names_and_are_not_read(
     (there / "out").mkdir(parents=True)
     (there / "out" / "reply.txt").write_text("on the other node")
     saved: list[Path] = []
-    paths = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name}, elsewhere=[there, here])
+    paths = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name},
+                        elsewhere={"b": there, "a": here})
     assert paths.hide({"dir": f"{there}/out", "files": [f"{there}/out/reply.txt"]}) == {
         "dir": "out", "files": ["out/reply.txt"]}
     assert paths.hide_in_text(f"cannot write {there}/out/x and {here}/y") == "cannot write out/x and y"
     assert paths.hide(f"{tmp_path}/there/8/secret.txt") == f"{tmp_path}/there/8/secret.txt"
     assert saved == []
+    asked: list[tuple[str, str]] = []
+    fetching = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name}, elsewhere={"b": there},
+                           save_elsewhere=lambda node, name: asked.append((node, name)) or {"$file": name, "node": node})
+    assert fetching.hide([f"{there}/out/reply.txt", f"{tmp_path}/there/8/secret.txt"]) == [
+        {"$file": "out/reply.txt", "node": "b"}, f"{tmp_path}/there/8/secret.txt"]
+    assert asked == [("b", "out/reply.txt")] and saved == []
 
 
 @pytest.mark.django_db

@@ -7,6 +7,7 @@ run worker's writes under its own (the run's folder names travel as names, `engi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import uuid
@@ -18,7 +19,7 @@ from django.apps import apps
 
 from studio.workflows.apps import StudioEngine, engine
 from studio.workflows.deployments import placing
-from studio.workflows.models import Deployment, Run, RunFolderRemoval
+from studio.workflows.models import Deployment, Run, RunFile, RunFolderRemoval
 from studio.workflows.runs.folders import BadRunIds, parse_run_ids
 from studio.workflows.tasks import remove_run_folders
 from tests.studio.factories import create_workflow
@@ -153,8 +154,8 @@ def test_a_role_worker_writes_under_its_own_nodes_root_not_the_run_workers(tmp_p
     deployments' python role, whose `media.save_outputs` writes the run's folder under the host's
     users root (the run worker sends the folder's name, never its path there); a name that goes
     through a link in the owner's folder on the host is refused by the host's worker (the studio
-    cannot see that link: it is not in its data dir); and deleting the run has the host remove
-    what it wrote."""
+    cannot see that link: it is not in its data dir); the file the host wrote downloads as a run
+    file, read by the host's agent; and deleting the run has the host remove what it wrote."""
     (tmp_path / "runner").mkdir()
     (tmp_path / "host").mkdir()
     host = started_node(tmp_path / "host", {"OMNIFLOW_NODE_TTL_S": "2"})
@@ -171,10 +172,20 @@ def test_a_role_worker_writes_under_its_own_nodes_root_not_the_run_workers(tmp_p
             run = Run.objects.get(pk=run_id)
             assert run.executed_on == [runner.node]
             assert (homes["host"] / "outputs" / run_id / "reply.txt").read_text() == "hello"
-            # What the host wrote reads as names in the owner's folder, not the host's server paths.
+            # What the host wrote is a run file the host itself read (`runs.nodefiles`), named in the
+            # owner's folder; its folder a name; never the host's server paths.
             shown = [api.get(f"/api/runs/{run_id}/").json(), api.get(f"/api/runs/{run_id}/events/").json()]
             assert str(tmp_path) not in json.dumps(shown)
-            assert shown[0]["outputs"]["result"]["files"] == {"text": f"outputs/{run_id}/reply.txt"}
+            result = shown[0]["outputs"]["result"]
+            assert result["dir"] == f"outputs/{run_id}"
+            text = result["files"]["text"]
+            assert text["name"] == f"outputs/{run_id}/reply.txt" and set(text) == {"$file", "url", "name"}
+            stored = RunFile.objects.get(pk=text["$file"])
+            assert (stored.size, stored.sha256) == (5, hashlib.sha256(b"hello").hexdigest())
+            # in the runner's storage (its data dir is not this process's: the API here cannot serve it)
+            assert (tmp_path / "runner" / "data" / "files" / stored.file.name).read_bytes() == b"hello"
+            missing = api.get(text["url"])
+            assert missing.status_code == 404 and "not in this server's storage" in missing.json()["error"]
             assert not (homes["runner"] / "outputs").exists()
             assert not list((tmp_path / "runner").rglob(run_id))
 

@@ -15,6 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, parsers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -178,6 +179,10 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
     def file(self, request: Request, pk: Any = None, file_id: str | None = None) -> FileResponse:
         run = self.get_object()  # 404 unless the run is the caller's (or the caller is staff)
         record: RunFile = get_object_or_404(run.files.all(), pk=file_id)
+        if not record.file.storage.exists(record.file.name):
+            raise NotFound(f"the bytes of {record.filename!r} are not in this server's storage: the run worker that"
+                           " stored them keeps its files under another OMNIFLOW_DATA_DIR (share its media folder"
+                           " with the web server)")
         inline = record.content_type in INLINE_TYPES
         response = FileResponse(record.file.open("rb"), as_attachment=not inline, filename=record.filename,
                                 content_type=record.content_type if inline else "application/octet-stream")

@@ -91,15 +91,15 @@ def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: flo
     return Liveness(live, frozenset(lost), frozenset(unknown))
 
 
-def users_roots() -> list[Path]:
-    """Every users root a node announced (its last record's, lapsed or not: a run's nodes may have
-    run on a node lost since), each once."""
-    roots: dict[Path, None] = {}
+def users_roots() -> dict[str, Path]:
+    """Node name -> the users root it announced (its last record's, lapsed or not: a run's nodes
+    may have run on a node lost since)."""
+    roots: dict[str, Path] = {}
     for raw in NodeHeartbeat.objects.filter(record__isnull=False).values_list("record", flat=True):
         record = msgspec.convert(raw, NodeRecord)
         if record.users_root:
-            roots[Path(record.users_root)] = None
-    return list(roots)
+            roots[record.name] = Path(record.users_root)
+    return roots
 
 
 def kept(known: Collection[str]) -> list[NodeRecord]:

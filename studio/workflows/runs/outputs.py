@@ -7,12 +7,14 @@ replaces every such path: a file becomes a run file of the run (`{"$file", "url"
 downloaded by its owner only through the API), a folder or a path that is gone its name
 relative to the user's folder. Only a name that resolves in that folder is read (`resolve_under`:
 no `..`, no link on the way): a value beginning with the folder's path may still point elsewhere.
+A path below the user's folder on another node (where a role worker of the run wrote) is read by
+that node itself (`runs.nodefiles`, through `SaveElsewhere`), under the same rules.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +24,24 @@ SaveFile = Callable[[str, Path], dict[str, Any] | str]
 """Stores the file at the path as a run file named by the str (once); returns its reference, or
 what to show instead where it is not stored (a file over the size limit)."""
 
+SaveElsewhere = Callable[[str, str], Any]
+"""Stores the file named by the second str in the user's folder on the node named by the first, as
+that node reads it; returns its reference, or what to show instead (a folder's name, or why not)."""
+
 
 class ServerPaths:
     """Hides the server paths below one user's folder in the values of one run: the folder on this
-    machine (`user_root`), and the user's folders on the other nodes (`elsewhere`), where the run's
-    role workers wrote under their own data dir. A file there is on another machine's disk: its
-    name is shown, nothing is read."""
+    machine (`user_root`), and the user's folders on the other nodes (`elsewhere`: node name ->
+    folder), where the run's role workers wrote under their own data dir. A file there lies on
+    another machine's disk: `save_elsewhere` has that node read it; without one, its name is shown."""
 
-    def __init__(self, user_root: Path, save: SaveFile, elsewhere: Sequence[Path] = ()) -> None:
+    def __init__(self, user_root: Path, save: SaveFile, elsewhere: Mapping[str, Path] | None = None,
+                 save_elsewhere: SaveElsewhere | None = None) -> None:
         self.root = user_root
         self.prefix = str(user_root) + os.sep
-        self.elsewhere = [root for root in elsewhere if root != user_root]
+        self.elsewhere = {node: root for node, root in (elsewhere or {}).items() if root != user_root}
         self._save = save
+        self._save_elsewhere = save_elsewhere
 
     def hide(self, value: Any) -> Any:
         """`value` with every server path below the user's folder replaced (not modified in place)."""
@@ -49,17 +57,17 @@ class ServerPaths:
         """A message with the user's folders cut out of the paths it mentions."""
         if not text:
             return text
-        for root in self.elsewhere:
+        for root in self.elsewhere.values():
             text = text.replace(str(root) + os.sep, "")
         return text.replace(self.prefix, "")
 
     def _string(self, value: str) -> Any:
         name = server_path_name(value, self.root)
         if name is None:
-            for root in self.elsewhere:
+            for node, root in self.elsewhere.items():
                 name = server_path_name(value, root)
                 if name is not None:
-                    return name
+                    return name if self._save_elsewhere is None else self._save_elsewhere(node, name)
             return self.hide_in_text(value)
         # Read only what the name reaches the way a name resolves in the owner's folder: a string
         # beginning with the folder may still climb out of it (`..`) or pass through a link.

@@ -21,7 +21,7 @@ import mimetypes
 from collections.abc import Callable
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import msgspec
@@ -60,6 +60,7 @@ from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
 from studio.workflows.paths import PathRoots, resolve_role_paths
+from studio.workflows.runs import nodefiles
 from studio.workflows.runs.lease import LeaseCheck, LeaseLost, LeaseTerms, RunRestarted
 from studio.workflows.runs.outputs import ServerPaths
 
@@ -239,26 +240,46 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
 
 
 def _server_paths(run: Run) -> ServerPaths:
-    """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`)."""
+    """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`): a file in
+    the owner's folder here is read here, one on another node is read by that node (`runs.nodefiles`)."""
+    config = engine().config
+    limit = config.max_run_file_bytes
+    owner = str(run.owner_id)
 
-    limit = engine().config.max_run_file_bytes
+    def stored(name: str, data: bytes, filename: str) -> dict[str, Any]:
+        content_type, _ = sniff_content_type(data)
+        record = store_file(run, FileRole.OUTPUT, name[-64:], data, filename,
+                            content_type if content_type != "application/octet-stream" else "")
+        return output_ref(record, name)
 
     def save(name: str, path: Path) -> dict[str, Any] | str:
-        key = name[-64:]  # RunFile.name's length; the tail keeps the file's own name
-        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=key).first()
-        if record is None:
-            with path.open("rb") as file:
-                data = file.read(limit + 1)  # never more: the file may still be growing
-            if len(data) > limit:
-                return f"{name} (not stored as a run file: larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
-            content_type, _ = sniff_content_type(data)
-            record = store_file(run, FileRole.OUTPUT, key, data, path.name, content_type
-                                if content_type != "application/octet-stream" else "")
-        return {**file_ref(record), "url": file_url(run.pk, record.pk), "name": name}
+        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=name[-64:]).first()
+        if record is not None:
+            return output_ref(record, name)
+        with path.open("rb") as file:
+            data = file.read(limit + 1)  # never more: the file may still be growing
+        if len(data) > limit:
+            return f"{name} (not stored as a run file: larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
+        return stored(name, data, path.name)
 
-    owner = str(run.owner_id)
-    nodes = [root / owner for root in liveness.users_roots()]
-    return ServerPaths(PathRoots.of(engine().config).users / owner, save, elsewhere=nodes)
+    def save_elsewhere(node: str, name: str) -> dict[str, Any] | str:
+        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=name[-64:]).first()
+        if record is not None:
+            return output_ref(record, name)
+        try:
+            found = nodefiles.fetch(config, node, owner, name)
+        except nodefiles.NodeFileError as exc:
+            return f"{name} (not stored as a run file: on node {node}, {exc})"
+        return name if found.data is None else stored(name, found.data, PurePosixPath(name).name)
+
+    nodes = {node: root / owner for node, root in liveness.users_roots().items()}
+    return ServerPaths(PathRoots.of(config).users / owner, save, elsewhere=nodes,
+                       save_elsewhere=save_elsewhere if config.redis_url else None)
+
+
+def output_ref(record: RunFile, name: str) -> dict[str, Any]:
+    """How an output names a stored run file: its id, download URL and its name in the owner's folder."""
+    return {**file_ref(record), "url": file_url(record.run_id, record.pk), "name": name}
 
 
 StoredEvent = EngineEvent | RunRestarted
