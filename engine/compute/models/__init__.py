@@ -7,8 +7,9 @@ catalogue (a worker of python ops reads `models.catalog` through weight seeding)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from engine.compute.models.catalog import BUILTIN_MODELS, InitScales, ModelConfig, Weights
@@ -34,16 +35,7 @@ _HOMES = {
     "packaged": ("PACKAGED_MODELS", "PackagedModel", "PackageMissingError"),
     "text": ("IncrementalDetokenizer", "ModelTokenizer"),
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _HOMES)
 
 
 __all__ = [

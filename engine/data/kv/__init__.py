@@ -18,8 +18,9 @@ The names below load their module on first use (PEP 562), so that a process whic
 `KVRef`s along (the studio, a flow executor) does not import torch with the tiers.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from engine.data.kv.errors import (
@@ -60,16 +61,7 @@ _HOMES = {
               "PrefetchHandle", "PrefetchResult", "WritePolicy"),
     "tier": ("Capacity", "Tier"),
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _HOMES)
 
 
 __all__ = [
