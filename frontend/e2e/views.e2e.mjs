@@ -19,7 +19,7 @@
 //    error in the console (the editor asks /api/validate/ for its report: issues as data, not a 400).
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, settledBox, tid, validityShows } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -153,12 +153,13 @@ try {
     await page.click(tid("deploy-submit"));
     const toast = page.locator(tid("toast")).first();
     await toast.waitFor();
+    // Measured where the toast stays: mid-way through its slide-in it sits a few px lower, over the footer.
+    const box = await settledBox(toast);
     await shot("deploy-dialog-toast-1024");
-    const box = await toast.boundingBox();
     const buttons = await page.locator(`${tid("deploy-dialog")} .modal-foot button`).all();
     expect(buttons.length >= 2, `footer buttons: ${buttons.length}`);
     for (const button of buttons) {
-      const b = await button.boundingBox();
+      const b = await settledBox(button);
       expect(!overlaps(box, b), `the toast ${JSON.stringify(box)} covers the button ${await button.textContent()} ${JSON.stringify(b)}`);
     }
     // What the pointer reaches at each button's centre is the button itself.
