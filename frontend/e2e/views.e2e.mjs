@@ -6,8 +6,9 @@
 //  - a run of image_generation and of the largest example (omni_dialogue), at 1440x960 and at
 //    1024x768, opens its graph as the editor does: at a zoom where node titles are legible, the
 //    inputs in view, a minimap for the rest (the run view used to fit the whole graph, ~0.5);
-//  - fit-to-view, in the editor (on opening and with the fit-view control) and in the run view,
-//    leaves no node under the minimap in the canvas's bottom-right corner;
+//  - fit-to-view, in the editor and in the run view (on opening and with the fit-view control),
+//    leaves no node under the minimap in the canvas's bottom-right corner or under the zoom and
+//    fit buttons in its bottom-left corner;
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
 //    buttons, which take a click;
 //  - the runs and deployments lists fit their card at 1024x768, each row on one line;
@@ -19,7 +20,7 @@
 //    error in the console (the editor asks /api/validate/ for its report: issues as data, not a 400).
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { dragPorts, expect, logIn, openBrowser, settledBox, tid, validityShows } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, settledBox, tid, validityShows, viewportSettled } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -63,7 +64,7 @@ async function readability(container) {
       minimap: root.querySelector(".react-flow__minimap") !== null,
     };
   });
-  return { zoom, ...seen, underMap: await nodesUnderMap(container) };
+  return { zoom, ...seen, covered: await nodesCovered(container) };
 }
 
 function expectReadable(where, r) {
@@ -72,21 +73,24 @@ function expectReadable(where, r) {
          `${where}: node titles in view ${JSON.stringify(r.titleHeights)}`);
   expect(r.inputsOut.length === 0, `${where}: inputs out of view ${r.inputsOut}`);
   expect(r.titleHeights.length === r.nodes || r.minimap, `${where}: part of the graph shown and no minimap`);
-  expect(r.underMap.length === 0, `${where}: fitted with nodes under the minimap: ${r.underMap}`);
+  expect(r.covered.length === 0, `${where}: fitted with nodes under the minimap or the zoom buttons: ${r.covered}`);
 }
 
-/** The nodes shown whole in `container` that the minimap or its Hide button covers (one the canvas's
- * edge cuts is part of the rest of the graph, which the map stands for). */
-function nodesUnderMap(container) {
+/** The nodes shown whole in `container` that the minimap, its Hide button or the zoom and fit buttons
+ * cover, each as "<node> under <what>" (one the canvas's edge cuts is part of the rest of the graph,
+ * which the map stands for). */
+function nodesCovered(container) {
   return page.$eval(container, (root) => {
     const c = root.getBoundingClientRect();
-    const covers = [root.querySelector(".react-flow__minimap"), root.querySelector(".minimap-toggle")]
-      .filter(Boolean).map((e) => e.getBoundingClientRect());
-    return [...root.querySelectorAll(".spec-node")].filter((n) => {
+    const covers = [".react-flow__minimap", ".minimap-toggle", ".react-flow__controls"]
+      .map((s) => [s, root.querySelector(s)]).filter(([, e]) => e).map(([s, e]) => [s, e.getBoundingClientRect()]);
+    return [...root.querySelectorAll(".spec-node")].flatMap((n) => {
       const r = n.getBoundingClientRect();
       const shown = r.left >= c.left && r.right <= c.right && r.top >= c.top && r.bottom <= c.bottom;
-      return shown && covers.some((m) => r.right > m.left && r.left < m.right && r.bottom > m.top && r.top < m.bottom);
-    }).map((n) => n.dataset.testid);
+      if (!shown) return [];
+      return covers.filter(([, m]) => r.right > m.left && r.left < m.right && r.bottom > m.top && r.top < m.bottom)
+        .map(([s]) => `${n.dataset.testid} under ${s}`);
+    });
   });
 }
 
@@ -110,6 +114,15 @@ try {
         const r = await readability(tid("run-graph"));
         expectReadable(`the run of ${name}`, r);
         await shot(`run-${name}-${width}`);
+        // Zoomed in, then fitted again with the fit-view control: the opening view, clear of both corners.
+        await page.click(`${tid("run-graph")} .react-flow__controls-zoomin`);
+        await page.click(`${tid("run-graph")} .react-flow__controls-zoomin`);
+        await settledZoom(tid("run-graph"));
+        await page.click(`${tid("run-graph")} .react-flow__controls-fitview`);
+        await viewportSettled(page);
+        const fitted = await readability(tid("run-graph"));
+        expectReadable(`the run of ${name} fitted`, fitted);
+        expect(Math.abs(fitted.zoom - r.zoom) < 1e-3, `${name}'s run: fit-to-view gives the opening view: ${fitted.zoom}, ${r.zoom}`);
         console.log(`     ${name} ${width}x${height}: zoom ${r.zoom.toFixed(2)}, ${r.titleHeights.length} of ${r.nodes} titles in view`);
         // Its result is not what is tested: cancelled, it gives the cores back (unless it ends first:
         // the button goes with the run's end, so a click may find none).
@@ -122,11 +135,11 @@ try {
     }
   }
 
-  await step("fit-to-view in the editor leaves the minimap's corner clear", async () => {
+  await step("fit-to-view in the editor leaves the minimap's and the zoom buttons' corners clear", async () => {
     for (const [width, height] of [[1024, 768], [1440, 900]]) {
       await page.setViewportSize({ width, height });
       // image_generation's diffusion and vae nodes sat under the map at 1024x768 after the fit.
-      for (const name of ["image_generation", "omni_dialogue", "diamond"]) {
+      for (const name of ["image_generation", "omni_dialogue", "diamond", "hello", "chat", "pd_chat", "loop", "router", "stream", "vision_chat"]) {
         await openWorkflow(name);
         const canvas = tid("canvas");
         const opened = await readability(canvas);
@@ -137,6 +150,7 @@ try {
         await page.click(`${canvas} .react-flow__controls-zoomin`);
         await settledZoom(canvas);
         await page.click(`${canvas} .react-flow__controls-fitview`);
+        await viewportSettled(page);
         const fitted = await readability(canvas);
         expectReadable(`${name} fitted at ${width}x${height}`, fitted);
         expect(Math.abs(fitted.zoom - opened.zoom) < 1e-3, `${name}: fit-to-view gives the opening view: ${fitted.zoom}, ${opened.zoom}`);
