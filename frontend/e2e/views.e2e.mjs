@@ -11,6 +11,8 @@
 //    fit buttons in its bottom-left corner;
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
 //    buttons, which take a click;
+//  - worker ids (the deployment's workers, the cluster page) read start…end on one line, the whole
+//    id in their tooltip, and copy whole (with their button, or selected as text);
 //  - the runs and deployments lists fit their card at 1024x768, each row on one line;
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
@@ -28,7 +30,8 @@ const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const LEGIBLE_ZOOM = 0.75; // graph/viewport.ts
 const LEGIBLE_TITLE_PX = 11;
 
-const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
+const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", {
+  wait: 30_000, clipboardOrigin: BASE });
 
 async function openWorkflow(name) {
   await page.goto(`${BASE}/workflows`);
@@ -95,6 +98,22 @@ function nodesCovered(container) {
 }
 
 const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
+
+/** A worker id as WorkerId shows it: whole up to 21 characters, else its first 10 and last 10 around "…". */
+const shortId = (id) => (id.length <= 21 ? id : `${id.slice(0, 10)}…${id.slice(-10)}`);
+
+/** Every worker id in `scope`: shown start…end on one line, the whole id in its tooltip; `rows` of them at least. */
+async function expectWorkerIds(scope, rows) {
+  const ids = await page.$$eval(`${scope} ${tid("worker-id")}`, (els) => els.map((el) => ({
+    id: el.dataset.workerId, title: el.title, text: el.querySelector(".worker-id-text").textContent,
+    height: el.getBoundingClientRect().height,
+  })));
+  expect(ids.length >= rows, `${scope}: ${ids.length} worker ids shown, not ${rows}`);
+  for (const { id, title, text, height } of ids) {
+    expect(title === id && text === shortId(id) && height <= 24, `${scope}: worker id ${id} shows ${JSON.stringify({ text, title, height })}`);
+  }
+  return ids.map((i) => i.id);
+}
 
 const overlaps = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
 
@@ -185,6 +204,39 @@ try {
     expect(await toast.isVisible(), "the toast is still showing when the buttons are checked");
     await page.locator(`${tid("deploy-dialog")} .modal-foot button`, { hasText: "Close" }).click({ timeout: 2000 });
     await page.waitForSelector(tid("deploy-dialog"), { state: "detached" });
+  });
+
+  await step("worker ids read start…end, whole in their tooltip, and copy whole", async () => {
+    await page.goto(`${BASE}/deployments`);
+    await page.locator(`${tid("deployment-list-row")}:has-text("diamond") .row-title`).first().click();
+    await page.waitForSelector(tid("deployment-page"));
+    // diamond's py role has two replicas: each row names its worker (`<workflow>-<deployment>-py-<replica>-<pid>`).
+    const rows = `${tid("deployment-page")} ${tid("deployment-worker")}[data-worker]`;
+    await page.waitForFunction((s) => document.querySelectorAll(s).length >= 2, rows);
+    const headers = await page.$$eval(`${tid("deployment-workers")} th`, (ths) => ths.map((th) => th.textContent.trim()));
+    expect(headers.includes("Worker"), `the deployment's workers table has a Worker column: ${headers}`);
+    const shown = await expectWorkerIds(tid("deployment-workers"), 2);
+    const listed = await page.$$eval(rows, (trs) => trs.map((tr) => tr.dataset.worker));
+    expect(listed.every((id) => shown.includes(id)), `each worker row shows its own id: ${listed}, ${shown}`);
+    expect(shown.some((id) => shortId(id) !== id), `a deployment's worker id is long enough to be shortened: ${shown}`);
+    const first = page.locator(`${tid("deployment-workers")} ${tid("worker-id")}`).first();
+    const whole = await first.getAttribute("data-worker-id");
+    await first.hover();
+    await first.locator(tid("worker-id-copy")).click();
+    await page.waitForSelector(`${tid("worker-id-copy")}[data-state="copied"]`);
+    const copied = await page.evaluate(() => navigator.clipboard.readText());
+    expect(copied === whole, `the copy button copies the whole id: ${JSON.stringify(copied)}, not ${whole}`);
+    // Selected and copied as text, the shortened id copies whole too.
+    await page.evaluate(() => navigator.clipboard.writeText(""));
+    await first.locator(".worker-id-text").selectText();
+    await page.keyboard.press("Control+C");
+    await page.waitForFunction((w) => navigator.clipboard.readText().then((t) => t === w), whole, { timeout: 5000 });
+    await shot("deployment-worker-ids");
+    await page.goto(`${BASE}/cluster`);
+    await page.waitForSelector(tid("worker-row"));
+    await expectWorkerIds(tid("workers-table"), 2);
+    await expectWorkerIds(tid("worker-charts"), 0);
+    await shot("cluster-worker-ids");
   });
 
   await step("stop the deployment the dialog made", async () => {
