@@ -13,7 +13,8 @@
 //    buttons, which take a click;
 //  - worker ids (the deployment's workers, the cluster page) read start…end on one line, the whole
 //    id in their tooltip, and copy whole (with their button, or selected as text);
-//  - the runs and deployments lists fit their card at 1024x768, each row on one line;
+//  - the runs and deployments lists fit their card at 1024 and 1440 px wide, each row on one line
+//    (a long deployment name cut short, whole in its title);
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
@@ -29,6 +30,7 @@ const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const LEGIBLE_ZOOM = 0.75; // graph/viewport.ts
 const LEGIBLE_TITLE_PX = 11;
+const LONG_DEPLOYMENT = "diamond-deployed-under-a-name-long-enough-to-be-cut-short-in-the-list";
 
 const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", {
   wait: 30_000, clipboardOrigin: BASE });
@@ -183,6 +185,8 @@ try {
     await openWorkflow("diamond");
     await page.click(tid("deploy"));
     await page.waitForSelector(tid("deploy-submit"));
+    // A long name, for the deployments list below to keep on one line.
+    await page.fill(tid("deploy-name"), LONG_DEPLOYMENT);
     await page.click(tid("deploy-submit"));
     const toast = page.locator(tid("toast")).first();
     await toast.waitFor();
@@ -247,25 +251,36 @@ try {
     await waitText(tid("deployment-page"), "stopped", 60_000);
   });
 
-  await step("the runs and deployments lists fit their card at 1024 px, a row a line", async () => {
-    await page.setViewportSize({ width: 1024, height: 768 });
-    for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
-      await page.goto(`${BASE}${path}`);
-      await page.waitForSelector(tid(row));
-      const seen = await page.$eval(tid(card), (frame) => {
-        const scroller = frame.querySelector(".scroll-table-body");
-        return {
-          overflow: scroller.scrollWidth - scroller.clientWidth,
-          cue: frame.dataset.hiddenRight,
-          // A one-line row is ~47 px; a name, version pill or time that wraps made it ~67.
-          tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
-        };
-      });
-      expect(seen.overflow <= 1 && seen.cue === "false", `${path}: the table runs past its card: ${JSON.stringify(seen)}`);
-      // The deployments list of the suite's studio still wraps a row at 1024 px (a deployment whose
-      // status cell holds more than one line): only the runs list is held to one line a row yet.
-      if (path === "/runs") expect(seen.tall.length === 0, `${path}: rows that wrap: ${seen.tall}`);
-      await shot(`${path.slice(1)}-1024`);
+  await step("the runs and deployments lists fit their card at 1024 and 1440 px, a row a line", async () => {
+    for (const [width, height] of [[1024, 768], [1440, 900]]) {
+      await page.setViewportSize({ width, height });
+      for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
+        await page.goto(`${BASE}${path}`);
+        await page.waitForSelector(tid(row));
+        const seen = await page.$eval(tid(card), (frame) => {
+          const scroller = frame.querySelector(".scroll-table-body");
+          return {
+            overflow: scroller.scrollWidth - scroller.clientWidth,
+            cue: frame.dataset.hiddenRight,
+            // A one-line row is ~47 px; a name, version pill, status or time that wraps made it ~67.
+            tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
+            // A cell's text on more than one line: taller than one line of its font.
+            wrapped: [...frame.querySelectorAll("tbody td")].filter((td) => {
+              const range = document.createRange();
+              range.selectNodeContents(td);
+              const lines = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.bottom)));
+              return lines.size > 1 && Math.max(...lines) - Math.min(...lines) > 8;
+            }).map((td) => td.textContent.trim()),
+          };
+        });
+        expect(seen.overflow <= 1 && seen.cue === "false", `${path} at ${width} px: the table runs past its card: ${JSON.stringify(seen)}`);
+        expect(seen.tall.length === 0 && seen.wrapped.length === 0, `${path} at ${width} px: rows that wrap: ${JSON.stringify(seen)}`);
+        await shot(`${path.slice(1)}-${width}`);
+      }
+      // The long name is cut short in its row (an ellipsis), whole in its title.
+      const name = page.locator(`${tid("deployment-list-row")} .row-title[title="${LONG_DEPLOYMENT}"]`);
+      const cut = await name.evaluate((el) => ({ text: el.textContent, scroll: el.scrollWidth, shown: el.clientWidth }));
+      expect(cut.text === LONG_DEPLOYMENT && cut.scroll > cut.shown, `the long deployment name at ${width} px: ${JSON.stringify(cut)}`);
     }
     // A chat deployment's row says what a client names on /v1 (the deploy dialog made one of diamond: not chat).
     expect((await page.locator(tid("deployment-serves")).allTextContents()).every((t) => t === "runs" || t.startsWith("OpenAI model ")),
