@@ -115,6 +115,30 @@ export async function viewportSettled(page, timeout = 15_000) {
   );
 }
 
+/** The bounding box of `locator`'s element once it holds still: its own animations (a toast sliding in)
+ * have finished and its box is the same over two animation frames. A box read mid-animation is where
+ * the element passes through, not where it stays. Fails after `timeout` ms of movement. */
+export async function settledBox(locator, timeout = 5_000) {
+  await locator.evaluate(async (el, limit) => {
+    const frame = () => new Promise((resolve) => requestAnimationFrame(resolve));
+    const endless = el.getAnimations().filter((a) => a.effect?.getComputedTiming().endTime === Infinity);
+    if (endless.length > 0) throw new Error(`${el.className} runs an endless animation: its box never settles`);
+    await Promise.all(el.getAnimations().map((a) => a.finished));
+    const read = () => JSON.stringify(el.getBoundingClientRect());
+    const deadline = performance.now() + limit;
+    let last = read();
+    for (;;) {
+      await frame();
+      await frame();
+      const now = read();
+      if (now === last) return;
+      if (performance.now() > deadline) throw new Error(`${el.className} still moves after ${limit} ms: ${now}`);
+      last = now;
+    }
+  }, timeout);
+  return locator.boundingBox();
+}
+
 /** Log in on the studio's login page; the workflows list opens. */
 export async function logIn(page, base, user, password) {
   await page.goto(`${base}/login`);

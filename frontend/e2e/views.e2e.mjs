@@ -6,11 +6,15 @@
 //  - a run of image_generation and of the largest example (omni_dialogue), at 1440x960 and at
 //    1024x768, opens its graph as the editor does: at a zoom where node titles are legible, the
 //    inputs in view, a minimap for the rest (the run view used to fit the whole graph, ~0.5);
-//  - fit-to-view, in the editor (on opening and with the fit-view control) and in the run view,
-//    leaves no node under the minimap in the canvas's bottom-right corner;
+//  - fit-to-view, in the editor and in the run view (on opening and with the fit-view control),
+//    leaves no node under the minimap in the canvas's bottom-right corner or under the zoom and
+//    fit buttons in its bottom-left corner;
 //  - a notice (toast) shown while the wide deploy dialog is open covers none of its footer's
 //    buttons, which take a click;
-//  - the runs and deployments lists fit their card at 1024x768, each row on one line;
+//  - worker ids (the deployment's workers, the cluster page) read start…end on one line, the whole
+//    id in their tooltip, and copy whole (with their button, or selected as text);
+//  - the runs and deployments lists fit their card at 1024 and 1440 px wide, each row on one line
+//    (a long deployment name cut short, whole in its title);
 //  - a newcomer's first workflow at 1024x768: the empty canvas opens with its palette (it says to
 //    drag from it), the bar's name and validity keep one line, a python node connected before its
 //    op is chosen keeps its edges when the op is picked, and page buttons stay on one row;
@@ -19,15 +23,17 @@
 //    error in the console (the editor asks /api/validate/ for its report: issues as data, not a 400).
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, settledBox, tid, validityShows, viewportSettled } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const LEGIBLE_ZOOM = 0.75; // graph/viewport.ts
 const LEGIBLE_TITLE_PX = 11;
+const LONG_DEPLOYMENT = "diamond-deployed-under-a-name-long-enough-to-be-cut-short-in-the-list";
 
-const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", { wait: 30_000 });
+const { page, shot, step, waitText, consoleErrors, expectQuietConsole, finish } = await openBrowser("views", {
+  wait: 30_000, clipboardOrigin: BASE });
 
 async function openWorkflow(name) {
   await page.goto(`${BASE}/workflows`);
@@ -63,7 +69,7 @@ async function readability(container) {
       minimap: root.querySelector(".react-flow__minimap") !== null,
     };
   });
-  return { zoom, ...seen, underMap: await nodesUnderMap(container) };
+  return { zoom, ...seen, covered: await nodesCovered(container) };
 }
 
 function expectReadable(where, r) {
@@ -72,25 +78,44 @@ function expectReadable(where, r) {
          `${where}: node titles in view ${JSON.stringify(r.titleHeights)}`);
   expect(r.inputsOut.length === 0, `${where}: inputs out of view ${r.inputsOut}`);
   expect(r.titleHeights.length === r.nodes || r.minimap, `${where}: part of the graph shown and no minimap`);
-  expect(r.underMap.length === 0, `${where}: fitted with nodes under the minimap: ${r.underMap}`);
+  expect(r.covered.length === 0, `${where}: fitted with nodes under the minimap or the zoom buttons: ${r.covered}`);
 }
 
-/** The nodes shown whole in `container` that the minimap or its Hide button covers (one the canvas's
- * edge cuts is part of the rest of the graph, which the map stands for). */
-function nodesUnderMap(container) {
+/** The nodes shown whole in `container` that the minimap, its Hide button or the zoom and fit buttons
+ * cover, each as "<node> under <what>" (one the canvas's edge cuts is part of the rest of the graph,
+ * which the map stands for). */
+function nodesCovered(container) {
   return page.$eval(container, (root) => {
     const c = root.getBoundingClientRect();
-    const covers = [root.querySelector(".react-flow__minimap"), root.querySelector(".minimap-toggle")]
-      .filter(Boolean).map((e) => e.getBoundingClientRect());
-    return [...root.querySelectorAll(".spec-node")].filter((n) => {
+    const covers = [".react-flow__minimap", ".minimap-toggle", ".react-flow__controls"]
+      .map((s) => [s, root.querySelector(s)]).filter(([, e]) => e).map(([s, e]) => [s, e.getBoundingClientRect()]);
+    return [...root.querySelectorAll(".spec-node")].flatMap((n) => {
       const r = n.getBoundingClientRect();
       const shown = r.left >= c.left && r.right <= c.right && r.top >= c.top && r.bottom <= c.bottom;
-      return shown && covers.some((m) => r.right > m.left && r.left < m.right && r.bottom > m.top && r.top < m.bottom);
-    }).map((n) => n.dataset.testid);
+      if (!shown) return [];
+      return covers.filter(([, m]) => r.right > m.left && r.left < m.right && r.bottom > m.top && r.top < m.bottom)
+        .map(([s]) => `${n.dataset.testid} under ${s}`);
+    });
   });
 }
 
 const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
+
+/** A worker id as WorkerId shows it: whole up to 21 characters, else its first 10 and last 10 around "…". */
+const shortId = (id) => (id.length <= 21 ? id : `${id.slice(0, 10)}…${id.slice(-10)}`);
+
+/** Every worker id in `scope`: shown start…end on one line, the whole id in its tooltip; `rows` of them at least. */
+async function expectWorkerIds(scope, rows) {
+  const ids = await page.$$eval(`${scope} ${tid("worker-id")}`, (els) => els.map((el) => ({
+    id: el.dataset.workerId, title: el.title, text: el.querySelector(".worker-id-text").textContent,
+    height: el.getBoundingClientRect().height,
+  })));
+  expect(ids.length >= rows, `${scope}: ${ids.length} worker ids shown, not ${rows}`);
+  for (const { id, title, text, height } of ids) {
+    expect(title === id && text === shortId(id) && height <= 24, `${scope}: worker id ${id} shows ${JSON.stringify({ text, title, height })}`);
+  }
+  return ids.map((i) => i.id);
+}
 
 const overlaps = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
 
@@ -110,6 +135,15 @@ try {
         const r = await readability(tid("run-graph"));
         expectReadable(`the run of ${name}`, r);
         await shot(`run-${name}-${width}`);
+        // Zoomed in, then fitted again with the fit-view control: the opening view, clear of both corners.
+        await page.click(`${tid("run-graph")} .react-flow__controls-zoomin`);
+        await page.click(`${tid("run-graph")} .react-flow__controls-zoomin`);
+        await settledZoom(tid("run-graph"));
+        await page.click(`${tid("run-graph")} .react-flow__controls-fitview`);
+        await viewportSettled(page);
+        const fitted = await readability(tid("run-graph"));
+        expectReadable(`the run of ${name} fitted`, fitted);
+        expect(Math.abs(fitted.zoom - r.zoom) < 1e-3, `${name}'s run: fit-to-view gives the opening view: ${fitted.zoom}, ${r.zoom}`);
         console.log(`     ${name} ${width}x${height}: zoom ${r.zoom.toFixed(2)}, ${r.titleHeights.length} of ${r.nodes} titles in view`);
         // Its result is not what is tested: cancelled, it gives the cores back (unless it ends first:
         // the button goes with the run's end, so a click may find none).
@@ -122,11 +156,11 @@ try {
     }
   }
 
-  await step("fit-to-view in the editor leaves the minimap's corner clear", async () => {
+  await step("fit-to-view in the editor leaves the minimap's and the zoom buttons' corners clear", async () => {
     for (const [width, height] of [[1024, 768], [1440, 900]]) {
       await page.setViewportSize({ width, height });
       // image_generation's diffusion and vae nodes sat under the map at 1024x768 after the fit.
-      for (const name of ["image_generation", "omni_dialogue", "diamond"]) {
+      for (const name of ["image_generation", "omni_dialogue", "diamond", "hello", "chat", "pd_chat", "loop", "router", "stream", "vision_chat"]) {
         await openWorkflow(name);
         const canvas = tid("canvas");
         const opened = await readability(canvas);
@@ -137,6 +171,7 @@ try {
         await page.click(`${canvas} .react-flow__controls-zoomin`);
         await settledZoom(canvas);
         await page.click(`${canvas} .react-flow__controls-fitview`);
+        await viewportSettled(page);
         const fitted = await readability(canvas);
         expectReadable(`${name} fitted at ${width}x${height}`, fitted);
         expect(Math.abs(fitted.zoom - opened.zoom) < 1e-3, `${name}: fit-to-view gives the opening view: ${fitted.zoom}, ${opened.zoom}`);
@@ -150,15 +185,18 @@ try {
     await openWorkflow("diamond");
     await page.click(tid("deploy"));
     await page.waitForSelector(tid("deploy-submit"));
+    // A long name, for the deployments list below to keep on one line.
+    await page.fill(tid("deploy-name"), LONG_DEPLOYMENT);
     await page.click(tid("deploy-submit"));
     const toast = page.locator(tid("toast")).first();
     await toast.waitFor();
+    // Measured where the toast stays: mid-way through its slide-in it sits a few px lower, over the footer.
+    const box = await settledBox(toast);
     await shot("deploy-dialog-toast-1024");
-    const box = await toast.boundingBox();
     const buttons = await page.locator(`${tid("deploy-dialog")} .modal-foot button`).all();
     expect(buttons.length >= 2, `footer buttons: ${buttons.length}`);
     for (const button of buttons) {
-      const b = await button.boundingBox();
+      const b = await settledBox(button);
       expect(!overlaps(box, b), `the toast ${JSON.stringify(box)} covers the button ${await button.textContent()} ${JSON.stringify(b)}`);
     }
     // What the pointer reaches at each button's centre is the button itself.
@@ -172,6 +210,39 @@ try {
     await page.waitForSelector(tid("deploy-dialog"), { state: "detached" });
   });
 
+  await step("worker ids read start…end, whole in their tooltip, and copy whole", async () => {
+    await page.goto(`${BASE}/deployments`);
+    await page.locator(`${tid("deployment-list-row")}:has-text("diamond") .row-title`).first().click();
+    await page.waitForSelector(tid("deployment-page"));
+    // diamond's py role has two replicas: each row names its worker (`<workflow>-<deployment>-py-<replica>-<pid>`).
+    const rows = `${tid("deployment-page")} ${tid("deployment-worker")}[data-worker]`;
+    await page.waitForFunction((s) => document.querySelectorAll(s).length >= 2, rows);
+    const headers = await page.$$eval(`${tid("deployment-workers")} th`, (ths) => ths.map((th) => th.textContent.trim()));
+    expect(headers.includes("Worker"), `the deployment's workers table has a Worker column: ${headers}`);
+    const shown = await expectWorkerIds(tid("deployment-workers"), 2);
+    const listed = await page.$$eval(rows, (trs) => trs.map((tr) => tr.dataset.worker));
+    expect(listed.every((id) => shown.includes(id)), `each worker row shows its own id: ${listed}, ${shown}`);
+    expect(shown.some((id) => shortId(id) !== id), `a deployment's worker id is long enough to be shortened: ${shown}`);
+    const first = page.locator(`${tid("deployment-workers")} ${tid("worker-id")}`).first();
+    const whole = await first.getAttribute("data-worker-id");
+    await first.hover();
+    await first.locator(tid("worker-id-copy")).click();
+    await page.waitForSelector(`${tid("worker-id-copy")}[data-state="copied"]`);
+    const copied = await page.evaluate(() => navigator.clipboard.readText());
+    expect(copied === whole, `the copy button copies the whole id: ${JSON.stringify(copied)}, not ${whole}`);
+    // Selected and copied as text, the shortened id copies whole too.
+    await page.evaluate(() => navigator.clipboard.writeText(""));
+    await first.locator(".worker-id-text").selectText();
+    await page.keyboard.press("Control+C");
+    await page.waitForFunction((w) => navigator.clipboard.readText().then((t) => t === w), whole, { timeout: 5000 });
+    await shot("deployment-worker-ids");
+    await page.goto(`${BASE}/cluster`);
+    await page.waitForSelector(tid("worker-row"));
+    await expectWorkerIds(tid("workers-table"), 2);
+    await expectWorkerIds(tid("worker-charts"), 0);
+    await shot("cluster-worker-ids");
+  });
+
   await step("stop the deployment the dialog made", async () => {
     await page.goto(`${BASE}/deployments`);
     await page.locator(`${tid("deployment-list-row")}:has-text("diamond") .row-title`).first().click();
@@ -180,25 +251,36 @@ try {
     await waitText(tid("deployment-page"), "stopped", 60_000);
   });
 
-  await step("the runs and deployments lists fit their card at 1024 px, a row a line", async () => {
-    await page.setViewportSize({ width: 1024, height: 768 });
-    for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
-      await page.goto(`${BASE}${path}`);
-      await page.waitForSelector(tid(row));
-      const seen = await page.$eval(tid(card), (frame) => {
-        const scroller = frame.querySelector(".scroll-table-body");
-        return {
-          overflow: scroller.scrollWidth - scroller.clientWidth,
-          cue: frame.dataset.hiddenRight,
-          // A one-line row is ~47 px; a name, version pill or time that wraps made it ~67.
-          tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
-        };
-      });
-      expect(seen.overflow <= 1 && seen.cue === "false", `${path}: the table runs past its card: ${JSON.stringify(seen)}`);
-      // The deployments list of the suite's studio still wraps a row at 1024 px (a deployment whose
-      // status cell holds more than one line): only the runs list is held to one line a row yet.
-      if (path === "/runs") expect(seen.tall.length === 0, `${path}: rows that wrap: ${seen.tall}`);
-      await shot(`${path.slice(1)}-1024`);
+  await step("the runs and deployments lists fit their card at 1024 and 1440 px, a row a line", async () => {
+    for (const [width, height] of [[1024, 768], [1440, 900]]) {
+      await page.setViewportSize({ width, height });
+      for (const [path, card, row] of [["/runs", "runs-card", "run-row"], ["/deployments", "deployments-card", "deployment-list-row"]]) {
+        await page.goto(`${BASE}${path}`);
+        await page.waitForSelector(tid(row));
+        const seen = await page.$eval(tid(card), (frame) => {
+          const scroller = frame.querySelector(".scroll-table-body");
+          return {
+            overflow: scroller.scrollWidth - scroller.clientWidth,
+            cue: frame.dataset.hiddenRight,
+            // A one-line row is ~47 px; a name, version pill, status or time that wraps made it ~67.
+            tall: [...frame.querySelectorAll("tbody tr")].map((tr) => tr.getBoundingClientRect().height).filter((h) => h > 56),
+            // A cell's text on more than one line: taller than one line of its font.
+            wrapped: [...frame.querySelectorAll("tbody td")].filter((td) => {
+              const range = document.createRange();
+              range.selectNodeContents(td);
+              const lines = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.bottom)));
+              return lines.size > 1 && Math.max(...lines) - Math.min(...lines) > 8;
+            }).map((td) => td.textContent.trim()),
+          };
+        });
+        expect(seen.overflow <= 1 && seen.cue === "false", `${path} at ${width} px: the table runs past its card: ${JSON.stringify(seen)}`);
+        expect(seen.tall.length === 0 && seen.wrapped.length === 0, `${path} at ${width} px: rows that wrap: ${JSON.stringify(seen)}`);
+        await shot(`${path.slice(1)}-${width}`);
+      }
+      // The long name is cut short in its row (an ellipsis), whole in its title.
+      const name = page.locator(`${tid("deployment-list-row")} .row-title[title="${LONG_DEPLOYMENT}"]`);
+      const cut = await name.evaluate((el) => ({ text: el.textContent, scroll: el.scrollWidth, shown: el.clientWidth }));
+      expect(cut.text === LONG_DEPLOYMENT && cut.scroll > cut.shown, `the long deployment name at ${width} px: ${JSON.stringify(cut)}`);
     }
     // A chat deployment's row says what a client names on /v1 (the deploy dialog made one of diamond: not chat).
     expect((await page.locator(tid("deployment-serves")).allTextContents()).every((t) => t === "runs" || t.startsWith("OpenAI model ")),

@@ -6,6 +6,7 @@ import { issuePorts } from "../graph/issues";
 import type { SpecNode } from "../graph/model";
 import { Icon, type IconName } from "./icons";
 import { formatMs } from "./ui";
+import { WorkerId } from "./WorkerId";
 
 function iconOf(kind: string): IconName {
   if (kind === "input") return "input";
@@ -173,9 +174,8 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
       {run?.worker && (
         <div className="spec-node-where muted" title={`ran on worker ${run.worker}${run.host ? ` on host ${run.host}` : ""}`}>
           <Icon name="cpu" size={11} />
-          <span className="spec-node-where-text">
-            {run.host ?? ""} · {run.worker}
-          </span>
+          {run.host && <span className="spec-node-where-text">{run.host} ·</span>}
+          <WorkerId id={run.worker} copy={false} />
         </div>
       )}
       {run?.error && (

@@ -1,7 +1,8 @@
-/** A deployment's workers as they come up: role, replica (and rank), where, state (and why one failed). */
+/** A deployment's workers as they come up: role, replica (and rank), worker id, where, state (and why one failed). */
 import { type DeploymentWorker, failureReason, workerRows, workerState } from "../api/deployments";
 import { describeGpus } from "../api/nodes";
 import { formatTime } from "../components/ui";
+import { WorkerId } from "../components/WorkerId";
 
 /**
  * `expected` (a live deployment's replica counts): replicas with no worker row yet are listed too,
@@ -28,6 +29,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
             <tr>
               <th>Role</th>
               <th>Replica</th>
+              <th>Worker</th>
               <th>Where</th>
               <th>Device</th>
               <th>State</th>
@@ -47,14 +49,15 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                   data-state={state}
                   data-worker={w.placeholder ? undefined : w.worker_id}
                   data-placeholder={w.placeholder ? "yes" : undefined}
-                  title={w.placeholder ? "not up yet" : w.worker_id}
+                  title={w.placeholder ? "not up yet" : undefined}
                 >
                   <td>{w.role}</td>
                   <td>
                     {w.replica === null ? "—" : `#${w.replica + 1}`}
                     {w.rank > 0 && <span className="muted"> · rank {w.rank}</span>}
                   </td>
-                  <td className="mono small">
+                  <td className="small nowrap">{w.placeholder ? <span className="muted">—</span> : <WorkerId id={w.worker_id} />}</td>
+                  <td className="mono small nowrap">
                     {w.host || "—"}
                     {w.pid ? <span className="muted"> · pid {w.pid}</span> : null}
                   </td>
@@ -73,7 +76,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                       </div>
                     )}
                   </td>
-                  <td className="muted small">{formatTime(w.started_at)}</td>
+                  <td className="muted small nowrap">{formatTime(w.started_at)}</td>
                 </tr>
               );
             })}

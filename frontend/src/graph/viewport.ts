@@ -78,56 +78,111 @@ export function showsWhole(all: Rect, viewport: Viewport, canvas: { width: numbe
 }
 
 /**
- * Whether a node of `nodes` (flow coordinates) that `viewport` shows whole lies in the `corner` of
- * the canvas's bottom right. A node the canvas's edge cuts is part of the rest of the graph, which
- * the minimap stands for.
+ * What the canvas draws over the graph in its bottom corners, each as the size it takes from its
+ * corner (margins and a gap included): the zoom and fit buttons bottom left, the minimap and its
+ * Hide button bottom right. Fit-to-view keeps the nodes it shows whole out of both.
  */
-export function coversCorner(nodes: Rect[], viewport: Viewport, canvas: Size, corner: Size): boolean {
-  const left = canvas.width - corner.width;
-  const top = canvas.height - corner.height;
-  return nodes.some((n) => {
-    const x = viewport.x + n.x * viewport.zoom;
-    const y = viewport.y + n.y * viewport.zoom;
-    const right = x + n.width * viewport.zoom;
-    const bottom = y + n.height * viewport.zoom;
-    const shown = x >= 0 && y >= 0 && right <= canvas.width && bottom <= canvas.height;
-    return shown && right > left && bottom > top;
-  });
+export interface Corners {
+  left: Size;
+  right: Size;
+}
+
+/** A corner nothing is drawn in. */
+export const NO_CORNER: Size = { width: 0, height: 0 };
+
+/** The corners' rectangles on a canvas of `canvas` pixels (those with an area). */
+function cornerRects(canvas: Size, corners: Corners): Rect[] {
+  const { left, right } = corners;
+  return [
+    { x: 0, y: canvas.height - left.height, width: left.width, height: left.height },
+    { x: canvas.width - right.width, y: canvas.height - right.height, width: right.width, height: right.height },
+  ].filter((r) => r.width > 0 && r.height > 0);
+}
+
+/** `node` (flow coordinates) on the canvas under `viewport` (canvas pixels). */
+function onCanvas(node: Rect, viewport: Viewport): Rect {
+  return {
+    x: viewport.x + node.x * viewport.zoom,
+    y: viewport.y + node.y * viewport.zoom,
+    width: node.width * viewport.zoom,
+    height: node.height * viewport.zoom,
+  };
+}
+
+function overlap(a: Rect, b: Rect): boolean {
+  return a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
 }
 
 /**
- * The readable view (`readableViewport`) with no node of `nodes` that it shows whole under the
- * minimap, which covers `corner` in the canvas's bottom right. When the plain view puts a node there, the first of these
- * that clears the corner is taken: the same view moved up or left just enough (the smaller move),
- * else the graph fitted into the canvas left of the map or above it (the larger zoom). Each must
- * keep in view what the plain view shows whole (the graph, or its focus): legibility comes first,
- * and where nothing clears the corner the plain view stays (the map's Hide button clears it then).
- * With `mapWhenWhole` false the map is only drawn over a partial view, so a whole view makes no room for it.
+ * The nodes of `nodes` (flow coordinates) that `viewport` shows whole and that lie in a corner of
+ * `corners`, on the canvas (canvas pixels), each with the corners it lies in. A node the canvas's
+ * edge cuts is part of the rest of the graph, which the minimap stands for.
  */
-export function readableViewportBesideMap(
+function coveredNodes(nodes: Rect[], viewport: Viewport, canvas: Size, corners: Corners): { node: Rect; under: Rect[] }[] {
+  const rects = cornerRects(canvas, corners);
+  return nodes
+    .map((n) => onCanvas(n, viewport))
+    .filter((r) => r.x >= 0 && r.y >= 0 && r.x + r.width <= canvas.width && r.y + r.height <= canvas.height)
+    .map((node) => ({ node, under: rects.filter((c) => overlap(node, c)) }))
+    .filter((c) => c.under.length > 0);
+}
+
+/** Whether a node of `nodes` that `viewport` shows whole lies in a corner of `corners` (`coveredNodes`). */
+export function coversCorners(nodes: Rect[], viewport: Viewport, canvas: Size, corners: Corners): boolean {
+  return coveredNodes(nodes, viewport, canvas, corners).length > 0;
+}
+
+/**
+ * The readable view (`readableViewport`) with no node of `nodes` that it shows whole in a corner of
+ * `corners` (the zoom buttons bottom left, the minimap bottom right). When the plain view puts a node
+ * there, the first of these that clears both corners is taken: the same view moved up, left (off the
+ * map) or right (off the buttons) just enough (the smallest move), else the graph fitted into the
+ * canvas beside the map, beside the buttons, between them or above them (the largest zoom). Each must
+ * keep in view what the plain view shows whole (the graph, or its focus): legibility comes first, and
+ * where nothing clears the corners the plain view stays (the map's Hide button clears its corner then).
+ * With `mapWhenWhole` false the map is only drawn over a partial view, so a whole view makes no room
+ * for it (the buttons are always drawn).
+ */
+export function readableViewportClearOfCorners(
   all: Rect,
   focus: Rect | null,
   nodes: Rect[],
   canvas: Size,
-  corner: Size,
+  corners: Corners,
   mapWhenWhole = true,
 ): Viewport {
   const plain = readableViewport(all, focus, canvas);
   const whole = showsWhole(all, plain, canvas);
-  if ((whole && !mapWhenWhole) || !coversCorner(nodes, plain, canvas, corner)) return plain;
+  const drawn = whole && !mapWhenWhole ? { ...corners, right: NO_CORNER } : corners;
+  const covered = coveredNodes(nodes, plain, canvas, drawn);
+  if (covered.length === 0) return plain;
   const kept = whole ? all : focus && showsWhole(focus, plain, canvas) ? focus : null;
   const clear = (vp: Viewport) =>
-    (!kept || showsWhole(kept, vp, canvas)) && !coversCorner(nodes, vp, canvas, corner);
-  const covered = nodes.filter((n) => coversCorner([n], plain, canvas, corner));
-  const below = Math.max(...covered.map((n) => plain.y + (n.y + n.height) * plain.zoom)) - (canvas.height - corner.height);
-  const right = Math.max(...covered.map((n) => plain.x + (n.x + n.width) * plain.zoom)) - (canvas.width - corner.width);
-  const moves = [{ ...plain, y: plain.y - below }, { ...plain, x: plain.x - right }]
-    .filter(clear)
+    (!kept || showsWhole(kept, vp, canvas)) && !coversCorners(nodes, vp, canvas, drawn);
+  const most = (shifts: number[]) => (shifts.length > 0 ? Math.max(...shifts) : null);
+  const up = most(covered.flatMap(({ node, under }) => under.map((c) => node.y + node.height - c.y)));
+  const mapX = canvas.width - drawn.right.width;
+  const buttonsX = drawn.left.width;
+  const left = most(covered.filter(({ node }) => node.x + node.width > mapX).map(({ node }) => node.x + node.width - mapX));
+  const right = most(covered.filter(({ node }) => node.x < buttonsX).map(({ node }) => buttonsX - node.x));
+  const moves = [
+    up === null ? null : { ...plain, y: plain.y - up },
+    left === null ? null : { ...plain, x: plain.x - left },
+    right === null ? null : { ...plain, x: plain.x + right },
+  ]
+    .filter((vp): vp is Viewport => vp !== null && clear(vp))
     .sort((a, b) => Math.abs(a.x - plain.x) + Math.abs(a.y - plain.y) - (Math.abs(b.x - plain.x) + Math.abs(b.y - plain.y)));
   if (moves.length > 0) return moves[0];
+  const within = (x: number, size: Size): Viewport => {
+    const vp = readableViewport(all, focus, size);
+    return { ...vp, x: vp.x + x };
+  };
+  const below = Math.max(drawn.left.height, drawn.right.height);
   const refits = [
-    readableViewport(all, focus, { width: canvas.width - corner.width, height: canvas.height }),
-    readableViewport(all, focus, { width: canvas.width, height: canvas.height - corner.height }),
+    within(0, { width: canvas.width - drawn.right.width, height: canvas.height }),
+    within(0, { width: canvas.width, height: canvas.height - below }),
+    within(buttonsX, { width: canvas.width - buttonsX, height: canvas.height }),
+    within(buttonsX, { width: canvas.width - buttonsX - drawn.right.width, height: canvas.height }),
   ].filter(clear);
   if (refits.length === 0) return plain;
   return refits.reduce((best, vp) => (vp.zoom > best.zoom ? vp : best));

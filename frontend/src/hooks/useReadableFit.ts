@@ -1,14 +1,16 @@
 /**
  * Fit a React Flow view (the editor's canvas, a run's graph) to its graph without going below a
- * legible zoom, and with no node under the minimap in the bottom-right corner where that can be
- * had (`graph/viewport.ts`). Call it inside the view's ReactFlowProvider.
+ * legible zoom, and with no node under the minimap in the bottom-right corner or under the zoom
+ * buttons in the bottom-left one where that can be had (`graph/viewport.ts`). Call it inside the
+ * view's ReactFlowProvider.
  */
 import { useNodesInitialized, useReactFlow } from "@xyflow/react";
 import { type RefObject, useCallback, useEffect, useRef, useState } from "react";
 import type { SpecEdge, SpecNode } from "../graph/model";
 import { NODE_WIDTH } from "../graph/layout";
+import { CONTROLS_CORNER } from "../components/FlowControls";
 import { MINIMAP_CORNER } from "../components/FlowMiniMap";
-import { readableViewportBesideMap, showsWhole } from "../graph/viewport";
+import { readableViewportClearOfCorners, showsWhole } from "../graph/viewport";
 
 export interface ReadableFit {
   /** Show the whole graph when its titles stay legible, else its inputs (or its leftmost nodes) at the legible zoom. */
@@ -46,8 +48,8 @@ export function useReadableFit(
       const all = flow.getNodesBounds(nodes);
       // Hidden, the map is a button away: its corner is kept clear either way, so showing it covers nothing.
       const rects = nodes.map((n) => flow.getNodesBounds([n]));
-      const viewport = readableViewportBesideMap(all, flow.getNodesBounds(focus), rects, box, MINIMAP_CORNER,
-        minimap === "always");
+      const viewport = readableViewportClearOfCorners(all, flow.getNodesBounds(focus), rects, box,
+        { left: CONTROLS_CORNER, right: MINIMAP_CORNER }, minimap === "always");
       flow.setViewport(viewport, { duration });
       setWhole(showsWhole(all, viewport, box));
     },

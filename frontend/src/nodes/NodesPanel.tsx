@@ -9,6 +9,7 @@ import type { WorkerSnapshot } from "../api/cluster";
 import { describeError } from "../api/client";
 import { type ClusterNode, describeAmounts, describeGpus, gpusOfWorker, nodeOfWorker, nodes } from "../api/nodes";
 import { ErrorBox, StatusBadge } from "../components/ui";
+import { WorkerId } from "../components/WorkerId";
 
 const REFRESH_MS = 3000;
 
@@ -114,7 +115,10 @@ function WorkerList({ workers, gpus }: { workers: WorkerSnapshot[]; gpus: Map<st
     <ul className="node-workers">
       {workers.map((w) => (
         <li key={w.info.worker_id} data-testid="node-worker" data-role={w.info.role}>
-          <span className="pill">{w.info.role}</span> <span className="mono small">{w.info.worker_id}</span>{" "}
+          <span className="pill">{w.info.role}</span>{" "}
+          <span className="small">
+            <WorkerId id={w.info.worker_id} />
+          </span>{" "}
           <StatusBadge status={w.status ?? (w.load.busy ? "busy" : "ready")} />{" "}
           <span className="muted small">
             {w.load.outstanding}/{w.info.capacity} running

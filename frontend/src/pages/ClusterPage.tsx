@@ -30,6 +30,7 @@ import {
 import { byteUnit } from "../components/chartScale";
 import { type ChartSeries, LiveChart } from "../components/LiveChart";
 import { ScrollTable } from "../components/ScrollTable";
+import { WorkerId } from "../components/WorkerId";
 import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatBytes } from "../components/ui";
 import { NodesPanel } from "../nodes/NodesPanel";
 import "./cluster.css";
@@ -272,10 +273,8 @@ export function ClusterPage() {
                       data-heartbeat={w.last_heartbeat}
                     >
                       <td className="mono small worker-cell">
-                        <div className="worker-id" title={w.info.worker_id}>
-                          {w.info.worker_id}
-                        </div>
-                        <div className="muted worker-id" title={w.info.host || w.info.address}>
+                        <WorkerId id={w.info.worker_id} />
+                        <div className="muted worker-host" title={w.info.host || w.info.address}>
                           {w.info.host || w.info.address}
                         </div>
                       </td>
@@ -397,8 +396,8 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
     <section className="card worker-card" data-testid={id} data-role={track.role} data-live={live}>
       <header className="worker-card-head">
         <strong>{track.role}</strong>{" "}
-        <span className="mono small worker-id" title={track.workerId}>
-          {track.workerId}
+        <span className="small">
+          <WorkerId id={track.workerId} />
         </span>
         <span className="muted small">
           {" "}

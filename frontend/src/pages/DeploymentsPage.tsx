@@ -1,4 +1,4 @@
-/** The user's deployments, live ones first: each by name, with its workflow, version and status. */
+/** The user's deployments, live ones first: each by name, with its workflow, version and status, a row a line. */
 import { useCallback, useEffect, useState } from "react";
 import { Link, useNavigate } from "react-router-dom";
 import { cluster, type Deployment } from "../api/cluster";
@@ -54,13 +54,13 @@ export function DeploymentsPage() {
       )}
       {sorted && sorted.length > 0 && (
         <ScrollTable testId="deployments-card">
-          <table className="table clickable" data-testid="deployments-table">
+          <table className="table clickable deployments-table" data-testid="deployments-table">
             <thead>
               <tr>
-                <th>Name</th>
-                <th>Workflow</th>
+                <th className="name-col">Name</th>
+                <th className="workflow-col">Workflow</th>
                 <th>Status</th>
-                <th>Serves</th>
+                <th className="serves-col">Serves</th>
                 <th>Created</th>
               </tr>
             </thead>
@@ -73,30 +73,40 @@ export function DeploymentsPage() {
                   data-testid="deployment-list-row"
                   data-status={d.status}
                 >
-                  <td>
-                    <Link to={`/deployments/${d.id}`} className="row-title" onClick={(e) => e.stopPropagation()}>
+                  <td className="clip-cell">
+                    <Link to={`/deployments/${d.id}`} className="row-title clip" title={d.name} onClick={(e) => e.stopPropagation()}>
                       {d.name}
                     </Link>
                   </td>
-                  <td className="nowrap">
-                    {d.workflow ? (
-                      <Link to={`/workflows/${d.workflow}`} onClick={(e) => e.stopPropagation()}>
-                        {d.workflow_name ?? "workflow"}
-                      </Link>
-                    ) : (
-                      "—"
-                    )}{" "}
-                    <span className="pill">v{d.version}</span>
+                  <td className="clip-cell">
+                    <span className="cell-line">
+                      {d.workflow ? (
+                        <Link
+                          to={`/workflows/${d.workflow}`}
+                          className="clip"
+                          title={d.workflow_name}
+                          onClick={(e) => e.stopPropagation()}
+                        >
+                          {d.workflow_name ?? "workflow"}
+                        </Link>
+                      ) : (
+                        "—"
+                      )}{" "}
+                      <span className="pill">v{d.version}</span>
+                    </span>
                   </td>
                   <td>
                     <StatusBadge status={d.status} />
                   </td>
-                  <td className="small" data-testid="deployment-serves">
+                  <td className="small clip-cell" data-testid="deployment-serves">
                     {d.chat ? (
-                      // What a client names on /v1: the label and the name each keep one line.
-                      <>
-                        <span className="muted nowrap">OpenAI model</span> <code className="nowrap">{d.name}</code>
-                      </>
+                      // What a client names on /v1: the label whole, the name cut short (whole in its title).
+                      <span className="cell-line">
+                        <span className="muted">OpenAI model</span>{" "}
+                        <code className="clip" title={d.name}>
+                          {d.name}
+                        </code>
+                      </span>
                     ) : (
                       <span className="muted">runs</span>
                     )}

@@ -11,6 +11,7 @@ import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
+import { WorkerId } from "../components/WorkerId";
 import { useRunEvents } from "../hooks/useRunEvents";
 import {
   clockSkew,
@@ -513,9 +514,9 @@ function NodeDetail({
         {view?.worker && (
           <>
             <dt>Ran on</dt>
-            <dd className="mono small" data-testid="node-where">
-              {view.worker}
-              {view.host ? ` on ${view.host}` : ""}
+            <dd className="small" data-testid="node-where">
+              <WorkerId id={view.worker} />
+              {view.host && <span className="mono"> on {view.host}</span>}
             </dd>
           </>
         )}
