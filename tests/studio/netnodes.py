@@ -54,7 +54,7 @@ def unix_socket_database_url(tcp_url: str) -> str | None:
     auth = parts.username or "postgres"
     if parts.password:
         auth += f":{parts.password}"
-    return f"postgres://{auth}@{parts.path}?host={PG_SOCKET_DIR}"
+    return f"postgres://{auth}@{parts.path}?host={PG_SOCKET_DIR}" + (f"&{parts.query}" if parts.query else "")
 
 
 @dataclass
