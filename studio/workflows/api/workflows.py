@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 from engine.client.graphs import GraphValidationError, parse_spec, to_python
 from studio.errors import BadRequest, Conflict
 from studio.jsonbody import LimitedJSONParser
+from studio.numbers import DB_INT_MAX, count
 from studio.workflows.api.serializers import (
     DiffSerializer,
     ErrorSerializer,
@@ -161,9 +162,7 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
         number = request.query_params.get("version")
         versions = workflow.versions.all()
         if number is not None:
-            if not number.isdigit():
-                raise BadRequest(f"version must be a positive integer, not {number!r}")
-            version = get_object_or_404(versions, number=int(number))
+            version = get_object_or_404(versions, number=count(number, "version", DB_INT_MAX, minimum=1))
         else:
             version = versions.order_by("-number").first()
             if version is None:
@@ -256,9 +255,7 @@ class VersionDiffView(APIView):
     def get(self, request: Request, workflow_id: Any, number: int) -> Response:
         new = get_version(request, workflow_id, number)
         raw = request.query_params.get("against")
-        if raw is not None and not raw.isdigit():
-            raise BadRequest(f"against must be a version number, not {raw!r}")
-        against = int(raw) if raw is not None else number - 1
+        against = count(raw, "against", DB_INT_MAX) if raw is not None else number - 1
         if against < 1:
             old_doc: dict[str, Any] = {}
         else:
