@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.db import IntegrityError, transaction
 from django.db.models import Count, QuerySet
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404
@@ -12,6 +13,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import generics, mixins, parsers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,6 +25,7 @@ from studio.numbers import DB_INT_MAX, count
 from studio.workflows.api.serializers import (
     DiffSerializer,
     ErrorSerializer,
+    ImportQuerySerializer,
     SpecInputSerializer,
     ValidationResultSerializer,
     VersionCreateSerializer,
@@ -125,6 +128,14 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
     def _one(self, workflow: Workflow) -> dict[str, Any]:
         return WorkflowSerializer(self.get_queryset().get(pk=workflow.pk)).data
 
+    def perform_update(self, serializer: WorkflowSerializer) -> None:
+        try:
+            with transaction.atomic():
+                serializer.save()
+        except IntegrityError:  # the owner's names are unique: the one constraint an update can break
+            name = serializer.validated_data.get("name")
+            raise ValidationError({"name": [f"you already have a workflow named {name!r}"]}) from None
+
     def perform_destroy(self, instance: Workflow) -> None:
         delete_workflow(instance)
 
@@ -140,9 +151,11 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
     )
     @action(detail=False, methods=["post"], url_path="import", url_name="import")
     def import_(self, request: Request) -> Response:
+        query = ImportQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
         spec = read_spec(**_import_body(request))
         checked = check_spec_for_studio(spec)
-        name = request.query_params.get("name") or spec.name
+        name = query.validated_data.get("name") or spec.name
         workflow = create_workflow(request.user, name=name, description=spec.description, checked=checked,
                                    message="imported")
         return Response(self._one(workflow), status=status.HTTP_201_CREATED)
