@@ -216,7 +216,7 @@ def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any
         return file_ref(record)
     try:
         encoded = msgspec.json.encode(value)
-    except (TypeError, msgspec.EncodeError):
+    except (TypeError, ValueError, msgspec.EncodeError):  # ValueError: an integer too long to print
         return preview(value)
     if len(encoded) > INLINE_OUTPUT_LIMIT:
         record = store_file(run, FileRole.OUTPUT, name, encoded, f"{name}.json", "application/json")
