@@ -125,3 +125,20 @@ async def test_socket_since_out_of_range_is_refused(api, user, raw: str, _close_
             assert (error.get("status"), code) == (400, 4400), error
     finally:
         await orm(engine().runs.cancel)(run["id"])
+
+
+# ---------------------------------------------------------------------------- URL ids
+NOT_UUIDS = ["-" * 36, "a" * 32 + "----", "0" * 35, "g" * 32]
+
+
+def test_ids_in_urls_that_are_no_uuid_are_404(api) -> None:
+    api.raise_request_exception = False
+    wf = create_workflow(api, python_spec())
+    run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": "x"}}, format="json").json()
+    engine().runs.wait(run["id"])
+    for bad in NOT_UUIDS:
+        for url in (f"/api/runs/{run['id']}/files/{bad}/", f"/api/runs/{bad}/", f"/api/workflows/{bad}/",
+                    f"/api/deployments/{bad}/", f"/api/sessions/{bad}/"):
+            response = api.get(url)
+            assert response.status_code == 404, (url, response.content[:300])
+            assert set(response.json()) == {"error", "details"}, url

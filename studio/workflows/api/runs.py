@@ -177,7 +177,11 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
     @action(detail=True, methods=["get"], url_path=r"files/(?P<file_id>[0-9a-f-]{32,36})", url_name="file")
     def file(self, request: Request, pk: Any = None, file_id: str | None = None) -> FileResponse:
         run = self.get_object()  # 404 unless the run is the caller's (or the caller is staff)
-        record: RunFile = get_object_or_404(run.files.all(), pk=file_id)
+        try:  # the URL's pattern lets through what only looks like one (36 dashes)
+            file_uuid = uuid.UUID(str(file_id))
+        except ValueError:
+            raise NotFound(f"run {run.pk} has no file {file_id}") from None
+        record: RunFile = get_object_or_404(run.files.all(), pk=file_uuid)
         if not record.file.storage.exists(record.file.name):
             raise NotFound(f"the bytes of {record.filename!r} are not in this server's storage: the run worker that"
                            " stored them keeps its files under another OMNIFLOW_DATA_DIR (share its media folder"
