@@ -112,3 +112,45 @@ async def test_huge_integers_on_sockets_are_refused_with_an_error_message(api, u
         error, code = await refused_message(path, token, f'{{"since": {raw}}}')
         assert (error.get("status"), code) == (400, 4400), (path, error)
         assert "64-bit" in error["error"], error
+
+
+# ------------------------------------------------------------------------------- NUL
+NUL_PLACES: dict[str, Any] = {"a value": {"text": "a\x00b"}, "a key": {"te\x00xt": "ab"}}
+"""JSON objects holding a NUL (written `\u0000` in JSON text), which PostgreSQL stores in no text
+or jsonb column."""
+
+
+def test_load_json_refuses_nul_characters_naming_their_place() -> None:
+    for raw, place in (('{"a": ["ok", "x\\u0000"]}', "$.a[1]"), ('{"a\\u0000b": 1}', "$"), ('"\\u0000"', "$")):
+        with pytest.raises(JsonRefused) as refused:
+            load_json(raw, max_depth=4)
+        assert refused.value.status == 400 and f"{place}: " in refused.value.message, refused.value.message
+        assert "NUL" in refused.value.message
+
+
+@pytest.mark.parametrize("value", NUL_PLACES.values(), ids=NUL_PLACES.keys())
+def test_nul_characters_in_json_are_400(api, value: dict[str, Any]) -> None:
+    api.raise_request_exception = False  # a 500 is what the test looks for, not an exception
+    wf = create_workflow(api, python_spec())
+    held = json.dumps(value)
+    assert "\\u0000" in held
+    spec = json.dumps({**python_spec(), "meta": value})
+    bodies = {
+        "/api/runs/": f'{{"workflow": "{wf["id"]}", "inputs": {held}}}',
+        "/api/workflows/": f'{{"name": "w", "spec": {spec}}}',
+        "/api/workflows/import/": spec,
+        "/api/validate/": f'{{"spec": {spec}}}',
+        f"/api/workflows/{wf['id']}/versions/": f'{{"spec": {spec}, "layout": {held}}}',
+        f"/api/sessions/{uuid.uuid4()}/turns/": f'{{"content": "hi", "meta": {held}}}',
+    }
+    for url, body in bodies.items():
+        response = api.post(url, body, content_type="application/json")
+        assert response.status_code == 400, (url, response.content[:300])
+        assert "NUL" in error_shape(response)["error"], url
+    response = api.post("/v1/chat/completions", f'{{"model": "m", "user": {held}, "messages": []}}',
+                        content_type="application/json")
+    assert response.status_code == 400 and "NUL" in response.json()["error"]["message"], response.content[:300]
+    multipart = api.post("/api/runs/", {"workflow": wf["id"], "inputs": held}, format="multipart")
+    assert multipart.status_code == 400 and "NUL" in error_shape(multipart)["error"]
+    assert not Run.objects.exists() and list(Workflow.objects.values_list("name", flat=True)) == ["work"]
+

@@ -142,3 +142,17 @@ def test_ids_in_urls_that_are_no_uuid_are_404(api) -> None:
             response = api.get(url)
             assert response.status_code == 404, (url, response.content[:300])
             assert set(response.json()) == {"error", "details"}, url
+
+
+# ------------------------------------------------------------------------------- NUL
+def test_nul_characters_in_query_strings_are_400_naming_the_parameter(api) -> None:
+    api.raise_request_exception = False
+    wf = create_workflow(api, python_spec())
+    for url, name in (("/api/workflows/?search=a%00b", "search"),
+                      ("/api/workflows/import/?name=a%00b", "name"),
+                      ("/api/runs/?created_after=2020%00", "created_after"),
+                      (f"/api/workflows/{wf['id']}/?x%00y=1", "x\\x00y"),
+                      ("/api/metrics/history/?range=5m%00", "range")):
+        response = api.post(url, "{}", content_type="application/json") if "import" in url else api.get(url)
+        assert response.status_code == 400, (url, response.content[:300])
+        assert error_of(response) == f"query parameter '{name}' holds a NUL character", url
