@@ -6,13 +6,16 @@
 itself gives up) is a 400, one longer than its limit a 413; neither ever reaches code that
 would recurse over it. So is a document holding what no part of the studio can keep or pass on,
 named by its place (`$.inputs.n`): an integer outside the signed 64-bit range (PostgreSQL's
-`bigint`, the workers' msgpack wire; Python would not even print one of 4300 digits), or text
-holding a NUL character (PostgreSQL stores none in text or jsonb).
+`bigint`, the workers' msgpack wire; Python would not even print one of 4300 digits), a number
+that is not finite (`NaN`, `Infinity`: Python's parser reads them though JSON has none, and
+`1e400` reads as an infinity; PostgreSQL's jsonb takes none), or text holding a NUL character
+(PostgreSQL stores none in text or jsonb).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
@@ -35,6 +38,7 @@ INT_MAX: Final = 2**63 - 1
 """The integers a client's JSON may hold: a signed 64-bit one."""
 _INT_DIGITS: Final = len(str(INT_MAX))
 _NUL_TEXT: Final = "the text holds a NUL character (\\u0000)"
+_NOT_FINITE: Final = "the number is not finite (NaN, Infinity, or past the largest float)"
 
 
 class _LongInteger:
@@ -69,7 +73,7 @@ class Scan:
 
 def scan(value: Any) -> Scan:
     """Walk `value` once, without recursion: its depth, and whether it holds an integer outside
-    the signed 64-bit range or text (a key too) with a NUL character. Paths are written only for
+    the signed 64-bit range, a number that is not finite, or text (a key too) with a NUL character. Paths are written only for
     lists and objects, and for the place refused."""
     deepest, unfit = 0, None
     stack: list[tuple[Any, int, str]] = [(value, 0, "")]
@@ -97,6 +101,9 @@ def scan(value: Any) -> Scan:
             elif kind is int:
                 if not INT_MIN <= child <= INT_MAX:
                     unfit = f"${where.format(path, key)}: {_integer_problem(str(child))}"
+            elif kind is float:
+                if not math.isfinite(child):
+                    unfit = f"${where.format(path, key)}: {_NOT_FINITE}"
             elif kind is _LongInteger:
                 unfit = f"${where.format(path, key)}: {_integer_problem(child.text)}"
     return Scan(depth=deepest, unfit=unfit)

@@ -154,3 +154,43 @@ def test_nul_characters_in_json_are_400(api, value: dict[str, Any]) -> None:
     assert multipart.status_code == 400 and "NUL" in error_shape(multipart)["error"]
     assert not Run.objects.exists() and list(Workflow.objects.values_list("name", flat=True)) == ["work"]
 
+
+
+# -------------------------------------------------------------------- NaN and Infinity
+NOT_FINITE = {"NaN": "NaN", "Infinity": "Infinity", "-Infinity": "-Infinity", "1e400": "1e400"}
+"""Python's json reads the first three (JSON has no such literals) and makes 1e400 an infinity."""
+
+
+def test_load_json_refuses_numbers_that_are_not_finite() -> None:
+    assert load_json("[1.5, -2e300, 0.0]", max_depth=4) == [1.5, -2e300, 0.0]
+    for raw in NOT_FINITE.values():
+        with pytest.raises(JsonRefused) as refused:
+            load_json(f'{{"a": {{"b": {raw}}}}}', max_depth=4)
+        assert refused.value.status == 400 and "$.a.b: " in refused.value.message, refused.value.message
+        assert "finite" in refused.value.message
+
+
+@pytest.mark.parametrize("raw", NOT_FINITE.values(), ids=NOT_FINITE.keys())
+def test_numbers_that_are_not_finite_are_400(api, raw: str) -> None:
+    api.raise_request_exception = False  # a 500 is what the test looks for, not an exception
+    wf = create_workflow(api, python_spec())
+    spec = json.dumps(python_spec())[:-1] + f', "meta": {{"x": {raw}}}}}'
+    bodies = {
+        **surfaces(wf["id"], raw),
+        "/api/workflows/import/": spec,
+        f"/api/workflows/{wf['id']}/versions/": f'{{"spec": {spec}}}',
+    }
+    for url, body in bodies.items():
+        response = api.post(url, body, content_type="application/json")
+        assert response.status_code == 400, (url, response.content[:300])
+        assert "finite" in error_shape(response)["error"], (url, error_shape(response))
+    response = api.post("/v1/chat/completions", f'{{"model": "m", "temperature": {raw}, "messages": []}}',
+                        content_type="application/json")
+    assert response.status_code == 400 and "finite" in response.json()["error"]["message"], response.content[:300]
+    assert not Run.objects.exists() and list(Workflow.objects.values_list("name", flat=True)) == ["work"]
+
+
+async def test_numbers_that_are_not_finite_on_a_socket_are_refused(user, _close_connections: Any) -> None:
+    token = await orm(lambda: ApiToken.objects.issue(user, "ws").secret)()
+    error, code = await refused_message("/ws/metrics/", token, '{"since": NaN}')
+    assert (error.get("status"), code) == (400, 4400) and "finite" in error["error"], error
