@@ -160,6 +160,22 @@ class UploadLimitMiddleware:
         return self.get_response(request)
 
 
+class NulQueryMiddleware:
+    """Refuse with 400 a query string holding a NUL character (`%00`) in a parameter's name or
+    value, before a view compares it with a column: PostgreSQL stores no NUL in text, and none
+    of the API's parameters means one. (JSON bodies are checked as they are read:
+    `studio.jsonbody`; form fields by their serializers.)"""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        for name, values in request.GET.lists():
+            if "\x00" in name or any("\x00" in value for value in values):
+                return JsonResponse(error_body(f"query parameter {name!r} holds a NUL character"), status=400)
+        return self.get_response(request)
+
+
 class LimitedUploadHandler(FileUploadHandler):
     """Stops a multipart upload once its bytes pass the limit (for bodies sent without
     Content-Length); the view answers 413."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,10 +160,50 @@ def blobs_in(value: Any, depth: int = 0, at: BlobPath = ()) -> list[HeldBlob]:
     return [blob for key, item in _items(value) for blob in blobs_in(item, depth + 1, (*at, key))]
 
 
-def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
-    """A JSON-able, bounded rendering of a port value for events and UIs."""
-    if value is None or isinstance(value, bool | int | float):
+_LOG10_2 = math.log10(2)
+PRINTABLE_DEPTH = 32
+"""How deep `preview` looks for integers too long to print in a value whose JSON encoding they
+broke (deeper ones leave the value shown by its type alone)."""
+
+
+def _int_fits(value: int, limit: int) -> bool:
+    """Whether `value`'s decimal text (its sign included) is at most `limit` characters, found
+    without printing a number Python would refuse to print (past `sys.get_int_max_str_digits()`)."""
+    limit = min(limit, (sys.get_int_max_str_digits() or limit + 1) - 1) - (value < 0)
+    bits = abs(value).bit_length()
+    if math.floor(bits * _LOG10_2) + 1 <= limit:  # 2**bits has at most this many digits
+        return True
+    if bits and math.floor((bits - 1) * _LOG10_2) + 1 > limit:  # 2**(bits-1) has at least this many
+        return False
+    return len(str(abs(value))) <= limit
+
+
+def _int_preview(value: int, limit: int) -> int | dict[str, Any]:
+    """`value` itself, or `{"int": {"bits": n}}` when its text is longer than `limit`."""
+    return value if _int_fits(value, limit) else {"int": {"bits": abs(value).bit_length()}}
+
+
+def _printable(value: Any, depth: int = 0) -> Any:
+    """`value` with every integer too long to print in its lists, tuples and dicts (down to
+    `PRINTABLE_DEPTH`) as its size; other items as they are."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _int_preview(value, sys.get_int_max_str_digits() or PREVIEW_CHARS)
+    if depth >= PRINTABLE_DEPTH:
         return value
+    if isinstance(value, dict):
+        return {key: _printable(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(item, depth + 1) for item in value]
+    return value
+
+
+def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
+    """A JSON-able, bounded rendering of a port value for events and UIs. An integer whose text is
+    longer than `limit` (Python prints none of more than 4300 digits) is `{"int": {"bits": n}}`."""
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        return _int_preview(value, limit)
     if _opens(value, depth):  # each blob at its place (`blobs_in`), the items sharing the bound
         share = max(64, limit // len(value))
         if isinstance(value, dict):
@@ -179,6 +221,11 @@ def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
         encoded = _JSON.encode(value)
     except (TypeError, msgspec.EncodeError):
         return {"repr": repr(value)[:limit]}
+    except ValueError:  # an integer in it too long to print
+        try:
+            encoded = _JSON.encode(_printable(value))
+        except (TypeError, ValueError, msgspec.EncodeError):
+            return {"unprintable": type(value).__name__}
     if len(encoded) <= limit:
         return msgspec.json.decode(encoded)
     if isinstance(value, KVRef):  # its counts and holder stay readable (the studio's usage of older graphs)

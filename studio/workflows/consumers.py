@@ -34,7 +34,9 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 
 from engine.client.cluster import RegistryError
 from studio.dbcalls import orm
+from studio.errors import BadRequest
 from studio.jsonbody import JsonRefused, load_json
+from studio.numbers import DB_INT_MAX, count
 from studio.workflows.apps import engine
 from studio.workflows.deployments.workers import active_deployments, listing, recorded_statuses, snapshots
 from studio.workflows.history.query import RangeError, history, parse_range
@@ -56,15 +58,13 @@ class _Refused(Exception):
 
 
 def _since(raw: Any) -> int:
+    """A `since` from the query string (text) or a message (a JSON number or text)."""
     if isinstance(raw, bool) or not isinstance(raw, int | str):
-        raise _Refused(400, "since must be a non-negative integer")
-    if isinstance(raw, str):
-        if not raw.isdigit():
-            raise _Refused(400, f"since must be a non-negative integer, not {raw!r}")
-        raw = int(raw)
-    if raw < 0:
-        raise _Refused(400, "since must be a non-negative integer")
-    return raw
+        raise _Refused(400, f"since must be a whole number from 0 to {DB_INT_MAX}")
+    try:
+        return count(str(raw), "since", DB_INT_MAX)
+    except BadRequest as exc:
+        raise _Refused(400, exc.message) from None
 
 
 class Slot:

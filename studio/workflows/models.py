@@ -31,10 +31,14 @@ class OwnedQuerySet(QuerySet):
         return self.filter(**{self.owner_field: user})
 
 
+MAX_WORKFLOW_NAME = 100
+"""The longest workflow name (its column's length)."""
+
+
 class Workflow(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="workflows")
-    name = models.CharField(max_length=100)
+    name = models.CharField(max_length=MAX_WORKFLOW_NAME)
     description = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from studio.workflows.models import (
     FileRole,
     NodeRun,
     Run,
+    RunFile,
     RunStatus,
     Workflow,
     WorkflowVersion,
@@ -57,6 +59,9 @@ CANCEL_POLL_S = 0.05
 
 FILE_PORT_TYPES = frozenset({"image", "audio", "tensor", "any"})
 """Input port types that accept an uploaded file (its bytes become the input value)."""
+MEDIA_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*")
+"""An uploaded file's content type: `type/subtype` in the characters RFC 6838 allows (its
+parameters are cut off before it gets here)."""
 
 
 def invalid_workflow(exc: GraphValidationError, status: type[BadRequest] | type[Unprocessable] = BadRequest):
@@ -156,6 +161,8 @@ def _file_inputs(spec: GraphSpec, files: dict[str, UploadedFile]) -> None:
         elif input_types[name] not in FILE_PORT_TYPES:
             problems.append({"field": name, "message": f"input {name!r} is of type {input_types[name]};"
                              f" files go to inputs of type {', '.join(sorted(FILE_PORT_TYPES))}"})
+        elif problem := _content_type_problem(files[name].content_type or ""):
+            problems.append({"field": name, "message": problem})
         elif input_types[name] == "image" and (too_large := _oversized_upload(files[name])):
             problems.append({"field": name, "message": too_large})
     if problems:
@@ -168,6 +175,15 @@ def _oversized_upload(upload: UploadedFile) -> str | None:
     head = upload.read()
     upload.seek(0)
     return oversized(head)
+
+
+def _content_type_problem(content_type: str) -> str | None:
+    """Why an upload's content type cannot be kept (None: it can; empty is kept as unknown)."""
+    limit = RunFile._meta.get_field("content_type").max_length
+    if not content_type or (len(content_type) <= limit and MEDIA_TYPE.fullmatch(content_type)):
+        return None
+    shown = content_type if len(content_type) <= 40 else f"{content_type[:40]}… ({len(content_type)} characters)"
+    return f"the file's content type {shown!r} is not a media type (type/subtype) of at most {limit} characters"
 
 
 def resolve_run_target(user: Any, *, workflow: Workflow | None, number: int | None,

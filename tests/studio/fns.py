@@ -89,3 +89,13 @@ def announce(text: str, ctx) -> str:
     """Reports progress with a message naming `text` (a server path, in the test that uses it)."""
     ctx.progress(0.5, f"writing {text}")
     return "done"
+
+
+def huge(text: str) -> int:
+    """An integer too long to print: 2**20000 has 6021 digits, past Python's 4300 for str()."""
+    return 1 << 20_000
+
+
+def holds_huge(text: str) -> dict:
+    """That integer inside a value, beside a small one."""
+    return {"n": -(1 << 20_000), "small": [1, 2]}

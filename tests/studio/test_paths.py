@@ -403,3 +403,31 @@ def test_deleting_runs_and_workflows_removes_what_their_ops_wrote(api, user) -> 
     assert api.delete(f"/api/workflows/{wf['id']}/").status_code == 204
     assert not (home / "outputs" / runs[1]).exists() and not (home / "mine" / "out" / runs[1]).exists()
     assert kept.read_text() == "the user's own" and (home / "mine" / "out").is_dir()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_runs_error_names_the_model_not_the_model_directory(api, tmp_path: Path) -> None:
+    """A checkpoint under a model root that does not load: the run's error, its node's and its
+    events name it as the role does (`org/broken/...`), never by the server's path."""
+    models = tmp_path / "models"
+    (models / "org" / "broken").mkdir(parents=True)
+    (models / "org" / "broken" / "config.json").write_text("not json")
+    with configured(model_dirs=(models,)):
+        wf = create_workflow(api, llm_spec(role={"model": "org/broken"}))
+        run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"prompt": "hi"}}, format="json").json()
+        engine().runs.wait(run["id"])
+        detail = api.get(f"/api/runs/{run['id']}/").json()
+        events = api.get(f"/api/runs/{run['id']}/events/").json()
+    assert detail["status"] == "failed" and detail["failed_node"] == "gen"
+    assert "ModelLoadError: org/broken/config.json: unreadable config" in detail["error"]
+    assert "org/broken/config.json" in next(n for n in detail["nodes"] if n["node"] == "gen")["error"]
+    assert str(tmp_path) not in json.dumps([detail, events])
+
+
+def test_server_paths_cut_the_model_roots_out_of_messages(tmp_path: Path) -> None:
+    mine, models = tmp_path / "users" / "7", (tmp_path / "a", tmp_path / "b")
+    paths = ServerPaths(mine, lambda name, path: {"$file": name}, models=models)
+    assert paths.hide_in_text(f"cannot load {models[1]}/org/m: no weights in {models[0]}/x; {mine}/kv") == (
+        "cannot load org/m: no weights in x; kv")
+    nested = ServerPaths(mine, lambda name, path: {"$file": name}, models=(tmp_path,))  # a root above the user's
+    assert nested.hide_in_text(f"{mine}/kv and {tmp_path}/m") == "kv and m"

@@ -3,6 +3,11 @@
 Each is a registered op (`@op`, collected through this package's `omniflow.ops` entry point).
 `save_outputs` (op `media.save_outputs`) writes a run's media under `./omniflow-out/<run_id>/` (gitignored; the node
 param `out_dir` moves it) and returns where, so `omniflow run` prints the paths.
+
+What a run sends sizes what the media ops make, so each has a declared maximum, checked before
+anything is made: media are a file's bytes (or a JSON list of byte values) of at most
+`MAX_MEDIA_BYTES`, never a number (`bytes(n)` is n zero bytes), and `save_outputs` resizes to
+at most `MAX_SIDE` a side. Anything else fails the node with a `MediaInputError` naming the input.
 """
 
 from __future__ import annotations
@@ -13,11 +18,51 @@ import re
 from pathlib import Path
 from typing import Any
 
-from engine.spec.calls import NodeContext
+from engine.spec.calls import FinalNodeError, NodeContext
 from engine.spec.ops import op
 
 SIZE_TOKEN = re.compile(r"<\|size:(\d{2,4})x(\d{2,4})\|>")
 DEFAULT_SIZE = (256, 256)
+MAX_SIDE = 4096
+"""The widest and tallest `save_outputs` resizes an image to."""
+MAX_MEDIA_BYTES = 64 * 1024 * 1024
+"""The most bytes a picture or sound the media ops take or write may have."""
+
+
+class MediaInputError(FinalNodeError, ValueError):
+    """A media op's input is not what it takes (trying the node again cannot mend it)."""
+
+
+def media_bytes(value: Any, where: str, limit: int = MAX_MEDIA_BYTES) -> bytes:
+    """`value` as the bytes of a file: bytes, a 1-D uint8 tensor or array (how a worker's bytes
+    cross the wire) or a list of byte values, at most `limit` of them; MediaInputError naming
+    `where` otherwise. A number is refused, never read as `bytes(n)`."""
+    shape = getattr(value, "shape", None)
+    if isinstance(value, bytes | bytearray | memoryview):
+        length = value.nbytes if isinstance(value, memoryview) else len(value)
+    elif shape is not None and len(shape) == 1 and str(getattr(value, "dtype", "")) in ("uint8", "torch.uint8"):
+        length = int(shape[0])
+    elif isinstance(value, list | tuple):
+        length = len(value)
+    else:
+        kind = "an integer" if isinstance(value, int) else type(value).__name__
+        raise MediaInputError(f"{where} must be a file's bytes or a list of byte values, not {kind}")
+    if length > limit:
+        raise MediaInputError(f"{where}: {length} bytes, over the limit of {limit}")
+    if shape is not None:
+        return (value.cpu().numpy() if hasattr(value, "cpu") else value).tobytes()
+    try:
+        return bytes(value)
+    except (TypeError, ValueError):
+        raise MediaInputError(f"{where} must be a file's bytes or a list of byte values (0 to 255)") from None
+
+
+def image_side(size: dict[str, Any], side: str) -> int:
+    """`size[side]` (`width` or `height`) as a whole number of pixels, 1 to `MAX_SIDE`."""
+    value = size[side]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIDE:
+        raise MediaInputError(f"size.{side} must be an integer from 1 to {MAX_SIDE}")
+    return value
 
 
 @op("image.rewrite_prompt")
@@ -54,27 +99,35 @@ def image_size(text: str) -> dict[str, int]:
 def save_outputs(ctx: NodeContext, text: str | None = None, image: Any = None, audio: Any = None,
                  size: Any = None, out_dir: str = "omniflow-out") -> dict[str, Any]:
     """Write what arrived (text -> reply.txt, image PNG -> image.png, resized to `size` when given,
-    audio WAV -> speech.wav) under `<out_dir>/<run_id>/`; returns the folder and the files."""
+    audio WAV -> speech.wav) under `<out_dir>/<run_id>/`; returns the folder and the files. Image
+    and audio are at most `MAX_MEDIA_BYTES`, `size` `{"width", "height"}` at most `MAX_SIDE` a
+    side: what does not fit fails the node before anything is written."""
+    picture_data = None if image is None else media_bytes(image, "image")
+    sound_data = None if audio is None else media_bytes(audio, "audio")
+    resize = None
+    if size is not None and size != {}:
+        if not isinstance(size, dict) or not {"width", "height"} <= set(size):
+            raise MediaInputError("size must be an object with an integer width and height")
+        resize = (image_side(size, "width"), image_side(size, "height"))
     folder = Path(out_dir) / ctx.run_id
     folder.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     if text is not None:
         (folder / "reply.txt").write_text(text if isinstance(text, str) else json.dumps(text))
         files["text"] = str(folder / "reply.txt")
-    if image is not None:
-        data = bytes(image)
-        if isinstance(size, dict) and size:
+    if picture_data is not None:
+        if resize is not None:
             from PIL import Image
 
-            with Image.open(io.BytesIO(data)) as picture:
-                resized = picture.resize((int(size["width"]), int(size["height"])), Image.Resampling.BICUBIC)
+            with Image.open(io.BytesIO(picture_data)) as picture:
+                resized = picture.resize(resize, Image.Resampling.BICUBIC)
                 buffer = io.BytesIO()
                 resized.save(buffer, format="PNG")
-                data = buffer.getvalue()
-        (folder / "image.png").write_bytes(data)
+                picture_data = buffer.getvalue()
+        (folder / "image.png").write_bytes(picture_data)
         files["image"] = str(folder / "image.png")
-    if audio is not None:
-        (folder / "speech.wav").write_bytes(bytes(audio))
+    if sound_data is not None:
+        (folder / "speech.wav").write_bytes(sound_data)
         files["audio"] = str(folder / "speech.wav")
     return {"dir": str(folder.resolve()), "files": {k: str(Path(v).resolve()) for k, v in files.items()}}
 
@@ -100,20 +153,24 @@ def parse_request(message: str, image: Any = None, audio: Any = None) -> Any:
 
 @op("omni.picture", outputs={"out": "image"})
 def picture(request: dict) -> bytes:
-    """The request's picture as PNG bytes (`"sample"`: the built-in test picture)."""
+    """The request's picture as PNG bytes (`"sample"`: the built-in test picture; else its bytes,
+    see `media_bytes`)."""
     from engine.compute.media import png_bytes, sample_picture
 
     image = request["image"]
-    return png_bytes(sample_picture()) if image == SAMPLE else bytes(image)
+    return png_bytes(sample_picture()) if isinstance(image, str) and image == SAMPLE else media_bytes(
+        image, "request.image")
 
 
 @op("omni.sound", outputs={"out": "audio"})
 def sound(request: dict) -> bytes:
-    """The request's audio as WAV bytes (`"sample"`: the built-in test sound)."""
+    """The request's audio as WAV bytes (`"sample"`: the built-in test sound; else its bytes, see
+    `media_bytes`)."""
     from engine.compute.media import sample_sound, wav_bytes
 
     audio = request["audio"]
-    return wav_bytes(sample_sound()) if audio == SAMPLE else bytes(audio)
+    return wav_bytes(sample_sound()) if isinstance(audio, str) and audio == SAMPLE else media_bytes(
+        audio, "request.audio")
 
 
 @op("omni.prompt_text")

@@ -21,6 +21,7 @@ from rest_framework.response import Response
 
 from studio.errors import BadRequest, Conflict
 from studio.jsonbody import LimitedJSONParser
+from studio.numbers import DB_INT_MAX, count
 from studio.throttles import RunThrottle
 from studio.workflows.api.serializers import (
     ErrorSerializer,
@@ -97,9 +98,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
             if params.get(field):
                 qs = qs.filter(**{f"{field}_id": _uuid(params[field], field)})
         if params.get("version"):
-            if not params["version"].isdigit():
-                raise BadRequest("version must be a positive integer")
-            qs = qs.filter(version__number=int(params["version"]))
+            qs = qs.filter(version__number=count(params["version"], "version", DB_INT_MAX, minimum=1))
         if params.get("created_after"):
             qs = qs.filter(created_at__gte=_datetime(params["created_after"], "created_after"))
         if params.get("created_before"):
@@ -168,8 +167,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
     @action(detail=True, methods=["get"], pagination_class=None)
     def events(self, request: Request, pk: Any = None) -> Response:
         run = self.get_object()
-        since = _nonnegative(request.query_params.get("since", "0"), "since")
-        limit = min(_nonnegative(request.query_params.get("limit", str(EVENTS_PAGE)), "limit"), EVENTS_PAGE)
+        since = count(request.query_params.get("since", "0"), "since", DB_INT_MAX)
+        limit = min(count(request.query_params.get("limit", str(EVENTS_PAGE)), "limit", DB_INT_MAX), EVENTS_PAGE)
         events = run.events.filter(seq__gte=since).order_by("seq")[:limit]
         return Response([{"seq": e.seq, "type": e.type, "data": e.data} for e in events])
 
@@ -178,7 +177,11 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destro
     @action(detail=True, methods=["get"], url_path=r"files/(?P<file_id>[0-9a-f-]{32,36})", url_name="file")
     def file(self, request: Request, pk: Any = None, file_id: str | None = None) -> FileResponse:
         run = self.get_object()  # 404 unless the run is the caller's (or the caller is staff)
-        record: RunFile = get_object_or_404(run.files.all(), pk=file_id)
+        try:  # the URL's pattern lets through what only looks like one (36 dashes)
+            file_uuid = uuid.UUID(str(file_id))
+        except ValueError:
+            raise NotFound(f"run {run.pk} has no file {file_id}") from None
+        record: RunFile = get_object_or_404(run.files.all(), pk=file_uuid)
         if not record.file.storage.exists(record.file.name):
             raise NotFound(f"the bytes of {record.filename!r} are not in this server's storage: the run worker that"
                            " stored them keeps its files under another OMNIFLOW_DATA_DIR (share its media folder"
@@ -195,10 +198,3 @@ def _uuid(raw: str, name: str) -> str:
         return str(uuid.UUID(raw))
     except ValueError:
         raise BadRequest(f"{name} must be a UUID, not {raw!r}") from None
-
-
-def _nonnegative(raw: str, name: str) -> int:
-    if not raw.isdigit():
-        raise BadRequest(f"{name} must be a non-negative integer, not {raw!r}")
-    return int(raw)
-

@@ -12,7 +12,15 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from studio.workflows.chat.shape import is_chat
-from studio.workflows.models import NodeRun, Run, RunFile, RunStatus, Workflow, WorkflowVersion
+from studio.workflows.models import (
+    MAX_WORKFLOW_NAME,
+    NodeRun,
+    Run,
+    RunFile,
+    RunStatus,
+    Workflow,
+    WorkflowVersion,
+)
 from studio.workflows.runs.store import file_url
 
 
@@ -99,7 +107,7 @@ class WorkflowSerializer(serializers.ModelSerializer):
 class WorkflowCreateSerializer(serializers.Serializer):
     """A new workflow, with its first version when `spec` or `source` is given."""
 
-    name = serializers.CharField(max_length=100, required=False,
+    name = serializers.CharField(max_length=MAX_WORKFLOW_NAME, required=False,
                                  help_text="defaults to the spec's name")
     description = serializers.CharField(required=False, allow_blank=True)
     spec = serializers.JSONField(required=False)
@@ -113,6 +121,13 @@ class WorkflowCreateSerializer(serializers.Serializer):
         if "name" not in attrs and "spec" not in attrs and "source" not in attrs:
             raise serializers.ValidationError("give a `name`, or a `spec`/`source` to take it from")
         return attrs
+
+
+class ImportQuerySerializer(serializers.Serializer):
+    """The query parameters of an import."""
+
+    name = serializers.CharField(max_length=MAX_WORKFLOW_NAME, required=False, allow_blank=True,
+                                 help_text="the workflow's name (default, or when blank: the spec's)")
 
 
 class ValidationResultSerializer(serializers.Serializer):

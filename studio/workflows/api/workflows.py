@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.db import IntegrityError, transaction
 from django.db.models import Count, QuerySet
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404
@@ -12,6 +13,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import generics, mixins, parsers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -19,9 +21,11 @@ from rest_framework.views import APIView
 from engine.client.graphs import GraphValidationError, parse_spec, to_python
 from studio.errors import BadRequest, Conflict
 from studio.jsonbody import LimitedJSONParser
+from studio.numbers import DB_INT_MAX, count
 from studio.workflows.api.serializers import (
     DiffSerializer,
     ErrorSerializer,
+    ImportQuerySerializer,
     SpecInputSerializer,
     ValidationResultSerializer,
     VersionCreateSerializer,
@@ -124,6 +128,14 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
     def _one(self, workflow: Workflow) -> dict[str, Any]:
         return WorkflowSerializer(self.get_queryset().get(pk=workflow.pk)).data
 
+    def perform_update(self, serializer: WorkflowSerializer) -> None:
+        try:
+            with transaction.atomic():
+                serializer.save()
+        except IntegrityError:  # the owner's names are unique: the one constraint an update can break
+            name = serializer.validated_data.get("name")
+            raise ValidationError({"name": [f"you already have a workflow named {name!r}"]}) from None
+
     def perform_destroy(self, instance: Workflow) -> None:
         delete_workflow(instance)
 
@@ -139,9 +151,11 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
     )
     @action(detail=False, methods=["post"], url_path="import", url_name="import")
     def import_(self, request: Request) -> Response:
+        query = ImportQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
         spec = read_spec(**_import_body(request))
         checked = check_spec_for_studio(spec)
-        name = request.query_params.get("name") or spec.name
+        name = query.validated_data.get("name") or spec.name
         workflow = create_workflow(request.user, name=name, description=spec.description, checked=checked,
                                    message="imported")
         return Response(self._one(workflow), status=status.HTTP_201_CREATED)
@@ -161,9 +175,7 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
         number = request.query_params.get("version")
         versions = workflow.versions.all()
         if number is not None:
-            if not number.isdigit():
-                raise BadRequest(f"version must be a positive integer, not {number!r}")
-            version = get_object_or_404(versions, number=int(number))
+            version = get_object_or_404(versions, number=count(number, "version", DB_INT_MAX, minimum=1))
         else:
             version = versions.order_by("-number").first()
             if version is None:
@@ -256,9 +268,7 @@ class VersionDiffView(APIView):
     def get(self, request: Request, workflow_id: Any, number: int) -> Response:
         new = get_version(request, workflow_id, number)
         raw = request.query_params.get("against")
-        if raw is not None and not raw.isdigit():
-            raise BadRequest(f"against must be a version number, not {raw!r}")
-        against = int(raw) if raw is not None else number - 1
+        against = count(raw, "against", DB_INT_MAX) if raw is not None else number - 1
         if against < 1:
             old_doc: dict[str, Any] = {}
         else:

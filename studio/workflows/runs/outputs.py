@@ -9,12 +9,13 @@ relative to the user's folder. Only a name that resolves in that folder is read 
 no `..`, no link on the way): a value beginning with the folder's path may still point elsewhere.
 A path below the user's folder on another node (where a role worker of the run wrote) is read by
 that node itself (`runs.nodefiles`, through `SaveElsewhere`), under the same rules.
+An error message names a checkpoint under a model root as the role names it, relative to that root.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ class ServerPaths:
     another machine's disk: `save_elsewhere` has that node read it; without one, its name is shown."""
 
     def __init__(self, user_root: Path, save: SaveFile, elsewhere: Mapping[str, Path] | None = None,
-                 save_elsewhere: SaveElsewhere | None = None) -> None:
+                 save_elsewhere: SaveElsewhere | None = None, models: Sequence[Path] = ()) -> None:
+        """`models`: the model roots (`OMNIFLOW_MODEL_DIRS`), cut out of error messages."""
         self.root = user_root
         self.prefix = str(user_root) + os.sep
         self.elsewhere = {node: root for node, root in (elsewhere or {}).items() if root != user_root}
+        self.models = list(models)
         self._save = save
         self._save_elsewhere = save_elsewhere
 
@@ -54,12 +57,14 @@ class ServerPaths:
         return value
 
     def hide_in_text(self, text: str) -> str:
-        """A message with the user's folders cut out of the paths it mentions."""
+        """A message with the user's folders and the model roots cut out of the paths it mentions."""
         if not text:
             return text
-        for root in self.elsewhere.values():
-            text = text.replace(str(root) + os.sep, "")
-        return text.replace(self.prefix, "")
+        roots = [*self.elsewhere.values(), *self.models]
+        prefixes = [self.prefix, *(str(root) + os.sep for root in roots)]
+        for prefix in sorted(prefixes, key=len, reverse=True):  # a root inside another goes first
+            text = text.replace(prefix, "")
+        return text
 
     def _string(self, value: str) -> Any:
         name = server_path_name(value, self.root)

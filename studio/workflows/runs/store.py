@@ -216,7 +216,7 @@ def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any
         return file_ref(record)
     try:
         encoded = msgspec.json.encode(value)
-    except (TypeError, msgspec.EncodeError):
+    except (TypeError, ValueError, msgspec.EncodeError):  # ValueError: an integer too long to print
         return preview(value)
     if len(encoded) > INLINE_OUTPUT_LIMIT:
         record = store_file(run, FileRole.OUTPUT, name, encoded, f"{name}.json", "application/json")
@@ -241,7 +241,8 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
 
 def _server_paths(run: Run) -> ServerPaths:
     """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`): a file in
-    the owner's folder here is read here, one on another node is read by that node (`runs.nodefiles`)."""
+    the owner's folder here is read here, one on another node is read by that node (`runs.nodefiles`);
+    and the model roots in its errors."""
     config = engine().config
     limit = config.max_run_file_bytes
     owner = str(run.owner_id)
@@ -273,8 +274,9 @@ def _server_paths(run: Run) -> ServerPaths:
         return name if found.data is None else stored(name, found.data, PurePosixPath(name).name)
 
     nodes = {node: root / owner for node, root in liveness.users_roots().items()}
-    return ServerPaths(PathRoots.of(config).users / owner, save, elsewhere=nodes,
-                       save_elsewhere=save_elsewhere if config.redis_url else None)
+    roots = PathRoots.of(config)
+    return ServerPaths(roots.users / owner, save, elsewhere=nodes,
+                       save_elsewhere=save_elsewhere if config.redis_url else None, models=roots.models)
 
 
 def output_ref(record: RunFile, name: str) -> dict[str, Any]:
