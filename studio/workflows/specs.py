@@ -53,7 +53,7 @@ from engine.client.graphs import (
 from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig, OpRegistry
-from studio.jsonbody import JsonRefused, load_json
+from studio.jsonbody import JsonRefused, load_json, scan
 from studio.workflows.paths import spec_path_issues
 
 
@@ -185,6 +185,15 @@ _REF_METHODS = frozenset({"inp", "out"})
 _ALLOWED_IMPORTS = {"engine.flow.dsl": {"Workflow", "Route"}, "__future__": {"annotations"}}
 
 
+def _as_json_shapes(value: Any) -> Any:
+    """A Python literal with its tuples and sets as lists, for `scan` (which walks JSON's shapes)."""
+    if isinstance(value, dict):
+        return {str(key): _as_json_shapes(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_as_json_shapes(item) for item in value]
+    return value
+
+
 class _Reader:
     def __init__(self, ops: OpRegistry | None) -> None:
         self.names: dict[str, Any] = {}
@@ -203,9 +212,13 @@ class _Reader:
         if isinstance(node, ast.Call):
             return self.call(node)
         try:
-            return ast.literal_eval(node)
+            literal = ast.literal_eval(node)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise _SourceError(node, f"only literals, names and DSL calls are allowed, not {ast.unparse(node)!r}") from None
+        unfit = scan(_as_json_shapes(literal)).unfit
+        if unfit is not None:  # what load_json refuses in a JSON spec: NUL, 1e400, integers past 64 bits
+            raise _SourceError(node, f"the literal holds what the studio does not take: {unfit}")
+        return literal
 
     def call(self, node: ast.Call) -> Any:
         args = [self.value(a) for a in node.args if not isinstance(a, ast.Starred)]

@@ -52,6 +52,13 @@ workflow = wf
     ("wf = (", "syntax error"),
     ("x = 1", "only DSL objects"),
     ('"""doc only"""', "builds no Workflow"),
+    # what load_json refuses in a JSON spec is refused in source too (not a DB 500, not saved as null)
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x', description='a\\x00b')", "line 2: the literal holds"
+     " what the studio does not take: $: the text holds a NUL"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nwf.role('py', kind='python', params={'w': (1, 1e400)})",
+     "line 3: the literal holds what the studio does not take: $.w[1]: the number is not finite"),
+    ("from engine.flow.dsl import Workflow\nwf = Workflow('x')\nwf.role('py', kind='python', params={'n': 10000000000000000000000})",
+     "line 3: the literal holds what the studio does not take: $.n"),
 ])
 def test_source_reader_refuses_anything_else(source: str, needle: str) -> None:
     with pytest.raises(GraphValidationError) as info:
