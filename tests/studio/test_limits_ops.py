@@ -16,11 +16,13 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from PIL import Image
 
 from engine.compute.media import png_bytes, sample_picture
+from engine.spec.calls import NodeContext
 from studio.workflows.apps import engine
 from studio.workflows.models import RunFile
 from studio.workflows.paths import PathRoots
+from tests.pictures import claimed_png
 from tests.studio.factories import create_workflow
-from workflows.ops.common import MAX_SIDE, MediaInputError, media_bytes
+from workflows.ops.common import MAX_SIDE, MediaInputError, media_bytes, save_outputs
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -128,3 +130,14 @@ def test_save_outputs_resizes_within_the_limit(api, user) -> None:
     saved = RunFile.objects.get(filename="image.png").file.read()
     with Image.open(io.BytesIO(saved)) as picture:
         assert picture.size == (40, 20)
+
+
+def test_save_outputs_refuses_to_resize_a_picture_whose_header_claims_too_many_pixels(tmp_path: Path) -> None:
+    """Resizing decodes the picture whole: one whose header claims more than MAX_IMAGE_PIXELS is
+    refused first (the studio's upload check stops such a file at the door; an op's output may still
+    carry one)."""
+    ctx = NodeContext(run_id="r1", node_id="save", iteration=0, attempt=1, report_progress=lambda *_: None)
+    with pytest.raises(MediaInputError, match="5000x4000 pixels, over the limit"):
+        save_outputs(ctx, image=claimed_png(5000, 4000), size={"width": 8, "height": 8}, out_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.calls import FinalNodeError, NodeContext
+from engine.spec.graph import MAX_IMAGE_PIXELS
 from engine.spec.ops import op
 
 SIZE_TOKEN = re.compile(r"<\|size:(\d{2,4})x(\d{2,4})\|>")
@@ -55,6 +56,22 @@ def media_bytes(value: Any, where: str, limit: int = MAX_MEDIA_BYTES) -> bytes:
         return bytes(value)
     except (TypeError, ValueError):
         raise MediaInputError(f"{where} must be a file's bytes or a list of byte values (0 to 255)") from None
+
+
+def source_pixels_fit(data: bytes) -> None:
+    """`MediaInputError` unless `data` is a picture Pillow reads of at most `MAX_IMAGE_PIXELS`
+    pixels, judged from its header: resizing decodes it whole first."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as picture:
+            width, height = picture.size
+    except Image.DecompressionBombError as exc:
+        raise MediaInputError(f"image is too large to resize: {exc}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise MediaInputError(f"image is not a picture that can be resized: {exc}") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaInputError(f"image is {width}x{height} pixels, over the limit of {MAX_IMAGE_PIXELS} to resize")
 
 
 def image_side(size: dict[str, Any], side: str) -> int:
@@ -109,6 +126,8 @@ def save_outputs(ctx: NodeContext, text: str | None = None, image: Any = None, a
         if not isinstance(size, dict) or not {"width", "height"} <= set(size):
             raise MediaInputError("size must be an object with an integer width and height")
         resize = (image_side(size, "width"), image_side(size, "height"))
+    if resize is not None and picture_data is not None:
+        source_pixels_fit(picture_data)
     folder = Path(out_dir) / ctx.run_id
     folder.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
