@@ -17,8 +17,10 @@ Importing it loads neither torch nor transformers: loading a model's text does, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.compute.builtin_models import model_catalogue, role_weights
+from engine.compute.models.cache import ModelCacheConfig
 from engine.compute.models.catalog import BUILTIN_MODELS, Weights
 from engine.compute.models.errors import ModelLoadError
 from engine.compute.models.packaged import PACKAGED_MODELS
@@ -38,9 +40,15 @@ __all__ = [
     "hicache_bytes",
     "is_builtin_model",
     "load_model_text",
+    "model_cache_root",
     "model_catalogue",
     "role_weights",
 ]
+
+
+def model_cache_root() -> Path:
+    """Where this process builds and keeps packaged models' checkpoints (`OMNIFLOW_CACHE_DIR`)."""
+    return ModelCacheConfig.from_env().root
 
 
 def is_builtin_model(name: str) -> bool:

@@ -38,6 +38,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from engine.client.graphs import Issue
+from engine.client.models import model_cache_root
 from engine.spec.graph import GraphSpec
 from engine.spec.ops import OpRegistry
 from engine.spec.userfiles import (
@@ -76,10 +77,12 @@ class PathRoots:
     users: Path
     """`<data dir>/users`: one folder per user id below it."""
     models: tuple[Path, ...]
+    hidden: tuple[Path, ...] = ()
+    """Other folders of the server an error may name and its users may not see (the model cache)."""
 
     @classmethod
     def of(cls, config: Any) -> PathRoots:
-        return cls(users=config.users_root, models=tuple(config.model_dirs))
+        return cls(users=config.users_root, models=tuple(config.model_dirs), hidden=(model_cache_root(),))
 
     def user_root(self, user_id: Any) -> Path:
         """The user's own folder, made (0700) if need be (`UsersRoot.folder`)."""
@@ -303,13 +306,13 @@ def server_path_name(value: str, user_root: Path) -> str | None:
 
 
 def without_roots(text: str, roots: PathRoots) -> str:
-    """An error message as its user may read it: a path under a model root reads as the model's
-    name there, a path in a user's folder as its name in that folder, so what the API shows never
+    """An error message as its user may read it: a path under a model root (or the model cache)
+    reads as the model's name there, a path in a user's folder as its name in that folder, so what the API shows never
     says where the server keeps things (the worker's log keeps the whole message)."""
     if not text:
         return text
     text = re.sub(re.escape(str(roots.users) + os.sep) + r"\d+(?:" + re.escape(os.sep) + r"|\b)", "", text)
-    for root in roots.models:
+    for root in (*roots.models, *roots.hidden):
         text = text.replace(str(root) + os.sep, "")
     return text
 

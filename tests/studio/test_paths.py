@@ -354,6 +354,15 @@ def test_error_messages_name_models_and_files_not_server_paths(tmp_path: Path) -
     assert without_roots(text, r) == ("cannot load org/tiny-ckpt: no model.safetensors in org/tiny-ckpt;"
                                       " kv is a symbolic link; ")
     assert without_roots("", r) == ""
+    cache = tmp_path / "cache"
+    cached = PathRoots(users=r.users, models=r.models, hidden=(cache,))
+    assert without_roots(f"CorruptCacheError: cache {cache}/smollm2-135m-1a2b: bad manifest", cached) == (
+        "CorruptCacheError: cache smollm2-135m-1a2b: bad manifest")
+
+
+def test_the_studios_roots_hide_this_processs_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(tmp_path / "built"))
+    assert PathRoots.of(engine().config).hidden == ((tmp_path / "built").resolve(),)
 
 
 def test_a_failed_workers_reason_reaches_the_api_without_the_servers_roots(api, user, tmp_path: Path) -> None:
