@@ -86,7 +86,8 @@ class Quotas:
     versions: int
     """Versions one workflow keeps."""
     websockets: int
-    """WebSockets one user holds open at once in one web process (`studio.workflows.sockets`)."""
+    """WebSockets one user holds open at once in one web process (`studio.workflows.sockets`): the
+    default (256) lets a client follow each of its concurrent and queued runs on a socket of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +389,7 @@ def load_quotas(env: Mapping[str, str]) -> Quotas:
         run_timeout_s=env_seconds(env, "OMNIFLOW_QUOTA_RUN_TIMEOUT_S", 3600.0),
         workflows=env_int(env, "OMNIFLOW_QUOTA_WORKFLOWS", 1000, minimum=1),
         versions=env_int(env, "OMNIFLOW_QUOTA_VERSIONS", 1000, minimum=1),
-        websockets=env_int(env, "OMNIFLOW_QUOTA_WEBSOCKETS", 64, minimum=1),
+        websockets=env_int(env, "OMNIFLOW_QUOTA_WEBSOCKETS", 256, minimum=1),
     )
 
 

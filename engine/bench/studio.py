@@ -117,8 +117,9 @@ def _env(data_dir: Path, args: argparse.Namespace) -> dict[str, str]:
                 "OMNIFLOW_LOG_LEVEL": "WARNING",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
                 "HF_HUB_OFFLINE": "1"})
-    # Quotas stay on, sized to the load: one user submits `--concurrent` runs at once.
-    for name in ("OMNIFLOW_QUOTA_CONCURRENT_RUNS", "OMNIFLOW_QUOTA_QUEUED_RUNS"):
+    # Quotas stay on, sized to the load: one user submits `--concurrent` runs at once, and follows
+    # each on its own WebSocket.
+    for name in ("OMNIFLOW_QUOTA_CONCURRENT_RUNS", "OMNIFLOW_QUOTA_QUEUED_RUNS", "OMNIFLOW_QUOTA_WEBSOCKETS"):
         env.setdefault(name, str(max(args.concurrent, 1)))
     env.setdefault("OMNIFLOW_THROTTLE_RUN", f"{max(args.concurrent + args.runs, 1) * 2}/minute")
     if args.database_url:
