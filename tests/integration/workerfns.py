@@ -76,6 +76,13 @@ def counted(directory: str | Path, name: str) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
+def frozen(x: Any) -> int:
+    """How many objects the worker process froze out of the garbage collector's passes."""
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def noop(x: Any) -> Any:
     return x
 
