@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -83,6 +84,15 @@ class PathRoots:
     @classmethod
     def of(cls, config: Any) -> PathRoots:
         return cls(users=config.users_root, models=tuple(config.model_dirs), hidden=(model_cache_root(),))
+
+    def with_hidden(self, more: Iterable[Path]) -> PathRoots:
+        """These roots, with `more` folders cut out of errors (another node's model roots)."""
+        return replace(self, hidden=tuple(dict.fromkeys((*self.hidden, *more))))
+
+    @property
+    def hidden_in_errors(self) -> tuple[Path, ...]:
+        """Every folder but the users' that `without_roots` cuts out of a message."""
+        return (*self.models, *self.hidden)
 
     def user_root(self, user_id: Any) -> Path:
         """The user's own folder, made (0700) if need be (`UsersRoot.folder`)."""
@@ -312,7 +322,7 @@ def without_roots(text: str, roots: PathRoots) -> str:
     if not text:
         return text
     text = re.sub(re.escape(str(roots.users) + os.sep) + r"\d+(?:" + re.escape(os.sep) + r"|\b)", "", text)
-    for root in (*roots.models, *roots.hidden):
+    for root in roots.hidden_in_errors:
         text = text.replace(str(root) + os.sep, "")
     return text
 

@@ -549,3 +549,28 @@ def test_nodes_show_only_your_workers(nodes: Nodes, api: Any, other_user: Any) -
     assert [w["worker_id"] for w in mine["workers"]] == [f"py-{a}-1"]
     theirs = {n["name"]: n for n in client_for(other_user).get("/api/nodes/").json()}[a]
     assert theirs["workers"] == [] and theirs["hosting"] == [] and theirs["labels"] == mine["labels"]
+
+
+def test_a_nodes_model_roots_are_cut_out_of_the_errors_users_read_and_never_listed(nodes: Nodes, api: Any,
+                                                                                    tmp_path: Any) -> None:
+    """A node's processes report errors naming its own model directories and model cache, which the
+    studio's own roots do not cover when that node's data dir is elsewhere: the node announces them
+    (kept with its heartbeat), and the deployment and worker errors users read have them cut out."""
+    elsewhere = tmp_path / "node-b-models"
+    node = dataclasses.replace(nodes.config.node, cpus=4, gpus=0, memory_gb=16, ttl_s=30)
+    agent = NodeAnnouncer(dataclasses.replace(nodes.config, node_name=f"{nodes.tag}-b", node=node,
+                                              model_dirs=(elsewhere,)))
+    agent.announce()
+    assert elsewhere in liveness.model_roots()
+    listed = {n["name"]: n for n in api.get("/api/nodes/").json()}[f"{nodes.tag}-b"]
+    assert str(elsewhere) not in str(listed)
+    wf = create_workflow(api, spec({}))
+    d = api.post("/api/deployments/", {"workflow": wf["id"]}, format="json").json()
+    error = f"ModelLoadError: {elsewhere}/org/broken/config.json: not a JSON file"
+    Deployment.objects.filter(pk=d["id"]).update(status="failed", error=error)
+    records.add_workers(d["id"], [records.StartedWorker(f"py-{nodes.tag}-b-1", "py", "tcp://10.0.0.1:1",
+                                                        f"{nodes.tag}-b", 1234)])
+    Worker.objects.filter(deployment_id=d["id"]).update(status=WorkerStatus.FAILED, error=error)
+    shown = api.get(f"/api/deployments/{d['id']}/").json()
+    assert shown["error"] == "ModelLoadError: org/broken/config.json: not a JSON file"
+    assert [w["error"] for w in shown["workers"]] == ["ModelLoadError: org/broken/config.json: not a JSON file"]

@@ -64,6 +64,9 @@ class NodeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the node's processes keep their owners' folders (`<its data dir>/users`): the studio
     reads it to hide paths a run's nodes wrote there (`studio.workflows.runs.outputs`); the nodes
     list never shows it."""
+    model_roots: tuple[str, ...] = ()
+    """The node's model directories and model cache: the studio cuts them out of the errors its
+    processes report (a checkpoint they could not load), as it does its own; never listed either."""
 
     @property
     def gpu_memory_gb(self) -> float:

@@ -27,7 +27,7 @@ from studio.workflows.api.serializers import ErrorSerializer
 from studio.workflows.api.workflows import ERRORS, get_workflow, statuses_param
 from studio.workflows.apps import engine
 from studio.workflows.chat.shape import is_chat
-from studio.workflows.deployments import service
+from studio.workflows.deployments import liveness, service
 from studio.workflows.deployments.workers import (
     active_deployments,
     listing,
@@ -89,6 +89,14 @@ class ScaleSerializer(serializers.Serializer):
     replicas = serializers.JSONField(help_text="the new replica count of the role")
 
 
+def error_as_read(error: str) -> str:
+    """A deployment's or worker's error as its user reads it: without this server's roots or those
+    the nodes announced (their processes report it; `without_roots`)."""
+    if not error:
+        return error
+    return without_roots(error, PathRoots.of(engine().config).with_hidden(liveness.model_roots()))
+
+
 class WorkerRowSerializer(serializers.Serializer):
     worker_id = serializers.CharField()
     role = serializers.CharField()
@@ -103,7 +111,7 @@ class WorkerRowSerializer(serializers.Serializer):
     last_seen_at = serializers.DateTimeField(allow_null=True)
 
     def get_error(self, obj: Any) -> str:
-        return without_roots(obj.error, PathRoots.of(engine().config))
+        return error_as_read(obj.error)
 
 
 class DeploymentSerializer(serializers.ModelSerializer):
@@ -124,7 +132,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_error(self, obj: Deployment) -> str:
-        return without_roots(obj.error, PathRoots.of(engine().config))
+        return error_as_read(obj.error)
 
     def get_roles(self, obj: Deployment) -> list[dict[str, Any]]:
         return [{"name": r["name"], "kind": r["kind"], "model": r.get("model"), "device": r.get("device", "cpu")}

@@ -28,6 +28,7 @@ from engine.client.cluster import GpuInfo, NodeDirectoryError, NodeRecord, detec
 from engine.spec.resources import Amounts
 from studio.config import NodeSettings, StudioConfig
 from studio.workflows.deployments import liveness, placing
+from studio.workflows.paths import PathRoots
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class NodeAnnouncer:
                           free=self.total - self._taken, gpus=self.gpus, labels=dict(self.config.node.labels),
                           hosting=self._hosting, agent_pid=os.getpid(), started_at=self.started_at,
                           seen_at=time.time(), ttl_s=self.config.node.ttl_s,
-                          users_root=str(self.config.users_root))
+                          users_root=str(self.config.users_root),
+                          model_roots=tuple(str(root) for root in PathRoots.of(self.config).hidden_in_errors))
 
     def announce(self) -> None:
         """Announce the node once, and keep the heartbeat on its row (the thread of `start` does

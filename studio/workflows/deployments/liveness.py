@@ -102,6 +102,15 @@ def users_roots() -> dict[str, Path]:
     return roots
 
 
+def model_roots() -> list[Path]:
+    """Every model root (model directories, model cache) a node announced, each once: folders the
+    errors of its processes may name, which users read without them."""
+    roots: dict[Path, None] = {}
+    for raw in NodeHeartbeat.objects.filter(record__isnull=False).values_list("record", flat=True):
+        roots.update(dict.fromkeys(Path(root) for root in msgspec.convert(raw, NodeRecord).model_roots))
+    return list(roots)
+
+
 def kept(known: Collection[str]) -> list[NodeRecord]:
     """The records of the last heartbeats of the nodes not in `known` (the names the directory
     knows) whose kept lease has not lapsed, by name: what the nodes API lists while Redis has

@@ -38,7 +38,8 @@ class ServerPaths:
 
     def __init__(self, user_root: Path, save: SaveFile, elsewhere: Mapping[str, Path] | None = None,
                  save_elsewhere: SaveElsewhere | None = None, models: Sequence[Path] = ()) -> None:
-        """`models`: the model roots (`OMNIFLOW_MODEL_DIRS`), cut out of error messages."""
+        """`models`: the model roots (`OMNIFLOW_MODEL_DIRS`, the model cache, those of the other nodes),
+        cut out of error messages."""
         self.root = user_root
         self.prefix = str(user_root) + os.sep
         self.elsewhere = {node: root for node, root in (elsewhere or {}).items() if root != user_root}

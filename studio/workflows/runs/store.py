@@ -274,9 +274,9 @@ def _server_paths(run: Run) -> ServerPaths:
         return name if found.data is None else stored(name, found.data, PurePosixPath(name).name)
 
     nodes = {node: root / owner for node, root in liveness.users_roots().items()}
-    roots = PathRoots.of(config)
+    roots = PathRoots.of(config).with_hidden(liveness.model_roots())
     return ServerPaths(roots.users / owner, save, elsewhere=nodes,
-                       save_elsewhere=save_elsewhere if config.redis_url else None, models=roots.models)
+                       save_elsewhere=save_elsewhere if config.redis_url else None, models=roots.hidden_in_errors)
 
 
 def output_ref(record: RunFile, name: str) -> dict[str, Any]:
