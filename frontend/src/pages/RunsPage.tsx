@@ -113,7 +113,7 @@ export function RunsPage() {
       {!data && !error && <Spinner label="Loading runs" />}
       {data && data.results.length === 0 && (
         <EmptyState icon="play" title={status || workflow ? "No run matches these filters" : "No runs yet"}>
-          Open a workflow and press <strong>Run</strong>.
+          <Link to="/workflows">Open a workflow</Link> and press <strong>Run</strong>.
         </EmptyState>
       )}
       {data && data.results.length > 0 && (
