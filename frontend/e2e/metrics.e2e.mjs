@@ -79,6 +79,10 @@ try {
     await page.reload();
     await page.waitForSelector(`${tid("cluster-page")}[data-history="loaded"]`);
     await tiersShown(`${card}-occupancy`, true);
+    // The newest point the page had live may not be in the studio's history yet (the sampler and the
+    // live stream tick apart): wait for the rows to catch up, and fail if they never do.
+    await page.waitForFunction(([id, rows]) => Number(document.querySelector(`[data-testid="${id}"]`)?.dataset.points) >= rows,
+      ["chart-occupancy", before.points], { timeout: 10_000 }).catch(() => undefined);
     const after = await chartRows("chart-occupancy");
     expect(after.first <= before.first && after.first < reloadedAt - 2,
       `the charts start at ${after.first}, before the reload at ${reloadedAt} (first point before: ${before.first})`);
