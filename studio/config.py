@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from django.core.exceptions import ImproperlyConfigured
 
 from engine.client.keys import BulkMode
+from engine.client.models import model_cache_root
 
 if TYPE_CHECKING:  # settings load before the engine: imported where it is used
     from engine.client.workers import RestartPolicy
@@ -182,6 +183,8 @@ class StudioConfig:
     """The Celery queue `execute_run` tasks are sent to (distributed mode)."""
     model_dirs: tuple[Path, ...]
     """`OMNIFLOW_MODEL_DIRS`: directories a role's `model` may name a checkpoint in (relative to one)."""
+    model_cache: Path
+    """Where packaged models' checkpoints are built (`OMNIFLOW_CACHE_DIR`, else `<data dir>/cache`)."""
     quotas: Quotas
     """Per-user limits (staff exempt)."""
     throttles: Throttles
@@ -540,6 +543,7 @@ def load_config(env: Mapping[str, str]) -> StudioConfig:
         metrics_interval_s=env_seconds(env, "OMNIFLOW_METRICS_INTERVAL_S", 1.0),
         run_queue=node_name((env.get("OMNIFLOW_RUN_QUEUE") or "omniflow").strip(), "OMNIFLOW_RUN_QUEUE"),
         model_dirs=tuple(Path(d).expanduser().resolve() for d in env_list(env, "OMNIFLOW_MODEL_DIRS", ())),
+        model_cache=model_cache_root(env),
         quotas=load_quotas(env),
         throttles=Throttles(
             login=env_rate(env, "OMNIFLOW_THROTTLE_LOGIN", "20/minute"),

@@ -16,6 +16,8 @@ Importing it loads neither torch nor transformers: loading a model's text does, 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +48,9 @@ __all__ = [
 ]
 
 
-def model_cache_root() -> Path:
-    """Where this process builds and keeps packaged models' checkpoints (`OMNIFLOW_CACHE_DIR`)."""
-    return ModelCacheConfig.from_env().root
+def model_cache_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a process with `environ` builds and keeps packaged models' checkpoints (`OMNIFLOW_CACHE_DIR`)."""
+    return ModelCacheConfig.from_env(environ).root
 
 
 def is_builtin_model(name: str) -> bool:

@@ -85,6 +85,26 @@ def png_bytes(pixels: np.ndarray) -> bytes:
     return out.getvalue()
 
 
+def _check_pixels(width: int, height: int) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(f"the image is {width}x{height} pixels, over the limit of {MAX_IMAGE_PIXELS} pixels"
+                         " (width times height)")
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """`(width, height)` of an encoded picture, from its header (nothing is decoded): `MediaError`
+    when it is no picture Pillow reads, or claims more than `MAX_IMAGE_PIXELS` pixels."""
+    image = _pil()
+    try:
+        with image.open(io.BytesIO(data)) as img:
+            _check_pixels(*img.size)
+            return img.size
+    except image.DecompressionBombError as exc:
+        raise MediaError(f"the image is too large to decode: {exc}") from exc
+    except (image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise MediaError(f"not an image file: {exc}") from exc
+
+
 def read_image(data: bytes | bytearray | memoryview | np.ndarray | torch.Tensor) -> np.ndarray:
     """An image value as `(H, W, 3)` uint8: encoded bytes (PNG, JPEG, … whatever Pillow reads) or
     an array — uint8 `(H, W[, C])`, or float in [0, 1] of the same shapes (also `(3, H, W)`)."""
@@ -92,10 +112,7 @@ def read_image(data: bytes | bytearray | memoryview | np.ndarray | torch.Tensor)
         image = _pil()
         try:
             with image.open(io.BytesIO(bytes(data))) as img:
-                width, height = img.size  # from the header: nothing is decoded yet
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise MediaError(f"the image is {width}x{height} pixels, over the limit of"
-                                     f" {MAX_IMAGE_PIXELS} pixels (width times height)")
+                _check_pixels(*img.size)  # from the header: nothing is decoded yet
                 return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
         except image.DecompressionBombError as exc:
             raise MediaError(f"the image is too large to decode: {exc}") from exc

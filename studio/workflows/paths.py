@@ -39,7 +39,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from engine.client.graphs import Issue
-from engine.client.models import model_cache_root
 from engine.spec.graph import GraphSpec
 from engine.spec.ops import OpRegistry
 from engine.spec.userfiles import (
@@ -83,7 +82,7 @@ class PathRoots:
 
     @classmethod
     def of(cls, config: Any) -> PathRoots:
-        return cls(users=config.users_root, models=tuple(config.model_dirs), hidden=(model_cache_root(),))
+        return cls(users=config.users_root, models=tuple(config.model_dirs), hidden=(config.model_cache,))
 
     def with_hidden(self, more: Iterable[Path]) -> PathRoots:
         """These roots, with `more` folders cut out of errors (another node's model roots)."""

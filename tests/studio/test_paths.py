@@ -13,6 +13,7 @@ import pytest
 
 from engine.flow.validate import parse_spec
 from engine.spec.ops import OpRegistry, default_ops, op
+from studio.config import load_config
 from studio.workflows.apps import engine
 from studio.workflows.deployments import records
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunFile
@@ -362,7 +363,8 @@ def test_error_messages_name_models_and_files_not_server_paths(tmp_path: Path) -
 
 def test_the_studios_roots_hide_this_processs_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(tmp_path / "built"))
-    assert PathRoots.of(engine().config).hidden == ((tmp_path / "built").resolve(),)
+    config = load_config(os.environ)
+    assert PathRoots.of(config).hidden == ((tmp_path / "built").resolve(),)
 
 
 def test_a_failed_workers_reason_reaches_the_api_without_the_servers_roots(api, user, tmp_path: Path) -> None:

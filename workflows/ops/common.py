@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.calls import FinalNodeError, NodeContext
-from engine.spec.graph import MAX_IMAGE_PIXELS
 from engine.spec.ops import op
 
 SIZE_TOKEN = re.compile(r"<\|size:(\d{2,4})x(\d{2,4})\|>")
@@ -60,18 +59,13 @@ def media_bytes(value: Any, where: str, limit: int = MAX_MEDIA_BYTES) -> bytes:
 
 def source_pixels_fit(data: bytes) -> None:
     """`MediaInputError` unless `data` is a picture Pillow reads of at most `MAX_IMAGE_PIXELS`
-    pixels, judged from its header: resizing decodes it whole first."""
-    from PIL import Image, UnidentifiedImageError
+    pixels, judged from its header (`engine.compute.media.image_size`): resizing decodes it whole first."""
+    from engine.compute.media import MediaError, image_size
 
     try:
-        with Image.open(io.BytesIO(data)) as picture:
-            width, height = picture.size
-    except Image.DecompressionBombError as exc:
-        raise MediaInputError(f"image is too large to resize: {exc}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise MediaInputError(f"image is not a picture that can be resized: {exc}") from None
-    if width * height > MAX_IMAGE_PIXELS:
-        raise MediaInputError(f"image is {width}x{height} pixels, over the limit of {MAX_IMAGE_PIXELS} to resize")
+        image_size(data)
+    except MediaError as exc:
+        raise MediaInputError(f"image cannot be resized: {exc}") from None
 
 
 def image_side(size: dict[str, Any], side: str) -> int:

@@ -91,24 +91,33 @@ def judge(states: Iterable[NodeState], placed: Iterable[str], *, redis_up_s: flo
     return Liveness(live, frozenset(lost), frozenset(unknown))
 
 
-def users_roots() -> dict[str, Path]:
-    """Node name -> the users root it announced (its last record's, lapsed or not: a run's nodes
-    may have run on a node lost since)."""
-    roots: dict[str, Path] = {}
+@dataclass(frozen=True, slots=True)
+class NodePaths:
+    """The folders the nodes announced (their last records', lapsed or not: a run's nodes may have
+    run on a node lost since)."""
+
+    users: dict[str, Path]
+    """Node name -> its users root."""
+    models: tuple[Path, ...]
+    """Every model root (model directories, model cache), each once: folders the errors of a
+    node's processes may name, which users read without them."""
+
+
+def node_paths() -> NodePaths:
+    """What the nodes announced of their folders, in one read of the kept heartbeats."""
+    users: dict[str, Path] = {}
+    models: dict[Path, None] = {}
     for raw in NodeHeartbeat.objects.filter(record__isnull=False).values_list("record", flat=True):
         record = msgspec.convert(raw, NodeRecord)
         if record.users_root:
-            roots[record.name] = Path(record.users_root)
-    return roots
+            users[record.name] = Path(record.users_root)
+        models.update(dict.fromkeys(Path(root) for root in record.model_roots))
+    return NodePaths(users, tuple(models))
 
 
-def model_roots() -> list[Path]:
-    """Every model root (model directories, model cache) a node announced, each once: folders the
-    errors of its processes may name, which users read without them."""
-    roots: dict[Path, None] = {}
-    for raw in NodeHeartbeat.objects.filter(record__isnull=False).values_list("record", flat=True):
-        roots.update(dict.fromkeys(Path(root) for root in msgspec.convert(raw, NodeRecord).model_roots))
-    return list(roots)
+def model_roots() -> tuple[Path, ...]:
+    """The model roots every node announced (`NodePaths.models`)."""
+    return node_paths().models
 
 
 def kept(known: Collection[str]) -> list[NodeRecord]:

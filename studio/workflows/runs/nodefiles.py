@@ -1,7 +1,7 @@
 """A file a run wrote on another node, fetched from that node's agent (the distributed mode).
 
 A run's role workers write under their own node's users root (`runs.folders`). `runs.outputs`
-recognises such a path by the root the node announced (`liveness.users_roots`) and stores the file
+recognises such a path by the root the node announced (`liveness.node_paths`) and stores the file
 as a run file like a local one: the studio sends `omniflow.read_user_file(node, owner, name, reply)`
 to the node's queue (`node.<name>`) and waits on the Redis list `reply` for the answer, at most
 `FETCH_TIMEOUT_S`. Waiting on a list, not on a Celery result: the run worker waits inside its own
@@ -30,6 +30,7 @@ from celery import current_app
 from engine.spec.userfiles import resolve_under
 from studio.config import StudioConfig
 from studio.workflows.deployments.node import node_queue
+from studio.workflows.runs.outputs import read_at_most
 
 FETCH_TIMEOUT_S = 15.0
 """How long the studio waits for a node's answer before showing the file by name."""
@@ -68,9 +69,8 @@ def read_user_file(users_root: Path, owner: str, name: str, limit: int) -> NodeF
         raise NodeFileError(str(exc)) from None
     if path.is_symlink() or not path.is_file():
         return NodeFile(None)
-    with path.open("rb") as file:
-        data = file.read(limit + 1)  # never more: the file may still be growing
-    if len(data) > limit:
+    data = read_at_most(path, limit)
+    if data is None:
         raise NodeFileError(f"larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES")
     return NodeFile(data)
 

@@ -30,6 +30,14 @@ SaveElsewhere = Callable[[str, str], Any]
 that node reads it; returns its reference, or what to show instead (a folder's name, or why not)."""
 
 
+def read_at_most(path: Path, limit: int) -> bytes | None:
+    """The file's bytes, or None when it holds more than `limit`: never more than `limit` + 1 are
+    read (the file may still be growing)."""
+    with path.open("rb") as file:
+        data = file.read(limit + 1)
+    return None if len(data) > limit else data
+
+
 class ServerPaths:
     """Hides the server paths below one user's folder in the values of one run: the folder on this
     machine (`user_root`), and the user's folders on the other nodes (`elsewhere`: node name ->

@@ -62,7 +62,7 @@ from studio.workflows.models import (
 from studio.workflows.paths import PathRoots, resolve_role_paths
 from studio.workflows.runs import nodefiles
 from studio.workflows.runs.lease import LeaseCheck, LeaseLost, LeaseTerms, RunRestarted
-from studio.workflows.runs.outputs import ServerPaths
+from studio.workflows.runs.outputs import ServerPaths, read_at_most
 
 log = logging.getLogger(__name__)
 
@@ -253,29 +253,30 @@ def _server_paths(run: Run) -> ServerPaths:
                             content_type if content_type != "application/octet-stream" else "")
         return output_ref(record, name)
 
-    def save(name: str, path: Path) -> dict[str, Any] | str:
+    def existing(name: str) -> dict[str, Any] | None:
         record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=name[-64:]).first()
-        if record is not None:
-            return output_ref(record, name)
-        with path.open("rb") as file:
-            data = file.read(limit + 1)  # never more: the file may still be growing
-        if len(data) > limit:
+        return None if record is None else output_ref(record, name)
+
+    def save(name: str, path: Path) -> dict[str, Any] | str:
+        if (ref := existing(name)) is not None:
+            return ref
+        data = read_at_most(path, limit)
+        if data is None:
             return f"{name} (not stored as a run file: larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
         return stored(name, data, path.name)
 
     def save_elsewhere(node: str, name: str) -> dict[str, Any] | str:
-        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=name[-64:]).first()
-        if record is not None:
-            return output_ref(record, name)
+        if (ref := existing(name)) is not None:
+            return ref
         try:
             found = nodefiles.fetch(config, node, owner, name)
         except nodefiles.NodeFileError as exc:
             return f"{name} (not stored as a run file: on node {node}, {exc})"
         return name if found.data is None else stored(name, found.data, PurePosixPath(name).name)
 
-    nodes = {node: root / owner for node, root in liveness.users_roots().items()}
-    roots = PathRoots.of(config).with_hidden(liveness.model_roots())
-    return ServerPaths(roots.users / owner, save, elsewhere=nodes,
+    nodes = liveness.node_paths()
+    roots = PathRoots.of(config).with_hidden(nodes.models)
+    return ServerPaths(roots.users / owner, save, elsewhere={node: root / owner for node, root in nodes.users.items()},
                        save_elsewhere=save_elsewhere if config.redis_url else None, models=roots.hidden_in_errors)
 
 
