@@ -99,6 +99,10 @@ function nodesCovered(container) {
   });
 }
 
+/** Each node's height in `container`, in layout pixels (the zoom left out), by its test id. */
+const nodeHeights = (container) => page.$eval(container, (root) =>
+  Object.fromEntries([...root.querySelectorAll(".spec-node")].map((n) => [n.dataset.testid, n.offsetHeight])));
+
 const edgeIds = () => page.$$eval(".react-flow__edge", (els) => els.map((e) => e.dataset.testid).sort());
 
 /** A worker id as WorkerId shows it: whole up to 21 characters, else its first 10 and last 10 around "…". */
@@ -134,6 +138,7 @@ try {
         await page.waitForSelector(tid("run-page"));
         const r = await readability(tid("run-graph"));
         expectReadable(`the run of ${name}`, r);
+        const sizesAtOpen = await nodeHeights(tid("run-graph"));
         await shot(`run-${name}-${width}`);
         // Zoomed in, then fitted again with the fit-view control: the opening view, clear of both corners.
         await page.click(`${tid("run-graph")} .react-flow__controls-zoomin`);
@@ -152,6 +157,11 @@ try {
         }
         await page.waitForFunction((s) => /done|failed|cancelled/i.test(document.querySelector(s)?.textContent ?? ""),
                                    tid("run-status"), { timeout: 60_000 });
+        // A node keeps its size through the run (progress, where it ran, its error: one line each
+        // time), so the fitted view stays clear of the corners while the run goes on.
+        const sizesAtEnd = await nodeHeights(tid("run-graph"));
+        expect(JSON.stringify(sizesAtEnd) === JSON.stringify(sizesAtOpen),
+               `${name}'s nodes changed size during the run: ${JSON.stringify(sizesAtOpen)} -> ${JSON.stringify(sizesAtEnd)}`);
       });
     }
   }

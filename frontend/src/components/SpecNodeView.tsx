@@ -3,7 +3,7 @@ import { Handle, type NodeProps, Position, useUpdateNodeInternals } from "@xyflo
 import { memo, useEffect } from "react";
 import type { PortSpec } from "../api/types";
 import { issuePorts } from "../graph/issues";
-import type { SpecNode } from "../graph/model";
+import type { NodeRunView, SpecNode } from "../graph/model";
 import { Icon, type IconName } from "./icons";
 import { formatMs } from "./ui";
 import { WorkerId } from "./WorkerId";
@@ -37,6 +37,42 @@ function PortLabel({ name, port, side, bad }: { name: string; port: PortSpec; si
         </span>
       )}
     </span>
+  );
+}
+
+/**
+ * A run's one line under its state: the error when it failed, its progress message while it runs,
+ * else where it ran (the rest is in the line's tooltip and the run page's node panel). One line
+ * always, empty before it starts: a node keeps its size through the run, so a view fitted clear of
+ * the minimap and the zoom buttons stays clear as the run goes on.
+ */
+function RunDetail({ run }: { run: NodeRunView }) {
+  const where = run.worker ? `ran on worker ${run.worker}${run.host ? ` on host ${run.host}` : ""}` : "";
+  if (run.error) {
+    return (
+      <div className="spec-node-detail spec-node-failed" title={where ? `${run.error}\n${where}` : run.error}>
+        <Icon name="alert" size={11} />
+        <span className="spec-node-detail-text">{run.error}</span>
+      </div>
+    );
+  }
+  if (run.state === "running" && run.message) {
+    return (
+      <div className="spec-node-detail muted" data-testid="node-progress-text" title={run.message}>
+        <span className="spec-node-detail-text">{run.message}</span>
+      </div>
+    );
+  }
+  return (
+    <div className="spec-node-detail muted" title={where || undefined}>
+      {run.worker && (
+        <>
+          <Icon name="cpu" size={11} />
+          {run.host && <span className="spec-node-detail-text">{run.host} ·</span>}
+          <WorkerId id={run.worker} copy={false} />
+        </>
+      )}
+    </div>
   );
 }
 
@@ -166,24 +202,7 @@ function SpecNodeViewImpl({ id, data, selected }: NodeProps<SpecNode>) {
           )}
         </div>
       )}
-      {run?.state === "running" && run.message && (
-        <div className="spec-node-progress muted" data-testid="node-progress-text">
-          {run.message}
-        </div>
-      )}
-      {run?.worker && (
-        <div className="spec-node-where muted" title={`ran on worker ${run.worker}${run.host ? ` on host ${run.host}` : ""}`}>
-          <Icon name="cpu" size={11} />
-          {run.host && <span className="spec-node-where-text">{run.host} ·</span>}
-          <WorkerId id={run.worker} copy={false} />
-        </div>
-      )}
-      {run?.error && (
-        <div className="spec-node-issue" title={run.error}>
-          <Icon name="alert" size={12} />
-          <span>{run.error}</span>
-        </div>
-      )}
+      {run && <RunDetail run={run} />}
     </div>
   );
 }
