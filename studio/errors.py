@@ -19,6 +19,8 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from studio.jsonpath import element, member
+
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +83,7 @@ def _flatten(detail: Any, field: str | None = None) -> list[dict[str, Any]]:
     if isinstance(detail, dict):
         out = []
         for key, value in detail.items():
-            name = key if field is None else f"{field}.{key}"
+            name = member(field, str(key))
             out.extend(_flatten(value, None if key == "non_field_errors" and field is None else name))
         return out
     if isinstance(detail, list):
@@ -89,7 +91,7 @@ def _flatten(detail: Any, field: str | None = None) -> list[dict[str, Any]]:
             return [{"field": field, "message": str(item)} if field else {"message": str(item)} for item in detail]
         out = []
         for index, item in enumerate(detail):
-            out.extend(_flatten(item, f"{field}[{index}]" if field else f"[{index}]"))
+            out.extend(_flatten(item, element(field, index)))
         return out
     return [{"field": field, "message": str(detail)} if field else {"message": str(detail)}]
 

@@ -23,6 +23,8 @@ from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 
+from studio.jsonpath import element, member
+
 
 class JsonRefused(ValueError):
     """A client's JSON is malformed, too deep (`status` 400) or too long (413)."""
@@ -71,6 +73,10 @@ class Scan:
     None when there is none."""
 
 
+def _itself(path: str, _key: object) -> str:
+    return path
+
+
 def scan(value: Any) -> Scan:
     """Walk `value` once, without recursion: its depth, and whether it holds an integer outside
     the signed 64-bit range, a number that is not finite, or text (a key too) with a NUL character. Paths are written only for
@@ -82,30 +88,30 @@ def scan(value: Any) -> Scan:
         if isinstance(item, dict):
             if unfit is None and any("\x00" in key for key in item):
                 unfit = f"${path}: a key holds a NUL character (\\u0000)"
-            children, where = item.items(), "{}.{}"
+            children, where = item.items(), member
         elif isinstance(item, list):
-            children, where = enumerate(item), "{}[{}]"
+            children, where = enumerate(item), element
         else:  # the document is a scalar
-            children, where = (("", item),), "{}{}"
+            children, where = (("", item),), _itself
             depth -= 1
         deepest = max(deepest, depth + 1)
         for key, child in children:
             kind = type(child)  # exact types: what `json.loads` makes
             if kind is dict or kind is list:
-                stack.append((child, depth + 1, where.format(path, key)))
+                stack.append((child, depth + 1, where(path, key)))
             elif unfit is not None:
                 continue
             elif kind is str:
                 if "\x00" in child:
-                    unfit = f"${where.format(path, key)}: {_NUL_TEXT}"
+                    unfit = f"${where(path, key)}: {_NUL_TEXT}"
             elif kind is int:
                 if not INT_MIN <= child <= INT_MAX:
-                    unfit = f"${where.format(path, key)}: {_integer_problem(str(child))}"
+                    unfit = f"${where(path, key)}: {_integer_problem(str(child))}"
             elif kind is float:
                 if not math.isfinite(child):
-                    unfit = f"${where.format(path, key)}: {_NOT_FINITE}"
+                    unfit = f"${where(path, key)}: {_NOT_FINITE}"
             elif kind is _LongInteger:
-                unfit = f"${where.format(path, key)}: {_integer_problem(child.text)}"
+                unfit = f"${where(path, key)}: {_integer_problem(child.text)}"
     return Scan(depth=deepest, unfit=unfit)
 
 

@@ -54,6 +54,7 @@ from engine.spec.graph import GraphSpec, encode_spec
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig, OpRegistry
 from studio.jsonbody import JsonRefused, load_json, scan
+from studio.jsonpath import element, member
 from studio.workflows.paths import spec_path_issues
 
 
@@ -92,9 +93,9 @@ def kv_ref_paths(value: Any, path: str) -> list[str]:
     `"type": "kv"`), as paths below `path`."""
     if isinstance(value, dict):
         here = [path] if value.get("type") == "kv" else []
-        return here + [found for key, item in value.items() for found in kv_ref_paths(item, f"{path}.{key}")]
+        return here + [found for key, item in value.items() for found in kv_ref_paths(item, member(path, key))]
     if isinstance(value, list):
-        return [found for index, item in enumerate(value) for found in kv_ref_paths(item, f"{path}[{index}]")]
+        return [found for index, item in enumerate(value) for found in kv_ref_paths(item, element(path, index))]
     return []
 
 

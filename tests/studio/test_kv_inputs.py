@@ -50,7 +50,9 @@ def test_an_input_node_of_type_kv_or_with_a_kv_shaped_default_is_an_issue_on_the
     typed["nodes"][1]["inputs"]["text"]["type"] = "kv"
     for name, (spec, issue) in enumerate([(typed, {"code": "kv_input", "node": "text", "port": "value"}),
                         (json_input_spec(default={"a": FORGED}),
-                         {"code": "kv_input", "node": "text", "path": "params.default.a"})]):
+                         {"code": "kv_input", "node": "text", "path": "params.default.a"}),
+                        (json_input_spec(default={"a.b": [FORGED]}),
+                         {"code": "kv_input", "node": "text", "path": 'params.default["a.b"][0]'})]):
         report = api.post("/api/validate/?report=1", {"spec": spec}, format="json").json()
         found = [i for i in report["issues"] if i["code"] == "kv_input"]
         assert [{k: i[k] for k in issue} for i in found] == [issue], report
