@@ -19,7 +19,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from studio.jsonpath import element, member
+from engine.spec.jsonpath import element, member
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 
-from studio.jsonpath import element, member
+from engine.spec.jsonpath import element, member
 
 
 class JsonRefused(ValueError):

@@ -23,6 +23,7 @@ import msgspec
 from engine.flow.balance import POLICY_NAMES
 from engine.flow.topology import Topology, reachable_from_roots, topology
 from engine.spec.graph import GraphSpec, NodeSpec, json_schema
+from engine.spec.jsonpath import json_path
 from engine.spec.kinds import KindRegistry, NodeKind, RoleKind
 from engine.spec.ops import OpConfig, OpNotAllowedError
 from engine.spec.resources import ResourcesError, role_resources
@@ -58,13 +59,6 @@ def _schema_validator() -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(json_schema())
 
 
-def _json_path(path: Any) -> str:
-    out = "$"
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
-
-
 def _named(data: dict[str, Any], path: list[Any], section: str, key: str) -> str | None:
     """The id (`key`) of the `section` entry a schema error's `path` lies in, if it has one."""
     if len(path) < 2 or path[0] != section or not isinstance(path[1], int):
@@ -94,8 +88,8 @@ def parse_spec(document: bytes | str | dict[str, Any]) -> GraphSpec:
         node = _named(data, path, "nodes", "id")
         role = _named(data, path, "roles", "name")
         where = f"node {node!r}: " if node else f"role {role!r}: " if role else ""
-        issues.append(Issue("schema", f"{where}{_json_path(path)}: {err.message}", node=node, role=role,
-                            path=_json_path(path)))
+        issues.append(Issue("schema", f"{where}{json_path(path)}: {err.message}", node=node, role=role,
+                            path=json_path(path)))
     if issues:
         raise GraphValidationError(issues)
     try:
@@ -152,7 +146,7 @@ def _check_roles(spec: GraphSpec, kinds: KindRegistry, checkpoints: CheckpointLo
             for err in jsonschema.Draft202012Validator(kinds.role_kind(role.kind).params_schema).iter_errors(
                 role.params
             ):
-                add(Issue("bad_param", f"role {role.name!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
+                add(Issue("bad_param", f"role {role.name!r}: {json_path(err.absolute_path, root='params')}: {err.message}",
                           role=role.name))
             _check_model(role, kinds.role_kind(role.kind), checkpoints, add)
         if role.tp_size > 1 and kinds.has_role_kind(role.kind):
@@ -342,7 +336,7 @@ def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: Ki
     if kind.op == "forbidden" and node.op:
         add(Issue("unexpected_op", f"node {node.id!r} of kind {kind.name!r} takes no op", node=node.id))
     for err in jsonschema.Draft202012Validator(kind.params_schema).iter_errors(node.params):
-        add(Issue("bad_param", f"node {node.id!r}: params{_json_path(err.absolute_path)[1:]}: {err.message}",
+        add(Issue("bad_param", f"node {node.id!r}: {json_path(err.absolute_path, root='params')}: {err.message}",
                   node=node.id))
     for direction, fixed, declared in (("input", kind.inputs, node.inputs), ("output", kind.outputs, node.outputs)):
         for port in declared:
@@ -387,7 +381,7 @@ def _check_op(node: NodeSpec, ops: OpConfig, add) -> None:
         return
     schema = ops.registry.get(node.op).info.params_json_schema()
     for err in jsonschema.Draft202012Validator(schema).iter_errors(node.params):
-        add(Issue("bad_param", f"node {node.id!r}: op {node.op!r}: params{_json_path(err.absolute_path)[1:]}:"
+        add(Issue("bad_param", f"node {node.id!r}: op {node.op!r}: {json_path(err.absolute_path, root='params')}:"
                   f" {err.message}", node=node.id))
 
 

@@ -51,10 +51,10 @@ from engine.client.graphs import (
     parse_spec,
 )
 from engine.spec.graph import GraphSpec, encode_spec
+from engine.spec.jsonpath import element, member
 from engine.spec.kinds import KindRegistry
 from engine.spec.ops import OpConfig, OpRegistry
 from studio.jsonbody import JsonRefused, load_json, scan
-from studio.jsonpath import element, member
 from studio.workflows.paths import spec_path_issues
 
 
