@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import Catalog
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_audio
 from engine.compute.prefix.keys import content_hash
@@ -47,16 +46,13 @@ class AudioEncoderConfig:
         return (strided + 1) // 2 if strided > 1 else 1  # average pooling by 2, ceil
 
 
-AUDIO_ENCODERS: MappingProxyType[str, AudioEncoderConfig] = catalog(
+AUDIO_ENCODERS = Catalog(
+    "audio encoder", EncoderError,
     AudioEncoderConfig(
         name="tiny-audio-encoder",
         description="40-bin log-mel at 16 kHz into a 2-layer transformer, hidden 32: 25 rows per second",
     ),
 )
-
-
-def audio_config(name: str) -> AudioEncoderConfig:
-    return lookup(AUDIO_ENCODERS, name, "audio encoder", EncoderError)
 
 
 def hz_to_mel(hz: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,13 @@ The result is one embedding row per placeholder position of the image in the pro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import Catalog
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_image
 from engine.compute.prefix.keys import content_hash
@@ -42,16 +41,13 @@ class VisionEncoderConfig:
         return (self.image_size // self.patch_size) ** 2
 
 
-VISION_ENCODERS: MappingProxyType[str, VisionEncoderConfig] = catalog(
+VISION_ENCODERS = Catalog(
+    "vision encoder", EncoderError,
     VisionEncoderConfig(
         name="tiny-vit",
         description="2-layer ViT, hidden 32, 32x32 input in 8x8 patches: 16 rows per image",
     ),
 )
-
-
-def vision_config(name: str) -> VisionEncoderConfig:
-    return lookup(VISION_ENCODERS, name, "vision encoder", EncoderError)
 
 
 class VisionEncoder(torch.nn.Module):
