@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
 from engine.compute.catalog import Catalog
+from engine.compute.encoders.config import EncoderConfig
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_image
 from engine.compute.prefix.keys import content_hash
@@ -23,18 +24,12 @@ from engine.compute.weights.seeding import build_seeded
 
 
 @dataclass(frozen=True, slots=True)
-class VisionEncoderConfig:
+class VisionEncoderConfig(EncoderConfig):
     """A tiny seeded ViT: `(image_size / patch_size) ** 2` embedding rows per image."""
 
-    name: str
     image_size: int = 32
     patch_size: int = 8
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 64
     seed: int = 7
-    description: str = ""
 
     @property
     def num_tokens(self) -> int:
