@@ -71,7 +71,7 @@ def model_catalogue() -> list[CatalogueModel]:
     rows += [CatalogueModel(c.name, LLM_ROLE_KINDS, Weights.RANDOM, c.description, c) for c in BUILTIN_MODELS.values()]
     for kind, table in (("vision_encoder", VISION_ENCODERS), ("audio_encoder", AUDIO_ENCODERS),
                         ("vae_decoder", IMAGE_DECODERS), ("audio_decoder", AUDIO_DECODERS)):
-        rows += [CatalogueModel(c.name, (kind,), Weights.RANDOM, c.description) for c in table.values()]
+        rows += [CatalogueModel(c.name, (kind,), Weights.RANDOM, c.description) for c in table.configs.values()]
     return rows
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 
 class Named(Protocol):
@@ -15,14 +14,21 @@ class Named(Protocol):
 C = TypeVar("C", bound=Named)
 
 
-def catalog(*configs: C) -> MappingProxyType[str, C]:
-    """A read-only name -> config table."""
-    return MappingProxyType({cfg.name: cfg for cfg in configs})
+class Catalog(Generic[C]):
+    """A family's built-in configurations: `configs`, a read-only name -> config table, and
+    `named(name)`, the lookup a role's `model` goes through (an unknown name raises the family's
+    `error`, naming the family, `what`, and its built-in names)."""
 
+    __slots__ = ("configs", "error", "what")
 
-def lookup(table: Mapping[str, C], name: str, what: str, error: type[Exception]) -> C:
-    """`table[name]`, or `error` naming `what` and the built-in names."""
-    try:
-        return table[name]
-    except KeyError:
-        raise error(f"unknown {what} {name!r} (built-in: {', '.join(sorted(table))})") from None
+    def __init__(self, what: str, error: type[Exception], *configs: C) -> None:
+        self.what = what
+        self.error = error
+        self.configs: MappingProxyType[str, C] = MappingProxyType({cfg.name: cfg for cfg in configs})
+
+    def named(self, name: str) -> C:
+        """The config called `name`, or the family's error naming the built-in names."""
+        try:
+            return self.configs[name]
+        except KeyError:
+            raise self.error(f"unknown {self.what} {name!r} (built-in: {', '.join(sorted(self.configs))})") from None

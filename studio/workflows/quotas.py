@@ -42,7 +42,7 @@ from rest_framework import status
 
 from engine.spec.graph import GraphSpec
 from studio.config import Quotas
-from studio.errors import ApiError
+from studio.errors import ApiError, Forbidden
 from studio.workflows.models import ACTIVE_DEPLOYMENT_STATUSES, Deployment, Run, RunStatus, Workflow
 from studio.workflows.paths import find_checkpoint
 from studio.workflows.specs import SGLANG_ROLE_KIND
@@ -95,8 +95,9 @@ class QuotaBusy(ApiError):
     default_detail = "quota reached"
 
 
-class QuotaTooLarge(ApiError):
-    status_code = status.HTTP_403_FORBIDDEN
+class QuotaTooLarge(Forbidden):
+    """One request asks for more than its user may ever have."""
+
     default_detail = "over quota"
 
 

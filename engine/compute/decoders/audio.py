@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import Catalog
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import wav_bytes
 from engine.compute.weights.seeding import build_seeded
@@ -41,16 +40,13 @@ class AudioDecoderConfig:
         return math.prod(self.rates)
 
 
-AUDIO_DECODERS: MappingProxyType[str, AudioDecoderConfig] = catalog(
+AUDIO_DECODERS = Catalog(
+    "audio decoder", DecoderError,
     AudioDecoderConfig(
         name="tiny-audio-decoder",
         description="1024-code codebook, upsampling 8x5x4: 100 codes per second of 16 kHz audio",
     ),
 )
-
-
-def audio_decoder_config(name: str) -> AudioDecoderConfig:
-    return lookup(AUDIO_DECODERS, name, "audio decoder", DecoderError)
 
 
 class AudioCodeDecoder(torch.nn.Module):

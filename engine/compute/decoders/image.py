@@ -9,13 +9,12 @@ own `VaeImageProcessor.postprocess` produces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import Catalog
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import png_bytes
 from engine.compute.weights.seeding import build_seeded
@@ -41,16 +40,13 @@ class ImageDecoderConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
 
-IMAGE_DECODERS: MappingProxyType[str, ImageDecoderConfig] = catalog(
+IMAGE_DECODERS = Catalog(
+    "image decoder", DecoderError,
     ImageDecoderConfig(
         name="tiny-vae",
         description="AutoencoderKL, 4 latent channels, 3 blocks (16, 32, 32): 16x16 latents -> 64x64 RGB",
     ),
 )
-
-
-def image_decoder_config(name: str) -> ImageDecoderConfig:
-    return lookup(IMAGE_DECODERS, name, "image decoder", DecoderError)
 
 
 def vae_module(config: ImageDecoderConfig) -> AutoencoderKL:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.compute.context import UnitContext
-from engine.compute.decoders.audio import AudioCodeDecoder, audio_decoder_config
+from engine.compute.decoders.audio import AUDIO_DECODERS, AudioCodeDecoder
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.threaded import UnitInputError
 from engine.compute.weighted import WeightedUnit
@@ -62,9 +62,9 @@ class VAEDecoderUnit(_DecoderUnit):
     port = "latents"
 
     def _load(self, role: RoleSpec) -> WeightKey:
-        from engine.compute.decoders.image import ImageDecoder, build_vae, image_decoder_config, vae_module
+        from engine.compute.decoders.image import IMAGE_DECODERS, ImageDecoder, build_vae, vae_module
 
-        config = image_decoder_config(role.model or "tiny-vae")
+        config = IMAGE_DECODERS.named(role.model or "tiny-vae")
         key = WeightKey("vae_decoder", config.name, role.device)
         vae = self.shared.module(key, lambda: build_vae(config), skeleton=lambda: vae_module(config))
         self.decoder = ImageDecoder(config, vae)
@@ -83,7 +83,7 @@ class AudioDecoderUnit(_DecoderUnit):
     port = "codes"
 
     def _load(self, role: RoleSpec) -> WeightKey:
-        config = audio_decoder_config(role.model or "tiny-audio-decoder")
+        config = AUDIO_DECODERS.named(role.model or "tiny-audio-decoder")
         key = WeightKey("audio_decoder", config.name, role.device)
         self.decoder = self.shared.module(key, lambda: AudioCodeDecoder.build(config),
                                           skeleton=lambda: AudioCodeDecoder(config))

@@ -10,13 +10,13 @@ splice the embeddings in at `length` placeholder positions and to key its prefix
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from engine.compute.catalog import Catalog
 from engine.compute.context import UnitContext
-from engine.compute.encoders.audio import AudioEncoder, audio_config
+from engine.compute.encoders.audio import AUDIO_ENCODERS, AudioEncoder
 from engine.compute.encoders.items import EncodedItem, EncoderError
-from engine.compute.encoders.vision import VisionEncoder, vision_config
+from engine.compute.encoders.vision import VISION_ENCODERS, VisionEncoder
 from engine.compute.media import MediaError
 from engine.compute.models.catalog import BUILTIN_MODELS
 from engine.compute.models.packaged import PACKAGED_MODELS
@@ -54,12 +54,12 @@ class _EncoderUnit(WeightedUnit):
 
     encoder_class: type[VisionEncoder] | type[AudioEncoder]
     default_model: str
-    config_of: Callable[[str], Any]
-    """The encoder config of a built-in model name."""
+    catalog: Catalog[Any]
+    """The built-in encoders a role's `model` names."""
 
     def _load(self, role: RoleSpec) -> tuple[WeightKey, Any]:
         """The role's encoder, projecting to its LLM's hidden size: one copy per process (`WeightStore`)."""
-        config = self.config_of(role.model or self.default_model)
+        config = self.catalog.named(role.model or self.default_model)
         size = projection_size(role)
         key = WeightKey(self.kind, f"{config.name}->{size}", role.device)
         cls = self.encoder_class
@@ -92,7 +92,7 @@ class VisionEncoderUnit(_EncoderUnit):
     port = "image"
     encoder_class = VisionEncoder
     default_model = "tiny-vit"
-    config_of = staticmethod(vision_config)
+    catalog = VISION_ENCODERS
 
 
 class AudioEncoderUnit(_EncoderUnit):
@@ -102,4 +102,4 @@ class AudioEncoderUnit(_EncoderUnit):
     port = "audio"
     encoder_class = AudioEncoder
     default_model = "tiny-audio-encoder"
-    config_of = staticmethod(audio_config)
+    catalog = AUDIO_ENCODERS

@@ -66,6 +66,30 @@ def unregister_store(name: str) -> None:
         _stores.pop(name, None)
 
 
+def _read_into(store: KVStore, key: PageHash, dst: torch.Tensor) -> bool:
+    """Copy page `key` into `dst` (a view of the host pool); False when the store lacks it."""
+    if dst.is_contiguous():
+        return store.get(key, out=dst, promote=False) is not None
+    page = store.get(key, promote=False)
+    if page is None:
+        return False
+    dst.copy_(page)
+    return True
+
+
+def _write_from(store: KVStore, key: PageHash, src: torch.Tensor) -> bool:
+    """Store page `key` from `src` (a view of the host pool) unless it is there already; False
+    when the store refuses it."""
+    if store.contains(key):
+        return True
+    try:
+        store.put(key, src.contiguous())
+    except KVError as exc:
+        log.warning("HiCache set of page %s failed: %s", key[:16], exc)
+        return False
+    return True
+
+
 def layout_of_host_pool(pool: Any) -> KVLayout:
     """Our page layout for an SGLang MHA host pool (`MHATokenToKVPoolHost`)."""
     if getattr(pool, "layout", None) not in SUPPORTED_LAYOUTS:
@@ -247,46 +271,26 @@ class OmniFlowHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy interface over the registered host pool ---------------------------------
 
-    def _page_starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
+    def _pool_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[tuple[PageHash, torch.Tensor]]:
+        """Each key with the view of its page in the host pool (`host_indices`: the pages' token
+        slots, a page's run of `page_size` slots in turn)."""
         size = self.mem_pool_host.page_size if self.mem_pool_host is not None else 0
         if size == 0 or len(host_indices) < len(keys) * size:
             raise KVConfigError(f"{len(host_indices)} host indices for {len(keys)} pages of {size} tokens")
-        return [int(i) for i in host_indices[::size][: len(keys)].tolist()]
+        starts = host_indices[::size][: len(keys)].tolist()
+        return [(PageHash(key), self._pool_page(int(start))) for key, start in zip(keys, starts, strict=True)]
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         store = self._store()
-        results: list[bool] = []
-        for key, start in zip(keys, self._page_starts(keys, host_indices), strict=True):
-            dst = self._pool_page(start)
-            if dst.is_contiguous():
-                ok = store.get(PageHash(key), out=dst, promote=False) is not None
-            else:
-                page = store.get(PageHash(key), promote=False)
-                ok = page is not None
-                if page is not None:
-                    dst.copy_(page)
-            results.append(ok)
-        return results
+        return [_read_into(store, key, dst) for key, dst in self._pool_pages(keys, host_indices)]
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         store = self._store()
-        results: list[bool] = []
-        for key, start in zip(keys, self._page_starts(keys, host_indices), strict=True):
-            if store.contains(PageHash(key)):
-                results.append(True)
-                continue
-            try:
-                store.put(PageHash(key), self._pool_page(start).contiguous())
-            except KVError as exc:
-                log.warning("HiCache set of page %s failed: %s", key[:16], exc)
-                results.append(False)
-                continue
-            results.append(True)
-        return results
+        return [_write_from(store, key, src) for key, src in self._pool_pages(keys, host_indices)]
 
     # -- housekeeping ------------------------------------------------------------------
 

@@ -41,10 +41,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from engine.compute.weights.shared import SharedWeightsError, _assign, _named_tensors, index_path
+from engine.compute.weights.shared import (
+    ModuleTensor,
+    SharedWeightsError,
+    _assign,
+    _named_tensors,
+    index_path,
+    reclaim_dead_indexes,
+)
 from engine.data.channel import TransferError
 from engine.data.codec import DTYPE_SIZES
-from engine.data.shm import SHM_ROOT, SegmentError, SegmentOwner, parse_segment_name
+from engine.data.shm import SHM_ROOT, SegmentError, SegmentOwner
 from engine.data.wire import RefId, TensorRef, Transport
 
 if TYPE_CHECKING:
@@ -53,15 +60,11 @@ if TYPE_CHECKING:
 DEVICE_WEIGHTS_PREFIX = "omniflowcudaweights"
 
 
-class KeptTensor(msgspec.Struct, frozen=True):
-    """One named tensor of a published module: `kind` "param" or "buffer", served under ref
-    `id` by the publisher (tied weights: several names, one id)."""
+class KeptTensor(ModuleTensor, frozen=True):
+    """A tensor of a module shared on its GPU: served under ref `id` by the publisher (tied
+    weights: several names, one id)."""
 
-    name: str
-    kind: str
     id: str
-    dtype: str
-    shape: tuple[int, ...]
     nbytes: int
 
 
@@ -202,7 +205,7 @@ class DeviceWeights:
                         kept[ident] = (ref, served)
                     ref, served = kept[ident]
                     _assign(module, name, kind, served)  # the module now holds what is served
-                    entries.append(KeptTensor(name, kind, ref.id, ref.dtype, ref.shape, ref.nbytes))
+                    entries.append(KeptTensor(name, kind, ref.dtype, ref.shape, id=ref.id, nbytes=ref.nbytes))
             manifest = DeviceWeightsManifest(
                 key=key, pid=self._pid, start=self._start, host=self.peer.host, data=self.peer.address,
                 device=str(device), device_uuid=_device_uuid(device), tensors=tuple(entries),
@@ -266,30 +269,14 @@ class DeviceWeights:
     def reclaim(self) -> list[str]:
         """Remove index files of publishers that died, and staging files they left (a worker runs
         this at start); returns the names removed. Safe to run from many processes at once."""
-        head = f"{self.prefix}-index-"
-        with os.scandir(self.root) as entries:
-            indexes = [e.path for e in entries if e.name.startswith(head)]
-        removed = []
-        for path in indexes:
-            # `<index>.<prefix>-<pid>-<start>-<serial>` is an index being written (`write_index`):
-            # its writer is named by its suffix, as its content may not be there yet.
-            _, staged, writer = os.path.basename(path).partition(".")
-            owner: SegmentOwner | None
-            if staged:
-                owner = parse_segment_name(writer, self.prefix)
-            else:
-                try:
-                    owner = read_index(path).owner
-                except FileNotFoundError:
-                    continue
-                except SharedWeightsError:
-                    owner = None  # garbled: nobody can attach to it
-            if owner is not None and owner.alive():
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-        return removed
+        # An index being written is `<index>.<prefix>-<pid>-<start>-<serial>` (`write_index`).
+        def owner(path: str) -> SegmentOwner | None:
+            try:
+                return read_index(path).owner
+            except SharedWeightsError:
+                return None  # garbled: nobody can attach to it
+
+        return reclaim_dead_indexes(self.root, self.prefix, owner)
 
     def close(self) -> None:
         """Withdraw what this process published: remove its index files (those that still name

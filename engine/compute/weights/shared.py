@@ -39,7 +39,14 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.data.shm import SHM_ROOT, Segment, SegmentAllocator, parse_segment_name, reclaim_dead_segments
+from engine.data.shm import (
+    SHM_ROOT,
+    Segment,
+    SegmentAllocator,
+    SegmentOwner,
+    parse_segment_name,
+    reclaim_dead_segments,
+)
 
 WEIGHTS_PREFIX = "omniflowweights"
 PUBLISH_WAIT_S = 600.0
@@ -78,13 +85,47 @@ class SharedWeightsError(RuntimeError):
     """Weights that cannot be published or attached."""
 
 
-class TensorEntry(msgspec.Struct, frozen=True):
-    """One named tensor of a module: `kind` "param" or "buffer", bytes at `offset` of the segment."""
+def reclaim_dead_indexes(root: str, prefix: str, owner: Callable[[str], SegmentOwner | None]) -> list[str]:
+    """Remove the index files under `root` (host or device sharing's, named by `index_path`) whose
+    publisher died; returns the names removed. Safe to run from many processes at once.
+
+    An index being written is `<index>.<suffix>`, its writer named by the suffix (a name
+    `parse_segment_name` reads), as its content may not be there yet. A written one's publisher is
+    `owner(path)`: None when the file names none (garbled: nobody can attach to it), and
+    `FileNotFoundError` when it is gone already (then it is left alone: a new index may take its
+    place meanwhile).
+    """
+    head = f"{prefix}-index-"
+    with os.scandir(root) as entries:
+        indexes = [e.path for e in entries if e.name.startswith(head)]
+    removed = []
+    for path in indexes:
+        _, staged, writer = os.path.basename(path).partition(".")
+        try:
+            publisher = parse_segment_name(writer, prefix) if staged else owner(path)
+        except FileNotFoundError:
+            continue
+        if publisher is not None and publisher.alive():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+    return removed
+
+
+class ModuleTensor(msgspec.Struct, frozen=True):
+    """One named tensor of a published module: `kind` "param" or "buffer". Where its bytes are is
+    the sharing's own (`TensorEntry`: host memory; `cuda.KeptTensor`: a ref on the publisher's GPU)."""
 
     name: str
     kind: str
     dtype: str
     shape: tuple[int, ...]
+
+
+class TensorEntry(ModuleTensor, frozen=True):
+    """A tensor of a module shared in host memory: its bytes at `offset` of the segment."""
+
     offset: int
 
 
@@ -292,23 +333,13 @@ class HostWeights:
     def reclaim(self) -> list[str]:
         """Remove segments and index files of publishers that died (a worker runs this at start);
         returns the names removed. Safe to run from many processes at once."""
+        # An index being written is `<index>.<segment>` (see `publish`).
+        def owner(path: str) -> SegmentOwner | None:
+            segment = _read_index(path)
+            return parse_segment_name(segment, self.prefix) if segment else None
+
         removed = reclaim_dead_segments(self.root, self.prefix)
-        head = f"{self.prefix}-index-"
-        with os.scandir(self.root) as entries:
-            indexes = [e.path for e in entries if e.name.startswith(head)]
-        for path in indexes:
-            # `<index>.<segment>` is an index being written (see `publish`): its owner is named by
-            # its suffix, as its content may not be there yet.
-            _, staged, segment = os.path.basename(path).partition(".")
-            if not staged:
-                segment = _read_index(path)
-            owner = parse_segment_name(segment, self.prefix) if segment else None
-            if owner is not None and owner.alive():
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-        return removed
+        return removed + reclaim_dead_indexes(self.root, self.prefix, owner)
 
     def close(self) -> None:
         """Withdraw what this process published. Attached modules keep working."""

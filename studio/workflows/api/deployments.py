@@ -41,6 +41,7 @@ from studio.workflows.models import (
     Deployment,
     DeploymentStatus,
     Session,
+    Worker,
     WorkflowVersion,
 )
 from studio.workflows.paths import PathRoots, without_roots
@@ -97,18 +98,16 @@ def error_as_read(error: str) -> str:
     return without_roots(error, PathRoots.of(engine().config).with_hidden(liveness.model_roots()))
 
 
-class WorkerRowSerializer(serializers.Serializer):
-    worker_id = serializers.CharField()
-    role = serializers.CharField()
-    host = serializers.CharField()
-    address = serializers.CharField()
-    device = serializers.CharField()
-    gpus = serializers.ListField(child=serializers.IntegerField(), help_text="the host's GPU indices it holds")
-    pid = serializers.IntegerField(allow_null=True)
-    status = serializers.CharField(help_text="starting, ready, busy, draining, stopped, lost, or failed")
+class WorkerRowSerializer(serializers.ModelSerializer):
+    """A `Worker` row as the deployment's detail shows it (its fields as the model types them)."""
+
     error = serializers.SerializerMethodField(help_text="failed: why it did not come up")
-    started_at = serializers.DateTimeField()
-    last_seen_at = serializers.DateTimeField(allow_null=True)
+
+    class Meta:
+        model = Worker
+        fields = ["worker_id", "role", "host", "address", "device", "gpus", "pid", "status", "error", "started_at",
+                  "last_seen_at"]
+        read_only_fields = fields
 
     def get_error(self, obj: Any) -> str:
         return error_as_read(obj.error)

@@ -12,18 +12,18 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from engine.compute.decoders import DecoderError
-from engine.compute.decoders.audio import AudioCodeDecoder, AudioDecoderConfig, audio_decoder_config
-from engine.compute.decoders.image import ImageDecoder, image_decoder_config
+from engine.compute.decoders.audio import AUDIO_DECODERS, AudioCodeDecoder, AudioDecoderConfig
+from engine.compute.decoders.image import IMAGE_DECODERS, ImageDecoder
 
 
 @pytest.fixture(scope="module")
 def image_decoder() -> ImageDecoder:
-    return ImageDecoder(image_decoder_config("tiny-vae"))
+    return ImageDecoder(IMAGE_DECODERS.named("tiny-vae"))
 
 
 @pytest.fixture(scope="module")
 def audio_decoder() -> AudioCodeDecoder:
-    return AudioCodeDecoder.build(audio_decoder_config("tiny-audio-decoder"))
+    return AudioCodeDecoder.build(AUDIO_DECODERS.named("tiny-audio-decoder"))
 
 
 def _latents(seed: int, batch: int = 1) -> torch.Tensor:
@@ -46,13 +46,13 @@ def test_vae_png_equals_diffusers_decode_and_postprocess(image_decoder: ImageDec
 
 
 def test_vae_is_seeded_and_checks_latents(image_decoder: ImageDecoder):
-    again = ImageDecoder(image_decoder_config("tiny-vae"))
+    again = ImageDecoder(IMAGE_DECODERS.named("tiny-vae"))
     latents = _latents(1)[0]  # (C, h, w) works too
     assert again.decode_png(latents) == image_decoder.decode_png(latents)
     with pytest.raises(DecoderError):
         image_decoder.decode_png(torch.zeros(3, 16, 16))
     with pytest.raises(DecoderError):
-        image_decoder_config("no-such-vae")
+        IMAGE_DECODERS.named("no-such-vae")
 
 
 def test_wav_parses_with_the_wave_module(audio_decoder: AudioCodeDecoder):

@@ -70,9 +70,9 @@ def manifest(key: str, peer: Peer, owner: SegmentOwner | None = None, **changes)
     """An index as a publisher on cuda:0 writes it: a tied weight (two names, one ref) and a buffer."""
     owner = owner or this_process()
     tensors = (
-        KeptTensor("embed.weight", "param", "e1.0", "float32", (8, 4), 128),
-        KeptTensor("head.weight", "param", "e1.0", "float32", (8, 4), 128),
-        KeptTensor("rope.inv_freq", "buffer", "e1.1", "bfloat16", (2,), 4),
+        KeptTensor("embed.weight", "param", "float32", (8, 4), id="e1.0", nbytes=128),
+        KeptTensor("head.weight", "param", "float32", (8, 4), id="e1.0", nbytes=128),
+        KeptTensor("rope.inv_freq", "buffer", "bfloat16", (2,), id="e1.1", nbytes=4),
     )
     fields = {"key": key, "pid": owner.pid, "start": owner.start, "host": peer.host, "data": peer.address,
               "device": "cuda:0", "device_uuid": "GPU-test", "tensors": tensors, "meta": {"architecture": "X"}}

@@ -10,9 +10,9 @@ from transformers.audio_utils import mel_filter_bank as hf_mel_filter_bank
 from transformers.audio_utils import spectrogram, window_function
 
 from engine.compute.encoders import AudioEncoder, EncodedItem, VisionEncoder, splice_prompt
-from engine.compute.encoders.audio import audio_config, mel_filter_bank
+from engine.compute.encoders.audio import AUDIO_ENCODERS, mel_filter_bank
 from engine.compute.encoders.items import EncoderError
-from engine.compute.encoders.vision import vision_config
+from engine.compute.encoders.vision import VISION_ENCODERS
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.media import (
     MediaError,
@@ -31,12 +31,12 @@ from tests.pictures import claimed_png
 
 @pytest.fixture(scope="module")
 def vision() -> VisionEncoder:
-    return VisionEncoder.build(vision_config("tiny-vit"), 64)
+    return VisionEncoder.build(VISION_ENCODERS.named("tiny-vit"), 64)
 
 
 @pytest.fixture(scope="module")
 def audio() -> AudioEncoder:
-    return AudioEncoder.build(audio_config("tiny-audio-encoder"), 64)
+    return AudioEncoder.build(AUDIO_ENCODERS.named("tiny-audio-encoder"), 64)
 
 
 # -- media ----------------------------------------------------------------------------------------
@@ -97,14 +97,14 @@ def test_vision_hash_follows_content_not_container(vision: VisionEncoder):
 
 
 def test_encoders_are_seeded():
-    a = VisionEncoder.build(vision_config("tiny-vit"), 64)
-    b = VisionEncoder.build(vision_config("tiny-vit"), 64)
+    a = VisionEncoder.build(VISION_ENCODERS.named("tiny-vit"), 64)
+    b = VisionEncoder.build(VISION_ENCODERS.named("tiny-vit"), 64)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     before = torch.random.get_rng_state()
-    AudioEncoder.build(audio_config("tiny-audio-encoder"), 64)
+    AudioEncoder.build(AUDIO_ENCODERS.named("tiny-audio-encoder"), 64)
     assert torch.equal(before, torch.random.get_rng_state())  # building draws nothing from the global RNG
-    with pytest.raises(EncoderError):
-        vision_config("no-such-vit")
+    with pytest.raises(EncoderError, match=r"^unknown vision encoder 'no-such-vit' \(built-in: tiny-vit\)$"):
+        VISION_ENCODERS.named("no-such-vit")
 
 
 # -- audio ----------------------------------------------------------------------------------------
