@@ -106,6 +106,7 @@ def ask(client: redis.Redis, prefix: str, query: NodeQuery, answer: type[A], tim
     check_reply_key(prefix, query.reply)
     raw = msgspec.json.encode(query)
     queue = queue_key(prefix, query.node)
+    untaken = 0
     try:
         with client.pipeline() as pipe:
             pipe.rpush(queue, raw)
