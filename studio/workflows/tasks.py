@@ -38,12 +38,17 @@ unreachable for a moment); anything else is recorded on the row and not retried.
   deleted; it removes their output folders from the node's data dir (`runs.folders`). A node
   also removes whatever it was owed while lost: at its start (`worker_ready` sends it the task
   for everything) and on the `supervise_node` ticks that look for lost nodes.
+
+Short read-only requests to a node (a file a run wrote there, `runs.nodefiles`) are no tasks: a
+solo worker would run them only after whatever deploy it is running. From `worker_ready` on, a
+node's Celery worker answers them on threads of its own (`deployments.queries.QueryServer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import itertools
 import logging
 import threading
@@ -67,6 +72,7 @@ from studio.workflows.apps import engine
 from studio.workflows.deployments import failover, records
 from studio.workflows.deployments.announce import NodeAnnouncer
 from studio.workflows.deployments.node import NodeAgent, node_queue
+from studio.workflows.deployments.queries import QueryServer
 from studio.workflows.deployments.reach import NamespaceExecutors
 from studio.workflows.models import DeploymentStatus
 from studio.workflows.runs import folders, nodefiles, recovery
@@ -187,17 +193,6 @@ def remove_run_folders(node: str, run_ids: list[str] | None = None) -> list[str]
         return []
     checked = None if run_ids is None else folders.parse_run_ids(run_ids)
     return folders.remove_owed(config.users_root, node, checked)
-
-
-@shared_task(name="omniflow.read_user_file", ignore_result=True)
-def read_user_file(node: str, owner: str, name: str, reply: str) -> None:
-    """Answer a studio's fetch of a file a run wrote on this node (`runs.nodefiles`): the file
-    `name` in user `owner`'s folder under this node's data dir, on the Redis list `reply`."""
-    config = engine().config
-    if node != config.node_name:  # a message for another node's queue: not ours to act on
-        log.warning("read_user_file(%r) reached node %r; ignored", node, config.node_name)
-        return
-    nodefiles.serve(config, owner, name, reply)
 
 
 @shared_task(name="omniflow.supervise_node", ignore_result=True)
@@ -338,6 +333,13 @@ def _supervise_this_node(sender: Any, **_: Any) -> None:
     consumed = {q.name for q in sender.task_consumer.queues}
     if config.dispatch is not Dispatch.CELERY or queue not in consumed:
         return
+    # Its queries answered beside the tasks (a solo pool runs one at a time), from before the node
+    # is announced: a file a run writes on it can be fetched as soon as a run can be placed there.
+    assert config.redis_url is not None, "the distributed mode has REDIS_URL (studio.config)"
+    queries = QueryServer(config.redis_url, config.redis_prefix, config.node_name,
+                          {nodefiles.UserFileQuery: functools.partial(nodefiles.serve, config)})
+    queries.start()
+    worker_shutdown.connect(lambda **_: queries.stop(), weak=False)
     # The node in the node directory, with its resources and labels, until the worker shuts down.
     announcer = NodeAnnouncer(config)
     announcer.start()

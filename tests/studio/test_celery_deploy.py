@@ -48,10 +48,11 @@ class CeleryNode:
     env: dict[str, str]
 
     @classmethod
-    def start(cls, node: str, run_queue: str, log: Path, env: dict[str, str]) -> CeleryNode:
+    def start(cls, node: str, run_queue: str, log: Path, env: dict[str, str],
+              include: tuple[str, ...] = ()) -> CeleryNode:
         argv = [sys.executable, "-m", "celery", "-A", "studio", "worker", "-P", "solo", "-Q",
                 f"{run_queue},node.{node}", "-n", f"{node}@%h", "--without-gossip", "--without-mingle",
-                "--without-heartbeat", "-l", "info"]
+                "--without-heartbeat", "-l", "info", *(["--include", ",".join(include)] if include else [])]
         with log.open("ab") as out:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         return cls(node, run_queue, proc, log, argv, env)
@@ -89,12 +90,13 @@ def node_environment(tmp: Path, node: str, run_queue: str, extra_env: dict[str, 
             "PYTHONPATH": str(ROOT), **(extra_env or {})}
 
 
-def started_node(tmp: Path, extra_env: dict[str, str] | None = None) -> CeleryNode:
-    """A fresh node's Celery worker, started (not yet ready: `CeleryNode.wait_for` its ` ready.`)."""
+def started_node(tmp: Path, extra_env: dict[str, str] | None = None, include: tuple[str, ...] = ()) -> CeleryNode:
+    """A fresh node's Celery worker, started (not yet ready: `CeleryNode.wait_for` its ` ready.`),
+    with the task modules `include` besides the studio's."""
     tag = uuid.uuid4().hex[:8]
     node, run_queue = f"test-{tag}", f"omniflow-test-{tag}"
     log = tmp / f"celery-{tag}.log"
-    return CeleryNode.start(node, run_queue, log, node_environment(tmp, node, run_queue, extra_env))
+    return CeleryNode.start(node, run_queue, log, node_environment(tmp, node, run_queue, extra_env), include)
 
 
 def wait_ready(worker: CeleryNode) -> None:

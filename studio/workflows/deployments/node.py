@@ -1,5 +1,7 @@
 """The node agent of the distributed mode: a node's Celery worker (queue `node.<name>`)
-starts and stops the role workers of the deployments placed on that node.
+starts and stops the role workers of the deployments placed on that node. It runs one task at a
+time (`-P solo`); what the studio only reads on the node it asks the agent's query threads instead,
+which answer beside those tasks (`deployments.queries`).
 
 Role workers are `python -m engine.worker` processes in a session of their own, so they
 outlive the task that started them (and a restart of the Celery worker): each registers
