@@ -106,8 +106,9 @@ def test_a_checkpoint_is_named_as_a_role_names_it_with_its_slash(api, rooted_eng
     rendered = render(api, "org/chatty", {"messages": [{"role": "user", "content": "hi"}]})
     assert rendered.json()["prompt"] == "<|bos|><|user|>hi<|eos|><|assistant|>"
     refused = render(api, "org/raises", {"messages": QUESTION})
-    assert refused.status_code == 400 and "no conversations" in refused.json()["error"]
-    assert refused.json()["details"][0]["field"] == "messages"
+    assert refused.status_code == 400 and refused.json()["error"] == "model 'org/raises' cannot render these messages"
+    [detail] = refused.json()["details"]
+    assert detail["field"] == "messages" and "no conversations" in detail["message"]
     assert api.get(url("org/raises")).json()["generation_prompt"] == ""  # it renders nothing to compare
 
 
@@ -145,7 +146,9 @@ def test_a_model_that_is_not_here_is_a_404_naming_it_and_no_server_folder(api, r
         for response in (api.get(url(model)), render(api, model, {"messages": QUESTION})):
             assert response.status_code == 404, (model, response.content)
             body = response.json()
-            assert says in body["error"] and body["details"][0]["field"] == "model", (model, body)
+            assert body["error"].startswith("no chat template for model '"), body
+            [detail] = body["details"]
+            assert detail["field"] == "model" and says in detail["message"], (model, body)
             assert str(model_root) not in response.content.decode()
 
 

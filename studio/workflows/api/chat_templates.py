@@ -86,24 +86,24 @@ class RenderedPromptSerializer(serializers.Serializer):
     prompt = serializers.CharField(allow_blank=True, help_text="the messages as the llm node's prompt text")
 
 
-def _not_found(model: str, message: str) -> NotFound:
-    return NotFound(message, [{"field": "model", "message": message}])
+def _not_found(model: str, why: str) -> NotFound:
+    return NotFound(f"no chat template for model {model!r}", [{"field": "model", "message": why}])
 
 
 def model_template(model: str) -> ChatTemplate:
     """The chat template of the model a role names `model`; NotFound (naming the model, without
     server paths) when there is no such model here or its tokenizer cannot be read."""
     if len(model) > MAX_MODEL_NAME:
-        raise _not_found(model[:40] + "…", f"a model name has at most {MAX_MODEL_NAME} characters")
+        raise _not_found(f"{model[:40]}…", f"a model name has at most {MAX_MODEL_NAME} characters")
     studio = engine()
     roots = PathRoots.of(studio.config)
     try:
         return studio.templates.get(model_reference(roots, TEMPLATE_ROLE_KIND, model))
     except PathRefused as exc:
         problem = str(exc).removeprefix("model: ")  # "'x' is neither a built-in model nor ..."
-        raise _not_found(model, without_roots(f"model {problem}", roots)) from None
+        raise _not_found(model, without_roots(problem, roots)) from None
     except ModelLoadError as exc:
-        raise _not_found(model, without_roots(f"model {model!r} has no chat template here: {exc}", roots)) from None
+        raise _not_found(model, without_roots(str(exc), roots)) from None
 
 
 class ChatTemplateView(APIView):
@@ -123,5 +123,6 @@ class ChatTemplateView(APIView):
             prompt = template.render(body.validated_data["messages"],
                                      add_generation_prompt=body.validated_data["add_generation_prompt"])
         except TemplateError as exc:
-            raise BadRequest(str(exc), [{"field": "messages", "message": str(exc)}]) from None
+            raise BadRequest(f"model {model!r} cannot render these messages",
+                             [{"field": "messages", "message": str(exc)}]) from None
         return Response({"model": model, "template": template.name, "prompt": prompt})
