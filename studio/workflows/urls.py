@@ -23,7 +23,7 @@ urlpatterns = [
     path("role-kinds/", catalogue.RoleKindsView.as_view(), name="role-kinds"),
     path("ops/", catalogue.OpsView.as_view(), name="ops"),
     path("models/", catalogue.ModelsView.as_view(), name="models"),
-    # A checkpoint's name holds slashes (`org/model`): the rest of the path up to the last segment.
+    # A checkpoint is named as a role names it, slashes and all (`org/model`): `<path:>` takes them.
     path("models/<path:model>/chat-template/", chat_templates.ChatTemplateView.as_view(), name="model-chat-template"),
     path("graphspec/schema/", catalogue.GraphSpecSchemaView.as_view(), name="graphspec-schema"),
     path("workers/", deployments.WorkersView.as_view(), name="worker-list"),
