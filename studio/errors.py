@@ -54,6 +54,13 @@ class LoginFailed(ApiError):
     default_detail = "invalid username or password"
 
 
+class NotFound(ApiError):
+    """No such object; `details` may name the field (or URL part) that names it."""
+
+    status_code = status.HTTP_404_NOT_FOUND
+    default_detail = "not found"
+
+
 class Conflict(ApiError):
     status_code = status.HTTP_409_CONFLICT
     default_detail = "conflict"
@@ -83,8 +90,10 @@ def _flatten(detail: Any, field: str | None = None) -> list[dict[str, Any]]:
     if isinstance(detail, dict):
         out = []
         for key, value in detail.items():
-            name = member(field, str(key))
-            out.extend(_flatten(value, None if key == "non_field_errors" and field is None else name))
+            # A list serializer's errors come keyed by the index of each bad item; DRF's
+            # `non_field_errors` (of the body, or of a nested object or item) are the holder's own.
+            name = element(field, key) if isinstance(key, int) else member(field, str(key))
+            out.extend(_flatten(value, field if key == "non_field_errors" else name))
         return out
     if isinstance(detail, list):
         if all(isinstance(item, str) for item in detail):

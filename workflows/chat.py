@@ -9,6 +9,8 @@ tokens from the reply's KV reference. In a chat session the studio sets the `rep
 `session` param, so the LLM keeps the history server-side and each turn computes only its new
 tokens. `make run` deploys it for the demo user as the model `chat`.
 
+In the studio's New run form, what you type into `prompt` is sent as a user message rendered with
+the model's template (its "Chat message" toggle, `POST /api/models/smollm2-135m/chat-template/`).
 From the command line the prompt is already rendered (the default is "Hello!" in SmolLM2's template):
 
     omniflow run workflows/chat.py --input prompt=$'<|im_start|>user\\nWhat is 2+2?<|im_end|>\\n<|im_start|>assistant\\n'
@@ -35,8 +37,9 @@ prompt = wf.input("prompt", "text", default=("<|im_start|>system\nYou are a help
                                             " Hugging Face<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
                                             "<|im_start|>assistant\n"),
                   description=("the conversation rendered in SmolLM2's chat template (<|im_start|>user ... "
-                               "<|im_start|>assistant); plain text may get an empty reply. /v1/chat/completions on a "
-                               "deployment renders plain messages itself"))
+                               "<|im_start|>assistant); plain text sent as it is may get an empty reply. The studio's "
+                               "New run form renders a plain question for you (Chat message), and "
+                               "/v1/chat/completions on a deployment renders plain messages itself"))
 reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": 256}, stream=True)
 wf.edge(prompt, reply.inp("prompt"))
 text = wf.python(join_text, role=py, id="join")

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from studio.workflows.api import catalogue, deployments, metrics, nodes, runs, workflows
+from studio.workflows.api import catalogue, chat_templates, deployments, metrics, nodes, runs, workflows
 from studio.workflows.chat import views as chat
 
 router = SimpleRouter()
@@ -23,6 +23,8 @@ urlpatterns = [
     path("role-kinds/", catalogue.RoleKindsView.as_view(), name="role-kinds"),
     path("ops/", catalogue.OpsView.as_view(), name="ops"),
     path("models/", catalogue.ModelsView.as_view(), name="models"),
+    # A checkpoint is named as a role names it, slashes and all (`org/model`): `<path:>` takes them.
+    path("models/<path:model>/chat-template/", chat_templates.ChatTemplateView.as_view(), name="model-chat-template"),
     path("graphspec/schema/", catalogue.GraphSpecSchemaView.as_view(), name="graphspec-schema"),
     path("workers/", deployments.WorkersView.as_view(), name="worker-list"),
     path("metrics/history/", metrics.MetricsHistoryView.as_view(), name="metrics-history"),

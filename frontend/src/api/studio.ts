@@ -2,6 +2,8 @@
 import { request } from "./client";
 import type {
   ApiToken,
+  ChatMessage,
+  ChatTemplateInfo,
   EditorLayout,
   GraphSpec,
   Issue,
@@ -10,6 +12,7 @@ import type {
   NodeKind,
   OpInfo,
   Page,
+  RenderedPrompt,
   RoleKind,
   RunDetail,
   Run,
@@ -34,7 +37,20 @@ export const catalogue = {
   ops: () => request<OpInfo[]>("GET", "/api/ops/"),
   /** Built-in models and the checkpoints under the studio's model roots. */
   models: () => request<ModelList>("GET", "/api/models/"),
+  /** How `model` renders chat messages; null when the studio has no such model (or cannot read its tokenizer). */
+  chatTemplate: (model: string) =>
+    request<ChatTemplateInfo | null>("GET", chatTemplatePath(model), { allow: [404] }),
+  /** `messages` rendered with `model`'s chat template: the text an llm node's prompt input expects. */
+  renderChat: (model: string, messages: ChatMessage[], addGenerationPrompt = true) =>
+    request<RenderedPrompt>("POST", chatTemplatePath(model), {
+      json: { messages, add_generation_prompt: addGenerationPrompt },
+    }),
 };
+
+/** A checkpoint's name keeps its slashes (`org/model`); each part is escaped. */
+function chatTemplatePath(model: string): string {
+  return `/api/models/${model.split("/").map(encodeURIComponent).join("/")}/chat-template/`;
+}
 
 /** The user's API tokens: for `Authorization: Bearer <token>` on the API and `/v1`. */
 export const tokens = {

@@ -380,6 +380,28 @@ export interface ModelList {
   checkpoints_truncated: boolean;
 }
 
+/** `GET /api/models/<model>/chat-template/`: how a model renders chat messages. */
+export interface ChatTemplateInfo {
+  model: string;
+  /** "model": its own chat template (smollm2-135m's); "simple": the studio's simple one (the tiny models). */
+  template: "model" | "simple";
+  /** What the template adds after a conversation for the reply to follow (SmolLM2's `<|im_start|>assistant\n`). */
+  generation_prompt: string;
+}
+
+/** A chat message as the chat-template endpoint renders it. */
+export interface ChatMessage {
+  role: "system" | "developer" | "user" | "assistant";
+  content: string;
+}
+
+/** `POST /api/models/<model>/chat-template/`: the messages as an llm node's prompt text. */
+export interface RenderedPrompt {
+  model: string;
+  template: "model" | "simple";
+  prompt: string;
+}
+
 /** `/api/tokens/`: one of the user's live API tokens (its text is never shown again). */
 export interface ApiToken {
   id: number;

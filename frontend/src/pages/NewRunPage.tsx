@@ -2,17 +2,20 @@
  * Submit a run: one field per workflow input, by port type (text, JSON, image or audio upload),
  * executed by the studio's own engine or on the role workers of one of the workflow's running
  * deployments (which runs the version it was deployed with); by default on its running
- * deployment when it has exactly one (`defaultTarget`).
+ * deployment when it has exactly one (`defaultTarget`). A text input that feeds llm prompts of a
+ * model with its own chat template has a "Chat message" toggle: what the user types is sent as a
+ * user message rendered with that template (`run/chatPrompt.ts`).
  */
 import { type FormEvent, useEffect, useMemo, useState } from "react";
 import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom";
 import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
-import { workflows, runs } from "../api/studio";
-import type { NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
+import { catalogue, workflows, runs } from "../api/studio";
+import type { ChatTemplateInfo, NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { Button, ErrorBox, Spinner, formatBytes } from "../components/ui";
+import { chatInputs, chatSend, isRendered } from "../run/chatPrompt";
 import { defaultTarget, type TargetAsked } from "../run/target";
 
 interface InputField {
@@ -35,7 +38,14 @@ function inputsOf(nodes: NodeSpec[]): InputField[] {
     }));
 }
 
-type Draft = { text: string; file: File | null; asJson: boolean };
+/** `chat`: a chat input's toggle (on by default; see `ChatField`). */
+type Draft = { text: string; file: File | null; asJson: boolean; chat: boolean };
+
+/** A text input that feeds llm prompts of `model`, whose own chat template renders what is typed. */
+interface ChatField {
+  model: string;
+  template: ChatTemplateInfo;
+}
 
 function targetAsked(params: URLSearchParams): TargetAsked {
   const version = params.get("version");
@@ -50,14 +60,15 @@ function previousFile(run: RunDetail, name: string): RunFile | undefined {
 
 /** A field's draft: from `given` (a previous run's value) when there is one, else its default. */
 function initialDraft(field: InputField, given?: unknown): Draft {
+  const draft = (text: string, asJson: boolean): Draft => ({ text, file: null, asJson, chat: true });
   if (given !== undefined && !(given && typeof given === "object" && "$file" in given)) {
-    if (typeof given === "string" && (field.type === "text" || field.type === "any")) return { text: given, file: null, asJson: false };
-    return { text: JSON.stringify(given), file: null, asJson: true };
+    if (typeof given === "string" && (field.type === "text" || field.type === "any")) return draft(given, false);
+    return draft(JSON.stringify(given), true);
   }
   const d = field.defaultValue;
-  if (d === undefined) return { text: "", file: null, asJson: field.type !== "text" };
-  if (typeof d === "string" && (field.type === "text" || field.type === "any")) return { text: d, file: null, asJson: false };
-  return { text: JSON.stringify(d), file: null, asJson: true };
+  if (d === undefined) return draft("", field.type !== "text");
+  if (typeof d === "string" && (field.type === "text" || field.type === "any")) return draft(d, false);
+  return draft(JSON.stringify(d), true);
 }
 
 export function NewRunPage() {
@@ -111,6 +122,34 @@ export function NewRunPage() {
   }, [id, number, versions]);
 
   const fields = useMemo(() => (version ? inputsOf(version.spec.nodes) : []), [version]);
+  // The chat inputs' models, and how each renders chat messages (null while they load; a model the
+  // studio cannot find has none). The form runs once they are in, so what is typed goes as the toggle says.
+  const chatModels = useMemo(() => (version ? chatInputs(version.spec) : {}), [version]);
+  const [templates, setTemplates] = useState<Record<string, ChatTemplateInfo | null> | null>({});
+  useEffect(() => {
+    const models = [...new Set(Object.values(chatModels))];
+    if (models.length === 0) {
+      setTemplates({});
+      return;
+    }
+    let stale = false;
+    setTemplates(null);
+    Promise.all(models.map((m) => catalogue.chatTemplate(m).then((info) => [m, info] as const)))
+      .then((found) => !stale && setTemplates(Object.fromEntries(found)))
+      .catch((err) => {
+        if (stale) return;
+        setTemplates({}); // the inputs are sent as typed
+        setError(`The chat templates of ${models.join(", ")} could not be read: ${describeError(err)}`);
+      });
+    return () => {
+      stale = true;
+    };
+  }, [chatModels]);
+  const chatField = (name: string): ChatField | null => {
+    const model = chatModels[name];
+    const template = model && templates ? templates[model] : null;
+    return model && template?.template === "model" ? { model, template } : null;
+  };
   // "Run again" (`?from=<run>`): the drafts start from that run's inputs, its uploaded files too.
   const from = params.get("from");
   const [previous, setPrevious] = useState<RunDetail | null>(null);
@@ -148,6 +187,7 @@ export function NewRunPage() {
     if (target && !deployment) return; // said beside the form: a deployment that is not running
     const inputs: Record<string, unknown> = {};
     const files: Record<string, File> = {};
+    const messages: { name: string; model: string; text: string }[] = [];
     for (const f of fields) {
       const d = drafts[f.name];
       if (!d) continue;
@@ -173,10 +213,19 @@ export function NewRunPage() {
           setError(`Input “${f.name}” is not valid JSON: ${(err as Error).message}`);
           return;
         }
-      } else inputs[f.name] = d.text;
+      } else {
+        const chat = chatField(f.name);
+        if (chat && chatSend(d.text, d.chat, chat.template.generation_prompt) === "render") {
+          messages.push({ name: f.name, model: chat.model, text: d.text });
+        } else inputs[f.name] = d.text;
+      }
     }
     setBusy(true);
     try {
+      for (const m of messages) {
+        const rendered = await catalogue.renderChat(m.model, [{ role: "user", content: m.text }]);
+        inputs[m.name] = rendered.prompt;
+      }
       const on = deployment ? { deployment: deployment.id } : { workflow: workflow.id, version: version.number };
       const run = await runs.submit({
         ...on,
@@ -264,6 +313,7 @@ export function NewRunPage() {
                 key={f.name}
                 field={f}
                 draft={drafts[f.name] ?? initialDraft(f)}
+                chat={chatField(f.name)}
                 onChange={(d) => setDrafts((all) => ({ ...all, [f.name]: d }))}
               />
             ))}
@@ -282,7 +332,7 @@ export function NewRunPage() {
               </label>
             </details>
             <div className="form-actions">
-              <Button variant="primary" icon="play" type="submit" disabled={busy || !version?.valid || (target !== "" && deployments !== null && !deployment)} data-testid="submit-run">
+              <Button variant="primary" icon="play" type="submit" disabled={busy || templates === null || !version?.valid || (target !== "" && deployments !== null && !deployment)} data-testid="submit-run">
                 {busy ? "Submitting…" : "Run"}
               </Button>
             </div>
@@ -296,7 +346,12 @@ export function NewRunPage() {
   );
 }
 
-function InputEditor({ field, draft, onChange }: { field: InputField; draft: Draft; onChange: (d: Draft) => void }) {
+function InputEditor({ field, draft, chat, onChange }: {
+  field: InputField;
+  draft: Draft;
+  chat: ChatField | null;
+  onChange: (d: Draft) => void;
+}) {
   const [preview, setPreview] = useState<string | null>(null);
   useEffect(() => {
     if (!draft.file) {
@@ -333,6 +388,9 @@ function InputEditor({ field, draft, onChange }: { field: InputField; draft: Dra
   }
 
   const json = field.type !== "text" && (field.type !== "any" || draft.asJson);
+  const asChat = chat !== null && draft.chat;
+  let placeholder = field.defaultValue !== undefined ? `default: ${JSON.stringify(field.defaultValue)}` : json ? "JSON value" : "";
+  if (asChat) placeholder = field.defaultValue !== undefined ? "Type a message (empty: the workflow's default prompt)" : "Type a message";
   return (
     <div className="field" data-testid={`input-${field.name}`}>
       {label}
@@ -340,7 +398,7 @@ function InputEditor({ field, draft, onChange }: { field: InputField; draft: Dra
         className={json ? "mono" : undefined}
         rows={field.type === "text" ? 3 : 2}
         value={draft.text}
-        placeholder={field.defaultValue !== undefined ? `default: ${JSON.stringify(field.defaultValue)}` : json ? "JSON value" : ""}
+        placeholder={placeholder}
         onChange={(e) => onChange({ ...draft, text: e.target.value, asJson: field.type === "any" ? draft.asJson : json })}
         aria-label={field.name}
       />
@@ -350,9 +408,19 @@ function InputEditor({ field, draft, onChange }: { field: InputField; draft: Dra
           Parse as JSON
         </label>
       )}
-      <span className="field-hint">
-        {field.description ||
-          (field.type === "json" || field.type === "tokens" ? "A JSON value (numbers, lists, objects…)." : "")}
+      {chat && (
+        <label className="check-row small" data-testid={`chat-toggle-${field.name}`}>
+          <input type="checkbox" checked={draft.chat} onChange={(e) => onChange({ ...draft, chat: e.target.checked })} />
+          Chat message
+        </label>
+      )}
+      <span className="field-hint" data-testid={`input-hint-${field.name}`}>
+        {asChat
+          ? isRendered(draft.text, chat.template.generation_prompt)
+            ? `This text is already in ${chat.model}'s chat template: it is sent as it is.`
+            : `Sent as your message in ${chat.model}'s chat template, as a chat client sends it. Turn it off to send the text exactly as typed.`
+          : field.description ||
+            (field.type === "json" || field.type === "tokens" ? "A JSON value (numbers, lists, objects…)." : "")}
       </span>
     </div>
   );

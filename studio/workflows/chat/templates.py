@@ -67,6 +67,17 @@ class ChatTemplate:
         except ChatPromptError as exc:
             raise TemplateError(str(exc)) from None
 
+    def generation_prompt(self) -> str:
+        """The text `add_generation_prompt` adds after a conversation (SmolLM2's
+        `<|im_start|>assistant\\n`): what a rendered prompt ends with; "" when the template adds
+        nothing, changes more than the end with it, or refuses a lone user message."""
+        probe = [{"role": "user", "content": "?"}]
+        try:
+            bare, prompted = self.render(probe, add_generation_prompt=False), self.render(probe)
+        except TemplateError:
+            return ""
+        return prompted[len(bare):] if prompted.startswith(bare) else ""
+
     def count(self, text: str) -> int:
         """How many tokens the LLM reads `text` as."""
         return len(self.codec.encode(text))
