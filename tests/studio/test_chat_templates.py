@@ -21,8 +21,12 @@ from transformers import AutoTokenizer
 from engine.compute.models.cache import ModelCache
 from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.models.tokenizer import build_byte_tokenizer
+from studio.errors import BadRequest, Unavailable
 from studio.workflows.api.chat_templates import MAX_CHARACTERS, MAX_MESSAGES
 from studio.workflows.apps import StudioEngine, build_engine
+from studio.workflows.chat.shape import ChatShape
+from studio.workflows.chat.turns import chat_template
+from studio.workflows.models import Deployment
 
 pytestmark = pytest.mark.django_db
 
@@ -155,3 +159,16 @@ def test_a_model_that_is_not_here_is_a_404_naming_it_and_no_server_folder(api, r
 def test_it_needs_credentials(api) -> None:
     assert APIClient().get(url("tiny-llama")).status_code in (401, 403)
     assert APIClient().post(url("tiny-llama"), {"messages": QUESTION}, format="json").status_code in (401, 403)
+
+
+def test_a_v1_turn_on_a_model_whose_tokenizer_cannot_load_names_no_server_folder(rooted_engine, model_root) -> None:
+    """`/v1/chat/completions` loads the deployment's template the same way: its 503 (and a bad
+    reference's 400) say what failed, without the model root."""
+    deployment = Deployment(name="d")
+    for model, error, says in (("org/no-tokenizer", Unavailable, "cannot be loaded"),
+                               ("org/../../etc", BadRequest, "climbs out")):
+        shape = ChatShape(prompt_input="prompt", image_inputs=(), llm_node="llm", model=model, streams=False,
+                          reply_output="text", usage_output=None, llm_usage=True)
+        with pytest.raises(error) as refused:
+            chat_template(deployment, shape)
+        assert says in str(refused.value.detail) and str(model_root) not in str(refused.value.detail), refused.value

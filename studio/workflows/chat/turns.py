@@ -43,7 +43,7 @@ from studio.workflows.chat.shape import ChatShape, NotAChatWorkflow, chat_shape
 from studio.workflows.chat.templates import ChatTemplate, Message, TemplateError
 from studio.workflows.models import Deployment, DeploymentStatus, Run, RunStatus, Session
 from studio.workflows.operations import create_run
-from studio.workflows.paths import PathRefused, PathRoots, model_reference
+from studio.workflows.paths import PathRefused, PathRoots, model_reference, without_roots
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.follow import follow_run
 from studio.workflows.runs.lease import RUN_RESTARTED
@@ -183,13 +183,14 @@ def chat_template(deployment: Deployment, shape: ChatShape) -> ChatTemplate:
     no longer where the deployment found it; Unavailable when it cannot be loaded here)."""
     if not shape.model:
         raise BadRequest(f"the llm role of deployment {deployment.pk} names no model")
+    roots = PathRoots.of(engine().config)
     try:
-        model = model_reference(PathRoots.of(engine().config), "llm", shape.model)
-        return engine().templates.get(model)
+        return engine().templates.get(model_reference(roots, "llm", shape.model))
     except PathRefused as exc:
-        raise BadRequest(str(exc)) from None
-    except ModelLoadError as exc:
-        raise Unavailable(f"the chat template of model {shape.model!r} cannot be loaded: {exc}") from None
+        raise BadRequest(without_roots(str(exc), roots)) from None
+    except ModelLoadError as exc:  # a checkpoint's tokenizer error names its files: their folder is hidden
+        raise Unavailable(f"the chat template of model {shape.model!r} cannot be loaded:"
+                          f" {without_roots(str(exc), roots)}") from None
 
 
 def _rendered(render: Callable[[], str]) -> str:
