@@ -7,8 +7,8 @@
 * `RunInputError`, `resolve_inputs` -- a run's inputs checked against its plan before submitting;
 * the events, in order, with contiguous sequence numbers (`RunStarted` first, `RunFinished`
   last): `RunEvent` (their union), `NodeStateEvent`, `NodeOutputEvent`, `NodeProgressEvent`,
-  `NodeState`, `RunStatus`; `EventLog` keeps a run's events for late readers; `event_to_dict`
-  and `preview` shape them for JSON;
+  `NodeState`, `RunStatus`; `EventLog` keeps a run's events for late readers; `event_to_dict`,
+  `preview` and `finite_json` shape them for JSON;
 * `HeldBlob` -- a byte blob (an image, an audio clip) a node's output event only previews, and its
   place in the value (`BlobPath`), which `Run.take_blobs` hands a server that shows them;
 * `TransferError` -- a tensor that could not be moved between workers (a run fails with it).
@@ -31,6 +31,7 @@ from engine.flow.events import (
     RunStarted,
     RunStatus,
     event_to_dict,
+    finite_json,
     preview,
 )
 from engine.flow.executor import Executor, Run, RunInputError, resolve_inputs
@@ -55,6 +56,7 @@ __all__ = [
     "RunStatus",
     "TransferError",
     "event_to_dict",
+    "finite_json",
     "in_process_executor",
     "preview",
     "resolve_inputs",

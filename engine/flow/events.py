@@ -197,11 +197,34 @@ def _printable(value: Any, depth: int = 0) -> Any:
     return value
 
 
+def non_finite(value: float) -> dict[str, str]:
+    """How a value shows a float JSON has no number for: `{"float": "inf"}`, `"-inf"` or `"nan"`
+    (JSON encoders write null, or a literal that is not JSON and no database column takes)."""
+    return {"float": "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"}
+
+
+def finite_json(value: Any) -> Any:
+    """`value` (JSON-shaped: dicts, lists, tuples, scalars) with each float that is not finite as
+    `non_finite` shows it; the value itself when it holds none."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else non_finite(value)
+    if isinstance(value, dict):
+        items = {key: finite_json(item) for key, item in value.items()}
+        return value if all(items[key] is value[key] for key in value) else items
+    if isinstance(value, list | tuple):
+        listed = [finite_json(item) for item in value]
+        return value if all(a is b for a, b in zip(listed, value, strict=True)) else listed
+    return value
+
+
 def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
     """A JSON-able, bounded rendering of a port value for events and UIs. An integer whose text is
-    longer than `limit` (Python prints none of more than 4300 digits) is `{"int": {"bits": n}}`."""
-    if value is None or isinstance(value, bool | float):
+    longer than `limit` (Python prints none of more than 4300 digits) is `{"int": {"bits": n}}`; a
+    float that is not finite, `{"float": "inf"}` (`non_finite`)."""
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else non_finite(value)
     if isinstance(value, int):
         return _int_preview(value, limit)
     if _opens(value, depth):  # each blob at its place (`blobs_in`), the items sharing the bound
@@ -218,7 +241,7 @@ def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
     if shape is not None and dtype is not None:
         return {"tensor": {"shape": list(shape), "dtype": str(dtype)}}
     try:
-        encoded = _JSON.encode(value)
+        encoded = _JSON.encode(finite_json(msgspec.to_builtins(value)))
     except (TypeError, msgspec.EncodeError):
         return {"repr": repr(value)[:limit]}
     except ValueError:  # an integer in it too long to print

@@ -99,3 +99,13 @@ def huge(text: str) -> int:
 def holds_huge(text: str) -> dict:
     """That integer inside a value, beside a small one."""
     return {"n": -(1 << 20_000), "small": [1, 2]}
+
+
+def beyond(text: str) -> dict:
+    """Floats JSON has no number for, beside one it has."""
+    return {"big": float(text) * float(text), "nan": float("nan"), "low": [-float("inf"), 1.5]}
+
+
+def with_nul(text: str) -> str:
+    """Text no PostgreSQL text or jsonb column holds."""
+    return f"{text}\x00{text}"

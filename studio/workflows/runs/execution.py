@@ -47,7 +47,7 @@ from engine.spec.userfiles import UsersRoot
 from studio.workflows.runs.bus import RunEventBus
 from studio.workflows.runs.lease import LeaseKeeper
 from studio.workflows.runs.metrics import RunMetrics
-from studio.workflows.runs.store import NODE_MEDIA_LIMIT, RunTicket
+from studio.workflows.runs.store import NODE_MEDIA_LIMIT, EventsRefused, RunTicket
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class RunStore(Protocol):
     async def record(self, run_id: str, events: list[RunEvent], final_outputs: dict | None = None,
                      blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]:
         """Store the executor's events (typed; `seq` numbered on from the ticket's `seq_base`);
-        they come back as stored (JSON data), to publish."""
+        they come back as stored (JSON data), to publish. `EventsRefused` when the database
+        refuses them (nothing written)."""
         ...
 
     async def finish_unstarted(self, run_id: str, status: RunStatus, error: str, *,
@@ -150,7 +151,10 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
             outputs = await executors.materialize(ticket, (await run.wait()).outputs) if final else None
             events = [msgspec.structs.replace(e, seq=e.seq + ticket.seq_base) for e in batch]
             blobs = await _blobs(run, batch, ticket, executors)
-            stored = await store.record(run_id, events, outputs, blobs)
+            try:
+                stored = await store.record(run_id, events, outputs, blobs)
+            except EventsRefused as exc:
+                return await _refused(run, run_id, store, bus, metrics, exc)
             await bus.publish(run_id, stored)
             metrics.observe(batch, ticket.node_kinds)
             position += len(batch)
@@ -158,6 +162,21 @@ async def _pump(run: Run, ticket: RunTicket, executors: ExecutorSource, store: R
                 return batch[-1].status
     finally:
         cancel_requested.cancel()
+
+
+async def _refused(run: Run, run_id: str, store: RunStore, bus: RunEventBus, metrics: RunMetrics,
+                   refused: EventsRefused) -> RunStatus:
+    """The run's events could not be stored: it is stopped and ends `failed` saying why, rather
+    than run on unrecorded (its lease would lapse and it would be executed again, to the same end)."""
+    log.error("run %s: %s; failing it", run_id, refused)
+    if not run.done:
+        await run.cancel()
+    events = await store.finish_unstarted(run_id, RunStatus.FAILED, f"its results could not be stored: {refused}",
+                                          only_pending=False)
+    if events:
+        await bus.publish(run_id, events)
+        metrics.runs_finished.labels(str(RunStatus.FAILED)).inc()
+    return RunStatus.FAILED
 
 
 async def execute_run(run_id: str, *, executors: ExecutorSource, store: RunStore, bus: RunEventBus,

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 from django.core.files.base import ContentFile
-from django.db import close_old_connections, connections, transaction
+from django.db import DataError, IntegrityError, close_old_connections, connections, transaction
 from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
@@ -42,6 +42,7 @@ from engine.client.runs import (
     RunStarted,
     RunStatus,
     event_to_dict,
+    finite_json,
     preview,
 )
 from engine.client.runs import RunEvent as EngineEvent
@@ -215,7 +216,7 @@ def _output_value(run: Run, name: str, value: Any, files: dict[str, str]) -> Any
         files[name] = file_url(run.pk, record.pk)
         return file_ref(record)
     try:
-        encoded = msgspec.json.encode(value)
+        encoded = msgspec.json.encode(finite_json(value))  # JSON writes no infinity: msgspec would write null
     except (TypeError, ValueError, msgspec.EncodeError):  # ValueError: an integer too long to print
         return preview(value)
     if len(encoded) > INLINE_OUTPUT_LIMIT:
@@ -488,6 +489,11 @@ def pending_runs() -> list[str]:
             .values_list("pk", flat=True)]
 
 
+class EventsRefused(Exception):
+    """The database refused a batch of a run's events (a value no column of it holds): nothing of
+    the batch was written, and writing it again would fail the same way."""
+
+
 class ThreadedRunStore:
     """The functions above, awaited from an event loop on one dedicated thread (so a run's
     writes stay ordered and the loop never blocks on the database). With `lease`, runs are
@@ -512,8 +518,13 @@ class ThreadedRunStore:
 
     async def record(self, run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any] | None = None,
                      blobs: dict[int, list[HeldBlob]] | None = None) -> list[dict]:
-        return await self._call(record, run_id, events, final_outputs, blobs,
-                                owner=None if self.lease is None else self.lease.owner)
+        try:
+            return await self._call(record, run_id, events, final_outputs, blobs,
+                                    owner=None if self.lease is None else self.lease.owner)
+        except (DataError, IntegrityError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EventsRefused(f"the database refused its events {events[0].seq}..{events[-1].seq}: {reason}"
+                                if events else f"the database refused its outputs: {reason}") from exc
 
     async def renew(self, run_ids: list[str]) -> LeaseCheck:
         assert self.lease is not None, "renew needs a store with a lease"
