@@ -3,6 +3,7 @@
  * form generated from a JSON Schema (a node kind's or role kind's parameters).
  */
 import { type InputHTMLAttributes, useEffect, useState } from "react";
+import { parseUserJson } from "../api/json";
 import type { JsonSchema } from "../api/types";
 
 type CommitInputProps = Omit<InputHTMLAttributes<HTMLInputElement>, "value" | "onChange"> & {
@@ -100,10 +101,10 @@ export function JsonInput({
             return;
           }
           try {
-            onCommit(JSON.parse(draft));
+            onCommit(parseUserJson(draft));
             setError(null);
           } catch (err) {
-            setError(`Not JSON: ${(err as Error).message}`);
+            setError(err instanceof SyntaxError ? `Not JSON: ${err.message}` : (err as Error).message);
           }
         }}
       />

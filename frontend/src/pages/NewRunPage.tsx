@@ -10,6 +10,7 @@ import { type FormEvent, useEffect, useMemo, useState } from "react";
 import { Link, useNavigate, useParams, useSearchParams } from "react-router-dom";
 import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
+import { parseUserJson } from "../api/json";
 import { catalogue, workflows, runs } from "../api/studio";
 import type { ChatTemplateInfo, NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
@@ -208,9 +209,9 @@ export function NewRunPage() {
       }
       if (d.asJson) {
         try {
-          inputs[f.name] = JSON.parse(d.text);
+          inputs[f.name] = parseUserJson(d.text);
         } catch (err) {
-          setError(`Input “${f.name}” is not valid JSON: ${(err as Error).message}`);
+          setError(`Input “${f.name}”: ${err instanceof SyntaxError ? "not valid JSON: " : ""}${(err as Error).message}`);
           return;
         }
       } else {
