@@ -19,6 +19,7 @@ from engine.client.cluster import NodeDirectoryError
 from engine.client.graphs import GraphValidationError, build_plan
 from engine.client.runs import RunInputError, resolve_inputs
 from engine.spec.graph import GraphSpec
+from engine.spec.jsonpath import member
 from studio.config import Dispatch
 from studio.errors import BadRequest, Conflict, Unprocessable
 from studio.jsonbody import JsonRefused, load_json
@@ -224,7 +225,7 @@ def create_run(user: Any, version: WorkflowVersion, inputs: dict[str, Any], *,
                             policy.issue_dicts())
     check_paths(user, policy.document, f"version {version.number} of {version.workflow.name!r} cannot run here")
     _file_inputs(spec, files)
-    forged = [where for name, value in inputs.items() for where in kv_ref_paths(value, f"inputs.{name}")]
+    forged = [where for name, value in inputs.items() for where in kv_ref_paths(value, member("inputs", name))]
     if forged:
         raise Unprocessable("a run's inputs cannot carry a KV reference (it names the worker its pages are"
                             " pulled from); only an llm node of the same run makes one", forged)

@@ -80,6 +80,7 @@ def test_bad_submissions(api, other_api) -> None:
     cases = [
         ({"workflow": wf["id"], "inputs": {"text": "x", "nope": 1}}, 422, "inputs do not match"),
         ({"workflow": wf["id"], "inputs": {}}, 422, "inputs do not match"),
+        ({"workflow": wf["id"], "inputs": {"text": 42}}, 422, "inputs do not match"),
         ({"workflow": wf["id"], "inputs": [1]}, 400, "invalid request"),
         ({"workflow": wf["id"], "version": 7}, 404, "has no version 7"),
         ({"inputs": {}}, 400, "invalid request"),
@@ -89,6 +90,8 @@ def test_bad_submissions(api, other_api) -> None:
         response = api.post("/api/runs/", body, format="json")
         assert response.status_code == status, (body, response.content)
         assert message in response.json()["error"], response.json()
+    typed = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"text": 42}}, format="json").json()
+    assert typed["details"] == ["input 'text' is text: give it a string, not a number"], typed
     assert other_api.post("/api/runs/", {"workflow": wf["id"]}, format="json").status_code == 404
     empty = api.post("/api/workflows/", {"name": "empty"}, format="json").json()
     assert api.post("/api/runs/", {"workflow": empty["id"]}, format="json").status_code == 409

@@ -972,6 +972,27 @@ async def test_input_errors_name_every_problem(executor):
     assert str(caught.value) == f"unknown input ['c'] (the workflow takes {takes})"
 
 
+async def test_text_and_token_inputs_take_only_their_kind_naming_the_input(executor):
+    wf, _ = new_workflow()
+    text = wf.input("text", type="text")
+    ids = wf.input("ids", type="tokens", default=[1, 2])
+    wf.output("said", text)
+    wf.output("ids_out", ids)
+    spec = wf.to_spec()
+    for given, problem in (({"text": 42}, "input 'text' is text: give it a string, not a number"),
+                           ({"text": ["a"]}, "input 'text' is text: give it a string, not a list"),
+                           ({"text": "ok", "ids": "1 2"}, "input 'ids' takes tokens: give it a list of token ids"
+                            " (whole numbers), not a string"),
+                           ({"text": "ok", "ids": [1, 2.5]}, "not a list holding other things than whole numbers"),
+                           ({"text": "ok", "ids": [True]}, "not a list holding other things")):
+        with pytest.raises(RunInputError) as caught:
+            await executor.submit(spec, given)
+        assert problem in str(caught.value), (given, str(caught.value))
+    wf.output("late_out", wf.input("late", type="text", default=7))
+    with pytest.raises(RunInputError, match="input 'late' is text: give it a string, not a number"):
+        await executor.submit(wf.to_spec(), {"text": "ok"})
+
+
 async def one_node_failure(executor: Executor, fn: Callable[..., Any], **options: Any) -> RunResult:
     wf, py = new_workflow()
     n = wf.input("n", default=5)
