@@ -334,7 +334,8 @@ def diff_documents(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """What changed between two canonical GraphSpec documents, by role name, node id and edge id,
     plus a unified diff of their pretty-printed JSON. `old` empty: against nothing (every field and
     item of `new` is added)."""
-    old_text = json.dumps(old, indent=2, sort_keys=True).splitlines(keepends=True)
+    # Against nothing the old side has no lines (not a removed "{}").
+    old_text = json.dumps(old, indent=2, sort_keys=True).splitlines(keepends=True) if old else []
     new_text = json.dumps(new, indent=2, sort_keys=True).splitlines(keepends=True)
     return {
         "fields": _fields(old, new, skip=("roles", "nodes", "edges")),

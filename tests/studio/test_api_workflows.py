@@ -102,6 +102,8 @@ def test_a_diff_says_whether_each_field_was_added_removed_or_changed(api) -> Non
     assert changes(v1["fields"]) == {"description": "added", "name": "added", "version": "added"}
     assert v1["fields"]["name"] == {"from": None, "to": first["name"], "change": "added"}
     assert sorted(v1["nodes"]["added"]) == sorted(n["id"] for n in first["nodes"]) and not v1["nodes"]["changed"]
+    body = v1["unified"].splitlines()[2:]  # after the ---/+++ header: every line added, none removed
+    assert body[0].startswith("@@ -0,0 ") and all(line.startswith("+") for line in body[1:])
     v2 = api.get(f"{url}2/diff/").json()
     assert changes(v2["fields"]) == {"description": "changed", "meta": "added"}
     back = api.get(f"{url}1/diff/?against=2").json()
