@@ -1,6 +1,8 @@
 /** Small building blocks shared by the pages. */
 import { type ReactNode, useEffect, useRef } from "react";
+import { useNow } from "../hooks/useNow";
 import { Icon, type IconName } from "./icons";
+import { describeTime } from "./time";
 import { useToastSlot } from "./toast";
 
 export function Spinner({ label }: { label?: string }) {
@@ -135,14 +137,23 @@ export function formatMs(ms: number | null | undefined): string {
   return `${Math.floor(ms / 60_000)} min ${Math.round((ms % 60_000) / 1000)} s`;
 }
 
+/** A timestamp in running text: its date and time of day (see `describeTime`). */
 export function formatTime(iso: string | null | undefined): string {
-  if (!iso) return "";
-  const d = new Date(iso);
-  const now = new Date();
-  const sameDay = d.toDateString() === now.toDateString();
-  return sameDay
-    ? d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" })
-    : d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+  return describeTime(iso)?.text ?? "";
+}
+
+/** A server timestamp in a list: its date and how long ago (kept current), the full instant in
+ * its tooltip. Every list of the studio shows its times this way. */
+export function Timestamp({ iso }: { iso: string | null | undefined }) {
+  const now = useNow(30_000);
+  const time = describeTime(iso, now);
+  if (!time) return null;
+  return (
+    <time className="timestamp" dateTime={iso ?? undefined} title={time.full}>
+      {time.text}
+      <span className="timestamp-ago"> · {time.relative}</span>
+    </time>
+  );
 }
 
 export function formatBytes(n: number): string {

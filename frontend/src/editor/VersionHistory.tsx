@@ -3,7 +3,7 @@ import { useEffect, useState } from "react";
 import { describeError } from "../api/client";
 import { workflows } from "../api/studio";
 import type { SectionDiff, Version, VersionDiff } from "../api/types";
-import { Button, ErrorBox, Modal, Spinner, formatTime } from "../components/ui";
+import { Button, ErrorBox, Modal, Spinner, Timestamp } from "../components/ui";
 import { CHANGE_MARK, workflowFieldChanges } from "./diff";
 
 export function VersionHistory({
@@ -67,7 +67,7 @@ export function VersionHistory({
                     <span className="pill">v{v.number}</span>
                     {v.number === current && <span className="muted small">open</span>}
                     {!v.valid && <span className="danger-text small">issues</span>}
-                    <span className="muted small push">{formatTime(v.created_at)}</span>
+                    <span className="muted small push"><Timestamp iso={v.created_at} /></span>
                   </span>
                   <span className="version-msg">{v.message || <em className="muted">no message</em>}</span>
                   <span className="muted small">{v.author ?? "unknown"}</span>
