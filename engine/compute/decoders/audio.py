@@ -10,43 +10,15 @@ exactly `T * prod(rates)` samples), a last convolution and `tanh` give samples i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import lookup
+from engine.compute.decoders.catalog import AUDIO_DECODERS, AudioDecoderConfig
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import wav_bytes
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class AudioDecoderConfig:
-    name: str
-    codebook_size: int = 1024
-    num_codebooks: int = 1
-    dim: int = 64
-    channels: int = 64
-    rates: tuple[int, ...] = (8, 5, 4)
-    sample_rate: int = 16_000
-    gain: float = 0.5
-    seed: int = 13
-    description: str = ""
-
-    @property
-    def hop(self) -> int:
-        """Samples per code."""
-        return math.prod(self.rates)
-
-
-AUDIO_DECODERS: MappingProxyType[str, AudioDecoderConfig] = catalog(
-    AudioDecoderConfig(
-        name="tiny-audio-decoder",
-        description="1024-code codebook, upsampling 8x5x4: 100 codes per second of 16 kHz audio",
-    ),
-)
 
 
 def audio_decoder_config(name: str) -> AudioDecoderConfig:

@@ -14,45 +14,16 @@ the default 10 ms hop).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import lookup
+from engine.compute.encoders.catalog import AUDIO_ENCODERS, AudioEncoderConfig
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_audio
 from engine.compute.prefix.keys import content_hash
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class AudioEncoderConfig:
-    name: str
-    sample_rate: int = 16_000
-    n_fft: int = 400
-    hop_length: int = 160
-    n_mels: int = 40
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 64
-    seed: int = 11
-    description: str = ""
-
-    def num_tokens(self, num_samples: int) -> int:
-        frames = num_samples // self.hop_length + 1
-        strided = (frames + 1) // 2  # conv2: kernel 3, stride 2, padding 1
-        return (strided + 1) // 2 if strided > 1 else 1  # average pooling by 2, ceil
-
-
-AUDIO_ENCODERS: MappingProxyType[str, AudioEncoderConfig] = catalog(
-    AudioEncoderConfig(
-        name="tiny-audio-encoder",
-        description="40-bin log-mel at 16 kHz into a 2-layer transformer, hidden 32: 25 rows per second",
-    ),
-)
 
 
 def audio_config(name: str) -> AudioEncoderConfig:

@@ -8,46 +8,17 @@ The result is one embedding row per placeholder position of the image in the pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import MappingProxyType
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
-from engine.compute.catalog import catalog, lookup
+from engine.compute.catalog import lookup
+from engine.compute.encoders.catalog import VISION_ENCODERS, VisionEncoderConfig
 from engine.compute.encoders.items import EncodedItem, EncoderError
 from engine.compute.media import read_image
 from engine.compute.prefix.keys import content_hash
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class VisionEncoderConfig:
-    """A tiny seeded ViT: `(image_size / patch_size) ** 2` embedding rows per image."""
-
-    name: str
-    image_size: int = 32
-    patch_size: int = 8
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 64
-    seed: int = 7
-    description: str = ""
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-
-VISION_ENCODERS: MappingProxyType[str, VisionEncoderConfig] = catalog(
-    VisionEncoderConfig(
-        name="tiny-vit",
-        description="2-layer ViT, hidden 32, 32x32 input in 8x8 patches: 16 rows per image",
-    ),
-)
 
 
 def vision_config(name: str) -> VisionEncoderConfig:
