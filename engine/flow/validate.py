@@ -251,8 +251,8 @@ def _check_wiring(nodes: dict[str, NodeSpec], kinds: KindRegistry, incoming: dic
             required = any(port in node.inputs and not node.inputs[port].optional for port in choice.ports)
             if not required and not any((node.id, port) in incoming for port in choice.ports):
                 ports = " or ".join(f"{node.id}.{port}" for port in choice.ports)
-                add(Issue("missing_input", f"node {node.id!r} of kind {node.kind!r} needs {choice.what}: connect"
-                          f" its input port {ports}", node=node.id, port=choice.ports[0]))
+                add(Issue("missing_input", f"node {node.id!r} needs {choice.what}: connect its input port {ports}",
+                          node=node.id, port=choice.ports[0]))
         preds = set(topo.preds.get(node.id, ()))
         succs = set(topo.succs.get(node.id, ()))
         for group in node.trigger or ():

@@ -113,7 +113,7 @@ def test_an_llm_node_with_no_prompt_wired_is_an_issue_on_its_node_and_port(api, 
                                   "tokens": {"type": "tokens", "optional": True}}
     spec["edges"] = [e for e in spec["edges"] if e["target"] != "gen"]
     expected = {"code": "missing_input", "node": "gen", "port": "prompt",
-                "message": "node 'gen' of kind 'llm' needs a prompt: connect its input port gen.prompt or gen.tokens"}
+                "message": "node 'gen' needs a prompt: connect its input port gen.prompt or gen.tokens"}
     response = api.post("/api/validate/", {"spec": spec}, format="json")
     assert response.status_code == 400 and response.json()["details"] == [expected]
     report = api.post("/api/validate/?report=1", {"spec": spec}, format="json").json()  # what the editor asks

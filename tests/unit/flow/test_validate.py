@@ -334,7 +334,7 @@ def test_a_model_node_without_a_prompt_wired_is_an_issue_on_its_node(kind, role_
     kinds = default_kinds()
     media = ("items", "embeds") if kind == "llm" else ()
     assert check_spec(prompted(kind, *media, role_kind=role_kind), kinds) == [
-        Issue("missing_input", f"node 'gen' of kind {kind!r} needs a prompt: connect its input port {ports}",
+        Issue("missing_input", f"node 'gen' needs a prompt: connect its input port {ports}",
               node="gen", port="prompt"),
     ]
 
