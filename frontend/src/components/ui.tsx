@@ -143,15 +143,19 @@ export function formatTime(iso: string | null | undefined): string {
 }
 
 /** A server timestamp in a list: its date and how long ago (kept current), the full instant in
- * its tooltip. Every list of the studio shows its times this way. */
-export function Timestamp({ iso }: { iso: string | null | undefined }) {
+ * its tooltip. Every list of the studio shows its times this way; `stacked` puts how long ago
+ * under the date (a list whose rows are two lines high anyway, and whose columns need the width). */
+export function Timestamp({ iso, stacked = false }: { iso: string | null | undefined; stacked?: boolean }) {
   const now = useNow(30_000);
   const time = describeTime(iso, now);
   if (!time) return null;
   return (
-    <time className="timestamp" dateTime={iso ?? undefined} title={time.full}>
+    <time className={`timestamp${stacked ? " stacked" : ""}`} dateTime={iso ?? undefined} title={time.full}>
       {time.text}
-      <span className="timestamp-ago"> · {time.relative}</span>
+      <span className="timestamp-ago">
+        <span className="timestamp-sep"> · </span>
+        {time.relative}
+      </span>
     </time>
   );
 }
