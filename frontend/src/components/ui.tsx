@@ -142,20 +142,23 @@ export function formatTime(iso: string | null | undefined): string {
   return describeTime(iso)?.text ?? "";
 }
 
-/** A server timestamp in a list: its date and how long ago (kept current), the full instant in
- * its tooltip. Every list of the studio shows its times this way; `stacked` puts how long ago
- * under the date (a list whose rows are two lines high anyway, and whose columns need the width). */
-export function Timestamp({ iso, stacked = false }: { iso: string | null | undefined; stacked?: boolean }) {
+/** A server timestamp in a list: its date, how long ago (kept current) and, in its tooltip, the
+ * full instant. Every list of the studio shows its times this way; where the "5 minutes ago" goes
+ * depends on the room a list has: `inline` after the date, `below` it (rows two lines high anyway),
+ * or only in the tooltip (`title`: rows that must keep one line in a narrow window). */
+export function Timestamp({ iso, ago = "title" }: { iso: string | null | undefined; ago?: "inline" | "below" | "title" }) {
   const now = useNow(30_000);
   const time = describeTime(iso, now);
   if (!time) return null;
   return (
-    <time className={`timestamp${stacked ? " stacked" : ""}`} dateTime={iso ?? undefined} title={time.full}>
-      {time.text}
-      <span className="timestamp-ago">
-        <span className="timestamp-sep"> · </span>
-        {time.relative}
-      </span>
+    <time className={`timestamp ago-${ago}`} dateTime={iso ?? undefined} title={`${time.full} (${time.relative})`}>
+      <span className="timestamp-date">{time.text}</span>
+      {ago !== "title" && (
+        <span className="timestamp-ago">
+          <span className="timestamp-sep"> · </span>
+          {time.relative}
+        </span>
+      )}
     </time>
   );
 }

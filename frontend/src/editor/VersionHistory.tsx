@@ -67,7 +67,7 @@ export function VersionHistory({
                     <span className="pill">v{v.number}</span>
                     {v.number === current && <span className="muted small">open</span>}
                     {!v.valid && <span className="danger-text small">issues</span>}
-                    <span className="muted small push"><Timestamp iso={v.created_at} /></span>
+                    <span className="muted small push"><Timestamp iso={v.created_at} ago="inline" /></span>
                   </span>
                   <span className="version-msg">{v.message || <em className="muted">no message</em>}</span>
                   <span className="muted small">{v.author ?? "unknown"}</span>

@@ -133,9 +133,9 @@ export function TokensPage() {
                 <tr key={t.id} data-testid="token-row" data-name={t.name} data-used={t.last_used_at ? "yes" : "no"}>
                   <td>{t.name || <span className="muted">unnamed</span>}</td>
                   <td className="mono small">{t.prefix}…</td>
-                  <td className="small nowrap"><Timestamp iso={t.created_at} /></td>
+                  <td className="small nowrap"><Timestamp iso={t.created_at} ago="inline" /></td>
                   <td className="small" data-testid="token-last-used">
-                    {t.last_used_at ? <Timestamp iso={t.last_used_at} /> : <span className="muted">never</span>}
+                    {t.last_used_at ? <Timestamp iso={t.last_used_at} ago="inline" /> : <span className="muted">never</span>}
                   </td>
                   <td className="right">
                     <Button small variant="ghost" icon="trash" onClick={() => setRevoking(t)} data-testid="token-revoke">

@@ -114,7 +114,7 @@ export function WorkflowsPage() {
                       <span className="muted small">no version saved</span>
                     )}
                   </td>
-                  <td className="muted small nowrap"><Timestamp iso={w.updated_at} stacked /></td>
+                  <td className="muted small nowrap"><Timestamp iso={w.updated_at} ago="below" /></td>
                   <td className="right nowrap">
                     <Link className="btn btn-ghost btn-sm" to={`/workflows/${w.id}`}>
                       <Icon name="flow" size={14} /> Edit
