@@ -10,8 +10,10 @@ which no real model is to be had offline. A `diffusion` role denoises with an LL
 but through a seeded head (`engine.compute.diffusion.head`), so what it makes is random whatever
 its LLM is.
 
-Nothing here loads a model: the rows come from the configuration tables, imported when the
-catalogue is first asked for (they live in modules that import torch).
+Nothing here loads a model, nor imports torch, transformers or diffusers: the rows come from the
+configuration tables (`models.catalog`, `models.packaged`, `encoders.catalog`, `decoders.catalog`),
+imported when the catalogue is first asked for. The studio reads it to list models and to validate
+every workflow, so the first editor to open must not wait for the libraries that build models.
 """
 
 from __future__ import annotations
@@ -60,10 +62,8 @@ class CatalogueModel:
 
 def model_catalogue() -> list[CatalogueModel]:
     """The packaged real LLMs first, then the tiny seeded LLMs, encoders and decoders."""
-    from engine.compute.decoders.audio import AUDIO_DECODERS
-    from engine.compute.decoders.image import IMAGE_DECODERS
-    from engine.compute.encoders.audio import AUDIO_ENCODERS
-    from engine.compute.encoders.vision import VISION_ENCODERS
+    from engine.compute.decoders.catalog import AUDIO_DECODERS, IMAGE_DECODERS
+    from engine.compute.encoders.catalog import AUDIO_ENCODERS, VISION_ENCODERS
     from engine.compute.models.catalog import BUILTIN_MODELS
     from engine.compute.models.packaged import PACKAGED_MODELS
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec.graph import PortSpec
-from engine.spec.kinds import MAX_CAPACITY, KindRegistry, NodeKind, RoleKind, RoleModels
+from engine.spec.kinds import MAX_CAPACITY, InputChoice, KindRegistry, NodeKind, RoleKind, RoleModels
 
 # Hard ceilings of the values that size memory or processes: the engine refuses more than
 # these whoever asks (a studio's per-user quotas are lower; see studio/workflows/quotas.py).
@@ -129,6 +129,10 @@ _PROMPT_INPUTS = {
     "prompt": PortSpec(type="text", optional=True, description="text prompt (or the new message)"),
     "tokens": PortSpec(type="tokens", optional=True, description="prompt as token ids"),
 }
+
+PROMPT_CHOICE = InputChoice(ports=("prompt", "tokens"), what="a prompt")
+"""An llm node's prompt: text or token ids (`engine.compute.prompts.call_prompt` reads exactly one;
+media items only ride along with it)."""
 
 _MEDIA_INPUTS = {
     "items": PortSpec(type="json", optional=True,
@@ -306,6 +310,7 @@ def register(registry: KindRegistry) -> None:
             category="model",
             params_schema=LLM_NODE_PARAMS,
             inputs={**_PROMPT_INPUTS, **_MEDIA_INPUTS},
+            needs=(PROMPT_CHOICE,),
             outputs={
                 "text": PortSpec(type="text", description="generated text (stream: deltas)"),
                 "tokens": PortSpec(type="tokens", description="generated token ids (stream: new ones)"),
@@ -326,6 +331,7 @@ def register(registry: KindRegistry) -> None:
             category="model",
             params_schema=LLM_PREFILL_PARAMS,
             inputs=dict(_PROMPT_INPUTS),
+            needs=(PROMPT_CHOICE,),
             outputs={"kv": PortSpec(type="kv", description="a KVRef holding the prompt's pages for one llm.decode node")},
         )
     )
@@ -452,6 +458,7 @@ def register_multimodal(registry: KindRegistry) -> None:
             "kv": PortSpec(type="kv", optional=True, description="an llm node's kv output: its pages are reused,"
                            " and its context (prompt and output ids) is the prompt when neither is given"),
         },
+        needs=(InputChoice(ports=("prompt", "tokens", "kv"), what="a prompt"),),
         outputs={"latents": PortSpec(type="tensor", description="(C, h, w) latents for vae_decode")},
     ))
     registry.add_node_kind(NodeKind(

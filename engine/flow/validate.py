@@ -5,6 +5,8 @@
 `OpConfig`, its python nodes' ops: `op_unknown`, `op_not_allowed`, their params against the op's
 schema; each role's model: `model_missing` where its kind needs one and, given a `CheckpointLookup`,
 `model_unknown` for a name that is neither one of the kind's built-in models nor a checkpoint).
+Its wiring checks include `dangling_port` (a required input with no edge) and `missing_input` (a
+node wiring none of a choice of inputs its kind needs one of, such as an llm node's prompt).
 Both report all issues they find rather than stopping at the first.
 """
 
@@ -124,7 +126,7 @@ def check_spec(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None
     nodes = _check_nodes(spec, kinds, roles, ops, add)
     topo = topology(spec)
     incoming = _check_edges(spec, nodes, add)
-    _check_wiring(nodes, incoming, topo, add)
+    _check_wiring(nodes, kinds, incoming, topo, add)
     _check_cycles(nodes, topo, add)
     return issues
 
@@ -229,14 +231,22 @@ def _check_edges(spec: GraphSpec, nodes: dict[str, NodeSpec],
     return incoming
 
 
-def _check_wiring(nodes: dict[str, NodeSpec], incoming: dict[tuple[str, str], list[str]], topo: Topology,
-                  add: Callable[[Issue], None]) -> None:
-    """Required inputs connected; triggers name predecessors and routes successors."""
+def _check_wiring(nodes: dict[str, NodeSpec], kinds: KindRegistry, incoming: dict[tuple[str, str], list[str]],
+                  topo: Topology, add: Callable[[Issue], None]) -> None:
+    """Required inputs connected, and one of each of the kind's input choices; triggers name
+    predecessors and routes successors."""
     for node in nodes.values():
         for port, pspec in node.inputs.items():
             if (node.id, port) not in incoming and not pspec.optional:
                 add(Issue("dangling_port", f"input port {node.id}.{port} is not connected (connect it or mark it"
                           " optional)", node=node.id, port=port))
+        for choice in kinds.node_kind(node.kind).needs if kinds.has_node_kind(node.kind) else ():
+            # A port of the choice the node itself makes required is wired or already dangling.
+            required = any(port in node.inputs and not node.inputs[port].optional for port in choice.ports)
+            if not required and not any((node.id, port) in incoming for port in choice.ports):
+                ports = " or ".join(f"{node.id}.{port}" for port in choice.ports)
+                add(Issue("missing_input", f"node {node.id!r} needs {choice.what}: connect its input port {ports}",
+                          node=node.id, port=choice.ports[0]))
         preds = set(topo.preds.get(node.id, ()))
         succs = set(topo.succs.get(node.id, ()))
         for group in node.trigger or ():

@@ -94,6 +94,18 @@ def _import_ref(ref: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class InputChoice:
+    """Optional input ports of a node kind that are alternatives to each other, of which a node
+    needs at least one connected (an llm node's prompt: as text on `prompt` or as token ids on
+    `tokens`). Validation reports a node with none of them wired (`missing_input`); which of them
+    a run may deliver at once is the runner's business (a router may feed either one)."""
+
+    ports: tuple[str, ...]
+    what: str
+    """What the ports carry, for people: "a prompt"."""
+
+
+@dataclass(frozen=True, slots=True)
 class NodeKind:
     name: str
     description: str
@@ -107,6 +119,8 @@ class NodeKind:
     """`required`: the node names an operation (for `python`, a registered op, see
     `engine.spec.ops`); `forbidden`: it must not."""
     category: str = "general"
+    needs: tuple[InputChoice, ...] = ()
+    """Groups of optional inputs of which a node must wire at least one each."""
 
     def param_default(self, name: str) -> Any:
         """The default of param `name` as the kind's schema declares it; KeyError when it declares
@@ -131,6 +145,7 @@ class NodeKind:
             "inputs": ports(self.inputs),
             "outputs": ports(self.outputs),
             "op": self.op,
+            "needs": [{"ports": list(choice.ports), "what": choice.what} for choice in self.needs],
         }
 
 
@@ -156,6 +171,11 @@ class KindRegistry:
         unknown = [rk for rk in kind.role_kinds if rk not in self._roles]
         if unknown:
             raise ValueError(f"node kind {kind.name!r} names unknown role kinds {unknown}")
+        for choice in kind.needs:  # a required port needs no choice; an undeclared one cannot be wired
+            fixed = kind.inputs or {}
+            if not choice.ports or any(p not in fixed or not fixed[p].optional for p in choice.ports):
+                raise ValueError(f"node kind {kind.name!r}: a choice of inputs names only optional input ports"
+                                 f" of the kind, not {list(choice.ports)}")
         self._nodes[kind.name] = kind
 
     def role_kind(self, name: str) -> RoleKind:

@@ -308,14 +308,22 @@ def _edge_id(edge: dict[str, Any]) -> str:
     return f"{edge['source']}.{edge['source_port']}->{edge['target']}.{edge['target_port']}"
 
 
+def _fields(old: dict[str, Any], new: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keys whose values differ, each `{from, to, change}`: `added` (absent before), `removed`
+    (absent after) or `changed` (a canonical document leaves defaults out, so a field set to its
+    default reads as removed)."""
+    out = {}
+    for k in sorted(set(old) | set(new)):
+        if k in skip or old.get(k) == new.get(k):
+            continue
+        change = "added" if k not in old else "removed" if k not in new else "changed"
+        out[k] = {"from": old.get(k), "to": new.get(k), "change": change}
+    return out
+
+
 def _section(old: list[dict[str, Any]], new: list[dict[str, Any]], key: Any) -> dict[str, Any]:
     a, b = _by_key(old, key), _by_key(new, key)
-    changed = []
-    for k in a.keys() & b.keys():
-        if a[k] != b[k]:
-            fields = sorted(set(a[k]) | set(b[k]))
-            changed.append({"id": k, "fields": {f: {"from": a[k].get(f), "to": b[k].get(f)}
-                                                for f in fields if a[k].get(f) != b[k].get(f)}})
+    changed = [{"id": k, "fields": _fields(a[k], b[k])} for k in a.keys() & b.keys() if a[k] != b[k]]
     return {
         "added": [k for k in b if k not in a],
         "removed": [k for k in a if k not in b],
@@ -325,12 +333,13 @@ def _section(old: list[dict[str, Any]], new: list[dict[str, Any]], key: Any) -> 
 
 def diff_documents(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """What changed between two canonical GraphSpec documents, by role name, node id and edge id,
-    plus a unified diff of their pretty-printed JSON."""
-    top = sorted(k for k in set(old) | set(new) if k not in ("roles", "nodes", "edges") and old.get(k) != new.get(k))
-    old_text = json.dumps(old, indent=2, sort_keys=True).splitlines(keepends=True)
+    plus a unified diff of their pretty-printed JSON. `old` empty: against nothing (every field and
+    item of `new` is added)."""
+    # Against nothing the old side has no lines (not a removed "{}").
+    old_text = json.dumps(old, indent=2, sort_keys=True).splitlines(keepends=True) if old else []
     new_text = json.dumps(new, indent=2, sort_keys=True).splitlines(keepends=True)
     return {
-        "fields": {k: {"from": old.get(k), "to": new.get(k)} for k in top},
+        "fields": _fields(old, new, skip=("roles", "nodes", "edges")),
         "roles": _section(old.get("roles", []), new.get("roles", []), lambda r: r["name"]),
         "nodes": _section(old.get("nodes", []), new.get("nodes", []), lambda n: n["id"]),
         "edges": _section(old.get("edges", []), new.get("edges", []), _edge_id),

@@ -6,7 +6,8 @@ one) and live workers; a model-less llm role and an unregistered op flagged befo
 with the pickers; the README's quick start imported and run; the largest example readable at
 1024x768. Screenshots land in tests/e2e/artifacts/ux/. Port labels on the canvas read whole
 (`frontend/e2e/ports.e2e.mjs`), in tests/e2e/artifacts/ports/. Runs of large graphs open readable and
-notices leave a dialog's buttons clear (`frontend/e2e/views.e2e.mjs`), in tests/e2e/artifacts/views/.
+notices leave a dialog's buttons clear (`frontend/e2e/views.e2e.mjs`), in tests/e2e/artifacts/views/. What a
+newcomer meets first (`frontend/e2e/firstlook.e2e.mjs`), in tests/e2e/artifacts/firstlook/.
 """
 
 from __future__ import annotations
@@ -66,3 +67,14 @@ def test_run_views_open_readable_and_toasts_leave_dialog_buttons_clear_in_chromi
     shots = run_script("views.e2e.mjs", live_studio, ARTIFACTS / "views", timeout_s=300)
     assert_shots(shots, ("run-image_generation-1440", "run-omni_dialogue-1440", "run-image_generation-1024",
                          "run-omni_dialogue-1024", "deploy-dialog-toast-1024", "editor-draft-cannot-run"))
+
+
+@pytest.mark.timeout(180)
+def test_what_a_newcomer_meets_first_in_chromium(live_studio: LiveStudio) -> None:
+    """`frontend/e2e/firstlook.e2e.mjs` (issue #20): the workflows list dates its updates and says
+    how long ago; the image_generation editor opens with its graph (the time it took printed); an
+    llm node with no prompt wired is flagged on its node and port before save, and no longer once an
+    input feeds it; a version 1 compared with nothing reads as added throughout."""
+    shots = run_script("firstlook.e2e.mjs", live_studio, ARTIFACTS / "firstlook", timeout_s=160)
+    assert_shots(shots, ("workflows-dates", "editor-image_generation", "editor-llm-no-prompt",
+                         "editor-llm-prompt-wired", "history-first-version"))

@@ -80,10 +80,35 @@ def test_versions_save_list_get_diff(api) -> None:
     diff = api.get(f"{url}2/diff/").json()
     assert diff["from_version"] == 1 and diff["to_version"] == 2
     assert diff["nodes"]["changed"][0]["fields"]["op"] == {"from": "tests.studio.fns:echo",
-                                                           "to": "tests.studio.fns:fail"}
+                                                           "to": "tests.studio.fns:fail", "change": "changed"}
     assert api.get(f"{url}2/diff/?against=x").status_code == 400
     assert api.get(f"{url}9/").status_code == 404
     assert api.get(f"{url}2/diff/?against=7").status_code == 404
+
+
+def test_a_diff_says_whether_each_field_was_added_removed_or_changed(api) -> None:
+    first = {**spec_doc(), "description": "one"}
+    wf = create_workflow(api, first)
+    url = f"/api/workflows/{wf['id']}/versions/"
+    second = {**spec_doc(), "description": "two", "meta": {"k": 1}}
+    assert api.post(url, {"spec": second}, format="json").status_code == 201
+
+    def changes(section: dict) -> dict[str, str]:
+        return {name: field["change"] for name, field in section.items()}
+
+    # The first version against nothing: everything it has is added, nothing "changed".
+    v1 = api.get(f"{url}1/diff/").json()
+    assert v1["from_version"] == 0
+    assert changes(v1["fields"]) == {"description": "added", "name": "added", "version": "added"}
+    assert v1["fields"]["name"] == {"from": None, "to": first["name"], "change": "added"}
+    assert sorted(v1["nodes"]["added"]) == sorted(n["id"] for n in first["nodes"]) and not v1["nodes"]["changed"]
+    body = v1["unified"].splitlines()[2:]  # after the ---/+++ header: every line added, none removed
+    assert body[0].startswith("@@ -0,0 ") and all(line.startswith("+") for line in body[1:])
+    v2 = api.get(f"{url}2/diff/").json()
+    assert changes(v2["fields"]) == {"description": "changed", "meta": "added"}
+    back = api.get(f"{url}1/diff/?against=2").json()
+    assert changes(back["fields"]) == {"description": "changed", "meta": "removed"}
+    assert back["fields"]["meta"] == {"from": {"k": 1}, "to": None, "change": "removed"}
 
 
 def test_invalid_drafts_are_saved_with_their_issues(api, strict_engine) -> None:

@@ -107,6 +107,26 @@ def test_an_unregistered_op_is_an_issue_on_its_node_and_field(api, rooted_engine
     assert save.status_code == 201 and save.json()["latest_version"]["valid"] is False
 
 
+def test_an_llm_node_with_no_prompt_wired_is_an_issue_on_its_node_and_port(api, rooted_engine) -> None:
+    spec = llm_spec()  # as the editor draws it: the kind's ports, none wired into it
+    spec["nodes"][1]["inputs"] = {"prompt": {"type": "text", "optional": True},
+                                  "tokens": {"type": "tokens", "optional": True}}
+    spec["edges"] = [e for e in spec["edges"] if e["target"] != "gen"]
+    expected = {"code": "missing_input", "node": "gen", "port": "prompt",
+                "message": "node 'gen' needs a prompt: connect its input port gen.prompt or gen.tokens"}
+    response = api.post("/api/validate/", {"spec": spec}, format="json")
+    assert response.status_code == 400 and response.json()["details"] == [expected]
+    report = api.post("/api/validate/?report=1", {"spec": spec}, format="json").json()  # what the editor asks
+    assert (report["valid"], report["issues"]) == (False, [expected])
+    # Saved as a draft that says why (as every issue is); a run of it is refused before anything starts.
+    wf = create_workflow(api, spec)
+    assert wf["latest_version"]["valid"] is False
+    assert api.get(f"/api/workflows/{wf['id']}/versions/1/").json()["issues"] == [expected]
+    run = api.post("/api/runs/", {"workflow": wf["id"], "inputs": {"prompt": "x"}}, format="json")
+    assert run.status_code == 422 and run.json()["details"] == [expected]
+    assert not Run.objects.exists()
+
+
 @pytest.mark.django_db(transaction=True)  # the run starts when its row is committed
 def test_the_readme_quick_start_imports_as_source_and_runs(api, rooted_engine) -> None:
     source = (ROOT / "workflows" / "hello.py").read_text()

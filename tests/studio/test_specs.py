@@ -118,8 +118,8 @@ def test_diff_names_what_changed() -> None:
     new["edges"].append({"source": "step", "source_port": "out", "target": "extra", "target_port": "value"})
     del new["edges"][1]
     diff = diff_documents(old, new)
-    assert diff["fields"] == {"description": {"from": None, "to": "changed"}}
-    assert diff["roles"]["changed"] == [{"id": "py", "fields": {"replicas": {"from": None, "to": 3}}}]
+    assert diff["fields"] == {"description": {"from": None, "to": "changed", "change": "added"}}
+    assert diff["roles"]["changed"] == [{"id": "py", "fields": {"replicas": {"from": None, "to": 3, "change": "added"}}}]
     assert diff["nodes"]["added"] == ["extra"]
     assert diff["nodes"]["changed"][0]["id"] == "step"
     assert diff["edges"] == {"added": ["step.out->extra.value"], "removed": ["step.out->result.value"],

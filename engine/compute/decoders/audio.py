@@ -10,43 +10,14 @@ exactly `T * prod(rates)` samples), a last convolution and `tanh` give samples i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import Catalog
+from engine.compute.decoders.catalog import AudioDecoderConfig
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import wav_bytes
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class AudioDecoderConfig:
-    name: str
-    codebook_size: int = 1024
-    num_codebooks: int = 1
-    dim: int = 64
-    channels: int = 64
-    rates: tuple[int, ...] = (8, 5, 4)
-    sample_rate: int = 16_000
-    gain: float = 0.5
-    seed: int = 13
-    description: str = ""
-
-    @property
-    def hop(self) -> int:
-        """Samples per code."""
-        return math.prod(self.rates)
-
-
-AUDIO_DECODERS = Catalog(
-    "audio decoder", DecoderError,
-    AudioDecoderConfig(
-        name="tiny-audio-decoder",
-        description="1024-code codebook, upsampling 8x5x4: 100 codes per second of 16 kHz audio",
-    ),
-)
 
 
 class AudioCodeDecoder(torch.nn.Module):

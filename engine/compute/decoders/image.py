@@ -8,45 +8,14 @@ own `VaeImageProcessor.postprocess` produces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
-from engine.compute.catalog import Catalog
+from engine.compute.decoders.catalog import ImageDecoderConfig
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.media import png_bytes
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class ImageDecoderConfig:
-    """A tiny seeded `AutoencoderKL`: each latent cell becomes `2 ** (len(block_out_channels) - 1)`
-    pixels a side."""
-
-    name: str
-    latent_channels: int = 4
-    block_out_channels: tuple[int, ...] = (16, 32, 32)
-    layers_per_block: int = 1
-    norm_num_groups: int = 8
-    sample_size: int = 64
-    scaling_factor: float = 0.18215
-    seed: int = 5
-    description: str = ""
-
-    @property
-    def scale(self) -> int:
-        return 2 ** (len(self.block_out_channels) - 1)
-
-
-IMAGE_DECODERS = Catalog(
-    "image decoder", DecoderError,
-    ImageDecoderConfig(
-        name="tiny-vae",
-        description="AutoencoderKL, 4 latent channels, 3 blocks (16, 32, 32): 16x16 latents -> 64x64 RGB",
-    ),
-)
 
 
 def vae_module(config: ImageDecoderConfig) -> AutoencoderKL:

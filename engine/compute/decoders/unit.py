@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from engine.compute.context import UnitContext
-from engine.compute.decoders.audio import AUDIO_DECODERS, AudioCodeDecoder
+from engine.compute.decoders.audio import AudioCodeDecoder
+from engine.compute.decoders.catalog import AUDIO_DECODERS, IMAGE_DECODERS
 from engine.compute.decoders.errors import DecoderError
 from engine.compute.threaded import UnitInputError
 from engine.compute.weighted import WeightedUnit
@@ -62,7 +63,7 @@ class VAEDecoderUnit(_DecoderUnit):
     port = "latents"
 
     def _load(self, role: RoleSpec) -> WeightKey:
-        from engine.compute.decoders.image import IMAGE_DECODERS, ImageDecoder, build_vae, vae_module
+        from engine.compute.decoders.image import ImageDecoder, build_vae, vae_module
 
         config = IMAGE_DECODERS.named(role.model or "tiny-vae")
         key = WeightKey("vae_decoder", config.name, role.device)

@@ -14,43 +14,15 @@ the default 10 ms hop).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.compute.catalog import Catalog
-from engine.compute.encoders.config import EncoderConfig
-from engine.compute.encoders.items import EncodedItem, EncoderError
+from engine.compute.encoders.catalog import AudioEncoderConfig
+from engine.compute.encoders.items import EncodedItem
 from engine.compute.media import read_audio
 from engine.compute.prefix.keys import content_hash
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class AudioEncoderConfig(EncoderConfig):
-    """Log-mel frames (`n_mels` bins, a frame per `hop_length` samples at `sample_rate`) into the
-    transformer: one embedding row per 4 frames (`num_tokens`)."""
-
-    sample_rate: int = 16_000
-    n_fft: int = 400
-    hop_length: int = 160
-    n_mels: int = 40
-    seed: int = 11
-
-    def num_tokens(self, num_samples: int) -> int:
-        frames = num_samples // self.hop_length + 1
-        strided = (frames + 1) // 2  # conv2: kernel 3, stride 2, padding 1
-        return (strided + 1) // 2 if strided > 1 else 1  # average pooling by 2, ceil
-
-
-AUDIO_ENCODERS = Catalog(
-    "audio encoder", EncoderError,
-    AudioEncoderConfig(
-        name="tiny-audio-encoder",
-        description="40-bin log-mel at 16 kHz into a 2-layer transformer, hidden 32: 25 rows per second",
-    ),
-)
 
 
 def hz_to_mel(hz: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,6 @@ from engine.compute.prefix.keys import ItemKind, MultimodalItem
 PLACEHOLDER_IDS: dict[str, int] = {"image": IMAGE_ID, "audio": AUDIO_ID}
 
 
-class EncoderError(ValueError):
-    """An input an encoder cannot take, or an unknown encoder."""
-
-
 @dataclass(frozen=True, slots=True)
 class EncodedItem:
     """One encoded image or audio clip: `embeds` is `(length, llm_hidden)` float32."""

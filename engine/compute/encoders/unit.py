@@ -14,9 +14,11 @@ from typing import Any
 
 from engine.compute.catalog import Catalog
 from engine.compute.context import UnitContext
-from engine.compute.encoders.audio import AUDIO_ENCODERS, AudioEncoder
-from engine.compute.encoders.items import EncodedItem, EncoderError
-from engine.compute.encoders.vision import VISION_ENCODERS, VisionEncoder
+from engine.compute.encoders.audio import AudioEncoder
+from engine.compute.encoders.catalog import AUDIO_ENCODERS, VISION_ENCODERS
+from engine.compute.encoders.errors import EncoderError
+from engine.compute.encoders.items import EncodedItem
+from engine.compute.encoders.vision import VisionEncoder
 from engine.compute.media import MediaError
 from engine.compute.models.catalog import BUILTIN_MODELS
 from engine.compute.models.packaged import PACKAGED_MODELS

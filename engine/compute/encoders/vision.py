@@ -8,41 +8,16 @@ The result is one embedding row per placeholder position of the image in the pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
-from engine.compute.catalog import Catalog
-from engine.compute.encoders.config import EncoderConfig
-from engine.compute.encoders.items import EncodedItem, EncoderError
+from engine.compute.encoders.catalog import VisionEncoderConfig
+from engine.compute.encoders.items import EncodedItem
 from engine.compute.media import read_image
 from engine.compute.prefix.keys import content_hash
 from engine.compute.weights.seeding import build_seeded
-
-
-@dataclass(frozen=True, slots=True)
-class VisionEncoderConfig(EncoderConfig):
-    """A tiny seeded ViT: `(image_size / patch_size) ** 2` embedding rows per image."""
-
-    image_size: int = 32
-    patch_size: int = 8
-    seed: int = 7
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-
-VISION_ENCODERS = Catalog(
-    "vision encoder", EncoderError,
-    VisionEncoderConfig(
-        name="tiny-vit",
-        description="2-layer ViT, hidden 32, 32x32 input in 8x8 patches: 16 rows per image",
-    ),
-)
 
 
 class VisionEncoder(torch.nn.Module):

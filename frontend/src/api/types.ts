@@ -203,17 +203,24 @@ export interface Version {
   chat: boolean;
 }
 
+/** A field that differs between two versions: absent before (`added`), absent after (`removed`) or changed. */
+export interface FieldChange {
+  from: unknown;
+  to: unknown;
+  change: "added" | "removed" | "changed";
+}
+
 export interface SectionDiff {
   added: string[];
   removed: string[];
-  changed: { id: string; fields: Record<string, { from: unknown; to: unknown }> }[];
+  changed: { id: string; fields: Record<string, FieldChange> }[];
 }
 
 export interface VersionDiff {
   workflow: string;
   from_version: number;
   to_version: number;
-  fields: Record<string, { from: unknown; to: unknown }>;
+  fields: Record<string, FieldChange>;
   roles: SectionDiff;
   nodes: SectionDiff;
   edges: SectionDiff;

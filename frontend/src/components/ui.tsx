@@ -1,6 +1,8 @@
 /** Small building blocks shared by the pages. */
 import { type ReactNode, useEffect, useRef } from "react";
+import { useNow } from "../hooks/useNow";
 import { Icon, type IconName } from "./icons";
+import { describeTime } from "./time";
 import { useToastSlot } from "./toast";
 
 export function Spinner({ label }: { label?: string }) {
@@ -135,14 +137,30 @@ export function formatMs(ms: number | null | undefined): string {
   return `${Math.floor(ms / 60_000)} min ${Math.round((ms % 60_000) / 1000)} s`;
 }
 
+/** A timestamp in running text: its date and time of day (see `describeTime`). */
 export function formatTime(iso: string | null | undefined): string {
-  if (!iso) return "";
-  const d = new Date(iso);
-  const now = new Date();
-  const sameDay = d.toDateString() === now.toDateString();
-  return sameDay
-    ? d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" })
-    : d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+  return describeTime(iso)?.text ?? "";
+}
+
+/** A server timestamp in a list: its date, how long ago (kept current) and, in its tooltip, the
+ * full instant. Every list of the studio shows its times this way; where the "5 minutes ago" goes
+ * depends on the room a list has: `inline` after the date, `below` it (rows two lines high anyway),
+ * or only in the tooltip (`title`: rows that must keep one line in a narrow window). */
+export function Timestamp({ iso, ago = "title" }: { iso: string | null | undefined; ago?: "inline" | "below" | "title" }) {
+  const now = useNow(30_000);
+  const time = describeTime(iso, now);
+  if (!time) return null;
+  return (
+    <time className={`timestamp ago-${ago}`} dateTime={iso ?? undefined} title={`${time.full} (${time.relative})`}>
+      <span className="timestamp-date">{time.text}</span>
+      {ago !== "title" && (
+        <span className="timestamp-ago">
+          <span className="timestamp-sep"> · </span>
+          {time.relative}
+        </span>
+      )}
+    </time>
+  );
 }
 
 export function formatBytes(n: number): string {

@@ -1,7 +1,7 @@
 /** A deployment's workers as they come up: role, replica (and rank), worker id, where, state (and why one failed). */
 import { type DeploymentWorker, failureReason, workerRows, workerState } from "../api/deployments";
 import { describeGpus } from "../api/nodes";
-import { formatTime } from "../components/ui";
+import { Timestamp } from "../components/ui";
 import { WorkerId } from "../components/WorkerId";
 
 /**
@@ -76,7 +76,7 @@ export function WorkersTable({ workers, expected }: { workers: DeploymentWorker[
                       </div>
                     )}
                   </td>
-                  <td className="muted small nowrap">{formatTime(w.started_at)}</td>
+                  <td className="muted small nowrap"><Timestamp iso={w.started_at} /></td>
                 </tr>
               );
             })}

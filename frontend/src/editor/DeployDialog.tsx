@@ -6,7 +6,7 @@ import { describeError } from "../api/client";
 import { ACTIVE_STATUSES, defaultDeploymentName } from "../api/deployments";
 import type { RoleSpec } from "../api/types";
 import { useToast } from "../components/toast";
-import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, formatTime } from "../components/ui";
+import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, Timestamp } from "../components/ui";
 import { EndpointPanel } from "../deployments/EndpointPanel";
 import { useDeployment } from "../deployments/useDeployment";
 import { WorkersTable } from "../deployments/WorkersTable";
@@ -199,7 +199,7 @@ export function DeployDialog({
               </button>
               <span className="pill">v{d.version}</span>
               <StatusBadge status={d.status} />
-              <span className="muted small">{formatTime(d.created_at)}</span>
+              <span className="muted small"><Timestamp iso={d.created_at} /></span>
               {cacheScopeLabel(d) && (
                 <span className="pill" data-testid="deployment-cache-shared" title="set by staff: every user's runs of it share its KV cache">
                   {cacheScopeLabel(d)}

@@ -3,7 +3,8 @@ import { useEffect, useState } from "react";
 import { describeError } from "../api/client";
 import { workflows } from "../api/studio";
 import type { SectionDiff, Version, VersionDiff } from "../api/types";
-import { Button, ErrorBox, Modal, Spinner, formatTime } from "../components/ui";
+import { Button, ErrorBox, Modal, Spinner, Timestamp } from "../components/ui";
+import { CHANGE_MARK, workflowFieldChanges } from "./diff";
 
 export function VersionHistory({
   workflowId,
@@ -66,7 +67,7 @@ export function VersionHistory({
                     <span className="pill">v{v.number}</span>
                     {v.number === current && <span className="muted small">open</span>}
                     {!v.valid && <span className="danger-text small">issues</span>}
-                    <span className="muted small push">{formatTime(v.created_at)}</span>
+                    <span className="muted small push"><Timestamp iso={v.created_at} ago="inline" /></span>
                   </span>
                   <span className="version-msg">{v.message || <em className="muted">no message</em>}</span>
                   <span className="muted small">{v.author ?? "unknown"}</span>
@@ -123,18 +124,18 @@ function Section({ title, section }: { title: string; section: SectionDiff }) {
       <div className="section-title">{title}</div>
       <div className="chip-row">
         {section.added.map((id) => (
-          <span key={`a${id}`} className="chip chip-added">
-            + {id}
+          <span key={`a${id}`} className={`chip ${CHANGE_MARK.added.chip}`}>
+            {CHANGE_MARK.added.sign} {id}
           </span>
         ))}
         {section.removed.map((id) => (
-          <span key={`r${id}`} className="chip chip-removed">
-            − {id}
+          <span key={`r${id}`} className={`chip ${CHANGE_MARK.removed.chip}`}>
+            {CHANGE_MARK.removed.sign} {id}
           </span>
         ))}
         {section.changed.map((c) => (
-          <span key={`c${c.id}`} className="chip chip-changed" title={Object.keys(c.fields).join(", ")}>
-            ~ {c.id} ({Object.keys(c.fields).join(", ")})
+          <span key={`c${c.id}`} className={`chip ${CHANGE_MARK.changed.chip}`} title={Object.keys(c.fields).join(", ")}>
+            {CHANGE_MARK.changed.sign} {c.id} ({Object.keys(c.fields).join(", ")})
           </span>
         ))}
       </div>
@@ -145,18 +146,19 @@ function Section({ title, section }: { title: string; section: SectionDiff }) {
 export function DiffView({ diff }: { diff: VersionDiff }) {
   const lines = diff.unified.split("\n");
   const nothing = !diff.unified.trim();
+  const fields = workflowFieldChanges(diff);
   return (
     <div className="diff" data-testid="version-diff">
       <Section title="Nodes" section={diff.nodes} />
       <Section title="Edges" section={diff.edges} />
       <Section title="Roles" section={diff.roles} />
-      {Object.keys(diff.fields).length > 0 && (
+      {fields.length > 0 && (
         <div className="diff-section">
           <div className="section-title">Workflow</div>
           <div className="chip-row">
-            {Object.keys(diff.fields).map((f) => (
-              <span key={f} className="chip chip-changed">
-                ~ {f}
+            {fields.map(({ name, change }) => (
+              <span key={name} className={`chip ${CHANGE_MARK[change].chip}`} data-change={change}>
+                {CHANGE_MARK[change].sign} {name}
               </span>
             ))}
           </div>

@@ -5,7 +5,7 @@ import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { ACTIVE_STATUSES } from "../api/deployments";
 import { ScrollTable } from "../components/ScrollTable";
-import { EmptyState, ErrorBox, Spinner, StatusBadge, formatTime } from "../components/ui";
+import { EmptyState, ErrorBox, Spinner, StatusBadge, Timestamp } from "../components/ui";
 
 type Row = Deployment & { workflow_name?: string; chat?: boolean };
 
@@ -111,7 +111,7 @@ export function DeploymentsPage() {
                       <span className="muted">runs</span>
                     )}
                   </td>
-                  <td className="muted small nowrap">{formatTime(d.created_at)}</td>
+                  <td className="muted small nowrap"><Timestamp iso={d.created_at} /></td>
                 </tr>
               ))}
             </tbody>

@@ -11,7 +11,7 @@ import { runs, workflows } from "../api/studio";
 import { type Page, RUN_STATUSES, type Run, type Workflow } from "../api/types";
 import { ScrollTable } from "../components/ScrollTable";
 import { useToast } from "../components/toast";
-import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, formatTime } from "../components/ui";
+import { Button, EmptyState, ErrorBox, Spinner, StatusBadge, formatMs, Timestamp } from "../components/ui";
 import { deploymentLabel } from "../run/target";
 
 const POLL_ACTIVE_MS = 1000;
@@ -160,7 +160,7 @@ export function RunsPage() {
                       </span>
                     )}
                   </td>
-                  <td className="muted small nowrap">{formatTime(r.created_at)}</td>
+                  <td className="muted small nowrap"><Timestamp iso={r.created_at} /></td>
                   <td className="right mono small">{formatMs(r.duration_ms)}</td>
                   <td className="right">
                     {(r.status === "pending" || r.status === "running") && (

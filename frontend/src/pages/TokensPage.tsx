@@ -6,7 +6,7 @@ import { tokens } from "../api/studio";
 import type { ApiToken, NewApiToken } from "../api/types";
 import { CopyBlock, CopyButton } from "../components/CopyButton";
 import { useToast } from "../components/toast";
-import { Button, EmptyState, ErrorBox, Modal, Spinner, formatTime } from "../components/ui";
+import { Button, EmptyState, ErrorBox, Modal, Spinner, Timestamp } from "../components/ui";
 import { TOKEN_ENV } from "../deployments/snippets";
 
 export function TokensPage() {
@@ -133,9 +133,9 @@ export function TokensPage() {
                 <tr key={t.id} data-testid="token-row" data-name={t.name} data-used={t.last_used_at ? "yes" : "no"}>
                   <td>{t.name || <span className="muted">unnamed</span>}</td>
                   <td className="mono small">{t.prefix}…</td>
-                  <td className="small">{formatTime(t.created_at)}</td>
+                  <td className="small nowrap"><Timestamp iso={t.created_at} ago="inline" /></td>
                   <td className="small" data-testid="token-last-used">
-                    {t.last_used_at ? formatTime(t.last_used_at) : <span className="muted">never</span>}
+                    {t.last_used_at ? <Timestamp iso={t.last_used_at} ago="inline" /> : <span className="muted">never</span>}
                   </td>
                   <td className="right">
                     <Button small variant="ghost" icon="trash" onClick={() => setRevoking(t)} data-testid="token-revoke">

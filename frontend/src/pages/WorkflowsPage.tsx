@@ -5,7 +5,7 @@ import { workflows } from "../api/studio";
 import { IDENT, type Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { useToast } from "../components/toast";
-import { Button, EmptyState, ErrorBox, Field, Modal, Spinner, formatTime } from "../components/ui";
+import { Button, EmptyState, ErrorBox, Field, Modal, Spinner, Timestamp } from "../components/ui";
 
 export function WorkflowsPage() {
   const [search, setSearch] = useState("");
@@ -114,7 +114,7 @@ export function WorkflowsPage() {
                       <span className="muted small">no version saved</span>
                     )}
                   </td>
-                  <td className="muted small nowrap">{formatTime(w.updated_at)}</td>
+                  <td className="muted small nowrap"><Timestamp iso={w.updated_at} ago="below" /></td>
                   <td className="right nowrap">
                     <Link className="btn btn-ghost btn-sm" to={`/workflows/${w.id}`}>
                       <Icon name="flow" size={14} /> Edit

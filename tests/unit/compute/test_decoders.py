@@ -12,8 +12,9 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from engine.compute.decoders import DecoderError
-from engine.compute.decoders.audio import AUDIO_DECODERS, AudioCodeDecoder, AudioDecoderConfig
-from engine.compute.decoders.image import IMAGE_DECODERS, ImageDecoder
+from engine.compute.decoders.audio import AudioCodeDecoder
+from engine.compute.decoders.catalog import AUDIO_DECODERS, IMAGE_DECODERS, AudioDecoderConfig
+from engine.compute.decoders.image import ImageDecoder
 
 
 @pytest.fixture(scope="module")

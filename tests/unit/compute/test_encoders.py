@@ -10,9 +10,9 @@ from transformers.audio_utils import mel_filter_bank as hf_mel_filter_bank
 from transformers.audio_utils import spectrogram, window_function
 
 from engine.compute.encoders import AudioEncoder, EncodedItem, VisionEncoder, splice_prompt
-from engine.compute.encoders.audio import AUDIO_ENCODERS, mel_filter_bank
-from engine.compute.encoders.items import EncoderError
-from engine.compute.encoders.vision import VISION_ENCODERS
+from engine.compute.encoders.audio import mel_filter_bank
+from engine.compute.encoders.catalog import AUDIO_ENCODERS, VISION_ENCODERS
+from engine.compute.encoders.errors import EncoderError
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.media import (
     MediaError,

@@ -308,6 +308,88 @@ def test_dangling_required_input(kinds):
     ]
 
 
+def prompted(kind: str, *ports: str, role_kind: str = "llm") -> GraphSpec:
+    """Input nodes wired into node `gen` of `kind` on ports `ports` (each from an input of its type),
+    `gen`'s first output to an output: nothing else is missing."""
+    wf = Workflow("prompted")
+    role = wf.role("lm", kind=role_kind, model="tiny-llama")
+    gen = wf.node("gen", kind, role=role)
+    types = {"prompt": "text", "tokens": "tokens", "kv": "kv", "items": "json", "embeds": "tensor"}
+    for port in ports:
+        wf.edge(wf.input(f"in_{port}", types[port]), gen.inp(port))
+    wf.output("out", gen.out("latents" if kind == "diffusion" else "kv"))
+    return wf.to_spec()
+
+
+@pytest.mark.parametrize(("kind", "role_kind", "ports"), [
+    ("llm", "llm", "gen.prompt or gen.tokens"),
+    ("llm", "sglang_llm", "gen.prompt or gen.tokens"),
+    ("llm.prefill", "llm", "gen.prompt or gen.tokens"),
+    ("diffusion", "diffusion", "gen.prompt or gen.tokens or gen.kv"),
+])
+def test_a_model_node_without_a_prompt_wired_is_an_issue_on_its_node(kind, role_kind, ports):
+    """What the runners refuse at run time (`engine.compute.prompts.call_prompt`, the diffusion
+    unit's `node_prompt`) is found before it: none of the node's prompt ports has an edge. Media
+    items ride along with a prompt, they are not one."""
+    kinds = default_kinds()
+    media = ("items", "embeds") if kind == "llm" else ()
+    assert check_spec(prompted(kind, *media, role_kind=role_kind), kinds) == [
+        Issue("missing_input", f"node 'gen' needs a prompt: connect its input port {ports}",
+              node="gen", port="prompt"),
+    ]
+
+
+@pytest.mark.parametrize(("kind", "role_kind", "wired"), [
+    ("llm", "llm", ("prompt",)),
+    ("llm", "llm", ("tokens",)),
+    ("llm", "llm", ("prompt", "items", "embeds")),
+    ("llm", "sglang_llm", ("tokens",)),
+    ("llm.prefill", "llm", ("prompt",)),
+    ("llm.prefill", "llm", ("tokens",)),
+    ("diffusion", "diffusion", ("prompt",)),
+    ("diffusion", "diffusion", ("tokens",)),
+    ("diffusion", "diffusion", ("kv",)),
+])
+def test_any_one_of_the_prompt_ports_wired_is_enough(kind, role_kind, wired):
+    assert check_spec(prompted(kind, *wired, role_kind=role_kind), default_kinds()) == []
+
+
+def test_a_prompt_port_the_node_makes_required_is_reported_once():
+    wf = Workflow("narrowed")
+    role = wf.role("lm", kind="llm", model="tiny-llama")
+    gen = wf.node("gen", "llm", role=role, inputs={"prompt": "text"})
+    wf.output("out", gen.out("kv"))
+    assert check_spec(wf.to_spec(), default_kinds()) == [
+        Issue("dangling_port", "input port gen.prompt is not connected (connect it or mark it optional)",
+              node="gen", port="prompt"),
+    ]
+
+
+def test_both_prompt_ports_wired_are_left_to_the_run():
+    """A router may feed text on one branch and token ids on the other, so two wired alternatives
+    are valid; a run that delivers both fails its node (`call_prompt`: exactly one)."""
+    assert check_spec(prompted("llm", "prompt", "tokens"), default_kinds()) == []
+
+
+def test_the_llm_kinds_prompt_choice_is_what_the_runners_read():
+    """The catalogue's choice against the reader the llm runners share: a call with nothing on the
+    choice's ports is refused, one with a value on any single port is read."""
+    from engine.compute.prompts import call_prompt
+    from engine.spec.calls import NodeCall
+
+    def call(**inputs) -> NodeCall:
+        return NodeCall("r", "gen", None, {}, inputs, ("text",), False, False, 0, 0)
+
+    values = {"prompt": "hi", "tokens": [1, 2]}
+    for kind in ("llm", "llm.prefill"):
+        (choice,) = default_kinds().node_kind(kind).needs
+        assert choice.ports == ("prompt", "tokens")
+        with pytest.raises(ValueError, match="exactly one of the inputs 'prompt' \\(text\\) or 'tokens'"):
+            call_prompt(call(items=[]), ValueError)
+        for port in choice.ports:
+            assert call_prompt(call(**{port: values[port]}), ValueError) == values[port]
+
+
 def test_two_edges_into_a_plain_port_are_left_to_the_run(kinds):
     """A merge port after a router (one branch delivers) is valid; two deliveries on it
     fail the run instead (see test_executor)."""

@@ -1,0 +1,118 @@
+// What a newcomer meets first, in a real Chromium driven by Playwright, against a live studio.
+//
+//   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... E2E_ARTIFACTS=... node e2e/firstlook.e2e.mjs
+//
+// tests/e2e/test_ux_e2e.py runs it against the studio of tests/e2e/conftest.py:
+//  - the workflows list's Updated column: a date and how long ago, the full timestamp on hover;
+//  - the editor of image_generation opened, timed from the click to its nodes on the canvas (the
+//    time is printed with /api/models/'s: the first editor a studio opened once waited seconds for
+//    that answer, see tests/unit/client/test_light_imports.py);
+//  - a new llm node with nothing wired into it: flagged on its node and its prompt port before any
+//    save, and no longer once an input feeds its prompt;
+//  - a workflow's version 1 in the history, compared with nothing: its fields read as added, none
+//    as changed, and its text diff adds every line.
+// Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
+
+import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
+
+const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
+const USER = process.env.STUDIO_USER ?? "demo";
+const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
+
+const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser("firstlook", { wait: 30_000 });
+const row = (name) => tid(`workflow-row-${name}`);
+async function openWorkflow(name) {
+  await page.goto(`${BASE}/workflows`);
+  await page.locator(`${row(name)} .row-title`).click();
+  await page.waitForSelector(tid("editor"));
+}
+/** Issue codes the studio reports for the editor's document, as the Issues tab lists them. */
+async function issueCodes() {
+  await page.click(tid("tab-issues"));
+  return page.$$eval(`${tid("issues-panel")} .issue-item .code`, (els) => els.map((e) => e.textContent));
+}
+
+try {
+  await step("login", () => logIn(page, BASE, USER, PASSWORD));
+
+  await step("the workflows list dates each update and says how long ago", async () => {
+    await page.waitForSelector(row("image_generation"));
+    const updated = page.locator(`${row("image_generation")} time`);
+    const [text, title, when] = await Promise.all([updated.textContent(), updated.getAttribute("title"),
+                                                   updated.getAttribute("datetime")]);
+    expect(/^[A-Z][a-z]{2} \d{1,2}(, \d{4})?, \d{2}:\d{2}( [AP]M)? · .+/.test(text), `the Updated cell reads ${text}`);
+    expect(/ ago$|^.* · just now$/.test(text), `it says how long ago: ${text}`);
+    const year = String(new Date(when).getFullYear());
+    expect(title.includes(year) && /\d{2}:\d{2}:\d{2}/.test(title), `its tooltip is the full timestamp: ${title}`);
+    await updated.hover();
+    await shot("workflows-dates");
+  });
+
+  await step("the image_generation editor opens with its graph drawn", async () => {
+    await page.goto(`${BASE}/workflows`);
+    await page.waitForSelector(row("image_generation"));
+    let models = null;
+    const t0 = Date.now();
+    const seen = (r) => {
+      if (r.url().includes("/api/models/")) models = Date.now() - t0;
+    };
+    page.on("requestfinished", seen);
+    await page.locator(`${row("image_generation")} .row-title`).click();
+    await page.waitForSelector(".react-flow__node");
+    const drawn = Date.now() - t0;
+    page.off("requestfinished", seen);
+    console.log(`     image_generation editor: nodes drawn ${drawn} ms after the click (/api/models/ ${models} ms)`);
+    await validityShows(page, "Valid");
+    await shot("editor-image_generation");
+  });
+
+  await step("an llm node with no prompt wired is flagged on its node before save", async () => {
+    await page.goto(`${BASE}/workflows`);
+    await page.click(tid("new-workflow"));
+    await page.fill(`${tid("create-dialog")} input[name="name"]`, "e2e-no-prompt");
+    await page.click(tid("create-submit"));
+    await page.waitForSelector(tid("editor"));
+    await page.dragAndDrop(tid("palette-llm"), tid("canvas"), { targetPosition: { x: 420, y: 160 } });
+    await page.waitForSelector(tid("node-llm"));
+    await page.waitForSelector(`${tid("node-llm")}.has-issues`);
+    await waitText(`${tid("node-llm")} ${tid("node-issue")}`, "needs a prompt: connect its input port llm.prompt or llm.tokens");
+    await page.waitForSelector(`${tid("node-llm")} .port-in.port-issue:has-text("prompt")`);
+    expect((await issueCodes()).includes("missing_input"), "the Issues tab lists it");
+    expect((await page.locator(tid("dirty")).count()) === 1, "nothing was saved");
+    await shot("editor-llm-no-prompt");
+  });
+
+  await step("an input wired into its prompt clears it", async () => {
+    await page.dragAndDrop(tid("palette-input"), tid("canvas"), { targetPosition: { x: 120, y: 120 } });
+    await page.waitForSelector(tid("node-input"));
+    await dragPorts(page, tid("port-input-out-value"), tid("port-llm-in-prompt"));
+    await page.waitForSelector('[data-testid="rf__edge-input.value->llm.prompt"]');
+    await page.waitForSelector(`${tid("node-llm")}:not(.has-issues)`);
+    await validityShows(page, "issue"); // the llm role still has no model
+    const codes = await issueCodes();
+    expect(!codes.includes("missing_input") && codes.includes("model_missing"), `issues left: ${codes}`);
+    await shot("editor-llm-prompt-wired");
+  });
+
+  await step("version 1 compared with nothing reads as added", async () => {
+    page.once("dialog", (d) => d.accept()); // leaving the unsaved e2e-no-prompt behind
+    await openWorkflow("loop");
+    await page.click('button:has-text("History")');
+    await page.waitForSelector(tid("version-1"));
+    await waitText(tid("history-dialog"), "nothing (first version)");
+    await page.waitForSelector(`${tid("version-diff")} [data-change]`);
+    const fields = await page.$$eval(`${tid("version-diff")} [data-change]`,
+      (els) => els.map((e) => [e.textContent.trim(), e.dataset.change]));
+    expect(fields.length > 0 && fields.every(([, change]) => change === "added"), `workflow fields: ${JSON.stringify(fields)}`);
+    expect(fields.some(([text]) => text === "+ name") && fields.some(([text]) => text === "+ version"),
+      `name and version are added: ${JSON.stringify(fields)}`);
+    expect((await page.locator(`${tid("version-diff")} .chip-changed`).count()) === 0, "nothing reads as changed");
+    const removed = await page.$$eval(`${tid("version-diff")} .unified .u-del`, (els) => els.map((e) => e.textContent));
+    expect(removed.length === 0, `the text diff removes nothing: ${removed}`);
+    await shot("history-first-version");
+  });
+
+  await step("no unexpected console errors", () => expectQuietConsole());
+} finally {
+  await finish();
+}
