@@ -39,12 +39,23 @@ from engine.data.kv.store import KVStore
 
 
 @dataclass(frozen=True, slots=True)
+class PulledRun:
+    """What a pull from peers found (on the pull thread): the store holds the first `pages` of
+    the asked run, `before` of which it held already. With `landing`, those it lacks are not in
+    it yet: the engine thread puts them in from `landing` first (a tensor-parallel rank 0's
+    pages, which its follower ranks must mirror in step with its engine)."""
+
+    pages: int = 0
+    before: int = 0
+    landing: PageSource | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PendingPull:
-    """Pages of a prompt being pulled from peers for a sequence: `result()` of `future` is
-    (pages the store now holds from the start of `pages`, of which it held before)."""
+    """Pages of a prompt being pulled from peers for a sequence, and what `future` found."""
 
     pages: tuple[PageHash, ...]
-    future: Future[tuple[int, int]]
+    future: Future[PulledRun]
 
 
 class PagedKVCache:
@@ -72,7 +83,7 @@ class PagedKVCache:
         self.pull_timeout_s = pull_timeout_s
         self.pulled_pages = 0
         self._puller: ThreadPoolExecutor | None = None
-        self._pulls: dict[int, Future[tuple[int, int]]] = {}
+        self._pulls: dict[int, Future[PulledRun]] = {}
         """The pulls in flight, by id of the sequence waiting for them."""
         self._unindexed = store.config.disk is not None
         """The store may hold pages the tree does not know: those its disk tier recovered."""
@@ -168,7 +179,7 @@ class PagedKVCache:
         seq.pull = PendingPull(missing, future)
         self._pulls[id(seq)] = future
 
-    def _pull(self, missing: Seq[PageHash]) -> tuple[int, int]:
+    def _pull(self, missing: Seq[PageHash]) -> PulledRun:
         """On the pull thread: ask each peer in turn for `missing` until one has some."""
         for peer in self.peers:
             before = self.store.resident_run(missing)
@@ -177,17 +188,21 @@ class PagedKVCache:
             except KVTransferError:
                 continue  # the source counted the failure; recomputing is always possible
             if got:
-                return got, before
-        return 0, 0
+                return PulledRun(got, before)
+        return PulledRun()
 
     def _take_pulled(self, seq: Sequence) -> None:
         assert seq.pull is not None
         pull, seq.pull = seq.pull, None
         self._pulls.pop(id(seq), None)
-        got, before = pull.future.result()
+        pulled = pull.future.result()
+        run = pull.pages[: pulled.pages]
+        got = len(run)
+        if pulled.landing is not None and run:
+            got = pulled.landing.pull(self.store, run, self.pull_timeout_s)
         if got:
-            self.pulled_pages += max(0, got - before)
-            self._take(seq, pull.pages[:got])
+            self.pulled_pages += max(0, got - pulled.before)
+            self._take(seq, run[:got])
 
     def _adopt(self, seq: Sequence, pages: Seq[PageHash], data: Seq[torch.Tensor]) -> None:
         """Store `pages` as the next full pages of `seq`, lock them and record them in the tree."""

@@ -14,9 +14,13 @@ its shard, and its followers hold only their shard and their heads' KV memory.
 
 * `group.py` — the process group (gloo on the CPU, NCCL on GPUs) with a collective timeout.
 * `seat.py` — where a rank sits: its seat, device, group and shard; `LeaderWatch`.
-* `kv.py` — which KV heads a rank holds, and re-sharding pages by head between TP sizes.
+* `kv.py` — which KV heads a rank holds, re-sharding pages by head between TP sizes, and pulling
+  pages whole from a holder or the worker the KV index names.
 * `journal.py` — rank 0's record of what its engine did to KV memory (`KVJournal`, fed by the
   store's events and `MirroredCache`), which the followers mirror.
+* `cache.py` — `MirroredCache`, rank 0's page bookkeeping, which journals its writes; pages from
+  outside the role (a decode's handoff, a prefix pulled from a peer) land through `ShardSource`,
+  split by head.
 * `runner.py` — `BroadcastForward`, rank 0's model runner: one `TPPass` per paged forward (the
   journal's operations, then the forward's inputs), and gathering pages whole.
 * `embeds.py` — a prefill chunk's multimodal embedding rows as they travel in its inputs.

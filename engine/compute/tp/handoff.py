@@ -6,8 +6,8 @@ change hands by head slices, `kv.py`):
 
 * `llm.decode` here: rank 0 pulls the handoff's whole pages and partial last page from the
   prefill worker (off the engine thread), splits them by head, and admits the request with a
-  `ShardSource`: the engine stores rank 0's heads, and each follower gets its own heads in the
-  pass (`Shards`, `journal.py`);
+  `ShardSource` (`cache.py`, as prefix matching lands pages pulled from peers): the engine
+  stores rank 0's heads, and each follower gets its own heads in the pass (`Shards`, `journal.py`);
 * `llm.prefill` here: after the prefill every rank sends its heads of the handoff's pages to
   rank 0 (`BroadcastForward.gather`, on the engine thread: `Export`), which keeps them whole in
   the unit's export store, served by its page server until the decode side lets go.
@@ -29,6 +29,7 @@ from engine.compute.llm.errors import LLMUnitError
 from engine.compute.llm.loop import EngineLoop
 from engine.compute.llm.pd import PrefillDecode, PulledHandoff, pull_tail
 from engine.compute.llm.transfer import KVHandoff, handoff_of
+from engine.compute.tp.cache import ShardSource
 from engine.compute.tp.group import TPGroup
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import pull_whole, split_page
@@ -40,31 +41,6 @@ from engine.data.kv.ref import KVHold, KVHolder, KVRef
 from engine.data.kv.store import KVStore
 from engine.data.peer import Peer
 from engine.data.tensor_store import TensorStore
-
-
-class ShardSource:
-    """A `PageSource` of pages pulled whole already: it stores rank 0's heads of each (the
-    followers get theirs in the next pass). Used on the engine thread."""
-
-    def __init__(self, journal: KVJournal, pages: dict[PageHash, list[torch.Tensor]]) -> None:
-        self._journal = journal
-        self._pages = pages
-        """Each page's heads, by rank."""
-
-    def pull(self, store: KVStore, pages: Sequence[PageHash], timeout_s: float) -> int:
-        del timeout_s  # the bytes are here
-        have = store.resident_run(pages)
-        for page in pages[have:]:
-            shards = self._pages.get(page)
-            if shards is None:
-                break
-            self._journal.expect([page], [self._journal.shards_origin(shards[1:])])
-            try:
-                store.put(page, shards[0])
-            finally:
-                self._journal.settle([page])
-            have += 1
-        return have
 
 
 def split_handoff(ref: KVRef, pages: Sequence[torch.Tensor], tail: torch.Tensor | None, group: TPGroup,

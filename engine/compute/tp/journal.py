@@ -9,14 +9,14 @@ runner sends them with the next pass (`runner.py`). Two places feed it:
   eviction and drop, device <-> host <-> disk, in order, under the store's mutex): tier moves
   become `CopyPage`/`DropPage`, and a write becomes `WritePage` with the page's device slot and
   where its bytes came from, which the writer announced first (`expect`);
-* `MirroredCache`, the engine's page bookkeeping: tail page writes (`SetTail`), the copies of a
-  tail a session or a handoff keeps (`SaveTail`, `ForgetTail` once the copy is freed), and the
-  origin of each page it stores.
+* `MirroredCache` (`cache.py`), the engine's page bookkeeping: tail page writes (`SetTail`), the
+  copies of a tail a session or a handoff keeps (`SaveTail`, `ForgetTail` once the copy is
+  freed), and the origin of each page it stores.
 
 An origin is named by what the followers hold too (`origin_of`): a page of the last prefill's
-fresh pages, a tail slot, a saved tail, or, for bytes from outside the role (a pulled handoff),
-each follower's heads themselves (`Shards`). A write whose origin nobody announced breaks the
-journal (`drain` raises): a follower cannot mirror it.
+fresh pages, a tail slot, a saved tail, or, for bytes from outside the role (a pulled handoff, a
+prefix pulled from a peer), each follower's heads themselves (`Shards`). A write whose origin
+nobody announced breaks the journal (`drain` raises): a follower cannot mirror it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.compute.llm.cache import PagedKVCache
-from engine.compute.llm.sequence import Sequence as Seq
 from engine.compute.tp.group import TPError
 from engine.compute.tp.messages import (
     CopyPage,
@@ -40,7 +38,6 @@ from engine.compute.tp.messages import (
     PageOrigin,
     Saved,
     SaveTail,
-    SetTail,
     Shards,
     Tail,
     WritePage,
@@ -176,34 +173,3 @@ class KVJournal:
             if self._saved.get(pointer) == id_:
                 del self._saved[pointer]
             self._ops.append(ForgetTail(id_))
-
-
-class MirroredCache(PagedKVCache):
-    """Rank 0's `PagedKVCache`: what it writes into pages and tail pages goes to the journal."""
-
-    def __init__(self, journal: KVJournal, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.peers:
-            raise TPError("a tensor-parallel engine does not pull pages from peers")
-        self.journal = journal
-        journal.tails = self.tails
-
-    def _adopt(self, seq: Seq, pages: Sequence[PageHash], data: Sequence[torch.Tensor] | torch.Tensor) -> None:
-        journal = self.journal
-        journal.expect(pages, [journal.origin_of(page) for page in data])
-        try:
-            super()._adopt(seq, pages, data)
-        finally:
-            journal.settle(pages)
-
-    def _write_tail(self, slot: int, data: torch.Tensor) -> None:
-        origin = self.journal.origin_of(data)
-        super()._write_tail(slot, data)
-        self.journal.record(SetTail(slot, origin))
-
-    def copy_tail(self, seq: Seq) -> torch.Tensor | None:
-        copy = super().copy_tail(seq)
-        if copy is not None:
-            assert seq.tail_slot is not None
-            self.journal.save(copy, Tail(seq.tail_slot))
-        return copy

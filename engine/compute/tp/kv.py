@@ -21,7 +21,7 @@ from engine.compute.tp.group import TPError
 from engine.data.kv.errors import KVTransferError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
-from engine.data.kv.pull import fetch_pages
+from engine.data.kv.source import HolderPageSource, PageSource
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer
 
@@ -86,15 +86,29 @@ def reshard_pages(shards: Sequence[torch.Tensor], num_kv_heads: int, tp_size: in
 
 def pull_whole(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout,
                timeout_s: float) -> list[torch.Tensor]:
-    """The leading run of `pages` that the worker at `holder` serves whole (in `whole`'s layout),
-    fetched through a scratch store. Raises what `fetch_pages` raises (`KVTransferError`: the
-    holder is dead, silent or serves another layout)."""
+    """The leading run of `pages` that the worker at `holder` serves whole (in `whole`'s layout).
+    Raises what `fetch_pages` raises (`KVTransferError`: the holder is dead, silent or serves
+    another layout)."""
+    return pull_whole_from(HolderPageSource(peer, holder), pages, whole, timeout_s)
+
+
+def pull_whole_from(source: PageSource, pages: Sequence[PageHash], whole: KVLayout, timeout_s: float, *,
+                    account: KVStore | None = None) -> list[torch.Tensor]:
+    """The leading run of `pages` that `source` has whole (in `whole`'s layout: a holder, or the
+    worker the KV index names), fetched through a scratch store of this layout. `account`: a
+    store whose pull metrics count the transfer (a rank's own store, whose pages are not whole),
+    failures included. Raises what `source.pull` raises (`KVTransferError`)."""
     if not pages:
         return []
     scratch = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=len(pages)), device="cpu"))
     try:
+        try:
+            count = source.pull(scratch, pages, timeout_s)
+        finally:
+            if account is not None:
+                _account_pulls(account, scratch.metrics())
         got = []
-        for page in fetch_pages(scratch, peer, holder, pages, timeout_s).pages:
+        for page in pages[:count]:
             data = scratch.get(page)
             if data is None:
                 raise KVTransferError(f"page {page} vanished from the pull's scratch store")
@@ -102,6 +116,15 @@ def pull_whole(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayo
         return got
     finally:
         scratch.close()
+
+
+def _account_pulls(store: KVStore, metrics: dict[str, float]) -> None:
+    """Count in `store` the pulls a scratch store's `metrics` show (`KVStore.metrics`' `pull.*`)."""
+    paths = {name.split(".")[1]: int(value) for name, value in metrics.items()
+             if name.startswith("pull.") and name.endswith(".pages") and name.count(".") == 2}
+    store.record_pull(int(metrics["pull.pages"]), int(metrics["pull.bytes"]), metrics["pull.seconds"], paths=paths)
+    for _ in range(int(metrics["pull.failures"])):
+        store.record_pull(0, 0, 0.0, failed=True)
 
 
 def pull_shards(peer: Peer, holder: str, pages: Sequence[PageHash], whole: KVLayout, tp_size: int, rank: int,

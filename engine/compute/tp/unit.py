@@ -5,8 +5,8 @@ one endpoint the executor knows) hosting `TPLLMUnit`: the `llm` unit (scheduler,
 sampling, sessions, streaming, prefill/decode holds, KV tiers: everything of
 `engine.compute.llm`) over its model shard, its engine given two parts of its own:
 
-* `MirroredCache` and the store's events feed a `KVJournal` (`journal.py`) of what the engine
-  does to KV memory, host and disk tiers included;
+* `MirroredCache` (`cache.py`) and the store's events feed a `KVJournal` (`journal.py`) of what
+  the engine does to KV memory, host and disk tiers included;
 * `BroadcastForward` (`runner.py`) sends each paged forward to the followers as one `TPPass`
   (those operations, then the forward's inputs) before running its own shard of it.
 
@@ -17,6 +17,13 @@ connects and says `TPHello` (with the pages its disk tier recovered), and gets `
 
 KV pages leave and enter the role whole (`handoff.py`): a prefill's pages are gathered from the
 ranks into an export store rank 0's page server serves; a decode's are pulled whole and split.
+So are a prompt's prefix pages that another worker holds: given a transfer seat with a KV index
+(`TPLLMUnit(transfer=...)`, as `LLMUnit` gets one in its `UnitContext`; `engine.worker.process`
+gives rank 0 none yet), prefix matching asks the index, as on any `llm` role, pulls the pages
+whole from the holder off the engine thread, and lands them split by head (`cache.py`: rank 0
+stores its heads, each follower gets its own in the next pass). A holder that is dead, silent or
+lacks the pages costs at most the pull's timeout (`kv_pull_timeout_s`, capped by
+`IndexPageSource.max_timeout_s`); then the prompt is computed.
 
 Failure: a follower that dies breaks the group: rank 0's next send fails (the peer is gone) or
 its next collective does (gloo notices the closed connection, or `tp_timeout_s` runs out), and
@@ -26,14 +33,17 @@ Multimodal prompts (`items`/`embeds` inputs) run as on any `llm` role: rank 0 sp
 keys their pages by item hash (`LLMUnit._multimodal`, the engine's prefix tree); each prefill
 chunk's embedding rows go to the followers with its inputs (`embeds.py`).
 
-Not on tensor-parallel roles: rank 0 does not serve its own (sharded) pages to other workers,
-and prefix matching does not pull from peers.
+Not on tensor-parallel roles: rank 0 does not serve its own (sharded) pages to other workers, nor
+publish them to the KV index (the role worker hosts no KV cache for it). Serving them whole would
+gather every rank's heads on the engine thread, a collective, while a page server's handler runs
+on the serving thread and must never wait on another process (`TensorServer.register_handler`).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from engine.compute.context import TransferSeat, UnitContext
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.loop import EngineLoop
@@ -55,7 +65,12 @@ from engine.spec.graph import RoleSpec
 class TPLLMUnit(LLMUnit):
     """Rank 0 of a tensor-parallel `llm` role (see the module docstring)."""
 
-    def __init__(self, role: RoleSpec, *, tp: TPSeat) -> None:
+    def __init__(self, role: RoleSpec, *, tp: TPSeat, transfer: TransferSeat | None = None) -> None:
+        """`transfer`: rank 0's seat on the transfer plane (its `Peer`, worker id and KV index), where
+        prefix matching finds and pulls the pages other workers hold, and where the unit serves its
+        prefill handoffs' whole pages (so no other KV store may be served on that peer); None: no
+        pulls from peers, and a peer of the unit's own (with `tp.keys`) the first time a prefill
+        or decode node needs one."""
         if tp.rank != 0 or tp.size < 2:
             raise TPError(f"TPLLMUnit is rank 0 of a group of 2 or more, not rank {tp.rank} of {tp.size}")
         self.seat = tp
@@ -63,15 +78,16 @@ class TPLLMUnit(LLMUnit):
         self._exports: KVStore | None = None
         with contextlib.ExitStack() as undo:
             undo.callback(self._shutdown)  # a half-built rank 0 ends its link, group and stores
-            super().__init__(role)
+            # Only the seat: rank 0 shards its model and keeps its own (sharded) KV store.
+            super().__init__(role, UnitContext(seat=transfer))
             undo.pop_all()
-        self.worker_id = tp.worker_id
+        self.worker_id = tp.worker_id or self.worker_id
 
     # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
 
     def _build_engine(self, model: LoadedModel, config: EngineConfig, kv_store: KVStore | None,
                       peers: list[PageSource]) -> LLMEngine:
-        self.leader = leader = lead(self.role, model, config, self.seat)
+        self.leader = leader = lead(self.role, model, config, self.seat, peers)
         self.group, self.journal, self.whole_layout = leader.group, leader.journal, leader.whole
         # Prefill handoffs' pages, whole, while their decode sides have not taken them.
         self._exports = KVStore(KVStoreConfig(layout=leader.whole, device="cpu",
@@ -88,13 +104,14 @@ class TPLLMUnit(LLMUnit):
                                group=self.group)
 
     def _transfer(self) -> Peer:
-        """The unit's seat on the transfer plane: pulls, hold tokens, and serving the exported
-        (whole) pages of its prefill handoffs."""
+        """The unit's seat on the transfer plane (the one it was given, or its own): pulls, hold
+        tokens, and serving the exported (whole) pages of its prefill handoffs."""
         with self._lock:
             if self._peer is None:
-                assert self._exports is not None
                 self._peer = Peer.start(PeerConfig(keys=self.seat.keys))
                 self._own_peer = True
+            if self._page_server is None:
+                assert self._exports is not None
                 self._page_server = KVPageServer(self._exports, self._peer.server)
             return self._peer
 
