@@ -159,15 +159,16 @@ class RoleWorkerProc:
         self.capacity = config.capacity or int(config.role.params.get("capacity", 64))
         # The units see the capacity this worker runs at (`--capacity` overrides the role's).
         role = msgspec.structs.replace(config.role, params={**config.role.params, "capacity": self.capacity})
+        index = open_index(config.registry_url, config.namespace)
+        seat = TransferSeat(peer, config.worker_id, index)
         if config.role.tp_size > 1:
-            # Rank 0 of a tensor-parallel replica: its KV pages hold only its heads, so it does not
-            # serve them to other workers as if they were whole (`engine.compute.tp.unit`).
+            # Rank 0 of a tensor-parallel replica pulls prefix pages through the index like any
+            # llm role, but its own pages hold only its heads, so it does not serve or publish them
+            # as if they were whole (`engine.compute.tp.unit`).
             tp_unit, _ = self.kinds.role_kind(config.role.kind).load_tp_runner()
-            self.unit = tp_unit(role, tp=tp_seat(config))
-            self.kv = KVHosting()
+            self.unit = tp_unit(role, tp=tp_seat(config), transfer=seat)
+            self.kv = KVHosting.pulling_only(index)
         else:
-            index = open_index(config.registry_url, config.namespace)
-            seat = TransferSeat(peer, config.worker_id, index)
             ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
             users = None if config.users_root is None else UsersRoot(config.users_root)
             ctx = UnitContext(weights=self.weights, kv_store=self._kv_store, ops=ops, seat=seat, users=users)

@@ -37,6 +37,7 @@ import msgspec
 import torch
 import zmq
 
+from engine.compute.context import TransferSeat
 from engine.compute.diffusion.forward import DiffusionModelError
 from engine.compute.diffusion.runner import DiffusionConfig, DiffusionRunner, Prompt
 from engine.compute.diffusion.unit import CONFIG_PARAMS, kv_input, node_prompt, prompt_ids
@@ -80,28 +81,31 @@ class _Rank:
     input `kv`, a seat on the transfer plane to pull pages with."""
 
     def __init__(self, runner: DiffusionRunner, group: TPGroup, whole: KVLayout, pull_timeout_s: float,
-                 keys: PlaneKeys | None) -> None:
+                 keys: PlaneKeys | None, peer: Peer | None = None) -> None:
         self.runner = runner
         self.keys = keys
         self.group = group
         self.whole = whole
         self.pull_timeout_s = pull_timeout_s
-        self._peer: Peer | None = None
+        self._peer = peer
+        """The worker's seat when it gave one (rank 0 on a worker), else the rank's own, made on first use."""
+        self._own_peer = False
 
     def peer(self) -> Peer:
         if self._peer is None:
             self._peer = Peer.start(PeerConfig(keys=self.keys))
+            self._own_peer = True
         return self._peer
 
     def refused(self) -> int:
-        """Connections this rank's transfer seat refused."""
+        """Connections this rank's own transfer seat refused (a worker counts its seat's itself)."""
         peer = self._peer
-        return 0 if peer is None else peer.server.refused
+        return peer.server.refused if self._own_peer and peer is not None else 0
 
     def close(self) -> None:
-        if self._peer is not None:
+        if self._peer is not None and self._own_peer:
             self._peer.close()
-            self._peer = None
+        self._peer = None
 
     def _reused_pages(self, keys: list[str], message: TPDiffuse) -> list[torch.Tensor]:
         """This rank's heads of the leading pages of a prompt (its page `keys`) at `message.holder`;
@@ -152,21 +156,22 @@ def pull_timeout_s(role: RoleSpec) -> float:
     return float(timeout)
 
 
-def _rank(role: RoleSpec, group: TPGroup, device: str, keys: PlaneKeys | None) -> _Rank:
+def _rank(role: RoleSpec, group: TPGroup, device: str, keys: PlaneKeys | None, peer: Peer | None = None) -> _Rank:
     """This rank's runner over its shard of the role's model, with the layout of the whole model's pages."""
     config = _config(role)
     timeout = pull_timeout_s(role)
     model = load_role_model(role)
     dtype = dtype_name(next(model.model.parameters()).dtype)
     whole = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, timeout, keys)
+    return _Rank(DiffusionRunner(shard_to_device(model, group, device), config), group, whole, timeout, keys, peer)
 
 
 class TPDiffusionUnit(ThreadedUnit):
     """Rank 0 of a tensor-parallel `diffusion` role (see the module docstring); built by the worker
-    as `TPDiffusionUnit(role, tp=seat)`."""
+    as `TPDiffusionUnit(role, tp=seat, transfer=its seat on the transfer plane)`, whose peer rank 0
+    pulls prompt pages with (without one, a peer of its own)."""
 
-    def __init__(self, role: RoleSpec, *, tp: TPSeat) -> None:
+    def __init__(self, role: RoleSpec, *, tp: TPSeat, transfer: TransferSeat | None = None) -> None:
         if tp.rank != 0 or tp.size < 2:
             raise TPError(f"TPDiffusionUnit is rank 0 of a group of 2 or more, not rank {tp.rank} of {tp.size}")
         super().__init__(role)
@@ -181,7 +186,7 @@ class TPDiffusionUnit(ThreadedUnit):
                 raise UnitInputError(f"diffusion role {role.name!r} needs a model (the LLM whose transformer denoises)")
             group, device = join_group(role, tp)
             self.group = group
-            self._rank = rank = _rank(role, group, device, tp.keys)
+            self._rank = rank = _rank(role, group, device, tp.keys, None if transfer is None else transfer.peer)
             self.runner = rank.runner
             self.whole = rank.whole
             self._link = FollowerLink(group, tp.address, tp.size, what=f"diffusion role {role.name!r}", keys=tp.keys)

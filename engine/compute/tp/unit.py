@@ -18,8 +18,8 @@ connects and says `TPHello` (with the pages its disk tier recovered), and gets `
 KV pages leave and enter the role whole (`handoff.py`): a prefill's pages are gathered from the
 ranks into an export store rank 0's page server serves; a decode's are pulled whole and split.
 So are a prompt's prefix pages that another worker holds: given a transfer seat with a KV index
-(`TPLLMUnit(transfer=...)`, as `LLMUnit` gets one in its `UnitContext`; `engine.worker.process`
-gives rank 0 none yet), prefix matching asks the index, as on any `llm` role, pulls the pages
+(`TPLLMUnit(transfer=...)`, as `LLMUnit` gets one in its `UnitContext`; the role worker gives rank
+0 its own seat and index), prefix matching asks the index, as on any `llm` role, pulls the pages
 whole from the holder off the engine thread, and lands them split by head (`cache.py`: rank 0
 stores its heads, each follower gets its own in the next pass). A holder that is dead, silent or
 lacks the pages costs at most the pull's timeout (`kv_pull_timeout_s`, capped by
