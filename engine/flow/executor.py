@@ -34,6 +34,7 @@ from engine.flow.firing import Firing, NodeFailure, RunActions, RunNode, gather_
 from engine.flow.plan import Plan, build_plan
 from engine.flow.recorder import RunRecorder
 from engine.flow.streams import StreamChannel
+from engine.flow.validate import input_type_problem
 from engine.spec.calls import NodeContext, NodeResult, RanOn
 from engine.spec.graph import GraphSpec, NodeSpec
 from engine.spec.kinds import KindRegistry
@@ -493,36 +494,3 @@ def resolve_inputs(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:
     if problems:
         raise RunInputError("; ".join(problems))
     return values
-
-
-def input_type_problem(node: NodeSpec, value: Any) -> str | None:
-    """Why `value` cannot be input node `node`'s value (its port type says text or tokens and the
-    value is no such thing), or None. Other types are their consumers' to read."""
-    kind = node.outputs["value"].type
-    if kind == "text" and not isinstance(value, str):
-        return f"input {node.id!r} is text: give it a string, not {_what(value)}"
-    if kind == "tokens" and not _token_ids(value):
-        return f"input {node.id!r} takes tokens: give it a list of token ids (whole numbers), not {_what(value)}"
-    return None
-
-
-def _token_ids(value: Any) -> bool:
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor of ids, from the Python API
-        return True
-    return isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _what(value: Any) -> str:
-    """A value's JSON kind, as a user who typed it knows it."""
-    if isinstance(value, bool):
-        return "true/false"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list | tuple):
-        return "a list" if not value or all(not isinstance(t, bool) and isinstance(t, int) for t in value) else \
-            "a list holding other things than whole numbers"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__

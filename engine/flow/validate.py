@@ -348,6 +348,10 @@ def _check_node(node: NodeSpec, kind: NodeKind, roles: dict[str, Any], kinds: Ki
     for err in jsonschema.Draft202012Validator(kind.params_schema).iter_errors(node.params):
         add(Issue("bad_param", f"node {node.id!r}: {json_path(err.absolute_path, root='params')}: {err.message}",
                   node=node.id))
+    if node.kind == "input" and "default" in node.params and node.params["default"] is not None:
+        if problem := input_type_problem(node, node.params["default"]):
+            add(Issue("bad_default", f"node {node.id!r}: params.default: {problem}", node=node.id,
+                      path="params.default"))
     for direction, fixed, declared in (("input", kind.inputs, node.inputs), ("output", kind.outputs, node.outputs)):
         for port in declared:
             if not _IDENT.match(port):
@@ -401,3 +405,37 @@ def validate(spec: GraphSpec, kinds: KindRegistry, ops: OpConfig | None = None,
     issues = check_spec(spec, kinds, ops, checkpoints)
     if issues:
         raise GraphValidationError(issues)
+
+
+def input_type_problem(node: NodeSpec, value: Any) -> str | None:
+    """Why `value` cannot be input node `node`'s value (its port type says text or tokens and the
+    value is no such thing), or None. Other types are their consumers' to read."""
+    port = node.outputs.get("value")
+    kind = None if port is None else port.type
+    if kind == "text" and not isinstance(value, str):
+        return f"input {node.id!r} is text: give it a string, not {_what(value)}"
+    if kind == "tokens" and not _token_ids(value):
+        return f"input {node.id!r} takes tokens: give it a list of token ids (whole numbers), not {_what(value)}"
+    return None
+
+
+def _token_ids(value: Any) -> bool:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor of ids, from the Python API
+        return True
+    return isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _what(value: Any) -> str:
+    """A value's JSON kind, as a user who typed it knows it."""
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list" if not value or all(not isinstance(t, bool) and isinstance(t, int) for t in value) else \
+            "a list holding other things than whole numbers"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -786,3 +786,16 @@ def test_parse_spec_missing_top_level_fields():
         "$: 'roles' is a required property",
         "$: 'edges' is a required property",
     ]
+
+
+def test_an_input_default_of_the_wrong_kind_is_an_issue_on_its_node() -> None:
+    for kind, default, says in (("text", 42, "give it a string, not a number"),
+                                ("tokens", "1 2", "give it a list of token ids (whole numbers), not a string")):
+        wf = Workflow("defaults")
+        wf.output("out", wf.input("given", kind, default=default), kind)
+        issues = [i for i in check_spec(wf.to_spec(), default_kinds()) if i.code == "bad_default"]
+        assert [(i.node, i.path) for i in issues] == [("given", "params.default")], issues
+        assert says in issues[0].message
+    ok = Workflow("fine")
+    ok.output("out", ok.input("given", "text", default="hello"), "text")
+    assert not [i for i in check_spec(ok.to_spec(), default_kinds()) if i.code == "bad_default"]
