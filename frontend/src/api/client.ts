@@ -75,11 +75,17 @@ export async function request<T>(method: string, path: string, options: RequestO
 }
 
 /** A human sentence for an error, with its details (validation issues, field errors). */
+/** One detail of an API error as a person reads it: its message, after the field it names. */
+function describeDetail(detail: unknown): string {
+  if (typeof detail === "string") return detail;
+  const { field, message } = detail as { field?: string; message?: string };
+  if (message === undefined) return JSON.stringify(detail);
+  return field ? `${field}: ${message}` : message;
+}
+
 export function describeError(err: unknown): string {
   if (err instanceof ApiError) {
-    const details = err.details
-      .map((d) => (typeof d === "string" ? d : (d as { message?: string }).message ?? JSON.stringify(d)))
-      .slice(0, 5);
+    const details = err.details.map(describeDetail).slice(0, 5);
     return details.length ? `${err.message}: ${details.join("; ")}` : err.message;
   }
   return err instanceof Error ? err.message : String(err);
