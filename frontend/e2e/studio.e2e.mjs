@@ -216,6 +216,18 @@ try {
     await page.click('a[aria-label="Back to workflows"]');
     await asked; // leaving with unsaved edits asks first; dismissed, the editor stays
     expect(page.url().endsWith(`/workflows/${workflowIds.squares}`), "stayed in the editor");
+    // Run opens the run form of the saved v1: it asks the same way before the edits are left behind.
+    const runAsked = page.waitForEvent("dialog", { timeout: 5_000 }).then(async (d) => {
+      const text = d.message();
+      await d.dismiss();
+      return text;
+    });
+    await page.click(tid("run"));
+    const question = await runAsked;
+    expect(question.includes("saved version v1") && question.includes("unsaved changes will be lost"), `Run asks: ${question}`);
+    expect(page.url().endsWith(`/workflows/${workflowIds.squares}`), "Run dismissed: stayed in the editor");
+    await page.waitForSelector(tid("node-result")); // the edit is still there
+    await page.waitForSelector(tid("dirty"));
     await page.keyboard.press("Control+s");
     await page.fill(tid("save-message"), "rename the output");
     await page.click(tid("save-submit"));

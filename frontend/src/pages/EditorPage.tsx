@@ -533,7 +533,10 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
             icon="play"
             disabled={gate.disabled}
             title={gate.title}
-            onClick={() => navigate(`/workflows/${workflow.id}/run`)}
+            onClick={() => {
+              if (gate.confirm && !window.confirm(gate.confirm)) return;
+              navigate(`/workflows/${workflow.id}/run`);
+            }}
             data-testid="run"
           >
             Run
