@@ -8,8 +8,9 @@
 //    socket is held back (before the first event); its llm node (the real smollm2-135m, 120 tokens) draws
 //    a progress bar that moves, "n/120 tokens" beside it; live times never negative, and the reply's last
 //    live time agrees with its final one;
-//  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size,
-//    served as the run's file, and the tone of its `voice` node in a player; no server path on the page;
+//  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size
+//    (enlarged to 512 px, pixelated; Escape or a click closes it), served as the run's file, and the tone
+//    of its `voice` node in a player; no server path on the page;
 //  - the streamed reply reads as text; each node says where it ran;
 //  - "Run again" starts from the previous run's inputs;
 //  - the runs list, open in another tab, shows the new run without a reload, and cancels it.
@@ -134,9 +135,18 @@ try {
     await page.click(thumb);
     await page.waitForSelector(tid("lightbox-image"));
     await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 256, tid("lightbox-image"));
-    const shown = await page.$eval(tid("lightbox-image"), (img) => img.getBoundingClientRect().width);
-    expect(shown >= 256, `the full-size view is ${shown}px wide`);
+    // 256x128, smaller than the lightbox's least side (512 px): enlarged by a whole factor, crisp.
+    await page.waitForSelector(`${tid("lightbox-image")}[data-zoom="2"]`);
+    const shown = await page.$eval(tid("lightbox-image"), (img) => {
+      const box = img.getBoundingClientRect();
+      return { width: box.width, height: box.height, rendering: getComputedStyle(img).imageRendering };
+    });
+    expect(shown.width === 512 && shown.height === 256 && shown.rendering === "pixelated",
+      `the full-size view: ${JSON.stringify(shown)}`);
     await shot("intermediate-image-full-size");
+    await page.keyboard.press("Escape"); // closes, as a click anywhere does
+    await page.waitForSelector(tid("lightbox"), { state: "detached", timeout: 5_000 });
+    await page.click(thumb);
     await page.click(tid("lightbox"));
     await page.waitForSelector(tid("lightbox"), { state: "detached" });
     // The tone its `voice` node makes, which no node takes: a player.

@@ -8,6 +8,7 @@ import { ApiError, describeError } from "../api/client";
 import { runs } from "../api/studio";
 import type { GraphSpec, RunDetail, RunEvent, RunFile } from "../api/types";
 import { Icon } from "../components/icons";
+import { Lightbox } from "../components/Lightbox";
 import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
@@ -43,6 +44,7 @@ export function RunPage() {
   const [cancelling, setCancelling] = useState(false);
   const [now, setNow] = useState(Date.now());
   const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
+  const closeZoom = useCallback(() => setZoomed(null), []);
   const toast = useToast();
 
   const refresh = useCallback(async () => {
@@ -292,12 +294,7 @@ export function RunPage() {
           </details>
         </aside>
       </div>
-      {zoomed && (
-        <div className="lightbox" role="dialog" aria-label={`${zoomed.name} full size`} onClick={() => setZoomed(null)} data-testid="lightbox">
-          <img src={zoomed.media.url} alt={`${zoomed.name} full size`} data-testid="lightbox-image" />
-          <div className="lightbox-caption">{zoomed.name} · click anywhere to close</div>
-        </div>
-      )}
+      {zoomed && <Lightbox name={zoomed.name} url={zoomed.media.url} onClose={closeZoom} />}
     </div>
   );
 }
