@@ -26,7 +26,7 @@ from engine.flow.discovery import RegistryError, WorkerInfo, WorkerLoad, WorkerS
 from studio.accounts.models import ApiToken
 from studio.asgi import build_application
 from studio.workflows.apps import StudioEngine, engine
-from studio.workflows.history import MetricsSampler
+from studio.workflows.history import ActiveWorkers, MetricsSampler
 from studio.workflows.history.points import GpuPoint, MetricPoint, TierPoint, point_of
 from studio.workflows.history.query import MAX_POINTS
 from studio.workflows.history.store import HistoryLimits, MemoryHistory, RedisHistory, Sample, WorkerMeta
@@ -187,6 +187,49 @@ def test_the_sampler_thread_samples_every_interval_and_outlives_a_failing_read()
     (series,) = store.series({"d1"}, since=0.0)
     times = [p.t for p in series.points]
     assert len(times) >= 4 and times == sorted(set(times))  # one point per tick, in order
+
+
+def test_the_sampler_names_a_failure_that_has_no_message(caplog: pytest.LogCaptureFixture) -> None:
+    store = MemoryHistory(HistoryLimits(window_s=60.0, interval_s=0.02))
+    calls: list[int] = []
+    recovered = threading.Event()
+
+    def live() -> dict[str, list[WorkerSnapshot]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError()  # what a timed-out future raises: no message of its own
+        recovered.set()
+        return {}
+
+    sampler = MetricsSampler(store, live, interval_s=0.02)
+    with caplog.at_level("WARNING", logger="studio.workflows.history.sampler"):
+        sampler.start()
+        try:
+            assert recovered.wait(30), calls
+        finally:
+            sampler.stop()
+    assert [r.getMessage() for r in caplog.records] == ["sampling worker metrics failed: TimeoutError"]
+
+
+@pytest.mark.django_db
+def test_reading_the_workers_gives_up_on_a_held_engine_loop_and_says_so(history_engine: StudioEngine, api: Any,
+                                                                        user: Any) -> None:
+    deployment_of(api, user, "held")
+    held, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        held.set()
+        release.wait(30)  # holds the loop, as a model loaded on it did
+
+    holder = history_engine.runs.call(hold())
+    try:
+        assert held.wait(30)
+        read = ActiveWorkers(history_engine.runs, history_engine.deployments, timeout_s=0.2)
+        with pytest.raises(TimeoutError, match=r"^the engine loop did not list the workers within 0\.2 s$"):
+            read()
+    finally:
+        release.set()
+        holder.result(30)
 
 
 # ---------------------------------------------------------------------------------- REST
