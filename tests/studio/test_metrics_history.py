@@ -49,7 +49,7 @@ TIERED = {"kv.device.lookups": 10.0, "kv.device.hit_pages": 4.0, "kv.device.page
           "kv.host.lookups": 6.0, "kv.host.hit_pages": 3.0, "kv.host.pages_used": 16.0,
           "kv.host.capacity_pages": 64.0, "kv.disk.lookups": 3.0, "kv.disk.hit_pages": 0.0,
           "kv.disk.pages_used": 16.0, "kv.disk.capacity_pages": 128.0, "rss_bytes": 5e8,
-          "llm.generated_tokens": 40.0}
+          "llm.generated_tokens": 40.0, "llm.prompt_tokens": 12.0}
 
 
 def sample(deployment: str, worker: str, t: float, *, role: str = "llm", hits: float = 1.0) -> Sample:
@@ -66,7 +66,8 @@ def test_a_point_has_the_tiers_the_worker_has_and_gpu_memory_only_with_cuda() ->
                                               capacity_bytes=3200)
     assert point.tiers["device"].hit_rate == 0.4 and point.tiers["host"].occupancy == 0.25
     assert point.tiers["disk"].hit_rate == 0.0 and point.rss_bytes == 5e8 and point.gpu is None
-    assert point.generated_tokens == 40.0
+    assert point.generated_tokens == 40.0 and point.prompt_tokens == 12.0
+    assert point_of(heartbeat(rss_bytes=1.0), 1.0).prompt_tokens is None  # no LLM
     device_only = point_of(heartbeat(**{"kv.device.capacity_pages": 4.0, "kv.device.lookups": 0.0}), 1.0)
     assert set(device_only.tiers) == {"device"} and device_only.tiers["device"].hit_rate is None
     assert point_of(heartbeat(), 1.0).tiers == {}  # no KV cache (a python role)
