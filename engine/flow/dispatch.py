@@ -34,6 +34,11 @@ class Dispatcher(Protocol):
     async def close(self) -> None: ...
 
 
+def loading_message(role: RoleSpec) -> str:
+    """What a node queued for `role`'s unit, which loads its model, reports meanwhile."""
+    return f"loading {role.model} (role {role.name})"
+
+
 class InProcessDispatcher:
     """Runs every role's unit in this process. A role runs at most
     `replicas x capacity` node executions at once; the rest wait their turn (queued).
@@ -43,7 +48,9 @@ class InProcessDispatcher:
     A role's unit is built on its first call, on a thread of the loop's default executor: building
     one loads its model (seconds), and the loop runs every other run meanwhile (in the studio it
     also answers the metrics sampler and renews the runs' leases). Calls that come while it builds
-    wait for that one build; a build that fails is not kept, so the role's next call builds again."""
+    wait for that one build; a build that fails is not kept, so the role's next call builds again.
+    A call of a role with a model that waits for its unit says so while it is queued: a progress
+    report with no fraction, `loading_message(role)` (the run view shows what its nodes wait for)."""
 
     DEFAULT_CAPACITY = 64
 
@@ -67,13 +74,15 @@ class InProcessDispatcher:
         # Roles of different workflows may share a name; the spec itself tells them apart.
         return (role.name, repr(role))
 
-    async def _unit(self, role: RoleSpec) -> tuple[ComputeUnit, asyncio.Semaphore]:
+    async def _unit(self, role: RoleSpec, ctx: NodeContext) -> tuple[ComputeUnit, asyncio.Semaphore]:
         key = self._key(role)
         unit = self._units.get(key)
         if unit is None:
             building = self._building.get(key)
             if building is None:
                 building = self._building[key] = asyncio.get_running_loop().create_task(self._load(key, role))
+            if role.model is not None:  # a model to load, for seconds (a python unit is built at once)
+                ctx.progress(None, loading_message(role))
             # Shielded: a call cancelled while it waits leaves the build to the others (and the next call).
             unit = await asyncio.shield(building)
         return unit, self._slots[key]
@@ -91,7 +100,7 @@ class InProcessDispatcher:
     async def execute(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
-        unit, slots = await self._unit(role)
+        unit, slots = await self._unit(role, ctx)
         async with slots:
             started(self.where)
             return await unit.execute(call, ctx)
@@ -99,7 +108,7 @@ class InProcessDispatcher:
     async def execute_stream(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
-        unit, slots = await self._unit(role)
+        unit, slots = await self._unit(role, ctx)
         async with slots:
             started(self.where)
             async for frame in unit.execute_stream(call, ctx):

@@ -30,10 +30,12 @@ class Echo(ComputeUnit):
         self.closed = True
 
 
-def call_of(x: int) -> tuple[NodeCall, NodeContext]:
+def call_of(x: int, reports: list[tuple[float | None, str]] | None = None) -> tuple[NodeCall, NodeContext]:
+    """Node `n<x>`'s call; its progress reports go to `reports`."""
     call = NodeCall(run_id="r", node_id=f"n{x}", op=None, params={}, inputs={"x": x}, output_ports=("out",),
                     stream=False, router=False, iteration=1, attempt=1)
-    return call, NodeContext(run_id="r", node_id=f"n{x}", iteration=1, attempt=1, report_progress=lambda f, m: None)
+    report = (lambda f, m: None) if reports is None else (lambda f, m: reports.append((f, m)))
+    return call, NodeContext(run_id="r", node_id=f"n{x}", iteration=1, attempt=1, report_progress=report)
 
 
 class GatedBuild:
@@ -58,10 +60,10 @@ class GatedBuild:
         return self.units[-1]
 
 
-def execute(dispatcher: InProcessDispatcher, x: int, started: Callable[[RanOn], None] = lambda where: None
-            ) -> asyncio.Task[NodeResult]:
-    call, ctx = call_of(x)
-    return asyncio.get_running_loop().create_task(dispatcher.execute(ROLE, call, ctx, started))
+def execute(dispatcher: InProcessDispatcher, x: int, started: Callable[[RanOn], None] = lambda where: None, *,
+            role: RoleSpec = ROLE, reports: list[tuple[float | None, str]] | None = None) -> asyncio.Task[NodeResult]:
+    call, ctx = call_of(x, reports)
+    return asyncio.get_running_loop().create_task(dispatcher.execute(role, call, ctx, started))
 
 
 def test_a_unit_is_built_off_the_loop_once_while_the_loop_serves_on() -> None:
@@ -120,3 +122,29 @@ def test_a_call_cancelled_while_its_unit_builds_leaves_the_build_to_the_next_cal
 
     asyncio.run(main())
     assert len(build.threads) == 1 and build.units[0].closed
+
+
+def test_a_call_waiting_for_its_roles_model_to_load_says_so_before_it_starts() -> None:
+    build = GatedBuild()
+    llm = RoleSpec(name="writer", kind="llm", model="smollm2-135m")
+    seen: list[str] = []  # reports and the start, in order
+
+    async def main() -> None:
+        dispatcher = InProcessDispatcher(default_kinds(load_entry_points=False), build=build)
+        first: list[tuple[float | None, str]] = []
+        waiting = execute(dispatcher, 1, lambda where: seen.append("started"), role=llm, reports=first)
+        assert await asyncio.to_thread(build.entered.wait, WAIT_S)
+        seen.extend(message for _, message in first)
+        assert first == [(None, "loading smollm2-135m (role writer)")] and seen == [first[0][1]]
+        build.gate.set()
+        await asyncio.wait_for(waiting, WAIT_S)
+        assert seen == ["loading smollm2-135m (role writer)", "started"]
+        later: list[tuple[float | None, str]] = []
+        await asyncio.wait_for(execute(dispatcher, 2, role=llm, reports=later), WAIT_S)
+        assert later == []  # built: nothing to wait for
+        python: list[tuple[float | None, str]] = []
+        await asyncio.wait_for(execute(dispatcher, 3, reports=python), WAIT_S)
+        assert python == []  # no model: its unit is built at once, unannounced
+        await dispatcher.close()
+
+    asyncio.run(main())
