@@ -59,9 +59,11 @@ class EngineStartup:
             return
         async with self._lock:
             if not self._done:
-                redeployed = await orm(resume_embedded, thread_sensitive=False)()
-                if redeployed:
-                    log.warning("deploying again %d deployment(s) a previous process hosted", len(redeployed))
+                resumed = await orm(resume_embedded, thread_sensitive=False)()
+                if resumed.started:
+                    log.info("starting %d deployment(s) recorded to start with the server", len(resumed.started))
+                if resumed.redeployed:
+                    log.warning("deploying again %d deployment(s) a previous process hosted", len(resumed.redeployed))
                 stale = await orm(self.studio.runs.resume_stale, thread_sensitive=False)()
                 if stale:
                     log.warning("took up %d run(s) a previous process left (executed again, or failed)", len(stale))

@@ -34,11 +34,23 @@ class Dispatcher(Protocol):
     async def close(self) -> None: ...
 
 
+def loading_message(role: RoleSpec) -> str:
+    """What a node queued for `role`'s unit, which loads its model, reports meanwhile."""
+    return f"loading {role.model} (role {role.name})"
+
+
 class InProcessDispatcher:
     """Runs every role's unit in this process. A role runs at most
     `replicas x capacity` node executions at once; the rest wait their turn (queued).
     A role's `tp_size` takes no processes here: its whole model runs in this one (the same
-    tokens; tensor parallelism decides where the heads are computed, not what)."""
+    tokens; tensor parallelism decides where the heads are computed, not what).
+
+    A role's unit is built on its first call, on a thread of the loop's default executor: building
+    one loads its model (seconds), and the loop runs every other run meanwhile (in the studio it
+    also answers the metrics sampler and renews the runs' leases). Calls that come while it builds
+    wait for that one build; a build that fails is not kept, so the role's next call builds again.
+    A call of a role with a model that waits for its unit says so while it is queued: a progress
+    report with no fraction, `loading_message(role)` (the run view shows what its nodes wait for)."""
 
     DEFAULT_CAPACITY = 64
 
@@ -51,6 +63,7 @@ class InProcessDispatcher:
         self._build = build if build is not None else self._runner
         self._units: dict[tuple[str, str], ComputeUnit] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
+        self._building: dict[tuple[str, str], asyncio.Task[ComputeUnit]] = {}
         self.where = RanOn(worker=f"in-process:{os.getpid()}", host=socket.gethostname())
         """Where its calls run: this process."""
 
@@ -61,19 +74,33 @@ class InProcessDispatcher:
         # Roles of different workflows may share a name; the spec itself tells them apart.
         return (role.name, repr(role))
 
-    def _unit(self, role: RoleSpec) -> tuple[ComputeUnit, asyncio.Semaphore]:
+    async def _unit(self, role: RoleSpec, ctx: NodeContext) -> tuple[ComputeUnit, asyncio.Semaphore]:
         key = self._key(role)
         unit = self._units.get(key)
         if unit is None:
-            unit = self._units[key] = self._build(role)
-            capacity = int(role.params.get("capacity", self.DEFAULT_CAPACITY))
-            self._slots[key] = asyncio.Semaphore(role.replicas * capacity)
+            building = self._building.get(key)
+            if building is None:
+                building = self._building[key] = asyncio.get_running_loop().create_task(self._load(key, role))
+            if role.model is not None:  # a model to load, for seconds (a python unit is built at once)
+                ctx.progress(None, loading_message(role))
+            # Shielded: a call cancelled while it waits leaves the build to the others (and the next call).
+            unit = await asyncio.shield(building)
         return unit, self._slots[key]
+
+    async def _load(self, key: tuple[str, str], role: RoleSpec) -> ComputeUnit:
+        try:
+            unit = await asyncio.to_thread(self._build, role)
+        finally:
+            del self._building[key]
+        capacity = int(role.params.get("capacity", self.DEFAULT_CAPACITY))
+        self._slots[key] = asyncio.Semaphore(role.replicas * capacity)
+        self._units[key] = unit
+        return unit
 
     async def execute(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
-        unit, slots = self._unit(role)
+        unit, slots = await self._unit(role, ctx)
         async with slots:
             started(self.where)
             return await unit.execute(call, ctx)
@@ -81,13 +108,16 @@ class InProcessDispatcher:
     async def execute_stream(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
-        unit, slots = self._unit(role)
+        unit, slots = await self._unit(role, ctx)
         async with slots:
             started(self.where)
             async for frame in unit.execute_stream(call, ctx):
                 yield frame
 
     async def close(self) -> None:
+        """Close every unit, those still being built once they are (a thread cannot be stopped mid-build)."""
+        await asyncio.gather(*self._building.values(), return_exceptions=True)
         units, self._units = list(self._units.values()), {}
+        self._slots = {}
         for unit in units:
             await unit.close()

@@ -3,7 +3,9 @@
 // memory panel says the cluster is CPU-only and charts process memory, a reload keeps the charts
 // (the points from before it come back from the studio's history), and the range picker switches
 // to an hour, kept in the URL across a reload; the workers table fits its card at 1024 px (fewer
-// columns, the rest in each row) and 1440 px (every column), and scrolls inside it, with a cue, narrower.
+// columns, the rest in each row) and 1440 px (every column), and scrolls inside it, with a cue, narrower;
+// last, on a history of the page's own: a worker whose prompts were all shorter than a KV page says
+// so instead of "no lookups yet", and no chart cuts its newest time label at the right edge.
 //
 //   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... LLM_WORKER=<worker id> E2E_ARTIFACTS=... \
 //   node e2e/metrics.e2e.mjs
@@ -18,7 +20,7 @@ const WORKER = process.env.LLM_WORKER;
 const WAIT = 30_000;
 const TIERS = ["device", "host", "disk"];
 
-const { page, shot, step, expectQuietConsole, finish } = await openBrowser(
+const { context, page, shot, step, expectQuietConsole, finish } = await openBrowser(
   "metrics", { viewport: { width: 1500, height: 1400 }, wait: WAIT, fullPage: true });
 /** A chart's rows and its first time (`LiveChart`'s data-points, data-first). */
 async function chartRows(testId) {
@@ -156,6 +158,49 @@ try {
     await page.locator(`${tid("workers-card")} .scroll-table-body`).evaluate((el) => { el.scrollLeft = el.scrollWidth; });
     await page.waitForSelector(`${tid("workers-card")}[data-hidden-right="false"][data-hidden-left="true"]`);
     await page.setViewportSize({ width: 1500, height: 1400 });
+  });
+
+  await step("a worker whose prompts were too short to look a page up says so; the newest time label is whole", async () => {
+    // The history is the page's own (the metrics socket answered here): one llm worker that took in
+    // 23 prompt tokens and looked no page up, its points ending on a whole hour, where a tick of any
+    // step lands, its label centred on the plot's right end.
+    const mocked = await context.newPage();
+    const end = Math.floor(Date.now() / 3_600_000) * 3600;
+    const points = Array.from({ length: 61 }, (_, i) => ({
+      t: end - 300 + 5 * i, rss_bytes: 5e8, prompt_tokens: 23,
+      tiers: { device: { lookups: 0, hits: 0, pages_used: 2, capacity_pages: 64 } },
+    }));
+    await mocked.routeWebSocket(/\/ws\/metrics\//, (ws) => {
+      ws.send(JSON.stringify({ type: "history", range: "1h", range_s: 3600, step_s: 5, workers: [
+        { worker_id: "short-prompts", deployment: "d", role: "llm", device: "cpu", host: "h", model: "smollm2-135m", points },
+      ] }));
+    });
+    await mocked.goto(`${BASE}/cluster?range=1h`);
+    await mocked.waitForSelector(`${tid("cluster-page")}[data-history="loaded"][data-range="1h"]`);
+    const note = await mocked.textContent(tid("worker-card-short-prompts-hit-rate-empty"));
+    expect(note.includes("prompts came in (23 tokens in all)") && note.includes("too short to fill a KV page"),
+      `the worker's hit rate says why it has none: ${note}`);
+    await mocked.waitForFunction(() => [...document.querySelectorAll(".chart")].every((c) => Number(c.dataset.points) === 61));
+    await mocked.evaluate(() => new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve))));
+    // Each chart's canvas: the band of its time labels holds the newest label near its right end, and
+    // no label reaches either edge (one cut there reads "12:00:00 A", or ":55:00 PM").
+    const labels = await mocked.$$eval(".chart-box canvas", (canvases) => canvases.map((c) => {
+      const ratio = c.width / c.getBoundingClientRect().width;
+      const band = Math.round(38 * ratio); // the 50 px axis under the plot, less its tick marks
+      const ink = c.getContext("2d").getImageData(0, c.height - band, c.width, band).data;
+      const inked = (x) => {
+        for (let y = 0; y < band; y++) if (ink[(y * c.width + x) * 4 + 3] > 0) return true;
+        return false;
+      };
+      const near = Array.from({ length: Math.round(90 * ratio) }, (_, i) => c.width - 1 - i).some(inked);
+      return { chart: c.closest(".chart").dataset.testid, near, edge: [0, 1, c.width - 2, c.width - 1].some(inked) };
+    }));
+    expect(labels.length >= 5 && labels.every((l) => l.near), `a time label at each chart's right end: ${JSON.stringify(labels)}`);
+    const cut = labels.filter((l) => l.edge).map((l) => l.chart);
+    expect(cut.length === 0, `a time label is cut at an edge of ${cut.join(", ")}`);
+    await mocked.locator(tid("worker-charts")).scrollIntoViewIfNeeded();
+    await shot("cluster-short-prompts-1h", mocked);
+    await mocked.close();
   });
 
   expectQuietConsole();

@@ -5,11 +5,13 @@
 //
 // tests/e2e/test_runs_e2e.py runs it against the studio of tests/e2e/conftest.py:
 //  - e2e-watch (watch.json) run from the form: its graph drawn, every node pending, while its event
-//    socket is held back (before the first event); its llm node (the real smollm2-135m, 120 tokens) draws
+//    socket is held back (before the first event); then, while its llm role's unit loads the model,
+//    the run and the node's row say so; its llm node (the real smollm2-135m, 120 tokens) draws
 //    a progress bar that moves, "n/120 tokens" beside it; live times never negative, and the reply's last
 //    live time agrees with its final one;
-//  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size,
-//    served as the run's file, and the tone of its `voice` node in a player; no server path on the page;
+//  - the image its `paint` node makes (no workflow output) previewed as a thumbnail that opens full size
+//    (enlarged to 512 px, pixelated; Escape or a click closes it), served as the run's file, and the tone
+//    of its `voice` node in a player; no server path on the page;
 //  - the streamed reply reads as text; each node says where it ran;
 //  - "Run again" starts from the previous run's inputs;
 //  - the runs list, open in another tab, shows the new run without a reload, and cancels it.
@@ -79,10 +81,19 @@ try {
       opened();
       const held = [];
       let holding = true;
-      server.onMessage((message) => (holding ? held.push(message) : ws.send(message)));
-      release = () => {
+      let until = null; // while set: messages pass until one it matches has, then they are held again
+      const pass = (message) => {
+        ws.send(message);
+        if (until?.(JSON.parse(message))) {
+          until = null;
+          holding = true;
+        }
+      };
+      server.onMessage((message) => (holding ? held.push(message) : pass(message)));
+      release = (match = null) => {
+        until = match;
         holding = false;
-        for (const message of held.splice(0)) ws.send(message);
+        while (held.length && !holding) pass(held.shift());
       };
     });
     await page.click(tid("submit-run"));
@@ -97,7 +108,16 @@ try {
     expect(drawn.length === specNodes.length && drawn.every((st) => st === "pending"),
       `every node drawn, pending, before the first event: ${JSON.stringify(drawn)}`);
     await shot("run-graph-before-events");
+    // The studio's first run of this llm role builds its unit, loading smollm2-135m (its own engine, in
+    // process): the events pass up to the reply's report of that, while it is queued; the page says
+    // what the run waits for, on the run and on the node's row.
+    release((event) => event.type === "node_progress" && event.node === "reply");
+    await waitText(tid("run-waiting"), "reply: loading smollm2-135m (role llm)");
+    await waitText(tid("node-waiting-reply"), "loading smollm2-135m (role llm)");
+    expect(await page.getAttribute(tid("node-row-reply"), "data-state") === "queued", "the reply is queued meanwhile");
+    await shot("run-loading-model");
     release();
+    await page.waitForSelector(tid("run-waiting"), { state: "detached" }); // it runs: nothing waits any more
     // The reply's time as the node table shows it, sampled in the page until the reply ends: its
     // last live reading is compared with its final time below.
     await page.evaluate(() => {
@@ -134,9 +154,18 @@ try {
     await page.click(thumb);
     await page.waitForSelector(tid("lightbox-image"));
     await page.waitForFunction((s) => document.querySelector(s)?.naturalWidth === 256, tid("lightbox-image"));
-    const shown = await page.$eval(tid("lightbox-image"), (img) => img.getBoundingClientRect().width);
-    expect(shown >= 256, `the full-size view is ${shown}px wide`);
+    // 256x128, smaller than the lightbox's least side (512 px): enlarged by a whole factor, crisp.
+    await page.waitForSelector(`${tid("lightbox-image")}[data-zoom="2"]`);
+    const shown = await page.$eval(tid("lightbox-image"), (img) => {
+      const box = img.getBoundingClientRect();
+      return { width: box.width, height: box.height, rendering: getComputedStyle(img).imageRendering };
+    });
+    expect(shown.width === 512 && shown.height === 256 && shown.rendering === "pixelated",
+      `the full-size view: ${JSON.stringify(shown)}`);
     await shot("intermediate-image-full-size");
+    await page.keyboard.press("Escape"); // closes, as a click anywhere does
+    await page.waitForSelector(tid("lightbox"), { state: "detached", timeout: 5_000 });
+    await page.click(thumb);
     await page.click(tid("lightbox"));
     await page.waitForSelector(tid("lightbox"), { state: "detached" });
     // The tone its `voice` node makes, which no node takes: a player.

@@ -18,6 +18,7 @@ const USER = process.env.STUDIO_USER ?? "demo";
 const PASSWORD = process.env.STUDIO_PASSWORD ?? "demo";
 const FIXTURES = resolve(process.env.E2E_FIXTURES ?? "../tests/e2e/workflows");
 const WAIT = 15_000;
+const SQUARES_DESCRIPTION = "squares a number, built in the browser test";
 
 const { page, shot, step, waitText, expectQuietConsole, finish } = await openBrowser(
   "studio", { viewport: { width: 1600, height: 1000 }, wait: WAIT, acceptDownloads: true });
@@ -114,11 +115,15 @@ try {
   await step("create a workflow", async () => {
     await page.click(tid("new-workflow"));
     await page.fill(`${tid("create-dialog")} input[name="name"]`, "e2e-squares");
+    await page.fill(`${tid("create-dialog")} textarea`, SQUARES_DESCRIPTION);
     await shot("create-dialog");
     await page.click(tid("create-submit"));
     await page.waitForSelector(tid("editor"));
     workflowIds.squares = page.url().split("/").pop();
     await waitText(tid("editor-name"), "e2e-squares");
+    // The description the dialog was given is the draft's: the Workflow tab shows it (the first save keeps it).
+    const description = await page.locator(tid("workflow-panel")).getByLabel("Description").inputValue();
+    expect(description === SQUARES_DESCRIPTION, `the editor's Description reads "${description}"`);
     await page.waitForSelector(tid("palette-python"));
     await shot("editor-empty");
   });
@@ -216,6 +221,18 @@ try {
     await page.click('a[aria-label="Back to workflows"]');
     await asked; // leaving with unsaved edits asks first; dismissed, the editor stays
     expect(page.url().endsWith(`/workflows/${workflowIds.squares}`), "stayed in the editor");
+    // Run opens the run form of the saved v1: it asks the same way before the edits are left behind.
+    const runAsked = page.waitForEvent("dialog", { timeout: 5_000 }).then(async (d) => {
+      const text = d.message();
+      await d.dismiss();
+      return text;
+    });
+    await page.click(tid("run"));
+    const question = await runAsked;
+    expect(question.includes("saved version v1") && question.includes("unsaved changes will be lost"), `Run asks: ${question}`);
+    expect(page.url().endsWith(`/workflows/${workflowIds.squares}`), "Run dismissed: stayed in the editor");
+    await page.waitForSelector(tid("node-result")); // the edit is still there
+    await page.waitForSelector(tid("dirty"));
     await page.keyboard.press("Control+s");
     await page.fill(tid("save-message"), "rename the output");
     await page.click(tid("save-submit"));
@@ -238,6 +255,7 @@ try {
     const [download] = await Promise.all([page.waitForEvent("download"), page.click(tid("export-json"))]);
     const spec = JSON.parse(readFileSync(await download.path(), "utf8"));
     expect(spec.name === "e2e-squares", `exported spec is named ${spec.name}`);
+    expect(spec.description === SQUARES_DESCRIPTION, `the saved spec's description: ${spec.description}`);
     expect(spec.nodes.map((n) => n.id).join(",") === "input,square,result", "exported nodes");
     expect(download.suggestedFilename() === "e2e-squares-v2.json", download.suggestedFilename());
     await page.click(tid("export-menu"));

@@ -1,8 +1,9 @@
 """Runs people can watch, in real Chromium (`frontend/e2e/runs.e2e.mjs`) against the live studio of
-`tests/e2e/conftest.py`: a progress bar seen moving on the real model's llm node, an image no
-workflow output carries previewed full size from the run's files and a node's tone in a player,
-the streamed reply read as text, where each node ran, "Run again" from the previous inputs, and
-the runs list updating (and cancelling) without a reload. Screenshots land in tests/e2e/artifacts/runs/.
+`tests/e2e/conftest.py`: what a run waits for while its llm role loads the model, a progress bar seen
+moving on the real model's llm node, an image no workflow output carries previewed full size from the
+run's files and a node's tone in a player, the streamed reply read as text, where each node ran,
+"Run again" from the previous inputs, and the runs list updating (and cancelling) without a reload.
+Screenshots land in tests/e2e/artifacts/runs/.
 """
 
 from __future__ import annotations
@@ -23,5 +24,5 @@ def test_runs_people_can_watch_in_chromium(live_studio: LiveStudio) -> None:
         "E2E_FIXTURES": str(Path(__file__).resolve().parent / "workflows"),
         "E2E_DATA_DIR": str(live_studio.data_dir),
     })
-    assert_shots(shots, ("run-progress-moving", "intermediate-image-full-size", "run-watch-done", "run-again-form",
-                         "runs-list-live", "runs-list-cancelled"))
+    assert_shots(shots, ("run-loading-model", "run-progress-moving", "intermediate-image-full-size", "run-watch-done",
+                         "run-again-form", "runs-list-live", "runs-list-cancelled"))

@@ -3,9 +3,11 @@ and the admin."""
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import datetime as dt
 import io
+import symtable
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from django.test import override_settings
 from rest_framework.test import APIClient
 
 from studio.accounts.models import ApiToken
+from studio.workflows.management.commands.setup_demo import CHAT_SNIPPET_HEAD, chat_snippet
 from studio.workflows.models import Deployment, Workflow
 
 EXAMPLES = sorted(p.stem for p in (Path(__file__).parents[2] / "workflows").glob("*.py") if p.stem != "__init__")
@@ -157,6 +160,33 @@ def test_setup_demo(django_user_model) -> None:
     assert live.version.number == 2 and "chat: deployed workflow 'chat' version 2" in out
     out = run_command("setup_demo", "--no-examples", "--no-chat")
     assert "chat" not in out and Deployment.objects.filter(owner=demo, status="pending").count() == 1
+
+
+def unbound_names(source: str) -> set[str]:
+    """The names `source` (a module) uses that neither it nor Python's builtins define."""
+    table = symtable.symtable(source, "<pasted>", "exec")
+    symbols = table.get_symbols()
+    defined = {s.get_name() for s in symbols if s.is_assigned() or s.is_imported()}
+    return {s.get_name() for s in symbols if s.is_referenced()} - defined - set(dir(builtins))
+
+
+def test_setup_demo_prints_python_that_runs_as_pasted_and_the_readme_shows_it() -> None:
+    out = run_command("setup_demo")
+    assert out.count(CHAT_SNIPPET_HEAD) == 1
+    secret = next(line for line in out.splitlines() if line.startswith("chat token: ")).split()[2]
+    pasted = out.split(CHAT_SNIPPET_HEAD + "\n", 1)[1].rstrip("\n")  # the output's last lines
+    assert pasted == chat_snippet("http://127.0.0.1:8000", secret)
+    # Pasted into the interpreter, line by line: none indented (an IndentationError there), each a
+    # statement, and every name it uses defined by it (the client's module imported).
+    lines = pasted.splitlines()
+    assert lines and all(line == line.lstrip() for line in lines)
+    for line in lines:
+        compile(line, "<pasted>", "single")
+    assert unbound_names(pasted) == set()
+    assert f'api_key="{secret}"' in pasted and 'model="chat"' in pasted
+    # The README shows what `make run` prints, the token aside.
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f"{CHAT_SNIPPET_HEAD}\n{chat_snippet('http://127.0.0.1:8000', '<TOKEN>')}\n```" in readme
 
 
 def test_setup_demo_prints_the_address_it_is_given() -> None:

@@ -23,8 +23,10 @@ from engine.data.codec import WireCodec
 from engine.data.curve import PlaneKeys, connect_as_client
 from engine.data.wire import PROTOCOL_VERSION, HelloRequest, WorkerMessage
 from engine.flow.discovery import make_registry
+from studio.asgi import EngineStartup
 from studio.workflows.apps import StudioEngine, build_engine
-from studio.workflows.models import Deployment, Worker
+from studio.workflows.deployments.service import Resumed, create_deployment, resume_embedded
+from studio.workflows.models import Deployment, Worker, WorkflowVersion
 from tests.studio.conftest import client_for
 from tests.studio.factories import create_workflow, spec_doc
 
@@ -118,6 +120,30 @@ def wait_for_refused(client: Any, deployment: str, worker: str, ready: Callable[
         assert time.monotonic() < deadline, f"refused connections of {worker}: still {value} after {deadline_s} s"
         time.sleep(0.05)
     return value
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_a_server_start_starts_what_was_recorded_to_start_and_warns_only_of_what_a_process_hosted(
+        user: Any, studio_engine: StudioEngine, whoami_wf: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    # As `manage.py setup_demo` does before `make run` serves: recorded, pending, left to the server.
+    version = WorkflowVersion.objects.get(workflow_id=whoami_wf["id"], number=1)
+    recorded = str(create_deployment(user, version, name="demo", start_workers=False).pk)
+    assert Deployment.objects.get(pk=recorded).status == "pending" and not Worker.objects.filter(
+        deployment_id=recorded).exists()
+    startup = EngineStartup(studio_engine, inner=None, enabled=True)  # the server's first request
+    with caplog.at_level("INFO", logger="studio.asgi"):
+        try:
+            asyncio.run(startup.ensure())
+        finally:
+            studio_engine.history.stop()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "studio.asgi"]
+    assert said == [("INFO", "starting 1 deployment(s) recorded to start with the server")]  # a new database
+    settle(studio_engine, recorded)
+    assert Deployment.objects.get(pk=recorded).status == "running"
+    # The next process start finds it hosted (running, its workers recorded): deployed again, and it says so.
+    assert resume_embedded() == Resumed(started=[], redeployed=[recorded])
+    settle(studio_engine, recorded)
+    assert Deployment.objects.get(pk=recorded).status == "running"
 
 
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")

@@ -3,8 +3,9 @@
 directory, no Redis), the `openai` client asks the model `chat` (the demo user's `workflows/chat.py`,
 `smollm2-135m`) with the token `setup_demo` printed, streaming and not. The references are the
 checkpoint's own tokenizer (`apply_chat_template`, token counts) and Hugging Face `generate` on the
-same checkpoint (the greedy answer). Then the server stops and `make run` runs again: `setup_demo`
-keeps the deployment and issues a new token, and the new server answers too."""
+same checkpoint (the greedy answer); the Python `setup_demo` printed runs as pasted. Then the server
+stops and `make run` runs again: `setup_demo` keeps the deployment and issues a new token, and the
+new server answers too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.compute.models.cache import ModelCache
 from engine.compute.models.packaged import PACKAGED_MODELS
+from studio.workflows.management.commands.setup_demo import CHAT_SNIPPET_HEAD
 from tests.liveserver import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,22 +43,29 @@ def make_run_env(data_dir: Path, cache: ModelCache) -> dict[str, str]:
     return env
 
 
-def setup(env: dict[str, str], *, migrate: bool = True) -> str:
-    """`make run`'s set-up steps; the chat token `setup_demo` printed."""
+@dataclass(frozen=True, slots=True)
+class Printed:
+    """What `setup_demo` printed for chat: the token, and the Python to paste."""
+
+    token: str
+    snippet: str
+
+
+def setup(env: dict[str, str], url: str, *, migrate: bool = True) -> Printed:
+    """`make run`'s set-up steps for a studio served at `url`; what `setup_demo` printed for chat."""
     manage = [sys.executable, str(ROOT / "manage.py")]
     if migrate:
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=300)
-    out = subprocess.run([*manage, "setup_demo"], cwd=ROOT, env=env, check=True, timeout=300, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([*manage, "setup_demo", "--url", url], cwd=ROOT, env=env, check=True, timeout=300,
+                         capture_output=True, text=True).stdout
     match = re.search(r"^chat token: (\S+)$", out, re.MULTILINE)
     assert match and 'model="chat"' in out and f'api_key="{match[1]}"' in out, out
-    return match[1]
+    return Printed(match[1], out.split(CHAT_SNIPPET_HEAD + "\n", 1)[1])
 
 
 @contextmanager
-def server(env: dict[str, str], log: Path) -> Iterator[str]:
-    """daphne as `make run` starts it; its role workers exit with it."""
-    port = free_port()
+def server(env: dict[str, str], log: Path, port: int) -> Iterator[str]:
+    """daphne as `make run` starts it, on `port`; its role workers exit with it."""
     with log.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
                                  "studio.asgi:application"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -87,9 +97,11 @@ def reference(directory: Path) -> tuple[AutoTokenizer, list[int]]:
 def test_make_run_answers_the_openai_client_with_the_real_model_and_again_after_a_restart(
         smollm2_cache: ModelCache, tmp_path: Path) -> None:
     env = make_run_env(tmp_path / "data", smollm2_cache)
-    token = setup(env)
+    port = free_port()  # `make run`'s STUDIO_PORT: the printed snippet names it
+    printed = setup(env, f"http://127.0.0.1:{port}")
+    token = printed.token
     log = tmp_path / "server.log"
-    with server(env, log) as base:
+    with server(env, log, port) as base:
         # The reference, computed while the server deploys the model (it does as it starts).
         tokenizer, expected = reference(smollm2_cache.directory(PACKAGED_MODELS["smollm2-135m"]))
         prompt_tokens = len(tokenizer.apply_chat_template(QUESTION, tokenize=True, add_generation_prompt=True,
@@ -117,11 +129,16 @@ def test_make_run_answers_the_openai_client_with_the_real_model_and_again_after_
         assert chunks[-1].usage.prompt_tokens == prompt_tokens
         assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
 
+        # The Python `setup_demo` printed, run as pasted: it asks the model and prints its reply.
+        pasted = subprocess.run([sys.executable, "-"], input=printed.snippet, env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert pasted.returncode == 0 and pasted.stdout.strip(), (pasted.stdout, pasted.stderr, server_log(log))
+
     # `make run` again (its `migrate` has nothing left to do): the same deployment, a new token; the new
     # server deploys it as it starts.
-    again = setup(env, migrate=False)
+    again = setup(env, f"http://127.0.0.1:{port}", migrate=False).token
     assert again != token
-    with server(env, log) as base:
+    with server(env, log, port) as base:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key=token, max_retries=0).models.list()
         client = openai.OpenAI(base_url=base + "/v1", api_key=again, max_retries=0, timeout=600)

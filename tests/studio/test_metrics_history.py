@@ -26,7 +26,7 @@ from engine.flow.discovery import RegistryError, WorkerInfo, WorkerLoad, WorkerS
 from studio.accounts.models import ApiToken
 from studio.asgi import build_application
 from studio.workflows.apps import StudioEngine, engine
-from studio.workflows.history import MetricsSampler
+from studio.workflows.history import ActiveWorkers, MetricsSampler
 from studio.workflows.history.points import GpuPoint, MetricPoint, TierPoint, point_of
 from studio.workflows.history.query import MAX_POINTS
 from studio.workflows.history.store import HistoryLimits, MemoryHistory, RedisHistory, Sample, WorkerMeta
@@ -49,7 +49,7 @@ TIERED = {"kv.device.lookups": 10.0, "kv.device.hit_pages": 4.0, "kv.device.page
           "kv.host.lookups": 6.0, "kv.host.hit_pages": 3.0, "kv.host.pages_used": 16.0,
           "kv.host.capacity_pages": 64.0, "kv.disk.lookups": 3.0, "kv.disk.hit_pages": 0.0,
           "kv.disk.pages_used": 16.0, "kv.disk.capacity_pages": 128.0, "rss_bytes": 5e8,
-          "llm.generated_tokens": 40.0}
+          "llm.generated_tokens": 40.0, "llm.prompt_tokens": 12.0}
 
 
 def sample(deployment: str, worker: str, t: float, *, role: str = "llm", hits: float = 1.0) -> Sample:
@@ -66,7 +66,8 @@ def test_a_point_has_the_tiers_the_worker_has_and_gpu_memory_only_with_cuda() ->
                                               capacity_bytes=3200)
     assert point.tiers["device"].hit_rate == 0.4 and point.tiers["host"].occupancy == 0.25
     assert point.tiers["disk"].hit_rate == 0.0 and point.rss_bytes == 5e8 and point.gpu is None
-    assert point.generated_tokens == 40.0
+    assert point.generated_tokens == 40.0 and point.prompt_tokens == 12.0
+    assert point_of(heartbeat(rss_bytes=1.0), 1.0).prompt_tokens is None  # no LLM
     device_only = point_of(heartbeat(**{"kv.device.capacity_pages": 4.0, "kv.device.lookups": 0.0}), 1.0)
     assert set(device_only.tiers) == {"device"} and device_only.tiers["device"].hit_rate is None
     assert point_of(heartbeat(), 1.0).tiers == {}  # no KV cache (a python role)
@@ -187,6 +188,49 @@ def test_the_sampler_thread_samples_every_interval_and_outlives_a_failing_read()
     (series,) = store.series({"d1"}, since=0.0)
     times = [p.t for p in series.points]
     assert len(times) >= 4 and times == sorted(set(times))  # one point per tick, in order
+
+
+def test_the_sampler_names_a_failure_that_has_no_message(caplog: pytest.LogCaptureFixture) -> None:
+    store = MemoryHistory(HistoryLimits(window_s=60.0, interval_s=0.02))
+    calls: list[int] = []
+    recovered = threading.Event()
+
+    def live() -> dict[str, list[WorkerSnapshot]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError()  # what a timed-out future raises: no message of its own
+        recovered.set()
+        return {}
+
+    sampler = MetricsSampler(store, live, interval_s=0.02)
+    with caplog.at_level("WARNING", logger="studio.workflows.history.sampler"):
+        sampler.start()
+        try:
+            assert recovered.wait(30), calls
+        finally:
+            sampler.stop()
+    assert [r.getMessage() for r in caplog.records] == ["sampling worker metrics failed: TimeoutError"]
+
+
+@pytest.mark.django_db
+def test_reading_the_workers_gives_up_on_a_held_engine_loop_and_says_so(history_engine: StudioEngine, api: Any,
+                                                                        user: Any) -> None:
+    deployment_of(api, user, "held")
+    held, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        held.set()
+        release.wait(30)  # holds the loop, as a model loaded on it did
+
+    holder = history_engine.runs.call(hold())
+    try:
+        assert held.wait(30)
+        read = ActiveWorkers(history_engine.runs, history_engine.deployments, timeout_s=0.2)
+        with pytest.raises(TimeoutError, match=r"^the engine loop did not list the workers within 0\.2 s$"):
+            read()
+    finally:
+        release.set()
+        holder.result(30)
 
 
 # ---------------------------------------------------------------------------------- REST

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { cacheScopeLabel, numberTick, percent, percentTick, sampleOf, stepDecimals, type WorkerSnapshot } from "./cluster";
+import { cacheScopeLabel, noLookupsNote, numberTick, percent, percentTick, sampleOf, stepDecimals, type WorkerSnapshot } from "./cluster";
 
 function worker(metrics: Record<string, number>): WorkerSnapshot {
   return {
@@ -32,6 +32,11 @@ describe("sampleOf reads the documented gauges", () => {
   it("a tier nothing was looked up in yet has no hit rate", () => {
     const s = sampleOf(worker({ "device.hit_rate": 0, "device.lookups": 0, "host.hit_rate": 0, "host.lookups": 3 }), 1);
     expect(s.hitRate).toEqual({ host: 0 });
+  });
+
+  it("the prompt tokens its LLM took in (null without one)", () => {
+    expect(sampleOf(worker({ "llm.prompt_tokens": 30 }), 1).promptTokens).toBe(30);
+    expect(sampleOf(worker({ "device.lookups": 0 }), 1).promptTokens).toBeNull();
   });
 
   it("tokens/s from the gauge, else from the generated-tokens counter between samples", () => {
@@ -71,5 +76,20 @@ describe("axis ticks stay distinct", () => {
 
   it("a latest value under 10% keeps one decimal", () => {
     expect([0, 0.004, 0.012, 0.5, 1].map(percent)).toEqual(["0%", "0.4%", "1.2%", "50%", "100%"]);
+  });
+});
+
+describe("noLookupsNote", () => {
+  it("waits for the first prompt while none came", () => {
+    expect(noLookupsNote(null)).toBe("No KV lookups yet: the hit rate starts with the first prompt.");
+    expect(noLookupsNote(0)).toBe("No KV lookups yet: the hit rate starts with the first prompt.");
+  });
+
+  it("says prompts did come, too short to look a page up", () => {
+    // the walk's chat worker: two prompts of 7 and 16 tokens, neither longer than a 16-token page
+    const note = noLookupsNote(23);
+    expect(note).toContain("prompts came in (23 tokens in all)");
+    expect(note).toContain("too short to fill a KV page");
+    expect(note).not.toContain("starts with the first prompt");
   });
 });

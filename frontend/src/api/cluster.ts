@@ -135,6 +135,8 @@ export interface WorkerSample {
   rssBytes: number | null;
   tokensPerS: number | null;
   generatedTokens: number | null;
+  /** Prompt tokens the worker's LLM took in since it started (a counter); null without an LLM. */
+  promptTokens: number | null;
 }
 
 /** Tokens/s between two samples of a counter (a restarted worker's counter going down reads 0). */
@@ -169,5 +171,20 @@ export function sampleOf(worker: WorkerSnapshot, time: number, previous?: Worker
     rssBytes: num("rss_bytes"),
     tokensPerS: num("llm.tokens_per_s") ?? tokenRate(generated, time, previous),
     generatedTokens: generated,
+    promptTokens: num("llm.prompt_tokens"),
   };
+}
+
+/**
+ * What a KV hit-rate chart says while nothing was looked up, given the prompt tokens its workers
+ * took in (null: unknown, or no LLM). Only a prompt's full pages are looked up, and at least its
+ * last token is always computed: a prompt of at most one page (16 tokens by default) looks nothing
+ * up, so a worker that served only short prompts has no hit rate yet, though it did serve them.
+ */
+export function noLookupsNote(promptTokens: number | null): string {
+  if (!promptTokens) return "No KV lookups yet: the hit rate starts with the first prompt.";
+  return (
+    `No KV page looked up yet, though prompts came in (${promptTokens} tokens in all): each was too short to` +
+    " fill a KV page, and only a prompt's full pages are looked up."
+  );
 }

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { WorkerSnapshot } from "./cluster";
-import { appendLive, column, fromHistory, hasGpu, type HistoryBody, mean, rangeOf, sampleOfPoint, tiersOf } from "./metrics";
+import { appendLive, column, fromHistory, hasGpu, type HistoryBody, mean, promptTokensOf, rangeOf, sampleOfPoint, tiersOf } from "./metrics";
 
 const tiers = { device: { lookups: 10, hits: 5, pages_used: 8, capacity_pages: 32 }, host: { lookups: 5, hits: 1, pages_used: 4, capacity_pages: 64 } };
 
@@ -84,6 +84,18 @@ describe("a timeline from the history, followed live", () => {
     timeline = appendLive(timeline, 402, [live({ rss_bytes: 1300 })], 300);
     expect(timeline.times).toEqual([102, 402]);
     expect([...timeline.tracks.keys()]).toEqual(["d/llm-0"]); // py-0 had no point left in range
+  });
+
+  it("sums the prompt tokens the workers took in, by each one's latest sample (null: no LLM)", () => {
+    const body = history();
+    body.workers[0].points = [{ t: 100, tiers, prompt_tokens: 14 }, { t: 101, tiers, prompt_tokens: 30 }];
+    let timeline = fromHistory(body);
+    expect(timeline.tracks.get("d/llm-0")!.samples.map((s) => s?.promptTokens)).toEqual([14, 30]);
+    expect(promptTokensOf(timeline)).toBe(30);
+    expect(promptTokensOf(timeline, (t) => t.role === "py")).toBeNull();
+    timeline = appendLive(timeline, 102, [live({ "llm.prompt_tokens": 45 }), live({ "llm.prompt_tokens": 7 }, "llm-1")], 300);
+    expect(promptTokensOf(timeline)).toBe(52);
+    expect(promptTokensOf(fromHistory(history()))).toBeNull(); // points without the counter
   });
 
   it("knows the two ranges and falls back to 5 minutes", () => {

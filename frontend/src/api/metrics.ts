@@ -31,6 +31,7 @@ export interface MetricPoint {
   gpu?: { device: string; allocated_bytes?: number; reserved_bytes?: number; total_bytes?: number };
   tiers?: Partial<Record<Tier, TierPoint>>;
   generated_tokens?: number;
+  prompt_tokens?: number;
 }
 
 export interface WorkerSeries {
@@ -95,6 +96,7 @@ export function sampleOfPoint(point: MetricPoint, device: string, previous?: Wor
     rssBytes: point.rss_bytes ?? null,
     tokensPerS: tokenRate(generated, point.t, previous),
     generatedTokens: generated,
+    promptTokens: point.prompt_tokens ?? null,
   };
 }
 
@@ -190,6 +192,18 @@ export function appendLive(timeline: Timeline, time: number, workers: WorkerSnap
     if (samples.some((s) => s !== null)) tracks.set(key, { ...old, samples }); // a worker gone, still in range
   }
   return { times, tracks };
+}
+
+/**
+ * The prompt tokens the timeline's workers (or `only` those) took in, by each one's latest sample:
+ * their sum, or null when none of them runs an LLM.
+ */
+export function promptTokensOf(timeline: Timeline, only?: (track: WorkerTrack) => boolean): number | null {
+  const counts = [...timeline.tracks.values()]
+    .filter((t) => !only || only(t))
+    .map((t) => lastSample(t.samples)?.promptTokens)
+    .filter((n): n is number => typeof n === "number");
+  return sum(counts);
 }
 
 /** The tiers any worker of the timeline has, in tier order. */

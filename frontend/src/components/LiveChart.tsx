@@ -6,7 +6,19 @@
  */
 import { useEffect, useRef } from "react";
 import uPlot from "uplot";
-import { niceScale, ticksOf } from "./chartScale";
+import { niceScale, ticksOf, timeAxisRightPad, timeLabel } from "./chartScale";
+
+/** The axes' font: uPlot's own, named here so that the time labels are measured in it. */
+const AXIS_FONT = '12px system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, "Noto Sans", sans-serif';
+
+let measurer: CanvasRenderingContext2D | null = null;
+/** A label's width in CSS px, drawn in the axes' font. */
+function labelWidth(label: string): number {
+  measurer ??= document.createElement("canvas").getContext("2d");
+  if (!measurer) return 8 * label.length; // no 2D canvas: a generous guess
+  measurer.font = AXIS_FONT;
+  return measurer.measureText(label).width;
+}
 
 export interface ChartSeries {
   label: string;
@@ -66,6 +78,8 @@ export function LiveChart({
       height,
       legend: { show: false },
       cursor: { drag: { x: false, y: false } },
+      // Room right of the plot for the newest time label, centred on the plot's end (else cut off).
+      padding: [null, timeAxisRightPad(labelWidth), null, null],
       scales: {
         // The newest `span` seconds, or all the rows when they cover less (a young cluster's
         // charts stay readable instead of a sliver at the right edge).
@@ -83,14 +97,15 @@ export function LiveChart({
       axes: [
         {
           stroke: "#667085",
+          font: AXIS_FONT,
           grid: { stroke: "#eef0f3" },
           ticks: { stroke: "#eef0f3" },
           space: 90,
-          values: (_u, vals) =>
-            vals.map((v) => new Date(v * 1000).toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" })),
+          values: (_u, vals) => vals.map(timeLabel),
         },
         {
           stroke: "#667085",
+          font: AXIS_FONT,
           grid: { stroke: "#eef0f3" },
           ticks: { stroke: "#eef0f3" },
           size: 70,

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { percentTick } from "../api/cluster";
-import { byteUnit, niceScale, ticksOf } from "./chartScale";
+import { byteUnit, niceScale, ticksOf, timeAxisRightPad, timeLabel, WIDE_TIMES } from "./chartScale";
 
 const MiB = 1024 ** 2;
 const GiB = 1024 ** 3;
@@ -53,5 +53,16 @@ describe("a following axis's labels", () => {
         expect(new Set(labels).size, `${max} over ${ticks} ticks: ${labels.join(", ")}`).toBe(labels.length);
       }
     }
+  });
+});
+
+describe("timeAxisRightPad", () => {
+  it("leaves room for half of the widest time label past the plot's right end", () => {
+    const perChar = (label: string) => 7 * label.length; // a stand-in for the canvas's measureText
+    const widest = Math.max(...WIDE_TIMES.map((t) => perChar(timeLabel(t))));
+    expect(timeAxisRightPad(perChar)).toBeGreaterThanOrEqual(widest / 2);
+    expect(timeAxisRightPad(perChar)).toBeLessThanOrEqual(widest / 2 + 3);
+    // "10:52:00 PM" at 12 px is about 70 px wide: more than the 25 px uPlot leaves by itself
+    expect(timeAxisRightPad(() => 70)).toBe(37);
   });
 });

@@ -36,3 +36,21 @@ export function ticksOf(min: number, { top, step }: NiceScale): number[] {
   const count = Math.round((top - min) / step);
   return Array.from({ length: count + 1 }, (_, i) => min + i * step);
 }
+
+/** How a time axis labels its ticks ("10:52:00 PM" in en-US). */
+export function timeLabel(seconds: number): string {
+  return new Date(seconds * 1000).toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: "2-digit" });
+}
+
+/** Times whose labels are among the widest a time axis writes (two-digit hours, 8s), whatever the locale's clock. */
+export const WIDE_TIMES = [new Date(2000, 0, 1, 22, 58, 58), new Date(2000, 0, 1, 10, 58, 58)].map((d) => d.getTime() / 1000);
+
+/**
+ * The room a time axis needs right of the plot: a tick's label is centred on it, so the newest tick,
+ * at the plot's right end, has half its label past that end; with less room (uPlot leaves half a y
+ * axis, 25 px) its label is cut ("10:52:00 P"). `measure` gives a label's width in CSS px.
+ */
+export function timeAxisRightPad(measure: (label: string) => number): number {
+  const widest = Math.max(...WIDE_TIMES.map((t) => measure(timeLabel(t))));
+  return Math.ceil(widest / 2) + 2;
+}

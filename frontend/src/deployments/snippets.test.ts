@@ -1,4 +1,5 @@
 import { describe, expect, it } from "vitest";
+import readme from "../../../README.md?raw";
 import { curlSnippet, openaiBaseUrl, pythonSnippet, runSnippet, shellQuote } from "./snippets";
 
 describe("endpoint snippets", () => {
@@ -10,6 +11,10 @@ describe("endpoint snippets", () => {
     expect(curlSnippet(base, "chat")).toContain('"Authorization: Bearer $OMNIFLOW_TOKEN"');
     expect(pythonSnippet(base, "chat")).toContain('model="chat",');
     expect(pythonSnippet(base, "chat")).toContain('api_key=os.environ["OMNIFLOW_TOKEN"]');
+  });
+
+  it("is what the README shows for the model chat of a studio at make run's address", () => {
+    expect(readme).toContain(`\`\`\`python\n${pythonSnippet("http://127.0.0.1:8000/v1", "chat")}\n\`\`\``);
   });
 
   it("quotes names a shell or Python would read otherwise", () => {

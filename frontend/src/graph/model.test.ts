@@ -225,6 +225,12 @@ describe("spec names", () => {
     expect(specNameFor("x".repeat(80))).toHaveLength(64);
     expect(emptyDoc("a b").name).toBe("a_b");
   });
+
+  it("start a new workflow's draft with the description it was created with", () => {
+    const doc = emptyDoc("greet flow", "says hello to a name");
+    expect(doc.description).toBe("says hello to a name");
+    expect(docToSpec(doc).description).toBe("says hello to a name");
+  });
 });
 
 describe("validation issues", () => {

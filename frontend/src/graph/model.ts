@@ -48,8 +48,13 @@ export interface EditorDoc {
   edges: SpecEdge[];
 }
 
-export function emptyDoc(name: string): EditorDoc {
-  return { name: specNameFor(name), description: "", meta: {}, roles: [], nodes: [], edges: [] };
+/**
+ * The first draft of a workflow with no saved version: its name as the spec's, and `description`
+ * (what the New workflow dialog was given, kept on the workflow) as the spec's description, so the
+ * editor's Description shows it and the first save keeps it.
+ */
+export function emptyDoc(name: string, description = ""): EditorDoc {
+  return { name: specNameFor(name), description, meta: {}, roles: [], nodes: [], edges: [] };
 }
 
 /** A GraphSpec name (an identifier of at most 64 characters) for a workflow's name. */

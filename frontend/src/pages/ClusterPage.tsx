@@ -8,7 +8,17 @@
  */
 import { useEffect, useMemo, useState } from "react";
 import { useSearchParams } from "react-router-dom";
-import { cluster, type MetricsMessage, numberTick, percent, percentTick, type Tier, type WorkerSample, type WorkerSnapshot } from "../api/cluster";
+import {
+  cluster,
+  type MetricsMessage,
+  noLookupsNote,
+  numberTick,
+  percent,
+  percentTick,
+  type Tier,
+  type WorkerSample,
+  type WorkerSnapshot,
+} from "../api/cluster";
 import { describeError, wsUrl } from "../api/client";
 import {
   EMPTY_TIMELINE,
@@ -23,6 +33,7 @@ import {
   hasGpu,
   mean,
   metrics,
+  promptTokensOf,
   rangeOf,
   sum,
   tiersOf,
@@ -324,7 +335,7 @@ export function ClusterPage() {
               data={charts.hit}
               yRange={[0, 1]}
               format={percent}
-              emptyNote="No KV lookups yet: the hit rate starts with the first prompt."
+              emptyNote={noLookupsNote(promptTokensOf(timeline))}
               tickFormat={percentTick}
             />
             <LiveChart
@@ -365,6 +376,9 @@ export function ClusterPage() {
               testId="chart-tokens"
               series={[{ label: "generated", color: "#16a34a" }]}
               data={charts.tokens}
+              // From 0, following the data: with no value yet its y axis still shows, and the time
+              // axis keeps its place (without one, the plot took the axis's room and cut the first time).
+              yRange={[0, null]}
               format={(v) => v.toFixed(v > 0 && v < 10 ? 1 : 0)}
               tickFormat={numberTick}
             />
@@ -416,7 +430,7 @@ function WorkerCharts({ timeline, track, span }: { timeline: Timeline; track: Wo
               data={charts.hit}
               yRange={[0, 1]}
               format={percent}
-              emptyNote="No KV lookups yet: the hit rate starts with the first prompt."
+              emptyNote={noLookupsNote(promptTokensOf(timeline, (t) => t.key === track.key))}
               tickFormat={percentTick}
               height={120}
             />
@@ -455,8 +469,14 @@ function KvHits({ worker }: { worker: WorkerSnapshot }) {
   const lookups = m["device.lookups"];
   const hits = m["device.hit_pages"];
   if (typeof lookups !== "number" || typeof hits !== "number") return <span className="muted">—</span>;
+  const prompted = m["llm.prompt_tokens"];
   return (
-    <span data-testid={`worker-kv-${worker.info.worker_id}`} data-lookups={lookups} data-hits={hits}>
+    <span
+      data-testid={`worker-kv-${worker.info.worker_id}`}
+      data-lookups={lookups}
+      data-hits={hits}
+      title={lookups > 0 ? undefined : noLookupsNote(typeof prompted === "number" ? prompted : null)}
+    >
       {hits}/{lookups} pages{lookups > 0 ? <span className="muted"> ({Math.round((100 * hits) / lookups)}%)</span> : null}
     </span>
   );

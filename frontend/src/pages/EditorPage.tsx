@@ -138,8 +138,8 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
   const catalogueMap = useMemo(() => new Map(kinds.map((k) => [k.name, k])), [kinds]);
 
   const initial = useMemo(
-    () => (version ? specToDoc(version.spec, version.layout) : emptyDoc(workflow.name)),
-    [version, workflow.name],
+    () => (version ? specToDoc(version.spec, version.layout) : emptyDoc(workflow.name, workflow.description)),
+    [version, workflow.name, workflow.description],
   );
   const history = useHistory<EditorDoc>(initial);
   const doc = history.present;
@@ -533,7 +533,10 @@ function Editor({ workflow, kinds, roleKinds, ops, models, version }: Loaded) {
             icon="play"
             disabled={gate.disabled}
             title={gate.title}
-            onClick={() => navigate(`/workflows/${workflow.id}/run`)}
+            onClick={() => {
+              if (gate.confirm && !window.confirm(gate.confirm)) return;
+              navigate(`/workflows/${workflow.id}/run`);
+            }}
             data-testid="run"
           >
             Run

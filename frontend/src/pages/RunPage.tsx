@@ -8,6 +8,7 @@ import { ApiError, describeError } from "../api/client";
 import { runs } from "../api/studio";
 import type { GraphSpec, RunDetail, RunEvent, RunFile } from "../api/types";
 import { Icon } from "../components/icons";
+import { Lightbox } from "../components/Lightbox";
 import { RunGraph } from "../components/RunGraph";
 import { useToast } from "../components/toast";
 import { Button, ErrorBox, LoadError, Spinner, StatusBadge, formatBytes, formatMs, formatTime } from "../components/ui";
@@ -25,6 +26,7 @@ import {
   type RunState,
   runMedia,
   streamText,
+  waitingNodes,
 } from "../run/state";
 import { deploymentLabel } from "../run/target";
 
@@ -43,6 +45,7 @@ export function RunPage() {
   const [cancelling, setCancelling] = useState(false);
   const [now, setNow] = useState(Date.now());
   const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
+  const closeZoom = useCallback(() => setZoomed(null), []);
   const toast = useToast();
 
   const refresh = useCallback(async () => {
@@ -133,6 +136,7 @@ export function RunPage() {
   const duration =
     state.finished?.duration_ms ?? detail.duration_ms ?? (startedMs && live ? Math.max(0, serverNow - startedMs) : null);
   const media = runMedia(state);
+  const waiting = live ? waitingNodes(state) : [];
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
 
@@ -184,6 +188,20 @@ export function RunPage() {
         </div>
       </header>
 
+      {waiting.length > 0 && (
+        <div className="info-box neutral run-waiting" data-testid="run-waiting">
+          <span className="spinner small" />
+          <span>
+            Starting workers —{" "}
+            {waiting.map((w, i) => (
+              <span key={w.node}>
+                {i > 0 && "; "}
+                <strong className="mono">{w.node}</strong>: {w.waiting}
+              </span>
+            ))}
+          </span>
+        </div>
+      )}
       {status === "cancelled" && (
         <div className="info-box neutral" data-testid="run-cancelled">
           <Icon name="stop" /> {state.finished?.error || detail.error || "The run was cancelled."}
@@ -252,6 +270,11 @@ export function RunPage() {
                       <td>
                         <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
                         {v?.iterations && v.iterations > 1 ? <span className="muted small"> ×{v.iterations}</span> : null}
+                        {v?.waiting && (v.state === "queued" || v.state === "pending") && (
+                          <div className="muted small" data-testid={`node-waiting-${n.id}`}>
+                            {v.waiting}
+                          </div>
+                        )}
                         {v?.state === "running" && v.progress !== null && v.progress !== undefined && (
                           <span className="table-progress" title={v.message} data-testid={`table-progress-${n.id}`}>
                             <div style={{ width: `${Math.round(v.progress * 100)}%` }} />
@@ -292,12 +315,7 @@ export function RunPage() {
           </details>
         </aside>
       </div>
-      {zoomed && (
-        <div className="lightbox" role="dialog" aria-label={`${zoomed.name} full size`} onClick={() => setZoomed(null)} data-testid="lightbox">
-          <img src={zoomed.media.url} alt={`${zoomed.name} full size`} data-testid="lightbox-image" />
-          <div className="lightbox-caption">{zoomed.name} · click anywhere to close</div>
-        </div>
-      )}
+      {zoomed && <Lightbox name={zoomed.name} url={zoomed.media.url} onClose={closeZoom} />}
     </div>
   );
 }

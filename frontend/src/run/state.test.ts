@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, fileIdsIn, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText } from "./state";
+import { clockSkew, fileIdsIn, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText, waitingNodes } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -45,6 +45,23 @@ describe("reduceRun over a recorded run of workflows/stream.py", () => {
     const again = all.reduce(reduceRun, once);
     expect(again).toBe(once);
     expect(once.log.map((e) => e.seq)).toEqual(all.map((e) => e.seq));
+  });
+
+  it("keeps what a queued node waits for (its role's model loading) apart from its progress, until it runs", () => {
+    // image_generation on the studio's own engine: the llm role's unit loads smollm2-135m
+    let s = initialRunState(["prompt", "rewrite"]);
+    s = reduceRun(s, { type: "run_started", seq: 0, run_id: "r", time: 1, workflow: "w", nodes: ["prompt", "rewrite"] });
+    s = reduceRun(s, { type: "node_state", seq: 1, run_id: "r", time: 1, node: "rewrite", state: "queued" });
+    s = reduceRun(s, { type: "node_progress", seq: 2, run_id: "r", time: 1, node: "rewrite", progress: null, message: "loading smollm2-135m (role llm)" });
+    expect(s.nodes.rewrite).toMatchObject({ state: "queued", waiting: "loading smollm2-135m (role llm)" });
+    expect(s.nodes.rewrite.message).toBeUndefined();
+    expect(waitingNodes(s)).toEqual([{ node: "rewrite", waiting: "loading smollm2-135m (role llm)" }]);
+    s = reduceRun(s, { type: "node_state", seq: 3, run_id: "r", time: 9, node: "rewrite", state: "running" });
+    expect(s.nodes.rewrite.waiting).toBeUndefined();
+    expect(waitingNodes(s)).toEqual([]);
+    s = reduceRun(s, { type: "node_progress", seq: 4, run_id: "r", time: 10, node: "rewrite", progress: 0.25, message: "6/24 tokens" });
+    expect(s.nodes.rewrite).toMatchObject({ state: "running", progress: 0.25, message: "6/24 tokens" });
+    expect(s.nodes.rewrite.waiting).toBeUndefined();
   });
 
   it("keeps a node's error and progress", () => {

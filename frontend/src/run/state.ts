@@ -26,8 +26,10 @@ export interface RunState {
 }
 
 /** A node as the run view tracks it: with `running`, when its attempt started (server seconds) and
- * how long it had run before (earlier iterations and attempts), which `liveDurationMs` counts on from. */
-export type LiveNode = NodeRunView & { since?: number; busyMs?: number };
+ * how long it had run before (earlier iterations and attempts), which `liveDurationMs` counts on from;
+ * `waiting`: what it waits for before it runs, as reported while it is queued (its role's unit
+ * loading a model: "loading smollm2-135m (role llm)"), until its next state. */
+export type LiveNode = NodeRunView & { since?: number; busyMs?: number; waiting?: string };
 
 const LOG_LIMIT = 500;
 
@@ -56,7 +58,7 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
       break;
     case "node_state": {
       const old = state.nodes[event.node] ?? { state: "pending" };
-      const view = { ...old, state: event.state };
+      const view: LiveNode = { ...old, state: event.state, waiting: undefined };
       if (event.state === "running") {
         view.since = event.time;
         // Events stored before `busy_ms` existed count this attempt alone, as they always did.
@@ -76,10 +78,12 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
     }
     case "node_progress": {
       const old = state.nodes[event.node] ?? { state: "running" };
-      next.nodes = {
-        ...state.nodes,
-        [event.node]: { ...old, progress: event.progress ?? old.progress, message: event.message || old.message },
-      };
+      // Before a node runs, a report says what it waits for (the engine's units report once they run).
+      const report: LiveNode =
+        old.state === "queued" || old.state === "pending"
+          ? { ...old, waiting: event.message || old.waiting }
+          : { ...old, progress: event.progress ?? old.progress, message: event.message || old.message };
+      next.nodes = { ...state.nodes, [event.node]: report };
       break;
     }
     case "node_output": {
@@ -106,6 +110,19 @@ export function reduceRun(state: RunState, event: RunEvent): RunState {
       break;
   }
   return next;
+}
+
+/** A node that waits before it runs, and for what (`LiveNode.waiting`). */
+export interface WaitingNode {
+  node: string;
+  waiting: string;
+}
+
+/** The nodes that wait for something before they run (their roles' models loading), in the run's node order. */
+export function waitingNodes(state: RunState): WaitingNode[] {
+  return Object.entries(state.nodes)
+    .filter(([, view]) => view.waiting && (view.state === "queued" || view.state === "pending"))
+    .map(([node, view]) => ({ node, waiting: view.waiting! }));
 }
 
 /**

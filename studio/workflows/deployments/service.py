@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
@@ -316,14 +317,32 @@ def stop(deployment_id: str, node: str) -> None:
     eng.runs.call(eng.deployments.undeploy(deployment_id)).add_done_callback(_log_failure(f"stop {deployment_id}"))
 
 
-def resume_embedded() -> list[str]:
-    """On a process start: deploy again what a previous studio process hosted (its workers
-    exited with it). Returns the deployment ids."""
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """The embedded deployments a process start took up (`resume_embedded`), by where they stood."""
+
+    started: list[str]
+    """Recorded but never started: pending, no worker of theirs ever recorded (`manage.py setup_demo`
+    records the demo's chat deployment so, before the server starts). Starting them is the plan."""
+    redeployed: list[str]
+    """Deployments a previous studio process hosted (their workers exited with it), deployed again;
+    those it was stopping, stopped."""
+
+
+def resume_embedded() -> Resumed:
+    """On a process start: start the embedded deployments recorded to start, and deploy again
+    what a previous studio process hosted (its workers exited with it)."""
     if engine().config.dispatch is not Dispatch.LOCAL:
-        return []
-    ids = [str(pk) for pk in Deployment.objects.filter(node="", status__in=ACTIVE_DEPLOYMENT_STATUSES)
-           .values_list("pk", flat=True)]
-    for deployment_id in ids:
+        return Resumed([], [])
+    rows = list(Deployment.objects.filter(node="", status__in=ACTIVE_DEPLOYMENT_STATUSES).values_list("pk", "status"))
+    hosted = set(Worker.objects.filter(deployment_id__in=[pk for pk, _ in rows]).values_list("deployment_id", flat=True))
+    resumed = Resumed([], [])
+    for pk, status in rows:
+        deployment_id = str(pk)
+        if status == DeploymentStatus.PENDING and pk not in hosted:
+            resumed.started.append(deployment_id)
+        else:
+            resumed.redeployed.append(deployment_id)
         Worker.objects.filter(deployment_id=deployment_id).exclude(status__in=(WorkerStatus.STOPPED, WorkerStatus.FAILED)).update(
             status=WorkerStatus.LOST)
         if Deployment.objects.filter(pk=deployment_id, status=DeploymentStatus.STOPPING).exists():
@@ -331,4 +350,4 @@ def resume_embedded() -> list[str]:
         else:
             Deployment.objects.filter(pk=deployment_id).update(status=DeploymentStatus.PENDING)
             start(deployment_id)
-    return ids
+    return resumed

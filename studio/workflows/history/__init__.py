@@ -26,20 +26,29 @@ SNAPSHOT_TIMEOUT_S = 5.0
 
 class ActiveWorkers:
     """The live workers of every active deployment (the sampler's input): the deployments from
-    the database, their snapshots read on the engine loop."""
+    the database, their snapshots read on the engine loop, which must answer within `timeout_s`."""
 
-    def __init__(self, runs: RunService, deployments: EmbeddedDeployments) -> None:
+    def __init__(self, runs: RunService, deployments: EmbeddedDeployments, *,
+                 timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self._runs = runs
         self._deployments = deployments
+        self.timeout_s = timeout_s
 
     def __call__(self) -> dict[str, list[WorkerSnapshot]]:
+        """Raises TimeoutError, saying so, when the engine loop does not answer in time (something
+        holds it: the read is given up, not left to run later)."""
         from studio.workflows.deployments.workers import active_deployments
         from studio.workflows.models import Deployment
 
         namespaces = active_deployments(Deployment.objects.all())
         if not namespaces:
             return {}
-        return self._runs.call(self._deployments.snapshots(namespaces)).result(SNAPSHOT_TIMEOUT_S)
+        future = self._runs.call(self._deployments.snapshots(namespaces))
+        try:
+            return future.result(self.timeout_s)
+        except TimeoutError:  # the future's own carries no message: say what did not answer
+            future.cancel()
+            raise TimeoutError(f"the engine loop did not list the workers within {self.timeout_s:g} s") from None
 
 
 def history_store(config: StudioConfig) -> HistoryStore:

@@ -66,6 +66,10 @@ class MetricPoint(msgspec.Struct, frozen=True, omit_defaults=True):
     """The KV tiers the worker has, by name (`device`, `host`, `disk`); none without a KV cache."""
     generated_tokens: float | None = None
     """Tokens its LLM generated since it started (a counter), when it runs one."""
+    prompt_tokens: float | None = None
+    """Prompt tokens its LLM took in since it started (a counter), when it runs one. With no KV
+    lookup counted it tells prompts too short to look a page up (only a prompt longer than a page
+    has one) from no prompt at all."""
 
 
 class WorkerSeries(msgspec.Struct, frozen=True):
@@ -112,6 +116,7 @@ def point_of(snapshot: WorkerSnapshot, t: float) -> MetricPoint:
                        total_bytes=float(m.get("gpu_memory_total_bytes", 0.0)))
     rss = m.get("rss_bytes")
     generated = m.get("llm.generated_tokens")
+    prompted = m.get("llm.prompt_tokens")
     return MetricPoint(
         t=t,
         outstanding=snapshot.load.outstanding,
@@ -120,4 +125,5 @@ def point_of(snapshot: WorkerSnapshot, t: float) -> MetricPoint:
         gpu=gpu,
         tiers=tier_points(m),
         generated_tokens=None if generated is None else float(generated),
+        prompt_tokens=None if prompted is None else float(prompted),
     )

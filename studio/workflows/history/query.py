@@ -9,7 +9,8 @@ The body (JSON):
 
 A `MetricPoint` is `{"t", "outstanding", "queue_depth", "rss_bytes"?, "gpu"?: {"device",
 "allocated_bytes", "reserved_bytes", "total_bytes"}, "tiers": {"device"|"host"|"disk": {"lookups",
-"hits", "pages_used", "capacity_pages", "bytes_used", "capacity_bytes"}}, "generated_tokens"?}`
+"hits", "pages_used", "capacity_pages", "bytes_used", "capacity_bytes"}}, "generated_tokens"?,
+"prompt_tokens"?}`
 (`studio.workflows.history.points`; a key left out is a value the worker does not have).
 A range is `<n>s`, `<n>m` or `<n>h` (the cluster page asks for `5m` and `1h`), at most the
 history kept. Over a long range each worker's points are thinned to at most `MAX_POINTS`: the

@@ -34,6 +34,13 @@ LiveWorkers = Callable[[], dict[str, list[WorkerSnapshot]]]
 """Deployment id -> its live workers' snapshots, now."""
 
 
+def reason(exc: BaseException) -> str:
+    """`exc` as a log line gives it: its type, and its message when it has one (a bare
+    `TimeoutError()` has none, which logged alone read as an empty reason)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class MetricsSampler:
     def __init__(self, store: HistoryStore, live: LiveWorkers, *, interval_s: float,
                  clock: Callable[[], float] = time.time) -> None:
@@ -99,7 +106,7 @@ class MetricsSampler:
                 self.sample_once()
             except (HistoryUnavailable, RegistryError, TimeoutError, DatabaseError) as exc:
                 if not failing:  # once per outage, not once per tick
-                    log.warning("sampling worker metrics failed: %s", exc)
+                    log.warning("sampling worker metrics failed: %s", reason(exc))
                 failing = True
             else:
                 failing = False

@@ -278,16 +278,18 @@ async def test_the_llm_node_reports_tokens_made_of_max_new_tokens(executor, tiny
     result = await run.wait()
     assert result.status == "done", result.error
     events = run.log.snapshot()
-    progress = [(e.progress, e.message) for e in events if isinstance(e, NodeProgressEvent)]
-    # The bar starts at 0 before the first token and ends full; between them at most one report a
-    # tenth of a second (ProgressMeter), however fast the tokens come.
+    running = next(e for e in events if isinstance(e, NodeStateEvent) and e.node == "gen" and e.state == "running")
+    assert running.worker.startswith("in-process:") and running.host
+    at = events.index(running)
+    # Queued, the node said what it waited for: its role's unit, loading the model (the dispatcher).
+    waiting = [(e.progress, e.message) for e in events[:at] if isinstance(e, NodeProgressEvent)]
+    assert waiting == [(None, "loading tiny-llama (role llm)")]
+    progress = [(e.progress, e.message) for e in events[at:] if isinstance(e, NodeProgressEvent)]
+    # Running, the bar starts at 0 before the first token and ends full; between them at most one
+    # report a tenth of a second (ProgressMeter), however fast the tokens come.
     assert progress[0] == (0.0, "0/8 tokens") and progress[-1] == (1.0, "8/8 tokens")
     assert [p for p, _ in progress] == sorted(p for p, _ in progress)
     assert all(m == f"{round(p * 8)}/8 tokens" for p, m in progress)
-    running = next(e for e in events if isinstance(e, NodeStateEvent) and e.node == "gen" and e.state == "running")
-    assert running.worker.startswith("in-process:") and running.host
-    first_progress = next(i for i, e in enumerate(events) if isinstance(e, NodeProgressEvent))
-    assert events.index(running) < first_progress
 
 
 async def test_session_param_keeps_history_server_side(executor, tiny_llama):

@@ -22,7 +22,7 @@ from engine.compute.weights import WeightKey, WeightStore
 from engine.data.kv.ref import KVRef
 from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
-from engine.flow.events import NodeProgressEvent
+from engine.flow.events import NodeProgressEvent, NodeStateEvent
 from engine.flow.executor import Executor
 from engine.flow.plan import build_plan
 from engine.flow.validate import GraphValidationError
@@ -161,14 +161,22 @@ async def test_diffusion_reports_its_steps_and_decoders_and_encoders_their_items
                                                                 "sound": wav_bytes(sample_sound(0.5)),
                                                                 "codes": [11, 12, 13]})
     assert (await media.wait()).status == "done"
-    progress: dict[str, list[tuple[float | None, str]]] = {}
+    progress: dict[str, list[tuple[float | None, str]]] = {}  # the units' reports, once their nodes run
+    waiting: dict[str, list[tuple[float | None, str]]] = {}  # reports while queued: the model loading
+    running: set[str] = set()
     for event in [*run.log.snapshot(), *media.log.snapshot()]:
-        if isinstance(event, NodeProgressEvent):
-            progress.setdefault(event.node, []).append((event.progress, event.message))
+        if isinstance(event, NodeStateEvent) and event.state == "running":
+            running.add(event.node)
+        elif isinstance(event, NodeProgressEvent):
+            (progress if event.node in running else waiting).setdefault(event.node, []).append(
+                (event.progress, event.message))
     # Whatever the pace of the steps, the first report and the last are sent.
     assert progress["gen"][0] == (0.0, "0/4 steps") and progress["gen"][-1] == (1.0, "4/4 steps")
     for node in ("decode", "see", "hear", "speak"):
         assert progress[node] == [(0.0, "0/1 items"), (1.0, "1/1 items")], node
+    assert waiting == {node: [(None, f"loading {model} (role {role})")] for node, role, model in (
+        ("gen", "dit", "tiny-llama"), ("decode", "vae", "tiny-vae"), ("see", "vit", "tiny-vit"),
+        ("hear", "ear", "tiny-audio-encoder"), ("speak", "voice", "tiny-audio-decoder"))}
 
 
 async def test_diffusion_prompt_pages_are_kept_per_tenant(kinds, tiny_llama):

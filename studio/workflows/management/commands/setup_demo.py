@@ -18,6 +18,7 @@ The printed OpenAI base URL is `--url`'s (default `make run`'s address, `http://
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,6 +41,22 @@ CHAT_MODEL = "chat"
 CHAT_TOKEN_NAME = "setup_demo chat"
 DEFAULT_URL = "http://127.0.0.1:8000"
 """Where `make run` serves the studio."""
+
+
+CHAT_SNIPPET_HEAD = "chat from Python (pip install openai), once the server is up; paste these lines into python:"
+
+
+def chat_snippet(origin: str, secret: str) -> str:
+    """Python that asks the model `chat` of the studio at `origin` with the token `secret` and
+    prints its reply, as pasted (into `python` or a file): it imports what it uses, and no line is
+    indented (an indented line pasted into the interpreter is an IndentationError)."""
+    return "\n".join([
+        "from openai import OpenAI",
+        f"client = OpenAI(base_url={json.dumps(origin + '/v1')}, api_key={json.dumps(secret)})",
+        f"reply = client.chat.completions.create(model={json.dumps(CHAT_MODEL)},"
+        ' messages=[{"role": "user", "content": "Hello!"}])',
+        "print(reply.choices[0].message.content)",
+    ])
 
 
 def studio_url(text: str) -> str:
@@ -114,7 +131,5 @@ class Command(BaseCommand):
         self.stdout.write(f"chat: {outcome} workflow {CHAT_WORKFLOW!r} version {version.number} as the model"
                           f" {CHAT_MODEL!r} (deployment {live.pk}); the server starts it")
         self.stdout.write(f"chat token: {secret}")
-        self.stdout.write("chat from Python (pip install openai), once the server is up:")
-        self.stdout.write(f'  client = openai.OpenAI(base_url="{origin}/v1", api_key="{secret}")')
-        self.stdout.write(f'  client.chat.completions.create(model="{CHAT_MODEL}",'
-                          ' messages=[{"role": "user", "content": "Hello!"}]).choices[0].message.content')
+        self.stdout.write(CHAT_SNIPPET_HEAD)
+        self.stdout.write(chat_snippet(origin, secret))
