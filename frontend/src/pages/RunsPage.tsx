@@ -73,6 +73,9 @@ export function RunsPage() {
     setParams(next);
   };
 
+  // The Cancel column is drawn only while a listed run can be cancelled: at 1024 px its empty
+  // cells would push the table past its card.
+  const cancellable = data?.results.some((r) => r.status === "pending" || r.status === "running") ?? false;
   return (
     <div className="page">
       <header className="page-head">
@@ -127,7 +130,7 @@ export function RunsPage() {
                 <th>Status</th>
                 <th>Created</th>
                 <th className="right">Duration</th>
-                <th />
+                {cancellable && <th />}
               </tr>
             </thead>
             <tbody>
@@ -143,7 +146,8 @@ export function RunsPage() {
                   </td>
                   <td className="small" data-testid="run-deployment">
                     {r.deployment ? (
-                      <Link to={`/deployments/${r.deployment}`} title={r.deployment} onClick={(e) => e.stopPropagation()}>
+                      <Link to={`/deployments/${r.deployment}`} title={r.deployment} className="cell-clip"
+                            onClick={(e) => e.stopPropagation()}>
                         {deploymentLabel(r)}
                       </Link>
                     ) : (
@@ -162,6 +166,7 @@ export function RunsPage() {
                   </td>
                   <td className="muted small nowrap"><Timestamp iso={r.created_at} /></td>
                   <td className="right mono small">{formatMs(r.duration_ms)}</td>
+                  {cancellable && (
                   <td className="right">
                     {(r.status === "pending" || r.status === "running") && (
                       <Button
@@ -179,6 +184,7 @@ export function RunsPage() {
                       </Button>
                     )}
                   </td>
+                  )}
                 </tr>
               ))}
             </tbody>
