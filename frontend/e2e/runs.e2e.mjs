@@ -135,7 +135,8 @@ try {
     await page.waitForFunction(
       ([s, v]) => Number(document.querySelector(s)?.getAttribute("aria-valuenow")) > v, [bar, first], { timeout: WAIT });
     // A quarter of the way, so the screenshot shows the bar as a user sees it mid-reply.
-    await page.waitForFunction((s) => Number(document.querySelector(s)?.getAttribute("aria-valuenow")) >= 25, bar);
+    await page.waitForFunction((s) => Number(document.querySelector(s)?.getAttribute("aria-valuenow")) >= 25, bar,
+                               { timeout: 2 * WAIT }); // 30 of 120 tokens: the real model, at the machine's pace
     const later = Number(await page.getAttribute(bar, "aria-valuenow"));
     const label = await page.textContent(`${tid("node-reply")} ${tid("node-progress-text")}`);
     expect(/^\d+\/120 tokens$/.test(label.trim()), `the progress reads "${label}"`);
