@@ -6,15 +6,12 @@ server folder."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.apps import apps
-from django.conf import settings
 from rest_framework.test import APIClient
 from transformers import AutoTokenizer
 
@@ -23,10 +20,11 @@ from engine.compute.models.packaged import PACKAGED_MODELS
 from engine.compute.models.tokenizer import build_byte_tokenizer
 from studio.errors import BadRequest, Unavailable
 from studio.workflows.api.chat_templates import MAX_CHARACTERS, MAX_MESSAGES
-from studio.workflows.apps import StudioEngine, build_engine
+from studio.workflows.apps import StudioEngine
 from studio.workflows.chat.shape import ChatShape
 from studio.workflows.chat.turns import chat_template
 from studio.workflows.models import Deployment
+from tests.studio.limits import configured
 
 pytestmark = pytest.mark.django_db
 
@@ -61,14 +59,8 @@ def model_root(tmp_path: Path) -> Path:
 @pytest.fixture
 def rooted_engine(studio_engine: StudioEngine, model_root: Path) -> Iterator[StudioEngine]:
     """The studio's engine with `model_root` as its OMNIFLOW_MODEL_DIRS."""
-    app = apps.get_app_config("workflows")
-    studio = build_engine(dataclasses.replace(settings.OMNIFLOW, model_dirs=(model_root,)))
-    previous = app.install(studio)
-    try:
+    with configured(model_dirs=(model_root,)) as studio:
         yield studio
-    finally:
-        studio.runs.stop()
-        app.install(previous)
 
 
 def test_smollm2_renders_a_plain_question_as_its_own_tokenizer_does(

@@ -4,20 +4,17 @@ the README's quick start imported as source and run."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.apps import apps
-from django.conf import settings
 
-from studio.workflows.apps import StudioEngine, build_engine
+from studio.workflows.apps import StudioEngine
 from studio.workflows.models import Run
 from tests.studio.factories import ROOT, create_workflow, spec_doc
-from tests.studio.limits import llm_spec
+from tests.studio.limits import configured, llm_spec
 
 pytestmark = pytest.mark.django_db
 
@@ -41,15 +38,8 @@ def model_root(tmp_path: Path) -> Path:
 @pytest.fixture
 def rooted_engine(studio_engine: StudioEngine, model_root: Path) -> Iterator[StudioEngine]:
     """A studio as deployed (registered ops only) whose OMNIFLOW_MODEL_DIRS is `model_root`."""
-    app = apps.get_app_config("workflows")
-    config = dataclasses.replace(settings.OMNIFLOW, allow_module_ops=False, model_dirs=(model_root,))
-    studio = build_engine(config)
-    previous = app.install(studio)
-    try:
+    with configured(allow_module_ops=False, model_dirs=(model_root,)) as studio:
         yield studio
-    finally:
-        studio.runs.stop()
-        app.install(previous)
 
 
 def details(response: Any) -> list[tuple[str, str | None, str | None]]:
