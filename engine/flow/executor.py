@@ -191,11 +191,14 @@ class Run:
             if not self.plan.topo.preds[nid]:
                 self._fire(self._nodes[nid])
         self._check_quiet()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                status, error, failed_node = await self._finished
-        except TimeoutError:
-            status, error, failed_node = RunStatus.FAILED, f"run timed out after {self.timeout_s} s", None
+        if self.timeout_s is None:  # no deadline: spare the timeout scope
+            status, error, failed_node = await self._finished
+        else:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    status, error, failed_node = await self._finished
+            except TimeoutError:
+                status, error, failed_node = RunStatus.FAILED, f"run timed out after {self.timeout_s} s", None
         await self._finish(status, error, failed_node)
 
     async def _finish(self, status: RunStatus, error: str | None, failed_node: str | None) -> None:
