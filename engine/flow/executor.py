@@ -149,6 +149,9 @@ class Run:
         self._t0 = time.perf_counter()
         self._supervisor: asyncio.Task[None] | None = None
         self._result: RunResult | None = None
+        self._handing_on = False
+        """A node's task is completing its node: the first node launched meanwhile runs in that task next."""
+        self._next: tuple[RunNode, dict[str, Any]] | None = None
 
     # ----------------------------------------------------------------- public
     def events(self, since: int = 0) -> AsyncIterator[RunEvent]:
@@ -302,6 +305,12 @@ class Run:
         node.attempt += 1
         self._active += 1
         self._set_state(node, NodeState.QUEUED)
+        if self._handing_on and self._next is None:
+            # Launched by a node's completion, in that node's task, which is done with it: the task
+            # runs this node next, sparing a task and a turn of the loop before its dispatch.
+            self._next = (node, inputs)
+            node.task = asyncio.current_task()
+            return
         node.task = asyncio.get_running_loop().create_task(self._execute(node, inputs))
 
     def _started(self, node: RunNode, inputs: dict[str, Any], where: RanOn) -> None:
@@ -316,6 +325,13 @@ class Run:
         self._set_state(node, NodeState.RUNNING, where=where)
 
     async def _execute(self, node: RunNode, inputs: dict[str, Any]) -> None:
+        """A node's task: runs `node`, then each node its completion handed on to it (`_launch`)."""
+        next_up: tuple[RunNode, dict[str, Any]] | None = (node, inputs)
+        while next_up is not None:
+            next_up = await self._execute_node(*next_up)
+
+    async def _execute_node(self, node: RunNode, inputs: dict[str, Any]) -> tuple[RunNode, dict[str, Any]] | None:
+        """Run one attempt of `node`; the node its completion launched into this task, if any."""
         spec = node.spec
         role = self.plan.roles[spec.role] if spec.role is not None else None
         assert role is not None, "validated: dispatched nodes have a role"
@@ -333,13 +349,24 @@ class Run:
                     value.detach()  # the frames it left unread must not hold their producer back
         if isinstance(outcome, AttemptFailed):
             self._attempt_failed(node, inputs, outcome.message, final=outcome.final)
-            return
+            return None
         node.task = None
         self._active -= 1
         if self._finished.done():
-            return
-        self._complete(node, outcome, time.perf_counter())
-        self._check_quiet()
+            return None
+        self._handing_on = True
+        try:
+            self._complete(node, outcome, time.perf_counter())
+            self._check_quiet()
+        except BaseException:
+            if self._next is not None:  # this task ends here: the node it was handed runs in one of its own
+                handed, self._next = self._next, None
+                handed[0].task = asyncio.get_running_loop().create_task(self._execute(*handed))
+            raise
+        finally:
+            self._handing_on = False
+        next_up, self._next = self._next, None
+        return next_up
 
     def _attempt_failed(self, node: RunNode, inputs: dict[str, Any], message: str, final: bool = False) -> None:
         node.task = None

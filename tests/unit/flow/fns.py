@@ -194,6 +194,12 @@ async def hang(x: Any, name: str) -> Any:
     return x
 
 
+async def task_of(x: Any, name: str) -> Any:
+    """Records the task it runs in, as `name:<the task's id>`."""
+    LOG.append(f"{name}:{id(asyncio.current_task())}")
+    return x
+
+
 async def gated_boom(x: Any, gate: str) -> Any:
     """Raises once the test opens `gate`."""
     await GATES[gate].wait()

@@ -187,6 +187,34 @@ async def test_chain_exact_event_sequence(executor):
     }
 
 
+async def test_a_node_launched_by_a_completion_runs_next_in_that_nodes_task(executor):
+    """A chain's dispatched nodes go on in the task of the first (no task and no turn of the loop
+    per node); of a fan-out's targets, the first does, the others in tasks of their own."""
+    wf, py = new_workflow()
+    prev = wf.input("n", default=1)
+    for name in ("a", "b", "c"):
+        node = wf.python(fns.task_of, role=py, id=name, params={"name": name})
+        wf.edge(prev, node)
+        prev = node
+    fanned = [wf.python(fns.task_of, role=py, id=name, params={"name": name}) for name in ("d", "e")]
+    for node in fanned:
+        wf.edge(prev, node)
+        wf.output(f"out_{node.id}", node)
+    result, events = await finish(executor, wf)
+    assert result.status == RunStatus.DONE
+    assert result.outputs == {"out_d": 1, "out_e": 1}
+    tasks = dict(entry.split(":") for entry in fns.LOG)
+    assert list(tasks) == ["a", "b", "c", "d", "e"]
+    assert tasks["a"] == tasks["b"] == tasks["c"] == tasks["d"] != tasks["e"]
+    assert trace(events)[3:17] == [
+        ("a", "queued"), ("a", "running"), ("a", "done"), ("a", "output", "out", 1),
+        ("b", "queued"), ("b", "running"), ("b", "done"), ("b", "output", "out", 1),
+        ("c", "queued"), ("c", "running"), ("c", "done"), ("c", "output", "out", 1),
+        ("d", "queued"), ("e", "queued"),
+    ]
+    assert leftover_tasks() == set()
+
+
 async def test_default_input_is_used(executor):
     wf, py = new_workflow()
     wf.output("out", wf.input("n", default={"k": [1, 2]}))
@@ -918,6 +946,24 @@ async def test_cancel_a_running_run(executor, gates):
     # Cancelling again, or through the executor, changes nothing.
     await executor.cancel(run.id)
     assert (await run.wait()).status == RunStatus.CANCELLED
+
+
+async def test_cancel_a_run_whose_running_node_was_handed_on_by_a_completion(executor, gates):
+    """`slow` runs in the task of `first`, which launched it: cancelling the run cancels it there."""
+    wf, py = new_workflow()
+    first = wf.python(fns.inc, role=py, id="first")
+    slow = wf.python(fns.hang, role=py, id="slow", params={"name": "slow"})
+    wf.edge(wf.input("n", default=1), first)
+    wf.edge(first, slow)
+    wf.output("out", slow)
+    run = await submit(executor, wf)
+    await opened("started:slow")
+    await run.cancel()
+    result = await run.wait()
+    assert result.status == RunStatus.CANCELLED
+    assert final_states(result) == {"n": "done", "first": "done", "slow": "cancelled", "out": "cancelled"}
+    assert fns.LOG == ["slow:started", "slow:cancelled"]
+    assert leftover_tasks() == set()
 
 
 async def test_cancel_before_anything_ran(executor):
