@@ -57,7 +57,7 @@ class Deliveries:
         nid = spec.id
         targets: dict[str, None] = {}
         routed = set(route) if route is not None else None
-        routable = set(spec.routes or ())
+        routable = set(spec.routes or ()) if routed is not None else ()
         for edge in self._plan.out_edges[nid]:
             target = edge.spec.target
             targets[target] = None

@@ -53,6 +53,7 @@ class InProcessDispatcher:
     report with no fraction, `loading_message(role)` (the run view shows what its nodes wait for)."""
 
     DEFAULT_CAPACITY = 64
+    SEEN_ROLES = 1024
 
     def __init__(self, kinds: KindRegistry, *, build: Callable[[RoleSpec], ComputeUnit] | None = None) -> None:
         """`build(role)` makes a role's unit (default: its kind's runner, `runner(role)`, with no
@@ -64,6 +65,9 @@ class InProcessDispatcher:
         self._units: dict[tuple[str, str], ComputeUnit] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._building: dict[tuple[str, str], asyncio.Task[ComputeUnit]] = {}
+        self._seen: dict[int, tuple[RoleSpec, ComputeUnit, asyncio.Semaphore]] = {}
+        """By role object (a plan's, the same for each of its calls): its unit and slots, so that a
+        call does not render the role again to find them. The role is held, so its id stays its own."""
         self.where = RanOn(worker=f"in-process:{os.getpid()}", host=socket.gethostname())
         """Where its calls run: this process."""
 
@@ -73,6 +77,12 @@ class InProcessDispatcher:
     def _key(self, role: RoleSpec) -> tuple[str, str]:
         # Roles of different workflows may share a name; the spec itself tells them apart.
         return (role.name, repr(role))
+
+    def _known(self, role: RoleSpec) -> tuple[ComputeUnit, asyncio.Semaphore] | None:
+        """`role`'s unit and slots when a call of this very role object (a plan passes the same one
+        to each of its calls) found them before: no rendering of the role, no coroutine."""
+        seen = self._seen.get(id(role))
+        return (seen[1], seen[2]) if seen is not None and seen[0] is role else None
 
     async def _unit(self, role: RoleSpec, ctx: NodeContext) -> tuple[ComputeUnit, asyncio.Semaphore]:
         key = self._key(role)
@@ -85,6 +95,9 @@ class InProcessDispatcher:
                 ctx.progress(None, loading_message(role))
             # Shielded: a call cancelled while it waits leaves the build to the others (and the next call).
             unit = await asyncio.shield(building)
+        if len(self._seen) >= self.SEEN_ROLES:  # a server planning runs afresh: keep the memory bounded
+            self._seen.clear()
+        self._seen[id(role)] = (role, unit, self._slots[key])
         return unit, self._slots[key]
 
     async def _load(self, key: tuple[str, str], role: RoleSpec) -> ComputeUnit:
@@ -100,7 +113,7 @@ class InProcessDispatcher:
     async def execute(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
-        unit, slots = await self._unit(role, ctx)
+        unit, slots = self._known(role) or await self._unit(role, ctx)
         async with slots:
             started(self.where)
             return await unit.execute(call, ctx)
@@ -108,7 +121,7 @@ class InProcessDispatcher:
     async def execute_stream(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> AsyncIterator[dict[str, Any]]:
-        unit, slots = await self._unit(role, ctx)
+        unit, slots = self._known(role) or await self._unit(role, ctx)
         async with slots:
             started(self.where)
             async for frame in unit.execute_stream(call, ctx):
@@ -119,5 +132,6 @@ class InProcessDispatcher:
         await asyncio.gather(*self._building.values(), return_exceptions=True)
         units, self._units = list(self._units.values()), {}
         self._slots = {}
+        self._seen.clear()
         for unit in units:
             await unit.close()

@@ -217,10 +217,20 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+_SHORT_INT = 1 << 63
+_SHORT_INT_CHARS = 20
+"""An integer of fewer than 64 bits prints in at most 20 characters, its sign included."""
+
+
 def preview(value: Any, limit: int = PREVIEW_CHARS, depth: int = 0) -> Any:
     """A JSON-able, bounded rendering of a port value for events and UIs. An integer whose text is
     longer than `limit` (Python prints none of more than 4300 digits) is `{"int": {"bits": n}}`; a
     float that is not finite, `{"float": "inf"}` (`non_finite`)."""
+    kind = type(value)
+    if kind is str and len(value) <= limit:  # the common values first: nothing to bound
+        return value
+    if kind is int and -_SHORT_INT < value < _SHORT_INT and limit >= _SHORT_INT_CHARS:
+        return value
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, float):

@@ -209,9 +209,11 @@ def gather_inputs(plan: Plan, node: RunNode, group: frozenset[str] | None) -> di
     port without a join received more than one value."""
     values: dict[str, Any] = {}
     edges = plan.spec.edges
+    # Only a firing on a group that some delivering predecessor is not part of has values to drop.
+    others = group is not None and not node.delivered.issubset(group)
     for port, pspec in node.spec.inputs.items():
-        arrivals = node.inbox.get(port, [])
-        if group is not None:
+        arrivals = node.inbox.get(port, ())
+        if others:
             arrivals = [a for a in arrivals if edges[a[0]].source in group]
         if pspec.join is None:
             if not arrivals:

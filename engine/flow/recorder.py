@@ -30,6 +30,9 @@ from engine.flow.firing import RunNode
 from engine.flow.plan import Plan
 from engine.spec.calls import RanOn
 
+_WITH_ERROR = frozenset({NodeState.FAILED, NodeState.SKIPPED})
+_TERMINAL = frozenset(state for state in NodeState if state.terminal)
+
 
 class RunRecorder:
     def __init__(self, run_id: str, plan: Plan, *, keep_blobs: int) -> None:
@@ -50,13 +53,13 @@ class RunRecorder:
         `node.busy_s`, which the executor brings up to date before it calls this: the time it ran
         before, with `running`; the time it ran in all, once it ends (or an attempt fails)."""
         node.state = state
-        ran = node.first_started is not None
         busy_ms = node.busy_s * 1e3
-        self.log.append(NodeStateEvent(
-            seq=self.log.next_seq, run_id=self.run_id, time=time.time(), node=node.spec.id, state=state,
+        log = self.log
+        log.append(NodeStateEvent(
+            seq=len(log), run_id=self.run_id, time=time.time(), node=node.spec.id, state=state,
             attempt=node.attempt, iteration=node.fired,
-            error=node.error if state in (NodeState.FAILED, NodeState.SKIPPED) else None,
-            duration_ms=busy_ms if ran and state.terminal else None,
+            error=node.error if state in _WITH_ERROR else None,
+            duration_ms=busy_ms if state in _TERMINAL and node.first_started is not None else None,
             busy_ms=busy_ms if state == NodeState.RUNNING else None,
             worker=None if where is None else where.worker, host=None if where is None else where.host))
 
