@@ -10,6 +10,7 @@ with a `ValueTransportError` naming its type: nothing is pickled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -39,8 +40,20 @@ def _is_tensor(value: object) -> bool:
     return module.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter")
 
 
-def encode_value(value: Any, peer: Peer, *, where: str = "value", lease_s: float | None = None) -> PortValue:
-    """A PortValue for `value`; tensors are put into `peer`'s store (not copied again)."""
+_SCALARS = frozenset({str, float, bool, type(None)})
+"""Types whose values msgpack always encodes (a str of any length, a float, a bool, None)."""
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
+"""The integers msgpack encodes: int64 and uint64."""
+
+
+def encode_value(value: Any, peer: Peer, *, where: str | Callable[[], str] = "value",
+                 lease_s: float | None = None) -> PortValue:
+    """A PortValue for `value`; tensors are put into `peer`'s store (not copied again). `where`
+    names the value in the error a value that cannot travel raises (or makes that name, called
+    only then)."""
+    kind = type(value)
+    if kind in _SCALARS or (kind is int and _INT_MIN <= value < _INT_END):
+        return PortValue(ValueKind.INLINE, data=value)  # nothing to check: it encodes
     if isinstance(value, TensorRef):
         return PortValue(ValueKind.TENSOR, ref=value)
     if isinstance(value, KVRef):
@@ -53,10 +66,22 @@ def encode_value(value: Any, peer: Peer, *, where: str = "value", lease_s: float
         _ENCODER.encode(value)
     except (TypeError, OverflowError) as exc:
         raise ValueTransportError(
-            f"{where}: a {type(value).__name__} cannot cross processes ({exc}); return JSON-like data,"
+            f"{where if isinstance(where, str) else where()}: a {type(value).__name__} cannot cross processes"
+            f" ({exc}); return JSON-like data,"
             " bytes, numpy arrays or torch tensors"
         ) from None
     return PortValue(ValueKind.INLINE, data=value)
+
+
+def port_naming(node_id: str, side: str, port: str) -> Callable[[], str]:
+    """A lazy `where` for `encode_value`: node `node_id`'s `side` ("input", "output") port `port`."""
+    return lambda: f"node {node_id!r} {side} {port!r}"
+
+
+def carries_value(value: PortValue) -> bool:
+    """Whether `value` travels in the PortValue itself: `decode_value` has nothing to pull, so it
+    never waits."""
+    return value.kind in _CARRIED
 
 
 def decode_value(value: PortValue, peer: Peer, *, timeout: float, materialize: bool = True) -> Any:

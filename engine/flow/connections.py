@@ -41,6 +41,7 @@ from engine.data.wire import (
 )
 from engine.flow.discovery import WorkerSnapshot
 from engine.flow.links import ControlLink, DealerLink, LoopSocket
+from engine.spec.calls import RanOn
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,11 @@ class Connection:
     pinger: asyncio.Task[None] | None = None
     lost: str | None = None
     ready: asyncio.Future[None] | None = None
+    where: RanOn = field(init=False)
+    """Where its calls run: its worker and that worker's host."""
+
+    def __post_init__(self) -> None:
+        self.where = RanOn(worker=self.worker.info.worker_id, host=self.worker.info.host)
 
 
 class Connections:
@@ -137,6 +143,15 @@ class Connections:
         if self._local_ns is not None and meta.get("local_ns") == self._local_ns and local.startswith(framed.SCHEME):
             return local
         return worker.info.address
+
+    def open_connection(self, worker: WorkerSnapshot) -> Connection | None:
+        """`worker`'s connection when it is open and usable as is (what `connect` would return
+        at once), else None."""
+        conn = self.by_worker.get(worker.info.worker_id)
+        if (conn is None or self.closed or conn.lost is not None or conn.worker.info.address != worker.info.address
+                or (conn.ready is not None and not conn.ready.done())):
+            return None
+        return conn
 
     async def connect(self, worker: WorkerSnapshot) -> Connection:
         """The connection to `worker`, opened (hello answered) if it has none; a connection that could

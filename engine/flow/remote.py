@@ -31,7 +31,7 @@ from engine.data import framed
 from engine.data.codec import MiB
 from engine.data.credit import CreditWindow, Taken
 from engine.data.peer import Peer
-from engine.data.values import decode_value, encode_value
+from engine.data.values import decode_value, encode_value, port_naming
 from engine.data.wire import (
     CancelRequest,
     ErrorCode,
@@ -154,7 +154,7 @@ class WorkerDispatcher:
         except NoWorkerError:
             raise WorkerLost(f"no live worker of role {role.name!r} for node {call.node_id!r}"
                              + (f" (lost: {', '.join(sorted(excluded))})" if excluded else "")) from None
-        conn = await self._connections.connect(worker)
+        conn = self._connections.open_connection(worker) or await self._connections.connect(worker)
         if self._closed:
             raise WorkerLost(f"node {call.node_id!r}: the dispatcher is closed")
         rid = next(self._ids)
@@ -176,7 +176,7 @@ class WorkerDispatcher:
                     inputs[port] = PortValue(ValueKind.STREAM)
                     streams.append((port, value))
                 else:
-                    inputs[port] = encode_value(value, self._peer, where=f"node {call.node_id!r} input {port!r}")
+                    inputs[port] = encode_value(value, self._peer, where=port_naming(call.node_id, "input", port))
             request = ExecuteRequest(rid, role.name, call.header(), inputs, self._stream_window)
             windows = {port: CreditWindow(self._stream_window) for port, _ in streams} if self._stream_window else {}
             if windows:
@@ -242,13 +242,12 @@ class WorkerDispatcher:
                 except StopAsyncIteration:
                     break
                 frame = InputFrame(rid, port, encode_value(value, self._peer,
-                                                           where=f"node {call.node_id!r} input {port!r}"))
+                                                           where=port_naming(call.node_id, "input", port)))
                 await control.send(self._codec.encode(frame))
                 sent += 1
             await control.send(self._codec.encode(InputEnd(rid, port)))
 
-    async def _close_call(self, conn: Connection, rid: int, forwarders: list[asyncio.Task[None]],
-                          finished: bool) -> None:
+    def _close_call(self, conn: Connection, rid: int, forwarders: list[asyncio.Task[None]], finished: bool) -> None:
         self._forget_call(conn, rid)
         for task in forwarders:
             task.cancel()
@@ -289,7 +288,7 @@ class WorkerDispatcher:
                     if isinstance(message, _ANSWERS):
                         if not announced:
                             announced = True
-                            started(RanOn(worker=conn.worker.info.worker_id, host=conn.worker.info.host))
+                            started(conn.where)
                         if outbound and not forwarders:
                             # The worker took the call: a refusal (draining, say) would have
                             # moved it elsewhere with none of its stream's frames gone.
@@ -339,16 +338,19 @@ class WorkerDispatcher:
             finally:
                 if awaiting:
                     self._awaiting -= 1
-                await self._close_call(conn, rid, forwarders, finished)
+                self._close_call(conn, rid, forwarders, finished)
 
     async def execute(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]
     ) -> NodeResult:
+        result: ExecuteResult | None = None
         async with contextlib.aclosing(self._messages(role, call, ctx, started)) as messages:
-            async for message in messages:
+            async for message in messages:  # to its end: the result is its last message
                 if isinstance(message, ExecuteResult):
-                    return NodeResult(outputs=self._outputs(message.outputs), route=message.route)
-        raise WorkerLost(f"node {call.node_id!r} ended without a result")
+                    result = message
+        if result is None:
+            raise WorkerLost(f"node {call.node_id!r} ended without a result")
+        return NodeResult(outputs=self._outputs(result.outputs), route=result.route)
 
     async def execute_stream(
         self, role: RoleSpec, call: NodeCall, ctx: NodeContext, started: Callable[[RanOn], None]

@@ -62,6 +62,14 @@ class ReplicaChooser:
         self._workers[role] = (now, listed)
         return listed
 
+    def _recent(self, role: str) -> list[WorkerSnapshot] | None:
+        """What `listed(role)` returns at once, without reading the registry: a list read within
+        `registry_refresh_s` that names a worker; else None."""
+        cached = self._workers.get(role)
+        if cached is not None and cached[1] and time.monotonic() - cached[0] <= self._refresh_s:
+            return cached[1]
+        return None
+
     def policy(self, role: RoleSpec) -> Policy:
         policy = self._policies.get(role.name)
         if policy is None:
@@ -100,8 +108,10 @@ class ReplicaChooser:
                      usable: Callable[[str], bool]) -> WorkerSnapshot:
         """The worker of `role` that takes `call`, among those listed, not `excluded` and `usable`
         (not lost); NoWorkerError when none is."""
-        snapshots = [s for s in await self.listed(role.name)
-                     if s.info.worker_id not in excluded and usable(s.info.worker_id)]
+        listed = self._recent(role.name)
+        if listed is None:
+            listed = await self.listed(role.name)
+        snapshots = [s for s in listed if s.info.worker_id not in excluded and usable(s.info.worker_id)]
         by_id = {s.info.worker_id: s for s in snapshots}
         session = call.session_key()
         hint = (await self._kv_router.hint(role, call, snapshots)

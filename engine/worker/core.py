@@ -8,6 +8,7 @@ one event loop. The process wrapper (`engine.worker.process`) owns the sockets.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 from engine.data.credit import CreditWindow, Taken
 from engine.data.peer import Peer
-from engine.data.values import decode_value_async, encode_value
+from engine.data.values import carries_value, decode_value, decode_value_async, encode_value, port_naming
 from engine.data.wire import (
     CancelRequest,
     ErrorCode,
@@ -229,16 +230,16 @@ class RoleWorkerCore:
             self._send(identity, ErrorReply(rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already running"))
             return
         streams: dict[str, _InboundStream] = {}
-
-        def grant(port: str, frames: int) -> None:
-            self._send(identity, InputCredit(rid, port, frames))
-
         for port, value in request.inputs.items():
             if value.kind == ValueKind.STREAM:
-                streams[port] = _InboundStream(port, self._decode, request.window, grant, streams)
+                streams[port] = _InboundStream(port, self._decode, request.window,
+                                               functools.partial(self._grant, identity, rid), streams)
         frames = CreditWindow(request.window) if request.call.stream and request.window > 0 else None
         task = asyncio.get_running_loop().create_task(self._execute(identity, request, streams, frames))
         self._executions[key] = _Execution(task, streams, frames)
+
+    def _grant(self, identity: bytes, rid: int, port: str, frames: int) -> None:
+        self._send(identity, InputCredit(rid, port, frames))
 
     # ----------------------------------------------------------------- execution
     async def _decode(self, value: PortValue) -> Any:
@@ -249,12 +250,14 @@ class RoleWorkerCore:
         for port, value in request.inputs.items():
             if value.kind == ValueKind.STREAM:
                 values[port] = streams[port]
+            elif carries_value(value):  # nothing to pull: no wait
+                values[port] = decode_value(value, self.peer, timeout=self._pull_timeout_s)
             else:
                 values[port] = await decode_value_async(value, self.peer, timeout=self._pull_timeout_s)
         return values
 
     def _outputs(self, outputs: dict[str, Any], node_id: str) -> dict[str, PortValue]:
-        return {port: encode_value(v, self.peer, where=f"node {node_id!r} output {port!r}")
+        return {port: encode_value(v, self.peer, where=port_naming(node_id, "output", port))
                 for port, v in outputs.items()}
 
     async def _execute(self, identity: bytes, request: ExecuteRequest, streams: dict[str, _InboundStream],
