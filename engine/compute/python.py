@@ -23,8 +23,8 @@ same refusals (absolute names, `..`, links) wherever it runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
-import functools
 import importlib
 import inspect
 import threading
@@ -101,6 +101,20 @@ def _threadsafe(ctx: NodeContext, loop: asyncio.AbstractEventLoop) -> NodeContex
 
 
 _DONE = object()
+
+
+def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    """Hand a pool call's outcome to its awaiting task (`PythonUnit._in_thread`), on the loop."""
+    if done.cancelled():
+        return
+    if error is None:
+        done.set_result(value)
+    elif isinstance(error, concurrent.futures.CancelledError):
+        done.set_exception(asyncio.CancelledError(*error.args))  # as `run_in_executor` hands it on
+    elif isinstance(error, StopIteration):  # a future cannot hold one (PEP 479 wraps it alike)
+        done.set_exception(RuntimeError(f"the function raised StopIteration: {error}"))
+    else:
+        done.set_exception(error)
 
 
 class PythonUnit(ComputeUnit):
@@ -181,8 +195,7 @@ class PythonUnit(ComputeUnit):
         if func.is_coroutine:
             value = await func.fn(**self._kwargs(call, ctx, func, blocking=False))
         else:
-            kwargs = self._kwargs(call, ctx, func, blocking=True)
-            value = await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(func.fn, **kwargs))
+            value = await self._in_thread(func.fn, self._kwargs(call, ctx, func, blocking=True))
         route = None
         if isinstance(value, Route):
             if not call.router:
@@ -191,6 +204,29 @@ class PythonUnit(ComputeUnit):
         elif call.router:
             raise OperationError(f"router node {call.node_id!r} must return Route(to=..., value=...)")
         return NodeResult(outputs=map_outputs(value, call.output_ports, call.node_id), route=route)
+
+    async def _in_thread(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """`fn(**kwargs)` in the unit's pool, awaited here: `run_in_executor`'s contract (a call the
+        awaiting task gave up before it started never runs; progress the function reported on the
+        way arrives first), but the function's own thread wakes the loop as soon as it returns,
+        before the pool's bookkeeping, and one future is settled instead of two chained."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def call() -> None:
+            try:
+                value = fn(**kwargs)
+            except BaseException as exc:  # noqa: BLE001 - raised in the awaiting task instead
+                loop.call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, value, None)
+
+        job = self._threads.submit(call)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            job.cancel()  # not started: it never will be
+            raise
 
     async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
         func = self._function(call)

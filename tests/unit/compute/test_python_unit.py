@@ -19,8 +19,8 @@ from engine.flow.dispatch import InProcessDispatcher
 from engine.flow.dsl import Workflow
 from engine.flow.events import NodeOutputEvent, NodeProgressEvent
 from engine.flow.executor import Executor, RunResult
-from engine.spec.calls import NodeContext
-from engine.spec.graph import GraphSpec
+from engine.spec.calls import NodeCall, NodeContext
+from engine.spec.graph import GraphSpec, RoleSpec
 from engine.spec.kinds import KindRegistry, default_kinds
 from engine.spec.ops import OpConfig, OpNotAllowedError, OpRegistry, op
 from engine.spec.userfiles import UsersRoot
@@ -189,6 +189,62 @@ async def test_progress_from_a_plain_op_reaches_the_run_in_order(kinds) -> None:
     assert result.outputs == {"y": 5}, result.error
     assert [e.message if isinstance(e, NodeProgressEvent) else "out" for e in events] == [
         "step 0", "step 1", "step 2", "out"]
+
+
+@op("test.raise_stop")
+def raise_stop(x: int) -> int:
+    raise StopIteration(x)
+
+
+@op("test.raise_value")
+def raise_value(x: int) -> int:
+    raise ValueError(f"bad {x}")
+
+
+@pytest.mark.parametrize(("fn", "error"), [
+    (raise_value, "ValueError: bad 1"),
+    # A future cannot hold a StopIteration: handed on as it was, it left the node waiting forever.
+    (raise_stop, "RuntimeError: the function raised StopIteration: 1"),
+])
+async def test_a_plain_op_that_raises_fails_its_node_with_the_error(kinds, fn, error: str) -> None:
+    result = await run_once(OpConfig(OpRegistry([fn]), allow_module_ops=False), kinds, one_node(fn))
+    assert result.status == "failed"
+    assert result.nodes["f"].error == error
+
+
+async def test_a_plain_call_given_up_before_a_thread_took_it_never_runs(kinds) -> None:
+    """One thread (capacity 1): the second call waits for it; its task cancelled meanwhile, the call
+    is dropped from the pool's queue, as `run_in_executor` drops it."""
+    entered, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    @op("test.hold")
+    def hold(x: int) -> int:
+        ran.append(x)
+        entered.set()
+        release.wait(DEADLINE_S)
+        return x
+
+    units = SharedUnits(kinds, ops=OpConfig(OpRegistry([hold]), allow_module_ops=False))
+    unit = units(RoleSpec(name="py", kind="python", params={"capacity": 1}))
+    try:
+        calls = [NodeCall("r", f"n{i}", "test.hold", {}, {"x": i}, ("out",), False, False, 1, 1) for i in (1, 2)]
+        first = asyncio.create_task(unit.execute(calls[0], NodeContext("r", "n1", 1, 1, lambda f, m: None)))
+        assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the first call never started"
+        second = asyncio.create_task(unit.execute(calls[1], NodeContext("r", "n2", 1, 1, lambda f, m: None)))
+        await asyncio.sleep(0)  # one turn of the loop, not a wait: its first step queues the call
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        release.set()
+        assert (await first).outputs == {"out": 1}
+        # The pool is first in, first out: had the second call stayed queued, it would run before this one.
+        third = NodeCall("r", "n3", "test.hold", {}, {"x": 3}, ("out",), False, False, 1, 1)
+        assert (await unit.execute(third, NodeContext("r", "n3", 1, 1, lambda f, m: None))).outputs == {"out": 3}
+    finally:
+        release.set()
+        await unit.close()
+    assert ran == [1, 3]
 
 
 @op("test.export", output_dirs=("folder",))
