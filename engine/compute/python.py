@@ -103,6 +103,22 @@ def _threadsafe(ctx: NodeContext, loop: asyncio.AbstractEventLoop) -> NodeContex
 _DONE = object()
 
 
+def _call_in_thread(loop: asyncio.AbstractEventLoop, holder: list[asyncio.Future[Any]], fn: Callable[..., Any],
+                    kwargs: dict[str, Any]) -> None:
+    """In a pool thread: `fn(**kwargs)`, its outcome handed to the future in `holder`, on its loop.
+    The future leaves `holder` and this frame before the thread returns: a failure's traceback
+    holds this frame and the pool's, and through them must not reach the future that holds the
+    failure (a reference cycle: the run would wait for the cycle collector to be freed)."""
+    done = holder.pop()
+    try:
+        value = fn(**kwargs)
+    except BaseException as exc:  # noqa: BLE001 - raised in the awaiting task instead
+        loop.call_soon_threadsafe(_settle, done, None, exc)
+    else:
+        loop.call_soon_threadsafe(_settle, done, value, None)
+    del done
+
+
 def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     """Hand a pool call's outcome to its awaiting task (`PythonUnit._in_thread`), on the loop."""
     if done.cancelled():
@@ -212,21 +228,14 @@ class PythonUnit(ComputeUnit):
         before the pool's bookkeeping, and one future is settled instead of two chained."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-
-        def call() -> None:
-            try:
-                value = fn(**kwargs)
-            except BaseException as exc:  # noqa: BLE001 - raised in the awaiting task instead
-                loop.call_soon_threadsafe(_settle, done, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, done, value, None)
-
-        job = self._threads.submit(call)
+        job = self._threads.submit(_call_in_thread, loop, [done], fn, kwargs)
         try:
             return await done
         except asyncio.CancelledError:
             job.cancel()  # not started: it never will be
             raise
+        finally:
+            del done  # a failure's traceback holds this frame, which must not hold the failure's future
 
     async def execute_stream(self, call: NodeCall, ctx: NodeContext) -> AsyncIterator[dict[str, Any]]:
         func = self._function(call)

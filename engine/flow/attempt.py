@@ -70,11 +70,17 @@ async def attempt(
                 frames += 1
             return NodeResult(outputs={})
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
+        if _cancelling():
             raise
         return AttemptFailed("CancelledError raised by the node itself")
     except TimeoutError:
         return AttemptFailed(f"timed out after {timeout_s} s")
     except Exception as exc:  # noqa: BLE001 - a node's exception is its failure, reported in the run
         return AttemptFailed(f"{type(exc).__name__}: {exc}", final=isinstance(exc, FinalNodeError))
+
+
+def _cancelling() -> bool:
+    """Whether the calling task is being cancelled. (Not asked inline: a frame of the cancellation's
+    traceback holding the task, which holds the cancellation, would be a reference cycle.)"""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0

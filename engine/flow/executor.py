@@ -212,6 +212,7 @@ class Run:
             await asyncio.gather(*tasks, return_exceptions=True)
         now = time.perf_counter()
         for node in self._nodes.values():
+            node.task = None  # done: a cancelled one holds its error, whose frames hold this run
             if node.state in (NodeState.QUEUED, NodeState.RUNNING):
                 if node.started is not None:
                     node.busy_s += now - node.started
@@ -235,6 +236,7 @@ class Run:
             duration_ms=duration_ms,
             nodes={nid: NodeSummary.of(n, self._t0) for nid, n in self._nodes.items()},
         )
+        self._firing.end()
 
     def _fail(self, node: RunNode, message: str) -> None:
         node.error = message

@@ -88,6 +88,10 @@ class RunActions:
     """Whether the run already has its outcome (then nothing is skipped any more)."""
 
 
+_ENDED = RunActions(fire=lambda node, group: None, skip=lambda node, reason: None,
+                    mark_skipped=lambda node, reason: None, ended=lambda: True)
+"""What an ended run asks of nothing: nothing fires or is skipped any more."""
+
 _NOT_FIRABLE = (NodeState.QUEUED, NodeState.RUNNING, NodeState.FAILED, NodeState.CANCELLED)
 
 
@@ -101,6 +105,13 @@ class Firing:
         self._ended = actions.ended
         self._settled_components: set[int] = set()
         self._assume_settled: int | None = None
+
+    def end(self) -> None:
+        """The run is over: drop its actions. They are the run's methods and the run holds this
+        `Firing`; without the cycle the run and its nodes and events are freed as soon as they
+        are dropped, not at the cycle collector's next pass (whose work grows with each run)."""
+        self._actions = _ENDED
+        self._ended = _ENDED.ended
 
     def settled(self, pred: str) -> bool:
         node = self._nodes[pred]

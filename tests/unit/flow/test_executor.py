@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -781,6 +783,37 @@ async def test_forgetting_an_unfinished_run_keeps_it(executor, gates):
 
 
 # ------------------------------------------------------------------ events
+@pytest.mark.parametrize("fn", [fns.inc, fns.boom, fns.hang])
+async def test_a_forgotten_run_is_freed_at_once_not_by_the_cycle_collector(executor, gates, fn):
+    """A finished run holds no reference cycle (its nodes, events and tasks with it): dropped, it is
+    freed then, not left for the collector, whose passes would grow with the runs it finds."""
+    wf, py = new_workflow()
+    first = wf.python(fns.inc, role=py, id="first")
+    last = wf.python(fn, role=py, id="last", params={"name": "last"} if fn is fns.hang else {})
+    wf.edge(wf.input("n", default=1), first)
+    wf.edge(first, last)
+    wf.output("out", last)
+    gc.collect()
+    gc.disable()
+    try:
+        run = await submit(executor, wf)
+        if fn is fns.hang:
+            await opened("started:last")
+            await run.cancel()
+        result = await run.wait()
+        assert result.status == {fns.inc: "done", fns.boom: "failed", fns.hang: "cancelled"}[fn]
+        # Freed when its last reference goes: here, or in the pool thread that ran `boom`, which lets
+        # go of the failure a moment after the run has it.
+        freed = asyncio.Event()
+        weakref.finalize(run, asyncio.get_running_loop().call_soon_threadsafe, freed.set)
+        executor.forget(run.id)
+        del run
+        async with asyncio.timeout(DEADLINE_S):
+            await freed.wait()
+    finally:
+        gc.enable()
+
+
 async def test_events_since_replays_exactly_from_any_seq(executor):
     run = await submit(executor, diamond(), {"n": 2})
     await run.wait()
