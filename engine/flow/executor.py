@@ -152,6 +152,8 @@ class Run:
         self._handing_on = False
         """A node's task is completing its node: the first node launched meanwhile runs in that task next."""
         self._next: tuple[RunNode, dict[str, Any]] | None = None
+        self._turns = 0
+        """Turns of the event loop seen by this run (`_tick`): did a node let the loop turn while it ran?"""
 
     # ----------------------------------------------------------------- public
     def events(self, since: int = 0) -> AsyncIterator[RunEvent]:
@@ -341,6 +343,8 @@ class Run:
                          owner=self.owner)
         ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
                           report_progress=lambda f, m: self._progress(spec.id, f, m))
+        turns = self._turns
+        asyncio.get_running_loop().call_soon(self._tick)  # runs before this task resumes, if it waits
         try:
             outcome = await attempt(self._dispatcher, role, call, ctx, timeout_s=spec.timeout_s,
                                     started=functools.partial(self._started, node, inputs),
@@ -356,7 +360,10 @@ class Run:
         self._active -= 1
         if self._finished.done():
             return None
-        self._handing_on = True
+        # Only a node that let the loop turn hands on: so each node starts in a turn of its own, and a
+        # chain of nodes that never wait takes turns with the other runs node by node, as in tasks of
+        # their own.
+        self._handing_on = self._turns != turns
         try:
             self._complete(node, outcome, time.perf_counter())
             self._check_quiet()
@@ -369,6 +376,9 @@ class Run:
             self._handing_on = False
         next_up, self._next = self._next, None
         return next_up
+
+    def _tick(self) -> None:
+        self._turns += 1
 
     def _attempt_failed(self, node: RunNode, inputs: dict[str, Any], message: str, final: bool = False) -> None:
         node.task = None

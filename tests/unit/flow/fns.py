@@ -195,9 +195,16 @@ async def hang(x: Any, name: str) -> Any:
 
 
 async def task_of(x: Any, name: str) -> Any:
-    """Records the task it runs in, as `name:<the task's id>`."""
+    """Records the task it runs in, as `name:<the task's id>`, never letting the event loop turn."""
     LOG.append(f"{name}:{id(asyncio.current_task())}")
     return x
+
+
+async def waiting_task_of(x: Any, name: str) -> Any:
+    """`task_of` after letting the event loop turn once (`sleep(0)`: a yield, not a timed wait), as a
+    node waiting on anything does (a worker's answer, a plain function's thread)."""
+    await asyncio.sleep(0)
+    return await task_of(x, name)
 
 
 async def gated_boom(x: Any, gate: str) -> Any:

@@ -190,15 +190,16 @@ async def test_chain_exact_event_sequence(executor):
 
 
 async def test_a_node_launched_by_a_completion_runs_next_in_that_nodes_task(executor):
-    """A chain's dispatched nodes go on in the task of the first (no task and no turn of the loop
-    per node); of a fan-out's targets, the first does, the others in tasks of their own."""
+    """A chain's dispatched nodes that wait (as a remote call or a plain function does) go on in the
+    task of the first (no task and no turn of the loop per node); of a fan-out's targets, the first
+    does, the others in tasks of their own."""
     wf, py = new_workflow()
     prev = wf.input("n", default=1)
     for name in ("a", "b", "c"):
-        node = wf.python(fns.task_of, role=py, id=name, params={"name": name})
+        node = wf.python(fns.waiting_task_of, role=py, id=name, params={"name": name})
         wf.edge(prev, node)
         prev = node
-    fanned = [wf.python(fns.task_of, role=py, id=name, params={"name": name}) for name in ("d", "e")]
+    fanned = [wf.python(fns.waiting_task_of, role=py, id=name, params={"name": name}) for name in ("d", "e")]
     for node in fanned:
         wf.edge(prev, node)
         wf.output(f"out_{node.id}", node)
@@ -215,6 +216,28 @@ async def test_a_node_launched_by_a_completion_runs_next_in_that_nodes_task(exec
         ("d", "queued"), ("e", "queued"),
     ]
     assert leftover_tasks() == set()
+
+
+async def test_chains_of_nodes_that_never_wait_take_turns_node_by_node(executor):
+    """A node that never lets the loop turn does not hand on: the next starts in a task of its own,
+    so two runs of such chains interleave node by node, and neither holds the loop for its chain."""
+    def chain(run: str) -> Workflow:
+        wf, py = new_workflow(run)
+        prev = wf.input("n", default=1)
+        for i in (1, 2, 3):
+            node = wf.python(fns.task_of, role=py, id=f"{run}{i}", params={"name": f"{run}{i}"})
+            wf.edge(prev, node)
+            prev = node
+        wf.output("out", prev)
+        return wf
+
+    # A first run builds the role's unit (off the loop: its first node waits for it) for the two after it.
+    assert (await (await submit(executor, chain("w"))).wait()).status == RunStatus.DONE
+    fns.LOG.clear()
+    runs = [await submit(executor, chain(name)) for name in ("a", "b")]
+    for run in runs:
+        assert (await run.wait()).status == RunStatus.DONE
+    assert [entry.split(":")[0] for entry in fns.LOG] == ["a1", "b1", "a2", "b2", "a3", "b3"]
 
 
 async def test_default_input_is_used(executor):
