@@ -7,6 +7,11 @@ touched only from the event loop, so there are no locks. Node work goes through 
 (trigger groups, joins, cycles) is `engine.flow.firing`'s to decide; a run acts on it:
 it dispatches the node (with its timeout and retries), records its events, and hands its
 outputs on along the edges (stream edges as `StreamChannel`s).
+
+A dispatched node runs in a task: the first node a completion launches goes on in the
+completing node's task when that node let the event loop turn (it waited on a worker or a
+thread), else in a task of its own, so every node starts in a turn of the loop of its own.
+A finished run holds no reference cycle: dropped (`Executor.forget`), it is freed at once.
 """
 
 from __future__ import annotations
