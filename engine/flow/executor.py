@@ -105,6 +105,44 @@ class RunResult:
         }
 
 
+class HandOn:
+    """Which node a completing node's task runs next (`Run._execute`): the first node its completion
+    launches, sparing a task and a turn of the loop before that node's dispatch. Only a node that let
+    the loop turn while it ran hands on, so each node starts in a turn of its own and a chain of nodes
+    that never wait takes turns with the other runs node by node, as in tasks of their own."""
+
+    def __init__(self) -> None:
+        self._open = False
+        self._next: tuple[RunNode, dict[str, Any]] | None = None
+        self._turns = 0
+        """Turns of the event loop seen (`watch`): did a node let the loop turn while it ran?"""
+
+    def watch(self) -> int:
+        """Before a node's attempt: the turn count to give `open` after it."""
+        asyncio.get_running_loop().call_soon(self._tick)  # runs before the node's task resumes, if it waits
+        return self._turns
+
+    def _tick(self) -> None:
+        self._turns += 1
+
+    def open(self, turns: int) -> None:
+        """A node's task completes its node (which started at `turns`): hand on if it let the loop turn."""
+        self._open = self._turns != turns
+
+    def take(self, node: RunNode, inputs: dict[str, Any]) -> bool:
+        """Whether launched `node` is the completing task's to run next (then it is kept here)."""
+        if self._open and self._next is None:
+            self._next = (node, inputs)
+            return True
+        return False
+
+    def close(self) -> tuple[RunNode, dict[str, Any]] | None:
+        """The completion is over: the node handed on, if any."""
+        self._open = False
+        handed, self._next = self._next, None
+        return handed
+
+
 class Run:
     """One execution of a plan. Created by `Executor.submit`; read its events with
     `events()`, wait for the result with `wait()`, stop it with `cancel()`."""
@@ -154,11 +192,7 @@ class Run:
         self._t0 = time.perf_counter()
         self._supervisor: asyncio.Task[None] | None = None
         self._result: RunResult | None = None
-        self._handing_on = False
-        """A node's task is completing its node: the first node launched meanwhile runs in that task next."""
-        self._next: tuple[RunNode, dict[str, Any]] | None = None
-        self._turns = 0
-        """Turns of the event loop seen by this run (`_tick`): did a node let the loop turn while it ran?"""
+        self._hand_on = HandOn()
 
     # ----------------------------------------------------------------- public
     def events(self, since: int = 0) -> AsyncIterator[RunEvent]:
@@ -221,8 +255,7 @@ class Run:
         for node in self._nodes.values():
             node.task = None  # done: a cancelled one holds its error, whose frames hold this run
             if node.state in (NodeState.QUEUED, NodeState.RUNNING):
-                if node.started is not None:
-                    node.busy_s += now - node.started
+                node.stop_clock(now)
                 self._set_state(node, NodeState.CANCELLED)
             elif node.state == NodeState.PENDING and status != RunStatus.DONE:
                 self._set_state(node, NodeState.CANCELLED)
@@ -233,16 +266,8 @@ class Run:
         self.failed_node = failed_node
         duration_ms = (now - self._t0) * 1e3
         self._record.finished(status, self.outputs, error, failed_node, duration_ms)
-        self._result = RunResult(
-            run_id=self.id,
-            workflow=self.plan.name,
-            status=status,
-            outputs=dict(self.outputs),
-            error=error,
-            failed_node=failed_node,
-            duration_ms=duration_ms,
-            nodes={nid: NodeSummary.of(n, self._t0) for nid, n in self._nodes.items()},
-        )
+        self._result = RunResult(self.id, self.plan.name, status, dict(self.outputs), error, failed_node, duration_ms,
+                                 {nid: NodeSummary.of(n, self._t0) for nid, n in self._nodes.items()})
         self._firing.end()
 
     def _fail(self, node: RunNode, message: str) -> None:
@@ -295,29 +320,22 @@ class Run:
             return
         node.fired += 1
         node.attempt = 0
-        kind = spec.kind
-        if kind == "input":
-            now = time.perf_counter()
-            node.first_started = node.first_started or now
+        if spec.kind not in ("input", "output"):
+            self._launch(node, inputs)
+            return
+        now = time.perf_counter()  # an input or output node is done as it fires, in the executor
+        node.first_started = node.first_started or now
+        if spec.kind == "input":
             self._complete(node, NodeResult(outputs={"value": self.inputs[spec.id]}), now)
             return
-        if kind == "output":
-            now = time.perf_counter()
-            node.first_started = node.first_started or now
-            value = _output_value(spec, inputs.get("value"))
-            self.outputs[spec.id] = value
-            self._complete(node, NodeResult(outputs={}), now, output_value=value)
-            return
-        self._launch(node, inputs)
+        value = self.outputs[spec.id] = _output_value(spec, inputs.get("value"))
+        self._complete(node, NodeResult(outputs={}), now, output_value=value)
 
     def _launch(self, node: RunNode, inputs: dict[str, Any]) -> None:
         node.attempt += 1
         self._active += 1
         self._set_state(node, NodeState.QUEUED)
-        if self._handing_on and self._next is None:
-            # Launched by a node's completion, in that node's task, which is done with it: the task
-            # runs this node next, sparing a task and a turn of the loop before its dispatch.
-            self._next = (node, inputs)
+        if self._hand_on.take(node, inputs):
             node.task = asyncio.current_task()
             return
         node.task = asyncio.get_running_loop().create_task(self._execute(node, inputs))
@@ -348,8 +366,7 @@ class Run:
                          owner=self.owner)
         ctx = NodeContext(run_id=self.id, node_id=spec.id, iteration=node.fired, attempt=node.attempt,
                           report_progress=lambda f, m: self._progress(spec.id, f, m))
-        turns = self._turns
-        asyncio.get_running_loop().call_soon(self._tick)  # runs before this task resumes, if it waits
+        turns = self._hand_on.watch()
         try:
             outcome = await attempt(self._dispatcher, role, call, ctx, timeout_s=spec.timeout_s,
                                     started=functools.partial(self._started, node, inputs),
@@ -365,39 +382,29 @@ class Run:
         self._active -= 1
         if self._finished.done():
             return None
-        # Only a node that let the loop turn hands on: so each node starts in a turn of its own, and a
-        # chain of nodes that never wait takes turns with the other runs node by node, as in tasks of
-        # their own.
-        self._handing_on = self._turns != turns
+        self._hand_on.open(turns)
+        completed = False
         try:
             self._complete(node, outcome, time.perf_counter())
             self._check_quiet()
-        except BaseException:
-            if self._next is not None:  # this task ends here: the node it was handed runs in one of its own
-                handed, self._next = self._next, None
-                handed[0].task = asyncio.get_running_loop().create_task(self._execute(*handed))
-            raise
+            completed = True
         finally:
-            self._handing_on = False
-        next_up, self._next = self._next, None
+            next_up = self._hand_on.close()
+            if not completed and next_up is not None:
+                # This task ends with the error: the node it was handed runs in a task of its own.
+                next_up[0].task = asyncio.get_running_loop().create_task(self._execute(*next_up))
         return next_up
-
-    def _tick(self) -> None:
-        self._turns += 1
 
     def _attempt_failed(self, node: RunNode, inputs: dict[str, Any], message: str, final: bool = False) -> None:
         node.task = None
-        if node.started is not None:
-            node.busy_s += time.perf_counter() - node.started
-            node.started = None
+        node.stop_clock(time.perf_counter())
+        self._active -= 1
         has_streams = bool(node.stream_channels) or any(isinstance(v, StreamChannel) for v in inputs.values())
         if not final and node.attempt <= node.spec.retries and not has_streams and not self._finished.done():
             node.error = message
-            self._active -= 1
             self._set_state(node, NodeState.FAILED)
             self._launch(node, inputs)
             return
-        self._active -= 1
         self._fail(node, message)
 
     async def _on_frame(self, node: RunNode, index: int, frame: dict[str, Any]) -> None:
@@ -407,9 +414,7 @@ class Run:
 
     def _complete(self, node: RunNode, result: NodeResult, now: float, output_value: Any = None) -> None:
         spec = node.spec
-        if node.started is not None:
-            node.busy_s += now - node.started
-            node.started = None
+        node.stop_clock(now)
         if result.route is not None:
             allowed = spec.routes or []
             wrong = [t for t in result.route if t not in allowed]

@@ -61,6 +61,12 @@ class RunNode:
             return True
         return not self.cyclic and self.state != NodeState.PENDING
 
+    def stop_clock(self, now: float) -> None:
+        """An attempt that ran is over at `now`: its time counts in `busy_s`."""
+        if self.started is not None:
+            self.busy_s += now - self.started
+            self.started = None
+
     def drop_unread(self, kept: Iterable[Any]) -> None:
         """Detach the stream channels in its inbox that this firing does not hand on (`kept`):
         nobody will read them, and their producers must not wait for it."""

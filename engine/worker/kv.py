@@ -93,15 +93,14 @@ class KVHosting:
         self._publisher: KVIndexPublisher | None = None
         self._liveness: _IndexLiveness | None = None
         self._worker_id = ""
-        self._reader: RedisKVIndex | None = None
-        """The index of a unit that only pulls through it (`pulling_only`)."""
+        """The worker its pages are published under (none: a unit that only pulls, `pulling_only`)."""
 
     @classmethod
     def pulling_only(cls, index: RedisKVIndex | None) -> KVHosting:
         """For a unit that pulls pages through `index` but serves and publishes none of its own
         (rank 0 of a tensor-parallel role: its pages hold only its heads); `close()` closes the index."""
         hosting = cls()
-        hosting._reader = index
+        hosting._index = index
         return hosting
 
     @classmethod
@@ -156,10 +155,8 @@ class KVHosting:
             self._publisher.close()
             self._publisher = None
         if self._index is not None:
-            with contextlib.suppress(KVIndexError):
-                self._index.drop_worker(self._worker_id)
+            if self._worker_id:
+                with contextlib.suppress(KVIndexError):
+                    self._index.drop_worker(self._worker_id)
             self._index.client.close()
             self._index = None
-        if self._reader is not None:
-            self._reader.client.close()
-            self._reader = None

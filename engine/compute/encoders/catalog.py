@@ -7,8 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.compute.catalog import Catalog
-from engine.compute.encoders.config import EncoderConfig
 from engine.compute.encoders.errors import EncoderError
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    """A built-in encoder's transformer: `num_layers` layers of width `hidden_size`, `num_heads`
+    heads and `intermediate_size` MLPs, its weights drawn from `seed` (`build_seeded`). What feeds
+    it (mel frames, image patches) is the subclass's."""
+
+    name: str
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 64
+    seed: int = 0
+    description: str = ""
 
 
 @dataclass(frozen=True, slots=True)

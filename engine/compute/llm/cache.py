@@ -21,6 +21,8 @@ pages at the first step after they arrived (or computes them, if no peer had the
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -58,6 +60,38 @@ class PendingPull:
     future: Future[PulledRun]
 
 
+class PullThread:
+    """The one thread a cache pulls peers' pages on (started with the first pull), and the pulls in
+    flight, by id of the sequence waiting for each."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pulls: dict[int, Future[PulledRun]] = {}
+
+    def submit(self, seq: Sequence, pull: Callable[[], PulledRun]) -> Future[PulledRun]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull")
+        future = self._pulls[id(seq)] = self._pool.submit(pull)
+        return future
+
+    def forget(self, seq: Sequence) -> None:
+        self._pulls.pop(id(seq), None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pulls)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pull in flight ends, or `timeout_s`."""
+        if self._pulls:
+            wait(list(self._pulls.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 class PagedKVCache:
     """Page bookkeeping of one engine over a (possibly shared) `KVStore`."""
 
@@ -82,9 +116,7 @@ class PagedKVCache:
         self.peers = list(peers)
         self.pull_timeout_s = pull_timeout_s
         self.pulled_pages = 0
-        self._puller: ThreadPoolExecutor | None = None
-        self._pulls: dict[int, Future[PulledRun]] = {}
-        """The pulls in flight, by id of the sequence waiting for them."""
+        self._pulls = PullThread()
         self._unindexed = store.config.disk is not None
         """The store may hold pages the tree does not know: those its disk tier recovered."""
 
@@ -93,9 +125,7 @@ class PagedKVCache:
         return len(self._free_tails)
 
     def close(self) -> None:
-        if self._puller is not None:
-            self._puller.shutdown(wait=False, cancel_futures=True)
-            self._puller = None
+        self._pulls.close()
         if self._listener is not None:
             self.store.remove_listener(self._listener)
             self._listener = None
@@ -141,12 +171,11 @@ class PagedKVCache:
 
     @property
     def pulling(self) -> bool:
-        return bool(self._pulls)
+        return self._pulls.busy
 
     def wait_pulls(self, timeout_s: float) -> None:
         """Block until a pull in flight ends, or `timeout_s` (an engine with nothing else to do)."""
-        if self._pulls:
-            wait(list(self._pulls.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        self._pulls.wait(timeout_s)
 
     def _match(self, seq: Sequence, limit: int) -> None:
         assert self.tree is not None
@@ -173,11 +202,7 @@ class PagedKVCache:
             self._take(seq, missing[:run], lookup=True)
 
     def _start_pull(self, seq: Sequence, missing: tuple[PageHash, ...]) -> None:
-        if self._puller is None:
-            self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull")
-        future = self._puller.submit(self._pull, missing)
-        seq.pull = PendingPull(missing, future)
-        self._pulls[id(seq)] = future
+        seq.pull = PendingPull(missing, self._pulls.submit(seq, functools.partial(self._pull, missing)))
 
     def _pull(self, missing: Seq[PageHash]) -> PulledRun:
         """On the pull thread: ask each peer in turn for `missing` until one has some."""
@@ -194,7 +219,7 @@ class PagedKVCache:
     def _take_pulled(self, seq: Sequence) -> None:
         assert seq.pull is not None
         pull, seq.pull = seq.pull, None
-        self._pulls.pop(id(seq), None)
+        self._pulls.forget(seq)
         pulled = pull.future.result()
         run = pull.pages[: pulled.pages]
         got = len(run)
@@ -344,7 +369,7 @@ class PagedKVCache:
         """Drop every hold of `seq`: page locks, tree lock, tail page. Without a prefix cache its
         pages are freed too (nobody will look them up)."""
         if seq.pull is not None:  # what it pulls stays in the store, for whoever asks next
-            self._pulls.pop(id(seq), None)
+            self._pulls.forget(seq)
             seq.pull = None
         pages, seq.pages, seq.slots = seq.pages, [], []
         if pages:
