@@ -378,7 +378,12 @@ def _run_file_path(instance: RunFile, filename: str) -> str:
 
 
 class RunFile(models.Model):
-    """A file uploaded as a run input or produced as an output; served to its owner only."""
+    """A file uploaded as a run input or produced as an output; served to its owner only.
+
+    Kept in Django's default storage (`MEDIA_ROOT`, `<OMNIFLOW_DATA_DIR>/files`) by the process that
+    stores the run's events: in the distributed mode the Celery run workers write what the web server
+    serves, so the two share that storage (one volume, or a shared `STORAGES` backend).
+    """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="run_files")
