@@ -1,7 +1,8 @@
 """A TP-2 `llm` group on the CPU with gloo, without workers: rank 0's engine in this process
 (`leader.lead`), its follower a child process (`LocalRanks`). Greedy tokens equal Hugging Face
 `generate` (and so TP-1), also when the prompt's pages come back from the host tier or the disk
-tier after being evicted there, and after a restart that recovers the disk tier; a prompt with
+tier after being evicted there, and after a restart that recovers the disk tier (a page corrupt
+on a follower's disk tier then is a miss from that page on, computed again, the group intact); a prompt with
 an image's embeddings spliced in equals a TP-1 engine and `generate` over `inputs_embeds`, and
 its repeat hits its pages (another picture does not); a TP-2 prefill's
 pages gathered whole feed a TP-1 decode; rank 0 never pickles; followers exit when their driver
@@ -38,8 +39,12 @@ from engine.compute.models.loader import LoadedModel, load_builtin
 from engine.compute.prefix import MultimodalItem, content_hash
 from engine.compute.sampling import SamplingParams
 from engine.compute.tp import TPRankError
+from engine.compute.tp.cache import MirroredCache
 from engine.compute.tp.leader import Leader, lead
 from engine.compute.tp.local import LocalRanks
+from engine.data.kv.disk import DiskTier
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
 from engine.spec.graph import RoleSpec
 from tests.integration.deployments import hf_greedy, text_ids
 
@@ -137,6 +142,46 @@ def test_pages_evicted_to_the_disk_tier_hit_again_also_after_a_restart(loaded, r
         ((tokens, cached),) = greedy(leader.engine, [prompt])
         assert tokens == hf_greedy(reference, prompt, NEW)
         assert cached == 6 * PAGE
+
+
+def corrupt_on_disk(directory: Path, layout: KVLayout, capacity: int, page: PageHash) -> None:
+    """Flip a byte of `page`'s bytes in the disk tier file under `directory` (no process holds it)."""
+    assert DiskTier.file(directory, layout).exists()
+    tier = DiskTier(layout, capacity, directory)
+    try:
+        offset = tier.payload_offset(page)
+    finally:
+        tier.close()
+    with open(DiskTier.file(directory, layout), "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_page_corrupt_on_a_followers_disk_tier_is_a_miss_not_a_failed_group(loaded, reference,
+                                                                               tmp_path: Path) -> None:
+    params = {"page_size": PAGE, "device_pages": 24, "disk_path": str(tmp_path), "disk_pages": 64,
+              "write_policy": "write_through", "max_running": 4, "tp_timeout_s": TIMEOUT_S}
+    prompt = text_ids(31, 6 * PAGE + 2)
+    sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    with group(loaded, params) as (leader, _):
+        (out,) = leader.engine.generate([prompt], sampling)
+        clean, pages, layout = list(out.output_ids), [PageHash(p) for p in out.kv_pages[:6]], leader.store.layout
+    assert clean == hf_greedy(reference, prompt, NEW)
+    # Rank 1's copy of the prompt's third page loses a byte on its disk tier; rank 0's stays intact
+    # (tiny-llama at TP-2: one KV head a rank, so both ranks' pages have rank 0's layout).
+    corrupt_on_disk(tmp_path / "rank-1" / "slot-0", layout, 64, pages[2])
+    with group(loaded, params) as (leader, ranks):
+        ((tokens, cached),) = greedy(leader.engine, [prompt])
+        assert tokens == clean
+        assert cached == 2 * PAGE  # the pages before the corrupt one; the rest are computed again
+        cache = leader.engine.cache
+        assert isinstance(cache, MirroredCache) and cache.corrupt_pages == 1
+        assert PageHash(pages[2]) in leader.store.resident_pages()  # computed again, on every rank
+        ((tokens, cached),) = greedy(leader.engine, [prompt])
+        assert tokens == clean and cached == 6 * PAGE
+        assert all(proc.poll() is None for proc in ranks.procs)
 
 
 def test_rank_0_never_pickles(monkeypatch, loaded, reference) -> None:
@@ -238,6 +283,9 @@ from engine.compute.llm.config import EngineConfig
 from engine.compute.models.loader import load_builtin
 from engine.compute.tp.leader import lead
 from engine.compute.tp.local import LocalRanks
+from engine.data.kv.disk import DiskTier
+from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
 from engine.spec.graph import RoleSpec
 role = RoleSpec(name="lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 5.0})
 ranks = LocalRanks(role)

@@ -16,16 +16,27 @@ origin (`Shards`). Two paths bring such pages:
   then the prompt is computed as if no peer had them. Unlike on a TP-1 engine, whose pulls land
   in its store on the pull thread, the pages of a sequence that ends before its pull lands
   (aborted) are dropped with it.
+
+Every rank's disk tier is a file of its own, so a page rank 0 promotes from its disk intact may
+be corrupt on a follower's. After prefix matching (or a handoff's admission) promoted pages from
+the disk tier, `MirroredCache` asks every rank which of them its disk found corrupt
+(`BroadcastForward.check`, one collective, only when something came from the disk); a page
+corrupt anywhere is dropped from every tier of every rank, and the match is made again without
+it: a miss from that page on, computed again, never a failed group. `corrupt_pages` counts them
+(`tp.corrupt_pages` in the unit's metrics).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
 from engine.compute.llm.cache import PagedKVCache, PulledRun
+from engine.compute.llm.errors import HandoffError
 from engine.compute.llm.sequence import Sequence as Seq
+from engine.compute.llm.transfer import KVHandoff
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import pull_whole_from, split_page
 from engine.compute.tp.messages import SetTail, Tail
@@ -34,6 +45,8 @@ from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.source import PageSource
 from engine.data.kv.store import KVStore
+
+log = logging.getLogger(__name__)
 
 
 class ShardSource:
@@ -73,6 +86,58 @@ class MirroredCache(PagedKVCache):
         self.whole = whole
         self.tp_size = tp_size
         journal.tails = self.tails
+        self.check_pages: Callable[[Sequence[PageHash]], list[PageHash]] | None = None
+        """Which of some pages just promoted from the disk tier a rank found corrupt
+        (`BroadcastForward.check`; set once the engine has its runner)."""
+        self.corrupt_pages = 0
+        """Pages a follower's disk tier found corrupt, dropped from every rank (read by the heartbeat)."""
+
+    # -- pages promoted from the disk tier: intact on every rank, or dropped ------------------------
+
+    def match_prefix(self, seq: Seq) -> bool:
+        while True:
+            done = super().match_prefix(seq)
+            if not self._drop_corrupt(seq):
+                return done
+
+    def import_handoff(self, seq: Seq, handoff: KVHandoff, source: PageSource | None) -> None:
+        super().import_handoff(seq, handoff, source)
+        if self._drop_corrupt(seq):
+            raise HandoffError(f"handoff {handoff.handoff_id}: KV pages held on the disk tier here are corrupt on"
+                               " a follower rank (dropped)")
+
+    def _drop_corrupt(self, seq: Seq) -> bool:
+        """Check the pages promoted from the disk tier since the last check; when some are corrupt
+        on a rank: let go of what `seq` holds (it matches again) and drop them everywhere. Whether
+        it did."""
+        promoted = self.journal.take_from_disk()
+        if not promoted or self.check_pages is None:
+            return False
+        corrupt = self.check_pages(promoted)
+        if not corrupt:
+            return False
+        log.warning("%d KV pages promoted from the disk tier are corrupt on a follower rank (first %s):"
+                    " dropped on every rank, computed again", len(corrupt), corrupt[0][:16])
+        self.corrupt_pages += len(corrupt)
+        self._let_go(seq)
+        for page in corrupt:
+            # Promoted for `seq` just now, on this thread: no other sequence holds it.
+            self.store.remove(page)
+        return True
+
+    def _let_go(self, seq: Seq) -> None:
+        """Undo a match: `seq` holds no page, tree node or pull (it keeps its tail slot)."""
+        if seq.pull is not None:
+            self._pulls.forget(seq)
+            seq.pull = None
+        pages, seq.pages, seq.slots = seq.pages, [], []
+        if pages:
+            self.store.unlock(pages)
+        if seq.node is not None and self.tree is not None:
+            self.tree.unlock(seq.node)
+        seq.node = None
+        seq.num_computed = 0
+        seq.matched = False
 
     def _pull(self, missing: Sequence[PageHash]) -> PulledRun:
         """On the pull thread: the next pages of a prompt, whole from the first peer that has

@@ -10,6 +10,10 @@ all-reduces pair its forward with rank 0's.
 Its disk tier is its own (`disk_path/rank-N`): the pages it recovered from an earlier run go to
 rank 0 with the hello, and it keeps those rank 0 agrees every rank has (`TPSetup.disk_pages`).
 
+A page its disk tier finds corrupt as rank 0 promotes it (a checksum that fails) is no failure:
+the follower notes it (`ShardKV.corrupt`, logged), rank 0's next `CheckPages` learns it, and rank
+0 drops the page from every tier before any forward reads it, so the prompt computes it again.
+
 Failure: a follower exits when rank 0 or its launcher is gone (`LeaderWatch`), and when it
 cannot apply a pass, which breaks the group at rank 0's next collective.
 """
@@ -34,6 +38,7 @@ from engine.compute.tp.embeds import chunk_embeds
 from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.link import greet_leader
 from engine.compute.tp.messages import (
+    CheckPages,
     CopyPage,
     DecodeInputs,
     DropPage,
@@ -92,6 +97,9 @@ class ShardKV:
         self.saved: dict[int, torch.Tensor] = {}
         self.fresh: list[torch.Tensor] = []
         self.host = HostTier(layout, config.host_pages) if config.host_pages else None
+        self.corrupt: set[PageHash] = set()
+        """Pages promoted from this rank's disk tier that failed their checksum (their device slot
+        holds garbage), until rank 0 drops them from its disk tier too."""
         self.disk: DiskTier | None = None
         if config.disk_path:
             disk_path, pages = config.disk_path, config.disk_pages
@@ -150,10 +158,15 @@ class ShardKV:
                 assert self.host is not None
                 copy_page(self.pool[slot], self.host.view(page))
             else:
+                if self.disk is None or page not in self.disk:
+                    raise TPError(f"rank {self.rank}: page {page[:16]} is not on this rank's disk tier")
                 staging = torch.empty(self.layout.page_shape, dtype=self.layout.torch_dtype)
-                if self.disk is None or not self.disk.read_into(page, staging):
-                    raise TPError(f"rank {self.rank}: page {page[:16]} is not intact on this rank's disk tier")
-                copy_page(self.pool[slot], staging)
+                if self.disk.read_into(page, staging):  # False: corrupt, and removed from the disk tier
+                    copy_page(self.pool[slot], staging)
+                else:
+                    log.warning("rank %d: KV page %s failed its checksum on this rank's disk tier; rank 0"
+                                " drops it and the prompt computes it again", self.rank, page[:16])
+                    self.corrupt.add(page)
             self.slots[page] = slot
             return
         target = self.host if tier is Tier.HOST else self.disk
@@ -168,6 +181,9 @@ class ShardKV:
                 raise TPError(f"rank {self.rank}: page {page[:16]} left a device slot it never had here")
             return
         target = self.host if tier is Tier.HOST else self.disk
+        if tier is Tier.DISK and page in self.corrupt:
+            self.corrupt.discard(page)  # its disk tier dropped it when the checksum failed
+            return
         if target is None or page not in target:
             raise TPError(f"rank {self.rank}: page {page[:16]} left the {tier.label} tier, which lacks it here")
         target.remove(page)
@@ -203,6 +219,13 @@ class Follower:
             self._decode(work)
         elif isinstance(work, GatherRequest):
             self._gather(work)
+        elif isinstance(work, CheckPages):
+            self._check(work)
+
+    def _check(self, work: CheckPages) -> None:
+        corrupt = self.kv.corrupt
+        flags = torch.tensor([int(PageHash(page) in corrupt) for page in work.pages], dtype=torch.int32)
+        self.group.all_reduce_(flags.to(self.group.device))
 
     def _prefill(self, work: PrefillInputs) -> None:
         kv = self.kv

@@ -69,6 +69,9 @@ class KVJournal:
         """The engine's tail pages (set by `MirroredCache`)."""
         self.fresh: list[torch.Tensor] = []
         """The fresh pages of each chunk of the last prefill forward (set by the runner)."""
+        self._from_disk: list[PageHash] = []
+        """Pages promoted from the disk tier into the device tier since `take_from_disk`: the
+        followers read their own disk copies of them, which rank 0 has not seen intact."""
         store.add_listener(self._on_event)
 
     def close(self) -> None:
@@ -103,9 +106,18 @@ class KVJournal:
         elif event.kind in (KVEventKind.PROMOTED, KVEventKind.DEMOTED):
             assert event.source is not None
             slot = self._slot(page) if tier is Tier.DEVICE else -1
-            self.record(CopyPage(page, int(event.source), int(tier), slot))
+            with self._lock:
+                self._ops.append(CopyPage(page, int(event.source), int(tier), slot))
+                if tier is Tier.DEVICE and event.source is Tier.DISK:
+                    self._from_disk.append(page)
         else:  # evicted or dropped
             self.record(DropPage(page, int(tier)))
+
+    def take_from_disk(self) -> list[PageHash]:
+        """The pages promoted from the disk tier since the last call (in order), forgotten here."""
+        with self._lock:
+            pages, self._from_disk = self._from_disk, []
+            return pages
 
     def _slot(self, page: PageHash) -> int:
         slot = self._store.device_slot(page)

@@ -99,6 +99,9 @@ def lead(role: RoleSpec, model: LoadedModel, config: EngineConfig, seat: TPSeat,
 
         forward = partial(BroadcastForward, journal=journal, send=link.broadcast, group=group)
         engine = LLMEngine(shard, config, store=store, make_cache=cache, make_forward=forward)
+        mirrored, runner = engine.cache, engine.forward
+        assert isinstance(mirrored, MirroredCache) and isinstance(runner, BroadcastForward)
+        mirrored.check_pages = runner.check
         undo.pop_all()
     return Leader(engine, group, link, store, journal, whole)
 

@@ -5,7 +5,8 @@
 copied between tiers, dropped; tail pages set, saved, forgotten), then the forward's inputs
 (`PrefillInputs` or `DecodeInputs`: token ids, positions, page and tail slots, and a prefill
 chunk's multimodal embedding rows, `EmbedRows`), or a request to gather whole pages
-(`GatherRequest`). A follower mirrors the operations on its own heads'
+(`GatherRequest`), or to say which pages just promoted from the disk tier a rank found corrupt
+(`CheckPages`). A follower mirrors the operations on its own heads'
 pages at the same slots and runs its shard of the same forward. Upstream a follower sends
 only its hello (with the pages its disk tier recovered) and, now and then, `TPRefusals`.
 
@@ -191,11 +192,20 @@ class GatherRequest(msgspec.Struct, tag=True, frozen=True):
     tail: int | None
 
 
+class CheckPages(msgspec.Struct, tag=True, frozen=True):
+    """After the pass's operations, which promoted `pages` from the disk tier into device slots:
+    every rank says, in one `all_reduce` (an int per page, in order; rank 0 adds zeros), which of
+    them its own disk tier found corrupt (1), so that rank 0 drops them before a forward reads them."""
+
+    pages: list[str]
+
+
 class TPPass(msgspec.Struct, tag=True, frozen=True):
-    """Rank 0 -> follower, one per forward (or gather): mirror `ops` in order, then run `forward`."""
+    """Rank 0 -> follower, one per forward (or gather, or check): mirror `ops` in order, then run
+    `forward`."""
 
     ops: list[KVOp]
-    forward: PrefillInputs | DecodeInputs | GatherRequest | None = None
+    forward: PrefillInputs | DecodeInputs | GatherRequest | CheckPages | None = None
 
 
 class TPStop(msgspec.Struct, tag=True, frozen=True):

@@ -6,8 +6,10 @@ did since the last pass (`journal.py`), then the forward's inputs (token ids, po
 and tail slots, and a prefill chunk's multimodal embedding rows, `embeds.py`). Then it runs its
 own shard of the forward;
 the all-reduces of the row-parallel layers (`shard.py`) pair it with the followers' forwards.
-Its other collective, `gather`, brings every rank's heads of some pages to rank 0 (a prefill
-handoff served whole to another role).
+Its other collectives: `gather` brings every rank's heads of some pages to rank 0 (a prefill
+handoff served whole to another role, or pages the group serves to other workers); `check` asks
+every rank which of the pages just promoted from the disk tier its own disk found corrupt (each
+rank's disk tier is its own file: rank 0's checksums say nothing of a follower's copy).
 
 The runner runs on the engine's thread, like the forward it replaces: the passes go out in the
 order the engine makes them.
@@ -25,7 +27,14 @@ from engine.compute.tp.embeds import embed_rows
 from engine.compute.tp.group import TPError, TPGroup
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import merge_pages
-from engine.compute.tp.messages import ChunkInputs, DecodeInputs, GatherRequest, PrefillInputs, TPPass
+from engine.compute.tp.messages import (
+    CheckPages,
+    ChunkInputs,
+    DecodeInputs,
+    GatherRequest,
+    PrefillInputs,
+    TPPass,
+)
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
 from engine.data.kv.store import KVStore
@@ -42,8 +51,23 @@ class BroadcastForward(PagedForward):
         self._send = send
         self.tp_group = group
 
-    def _pass(self, forward: PrefillInputs | DecodeInputs | GatherRequest | None) -> None:
+    def _pass(self, forward: PrefillInputs | DecodeInputs | GatherRequest | CheckPages | None) -> None:
         self._send(TPPass(self.journal.drain(), forward))
+
+    def check(self, pages: Sequence[PageHash]) -> list[PageHash]:
+        """Of `pages`, promoted from the disk tier since the last pass, those some follower's disk
+        tier found corrupt (it holds garbage in their slots: drop them before a forward reads them)."""
+        self._pass(CheckPages(list(pages)))
+        flags = self.tp_group.all_reduce_(torch.zeros(len(pages), dtype=torch.int32, device=self.tp_group.device))
+        return [page for page, bad in zip(pages, flags.tolist(), strict=True) if bad]
+
+    def _checked(self) -> None:
+        """Before a forward: pages promoted from the disk tier outside prefix matching (which checks
+        its own, `MirroredCache`) must be intact on every rank, else the forward would read garbage."""
+        pages = self.journal.take_from_disk()
+        if pages and (bad := self.check(pages)):
+            raise TPError(f"{len(bad)} KV pages promoted from the disk tier are corrupt on a follower rank"
+                          f" (first {bad[0][:16]}), found only as a forward was to read them")
 
     def prefill_batch(self, chunks: Sequence[PrefillChunk], pool: torch.Tensor, want_logits: Sequence[bool],
                       decode_key: str | None = None) -> PrefillOutput:
@@ -51,6 +75,7 @@ class BroadcastForward(PagedForward):
                               embed_rows(c.embeds, self.dtype)) for c in chunks]
         if any(c.tail is not None and c.tail_slot is None for c in chunks):
             raise TPError("a prefill chunk over a tail page that names no tail slot")
+        self._checked()
         self._pass(PrefillInputs(inputs, list(want_logits), decode_key))
         output = super().prefill_batch(chunks, pool, want_logits, decode_key)
         self.journal.fresh = [fresh for _, fresh in output.results]
@@ -58,6 +83,7 @@ class BroadcastForward(PagedForward):
 
     def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
                previous: DecodeBuffer | None = None) -> tuple[torch.Tensor, DecodeBuffer]:
+        self._checked()
         self._pass(DecodeInputs(list(batch.token_ids), list(batch.positions), [list(s) for s in batch.page_slots],
                                 list(batch.tail_slots), list(batch.keys)))
         return super().decode(batch, pool, tails, previous)

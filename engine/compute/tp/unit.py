@@ -50,6 +50,7 @@ from engine.compute.llm.loop import EngineLoop
 from engine.compute.llm.pd import PrefillDecode
 from engine.compute.llm.unit import LLMUnit
 from engine.compute.models.loader import LoadedModel
+from engine.compute.tp.cache import MirroredCache
 from engine.compute.tp.follower import follow
 from engine.compute.tp.group import TPError
 from engine.compute.tp.handoff import TPEngineLoop, TPPrefillDecode
@@ -122,10 +123,13 @@ class TPLLMUnit(LLMUnit):
 
     def metrics(self) -> dict[str, float]:
         """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the
-        group: its size and whether it failed."""
+        group: its size, whether it failed, and the pages a follower's disk tier found corrupt."""
         exported = self.loop.exported_pages  # type: ignore[attr-defined]
+        cache = self.engine.cache
+        assert isinstance(cache, MirroredCache)
         return {**super().metrics(), "llm.exported_pages": float(exported),
-                "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None)}
+                "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None),
+                "tp.corrupt_pages": float(cache.corrupt_pages)}
 
     # -- shutdown -------------------------------------------------------------------------------------
 
