@@ -5,7 +5,8 @@ unit does); for such a unit the worker process
 
 * serves the unit's `kv_store` to other workers (`KVPageServer` on the worker's `Peer`: a
   decode worker pulls a prompt's pages from the prefill worker this way, and any worker
-  pulls a prefix that another one computed);
+  pulls a prefix that another one computed), unless the unit serves its pages itself
+  (`KVServingUnit`: then the index names the unit's peer);
 * with a Redis registry, publishes the store's residency to the distributed KV index
   (`RedisKVIndex`, namespace `kv_index_namespace(registry namespace)`), with a liveness
   key of its own, so that `pull_missing` and the KV-aware load balancer find the pages;
@@ -35,6 +36,16 @@ from engine.flow.kvroute import KV_META_KEY, kv_index_namespace
 log = logging.getLogger(__name__)
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@runtime_checkable
+class KVServingUnit(Protocol):
+    """A `KVHostUnit` that serves its pages itself, on a peer of its own (rank 0 of a
+    tensor-parallel `llm` role: its store holds only its heads, and it serves pages whole)."""
+
+    def serve_kv(self) -> Peer:
+        """The peer whose server answers other workers' page requests (published in the index)."""
+        ...
 
 
 @runtime_checkable
@@ -93,15 +104,7 @@ class KVHosting:
         self._publisher: KVIndexPublisher | None = None
         self._liveness: _IndexLiveness | None = None
         self._worker_id = ""
-        """The worker its pages are published under (none: a unit that only pulls, `pulling_only`)."""
-
-    @classmethod
-    def pulling_only(cls, index: RedisKVIndex | None) -> KVHosting:
-        """For a unit that pulls pages through `index` but serves and publishes none of its own
-        (rank 0 of a tensor-parallel role: its pages hold only its heads); `close()` closes the index."""
-        hosting = cls()
-        hosting._index = index
-        return hosting
+        """The worker its pages are published under (none: a unit without a KV cache)."""
 
     @classmethod
     def start(
@@ -114,7 +117,8 @@ class KVHosting:
         heartbeat_s: float,
         ttl_s: float,
     ) -> KVHosting:
-        """Host `unit`'s KV cache (a unit without one: nothing, and `index` is closed here)."""
+        """Host `unit`'s KV cache, served on `peer` (a `KVServingUnit`: on its own; a unit without a
+        KV cache: nothing, and `index` is closed here)."""
         hosting = cls()
         if not isinstance(unit, KVHostUnit):
             if index is not None:
@@ -122,7 +126,10 @@ class KVHosting:
             return hosting
         hosting._worker_id = worker_id
         store = hosting._store = unit.kv_store
-        hosting._server = KVPageServer(store, peer.server)
+        if isinstance(unit, KVServingUnit):
+            peer = unit.serve_kv()
+        else:
+            hosting._server = KVPageServer(store, peer.server)
         if index is not None:
             hosting._index = index
             try:

@@ -162,20 +162,18 @@ class RoleWorkerProc:
         index = open_index(config.registry_url, config.namespace)
         seat = TransferSeat(peer, config.worker_id, index)
         if config.role.tp_size > 1:
-            # Rank 0 of a tensor-parallel replica pulls prefix pages through the index like any
-            # llm role, but its own pages hold only its heads, so it does not serve or publish them
-            # as if they were whole (`engine.compute.tp.unit`).
+            # Rank 0 of a tensor-parallel replica: an `llm` one serves the group's pages whole on a
+            # peer of its own (`engine.compute.tp.serve`), which the KV index names.
             tp_unit, _ = self.kinds.role_kind(config.role.kind).load_tp_runner()
             self.unit = tp_unit(role, tp=tp_seat(config), transfer=seat)
-            self.kv = KVHosting.pulling_only(index)
         else:
             ops = OpConfig(default_ops(), allow_module_ops=config.allow_module_ops)
             users = None if config.users_root is None else UsersRoot(config.users_root)
             ctx = UnitContext(weights=self.weights, kv_store=self._kv_store, ops=ops, seat=seat, users=users)
             self.unit = self.kinds.role_kind(config.role.kind).load_runner()(role, ctx)
-            # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
-            self.kv = KVHosting.start(self.unit, peer, config.worker_id, index=index,
-                                      heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
+        # A unit with a KV cache: serve its pages to other workers, publish them to the KV index.
+        self.kv = KVHosting.start(self.unit, peer, config.worker_id, index=index,
+                                  heartbeat_s=config.heartbeat_s, ttl_s=config.registry_ttl_s)
         self.core = RoleWorkerCore(config.role, self.unit, peer, config.worker_id, self.send,
                                    capacity=self.capacity, pull_timeout_s=config.pull_timeout_s)
 

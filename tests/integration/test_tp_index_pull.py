@@ -1,6 +1,9 @@
 """A tensor-parallel `llm` worker pulls a prompt's prefix pages that another worker computed,
 found through the KV index, as any `llm` worker does: rank 0 pulls them whole and lands them split
-by head (each follower gets its own heads in the next pass), and the tokens are HF's.
+by head (each follower gets its own heads in the next pass), and the tokens are HF's. And the other
+way: a TP-1 worker pulls the prefix a TP-2 group computed, which the group serves whole (rank 0
+gathers every rank's heads) and publishes to the index as a TP-1 worker does; the bytes served are
+a TP-1 engine's full recomputation (up to float summation order), the tokens HF's.
 
 One deployment (Redis registry and KV index under a private namespace): a TP-1 role and a TP-2 role
 of the same model."""
@@ -16,12 +19,19 @@ from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
+import torch
 from transformers import PreTrainedModel
 
+from engine.compute.llm.config import EngineConfig
+from engine.compute.llm.engine import LLMEngine
 from engine.compute.models.loader import load_builtin
+from engine.compute.sampling import SamplingParams
 from engine.data.kv.index import RedisKVIndex
 from engine.data.kv.keys import PageHash
+from engine.data.kv.layout import KVLayout
+from engine.data.kv.pull import fetch_pages
 from engine.data.kv.ref import KVRef
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.flow.dsl import Workflow
 from engine.flow.kvroute import kv_index_namespace
 from engine.spec.graph import GraphSpec
@@ -104,3 +114,47 @@ async def test_a_tp2_worker_pulls_the_prefix_a_tp1_worker_computed(indexed: Inde
     assert first["tokens"] == out["tokens"] == hf_greedy(reference, prompt, NEW)
     await wait_until(lambda: at_least(indexed.metric("two", "llm.pulled_pages"), before + len(pages)), 10.0,
                      "the TP-2 worker to report the pages it pulled")
+
+
+async def test_a_tp1_worker_pulls_the_prefix_a_tp2_group_computed(indexed: Indexed, reference) -> None:
+    deployment = indexed.deployment
+    prompt = text_ids(21, 6 * PAGE + 1)
+    first = await deployment.execute("two", {"tokens": prompt}, ("tokens", "kv"), {"max_new_tokens": NEW})
+    ref = first["kv"]
+    assert isinstance(ref, KVRef) and len(ref.page_hashes) >= 6 and ref.holder is not None
+    whole = KVLayout(**ref.layout)
+    assert whole.num_kv_heads == 2  # the whole model's pages, not rank 0's head
+    pages = [PageHash(p) for p in ref.page_hashes[:6]]
+    two = deployment.replica("two").worker_id
+
+    async def published() -> bool:
+        return (await asyncio.to_thread(indexed.index.lookup, pages)).get(two, 0) == len(pages)
+
+    await wait_until(published, 10.0, "the TP-2 group to publish the prompt's pages")
+    before = await indexed.metric("one", "llm.pulled_pages")
+    out = await deployment.execute("one", {"tokens": prompt}, ("tokens", "kv"), {"max_new_tokens": NEW})
+    assert first["tokens"] == out["tokens"] == hf_greedy(reference, prompt, NEW)
+    await wait_until(lambda: at_least(indexed.metric("one", "llm.pulled_pages"), before + len(pages)), 10.0,
+                     "the TP-1 worker to report the pages it pulled from the TP-2 group")
+
+    def fetch(holder: str) -> torch.Tensor:
+        """The pages as the worker at `holder` serves them to anyone."""
+        store = KVStore(KVStoreConfig(layout=whole, device_capacity=Capacity(pages=len(pages)), device="cpu"))
+        try:
+            assert len(fetch_pages(store, deployment.peer, holder, pages, 10.0).pages) == len(pages)
+            return torch.stack([store.get(p) for p in pages])
+        finally:
+            store.close()
+
+    served = await asyncio.to_thread(fetch, ref.holder.address)  # the group's `kv` output names it
+    assert out["kv"].holder is not None
+    assert torch.equal(await asyncio.to_thread(fetch, out["kv"].holder.address), served)  # what the TP-1 one took
+    engine = LLMEngine(load_builtin(MODEL), EngineConfig(page_size=PAGE))
+    try:
+        (local,) = engine.generate([prompt], SamplingParams(max_new_tokens=1))
+        assert list(local.kv_pages[:6]) == pages
+        expected = torch.stack([engine.store.get(p) for p in pages])
+    finally:
+        engine.close()
+    # Up to float summation order: the group adds its ranks' partial sums (all_reduce) in another order.
+    torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)

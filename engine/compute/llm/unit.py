@@ -218,7 +218,8 @@ class LLMUnit(ComputeUnit):
     def _kv_ref(self, out: RequestOutput, pulled: Pulled) -> KVRef:
         layout = self.engine.layout
         return KVRef(
-            model_id=self.engine.model_id, page_size=layout.page_size, layout=layout.to_dict(),
+            # The layout its holder serves the pages in (a tensor-parallel unit's: the whole model's).
+            model_id=self.engine.model_id, page_size=layout.page_size, layout=self.pd.layout(),
             page_hashes=tuple(out.kv_pages), prompt_ids=out.prompt_ids, output_ids=out.output_ids,
             key_ids=out.key_ids, tenant_salt=out.tenant_salt, tokens=out.prompt_tokens + len(out.output_ids),
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, holder=self._holder(),

@@ -34,6 +34,7 @@ from engine.compute.tp.group import TPGroup
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.kv import pull_whole, split_page
 from engine.compute.tp.runner import BroadcastForward
+from engine.compute.tp.serve import ServePages, gather_into
 from engine.data.kv.errors import KVError
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
@@ -80,8 +81,9 @@ def _settle(future: asyncio.Future[Any], result: Any) -> None:
 
 
 class TPEngineLoop(EngineLoop):
-    """Rank 0's engine thread, with one command of its own: a prefill handoff gathered whole
-    (`Export`) into `exports`, which the unit's page server serves until the decode side lets go."""
+    """Rank 0's engine thread, with two commands of its own: a prefill handoff gathered whole
+    (`Export`) into `exports`, which the unit's page server serves until the decode side lets go,
+    and pages another worker asked for, gathered whole into `exports` unlocked (`ServePages`)."""
 
     def __init__(self, engine: LLMEngine, name: str, holds_store: Callable[[], TensorStore | None],
                  exports: KVStore) -> None:
@@ -93,8 +95,23 @@ class TPEngineLoop(EngineLoop):
     def apply(self, command: Any) -> None:
         if isinstance(command, Export):
             self._export(command)
+        elif isinstance(command, ServePages):
+            self._serve_pages(command)
         else:
             super().apply(command)
+
+    def _serve_pages(self, command: ServePages) -> None:
+        """Pages the group serves to other workers, gathered whole into `exports` (`serve.py`)."""
+        done = command.done
+        try:
+            held = gather_into(self.engine, self.exports, command.pages)
+        except KVError as exc:
+            done.set_exception(LLMUnitError(f"keeping KV pages whole to serve them: {exc}"))
+            return
+        except BaseException as exc:  # the group broke: the request gets nothing, then the unit fails
+            done.set_exception(LLMUnitError(f"{type(exc).__name__}: {exc}"))
+            raise
+        done.set_result(held)
 
     def _export(self, command: Export) -> None:
         handoff, done = command.handoff, command.done
@@ -135,6 +152,8 @@ class TPEngineLoop(EngineLoop):
     def refuse(self, command: Any, error: LLMUnitError) -> None:
         if isinstance(command, Export):
             command.loop.call_soon_threadsafe(_settle, command.done, error)
+        elif isinstance(command, ServePages):
+            command.done.set_exception(error)
         else:
             super().refuse(command, error)
 

@@ -33,15 +33,19 @@ Multimodal prompts (`items`/`embeds` inputs) run as on any `llm` role: rank 0 sp
 keys their pages by item hash (`LLMUnit._multimodal`, the engine's prefix tree); each prefill
 chunk's embedding rows go to the followers with its inputs (`embeds.py`).
 
-Not on tensor-parallel roles: rank 0 does not serve its own (sharded) pages to other workers, nor
-publish them to the KV index (the role worker hosts no KV cache for it). Serving them whole would
-gather every rank's heads on the engine thread, a collective, while a page server's handler runs
-on the serving thread and must never wait on another process (`TensorServer.register_handler`).
+The group serves the pages it computed whole, as a TP-1 worker serves its own (`serve.py`): rank 0
+answers page requests on a peer of its own (the seat it is given lends it only its worker id and KV
+index), gathering every rank's heads on the engine thread, and the role worker publishes rank 0's
+store (every rank holds the same pages) to the KV index under that peer's address
+(`engine.worker.kv.KVServingUnit`). So a TP-1 worker, another TP size, or another role pulls a
+prefix a TP group computed, or the pages an `llm` node's `kv` output names (its holder), whole.
+A page corrupt on a follower's disk tier is a miss, computed again (`cache.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from engine.compute.context import TransferSeat, UnitContext
 from engine.compute.llm.config import EngineConfig
@@ -56,10 +60,11 @@ from engine.compute.tp.group import TPError
 from engine.compute.tp.handoff import TPEngineLoop, TPPrefillDecode
 from engine.compute.tp.leader import Leader, lead
 from engine.compute.tp.seat import TPSeat, tp_timeout_s
-from engine.data.kv.pull import KVPageServer
+from engine.compute.tp.serve import GroupPageServer
 from engine.data.kv.source import PageSource
 from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
 from engine.data.peer import Peer, PeerConfig
+from engine.data.server import ServerConfig
 from engine.spec.graph import RoleSpec
 
 
@@ -77,11 +82,18 @@ class TPLLMUnit(LLMUnit):
         self.seat = tp
         self.leader: Leader | None = None
         self._exports: KVStore | None = None
+        own = None if transfer is None else Peer.start(PeerConfig(
+            server=ServerConfig(bind=f"tcp://{_host(transfer.peer.address)}:0"), keys=tp.keys))
         with contextlib.ExitStack() as undo:
             undo.callback(self._shutdown)  # a half-built rank 0 ends its link, group and stores
-            # Only the seat: rank 0 shards its model and keeps its own (sharded) KV store.
-            super().__init__(role, UnitContext(seat=transfer))
+            if own is not None:
+                undo.callback(own.close)
+            # Only the seat (its own peer, see `serve.py`): rank 0 shards its model and keeps its own
+            # (sharded) KV store.
+            seat = None if transfer is None or own is None else TransferSeat(own, transfer.worker_id, transfer.index)
+            super().__init__(role, UnitContext(seat=seat))
             undo.pop_all()
+        self._own_peer = own is not None or self._own_peer
         self.worker_id = tp.worker_id or self.worker_id
 
     # -- building (runs inside LLMUnit.__init__) ------------------------------------------------------
@@ -105,16 +117,26 @@ class TPLLMUnit(LLMUnit):
                                group=self.group)
 
     def _transfer(self) -> Peer:
-        """The unit's seat on the transfer plane (the one it was given, or its own): pulls, hold
-        tokens, and serving the exported (whole) pages of its prefill handoffs."""
+        """The unit's seat on the transfer plane (always a peer of its own): pulls, hold tokens, and
+        serving whole pages: its prefill handoffs' and, on request, any the group holds (`serve.py`)."""
         with self._lock:
             if self._peer is None:
                 self._peer = Peer.start(PeerConfig(keys=self.seat.keys))
                 self._own_peer = True
             if self._page_server is None:
                 assert self._exports is not None
-                self._page_server = KVPageServer(self._exports, self._peer.server)
+                self._page_server = GroupPageServer(self._exports, self._peer.server, self.loop.put,
+                                                    self.engine.store.resident_run)
             return self._peer
+
+    def serve_kv(self) -> Peer:
+        """Where the group's pages are served whole (`engine.worker.kv.KVServingUnit`): the unit's
+        own peer, whose server may wait on the engine thread (`serve.py`)."""
+        return self._transfer()
+
+    def kv_meta(self) -> dict[str, Any]:
+        """`LLMUnit.kv_meta`, with the layout the group's pages are served in: the whole model's."""
+        return {**super().kv_meta(), "layout": self.whole_layout.fingerprint()}
 
     def refused(self) -> int:
         """What rank 0's transfer seat refused (`LLMUnit.refused`), and its link."""
@@ -145,6 +167,14 @@ class TPLLMUnit(LLMUnit):
         if self._exports is not None:
             self._exports.close()
             self._exports = None
+
+
+def _host(address: str) -> str:
+    """The host of a `tcp://HOST:PORT` address (where the worker's own peer listens)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise TPError(f"transfer address {address!r} is not tcp://HOST:PORT")
+    return host
 
 
 __all__ = ["TPLLMUnit", "TPSeat", "follow", "tp_timeout_s"]
