@@ -20,7 +20,7 @@ its shard, and its followers hold only their shard and their heads' KV memory.
   store's events and `MirroredCache`), which the followers mirror.
 * `cache.py` — `MirroredCache`, rank 0's page bookkeeping, which journals its writes; pages from
   outside the role (a decode's handoff, a prefix pulled from a peer) land through `ShardSource`,
-  split by head.
+  split by head; pages promoted from the disk tier are checked on every rank (a corrupt one is a miss).
 * `runner.py` — `BroadcastForward`, rank 0's model runner: one `TPPass` per paged forward (the
   journal's operations, then the forward's inputs), and gathering pages whole.
 * `embeds.py` — a prefill chunk's multimodal embedding rows as they travel in its inputs.
@@ -29,6 +29,8 @@ its shard, and its followers hold only their shard and their heads' KV memory.
 * `leader.py` — `lead()`: rank 0's engine with that cache and runner, its link met.
 * `unit.py` — `TPLLMUnit`: the `llm` unit over `lead()`'s engine (rank 0 of a role worker).
 * `handoff.py` — prefill/decode across TP sizes: pages pulled whole and split, gathered and served whole.
+* `serve.py` — `GroupPageServer`: the pages the group computed, served whole to any puller (a
+  gather on the engine thread), as a TP-1 worker serves its own; the worker publishes them.
 * `messages.py` — the ranks' msgspec messages; `link.py` — the control link both units use: rank
   0's `FollowerLink` (meet the followers' hellos, send them the setup, broadcast, stop them) and a
   follower's `greet_leader`.
