@@ -101,8 +101,12 @@ class MirroredCache(PagedKVCache):
                 return done
 
     def import_handoff(self, seq: Seq, handoff: KVHandoff, source: PageSource | None) -> None:
-        super().import_handoff(seq, handoff, source)
-        if self._drop_corrupt(seq):
+        corrupt = False
+        try:
+            super().import_handoff(seq, handoff, source)
+        finally:  # also when the import failed: no page corrupt on a rank may stay where a match finds it
+            corrupt = self._drop_corrupt(seq)
+        if corrupt:
             raise HandoffError(f"handoff {handoff.handoff_id}: KV pages held on the disk tier here are corrupt on"
                                " a follower rank (dropped)")
 
