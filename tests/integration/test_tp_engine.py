@@ -42,9 +42,12 @@ from engine.compute.tp import TPRankError
 from engine.compute.tp.cache import MirroredCache
 from engine.compute.tp.leader import Leader, lead
 from engine.compute.tp.local import LocalRanks
+from engine.compute.tp.serve import gather_into
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
+from engine.data.kv.tier import Tier
 from engine.spec.graph import RoleSpec
 from tests.integration.deployments import hf_greedy, text_ids
 
@@ -184,6 +187,44 @@ def test_a_page_corrupt_on_a_followers_disk_tier_is_a_miss_not_a_failed_group(lo
         assert all(proc.poll() is None for proc in ranks.procs)
 
 
+def test_the_group_serves_pages_from_the_disk_tier_whole_up_to_one_corrupt_on_a_follower(loaded, reference,
+                                                                                           tmp_path: Path) -> None:
+    """What a page request asks of the engine thread (`serve.gather_into`): pages only on the disk
+    tier, read there on every rank, merged whole; a page corrupt on a follower's disk ends the run
+    and is dropped on every rank, and the group goes on."""
+    params = {"page_size": PAGE, "device_pages": 24, "disk_path": str(tmp_path), "disk_pages": 64,
+              "write_policy": "write_through", "max_running": 4, "tp_timeout_s": TIMEOUT_S}
+    prompt = text_ids(32, 6 * PAGE + 2)
+    sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    with group(loaded, params) as (leader, _):
+        (out,) = leader.engine.generate([prompt], sampling)
+        clean, pages, layout = list(out.output_ids), [PageHash(p) for p in out.kv_pages[:6]], leader.store.layout
+    corrupt_on_disk(tmp_path / "rank-1" / "slot-0", layout, 64, pages[2])
+    local = LLMEngine(loaded, EngineConfig(page_size=PAGE))
+    try:
+        local.generate([prompt], SamplingParams(max_new_tokens=1))
+        expected = torch.stack([local.store.get(p) for p in pages[:2]])
+    finally:
+        local.close()
+    with group(loaded, params) as (leader, ranks):
+        assert all(leader.store.tiers_of(p) == (Tier.DISK,) for p in pages)  # recovered, on the disk only
+        whole = KVStore(KVStoreConfig(layout=leader.whole, device_capacity=Capacity(pages=8), device="cpu"))
+        try:
+            assert gather_into(leader.engine, whole, pages) == 2
+            # Up to float summation order: the group adds its ranks' partial sums in another order.
+            torch.testing.assert_close(torch.stack([whole.get(p) for p in pages[:2]]), expected,
+                                       rtol=1e-5, atol=1e-5)
+        finally:
+            whole.close()
+        cache = leader.engine.cache
+        assert isinstance(cache, MirroredCache) and cache.corrupt_pages == 1
+        assert pages[2] not in leader.store.resident_pages() and pages[1] in leader.store.resident_pages()
+        ((tokens, cached),) = greedy(leader.engine, [prompt])
+        assert tokens == clean == hf_greedy(reference, prompt, NEW)
+        assert cached == 2 * PAGE
+        assert all(proc.poll() is None for proc in ranks.procs)
+
+
 def test_rank_0_never_pickles(monkeypatch, loaded, reference) -> None:
     """A whole TP-2 group's life (start, generate, gather a handoff, stop) with every pickle entry
     point of rank 0's process raising."""
@@ -286,6 +327,8 @@ from engine.compute.tp.local import LocalRanks
 from engine.data.kv.disk import DiskTier
 from engine.data.kv.keys import PageHash
 from engine.data.kv.layout import KVLayout
+from engine.data.kv.store import Capacity, KVStore, KVStoreConfig
+from engine.data.kv.tier import Tier
 from engine.spec.graph import RoleSpec
 role = RoleSpec(name="lm", kind="llm", model="tiny-llama", tp_size=2, params={"tp_timeout_s": 5.0})
 ranks = LocalRanks(role)

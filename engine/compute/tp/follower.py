@@ -188,6 +188,20 @@ class ShardKV:
             raise TPError(f"rank {self.rank}: page {page[:16]} left the {tier.label} tier, which lacks it here")
         target.remove(page)
 
+    def read_intact(self, page: PageHash) -> torch.Tensor | None:
+        """`read`, but None (and `page` noted in `corrupt`) when its only copy here, on this rank's
+        disk tier, fails its checksum: rank 0 then drops it from its own disk tier too."""
+        if page in self.slots or (self.host is not None and page in self.host) or self.disk is None \
+                or page not in self.disk:
+            return self.read(page)
+        out = torch.empty(self.layout.page_shape, dtype=self.layout.torch_dtype)
+        if self.disk.read_into(page, out):
+            return out
+        log.warning("rank %d: KV page %s to serve failed its checksum on this rank's disk tier; rank 0 drops it",
+                    self.rank, page[:16])
+        self.corrupt.add(page)
+        return None
+
     def read(self, page: PageHash, tier: Tier | None = None) -> torch.Tensor:
         """This rank's heads of `page`, from `tier` (default: the fastest holding it)."""
         if tier in (None, Tier.DEVICE) and page in self.slots:
@@ -250,7 +264,13 @@ class Follower:
 
     def _gather(self, work: GatherRequest) -> None:
         group = self.group
-        if work.pages:
+        if work.pages and work.check:
+            read = [self.kv.read_intact(PageHash(page)) for page in work.pages]
+            zeros = torch.zeros(self.kv.layout.page_shape, dtype=self.kv.layout.torch_dtype)
+            group.gather_tensor(torch.stack([(zeros if page is None else page).to(group.device) for page in read]))
+            flags = torch.tensor([int(page is None) for page in read], dtype=torch.int32)
+            group.all_reduce_(flags.to(group.device))
+        elif work.pages:
             pages = torch.stack([self.kv.read(PageHash(page)) for page in work.pages])
             group.gather_tensor(pages.to(group.device))
         if work.tail is not None:

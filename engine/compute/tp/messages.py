@@ -186,10 +186,14 @@ class DecodeInputs(msgspec.Struct, tag=True, frozen=True):
 
 class GatherRequest(msgspec.Struct, tag=True, frozen=True):
     """Every rank sends rank 0 its heads of `pages` (in order) and of saved tail `tail` (None: no
-    tail), in two collectives (pages first, when there are any)."""
+    tail), in two collectives (pages first, when there are any). With `check` (pages served to
+    other workers, read where they are, the disk tier included), a page a follower's disk tier
+    finds corrupt comes as zeros, and one more collective after the pages' says which (an int per
+    page, `all_reduce`; rank 0 adds zeros)."""
 
     pages: list[str]
     tail: int | None
+    check: bool = False
 
 
 class CheckPages(msgspec.Struct, tag=True, frozen=True):

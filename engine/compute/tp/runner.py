@@ -92,6 +92,19 @@ class BroadcastForward(PagedForward):
         """Send the operations not sent yet, without a forward (before the followers stop)."""
         self._pass(None)
 
+    def gather_checked(self, pages: Sequence[PageHash], mine: Sequence[torch.Tensor],
+                       num_kv_heads: int) -> tuple[torch.Tensor, list[PageHash]]:
+        """Every rank's heads of `pages` (`mine`: rank 0's, read already, so that a page rank 0
+        cannot read never starts a collective), merged into whole pages, and those of `pages` a
+        follower's disk tier found corrupt (their heads are zeros there: not to be served)."""
+        self._pass(GatherRequest(list(pages), None, check=True))
+        group = self.tp_group
+        shards = group.gather_tensor(torch.stack([page.to(group.device) for page in mine]))
+        flags = group.all_reduce_(torch.zeros(len(pages), dtype=torch.int32, device=group.device))
+        assert shards is not None
+        whole = merge_pages([s.cpu() for s in shards], num_kv_heads)
+        return whole, [page for page, bad in zip(pages, flags.tolist(), strict=True) if bad]
+
     def gather(self, store: KVStore, pages: Sequence[PageHash], tail: torch.Tensor | None,
                num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every rank's heads of `pages` (in `store`: they must stay there until this returns) and

@@ -5,8 +5,7 @@ slots), but a page leaves the role whole (`handoff.py`), so a `KVFetchRequest` f
 holds needs every rank's heads: a collective (`BroadcastForward.gather`), which only the engine
 thread may run, in order with the passes. So `GroupPageServer`, the handler of rank 0's page
 requests, asks the engine thread for them (`ServePages`, run between two steps): it gathers the
-leading run of the asked pages that the group holds in device or host memory into the unit's
-store of whole pages (the one that keeps prefill handoffs for their decode sides; pages gathered
+leading run of the asked pages that the group holds into the unit's store of whole pages (the one that keeps prefill handoffs for their decode sides; pages gathered
 for a request stay there unlocked, evicted as it needs room, so a second puller of the same
 prefix costs no second gather), then answers as `KVPageServer` does from that store.
 
@@ -15,10 +14,10 @@ handler must never wait on another process (`TensorServer.register_handler`): so
 on a peer of its own (`unit.py`), whose server answers only the unit's transfers (page requests,
 its hold tokens' and handoffs' pulls), never the worker's node outputs or weights.
 
-Not served: pages the group holds only on the disk tier (a follower's copy is read only when
-rank 0 promotes the page, where a corrupt one is dropped, `cache.py`), and pages the engine thread
-could not gather within `SERVE_WAIT_S` (a long step): the puller gets the run before them, and
-computes the rest, as from any holder that lacks pages.
+Pages are read where they are, the disk tier included, as `KVPageServer` reads them. Not served:
+a page corrupt on some rank's disk tier (dropped from every rank's, as when rank 0 promotes one,
+`cache.py`), and pages the engine thread could not gather within `SERVE_WAIT_S` (a long step): the
+puller gets the run before them, and computes the rest, as from any holder that lacks pages.
 """
 
 from __future__ import annotations
@@ -29,13 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMUnitError
+from engine.compute.tp.cache import MirroredCache
 from engine.compute.tp.runner import BroadcastForward
 from engine.data.kv.keys import PageHash
 from engine.data.kv.pull import KVPageServer
 from engine.data.kv.store import KVStore
-from engine.data.kv.tier import Tier
 from engine.data.server import TensorServer
 from engine.data.wire import KVFetchReply, KVFetchRequest
 
@@ -48,7 +49,7 @@ matching a prefix waits at most `IndexPageSource.max_timeout_s`, 2 s by default,
 
 @dataclass(frozen=True, slots=True)
 class ServePages:
-    """Engine thread command: gather the leading run of `pages` the group holds in memory into the
+    """Engine thread command: gather the leading run of `pages` the group holds into the
     store of whole pages; `done` gets how many it holds there (an `LLMUnitError` when it failed)."""
 
     pages: tuple[PageHash, ...]
@@ -56,24 +57,35 @@ class ServePages:
 
 
 def gather_into(engine: LLMEngine, whole: KVStore, pages: Sequence[PageHash]) -> int:
-    """On the engine thread: every rank's heads of the leading run of `pages` in device or host
-    memory (read where they are, nothing promoted), merged and put into `whole` unlocked; how many
-    of `pages` lead in `whole` afterwards."""
+    """On the engine thread: every rank's heads of the leading run of `pages` the group holds (read
+    where they are, nothing promoted), merged and put into `whole` unlocked; how many of `pages`
+    lead in `whole` afterwards. A page corrupt on a rank's disk tier ends the run and is dropped
+    from every rank's (rank 0's store drops its own when its checksum fails; a follower's is
+    counted in `MirroredCache.corrupt_pages`)."""
     store = engine.store
-    run: list[PageHash] = []
+    missing: list[PageHash] = []
+    mine: list[torch.Tensor] = []
     for page in pages:
-        tiers = store.tiers_of(page)
-        if not tiers or tiers == (Tier.DISK,):
+        if whole.resident_run([page]):
+            continue
+        data = store.get(page, promote=False)
+        if data is None:
             break
-        run.append(page)
-    missing = [page for page in run if not whole.resident_run([page])]
+        missing.append(page)
+        mine.append(data)
     if missing:
-        forward = engine.forward
-        assert isinstance(forward, BroadcastForward)
-        merged, _ = forward.gather(store, missing, None, whole.layout.num_kv_heads)
-        assert merged is not None
-        whole.put_many(missing, merged)
-    return whole.resident_run(run)
+        forward, cache = engine.forward, engine.cache
+        assert isinstance(forward, BroadcastForward) and isinstance(cache, MirroredCache)
+        merged, corrupt = forward.gather_checked(missing, mine, whole.layout.num_kv_heads)
+        intact = missing.index(corrupt[0]) if corrupt else len(missing)
+        whole.put_many(missing[:intact], merged[:intact])
+        if corrupt:
+            log.warning("%d KV pages to serve are corrupt on a follower's disk tier (first %s): dropped on every"
+                        " rank", len(corrupt), corrupt[0][:16])
+            cache.corrupt_pages += len(corrupt)
+            for page in corrupt:
+                store.remove(page)  # only on the disk tier (else read from memory): never locked
+    return whole.resident_run(pages)
 
 
 class GroupPageServer:
