@@ -145,13 +145,16 @@ class TPLLMUnit(LLMUnit):
 
     def metrics(self) -> dict[str, float]:
         """The `llm.*` counters of rank 0's engine, the pages held whole for decode sides, and the
-        group: its size, whether it failed, and the pages a follower's disk tier found corrupt."""
+        group: its size, whether it failed, the pages a follower's disk tier found corrupt, and the
+        page requests the engine thread gathered nothing for in time (`serve.py`)."""
         exported = self.loop.exported_pages  # type: ignore[attr-defined]
         cache = self.engine.cache
         assert isinstance(cache, MirroredCache)
+        server = self._page_server
+        late = server.late if isinstance(server, GroupPageServer) else 0
         return {**super().metrics(), "llm.exported_pages": float(exported),
                 "tp.size": float(self.seat.size), "tp.failed": float(self.failed is not None),
-                "tp.corrupt_pages": float(cache.corrupt_pages)}
+                "tp.corrupt_pages": float(cache.corrupt_pages), "tp.serve_late": float(late)}
 
     # -- shutdown -------------------------------------------------------------------------------------
 
