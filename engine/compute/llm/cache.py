@@ -368,21 +368,27 @@ class PagedKVCache:
     def release(self, seq: Sequence) -> None:
         """Drop every hold of `seq`: page locks, tree lock, tail page. Without a prefix cache its
         pages are freed too (nobody will look them up)."""
+        pages = self.unmatch(seq)
+        if self.tree is None:
+            for page in pages:
+                if not self.store.lock_count(page):
+                    self.store.remove(page)
+        if seq.tail_slot is not None:
+            self._free_tails.append(seq.tail_slot)
+            seq.tail_slot = None
+
+    def unmatch(self, seq: Sequence) -> list[PageHash]:
+        """Undo `seq`'s match: drop its pull, page locks and tree lock (it keeps its tail slot, and
+        matches again when it is next scheduled); the pages it held."""
         if seq.pull is not None:  # what it pulls stays in the store, for whoever asks next
             self._pulls.forget(seq)
             seq.pull = None
         pages, seq.pages, seq.slots = seq.pages, [], []
         if pages:
             self.store.unlock(pages)
-            if self.tree is None:
-                for page in pages:
-                    if not self.store.lock_count(page):
-                        self.store.remove(page)
         if seq.node is not None and self.tree is not None:
             self.tree.unlock(seq.node)
         seq.node = None
-        if seq.tail_slot is not None:
-            self._free_tails.append(seq.tail_slot)
-            seq.tail_slot = None
         seq.num_computed = 0
         seq.matched = False
+        return pages

@@ -123,25 +123,11 @@ class MirroredCache(PagedKVCache):
         log.warning("%d KV pages promoted from the disk tier are corrupt on a follower rank (first %s):"
                     " dropped on every rank, computed again", len(corrupt), corrupt[0][:16])
         self.corrupt_pages += len(corrupt)
-        self._let_go(seq)
+        self.unmatch(seq)
         for page in corrupt:
             # Promoted for `seq` just now, on this thread: no other sequence holds it.
             self.store.remove(page)
         return True
-
-    def _let_go(self, seq: Seq) -> None:
-        """Undo a match: `seq` holds no page, tree node or pull (it keeps its tail slot)."""
-        if seq.pull is not None:
-            self._pulls.forget(seq)
-            seq.pull = None
-        pages, seq.pages, seq.slots = seq.pages, [], []
-        if pages:
-            self.store.unlock(pages)
-        if seq.node is not None and self.tree is not None:
-            self.tree.unlock(seq.node)
-        seq.node = None
-        seq.num_computed = 0
-        seq.matched = False
 
     def _pull(self, missing: Sequence[PageHash]) -> PulledRun:
         """On the pull thread: the next pages of a prompt, whole from the first peer that has
