@@ -1,6 +1,7 @@
 """What a follower rank mirrors of rank 0's KV memory: the pass message travels without pickle,
 and a `ShardKV` fed rank 0's journal holds the bytes rank 0's store holds, page by page, through
-writes, tail pages, saved tails, evictions to host and disk, promotions back and drops."""
+writes, tail pages, saved tails, evictions to host and disk, promotions back and drops; a page
+corrupt on the follower's own disk tier is noted, not a failure, until rank 0 drops it too."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.compute.tp.follower import ShardKV
 from engine.compute.tp.group import TPError
 from engine.compute.tp.journal import KVJournal
 from engine.compute.tp.messages import (
+    CheckPages,
     ChunkInputs,
     CopyPage,
     DecodeInputs,
@@ -69,6 +71,8 @@ def test_no_tp_module_pickles(module: str) -> None:
                   [False], None),
     DecodeInputs([7], [9], [[0, 5]], [1], ["r1"]),
     GatherRequest(["ab" * 32], 3),
+    GatherRequest(["ab" * 32], None, check=True),
+    CheckPages(["ab" * 32, "cd" * 32]),
 ])
 def test_a_pass_round_trips(forward) -> None:
     ops = [WritePage("ab" * 32, 3, Fresh(0, 1)), CopyPage("cd" * 32, 0, 1), CopyPage("cd" * 32, 2, 0, 4),
@@ -163,5 +167,43 @@ def test_a_write_of_unannounced_bytes_breaks_the_journal(tmp_path: Path) -> None
         rank0.store.put(key(1), page(1.0))
         with pytest.raises(TPError, match="no follower holds"):
             rank0.journal.drain()
+    finally:
+        rank0.close()
+
+
+def corrupt_follower_page(follower: ShardKV, page_key: PageHash) -> None:
+    assert follower.disk is not None
+    offset = follower.disk.payload_offset(page_key)
+    with open(follower.disk.path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_page_corrupt_on_the_followers_disk_is_noted_until_rank_0_drops_it(tmp_path: Path) -> None:
+    rank0 = Rank0(tmp_path)
+    follower = rank0.follower
+    try:
+        for index in range(6):  # pages 0 and 1 end on the disk tier only
+            rank0.put(index, page(index))
+        rank0.mirror()
+        assert rank0.journal.take_from_disk() == []
+        corrupt_follower_page(follower, key(0))
+        corrupt_follower_page(follower, key(1))
+        # Rank 0 promotes its intact copy; the follower's fails its checksum: noted, no TPError.
+        assert rank0.store.get(key(0)) is not None
+        rank0.mirror()
+        assert rank0.journal.take_from_disk() == [key(0)]  # what rank 0 asks the ranks about (CheckPages)
+        assert follower.corrupt == {key(0)} and key(0) in follower.slots
+        # Read where it is, to serve it (a checked gather): None, noted.
+        assert follower.read_intact(key(1)) is None and follower.corrupt == {key(0), key(1)}
+        assert torch.equal(follower.read_intact(key(2)), rank0.store.get(key(2), promote=False))
+        # Rank 0 drops both from every tier: the follower follows, though its disk lost them already.
+        rank0.store.remove(key(0))
+        rank0.store.remove(key(1))
+        rank0.mirror()
+        assert follower.corrupt == set() and key(0) not in follower.slots
+        assert follower.disk is not None and key(0) not in follower.disk and key(1) not in follower.disk
     finally:
         rank0.close()
