@@ -7,11 +7,16 @@ The whole path through two Celery node agents is also in `test_run_folders`."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
+import hashlib
+import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +24,27 @@ import msgspec
 import pytest
 import redis
 from django.conf import settings as django_settings
+from django.db import connections, transaction
+from django.utils import timezone
 
+from engine.client.cluster import NodeRecord
+from engine.client.runs import NodeOutputEvent
+from engine.spec.resources import Amounts
 from studio.config import StudioConfig
 from studio.workflows.deployments import queries
 from studio.workflows.deployments.node import node_queue
 from studio.workflows.deployments.queries import QueryServer, Refused
-from studio.workflows.models import Deployment
+from studio.workflows.models import Deployment, NodeHeartbeat, NodeRun, Run, RunEvent, RunFile
 from studio.workflows.runs import nodefiles
+from studio.workflows.runs.lease import LeaseCheck, LeaseTerms
 from studio.workflows.runs.nodefiles import NodeFile, NodeFileError, UserFileQuery, read_user_file
-from tests.studio.factories import create_workflow
+from studio.workflows.runs.store import claim, record, renew
+from tests.studio.factories import create_workflow, spec_doc
 from tests.studio.holding import agent_held
+from tests.studio.limits import configured
 from tests.studio.test_celery_deploy import leftover_workers, running_node, started_node, wait_ready
 from tests.studio.test_run_folders import node_live, run_to_end, saving_spec
-from tests.studio.test_run_leases import wait_until
+from tests.studio.test_run_leases import started_events, stored_run, wait_until
 
 
 def test_a_node_reads_only_regular_files_that_resolve_in_the_owners_folder(tmp_path: Path) -> None:
@@ -161,6 +174,93 @@ def test_a_dead_node_is_an_error_within_the_timeout(node_config: StudioConfig) -
         nodefiles.fetch(node_config, "gone", "7", "out/reply.txt", timeout_s=0.3)
     assert time.monotonic() - began < 3.0
     assert left_in_redis(node_config) == []  # the query was taken back: a node back later never sees it
+
+
+# ------------------------------------------------- the run's row while a node answers
+@pytest.fixture
+def studio() -> Iterator[StudioConfig]:
+    """This process's studio, on a Redis prefix of its own."""
+    with configured(redis_prefix=f"t{uuid.uuid4().hex[:8]}") as installed:
+        yield installed.config
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.redis
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_the_runs_row_is_not_locked_while_a_nodes_file_is_fetched(tmp_path: Path, api: Any, user: Any,
+                                                                  studio: StudioConfig) -> None:
+    """A node output names two files a role worker wrote on node `there`. Its agent's query threads
+    (a real `QueryServer` serving `nodefiles.serve`) take the first query and hold it until the test
+    lets them answer, as a node slow to answer (or gone within its heartbeat's TTL) does. While
+    `record` waits on that answer, another connection locks the run's row without waiting
+    (`SELECT ... FOR UPDATE NOWAIT`) and renews its lease. Once answered, the file is a run file of the
+    run's owner with the bytes the node wrote; the other, over the node's size limit, is refused by
+    the node and shown by name and why, the event stored all the same."""
+    assert studio.redis_url is not None
+    node = f"there-{uuid.uuid4().hex[:8]}"
+    there = dataclasses.replace(studio, data_dir=tmp_path / "there", node_name=node, max_run_file_bytes=4096)
+    home = there.users_root / str(user.pk) / "out"
+    home.mkdir(parents=True)
+    written = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+    (home / "picture.png").write_bytes(written)
+    (home / "big.bin").write_bytes(b"x" * 4097)
+    total = Amounts(0, 1, 1)
+    announced = NodeRecord(name=node, address="10.0.0.2", total=total, free=total, users_root=str(there.users_root))
+    NodeHeartbeat.objects.create(name=node, seen_at=timezone.now(), lapses_at=timezone.now() + dt.timedelta(seconds=30),
+                                 ttl_s=30, record=msgspec.to_builtins(announced))
+
+    asked, answer = threading.Event(), threading.Event()
+
+    def slow(query: UserFileQuery) -> NodeFile:
+        asked.set()
+        if not answer.wait(60):
+            raise queries.NodeQueryError("the test never let the node answer")
+        return nodefiles.serve(there, query)
+
+    server = QueryServer(studio.redis_url, studio.redis_prefix, node, {UserFileQuery: slow}, poll_s=0.2)
+    server.start()
+    run = stored_run(user, create_workflow(api, spec_doc()))
+    run_id, lease = str(run.pk), LeaseTerms("worker-a", 30.0)
+    assert claim(run_id, lease) is not None
+    record(run_id, started_events(run_id, 0), owner=lease.owner)
+    output = NodeOutputEvent(seq=2, run_id=run_id, time=timezone.now().timestamp(), node="step", port="out",
+                             value={"files": [f"{home}/picture.png", f"{home}/big.bin"]})
+
+    def write() -> list[dict[str, Any]]:
+        try:
+            return record(run_id, [output], owner=lease.owner)
+        finally:
+            connections.close_all()  # this thread's connection
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            writing = pool.submit(write)
+            try:
+                assert asked.wait(30), "the node was never asked"
+                with transaction.atomic():  # record waits on the node: the row is free
+                    locked = Run.objects.select_for_update(nowait=True).get(pk=run_id)
+                    assert locked.last_seq == 1
+                assert renew(lease, [run_id]) == LeaseCheck(lost=frozenset(), cancel=frozenset())
+            finally:
+                answer.set()
+            (stored,) = writing.result(timeout=60)
+    finally:
+        server.stop()
+
+    picture, big = stored["value"]["files"]
+    assert big == ("out/big.bin (not stored as a run file: on node " + node
+                   + ", larger than 4096 bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)")
+    assert set(picture) == {"$file", "url", "name"} and picture["name"] == "out/picture.png"
+    file = RunFile.objects.get(pk=picture["$file"])
+    assert (file.run_id, file.owner_id, file.role, file.content_type) == (run.pk, user.pk, "output", "image/png")
+    with file.file.open("rb") as fh:
+        assert fh.read() == written
+    assert file.sha256 == hashlib.sha256(written).hexdigest()
+    assert list(RunEvent.objects.filter(run_id=run_id).values_list("seq", "type")) == [
+        (0, "run_started"), (1, "node_state"), (2, "node_output")]
+    assert NodeRun.objects.get(run_id=run_id, node="step").outputs == {"out": stored["value"]}
+    assert str(tmp_path) not in json.dumps(stored)
+    assert left_in_redis(studio) == []  # every answer taken, no query left
 
 
 # --------------------------------------------------------- a real node agent, busy

@@ -4,10 +4,12 @@ own folder (0700) or the model directories; run outputs show run files, never se
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +28,8 @@ from studio.workflows.paths import (
     spec_path_issues,
     without_roots,
 )
-from studio.workflows.runs.outputs import ServerPaths
+from studio.workflows.runs.namedfiles import NotRead, ReadFile, read_here
+from studio.workflows.runs.outputs import NamedFile, ServerPaths
 from tests.studio.factories import create_workflow
 from tests.studio.limits import configured, llm_spec, python_spec
 
@@ -287,51 +290,59 @@ def test_a_progress_message_naming_a_server_path_reaches_the_user_as_a_name(api,
 
 
 def test_server_paths_store_only_regular_files_that_resolve_in_the_owners_folder(tmp_path: Path) -> None:
-    """`ServerPaths.hide` saves a file only through the owner's folder: not through `..`, not
-    through a link in it (to another user's folder or out of the root), not a link itself."""
+    """A path beginning with the owner's folder names a place there (`ServerPaths.named`); it is read
+    (`namedfiles.read_here`) only through the owner's folder: not through `..`, not through a link in
+    it (to another user's folder or out of the root), not a link itself, not past the size limit."""
     root = tmp_path / "users"
     mine, theirs = root / "7", root / "8"
     (mine / "out").mkdir(parents=True)
     theirs.mkdir()
     (mine / "out" / "reply.txt").write_text("mine")
+    (mine / "out" / "big.bin").write_bytes(b"x" * 1025)
     (theirs / "secret.txt").write_text("theirs")
     (mine / "linked").symlink_to(theirs)
     (mine / "out" / "alias.txt").symlink_to(theirs / "secret.txt")
-    saved: list[str] = []
+    paths = ServerPaths(mine)
+    values = [f"{mine}/out/reply.txt", {"up": f"{mine}/../8/secret.txt", "link": f"{mine}/linked/secret.txt"},
+              [f"{mine}/out/alias.txt", f"{mine}/out", f"{mine}/out/big.bin", f"{mine}/out/reply.txt"]]
+    named = paths.named(values)
+    assert named == [NamedFile("out/reply.txt"), NamedFile("../8/secret.txt"), NamedFile("linked/secret.txt"),
+                     NamedFile("out/alias.txt"), NamedFile("out"), NamedFile("out/big.bin")]
+    found = {file: read_here(mine, file.name, 1024) for file in named}
+    assert found == {
+        NamedFile("out/reply.txt"): ReadFile(b"mine", "reply.txt", "", hashlib.sha256(b"mine").hexdigest()),
+        NamedFile("../8/secret.txt"): NotRead("../8/secret.txt"),
+        NamedFile("linked/secret.txt"): NotRead("linked/secret.txt"),
+        NamedFile("out/alias.txt"): NotRead("out/alias.txt"),
+        NamedFile("out"): NotRead("out"),
+        NamedFile("out/big.bin"): NotRead(
+            "out/big.bin (not stored as a run file: larger than 1024 bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"),
+    }
 
-    def save(name: str, path: Path) -> dict[str, str]:
-        saved.append(path.read_text())
-        return {"$file": name}
+    def show(file: NamedFile) -> Any:
+        read = found[file]
+        return {"$file": file.name} if isinstance(read, ReadFile) else read.shown
 
-    hide = ServerPaths(mine, save).hide
-    assert hide(f"{mine}/out/reply.txt") == {"$file": "out/reply.txt"}
-    assert hide(f"{mine}/../8/secret.txt") == "../8/secret.txt"
-    assert hide(f"{mine}/linked/secret.txt") == "linked/secret.txt"
-    assert hide(f"{mine}/out/alias.txt") == "out/alias.txt"
-    assert saved == ["mine"]
+    assert paths.hide(values, show) == [
+        {"$file": "out/reply.txt"}, {"up": "../8/secret.txt", "link": "linked/secret.txt"},
+        ["out/alias.txt", "out",
+         "out/big.bin (not stored as a run file: larger than 1024 bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)",
+         {"$file": "out/reply.txt"}]]
 
 
-def test_paths_a_run_wrote_on_another_nodes_root_read_as_names_and_are_not_read(tmp_path: Path) -> None:
+def test_paths_a_run_wrote_on_another_nodes_root_name_places_on_that_node(tmp_path: Path) -> None:
     """A role worker on another node writes under that node's users root: its paths in the run's
-    values are shown as names in the owner's folder there, and nothing is read through them (the
-    file lies on that machine's disk), whatever this machine holds at that path."""
+    values name places in the owner's folder on that node (read there, by its agent: `runs.nodefiles`),
+    never on this machine, whatever this machine holds at that path."""
     here, there = tmp_path / "here" / "7", tmp_path / "there" / "7"
     (there / "out").mkdir(parents=True)
     (there / "out" / "reply.txt").write_text("on the other node")
-    saved: list[Path] = []
-    paths = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name},
-                        elsewhere={"b": there, "a": here})
-    assert paths.hide({"dir": f"{there}/out", "files": [f"{there}/out/reply.txt"]}) == {
-        "dir": "out", "files": ["out/reply.txt"]}
+    paths = ServerPaths(here, elsewhere={"b": there, "a": here})
+    value = {"dir": f"{there}/out", "files": [f"{there}/out/reply.txt"], "other": f"{tmp_path}/there/8/secret.txt"}
+    assert paths.named([value]) == [NamedFile("out", "b"), NamedFile("out/reply.txt", "b")]
+    assert paths.hide(value, lambda file: f"{file.node}:{file.name}") == {
+        "dir": "b:out", "files": ["b:out/reply.txt"], "other": f"{tmp_path}/there/8/secret.txt"}
     assert paths.hide_in_text(f"cannot write {there}/out/x and {here}/y") == "cannot write out/x and y"
-    assert paths.hide(f"{tmp_path}/there/8/secret.txt") == f"{tmp_path}/there/8/secret.txt"
-    assert saved == []
-    asked: list[tuple[str, str]] = []
-    fetching = ServerPaths(here, lambda name, path: saved.append(path) or {"$file": name}, elsewhere={"b": there},
-                           save_elsewhere=lambda node, name: asked.append((node, name)) or {"$file": name, "node": node})
-    assert fetching.hide([f"{there}/out/reply.txt", f"{tmp_path}/there/8/secret.txt"]) == [
-        {"$file": "out/reply.txt", "node": "b"}, f"{tmp_path}/there/8/secret.txt"]
-    assert asked == [("b", "out/reply.txt")] and saved == []
 
 
 @pytest.mark.django_db
@@ -437,8 +448,8 @@ def test_a_runs_error_names_the_model_not_the_model_directory(api, tmp_path: Pat
 
 def test_server_paths_cut_the_model_roots_out_of_messages(tmp_path: Path) -> None:
     mine, models = tmp_path / "users" / "7", (tmp_path / "a", tmp_path / "b")
-    paths = ServerPaths(mine, lambda name, path: {"$file": name}, models=models)
+    paths = ServerPaths(mine, models=models)
     assert paths.hide_in_text(f"cannot load {models[1]}/org/m: no weights in {models[0]}/x; {mine}/kv") == (
         "cannot load org/m: no weights in x; kv")
-    nested = ServerPaths(mine, lambda name, path: {"$file": name}, models=(tmp_path,))  # a root above the user's
+    nested = ServerPaths(mine, models=(tmp_path,))  # a root above the user's
     assert nested.hide_in_text(f"{mine}/kv and {tmp_path}/m") == "kv and m"

@@ -1,33 +1,47 @@
 """Run outputs reach their user as run files, never as server paths.
 
 An op that writes files (`save_outputs`) returns where it wrote them; under the studio those
-are server paths below the owner's folder (`studio.workflows.paths`). `ServerPaths.hide` walks
-a value about to be stored or sent (a node output, the run's outputs, an error message) and
-replaces every such path: a file becomes a run file of the run (`{"$file", "url", "name"}`,
-downloaded by its owner only through the API), a folder or a path that is gone its name
-relative to the user's folder. Only a name that resolves in that folder is read (`resolve_under`:
-no `..`, no link on the way): a value beginning with the folder's path may still point elsewhere.
-A path below the user's folder on another node (where a role worker of the run wrote) is read by
-that node itself (`runs.nodefiles`, through `SaveElsewhere`), under the same rules.
+are server paths below the owner's folder (`studio.workflows.paths`). `ServerPaths` finds them in
+a value about to be stored or sent (a node output, the run's outputs) and replaces each: a file
+becomes a run file of the run (`{"$file", "url", "name"}`, downloaded by its owner only through the
+API), a folder or a path that is gone its name relative to the user's folder; an error or progress
+message has the folders cut out of the paths it mentions.
+
+`ServerPaths` itself reads nothing: it only tells which strings name a place in the user's folder
+(here or on another node, a `NamedFile`) and puts in what it is told each one is shown as. What
+decides that, reading the files under the owner's rules, is `runs.namedfiles`, before the run's
+row is locked.
 An error message names a checkpoint under a model root as the role names it, relative to that root.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from studio.workflows.paths import resolve_under, server_path_name
+from studio.workflows.paths import server_path_name
 
-SaveFile = Callable[[str, Path], dict[str, Any] | str]
-"""Stores the file at the path as a run file named by the str (once); returns its reference, or
-what to show instead where it is not stored (a file over the size limit)."""
 
-SaveElsewhere = Callable[[str, str], Any]
-"""Stores the file named by the second str in the user's folder on the node named by the first, as
-that node reads it; returns its reference, or what to show instead (a folder's name, or why not)."""
+@dataclass(frozen=True, slots=True)
+class NamedFile:
+    """A place a value names in the owner's folder: `name` relative to that folder, on `node`'s
+    disk (None: this machine's). Only the name's text is known: whether it resolves in the folder,
+    and what lies there, is for whoever reads it (`runs.namedfiles`)."""
+
+    name: str
+    node: str | None = None
+
+    @property
+    def run_file_name(self) -> str:
+        """The name a run file of it is stored under (`RunFile.name` holds 64 characters: its end)."""
+        return self.name[-64:]
+
+
+ShowFile = Callable[[NamedFile], Any]
+"""What a named place is shown as: its run file's reference, or text (its name, or why it is not a run file)."""
 
 
 def read_at_most(path: Path, limit: int) -> bytes | None:
@@ -38,32 +52,55 @@ def read_at_most(path: Path, limit: int) -> bytes | None:
     return None if len(data) > limit else data
 
 
-class ServerPaths:
-    """Hides the server paths below one user's folder in the values of one run: the folder on this
-    machine (`user_root`), and the user's folders on the other nodes (`elsewhere`: node name ->
-    folder), where the run's role workers wrote under their own data dir. A file there lies on
-    another machine's disk: `save_elsewhere` has that node read it; without one, its name is shown."""
+def sniff_content_type(data: bytes) -> tuple[str, str]:
+    """(content type, file extension) of produced bytes, from their magic numbers."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png", ".png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg", ".jpg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "audio/wav", ".wav"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp", ".webp"
+    if data.startswith(b"fLaC"):
+        return "audio/flac", ".flac"
+    if data.startswith((b"ID3", b"\xff\xfb")):
+        return "audio/mpeg", ".mp3"
+    if data.startswith(b"OggS"):
+        return "audio/ogg", ".ogg"
+    return "application/octet-stream", ".bin"
 
-    def __init__(self, user_root: Path, save: SaveFile, elsewhere: Mapping[str, Path] | None = None,
-                 save_elsewhere: SaveElsewhere | None = None, models: Sequence[Path] = ()) -> None:
+
+class ServerPaths:
+    """The server paths below one user's folder in the values of one run: the folder on this
+    machine (`user_root`), and the user's folders on the other nodes (`elsewhere`: node name ->
+    folder), where the run's role workers wrote under their own data dir. Reads no file."""
+
+    def __init__(self, user_root: Path, elsewhere: Mapping[str, Path] | None = None,
+                 models: Sequence[Path] = ()) -> None:
         """`models`: the model roots (`OMNIFLOW_MODEL_DIRS`, the model cache, those of the other nodes),
         cut out of error messages."""
         self.root = user_root
         self.prefix = str(user_root) + os.sep
         self.elsewhere = {node: root for node, root in (elsewhere or {}).items() if root != user_root}
         self.models = list(models)
-        self._save = save
-        self._save_elsewhere = save_elsewhere
 
-    def hide(self, value: Any) -> Any:
-        """`value` with every server path below the user's folder replaced (not modified in place)."""
-        if isinstance(value, str):
-            return self._string(value)
-        if isinstance(value, dict):
-            return {k: self.hide(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [self.hide(v) for v in value]
-        return value
+    def named(self, values: Iterable[Any]) -> list[NamedFile]:
+        """Every place `values` (JSON data) name in the user's folders, each once, in order."""
+        found: dict[NamedFile, None] = {}
+
+        def note(file: NamedFile) -> str:
+            found[file] = None
+            return file.name
+
+        for value in values:
+            self._walk(value, note)
+        return list(found)
+
+    def hide(self, value: Any, show: ShowFile) -> Any:
+        """`value` with every server path below the user's folders replaced by what `show` says of
+        the place it names, and every other string cut as `hide_in_text` does (not modified in place)."""
+        return self._walk(value, show)
 
     def hide_in_text(self, text: str) -> str:
         """A message with the user's folders and the model roots cut out of the paths it mentions."""
@@ -75,20 +112,25 @@ class ServerPaths:
             text = text.replace(prefix, "")
         return text
 
-    def _string(self, value: str) -> Any:
+    def _walk(self, value: Any, show: ShowFile) -> Any:
+        if isinstance(value, str):
+            file = self._named(value)
+            return self.hide_in_text(value) if file is None else show(file)
+        if isinstance(value, dict):
+            return {k: self._walk(v, show) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._walk(v, show) for v in value]
+        return value
+
+    def _named(self, value: str) -> NamedFile | None:
+        """The place `value` names in one of the user's folders (None: it names none). A string
+        beginning with the folder may still climb out of it (`..`) or pass through a link: the
+        name is what it says, whoever reads it resolves it (`resolve_under`)."""
         name = server_path_name(value, self.root)
-        if name is None:
-            for node, root in self.elsewhere.items():
-                name = server_path_name(value, root)
-                if name is not None:
-                    return name if self._save_elsewhere is None else self._save_elsewhere(node, name)
-            return self.hide_in_text(value)
-        # Read only what the name reaches the way a name resolves in the owner's folder: a string
-        # beginning with the folder may still climb out of it (`..`) or pass through a link.
-        try:
-            path = resolve_under(self.root, name)
-        except ValueError:
-            return name
-        if path.is_file():
-            return self._save(name, path)
-        return name
+        if name is not None:
+            return NamedFile(name)
+        for node, root in self.elsewhere.items():
+            name = server_path_name(value, root)
+            if name is not None:
+                return NamedFile(name, node)
+        return None

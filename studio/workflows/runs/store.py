@@ -21,7 +21,6 @@ import mimetypes
 from collections.abc import Callable
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
 from typing import Any
 
 import msgspec
@@ -48,7 +47,6 @@ from engine.client.runs import (
 from engine.client.runs import RunEvent as EngineEvent
 from studio.dbcalls import orm
 from studio.workflows.apps import engine
-from studio.workflows.deployments import liveness
 from studio.workflows.models import (
     FileRole,
     NodeRun,
@@ -61,9 +59,10 @@ from studio.workflows.models import (
     RunStatus as DbRunStatus,
 )
 from studio.workflows.paths import PathRoots, resolve_role_paths
-from studio.workflows.runs import nodefiles
+from studio.workflows.runs import namedfiles
 from studio.workflows.runs.lease import LeaseCheck, LeaseLost, LeaseTerms, RunRestarted
-from studio.workflows.runs.outputs import ServerPaths, read_at_most
+from studio.workflows.runs.namedfiles import NamedFiles, NotRead
+from studio.workflows.runs.outputs import NamedFile, ServerPaths, ShowFile, sniff_content_type
 
 log = logging.getLogger(__name__)
 
@@ -120,26 +119,10 @@ def file_ref(file: RunFile) -> dict[str, Any]:
     return {"$file": str(file.id)}
 
 
-def sniff_content_type(data: bytes, declared_type: str | None = None) -> tuple[str, str]:
-    """(content type, file extension) of produced bytes, from their magic numbers."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png", ".png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg", ".jpg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        return "audio/wav", ".wav"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp", ".webp"
-    if data.startswith(b"fLaC"):
-        return "audio/flac", ".flac"
-    if data.startswith((b"ID3", b"\xff\xfb")):
-        return "audio/mpeg", ".mp3"
-    if data.startswith(b"OggS"):
-        return "audio/ogg", ".ogg"
-    return "application/octet-stream", ".bin"
-
-
-def store_file(run: Run, role: str, name: str, data: bytes, filename: str, content_type: str) -> RunFile:
+def store_file(run: Run, role: str, name: str, data: bytes, filename: str, content_type: str,
+               sha256: str | None = None) -> RunFile:
+    """`data` kept as a file of `run` (owned by its owner); `sha256`: its digest where the caller
+    computed it already (outside the run's row lock, `namedfiles.ReadFile`)."""
     record = RunFile(
         owner_id=run.owner_id,
         run=run,
@@ -148,7 +131,7 @@ def store_file(run: Run, role: str, name: str, data: bytes, filename: str, conte
         filename=filename[:255],
         content_type=content_type or mimetypes.guess_type(filename)[0] or "application/octet-stream",
         size=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=sha256 or hashlib.sha256(data).hexdigest(),
     )
     record.file.save(record.id.hex, ContentFile(data), save=False)
     record.save()
@@ -240,45 +223,22 @@ def _restart(run: Run, nodes: dict[str, NodeRun]) -> set[str]:
     return {"status", "outputs", "error", "failed_node", "lease_owner", "lease_expires_at", "cancel_requested"}
 
 
-def _server_paths(run: Run) -> ServerPaths:
-    """What hides the server paths of `run`'s owner in its outputs (see `runs.outputs`): a file in
-    the owner's folder here is read here, one on another node is read by that node (`runs.nodefiles`);
-    and the model roots in its errors."""
-    config = engine().config
-    limit = config.max_run_file_bytes
-    owner = str(run.owner_id)
+def _show_files(run: Run, named: NamedFiles) -> ShowFile:
+    """How each place the batch names is shown, within its transaction: by the run file stored under
+    its name (by an earlier event or batch), else by a run file of the bytes gathered for it (stored
+    now), else by the text gathered instead."""
 
-    def stored(name: str, data: bytes, filename: str) -> dict[str, Any]:
-        content_type, _ = sniff_content_type(data)
-        record = store_file(run, FileRole.OUTPUT, name[-64:], data, filename,
-                            content_type if content_type != "application/octet-stream" else "")
-        return output_ref(record, name)
+    def show(file: NamedFile) -> dict[str, Any] | str:
+        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=file.run_file_name).first()
+        if record is None:
+            found = named.found[file]
+            if isinstance(found, NotRead):
+                return found.shown
+            record = store_file(run, FileRole.OUTPUT, file.run_file_name, found.data, found.filename,
+                                found.content_type, sha256=found.sha256)
+        return output_ref(record, file.name)
 
-    def existing(name: str) -> dict[str, Any] | None:
-        record = RunFile.objects.filter(run=run, role=FileRole.OUTPUT, name=name[-64:]).first()
-        return None if record is None else output_ref(record, name)
-
-    def save(name: str, path: Path) -> dict[str, Any] | str:
-        if (ref := existing(name)) is not None:
-            return ref
-        data = read_at_most(path, limit)
-        if data is None:
-            return f"{name} (not stored as a run file: larger than {limit} bytes, OMNIFLOW_MAX_RUN_FILE_BYTES)"
-        return stored(name, data, path.name)
-
-    def save_elsewhere(node: str, name: str) -> dict[str, Any] | str:
-        if (ref := existing(name)) is not None:
-            return ref
-        try:
-            found = nodefiles.fetch(config, node, owner, name)
-        except nodefiles.NodeFileError as exc:
-            return f"{name} (not stored as a run file: on node {node}, {exc})"
-        return name if found.data is None else stored(name, found.data, PurePosixPath(name).name)
-
-    nodes = liveness.node_paths()
-    roots = PathRoots.of(config).with_hidden(nodes.models)
-    return ServerPaths(roots.users / owner, save, elsewhere={node: root / owner for node, root in nodes.users.items()},
-                       save_elsewhere=save_elsewhere if config.redis_url else None, models=roots.hidden_in_errors)
+    return show
 
 
 def output_ref(record: RunFile, name: str) -> dict[str, Any]:
@@ -299,21 +259,27 @@ def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any]
     or audio (`_node_media`).
     With `owner`, the writer must still hold the run's lease (else `LeaseLost`, nothing
     written). The events stay typed up to the write; returns them as stored (JSON data), which
-    is what followers are sent."""
+    is what followers are sent.
+    The files the batch names are read first, before the run's row is locked (`namedfiles`: a
+    node's agent may take `nodefiles.FETCH_TIMEOUT_S` to answer), so the lock is held only while
+    the batch is written."""
+    owner_id, lease_owner, status = Run.objects.values_list("owner_id", "lease_owner", "status").get(pk=run_id)
+    _check_lease(run_id, owner, lease_owner, status)  # a writer that lost it fetches nothing
+    values = [value for event in events for value in _file_values(event).values()]
+    named = namedfiles.gather(engine().config, run_id, str(owner_id),
+                              values if final_outputs is None else [*values, final_outputs])
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run_id)
-        if owner is not None and (run.lease_owner != owner or run.status != DbRunStatus.RUNNING):
-            raise LeaseLost(f"run {run_id}: the lease of {owner} was taken over (the run is {run.status},"
-                            f" held by {run.lease_owner or 'nobody'})")
+        _check_lease(run_id, owner, run.lease_owner, run.status)
         if events and events[0].seq != run.last_seq + 1:
             raise ValueError(f"run {run_id}: event seq {events[0].seq} does not follow {run.last_seq}")
         nodes = {n.node: n for n in run.nodes.all()}
         touched: dict[str, NodeRun] = {}
         run_fields: set[str] = {"last_seq"}
         stored: list[dict[str, Any]] = []
-        paths = _server_paths(run)
+        paths, show = named.paths, _show_files(run, named)
         for event in events:
-            event = _hide_paths(event, paths)
+            event = _hide_paths(event, paths, show)
             when = _when(event.time)
             files: dict[str, str] = {}
             if isinstance(event, RunStarted):
@@ -339,7 +305,7 @@ def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any]
                 run_fields |= _restart(run, nodes)
                 touched.update(nodes)
             elif isinstance(event, RunFinished):
-                outputs = event.outputs if final_outputs is None else paths.hide(final_outputs)
+                outputs = event.outputs if final_outputs is None else paths.hide(final_outputs, show)
                 run.outputs = {name: _output_value(run, name, value, files) for name, value in outputs.items()}
                 run.status = str(event.status)
                 run.error = event.error or ""
@@ -360,6 +326,13 @@ def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any]
             )
         run.save(update_fields=sorted(run_fields))
     return stored
+
+
+def _check_lease(run_id: str, owner: str | None, lease_owner: str, status: str) -> None:
+    """`LeaseLost` unless `owner` (None: a writer without a lease) holds the run's lease."""
+    if owner is not None and (lease_owner != owner or status != DbRunStatus.RUNNING):
+        raise LeaseLost(f"run {run_id}: the lease of {owner} was taken over (the run is {status},"
+                        f" held by {lease_owner or 'nobody'})")
 
 
 def _node_state(node: NodeRun, event: NodeStateEvent, when: dt.datetime) -> NodeRun:
@@ -430,14 +403,19 @@ def _put(value: Any, path: BlobPath, item: Any) -> Any:
     raise ValueError(f"a blob's place {path!r} is not in its preview")
 
 
-def _hide_paths(event: StoredEvent, paths: ServerPaths) -> StoredEvent:
-    """The event as users may see it: no server path in its values (as JSON data), error or
-    progress message."""
-    changed: dict[str, Any] = {}
+def _file_values(event: StoredEvent) -> dict[str, Any]:
+    """The fields of `event` whose values may name files (as JSON data), by field name."""
     if isinstance(event, NodeOutputEvent):
-        changed["value"] = paths.hide(msgspec.to_builtins(event.value))
+        return {"value": msgspec.to_builtins(event.value)}
     if isinstance(event, RunFinished):
-        changed["outputs"] = paths.hide(msgspec.to_builtins(event.outputs))
+        return {"outputs": msgspec.to_builtins(event.outputs)}
+    return {}
+
+
+def _hide_paths(event: StoredEvent, paths: ServerPaths, show: ShowFile) -> StoredEvent:
+    """The event as users may see it: no server path in its values (each place they name as `show`
+    says), error or progress message."""
+    changed = {field: paths.hide(value, show) for field, value in _file_values(event).items()}
     if isinstance(event, NodeStateEvent | RunFinished | RunRestarted) and event.error:
         changed["error"] = paths.hide_in_text(event.error)
     if isinstance(event, NodeProgressEvent) and event.message:
