@@ -1,8 +1,8 @@
 """A file a run wrote on another node, fetched from that node's agent (the distributed mode).
 
 A run's role workers write under their own node's users root (`runs.folders`). `runs.outputs`
-recognises such a path by the root the node announced (`liveness.node_paths`) and stores the file
-as a run file like a local one: the studio asks the node's agent a `UserFileQuery` and waits for
+recognises such a path by the root the node announced (`liveness.node_paths`), and `runs.namedfiles`
+fetches the file to store it as a run file like a local one, before the run's row is locked: the studio asks the node's agent a `UserFileQuery` and waits for
 its answer at most `FETCH_TIMEOUT_S` (`deployments.queries`: a Redis list the agent serves on
 threads of its own, so the answer never waits behind a deployment the agent is starting).
 

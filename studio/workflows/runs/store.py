@@ -8,7 +8,8 @@ A run's stored events are exactly the executor's events (typed up to the write, 
 that a run executed again after its executor stopped has a `run_restarted` event (written by
 `recovery`) followed by the new execution's events, their `seq` numbered on from it
 (`RunTicket.seq_base`); and that server paths below the owner's folder become run files or relative names
-(`studio.workflows.runs.outputs`): users see no server path.
+(`studio.workflows.runs.outputs`; the files are read before the run's row is locked, `runs.namedfiles`):
+users see no server path.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any]
     the batch is written."""
     owner_id, lease_owner, status = Run.objects.values_list("owner_id", "lease_owner", "status").get(pk=run_id)
     _check_lease(run_id, owner, lease_owner, status)  # a writer that lost it fetches nothing
-    values = [value for event in events for value in _file_values(event).values()]
+    fields = [_file_values(event) for event in events]  # what gather reads through is what is hidden below
+    values = [value for named_by in fields for value in named_by.values()]
     named = namedfiles.gather(engine().config, run_id, str(owner_id),
                               values if final_outputs is None else [*values, final_outputs])
     with transaction.atomic():
@@ -278,8 +280,8 @@ def record(run_id: str, events: list[StoredEvent], final_outputs: dict[str, Any]
         run_fields: set[str] = {"last_seq"}
         stored: list[dict[str, Any]] = []
         paths, show = named.paths, _show_files(run, named)
-        for event in events:
-            event = _hide_paths(event, paths, show)
+        for event, named_by in zip(events, fields, strict=True):
+            event = _hide_paths(event, named_by, paths, show)
             when = _when(event.time)
             files: dict[str, str] = {}
             if isinstance(event, RunStarted):
@@ -412,10 +414,10 @@ def _file_values(event: StoredEvent) -> dict[str, Any]:
     return {}
 
 
-def _hide_paths(event: StoredEvent, paths: ServerPaths, show: ShowFile) -> StoredEvent:
-    """The event as users may see it: no server path in its values (each place they name as `show`
-    says), error or progress message."""
-    changed = {field: paths.hide(value, show) for field, value in _file_values(event).items()}
+def _hide_paths(event: StoredEvent, fields: dict[str, Any], paths: ServerPaths, show: ShowFile) -> StoredEvent:
+    """The event as users may see it: no server path in its values (`fields`, its `_file_values`: each
+    place they name as `show` says), error or progress message."""
+    changed = {field: paths.hide(value, show) for field, value in fields.items()}
     if isinstance(event, NodeStateEvent | RunFinished | RunRestarted) and event.error:
         changed["error"] = paths.hide_in_text(event.error)
     if isinstance(event, NodeProgressEvent) and event.message:
