@@ -96,7 +96,7 @@ def gather(config: StudioConfig, run_id: str, owner: str, values: list[Any]) -> 
                  .values_list("name", flat=True))
     found: dict[NamedFile, Found] = {}
     for file in named:
-        if file.run_file_name in stored:
+        if file.run_file_name in stored:  # by an earlier batch: shown by that run file, not read again
             found[file] = NotRead(file.name)
         elif file.node is None:
             found[file] = read_here(paths.root, file.name, config.max_run_file_bytes)
