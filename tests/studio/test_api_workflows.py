@@ -37,6 +37,32 @@ def test_create_list_get_update_delete(api, other_api) -> None:
     assert api.get(f"/api/workflows/{wf['id']}/").status_code == 404
 
 
+def test_the_list_is_most_recently_updated_first_ties_by_name(api) -> None:
+    """Workflows updated in the same instant (the examples, loaded together) list by name; a saved
+    version or a rename moves a workflow to the top."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from studio.workflows.models import Workflow
+
+    made = {name: create_workflow(api, spec_doc(), name=name)["id"] for name in ("a", "b", "d", "c")}
+    start = timezone.now() - timedelta(hours=1)
+    for name, seconds in (("a", 0), ("b", 2), ("c", 1), ("d", 1)):
+        Workflow.objects.filter(pk=made[name]).update(updated_at=start + timedelta(seconds=seconds))
+
+    def names() -> list[str]:
+        return [w["name"] for w in api.get("/api/workflows/").json()["results"]]
+
+    assert names() == ["b", "c", "d", "a"]
+    saved = api.post(f"/api/workflows/{made['a']}/versions/",
+                     {"spec": spec_doc(op="tests.studio.fns:fail"), "base": 1}, format="json")
+    assert saved.status_code == 201, saved.content
+    assert names() == ["a", "b", "c", "d"]
+    assert api.patch(f"/api/workflows/{made['d']}/", {"description": "now"}, format="json").status_code == 200
+    assert names() == ["d", "a", "b", "c"]
+
+
 def test_a_version_says_whether_it_is_a_chat_model(api) -> None:
     """The editor's deploy dialog calls a deployment's name an OpenAI model only where it is one."""
     for name, chat in (("chat", True), ("vision_chat", True), ("diamond", False), ("image_generation", False)):

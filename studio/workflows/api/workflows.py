@@ -103,7 +103,10 @@ class WorkflowViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.U
     parser_classes = [LimitedJSONParser, parsers.MultiPartParser, PythonSourceParser, PlainTextParser]
 
     def get_queryset(self) -> QuerySet[Workflow]:
-        qs = visible_workflows(self.request).annotate(version_count=Count("versions")).order_by("-updated_at")
+        qs = visible_workflows(self.request).annotate(version_count=Count("versions"))
+        # Most recently updated first (a saved version or a rename updates it), as dashboards list; workflows
+        # updated in the same instant (the examples, loaded together) by name, so the order never shuffles.
+        qs = qs.order_by("-updated_at", "name", "id")
         search = self.request.query_params.get("search")
         if search:
             qs = qs.filter(name__icontains=search)
