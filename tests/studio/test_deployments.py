@@ -312,6 +312,38 @@ def test_scale_and_visibility_errors(api: Any, other_api: Any, studio_engine: St
     assert response.status_code == 400 and "not a chat workflow" in response.json()["error"]
 
 
+def test_the_proposed_name_counts_only_your_own_live_deployments(api: Any, other_api: Any, user: Any,
+                                                                   other_user: Any, staff: Any) -> None:
+    """The deploy dialog proposes what an unnamed deploy would take: a staff user who sees everyone's
+    deployments is proposed the workflow's name while only someone else's deployments hold it."""
+    mine = create_workflow(api, whoami_spec())
+    theirs = create_workflow(other_api, whoami_spec())
+    staff_wf = create_workflow(client_for(staff), whoami_spec())
+
+    def proposed(client: Any, workflow: dict[str, Any]) -> str:
+        response = client.get("/api/deployments/proposed-name/", {"workflow": workflow["id"]})
+        assert response.status_code == 200, response.content
+        return response.json()["name"]
+
+    def record(owner: Any, workflow: dict[str, Any], name: str = "") -> Deployment:
+        version = WorkflowVersion.objects.get(workflow_id=workflow["id"], number=1)
+        return create_deployment(owner, version, name=name, start_workers=False)
+
+    assert proposed(api, mine) == "whoami"
+    assert record(user, mine).name == "whoami"
+    assert record(user, mine, "whoami-3").name == "whoami-3"
+    assert proposed(api, mine) == "whoami-2"
+    assert record(user, mine).name == "whoami-2"
+    assert proposed(api, mine) == "whoami-4"
+    record(other_user, theirs)
+    record(other_user, theirs)
+    assert proposed(client_for(staff), staff_wf) == "whoami"
+    assert proposed(other_api, theirs) == "whoami-3"
+    assert other_api.get("/api/deployments/proposed-name/", {"workflow": mine["id"]}).status_code == 404
+    assert api.get("/api/deployments/proposed-name/", {"workflow": "x"}).status_code == 400
+    assert api.get("/api/deployments/proposed-name/").status_code == 400
+
+
 def tp_chat_spec() -> dict[str, Any]:
     """A text prompt through one `llm` node on a tiny-llama role split over two tensor-parallel ranks."""
     return {

@@ -86,6 +86,9 @@ export const cluster = {
         { allow: MISSING },
       ),
     ),
+  /** The name a deployment of `workflow` left unnamed would take now (null: no deployment API). */
+  proposedName: (workflow: string) =>
+    request<{ name: string } | null>("GET", `/api/deployments/proposed-name/?workflow=${workflow}`, { allow: MISSING }),
   deploy: (body: { workflow: string; version: number; replicas?: Record<string, number>; name?: string }) =>
     request<Deployment>("POST", "/api/deployments/", { json: body }),
   stop: (id: string) => request<Deployment>("POST", `/api/deployments/${id}/stop/`),

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { WorkerSnapshot } from "./cluster";
-import { type DeploymentWorker, defaultDeploymentName, failureReason, workerRows, workerState } from "./deployments";
+import { type DeploymentWorker, failureReason, workerRows, workerState } from "./deployments";
 
 function row(over: Partial<DeploymentWorker>): DeploymentWorker {
   return {
@@ -58,17 +58,5 @@ describe("workerRows", () => {
       ["py#0", "starting", true],
       ["chat-py-0-1", "failed", false],
     ]);
-  });
-});
-
-describe("defaultDeploymentName", () => {
-  it("the workflow's name, numbered past the names live deployments hold, as the studio picks it", () => {
-    expect(defaultDeploymentName("chat", [])).toBe("chat");
-    expect(defaultDeploymentName("chat", ["chat"])).toBe("chat-2");
-    expect(defaultDeploymentName("chat", ["chat", "chat-2", "chat-4"])).toBe("chat-3");
-    expect(defaultDeploymentName("chat", ["chat-2"])).toBe("chat");
-    const long = "w".repeat(120);
-    expect(defaultDeploymentName(long, [])).toBe("w".repeat(96));
-    expect(defaultDeploymentName(long, ["w".repeat(96)])).toBe(`${"w".repeat(96)}-2`);
   });
 });

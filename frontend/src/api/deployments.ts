@@ -66,21 +66,6 @@ export interface DeploymentDetail extends Deployment {
 
 export const ACTIVE_STATUSES = ["pending", "starting", "running", "stopping"];
 
-/** The longest deployment name (the studio's `MAX_DEPLOYMENT_NAME`). */
-export const MAX_DEPLOYMENT_NAME = 100;
-
-/**
- * The name the studio gives a new deployment left unnamed: `base` (the workflow's name), numbered
- * `-2`, `-3` … past the names the user's live deployments (`live`) hold.
- */
-export function defaultDeploymentName(base: string, live: string[]): string {
-  const taken = new Set(live);
-  const stem = base.slice(0, MAX_DEPLOYMENT_NAME - 4);
-  let name = stem;
-  for (let number = 2; taken.has(name); number++) name = `${stem}-${number}`;
-  return name;
-}
-
 export const deployments = {
   get: (id: string) => request<DeploymentDetail>("GET", `/api/deployments/${id}/`),
 };

@@ -3,7 +3,7 @@ import { useCallback, useEffect, useState } from "react";
 import { Link } from "react-router-dom";
 import { cacheScopeLabel, cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
-import { ACTIVE_STATUSES, defaultDeploymentName } from "../api/deployments";
+import { ACTIVE_STATUSES } from "../api/deployments";
 import type { RoleSpec } from "../api/types";
 import { useToast } from "../components/toast";
 import { Button, EmptyState, ErrorBox, Modal, Spinner, StatusBadge, Timestamp } from "../components/ui";
@@ -42,14 +42,14 @@ export function DeployDialog({
   const [busy, setBusy] = useState(false);
   const toast = useToast();
 
-  /** The names the user's live deployments hold: what an unnamed deployment is numbered past. */
-  const [liveNames, setLiveNames] = useState<string[]>([]);
+  /** What an unnamed deployment would be called now: the studio's own answer (only your live deployments count). */
+  const [defaultName, setDefaultName] = useState(workflowName);
   const load = useCallback(
     () =>
-      Promise.all([cluster.deployments(workflowId), cluster.deployments()])
-        .then(([mine, all]) => {
+      Promise.all([cluster.deployments(workflowId), cluster.proposedName(workflowId)])
+        .then(([mine, proposed]) => {
           setDeployments(mine);
-          setLiveNames((all ?? []).filter((d) => ACTIVE_STATUSES.includes(d.status)).map((d) => d.name));
+          if (proposed) setDefaultName(proposed.name);
         })
         .catch((err) => {
           setError(describeError(err));
@@ -57,7 +57,6 @@ export function DeployDialog({
         }),
     [workflowId],
   );
-  const defaultName = defaultDeploymentName(workflowName, liveNames);
   useEffect(() => {
     load();
   }, [load]);

@@ -66,6 +66,10 @@ class DeploymentCreateSerializer(serializers.Serializer):
 
 
 
+class ProposedNameSerializer(serializers.Serializer):
+    name = serializers.CharField(help_text="the workflow's name, numbered -2, -3 ... past your live deployments'")
+
+
 def deploy_request(request: Request) -> tuple[dict[str, Any], WorkflowVersion]:
     """A deploy request's fields and the version it names (the workflow's latest when it names
     none; 404 when the caller cannot see it, Conflict when the workflow has no saved version)."""
@@ -281,6 +285,18 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         response = self._detail(deployment, status.HTTP_201_CREATED)
         response["Location"] = response.data["links"]["self"]
         return response
+
+    @extend_schema(summary="The name a deployment of the workflow left unnamed would take now",
+                   parameters=[OpenApiParameter("workflow", OpenApiTypes.UUID, required=True)],
+                   responses={200: ProposedNameSerializer, **ERRORS})
+    @action(detail=False, methods=["get"], url_path="proposed-name", url_name="proposed-name")
+    def proposed_name(self, request: Request) -> Response:
+        try:
+            workflow_id = serializers.UUIDField().to_internal_value(request.query_params.get("workflow", ""))
+        except serializers.ValidationError:
+            raise BadRequest(f"workflow must be a UUID, not {request.query_params.get('workflow', '')!r}") from None
+        workflow = get_workflow(request, workflow_id)
+        return Response({"name": service.proposed_name(request.user, workflow.name)})
 
     @extend_schema(summary="Stop a deployment's workers", request=None,
                    responses={200: DeploymentDetailSerializer, **ERRORS})

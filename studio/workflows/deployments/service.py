@@ -174,13 +174,27 @@ def _unique_name(user: Any, wanted: str, default: str) -> str:
     """The name a new deployment of `user` takes: `wanted`, which no live deployment of theirs may
     hold already (Conflict), or else `default` (the workflow's name), numbered `-2`, `-3` ... past
     the names their live deployments hold. Called with the user's row locked."""
-    taken = set(Deployment.objects.filter(owner=user, status__in=ACTIVE_DEPLOYMENT_STATUSES)
-                .values_list("name", flat=True))
+    taken = _live_names(user)
     if wanted:
         if wanted in taken:
             raise Conflict(f"you have a live deployment named {wanted!r} already: choose another name or stop it",
                            [{"field": "name", "name": wanted}])
         return wanted
+    return _next_free(default, taken)
+
+
+def proposed_name(user: Any, default: str) -> str:
+    """The name a deployment of `user` left unnamed would take now (what the deploy dialog proposes):
+    only `user`'s own live deployments count, whoever else's a staff user sees."""
+    return _next_free(default, _live_names(user))
+
+
+def _live_names(user: Any) -> set[str]:
+    return set(Deployment.objects.filter(owner=user, status__in=ACTIVE_DEPLOYMENT_STATUSES)
+               .values_list("name", flat=True))
+
+
+def _next_free(default: str, taken: set[str]) -> str:
     base = default[:MAX_DEPLOYMENT_NAME - 4]
     number = 1
     name = base
