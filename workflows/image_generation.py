@@ -18,7 +18,7 @@ token (`<|size:WxH|>`, default 256x256) sizes the saved PNG; `save` writes it un
 from __future__ import annotations
 
 from engine.flow.dsl import Workflow
-from workflows.ops.common import image_size, rewrite_prompt, save_outputs
+from workflows.ops.common import image_size, rewrite_prompt, rewritten_prompt, save_outputs
 
 MODEL = "smollm2-135m"
 PAGE_SIZE = 16
@@ -35,6 +35,7 @@ rewrite = wf.node("rewrite", "llm", role=llm, params={"max_new_tokens": 24, "see
 denoise = wf.node("denoise", "diffusion", role=diffusion, params={"seed": 0})
 decode = wf.node("decode", "vae_decode", role=vae)
 size = wf.python(image_size, role=py)
+rewritten = wf.python(rewritten_prompt, role=py, outputs={"out": "text"})
 save = wf.python(save_outputs, role=py, inputs={"text": "text", "image": "image", "size": "json"})
 
 wf.edge(request, instruct)
@@ -47,6 +48,7 @@ wf.edge(decode.out("image"), save.inp("image"))
 wf.edge(size, save.inp("size"))
 wf.output("saved", save, "json")
 wf.output("image", decode.out("image"), "image")
-wf.output("prompt_rewrite", rewrite.out("text"), "text")
+wf.edge(rewrite.out("text"), rewritten)
+wf.output("prompt_rewrite", rewritten, "text")
 
 workflow = wf

@@ -41,7 +41,8 @@ def test_image_generation_writes_a_png(real_model, capsys, tmp_path, monkeypatch
     """As shipped: the rewrite and the diffusion on smollm2-135m in two worker processes (one copy of
     the weights, the diffusion pulling the rewrite's prompt pages)."""
     result = _run_cli("workflows/image_generation.py", capsys, tmp_path, monkeypatch)
-    assert result["outputs"]["prompt_rewrite"].strip()
+    rewrite = result["outputs"]["prompt_rewrite"]
+    assert rewrite.strip() and rewrite == rewrite.strip()  # a text of its own: no joint to the instruction
     saved = result["outputs"]["saved"]
     with Image.open(saved["files"]["image"]) as img:
         assert img.format == "PNG" and img.size == (256, 256)

@@ -192,6 +192,28 @@ def test_stop_at_eos(ours: LoadedModel, prompts: list[list[int]], expected: list
     assert longer.finish_reason is FinishReason.LENGTH and list(longer.output_ids[:3]) == expected[1]
 
 
+def test_image_generations_rewrite_is_the_continuation_and_its_output_a_text_of_its_own(
+        ours: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase):
+    """The llm node's text is what the tokenizer's own decode of prompt + continuation adds to the
+    prompt: here " A ...", the space joining it to "Image prompt:". The workflow's `prompt_rewrite`
+    output is that rewrite as a text of its own, without the joint."""
+    from workflows.ops.common import rewrite_prompt, rewritten_prompt
+
+    prompt = rewrite_prompt("a lighthouse on a cliff at dusk, oil painting")
+    prompt_ids = ours.codec.encode(prompt)
+    assert prompt_ids == list(hf_tokenizer(prompt).input_ids)
+    engine = LLMEngine(ours, EngineConfig(page_size=16))
+    try:
+        out = engine.generate([prompt_ids], SamplingParams(max_new_tokens=24))[0]
+    finally:
+        engine.close()
+    whole = hf_tokenizer.decode(prompt_ids + list(out.output_ids), skip_special_tokens=True)
+    continuation = whole[len(hf_tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
+    assert out.text == continuation
+    assert continuation[0] == " " and continuation[1] != " "  # the joint, decoded from the first token
+    assert rewritten_prompt(out.text) == continuation.strip() and not rewritten_prompt(out.text)[0].isspace()
+
+
 def test_cli_generate_list_and_export(smollm2_cache: ModelCache, checkpoint: Path, capsys, monkeypatch,
                                       tmp_path: Path):
     monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(smollm2_cache.config.root))

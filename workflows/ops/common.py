@@ -83,6 +83,15 @@ def rewrite_prompt(request: str) -> str:
             f"Request: {request.strip()}\nImage prompt:")
 
 
+@op("image.rewritten_prompt")
+def rewritten_prompt(text: str) -> str:
+    """The rewrite as a text of its own. The llm node's text is the continuation of
+    `rewrite_prompt`'s instruction, which ends on "Image prompt:": its first token carries the space
+    that joins it to that colon (byte-level BPE: "ĠA"), as the tokenizer's own decode of prompt and
+    continuation together has it. That joint is no part of the rewritten prompt a user reads."""
+    return text.strip()
+
+
 @op("image.context_tokens", inputs={"prompt": "text", "tokens": "tokens"}, outputs={"out": "tokens"})
 def context_tokens(prompt: str, tokens: list[int], model: str) -> list[int]:
     """The LLM's whole context as model ids (its prompt tokenized as the llm role running `model`
