@@ -448,6 +448,10 @@ try {
     const links = await page.$$eval(`${saved} a.output-file-link`, (els) => els.map((a) => a.getAttribute("href")));
     expect(links.length === 2 && links.every((href) => href.startsWith(`/api/runs/${run.id}/files/`)),
       `the saved output's files are the run's: ${links}`);
+    // ... and not as its raw JSON: the folder it names reads as a name in the user's own files.
+    expect((await page.locator(`${tid("output-saved")} .output-json`).count()) === 0, "no raw JSON for `saved`");
+    const folder = (await page.textContent(`${tid("saved-files-saved")} .saved-leaf dd`)).trim();
+    expect(folder.endsWith(run.id) && !folder.startsWith("/"), `the folder is named in the user's files: ${folder}`);
     await shot("run-image-generation-done");
   });
 

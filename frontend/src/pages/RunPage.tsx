@@ -18,6 +18,7 @@ import {
   clockSkew,
   fileIdsIn,
   initialRunState,
+  plainLeaves,
   isTerminal,
   liveDurationMs,
   type MediaValue,
@@ -397,15 +398,40 @@ function OutputValue({
 }) {
   const file = fileFor(value, files) ?? files.find((f) => f.role === "output" && f.name === name);
   const url = links[name] ?? file?.url;
+  const named = url ? [] : fileIdsIn(value);
   let body: React.ReactNode;
   if (url && file) body = <FileView file={file} url={url} name={name} />;
   else if (url) body = <Spinner label="Loading the file" />; // its type arrives with the run's details
+  else if (named.length > 0) body = <SavedFiles name={name} value={value} ids={named} files={files} />;
   else body = <ValueView value={value} />;
   return (
     <div className="output" data-testid={`output-${name}`}>
       <div className="output-name mono">{name}</div>
-      {!url && <OutputFiles name={name} ids={fileIdsIn(value)} files={files} />}
       {body}
+    </div>
+  );
+}
+
+/**
+ * A value that names run files (`save_outputs`' `{dir, files: {text, image}}`) as what it is: those
+ * files, and its other leaves (the folder, named in your own folder) as text, never its raw JSON.
+ */
+function SavedFiles({ name, value, ids, files }: { name: string; value: unknown; ids: string[]; files: RunFile[] }) {
+  const loaded = ids.every((id) => files.some((f) => f.id === id));
+  const leaves = plainLeaves(value);
+  return (
+    <div className="saved-files" data-testid={`saved-files-${name}`}>
+      {loaded ? <OutputFiles name={name} ids={ids} files={files} /> : <Spinner label="Loading the files" />}
+      {leaves.length > 0 && (
+        <dl className="saved-leaves">
+          {leaves.map((leaf) => (
+            <div key={leaf.path} className="saved-leaf">
+              <dt className="muted">{leaf.path === "dir" ? "folder (in your files)" : leaf.path}</dt>
+              <dd className="mono">{leaf.text}</dd>
+            </div>
+          ))}
+        </dl>
+      )}
     </div>
   );
 }

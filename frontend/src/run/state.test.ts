@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import type { RunEvent } from "../api/types";
 import events from "./fixtures/stream-events.json";
-import { clockSkew, fileIdsIn, initialRunState, liveDurationMs, mediaOf, reduceRun, runMedia, streamText, waitingNodes } from "./state";
+import { clockSkew, fileIdsIn, initialRunState, plainLeaves, liveDurationMs, mediaOf, reduceRun, runMedia, streamText, waitingNodes } from "./state";
 
 const all = events as RunEvent[];
 const replay = (upTo = all.length) => all.slice(0, upTo).reduce(reduceRun, initialRunState());
@@ -177,5 +177,21 @@ describe("fileIdsIn", () => {
 
   it("takes a file reference as a leaf: what it holds besides its id is not searched", () => {
     expect(fileIdsIn({ $file: "outer", inner: { $file: "ignored" } })).toEqual(["outer"]);
+  });
+});
+
+describe("plainLeaves", () => {
+  it("gives the leaves beside the files, under their keys, as text", () => {
+    const saved = {
+      dir: "outputs/r1",
+      files: { text: { $file: "f-text" }, image: { $file: "f-image" } },
+    };
+    expect(plainLeaves(saved)).toEqual([{ path: "dir", text: "outputs/r1" }]);
+    expect(plainLeaves({ a: [1, { b: null }], c: true })).toEqual([
+      { path: "a › 0", text: "1" },
+      { path: "a › 1 › b", text: "null" },
+      { path: "c", text: "true" },
+    ]);
+    expect(plainLeaves({ $file: "x" })).toEqual([]);
   });
 });

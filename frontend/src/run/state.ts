@@ -190,6 +190,29 @@ export function runMedia(state: RunState): NamedMedia[] {
   ];
 }
 
+/** A leaf of a value that names run files: where it sits ("files › text") and what it is, as text. */
+export interface PlainLeaf {
+  path: string;
+  text: string;
+}
+
+/**
+ * The leaves of a value besides the run files it names (`save_outputs`' folder, `dir`), with the keys
+ * they sit under: what the run view shows beside those files, in place of the value's raw JSON.
+ */
+export function plainLeaves(value: unknown): PlainLeaf[] {
+  const leaves: PlainLeaf[] = [];
+  const walk = (v: unknown, path: string[]) => {
+    if (Array.isArray(v)) v.forEach((item, i) => walk(item, [...path, String(i)]));
+    else if (v && typeof v === "object") {
+      if (typeof (v as { $file?: unknown }).$file === "string") return;
+      Object.entries(v as Record<string, unknown>).forEach(([key, item]) => walk(item, [...path, key]));
+    } else leaves.push({ path: path.join(" › "), text: typeof v === "string" ? v : JSON.stringify(v) });
+  };
+  walk(value, []);
+  return leaves;
+}
+
 /**
  * The run files a value names, wherever inside it (`{"$file": "<id>", ...}` objects in its lists and
  * dicts, as `saved: {dir, files: {image: {$file, url, name}}}`): their ids, each once, in the order
