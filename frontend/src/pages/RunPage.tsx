@@ -5,8 +5,8 @@
 import { useCallback, useEffect, useMemo, useReducer, useRef, useState } from "react";
 import { Link, useParams } from "react-router-dom";
 import { ApiError, describeError } from "../api/client";
-import { runs } from "../api/studio";
-import type { GraphSpec, RunDetail, RunEvent, RunFile } from "../api/types";
+import { catalogue, runs } from "../api/studio";
+import type { GraphSpec, ModelInfo, RunDetail, RunEvent, RunFile } from "../api/types";
 import { Icon } from "../components/icons";
 import { Lightbox } from "../components/Lightbox";
 import { RunGraph } from "../components/RunGraph";
@@ -30,6 +30,7 @@ import {
   waitingNodes,
 } from "../run/state";
 import { deploymentLabel } from "../run/target";
+import { type RandomWeightsRole, randomWeightRoles } from "../run/weights";
 
 function reducer(state: RunState, events: RunEvent[]): RunState {
   return events.reduce(reduceRun, state);
@@ -48,6 +49,14 @@ export function RunPage() {
   const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
   const closeZoom = useCallback(() => setZoomed(null), []);
   const toast = useToast();
+  /** The catalogue: which roles ran a model with random weights (a string: why it could not be read). */
+  const [models, setModels] = useState<ModelInfo[] | string | null>(null);
+  useEffect(() => {
+    catalogue.models().then(
+      (list) => setModels(list.models),
+      (err) => setModels(describeError(err)),
+    );
+  }, []);
 
   const refresh = useCallback(async () => {
     if (!id) return;
@@ -140,6 +149,8 @@ export function RunPage() {
   const waiting = live ? waitingNodes(state) : [];
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
+  const randomRoles = Array.isArray(models) ? randomWeightRoles(detail.spec, models) : [];
+  const randomNodes = new Set(randomRoles.flatMap((r) => r.nodes));
 
   return (
     <div className="run-page" data-testid="run-page">
@@ -189,6 +200,12 @@ export function RunPage() {
         </div>
       </header>
 
+      {randomRoles.length > 0 && <RandomWeightsNote roles={randomRoles} />}
+      {typeof models === "string" && (
+        <p className="muted small" data-testid="models-unknown">
+          Which models have random weights is not known: {models}
+        </p>
+      )}
       {waiting.length > 0 && (
         <div className="info-box neutral run-waiting" data-testid="run-waiting">
           <span className="spinner small" />
@@ -267,7 +284,14 @@ export function RunPage() {
                       data-testid={`node-row-${n.id}`}
                       data-state={v?.state ?? "pending"}
                     >
-                      <td className="mono">{n.id}</td>
+                      <td className="mono">
+                        {n.id}
+                        {randomNodes.has(n.id) && (
+                          <span className="pill random-weights" title="Its role's model has random weights (for testing): the output is noise" data-testid={`node-random-${n.id}`}>
+                            random weights
+                          </span>
+                        )}
+                      </td>
                       <td>
                         <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
                         {v?.iterations && v.iterations > 1 ? <span className="muted small"> ×{v.iterations}</span> : null}
@@ -317,6 +341,29 @@ export function RunPage() {
         </aside>
       </div>
       {zoomed && <Lightbox name={zoomed.name} url={zoomed.media.url} onClose={closeZoom} />}
+    </div>
+  );
+}
+
+/** Which roles ran a model with random weights, as the catalogue and the editor say of it. */
+function RandomWeightsNote({ roles }: { roles: RandomWeightsRole[] }) {
+  return (
+    <div className="info-box neutral" data-testid="run-random-weights">
+      <Icon name="alert" />
+      <span>
+        <strong>Random weights (for testing):</strong>{" "}
+        {roles.map((r, i) => (
+          <span key={r.role} data-testid={`random-role-${r.role}`}>
+            {i > 0 && "; "}role <strong className="mono">{r.role}</strong> ran <span className="mono">{r.model}</span>
+            {r.nodes.length > 0 && (
+              <>
+                {" "}(node{r.nodes.length > 1 ? "s" : ""} <span className="mono">{r.nodes.join(", ")}</span>)
+              </>
+            )}
+          </span>
+        ))}
+        . What {roles.length > 1 ? "they produce" : "it produces"} is noise, not a trained model's output.
+      </span>
     </div>
   );
 }
