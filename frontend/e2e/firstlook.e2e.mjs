@@ -13,7 +13,7 @@
 //    as changed, and its text diff adds every line.
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
 
-import { dragPorts, expect, logIn, openBrowser, tid, validityShows } from "./harness.mjs";
+import { dragPorts, expect, logIn, openBrowser, tid, validityShows, viewportSettled } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL ?? "http://127.0.0.1:8000";
 const USER = process.env.STUDIO_USER ?? "demo";
@@ -92,6 +92,27 @@ try {
     const codes = await issueCodes();
     expect(!codes.includes("missing_input") && codes.includes("model_missing"), `issues left: ${codes}`);
     await shot("editor-llm-prompt-wired");
+  });
+
+  await step("a new input asks for text, and its first edge gives it the type it feeds", async () => {
+    const inspect = async (id) => {
+      await viewportSettled(page);
+      await page.locator(`${tid(`node-${id}`)} .spec-node-id`).click();
+      await page.waitForSelector(tid("input-type"));
+    };
+    await inspect("input");
+    expect((await page.inputValue(tid("input-type"))) === "text", "a new input is text, not any");
+    await page.dragAndDrop(tid("palette-input"), tid("canvas"), { targetPosition: { x: 120, y: 320 } });
+    await page.waitForSelector(tid("node-input_2"));
+    await dragPorts(page, tid("port-input_2-out-value"), tid("port-llm-in-tokens"));
+    await page.waitForSelector('[data-testid="rf__edge-input_2.value->llm.tokens"]');
+    await waitText(`${tid("node-input_2")} .port-out`, "tokens");
+    await inspect("input_2");
+    expect((await page.inputValue(tid("input-type"))) === "tokens", "drawn to llm.tokens, it asks for tokens");
+    await page.selectOption(tid("input-type"), "json"); // the picker: what the run form asks for
+    await waitText(tid("input-type-hint"), "a JSON value");
+    await waitText(`${tid("node-input_2")} .port-out`, "json");
+    await shot("editor-input-type");
   });
 
   await step("version 1 compared with nothing reads as added", async () => {

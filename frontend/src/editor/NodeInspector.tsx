@@ -15,7 +15,18 @@ import { CommitInput, CommitTextArea, SchemaForm } from "../components/forms";
 import { Icon } from "../components/icons";
 import { Button } from "../components/ui";
 import type { EditorDoc } from "../graph/model";
-import { predecessors, successors } from "../graph/ops";
+import { INPUT_KIND, INPUT_TYPES, predecessors, successors } from "../graph/ops";
+
+/** What the run form asks for, per input type. */
+const INPUT_TYPE_HINTS: Record<string, string> = {
+  text: "a text box",
+  image: "an image file",
+  audio: "an audio file",
+  json: "a JSON value",
+  tokens: "token ids (a JSON list)",
+  tensor: "a tensor file",
+  any: "any value: text, or JSON",
+};
 
 export interface NodeEdits {
   rename: (from: string, to: string) => string | null;
@@ -85,6 +96,29 @@ export function NodeInspector({
             <span className="field-hint">The id is the name of the workflow's {spec.kind}.</span>
           )}
         </label>
+        {spec.kind === INPUT_KIND && spec.outputs?.value && (
+          <label className="field">
+            <span className="field-label">Type</span>
+            <select
+              value={spec.outputs.value.type}
+              aria-label="Input type"
+              data-testid="input-type"
+              onChange={(e) =>
+                edits.setPorts(id, "outputs", { ...spec.outputs, value: { ...spec.outputs!.value, type: e.target.value as PortType } })
+              }
+            >
+              {[...INPUT_TYPES, ...(INPUT_TYPES.includes(spec.outputs.value.type) ? [] : [spec.outputs.value.type])].map((t) => (
+                <option key={t} value={t}>
+                  {t}
+                </option>
+              ))}
+            </select>
+            <span className="field-hint" data-testid="input-type-hint">
+              A run form asks for {INPUT_TYPE_HINTS[spec.outputs.value.type] ?? `a ${spec.outputs.value.type} value`}
+              {!doc.edges.some((e) => e.source === id) && "; drawn to a node's port, it takes that port's type"}.
+            </span>
+          </label>
+        )}
         {kind && kind.role_kinds.length > 0 && (
           <label className="field">
             <span className="field-label">Role</span>

@@ -113,7 +113,8 @@ describe("editing", () => {
       id: "python", kind: "python", role: "python", op: "",
       inputs: { x: { type: "json" } }, outputs: { out: { type: "json" } },
     });
-    expect(spec.nodes[0]).toEqual({ id: "input", kind: "input", outputs: { value: { type: "any" } } });
+    // A new input asks a run for text (the catalogue's `any` asks for a JSON value, rarely what is meant).
+    expect(spec.nodes[0]).toEqual({ id: "input", kind: "input", outputs: { value: { type: "text" } } });
     expect(spec.nodes[3]).toEqual({ id: "output", kind: "output", inputs: { value: { type: "any" } } });
   });
 
@@ -131,7 +132,7 @@ describe("editing", () => {
       version: 1, name: "t", roles: [],
       nodes: [
         { id: "a", kind: "input", outputs: { value: { type: "text" } } },
-        { id: "b", kind: "input", outputs: { value: { type: "image" } } },
+        { id: "b", kind: "python", op: "x", outputs: { value: { type: "image" } } },
         { id: "c", kind: "input", outputs: { value: { type: "any" } } },
         { id: "gen", kind: "llm", inputs: { prompt: { type: "text", optional: true } } },
       ],
@@ -150,6 +151,34 @@ describe("editing", () => {
     expect(docToSpec(doc).edges).toEqual([{ source: "a", source_port: "value", target: "gen", target_port: "prompt" }]);
     expect(connect(doc, to("a"))).toEqual({ hint: "These ports are already connected." });
     expect(connect(doc, { source: "gen", sourceHandle: "x", target: "gen", targetHandle: "prompt" })).toHaveProperty("hint");
+  });
+
+  it("types an input by its first edge, and only by its first", () => {
+    let doc = specToDoc({
+      version: 1, name: "t", roles: [],
+      nodes: [
+        { id: "picture", kind: "input", outputs: { value: { type: "text" } } },
+        { id: "vit", kind: "vision_encode", inputs: { image: { type: "image" } } },
+        { id: "gen", kind: "llm", inputs: { prompt: { type: "text", optional: true } } },
+        { id: "sink", kind: "output", inputs: { value: { type: "any" } } },
+        { id: "kvin", kind: "llm", inputs: { kv: { type: "kv", optional: true } } },
+        { id: "clip", kind: "input", outputs: { value: { type: "audio" } } },
+      ],
+      edges: [],
+    });
+    const edge = (target: string, targetHandle: string) => ({ source: "picture", sourceHandle: "value", target, targetHandle });
+    const typeOf = (d: typeof doc) => docToSpec(d).nodes[0].outputs!.value.type;
+    expect(checkConnection(doc, edge("kvin", "kv")).ok).toBe(false); // a KV cache is no value a run is given
+    expect(typeOf((connect(doc, edge("sink", "value")) as { doc: typeof doc }).doc)).toBe("text"); // any: kept
+    doc = (connect(doc, edge("vit", "image")) as { doc: typeof doc }).doc;
+    expect(typeOf(doc)).toBe("image");
+    // An input given another type on purpose keeps it: a mismatch to fix, not a reason to retype it.
+    expect(checkConnection(doc, { ...edge("vit", "image"), source: "clip" }).ok).toBe(false);
+    // It feeds the encoder now: a text port is a mismatch to fix, not a reason to retype it.
+    expect(checkConnection(doc, edge("gen", "prompt"))).toEqual({
+      ok: false,
+      hint: expect.stringMatching(/picture\.value is image but gen\.prompt expects text/),
+    });
   });
 
   it("renames a node through edges, triggers and routes", () => {

@@ -43,6 +43,8 @@ export function addNode(
   const spec: NodeSpec = { id, kind: kind.name };
   spec.inputs = fixedPorts(kind.inputs) ?? { x: { type: "json" } };
   spec.outputs = fixedPorts(kind.outputs) ?? { out: { type: "json" } };
+  // A workflow input asks the run form for text until it says otherwise (or its first edge does: `connect`).
+  if (kind.name === INPUT_KIND && spec.outputs.value?.type === "any") spec.outputs = { ...spec.outputs, value: { type: "text" } };
   if (kind.op === "required") spec.op = "";
   let roles = doc.roles;
   if (kind.role_kinds.length > 0) {
@@ -57,6 +59,31 @@ export function addNode(
   return { doc: { ...doc, roles, nodes: [...doc.nodes, flowNode(spec, position)] }, id };
 }
 
+/** The node kind of a workflow input: its one output `value` is what a run is given under its id. */
+export const INPUT_KIND = "input";
+
+/** The types a workflow input may ask a run for (a KV cache is no value a user gives). */
+export const INPUT_TYPES: PortType[] = ["text", "image", "audio", "json", "tokens", "tensor", "any"];
+
+/**
+ * `doc` with input `source` taking the type of the port it is about to feed, where that edge is its
+ * first and the input still has the type it was made with (text, or a loaded spec's any): a new
+ * input drawn to an image port asks the run form for an image. An input that feeds something
+ * already, one given another type on purpose (image, json ...), or a target that takes any type
+ * leaves the type as it is.
+ */
+function typedByFirstEdge(doc: EditorDoc, conn: Connection): EditorDoc {
+  const source = doc.nodes.find((n) => n.id === conn.source)?.data.spec;
+  const target = portOf(doc, conn.target, "inputs", conn.targetHandle);
+  const value = source?.outputs?.value;
+  if (source?.kind !== INPUT_KIND || conn.sourceHandle !== "value" || !value || !target) return doc;
+  if (value.type !== "text" && value.type !== "any") return doc;
+  if (target.type === "any" || target.type === "kv" || target.type === value.type) return doc;
+  if (doc.edges.some((e) => e.source === source.id)) return doc;
+  const spec: NodeSpec = { ...source, outputs: { ...source.outputs, value: { ...value, type: target.type } } };
+  return { ...doc, nodes: doc.nodes.map((n) => (n.id === source.id ? { ...n, data: { ...n.data, spec } } : n)) };
+}
+
 export type ConnectCheck = { ok: true } | { ok: false; hint: string };
 
 function portOf(doc: EditorDoc, node: string, direction: "inputs" | "outputs", port: string | null | undefined) {
@@ -65,8 +92,15 @@ function portOf(doc: EditorDoc, node: string, direction: "inputs" | "outputs", p
   return n.data.spec[direction]?.[port];
 }
 
-/** Whether `conn` may be added, and why not (a hint for the user) when it may not. */
+/**
+ * Whether `conn` may be added, and why not (a hint for the user) when it may not; an input's first
+ * edge may retype it (`typedByFirstEdge`), so its type matches whatever it is drawn to.
+ */
 export function checkConnection(doc: EditorDoc, conn: Connection): ConnectCheck {
+  return checkTyped(typedByFirstEdge(doc, conn), conn);
+}
+
+function checkTyped(doc: EditorDoc, conn: Connection): ConnectCheck {
   const out = portOf(doc, conn.source, "outputs", conn.sourceHandle);
   const inp = portOf(doc, conn.target, "inputs", conn.targetHandle);
   if (!out || !inp) return { ok: false, hint: "Connect an output port (right) to an input port (left)." };
@@ -92,8 +126,9 @@ export function checkConnection(doc: EditorDoc, conn: Connection): ConnectCheck 
   return { ok: true };
 }
 
-export function connect(doc: EditorDoc, conn: Connection): { doc: EditorDoc } | { hint: string } {
-  const check = checkConnection(doc, conn);
+export function connect(given: EditorDoc, conn: Connection): { doc: EditorDoc } | { hint: string } {
+  const doc = typedByFirstEdge(given, conn);
+  const check = checkTyped(doc, conn);
   if (!check.ok) return { hint: check.hint };
   const edge = flowEdge({
     source: conn.source,
