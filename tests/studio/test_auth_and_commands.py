@@ -19,6 +19,7 @@ from rest_framework.test import APIClient
 from studio.accounts.models import ApiToken
 from studio.workflows.management.commands.setup_demo import CHAT_SNIPPET_HEAD, chat_snippet
 from studio.workflows.models import Deployment, Workflow
+from tests.studio.conftest import client_for
 
 EXAMPLES = sorted(p.stem for p in (Path(__file__).parents[2] / "workflows").glob("*.py") if p.stem != "__init__")
 
@@ -112,6 +113,10 @@ def test_create_token_command(user) -> None:
 def test_load_examples_is_idempotent(user) -> None:
     out = run_command("load_examples", owner="alice")
     assert out.splitlines() == [f"{name}: created" for name in EXAMPLES]
+    # Loaded together, updated in one instant: the workflows list (newest first) shows them by name.
+    assert len({w.updated_at for w in Workflow.objects.filter(owner=user)}) == 1
+    listed = client_for(user).get("/api/workflows/").json()["results"]
+    assert [w["name"] for w in listed] == sorted(EXAMPLES)
     again = run_command("load_examples", owner="alice")
     assert "diamond: version 1 (unchanged)" in again
     assert Workflow.objects.filter(owner=user).count() == len(EXAMPLES)

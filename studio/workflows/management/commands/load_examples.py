@@ -4,10 +4,12 @@ adds no version; a changed one adds a version."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from engine.client.graphs import GraphValidationError, WorkflowLoadError, load_workflow
 from studio.accounts.management.users import user_named
@@ -29,6 +31,7 @@ class Command(BaseCommand):
         if not paths:
             raise CommandError(f"no workflow modules in {folder}")
         failures = 0
+        touched: list[uuid.UUID] = []
         for path in paths:
             try:
                 spec = load_workflow(path)
@@ -39,13 +42,18 @@ class Command(BaseCommand):
             checked = check_spec_for_studio(spec)
             workflow = Workflow.objects.filter(owner=user, name=spec.name).first()
             if workflow is None:
-                create_workflow(user, name=spec.name, description=spec.description, checked=checked,
-                                message=f"imported from {path.name}")
+                touched.append(create_workflow(user, name=spec.name, description=spec.description, checked=checked,
+                                               message=f"imported from {path.name}").pk)
                 outcome = "created"
             else:
                 saved = save_version(workflow, checked, message=f"updated from {path.name}", author=user)
                 outcome = f"version {saved.version.number}" + ("" if saved.created else " (unchanged)")
+                if saved.created:
+                    touched.append(workflow.pk)
             note = "" if checked.valid else f" — {len(checked.issues)} validation issue(s)"
             self.stdout.write(f"{spec.name}: {outcome}{note}")
+        # Loaded together, updated together: one instant, so the workflows list (newest first, then by
+        # name) shows the examples in name order, not in the order this loop happened to save them.
+        Workflow.objects.filter(pk__in=touched).update(updated_at=timezone.now())
         if failures:
             raise CommandError(f"{failures} example(s) could not be loaded")
