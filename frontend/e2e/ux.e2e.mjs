@@ -123,6 +123,10 @@ try {
     expect((await page.textContent(tid("endpoint-base-url"))).trim() === `${BASE}/v1`, "the base URL is this studio's /v1");
     const where = await page.textContent(`${tid("deployment-worker")}[data-role="llm"]`);
     expect(where.includes("#1"), `the llm worker's row names its replica: ${where}`);
+    // The version runs now: the dialog does not invite a second deployment of it as if it were the first.
+    await waitText(tid("deploy-submit"), "again");
+    await waitText(tid("deploy-again-hint"), "deployed already as “chat”");
+    expect((await page.getAttribute(tid("deploy-name"), "placeholder")) === "chat-2", "a second one would be chat-2");
     await shot("deploy-endpoint-workers");
     deploymentPath = await page.getAttribute(`${tid("deployment-row")}[data-name="${model}"] ${tid("deployment-open")}`, "href");
   });

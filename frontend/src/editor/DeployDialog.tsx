@@ -86,6 +86,8 @@ export function DeployDialog({
   };
 
   const shownId = focused ?? deployments?.find((d) => ACTIVE_STATUSES.includes(d.status))?.id ?? null;
+  /** A live deployment of this very version: deploying again starts a second one beside it. */
+  const liveTwin = deployments?.find((d) => d.version === version && ACTIVE_STATUSES.includes(d.status)) ?? null;
 
   return (
     <Modal
@@ -105,6 +107,7 @@ export function DeployDialog({
               data-testid="deploy-submit"
             >
               Deploy v{version}
+              {liveTwin ? " again" : ""}
             </Button>
           </>
         ) : (
@@ -181,6 +184,12 @@ export function DeployDialog({
               )}
               {!name.trim() && defaultName !== workflowName && ` (“${workflowName}” is taken: left empty, it is numbered)`}.
             </span>
+            {liveTwin && (
+              <span className="field-hint warn-text" data-testid="deploy-again-hint">
+                v{version} is deployed already as “{liveTwin.name}” ({liveTwin.status}): deploying again starts a second
+                deployment beside it. To use the one running, close this dialog and run on it.
+              </span>
+            )}
           </label>
           <PlacementPreview workflowId={workflowId} version={version} replicas={replicas} />
           <div className="section-title">Deployments of this workflow</div>
