@@ -476,6 +476,8 @@ try {
     const second = Number(await page.getAttribute(tid("chart-hit-rate-device"), "data-value"));
     expect(rose, `the device hit rate went from ${first} to ${second}`);
     await waitText('[data-testid="worker-row"][data-role="llm"]', "smollm2-135m"); // the role's model
+    // ... and the deployment it serves, by name, linking to the deployment's view.
+    await waitText('[data-testid="worker-row"][data-role="llm"] [data-testid="worker-deployment"]', "image_generation");
     await shot("cluster-kv-hit-rate-rise");
     await openWorkflow("image_generation");
     await page.click(tid("deploy"));

@@ -38,7 +38,13 @@ from studio.errors import BadRequest
 from studio.jsonbody import JsonRefused, load_json
 from studio.numbers import DB_INT_MAX, count
 from studio.workflows.apps import engine
-from studio.workflows.deployments.workers import active_deployments, listing, recorded_statuses, snapshots
+from studio.workflows.deployments.workers import (
+    active_deployments,
+    deployment_names,
+    listing,
+    recorded_statuses,
+    snapshots,
+)
 from studio.workflows.history.query import RangeError, history, parse_range
 from studio.workflows.history.store import HistoryUnavailable
 from studio.workflows.models import Deployment, Run, RunEvent
@@ -331,5 +337,5 @@ async def _worker_message(eng: Any, user: Any) -> dict[str, Any]:
         lambda: active_deployments(Deployment.objects.visible_to(user)))()
     live = await snapshots(eng, namespaces)
     recorded = await orm(recorded_statuses)(list(namespaces))
-    result = listing(live, recorded)
+    result = listing(live, recorded, await orm(deployment_names)(list(namespaces)))
     return {"type": "workers", "time": result.time, "workers": result.workers}

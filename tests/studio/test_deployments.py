@@ -182,7 +182,8 @@ def test_deploy_run_scale_stop(api: Any, staff: Any, studio_engine: StudioEngine
 
     # the workers API: registry snapshots with the studio's status and deployment
     workers = api.get("/api/workers/").json()
-    assert [(w["info"]["role"], w["deployment"], w["status"]) for w in workers] == [("py", d["id"], "ready")]
+    assert [(w["info"]["role"], w["deployment"], w["deployment_name"], w["status"]) for w in workers] == [
+        ("py", d["id"], d["name"], "ready")]
     assert workers[0]["load"]["metrics"]["completed"] == 1.0 or workers[0]["load"]["outstanding"] == 0
     assert api.get("/api/workers/", {"role": "nope"}).json() == []
 

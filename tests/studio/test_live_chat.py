@@ -190,7 +190,7 @@ def test_openai_client_sessions_and_metrics_against_a_live_chat_deployment(serve
     message = asyncio.run(first_metrics(server.base.replace("http://", "ws://") + "/ws/metrics/", token))
     assert message["type"] == "workers"
     roles = {w["info"]["role"]: w for w in message["workers"]}
-    assert set(roles) == {"llm", "py"} and {w["deployment"] for w in message["workers"]} == {d["id"]}
+    assert set(roles) == {"llm", "py"} and {(w["deployment"], w["deployment_name"]) for w in message["workers"]} == {(d["id"], d["name"])}
     gauges = roles["llm"]["load"]["metrics"]
     assert 0.0 <= gauges["device.hit_rate"] <= 1.0 and gauges["device.pages_used"] > 0
     text = scrape(server.base)

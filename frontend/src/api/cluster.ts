@@ -59,6 +59,8 @@ export interface WorkerSnapshot {
   last_heartbeat: number;
   status?: string;
   deployment?: string | null;
+  /** The deployment's name (what the cluster page names it by). */
+  deployment_name?: string;
 }
 
 export interface MetricsMessage {

@@ -7,7 +7,7 @@
  * `api/cluster.ts`; when the studio does not serve it, the page says so and shows nothing made up.
  */
 import { useEffect, useMemo, useState } from "react";
-import { useSearchParams } from "react-router-dom";
+import { Link, useSearchParams } from "react-router-dom";
 import {
   cluster,
   type MetricsMessage,
@@ -257,6 +257,7 @@ export function ClusterPage() {
               <thead>
                 <tr>
                   <th>Worker</th>
+                  <th>Deployment</th>
                   <th>Role</th>
                   <th>Model</th>
                   <th className="wide-only">Device</th>
@@ -269,7 +270,7 @@ export function ClusterPage() {
               <tbody>
                 {workers.length === 0 && (
                   <tr>
-                    <td colSpan={8} className="muted center">
+                    <td colSpan={9} className="muted center">
                       No worker is registered. Deploy a workflow to start some.
                     </td>
                   </tr>
@@ -288,6 +289,15 @@ export function ClusterPage() {
                         <div className="muted worker-host" title={w.info.host || w.info.address}>
                           {w.info.host || w.info.address}
                         </div>
+                      </td>
+                      <td className="nowrap" data-testid="worker-deployment">
+                        {w.deployment ? (
+                          <Link to={`/deployments/${w.deployment}`} title={w.deployment}>
+                            {w.deployment_name ?? w.deployment.slice(0, 8)}
+                          </Link>
+                        ) : (
+                          <span className="muted">—</span>
+                        )}
                       </td>
                       <td>
                         {w.info.role}

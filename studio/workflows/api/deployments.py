@@ -30,6 +30,7 @@ from studio.workflows.chat.shape import is_chat
 from studio.workflows.deployments import liveness, service
 from studio.workflows.deployments.workers import (
     active_deployments,
+    deployment_names,
     listing,
     recorded_statuses,
     replica_seats,
@@ -343,7 +344,8 @@ class WorkersView(APIView):
         namespaces = active_deployments(qs)
         live = snapshots_sync(engine(), namespaces)
         recorded = recorded_statuses(list(namespaces))
-        return Response(listing(live, recorded, role=request.query_params.get("role") or None).workers)
+        return Response(listing(live, recorded, deployment_names(list(namespaces)),
+                                role=request.query_params.get("role") or None).workers)
 
 
 # --------------------------------------------------------------------------- sessions

@@ -47,12 +47,15 @@ def worker_status(snapshot: WorkerSnapshot, recorded: str | None) -> str:
     return WorkerStatus.BUSY if snapshot.load.busy else WorkerStatus.READY
 
 
-def worker_dict(snapshot: WorkerSnapshot, deployment_id: str, recorded: str | None = None) -> dict[str, Any]:
-    """`WorkerSnapshot.to_dict()` plus the studio's `status` and `deployment`."""
+def worker_dict(snapshot: WorkerSnapshot, deployment_id: str, deployment_name: str,
+                recorded: str | None = None) -> dict[str, Any]:
+    """`WorkerSnapshot.to_dict()` plus the studio's `status`, `deployment` (its id) and
+    `deployment_name` (what the cluster page names it by)."""
     body = snapshot.to_dict()
     body["load"]["metrics"] = with_chart_gauges(body["load"]["metrics"])
     body["status"] = worker_status(snapshot, recorded)
     body["deployment"] = deployment_id
+    body["deployment_name"] = deployment_name
     return body
 
 
@@ -66,6 +69,11 @@ def active_deployments(qs: QuerySet[Deployment]) -> dict[str, str]:
     """Deployment id -> registry namespace, for the active deployments of `qs`."""
     return {str(pk): ns for pk, ns in qs.filter(status__in=ACTIVE_DEPLOYMENT_STATUSES)
             .values_list("pk", "namespace")}
+
+
+def deployment_names(deployment_ids: list[str]) -> dict[str, str]:
+    """Deployment id -> its name."""
+    return {str(pk): name for pk, name in Deployment.objects.filter(pk__in=deployment_ids).values_list("pk", "name")}
 
 
 def recorded_statuses(deployment_ids: list[str]) -> dict[str, str]:
@@ -87,9 +95,10 @@ def snapshots_sync(eng: StudioEngine, namespaces: dict[str, str]) -> dict[str, l
     return eng.runs.call(eng.deployments.snapshots(namespaces)).result(SNAPSHOT_TIMEOUT_S)
 
 
-def listing(live: dict[str, list[WorkerSnapshot]], recorded: dict[str, str], *,
+def listing(live: dict[str, list[WorkerSnapshot]], recorded: dict[str, str], names: dict[str, str], *,
             role: str | None = None) -> WorkerListing:
-    workers = [worker_dict(s, deployment_id, recorded.get(s.worker_id))
+    """`names`: deployment id -> name (`deployment_names`), for every deployment in `live`."""
+    workers = [worker_dict(s, deployment_id, names[deployment_id], recorded.get(s.worker_id))
                for deployment_id, snaps in live.items() for s in snaps if role is None or s.role == role]
     workers.sort(key=lambda w: (w["info"]["role"], w["info"]["worker_id"]))
     return WorkerListing(time=time.time(), workers=workers)
