@@ -102,6 +102,10 @@ try {
     };
     await inspect("input");
     expect((await page.inputValue(tid("input-type"))) === "text", "a new input is text, not any");
+    // Its default is text as typed, not a JSON value to quote.
+    await page.fill(`${tid("param-default")} input`, "a lighthouse");
+    await page.press(`${tid("param-default")} input`, "Enter");
+    expect((await page.locator(`${tid("param-default")} textarea`).count()) === 0, "no JSON box for a text default");
     await page.dragAndDrop(tid("palette-input"), tid("canvas"), { targetPosition: { x: 120, y: 320 } });
     await page.waitForSelector(tid("node-input_2"));
     await dragPorts(page, tid("port-input_2-out-value"), tid("port-llm-in-tokens"));

@@ -4,6 +4,7 @@ import {
   IDENT,
   JOIN_MODES,
   type JoinMode,
+  type JsonSchema,
   type NodeKind,
   type NodeSpec,
   type OpInfo,
@@ -36,6 +37,13 @@ export interface NodeEdits {
   /** Make a python node call a registered op, with the op's ports and params. */
   applyOp: (id: string, op: OpInfo) => void;
   remove: (id: string) => void;
+}
+
+/** The form of a node's params: a text input's `default` is text typed as it reads, not a JSON value. */
+function paramsSchema(spec: NodeSpec, schema: JsonSchema): JsonSchema {
+  const declared = schema.properties?.default;
+  if (spec.kind !== INPUT_KIND || spec.outputs?.value?.type !== "text" || !declared || declared.type) return schema;
+  return { ...schema, properties: { ...schema.properties, default: { ...declared, type: "string" } } };
 }
 
 export function NodeInspector({
@@ -153,7 +161,7 @@ export function NodeInspector({
       <section className="section">
         <div className="section-title">Parameters</div>
         <SchemaForm
-          schema={opInfo?.params_schema ?? kind?.params_schema ?? { type: "object" }}
+          schema={paramsSchema(spec, opInfo?.params_schema ?? kind?.params_schema ?? { type: "object" })}
           value={spec.params ?? {}}
           onChange={(params) => edits.patch(id, { params })}
         />
