@@ -452,11 +452,13 @@ try {
     expect((await page.locator(`${tid("output-saved")} .output-json`).count()) === 0, "no raw JSON for `saved`");
     const folder = (await page.textContent(`${tid("saved-files-saved")} .saved-leaf dd`)).trim();
     expect(folder.endsWith(run.id) && !folder.startsWith("/"), `the folder is named in the user's files: ${folder}`);
-    // The VAE (tiny-vae) has random weights: the run says so on its role and node, as the editor does;
-    // the rewrite ran the real smollm2-135m and says nothing.
+    // The VAE (tiny-vae) and the diffusion role's seeded head have random weights: the run says so on
+    // their roles and nodes, as the editor does; the rewrite ran the real smollm2-135m and says nothing.
     await waitText(tid("run-random-weights"), "tiny-vae");
     expect((await page.textContent(tid("random-role-vae"))).includes("decode"), "the note names the vae's node");
+    expect((await page.textContent(tid("random-role-diffusion"))).includes("denoise"), "and the diffusion's");
     expect((await page.locator(tid("node-random-decode")).count()) === 1, "the decode node is marked");
+    expect((await page.locator(tid("node-random-denoise")).count()) === 1, "the denoise node is marked");
     expect((await page.locator(tid("node-random-rewrite")).count()) === 0, "the real-weights rewrite is not");
     await shot("run-image-generation-done");
   });

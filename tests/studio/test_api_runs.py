@@ -379,3 +379,20 @@ def test_a_studio_running_one_run_at_a_time_queues_the_rest_in_order(api, other_
         fns.GATE.set()
         studio.runs.stop()
         app.install(previous)
+
+
+@pytest.mark.parametrize(("example", "tiny", "random"), [
+    ("image_generation", False, ["diffusion", "vae"]),  # smollm2 is real; the diffusion head and tiny-vae are seeded
+    ("image_generation", True, ["llm", "diffusion", "vae"]),
+    ("chat", False, []),
+    ("diamond", False, []),
+])
+def test_a_run_names_the_roles_that_computed_with_random_weights(api, user, example: str, tiny: bool,
+                                                                   random: list[str]) -> None:
+    """The run view notes them, as the catalogue and the editor do: what those roles made is noise."""
+    wf = create_workflow(api, example_spec(example, tiny=tiny))
+    version = WorkflowVersion.objects.get(workflow_id=wf["id"], number=1)
+    run = Run.objects.create(owner=user, workflow=version.workflow, version=version)
+    body = api.get(f"/api/runs/{run.pk}/").json()
+    assert body["random_weights_roles"] == random
+

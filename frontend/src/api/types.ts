@@ -302,6 +302,8 @@ export interface RunDetail extends Run {
   /** The version's GraphSpec and editor layout: the run view draws the graph with the run itself. */
   spec: GraphSpec;
   layout: EditorLayout;
+  /** The roles that computed with seeded random weights (for testing): what they made is noise. */
+  random_weights_roles: string[];
 }
 
 interface EventBase {

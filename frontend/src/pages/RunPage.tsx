@@ -5,8 +5,8 @@
 import { useCallback, useEffect, useMemo, useReducer, useRef, useState } from "react";
 import { Link, useParams } from "react-router-dom";
 import { ApiError, describeError } from "../api/client";
-import { catalogue, runs } from "../api/studio";
-import type { GraphSpec, ModelInfo, RunDetail, RunEvent, RunFile } from "../api/types";
+import { runs } from "../api/studio";
+import type { GraphSpec, RunDetail, RunEvent, RunFile } from "../api/types";
 import { Icon } from "../components/icons";
 import { Lightbox } from "../components/Lightbox";
 import { RunGraph } from "../components/RunGraph";
@@ -49,15 +49,6 @@ export function RunPage() {
   const [zoomed, setZoomed] = useState<{ name: string; media: MediaValue } | null>(null);
   const closeZoom = useCallback(() => setZoomed(null), []);
   const toast = useToast();
-  /** The catalogue: which roles ran a model with random weights (a string: why it could not be read). */
-  const [models, setModels] = useState<ModelInfo[] | string | null>(null);
-  useEffect(() => {
-    catalogue.models().then(
-      (list) => setModels(list.models),
-      (err) => setModels(describeError(err)),
-    );
-  }, []);
-
   const refresh = useCallback(async () => {
     if (!id) return;
     try {
@@ -149,7 +140,7 @@ export function RunPage() {
   const waiting = live ? waitingNodes(state) : [];
   // The stored outputs name files by id; the event's outputs only preview them.
   const outputs = isTerminal(detail.status) ? detail.outputs : (state.finished?.outputs ?? {});
-  const randomRoles = Array.isArray(models) ? randomWeightRoles(detail.spec, models) : [];
+  const randomRoles = randomWeightRoles(detail.spec, detail.random_weights_roles);
   const randomNodes = new Set(randomRoles.flatMap((r) => r.nodes));
 
   return (
@@ -201,11 +192,6 @@ export function RunPage() {
       </header>
 
       {randomRoles.length > 0 && <RandomWeightsNote roles={randomRoles} />}
-      {typeof models === "string" && (
-        <p className="muted small" data-testid="models-unknown">
-          Which models have random weights is not known: {models}
-        </p>
-      )}
       {waiting.length > 0 && (
         <div className="info-box neutral run-waiting" data-testid="run-waiting">
           <span className="spinner small" />
@@ -354,15 +340,18 @@ function RandomWeightsNote({ roles }: { roles: RandomWeightsRole[] }) {
         <strong>Random weights (for testing):</strong>{" "}
         {roles.map((r, i) => (
           <span key={r.role} data-testid={`random-role-${r.role}`}>
-            {i > 0 && "; "}role <strong className="mono">{r.role}</strong> ran <span className="mono">{r.model}</span>
+            {i > 0 && "; "}role <strong className="mono">{r.role}</strong> ({r.kind} on{" "}
+            <span className="mono">{r.model}</span>
             {r.nodes.length > 0 && (
               <>
-                {" "}(node{r.nodes.length > 1 ? "s" : ""} <span className="mono">{r.nodes.join(", ")}</span>)
+                , node{r.nodes.length > 1 ? "s" : ""} <span className="mono">{r.nodes.join(", ")}</span>
               </>
             )}
+            )
           </span>
         ))}
-        . What {roles.length > 1 ? "they produce" : "it produces"} is noise, not a trained model's output.
+        . What {roles.length > 1 ? "they make" : "it makes"} is noise, not a trained model's output (a diffusion
+        role denoises through a seeded head, whatever its LLM).
       </span>
     </div>
   );

@@ -1,21 +1,23 @@
-/** Which roles of a run's graph ran a model with random weights (the tiny seeded models): their outputs are noise. */
-import type { GraphSpec, ModelInfo } from "../api/types";
+/** Which roles of a run's graph computed with random weights (the tiny seeded models, a diffusion role's seeded head). */
+import type { GraphSpec } from "../api/types";
 
 export interface RandomWeightsRole {
   role: string;
+  kind: string;
+  /** The model the role names. */
   model: string;
   /** The nodes that ran on it, in the graph's order. */
   nodes: string[];
 }
 
-/**
- * The roles of `spec` whose model the catalogue (`/api/models/`) marks as random weights for the
- * role's kind, with their nodes; a model the catalogue does not list is not claimed either way.
- */
-export function randomWeightRoles(spec: GraphSpec, models: ModelInfo[]): RandomWeightsRole[] {
-  return spec.roles.flatMap((role) => {
-    const model = role.model ? models.find((m) => m.name === role.model && m.role_kinds.includes(role.kind)) : undefined;
-    if (!model?.random_weights) return [];
-    return [{ role: role.name, model: model.name, nodes: spec.nodes.filter((n) => n.role === role.name).map((n) => n.id) }];
-  });
+/** The roles the studio named (`RunDetail.random_weights_roles`), with their model and nodes, in the graph's order. */
+export function randomWeightRoles(spec: GraphSpec, named: string[]): RandomWeightsRole[] {
+  return spec.roles
+    .filter((role) => named.includes(role.name))
+    .map((role) => ({
+      role: role.name,
+      kind: role.kind,
+      model: role.model ?? "",
+      nodes: spec.nodes.filter((n) => n.role === role.name).map((n) => n.id),
+    }));
 }

@@ -22,6 +22,7 @@ from studio.workflows.models import (
     WorkflowVersion,
 )
 from studio.workflows.runs.store import file_url
+from studio.workflows.weights import model_weights
 
 
 class IssueSerializer(serializers.Serializer):
@@ -233,10 +234,17 @@ class RunDetailSerializer(RunSerializer):
     spec = serializers.JSONField(source="version.spec", read_only=True,
                                  help_text="the GraphSpec of the version run: the run view draws it with the run")
     layout = serializers.JSONField(source="version.layout", read_only=True, help_text="that version's editor layout")
+    random_weights_roles = serializers.SerializerMethodField(
+        help_text="the roles that computed with seeded random weights (for testing): what they made is noise")
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time", "spec", "layout"]
+        fields = [*RunSerializer.Meta.fields, "nodes", "files", "output_links", "server_time", "spec", "layout",
+                  "random_weights_roles"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_random_weights_roles(self, obj: Run) -> list[str]:
+        return list(model_weights(obj.version.spec).random_roles)
 
     @extend_schema_field(serializers.FloatField())
     def get_server_time(self, obj: Run) -> float:

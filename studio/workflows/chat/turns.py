@@ -33,7 +33,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.db.models import Q
 
-from engine.client.models import ModelLoadError, Weights, role_weights
+from engine.client.models import ModelLoadError
 from engine.spec.usage import Usage
 from studio.dbcalls import orm
 from studio.errors import BadRequest, Conflict, Unavailable
@@ -98,25 +98,6 @@ def model_id(deployment: Deployment) -> str:
     """The OpenAI model id of a deployment: its name (every deployment made since names were given
     has one), or its id when it has none."""
     return deployment.name or str(deployment.pk)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelWeights:
-    """What a chat deployment computes with, as `/v1/models` says it: `weights` "real" when every
-    role with a model has real weights, else "random" (for testing), with those roles named."""
-
-    weights: Weights
-    random_roles: tuple[str, ...]
-
-    def fields(self) -> dict[str, Any]:
-        return {"weights": str(self.weights), "weights_label": self.weights.label,
-                "random_weights_roles": list(self.random_roles)}
-
-
-def model_weights(spec: dict[str, Any]) -> ModelWeights:
-    random = tuple(r["name"] for r in spec.get("roles", [])
-                   if role_weights(r.get("kind", ""), r.get("model")) is Weights.RANDOM)
-    return ModelWeights(Weights.RANDOM if random else Weights.REAL, random)
 
 
 COMING = (DeploymentStatus.PENDING, DeploymentStatus.STARTING)

@@ -41,6 +41,7 @@ from studio.workflows.chat.openai import (
 )
 from studio.workflows.chat.shape import NotAChatWorkflow
 from studio.workflows.models import DeploymentStatus, Session
+from studio.workflows.weights import model_weights
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ async def models(request: HttpRequest, user: Any) -> HttpResponse:
     deployments = await orm(turns.chat_deployments)(user)
     data = [model_entry(turns.model_id(d), int(d.created_at.timestamp()), d.owner.username,
                         deployment=str(d.pk), workflow=d.version.workflow.name, version=d.version.number,
-                        status=d.status, **turns.model_weights(d.version.spec).fields()) for d in deployments]
+                        status=d.status, **model_weights(d.version.spec).fields()) for d in deployments]
     return JsonResponse({"object": "list", "data": data})
 
 

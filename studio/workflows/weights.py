@@ -1,0 +1,33 @@
+"""What a workflow's roles compute with: trained weights, or seeded random ones (for testing).
+
+`/v1/models` says it of a chat deployment, and the run view of the roles and nodes of a run: a
+role on a tiny built-in model, or a diffusion role (its seeded head, whatever its LLM), makes
+noise. The engine's catalogue decides (`engine.client.models.role_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.client.models import Weights, role_weights
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    """`weights` "real" when every role with a model has real weights, else "random" (for
+    testing), with those roles named."""
+
+    weights: Weights
+    random_roles: tuple[str, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"weights": str(self.weights), "weights_label": self.weights.label,
+                "random_weights_roles": list(self.random_roles)}
+
+
+def model_weights(spec: dict[str, Any]) -> ModelWeights:
+    """What the roles of `spec` (a GraphSpec document) compute with."""
+    random = tuple(r["name"] for r in spec.get("roles", [])
+                   if role_weights(r.get("kind", ""), r.get("model")) is Weights.RANDOM)
+    return ModelWeights(Weights.RANDOM if random else Weights.REAL, random)
