@@ -174,6 +174,7 @@ export function RunPage() {
               </span>
             )}
           </div>
+          {randomRoles.length > 0 && <RandomWeightsNote roles={randomRoles} />}
         </div>
         <div className="head-actions">
           {live && (
@@ -191,7 +192,6 @@ export function RunPage() {
         </div>
       </header>
 
-      {randomRoles.length > 0 && <RandomWeightsNote roles={randomRoles} />}
       {waiting.length > 0 && (
         <div className="info-box neutral run-waiting" data-testid="run-waiting">
           <span className="spinner small" />
@@ -331,28 +331,26 @@ export function RunPage() {
   );
 }
 
-/** Which roles ran a model with random weights, as the catalogue and the editor say of it. */
+/**
+ * Which roles computed with random weights, as the catalogue and the editor say of it: one line
+ * under the run's times (the graph keeps its room), the whole story in its tooltip.
+ */
 function RandomWeightsNote({ roles }: { roles: RandomWeightsRole[] }) {
+  const why =
+    "Seeded random weights, for testing: what these roles make is noise, not a trained model's output" +
+    " (a diffusion role denoises through a seeded head, whatever its LLM).";
   return (
-    <div className="info-box neutral" data-testid="run-random-weights">
-      <Icon name="alert" />
-      <span>
-        <strong>Random weights (for testing):</strong>{" "}
-        {roles.map((r, i) => (
-          <span key={r.role} data-testid={`random-role-${r.role}`}>
-            {i > 0 && "; "}role <strong className="mono">{r.role}</strong> ({r.kind} on{" "}
-            <span className="mono">{r.model}</span>
-            {r.nodes.length > 0 && (
-              <>
-                , node{r.nodes.length > 1 ? "s" : ""} <span className="mono">{r.nodes.join(", ")}</span>
-              </>
-            )}
-            )
-          </span>
-        ))}
-        . What {roles.length > 1 ? "they make" : "it makes"} is noise, not a trained model's output (a diffusion
-        role denoises through a seeded head, whatever its LLM).
-      </span>
+    <div className="run-weights small" data-testid="run-random-weights" title={why}>
+      <Icon name="alert" size={13} />
+      <strong>Random weights (for testing):</strong>
+      {roles.map((r, i) => (
+        <span key={r.role} data-testid={`random-role-${r.role}`}>
+          <span className="mono">{r.role}</span> on <span className="mono">{r.model}</span>
+          {r.nodes.length > 0 && <span className="muted"> ({r.nodes.join(", ")})</span>}
+          {i < roles.length - 1 && ";"}
+        </span>
+      ))}
+      <span className="muted">— {roles.length > 1 ? "their" : "its"} output is noise</span>
     </div>
   );
 }

@@ -24,8 +24,8 @@ const spec: GraphSpec = {
 describe("randomWeightRoles", () => {
   it("gives the named roles their model and nodes, in the graph's order", () => {
     expect(randomWeightRoles(spec, ["vae", "diffusion"])).toEqual([
-      { role: "diffusion", kind: "diffusion", model: "smollm2-135m", nodes: ["denoise"] },
-      { role: "vae", kind: "vae_decoder", model: "tiny-vae", nodes: ["decode", "again"] },
+      { role: "diffusion", model: "smollm2-135m", nodes: ["denoise"] },
+      { role: "vae", model: "tiny-vae", nodes: ["decode", "again"] },
     ]);
   });
 

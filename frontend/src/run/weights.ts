@@ -3,7 +3,6 @@ import type { GraphSpec } from "../api/types";
 
 export interface RandomWeightsRole {
   role: string;
-  kind: string;
   /** The model the role names. */
   model: string;
   /** The nodes that ran on it, in the graph's order. */
@@ -16,7 +15,6 @@ export function randomWeightRoles(spec: GraphSpec, named: string[]): RandomWeigh
     .filter((role) => named.includes(role.name))
     .map((role) => ({
       role: role.name,
-      kind: role.kind,
       model: role.model ?? "",
       nodes: spec.nodes.filter((n) => n.role === role.name).map((n) => n.id),
     }));
