@@ -257,7 +257,6 @@ export function ClusterPage() {
               <thead>
                 <tr>
                   <th>Worker</th>
-                  <th>Deployment</th>
                   <th>Role</th>
                   <th>Model</th>
                   <th className="wide-only">Device</th>
@@ -270,7 +269,7 @@ export function ClusterPage() {
               <tbody>
                 {workers.length === 0 && (
                   <tr>
-                    <td colSpan={9} className="muted center">
+                    <td colSpan={8} className="muted center">
                       No worker is registered. Deploy a workflow to start some.
                     </td>
                   </tr>
@@ -290,17 +289,15 @@ export function ClusterPage() {
                           {w.info.host || w.info.address}
                         </div>
                       </td>
-                      <td className="nowrap" data-testid="worker-deployment">
-                        {w.deployment ? (
-                          <Link to={`/deployments/${w.deployment}`} title={w.deployment}>
-                            {w.deployment_name ?? w.deployment.slice(0, 8)}
-                          </Link>
-                        ) : (
-                          <span className="muted">—</span>
-                        )}
-                      </td>
                       <td>
                         {w.info.role}
+                        {w.deployment && (
+                          <div className="small nowrap" data-testid="worker-deployment" title="Deployment">
+                            <Link to={`/deployments/${w.deployment}`} title={w.deployment}>
+                              {w.deployment_name ?? w.deployment.slice(0, 8)}
+                            </Link>
+                          </div>
+                        )}
                         <div className="muted small narrow-only" title="Device">
                           {w.info.device}
                         </div>
