@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,14 +64,17 @@ def studio_env(data_dir: Path, model_cache: ModelCache) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def live_studio(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: ModelCache) -> Iterator[LiveStudio]:
-    data_dir = tmp_path_factory.mktemp("studio-data")
-    env = studio_env(data_dir, smollm2_cache)
+def prepare_studio(env: dict[str, str]) -> None:
+    """Migrate the studio's database and make the demo user with the example workflows."""
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
     subprocess.run([*manage, "setup_demo", "--username", USER, "--password", PASSWORD, "--no-chat"], cwd=ROOT, env=env,
                    check=True, timeout=120, stdout=subprocess.DEVNULL)
+
+
+@contextmanager
+def serving(data_dir: Path, env: dict[str, str]) -> Iterator[LiveStudio]:
+    """A prepared studio (`prepare_studio`) served by daphne on a free port until the block ends."""
     port = free_port()
     log_path = data_dir / "studio.log"
     with log_path.open("wb") as log:
@@ -90,3 +94,12 @@ def live_studio(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: ModelCa
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def live_studio(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: ModelCache) -> Iterator[LiveStudio]:
+    data_dir = tmp_path_factory.mktemp("studio-data")
+    env = studio_env(data_dir, smollm2_cache)
+    prepare_studio(env)
+    with serving(data_dir, env) as studio:
+        yield studio
