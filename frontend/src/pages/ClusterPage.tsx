@@ -62,13 +62,11 @@ function chartsOf(timeline: Timeline, only?: (track: WorkerTrack) => boolean) {
   const byTier = (pick: (s: WorkerSample, tier: Tier) => number | undefined) =>
     tiers.map((tier) => column(timeline, (s) => pick(s, tier), mean, only));
   const deviceOf = (tr: WorkerTrack) => `${tr.host} ${tr.device}`;
-  const gpuDevices = [
-    ...new Set(
-      [...timeline.tracks.values()]
-        .filter((tr) => (!only || only(tr)) && tr.samples.some((s) => s?.gpuMemoryBytes != null))
-        .map(deviceOf),
-    ),
-  ].sort();
+  const devicesOf = (tracks: WorkerTrack[]) =>
+    [...new Set(tracks.filter((tr) => tr.samples.some((s) => s?.gpuMemoryBytes != null)).map(deviceOf))].sort();
+  // A device keeps its colour from the cluster's chart in a worker's own (there it is the only one).
+  const allGpuDevices = devicesOf([...timeline.tracks.values()]);
+  const gpuDevices = only ? devicesOf([...timeline.tracks.values()].filter(only)) : allGpuDevices;
   const gpu = hasGpu(timeline) && gpuDevices.length > 0;
   const onDevice = (d: string) => (tr: WorkerTrack) => (!only || only(tr)) && deviceOf(tr) === d;
   return {
@@ -77,7 +75,7 @@ function chartsOf(timeline: Timeline, only?: (track: WorkerTrack) => boolean) {
     occupancy: [t, ...byTier((s, tier) => s.occupancy[tier])],
     gpu,
     memorySeries: gpu
-      ? gpuDevices.map((d, i) => ({ label: d, color: DEVICE_COLORS[i % DEVICE_COLORS.length] }))
+      ? gpuDevices.map((d) => ({ label: d, color: DEVICE_COLORS[allGpuDevices.indexOf(d) % DEVICE_COLORS.length] }))
       : [{ label: "rss", color: "#7c3aed" }],
     memory: gpu
       ? [t, ...gpuDevices.map((d) => column(timeline, (s) => s.gpuMemoryBytes, sum, onDevice(d)))]
@@ -362,6 +360,8 @@ export function ClusterPage() {
                 testId="chart-gpu-memory"
                 series={charts.memorySeries}
                 data={charts.memory}
+                yRange={[0, null]}
+                yUnit={byteUnit}
                 format={(v) => formatBytes(v)}
               />
             ) : (
