@@ -119,6 +119,28 @@ try {
     await shot("editor-input-type");
   });
 
+  await step("retyped to what its port does not take, a connected input is flagged before save", async () => {
+    const edge = '[data-testid="rf__edge-input_2.value->llm.tokens"]';
+    // json feeding llm.tokens (set in the step before): the edge, the port it feeds and the input itself say so.
+    await page.waitForSelector(`${edge}.edge-invalid`);
+    await waitText(`${tid("node-llm")} ${tid("node-issue")}`, "input_2.value is json but input llm.tokens expects tokens");
+    await page.waitForSelector(`${tid("node-input_2")}.has-issues`);
+    await waitText(tid("input-type-issue"), "llm.tokens expects tokens");
+    expect((await issueCodes()).includes("type_mismatch"), "the Issues tab lists a type_mismatch");
+    expect((await page.locator(tid("dirty")).count()) === 1, "nothing was saved");
+    await shot("editor-input-type-mismatch");
+    await page.locator(`${tid("node-input_2")} .spec-node-id`).click();
+    await page.selectOption(tid("input-type"), "any"); // any feeds every port
+    await page.waitForSelector(`${edge}:not(.edge-invalid)`);
+    await page.waitForSelector(`${tid("node-input_2")}:not(.has-issues)`);
+    await validityShows(page, "issue");
+    expect(!(await issueCodes()).includes("type_mismatch"), "any feeds llm.tokens");
+    await page.locator(`${tid("node-input_2")} .spec-node-id`).click();
+    await page.selectOption(tid("input-type"), "tokens");
+    await validityShows(page, "issue");
+    expect(!(await issueCodes()).includes("type_mismatch"), "tokens feeds llm.tokens");
+  });
+
   await step("version 1 compared with nothing reads as added", async () => {
     page.once("dialog", (d) => d.accept()); // leaving the unsaved e2e-no-prompt behind
     await openWorkflow("loop");

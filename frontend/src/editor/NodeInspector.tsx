@@ -121,6 +121,13 @@ export function NodeInspector({
                 </option>
               ))}
             </select>
+            {issues
+              .filter((i) => i.code === "type_mismatch")
+              .map((i) => (
+                <span key={i.message} className="field-error" data-testid="input-type-issue">
+                  {i.message}
+                </span>
+              ))}
             <span className="field-hint" data-testid="input-type-hint">
               A run form asks for {INPUT_TYPE_HINTS[spec.outputs.value.type] ?? `a ${spec.outputs.value.type} value`}
               {!doc.edges.some((e) => e.source === id) && "; drawn to a node's port, it takes that port's type"}.

@@ -34,3 +34,34 @@ describe("a role's issues", () => {
     expect(placed.general).toEqual([]);
   });
 });
+
+describe("an edge's type mismatch", () => {
+  const wired: GraphSpec = {
+    ...spec,
+    nodes: [{ id: "q", kind: "input", outputs: { value: { type: "json" } } }, ...spec.nodes],
+    edges: [{ source: "q", source_port: "value", target: "gen", target_port: "prompt" }],
+  };
+  const mismatch = {
+    code: "type_mismatch",
+    message: "edge q.value->gen.prompt: output q.value is json but input gen.prompt expects text",
+    edge: "q.value->gen.prompt",
+    node: "gen",
+    port: "prompt",
+  };
+
+  it("shows on the edge, the node it feeds and the node it comes from", () => {
+    const doc = specToDoc(wired);
+    const placed = placeIssues([mismatch], doc);
+    expect(placed.byEdge.get("q.value->gen.prompt")).toEqual([mismatch]);
+    expect(placed.byNode.get("gen")).toEqual([mismatch]);
+    expect(placed.byNode.get("q")).toEqual([mismatch]);
+    expect(placed.general).toEqual([]);
+  });
+
+  it("other edge issues stay on the node they name", () => {
+    const doc = specToDoc(wired);
+    const placed = placeIssues([{ ...mismatch, code: "stream_needs_join", message: "edge: subscribe in stream mode" }], doc);
+    expect(placed.byNode.get("gen")!.map((i) => i.code)).toEqual(["stream_needs_join"]);
+    expect(placed.byNode.has("q")).toBe(false);
+  });
+});

@@ -28,6 +28,10 @@ export function placeIssues(issues: Issue[], doc: EditorDoc): PlacedIssues {
     if (issue.edge && edges.has(issue.edge)) {
       add(placed.byEdge, issue.edge, issue);
       shown = true;
+      // A type mismatch is as much its source's as its target's: an input retyped to what the port
+      // it feeds does not take is flagged where the user retyped it.
+      const source = typeMismatchSource(issue, doc);
+      if (source && source !== issue.node) add(placed.byNode, source, issue);
     }
     if (issue.role && roles.has(issue.role)) {
       add(placed.byRole, issue.role, issue);
@@ -36,6 +40,12 @@ export function placeIssues(issues: Issue[], doc: EditorDoc): PlacedIssues {
     if (!shown) placed.general.push(issue);
   }
   return placed;
+}
+
+/** The node an edge's `type_mismatch` issue comes from (the edge's source), or null. */
+function typeMismatchSource(issue: Issue, doc: EditorDoc): string | null {
+  if (issue.code !== "type_mismatch" || !issue.edge) return null;
+  return doc.edges.find((e) => e.id === issue.edge)?.source ?? null;
 }
 
 /** The document with each node's and edge's issues in its data (for rendering). */
