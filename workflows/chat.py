@@ -10,8 +10,9 @@ tokens from the reply's KV reference. In a chat session the studio sets the `rep
 tokens. `make run` deploys it for the demo user as the model `chat`.
 
 In the studio's New run form, what you type into `prompt` is sent as a user message rendered with
-the model's template (its "Chat message" toggle, `POST /api/models/smollm2-135m/chat-template/`).
-From the command line the prompt is already rendered (the default is "Hello!" in SmolLM2's template):
+the model's template (its "Chat message" toggle, `POST /api/models/smollm2-135m/chat-template/`);
+the form starts from the input's `example`, the plain question its default renders. From the
+command line the prompt is already rendered (the default is that question in SmolLM2's template):
 
     omniflow run workflows/chat.py --input prompt=$'<|im_start|>user\\nWhat is 2+2?<|im_end|>\\n<|im_start|>assistant\\n'
 """
@@ -33,9 +34,10 @@ KV_TIERS = {"device_pages": 256, "host_pages": 512, "disk_path": "kv/chat", "dis
             "write_policy": "write_through"}
 llm = wf.role("llm", kind="llm", model=MODEL, params={"page_size": 16, **KV_TIERS})
 py = wf.role("py", kind="python")
-prompt = wf.input("prompt", "text", default=("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by"
-                                            " Hugging Face<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
-                                            "<|im_start|>assistant\n"),
+QUESTION = "What is the capital of France?"
+prompt = wf.input("prompt", "text", example=QUESTION,
+                  default=("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                           f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"),
                   description=("the conversation rendered in SmolLM2's chat template (<|im_start|>user ... "
                                "<|im_start|>assistant); plain text sent as it is may get an empty reply. The studio's "
                                "New run form renders a plain question for you (Chat message), and "

@@ -253,9 +253,12 @@ class Workflow:
         )
 
     def input(self, name: str, type: str = "json", *, default: Any = inspect.Parameter.empty,
-              description: str = "") -> NodeRef:
-        """A workflow input named `name`, with an optional default value."""
+              description: str = "", example: str | None = None) -> NodeRef:
+        """A workflow input named `name`, with an optional default value; `example`: what a run form
+        pre-fills for a person to edit instead of the default (runs never read it)."""
         params = {} if default is inspect.Parameter.empty else {"default": default}
+        if example is not None:
+            params["example"] = example
         return self.node(name, "input", outputs={"value": type}, params=params, description=description)
 
     def output(self, name: str, source: NodeRef | PortRef | str, type: str = "any", *,

@@ -240,7 +240,12 @@ def add_builtin_kinds(registry: KindRegistry) -> None:
             outputs={"value": _ANY},
             params_schema={
                 "type": "object",
-                "properties": {"default": {"description": "value used when the run gives none"}},
+                "properties": {
+                    "default": {"description": "value used when the run gives none"},
+                    "example": {"type": "string", "description": "what a run form pre-fills for a person to"
+                                " edit, in place of the default (a plain chat message where the default is"
+                                " a rendered conversation); runs never read it"},
+                },
                 "additionalProperties": False,
             },
         )

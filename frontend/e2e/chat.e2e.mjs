@@ -5,7 +5,8 @@
 // tests/e2e/test_chat_e2e.py runs it against the studio of tests/e2e/conftest.py (issue #20: a
 // user who typed "What is the capital of France?" into the `chat` workflow's prompt got an empty
 // answer, the llm node reading the text as the model's own prompt):
-//  - the prompt input shows a "Chat message" toggle, on, with its hint; the question typed as it is;
+//  - the prompt input shows a "Chat message" toggle, on, with its hint, and starts from the plain
+//    question (the input's example), not the template text of its default;
 //  - the run's prompt is the question in smollm2-135m's chat template (as the studio's
 //    chat-template endpoint renders it), and its answer, on the run page, mentions Paris;
 //  - "Run again" starts from that rendered prompt, says it is sent as it is, and sends it unchanged;
@@ -54,7 +55,10 @@ try {
     await page.waitForSelector(TOGGLE);
     expect(await page.isChecked(TOGGLE), "the Chat message toggle is on by default");
     await waitText(HINT, "chat template");
-    await page.fill(PROMPT, QUESTION);
+    // A newcomer's first run: the form starts from the plain question (the input's example), not
+    // from the template text its default is.
+    expect((await page.inputValue(PROMPT)) === QUESTION, `the form starts from the plain question: ${
+      JSON.stringify(await page.inputValue(PROMPT))}`);
     const hint = (await page.textContent(HINT)) ?? "";
     expect(hint.includes("smollm2-135m's chat template") && !hint.includes("already"),
       `the hint says the question goes in the model's template: ${hint}`);

@@ -25,6 +25,7 @@ from studio.workflows.chat.shape import ChatShape
 from studio.workflows.chat.turns import chat_template
 from studio.workflows.models import Deployment
 from tests.studio.limits import configured
+from workflows.chat import wf as chat_workflow
 
 pytestmark = pytest.mark.django_db
 
@@ -164,3 +165,19 @@ def test_a_v1_turn_on_a_model_whose_tokenizer_cannot_load_names_no_server_folder
         with pytest.raises(error) as refused:
             chat_template(deployment, shape)
         assert says in str(refused.value.detail) and str(model_root) not in str(refused.value.detail), refused.value
+
+
+def test_the_chat_workflows_default_is_its_example_in_smollm2s_template(
+        api, smollm2_cache: ModelCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The New run form starts from the input's plain example and sends it rendered; the command line
+    sends the default: both are the same conversation, as the model's own tokenizer renders it."""
+    monkeypatch.setenv("OMNIFLOW_CACHE_DIR", str(smollm2_cache.config.root))
+    reference = AutoTokenizer.from_pretrained(smollm2_cache.directory(PACKAGED_MODELS["smollm2-135m"]),
+                                              local_files_only=True)
+    prompt = next(n for n in chat_workflow.to_spec().nodes if n.id == "prompt")
+    example = prompt.params["example"]
+    assert example == "What is the capital of France?"
+    messages = [{"role": "user", "content": example}]
+    assert prompt.params["default"] == reference.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True)
+    assert render(api, "smollm2-135m", {"messages": messages}).json()["prompt"] == prompt.params["default"]

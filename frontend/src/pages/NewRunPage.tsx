@@ -12,35 +12,16 @@ import { cluster, type Deployment } from "../api/cluster";
 import { describeError } from "../api/client";
 import { parseUserJson } from "../api/json";
 import { catalogue, workflows, runs } from "../api/studio";
-import type { ChatTemplateInfo, NodeSpec, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
+import type { ChatTemplateInfo, PortType, RunDetail, RunFile, Version, Workflow } from "../api/types";
 import { Icon } from "../components/icons";
 import { RunGraph } from "../components/RunGraph";
 import { Button, ErrorBox, Spinner, formatBytes } from "../components/ui";
 import { chatInputs, chatSend, isRendered } from "../run/chatPrompt";
+import { type Draft, type InputField, initialDraft, inputsOf } from "../run/formInputs";
 import { defaultTarget, type TargetAsked } from "../run/target";
-
-interface InputField {
-  name: string;
-  type: PortType;
-  defaultValue: unknown;
-  description: string;
-}
 
 const FILE_TYPES: PortType[] = ["image", "audio", "tensor"];
 
-function inputsOf(nodes: NodeSpec[]): InputField[] {
-  return nodes
-    .filter((n) => n.kind === "input")
-    .map((n) => ({
-      name: n.id,
-      type: n.outputs?.value?.type ?? "any",
-      defaultValue: n.params?.default,
-      description: n.description ?? "",
-    }));
-}
-
-/** `chat`: a chat input's toggle (on by default; see `ChatField`). */
-type Draft = { text: string; file: File | null; asJson: boolean; chat: boolean };
 
 /** A text input that feeds llm prompts of `model`, whose own chat template renders what is typed. */
 interface ChatField {
@@ -57,19 +38,6 @@ function previousFile(run: RunDetail, name: string): RunFile | undefined {
   const value = run.inputs[name];
   if (!value || typeof value !== "object" || !("$file" in value)) return undefined;
   return run.files.find((f) => f.id === (value as { $file: string }).$file);
-}
-
-/** A field's draft: from `given` (a previous run's value) when there is one, else its default. */
-function initialDraft(field: InputField, given?: unknown): Draft {
-  const draft = (text: string, asJson: boolean): Draft => ({ text, file: null, asJson, chat: true });
-  if (given !== undefined && !(given && typeof given === "object" && "$file" in given)) {
-    if (typeof given === "string" && (field.type === "text" || field.type === "any")) return draft(given, false);
-    return draft(JSON.stringify(given), true);
-  }
-  const d = field.defaultValue;
-  if (d === undefined) return draft("", field.type !== "text");
-  if (typeof d === "string" && (field.type === "text" || field.type === "any")) return draft(d, false);
-  return draft(JSON.stringify(d), true);
 }
 
 export function NewRunPage() {
