@@ -26,6 +26,14 @@ class ModelWeights:
                 "random_weights_roles": list(self.random_roles)}
 
 
+def weights_by_kind(model: str, kinds: list[str]) -> dict[str, str]:
+    """What a role of each of `kinds` naming `model` computes with ("real" or "random"): a model
+    listed once for several role kinds may be real for one and seeded for another (smollm2-135m
+    is real weights for an llm role, a seeded head for a diffusion one)."""
+    found = {kind: role_weights(kind, model) for kind in kinds}
+    return {kind: str(weights) for kind, weights in found.items() if weights is not None}
+
+
 def model_weights(spec: dict[str, Any]) -> ModelWeights:
     """What the roles of `spec` (a GraphSpec document) compute with."""
     random = tuple(r["name"] for r in spec.get("roles", [])

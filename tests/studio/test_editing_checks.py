@@ -59,9 +59,16 @@ def test_models_lists_built_in_models_and_checkpoints_by_relative_name(api, root
     real = models["smollm2-135m"]
     assert (real["random_weights"], real["label"]) == (False, "real weights")
     assert models["tiny-vit"]["role_kinds"] == ["vision_encoder"]
+    # Per role kind: smollm2-135m is real weights for an llm role, a seeded (random) head for a
+    # diffusion one, as the engine's catalogue says of a role of that kind (issue #20).
+    assert real["weights_by_kind"] == {"llm": "real", "diffusion": "random"}
+    assert real["weights"] == "real"  # what clients read before stays as it was
+    assert tiny["weights_by_kind"] == {"diffusion": "random", "llm": "random"}
+    assert models["tiny-vit"]["weights_by_kind"] == {"vision_encoder": "random"}
     checkpoints = [m for m in body["models"] if m["source"] == "checkpoint"]
     assert [m["name"] for m in checkpoints] == ["org/ckpt"]  # not the plain folder, the hidden one, the link
     assert sorted(checkpoints[0]["role_kinds"]) == ["diffusion", "llm", "sglang_llm"]
+    assert checkpoints[0]["weights_by_kind"] == {"diffusion": "random", "llm": "real", "sglang_llm": "real"}
     assert str(model_root) not in response.content.decode()  # never a server path
 
 

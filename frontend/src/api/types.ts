@@ -381,6 +381,8 @@ export interface ModelInfo {
   label: string;
   description: string;
   role_kinds: string[];
+  /** Per role kind, what a role of that kind naming it computes with (an LLM's diffusion head is seeded). */
+  weights_by_kind?: Record<string, "real" | "random">;
 }
 
 export interface ModelList {

@@ -5,6 +5,7 @@ import { Icon } from "../components/icons";
 import { Button } from "../components/ui";
 import type { PlacedIssues } from "../graph/issues";
 import type { EditorDoc, SpecEdge } from "../graph/model";
+import { labelFor, RANDOM_WEIGHTS_LABEL, randomFor } from "./modelWeights";
 
 export function EdgeInspector({
   doc,
@@ -260,9 +261,10 @@ function RoleCard({
   );
 }
 
-const MODEL_GROUPS: { label: string; pick: (m: ModelInfo) => boolean }[] = [
-  { label: "Built-in, real weights", pick: (m) => m.source === "builtin" && !m.random_weights },
-  { label: "Built-in, random weights (for testing)", pick: (m) => m.source === "builtin" && m.random_weights },
+/** The picker's groups, for a role of `kind`: a model's weights are those a role of that kind gets. */
+const MODEL_GROUPS: { label: string; pick: (m: ModelInfo, kind: string) => boolean }[] = [
+  { label: "Built-in, real weights", pick: (m, kind) => m.source === "builtin" && !randomFor(m, kind) },
+  { label: "Built-in, random weights (for testing)", pick: (m, kind) => m.source === "builtin" && randomFor(m, kind) },
   { label: "Checkpoints in the model directories", pick: (m) => m.source === "checkpoint" },
 ];
 
@@ -307,13 +309,13 @@ function ModelField({
         <option value="">{kind?.model === "required" ? "— choose a model —" : "— default —"}</option>
         {current && !chosen && <option value={current}>{current} (not available here)</option>}
         {MODEL_GROUPS.map(({ label, pick }) => {
-          const items = fitting.filter(pick);
+          const items = fitting.filter((m) => pick(m, role.kind));
           return items.length ? (
             <optgroup key={label} label={label}>
               {items.map((m) => (
                 <option key={m.name} value={m.name} title={m.description}>
                   {m.name}
-                  {m.random_weights ? " — random weights (for testing)" : ""}
+                  {randomFor(m, role.kind) ? ` — ${RANDOM_WEIGHTS_LABEL}` : ""}
                 </option>
               ))}
             </optgroup>
@@ -327,7 +329,7 @@ function ModelField({
       ))}
       {chosen && (
         <span className="field-hint" data-testid={`role-${role.name}-model-label`}>
-          {chosen.label}
+          {labelFor(chosen, role.kind)}
           {chosen.description ? `: ${chosen.description}` : ""}
         </span>
       )}

@@ -17,6 +17,7 @@ from engine.spec.graph import PORT_TYPES, json_schema
 from engine.spec.kinds import KindRegistry
 from studio.workflows.apps import engine
 from studio.workflows.paths import list_checkpoints
+from studio.workflows.weights import weights_by_kind
 
 RANDOM_WEIGHTS = Weights.RANDOM.label
 REAL_WEIGHTS = Weights.REAL.label
@@ -64,6 +65,11 @@ class ModelSerializer(serializers.Serializer):
     weights_label = serializers.CharField(help_text=f"'{REAL_WEIGHTS}' or '{RANDOM_WEIGHTS}'")
     description = serializers.CharField()
     role_kinds = serializers.ListField(child=serializers.CharField(), help_text="the role kinds that can load it")
+    weights_by_kind = serializers.DictField(
+        child=serializers.ChoiceField(choices=["real", "random"]),
+        help_text="per role kind in role_kinds, what a role of that kind naming it computes with: a model may be"
+                  " real for one kind and seeded for another (an LLM's diffusion head); `weights` and"
+                  " `random_weights` say it of the model itself")
     family = serializers.CharField(required=False, allow_null=True, help_text="a built-in LLM's family")
     layers = serializers.IntegerField(required=False, allow_null=True)
     hidden = serializers.IntegerField(required=False, allow_null=True)
@@ -110,8 +116,9 @@ class OpsView(APIView):
 
 def model_listing(kinds: KindRegistry, roots: tuple) -> dict:
     """The built-in models of every role kind (one entry per name, with every kind that knows it,
-    and what the engine's catalogue says of it: weights, an LLM's shape), then the checkpoints
-    under `roots` with the kinds that load checkpoints."""
+    and what the engine's catalogue says of it: weights, an LLM's shape, and the weights a role of
+    each of those kinds computes with), then the checkpoints under `roots` with the kinds that
+    load checkpoints."""
     catalogued = {row.name: row.to_dict() for row in model_catalogue()}
     builtin: dict[str, dict] = {}
     checkpoint_kinds = []
@@ -129,10 +136,13 @@ def model_listing(kinds: KindRegistry, roots: tuple) -> dict:
                 "weights_label": RANDOM_WEIGHTS if model.random_weights else REAL_WEIGHTS,
                 "description": model.description, "role_kinds": []})
             entry["role_kinds"].append(kind.name)
+    for name, entry in builtin.items():
+        entry["weights_by_kind"] = weights_by_kind(name, entry["role_kinds"])
     found = list_checkpoints(roots)
     checkpoints = [{"name": name, "source": "checkpoint", "random_weights": False, "label": CHECKPOINT,
                     "weights": "real", "weights_label": REAL_WEIGHTS,
-                    "description": "a checkpoint folder in the model directories", "role_kinds": checkpoint_kinds}
+                    "description": "a checkpoint folder in the model directories", "role_kinds": checkpoint_kinds,
+                    "weights_by_kind": weights_by_kind(name, checkpoint_kinds)}
                    for name in found.names]
     return {"models": [*builtin.values(), *checkpoints], "checkpoints_truncated": found.truncated}
 
