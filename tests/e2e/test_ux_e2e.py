@@ -59,13 +59,16 @@ def test_every_port_label_reads_whole_in_chromium(live_studio: LiveStudio) -> No
 @pytest.mark.timeout(320)
 def test_run_views_open_readable_and_toasts_leave_dialog_buttons_clear_in_chromium(live_studio: LiveStudio) -> None:
     """`frontend/e2e/views.e2e.mjs`: a run of image_generation and of omni_dialogue (the largest
-    example), at 1440x960 and 1024x768, opens at a zoom where node titles are legible with the
-    inputs in view (as the editor opens them); fit-to-view, there and on every example in the editor,
-    leaves no node under the minimap or the zoom buttons; a toast shown while the wide deploy dialog is open
+    example), at 1440x960 and 1024x768 (image_generation at 1440x900 too), opens at a zoom where node
+    titles are legible with the inputs in view (as the editor opens them); fit-to-view, there and on
+    every example in the editor, leaves no node under the minimap or the zoom buttons (at 1440x900
+    not even a node the canvas's edge cuts, on the New run form and the run page); the run page's
+    node table keeps each node's id, its "random weights" pill and its time on one line; a toast shown while the wide deploy dialog is open
     overlaps none of its footer's buttons, and they take a click; a saved version with issues cannot be
     run (its Run button is disabled, naming the version and its issue count)."""
     shots = run_script("views.e2e.mjs", live_studio, ARTIFACTS / "views", timeout_s=300)
     assert_shots(shots, ("run-image_generation-1440", "run-omni_dialogue-1440", "run-image_generation-1024",
+                         "new-run-image_generation-1440x900", "run-image_generation-1440x900",
                          "run-omni_dialogue-1024", "deploy-dialog-toast-1024", "editor-draft-cannot-run"))
 
 

@@ -10,7 +10,7 @@ import type { SpecEdge, SpecNode } from "../graph/model";
 import { NODE_WIDTH } from "../graph/layout";
 import { CONTROLS_CORNER } from "../components/FlowControls";
 import { MINIMAP_CORNER } from "../components/FlowMiniMap";
-import { readableViewportClearOfCorners, showsWhole } from "../graph/viewport";
+import { readableViewportClearOfCorners, showsWhole, type Viewport } from "../graph/viewport";
 
 export interface ReadableFit {
   /** Show the whole graph when its titles stay legible, else its inputs (or its leftmost nodes) at the legible zoom. */
@@ -34,6 +34,8 @@ export function useReadableFit(
   const flow = useReactFlow<SpecNode, SpecEdge>();
   const measured = useNodesInitialized();
   const done = useRef(false);
+  /** The viewport the last fit set (null: none yet). */
+  const fitted = useRef<Viewport | null>(null);
   const [whole, setWhole] = useState<boolean | null>(null);
   const fit = useCallback(
     (duration = 0) => {
@@ -51,6 +53,7 @@ export function useReadableFit(
       const viewport = readableViewportClearOfCorners(all, flow.getNodesBounds(focus), rects, box,
         { left: CONTROLS_CORNER, right: MINIMAP_CORNER }, minimap === "always");
       flow.setViewport(viewport, { duration });
+      fitted.current = viewport;
       setWhole(showsWhole(all, viewport, box));
     },
     [flow, canvas, minimap],
@@ -60,5 +63,23 @@ export function useReadableFit(
     done.current = true;
     if (initial) fit();
   }, [measured, initial, fit]);
+  // The canvas can change size after the fit (a notice above the graph comes or goes, a line
+  // wraps): a view nobody has moved since it was fitted is fitted again to the new size, so the
+  // nodes it showed stay clear of the minimap and the buttons. A view the user moved stays.
+  useEffect(() => {
+    const element = canvas.current;
+    if (!element) return;
+    let size = { width: element.clientWidth, height: element.clientHeight };
+    const observer = new ResizeObserver(() => {
+      const now = { width: element.clientWidth, height: element.clientHeight };
+      if (now.width === size.width && now.height === size.height) return;
+      size = now;
+      const last = fitted.current;
+      const current = flow.getViewport();
+      if (last && last.x === current.x && last.y === current.y && last.zoom === current.zoom) fit();
+    });
+    observer.observe(element);
+    return () => observer.disconnect();
+  }, [canvas, flow, fit]);
   return { fit, whole };
 }

@@ -271,12 +271,16 @@ export function RunPage() {
                       data-state={v?.state ?? "pending"}
                     >
                       <td className="mono">
-                        {n.id}
-                        {randomNodes.has(n.id) && (
-                          <span className="pill random-weights" title="Its role's model has random weights (for testing): the output is noise" data-testid={`node-random-${n.id}`}>
-                            random weights
+                        <div className="node-id-cell">
+                          <span className="node-id" title={n.id}>
+                            {n.id}
                           </span>
-                        )}
+                          {randomNodes.has(n.id) && (
+                            <span className="pill random-weights" title="Its role's model has random weights (for testing): the output is noise" data-testid={`node-random-${n.id}`}>
+                              random weights
+                            </span>
+                          )}
+                        </div>
                       </td>
                       <td>
                         <span className={`state-chip state-${v?.state ?? "pending"}`}>{v?.state ?? "pending"}</span>
@@ -292,7 +296,7 @@ export function RunPage() {
                           </span>
                         )}
                       </td>
-                      <td className="right mono small" data-testid={`node-time-${n.id}`}>
+                      <td className="right mono small nowrap" data-testid={`node-time-${n.id}`}>
                         {formatMs(v?.durationMs)}
                       </td>
                     </tr>
