@@ -7,8 +7,11 @@
 //  - the editor of image_generation opened, timed from the click to its nodes on the canvas (the
 //    time is printed with /api/models/'s: the first editor a studio opened once waited seconds for
 //    that answer, see tests/unit/client/test_light_imports.py);
+//  - its model picker: smollm2-135m reads real weights for the llm role and random weights (for
+//    testing) for the diffusion role, whose head is seeded;
 //  - a new llm node with nothing wired into it: flagged on its node and its prompt port before any
-//    save, and no longer once an input feeds its prompt;
+//    save, and no longer once an input feeds its prompt; an input then retyped to what the port it
+//    feeds does not take (json into llm.tokens) flagged on the edge, both nodes and the inspector;
 //  - a workflow's version 1 in the history, compared with nothing: its fields read as added, none
 //    as changed, and its text diff adds every line.
 // Every step leaves a screenshot in E2E_ARTIFACTS; a failing one FAILED-<step>.png, and exits 1.
@@ -64,6 +67,21 @@ try {
     console.log(`     image_generation editor: nodes drawn ${drawn} ms after the click (/api/models/ ${models} ms)`);
     await validityShows(page, "Valid");
     await shot("editor-image_generation");
+  });
+
+  await step("the model picker says smollm2-135m is real for the llm role and random for the diffusion one", async () => {
+    await page.click(tid("tab-roles"));
+    const option = (role) => page.$eval(`${tid(`role-${role}-model`)} option[value="smollm2-135m"]`,
+      (o) => ({ text: o.textContent, group: o.parentElement.getAttribute("label") }));
+    const llm = await option("llm");
+    const diffusion = await option("diffusion");
+    expect(!llm.text.includes("random") && llm.group === "Built-in, real weights", `llm role: ${JSON.stringify(llm)}`);
+    expect(diffusion.text.includes("random weights (for testing)") && diffusion.group.includes("random weights"),
+      `diffusion role: ${JSON.stringify(diffusion)}`);
+    await waitText(tid("role-llm-model-label"), "real weights");
+    await waitText(tid("role-diffusion-model-label"), "random weights (for testing)");
+    await page.locator(tid("role-diffusion")).scrollIntoViewIfNeeded();
+    await shot("editor-model-weights-per-role");
   });
 
   await step("an llm node with no prompt wired is flagged on its node before save", async () => {

@@ -75,9 +75,11 @@ def test_run_views_open_readable_and_toasts_leave_dialog_buttons_clear_in_chromi
 @pytest.mark.timeout(180)
 def test_what_a_newcomer_meets_first_in_chromium(live_studio: LiveStudio) -> None:
     """`frontend/e2e/firstlook.e2e.mjs` (issue #20): the workflows list dates its updates and says
-    how long ago; the image_generation editor opens with its graph (the time it took printed); an
-    llm node with no prompt wired is flagged on its node and port before save, and no longer once an
-    input feeds it; a version 1 compared with nothing reads as added throughout."""
+    how long ago; the image_generation editor opens with its graph (the time it took printed), its
+    model picker marking smollm2-135m random for the diffusion role only; an llm node with no prompt
+    wired is flagged on its node and port before save, and no longer once an input feeds it; an input
+    retyped to json while it feeds llm.tokens is a type mismatch on both ends; a version 1 compared with nothing reads as added throughout."""
     shots = run_script("firstlook.e2e.mjs", live_studio, ARTIFACTS / "firstlook", timeout_s=160)
-    assert_shots(shots, ("workflows-dates", "editor-image_generation", "editor-llm-no-prompt",
-                         "editor-llm-prompt-wired", "history-first-version"))
+    assert_shots(shots, ("workflows-dates", "editor-image_generation", "editor-model-weights-per-role",
+                         "editor-llm-no-prompt", "editor-llm-prompt-wired", "editor-input-type-mismatch",
+                         "history-first-version"))

@@ -5,7 +5,7 @@ import { Icon } from "../components/icons";
 import { Button } from "../components/ui";
 import type { PlacedIssues } from "../graph/issues";
 import type { EditorDoc, SpecEdge } from "../graph/model";
-import { labelFor, RANDOM_WEIGHTS_LABEL, randomFor } from "./modelWeights";
+import { labelFor, RANDOM_WEIGHTS_LABEL, randomFor, seededNote } from "./modelWeights";
 
 export function EdgeInspector({
   doc,
@@ -330,6 +330,7 @@ function ModelField({
       {chosen && (
         <span className="field-hint" data-testid={`role-${role.name}-model-label`}>
           {labelFor(chosen, role.kind)}
+          {seededNote(chosen, role.kind) ? ` ${seededNote(chosen, role.kind)}` : ""}
           {chosen.description ? `: ${chosen.description}` : ""}
         </span>
       )}

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { ModelInfo } from "../api/types";
-import { labelFor, randomFor } from "./modelWeights";
+import { labelFor, randomFor, seededNote } from "./modelWeights";
 
 const smollm2: ModelInfo = {
   name: "smollm2-135m",
@@ -18,6 +18,10 @@ describe("a model's weights per role kind", () => {
     expect(labelFor(smollm2, "llm")).toBe("real weights");
     expect(randomFor(smollm2, "diffusion")).toBe(true);
     expect(labelFor(smollm2, "diffusion")).toBe("random weights (for testing)");
+    expect(seededNote(smollm2, "diffusion")).toBe(
+      "(for a diffusion role: the model's own weights are real, what this role adds to them is seeded)",
+    );
+    expect(seededNote(smollm2, "llm")).toBeNull();
   });
 
   it("a checkpoint keeps its label where it is real", () => {

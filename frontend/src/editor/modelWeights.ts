@@ -19,3 +19,9 @@ export function labelFor(model: ModelInfo, roleKind: string): string {
   if (randomFor(model, roleKind)) return RANDOM_WEIGHTS_LABEL;
   return model.random_weights ? "real weights" : model.label;
 }
+
+/** Why a model with real weights is random for a role of `roleKind` (what that kind adds is seeded), or null. */
+export function seededNote(model: ModelInfo, roleKind: string): string | null {
+  if (!randomFor(model, roleKind) || model.random_weights) return null;
+  return `(for a ${roleKind} role: the model's own weights are real, what this role adds to them is seeded)`;
+}
