@@ -138,3 +138,40 @@ def test_the_readme_quick_start_imports_as_source_and_runs(api, rooted_engine) -
     rooted_engine.runs.wait(run.json()["id"])
     body = api.get(f"/api/runs/{run.json()['id']}/").json()
     assert (body["status"], body["outputs"]) == ("done", {"greeting": "hello, omni"}), body
+
+
+def retyped(spec: dict[str, Any], input_type: str, target_port: str = "prompt") -> dict[str, Any]:
+    """`spec` (llm_spec) with its input `prompt` of `input_type`, wired into the llm's `target_port`."""
+    nodes = [{**n, "outputs": {"value": {"type": input_type}}} if n["id"] == "prompt" else n for n in spec["nodes"]]
+    if target_port != "prompt":
+        nodes = [{**n, "inputs": {target_port: {"type": "tokens"}}} if n["id"] == "gen" else n for n in nodes]
+    edges = [{**e, "target_port": target_port} if e["source"] == "prompt" else e for e in spec["edges"]]
+    return {**spec, "nodes": nodes, "edges": edges}
+
+
+@pytest.mark.parametrize(("input_type", "target_port", "expects"), [
+    ("image", "prompt", "text"), ("json", "prompt", "text"), ("json", "tokens", "tokens"), ("text", "tokens", "tokens"),
+])
+def test_an_input_retyped_to_what_its_port_does_not_take_is_a_type_mismatch_before_save(
+        api, rooted_engine, input_type: str, target_port: str, expects: str) -> None:
+    """Issue #20: an input node's type changed in the editor while it feeds an llm port that takes
+    another type; /api/validate/ (as the editor asks it, `?report=1`, and plainly) names the edge,
+    the port it feeds and both types."""
+    spec = retyped(llm_spec(), input_type, target_port)
+    edge = f"prompt.value->gen.{target_port}"
+    plain = api.post("/api/validate/", {"spec": spec}, format="json")
+    assert plain.status_code == 400, plain.content
+    [issue] = [d for d in plain.json()["details"] if d["code"] == "type_mismatch"]
+    assert (issue["edge"], issue["node"], issue["port"]) == (edge, "gen", target_port)
+    assert issue["message"] == (f"edge {edge}: output prompt.value is {input_type} but input gen.{target_port}"
+                                f" expects {expects}")
+    report = api.post("/api/validate/?report=1", {"spec": spec}, format="json")
+    assert report.status_code == 200 and report.json()["valid"] is False
+    assert [i["code"] for i in report.json()["issues"]] == ["type_mismatch"]
+
+
+@pytest.mark.parametrize(("input_type", "target_port"), [("any", "prompt"), ("any", "tokens"), ("text", "prompt"),
+                                                         ("tokens", "tokens")])
+def test_an_input_of_a_type_its_port_takes_passes(api, rooted_engine, input_type: str, target_port: str) -> None:
+    response = api.post("/api/validate/", {"spec": retyped(llm_spec(), input_type, target_port)}, format="json")
+    assert response.status_code == 200, response.content

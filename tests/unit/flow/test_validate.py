@@ -799,3 +799,16 @@ def test_an_input_default_of_the_wrong_kind_is_an_issue_on_its_node() -> None:
     ok = Workflow("fine")
     ok.output("out", ok.input("given", "text", default="hello"), "text")
     assert not [i for i in check_spec(ok.to_spec(), default_kinds()) if i.code == "bad_default"]
+
+
+def test_an_input_example_is_a_string_the_form_prefills_and_runs_never_read() -> None:
+    wf = Workflow("examples")
+    wf.output("out", wf.input("question", "text", default="<rendered>", example="What is 2+2?"), "text")
+    spec = wf.to_spec()
+    assert spec.nodes[0].params == {"default": "<rendered>", "example": "What is 2+2?"}
+    assert check_spec(spec, default_kinds()) == []
+    plan = build_plan(spec, default_kinds())
+    assert plan.input_nodes == ("question",)
+    bad = replace(spec, nodes=[replace(spec.nodes[0], params={"example": 7}), *spec.nodes[1:]])
+    assert [(i.code, i.node) for i in check_spec(bad, default_kinds())] == [("bad_param", "question")]
+    assert "params.example: 7 is not of type 'string'" in check_spec(bad, default_kinds())[0].message
