@@ -24,6 +24,7 @@ if "OMNIFLOW_DATA_DIR" not in os.environ and "DJANGO_SETTINGS_MODULE" not in os.
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "studio.settings")
 
 import django  # noqa: E402
+from channels.layers import channel_layers  # noqa: E402
 from django.apps import apps  # noqa: E402
 
 if not apps.ready:
@@ -69,6 +70,17 @@ def _test_settings(settings: Any, tmp_path: Path) -> None:
     # Throttle counts start afresh in each test (this process's memory, not the shared Redis).
     settings.CACHES = {**settings.CACHES, "throttle": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
                                                        "LOCATION": f"throttle-{tmp_path.name}"}}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_channel_layers() -> Iterator[None]:
+    """Each test its own channel layers. Channels caches a layer per alias for the process, and a
+    Redis layer's receive lock binds to the event loop of the first consumer that waited on it:
+    a test whose consumer was still receiving when its loop ended left that lock held, bound to
+    a loop that is gone, for the next test's consumers ("bound to a different event loop")."""
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
 
 
 def _installed(allow_module_ops: bool) -> Iterator[StudioEngine]:
