@@ -13,7 +13,7 @@
 //   STUDIO_URL=... STUDIO_USER=... STUDIO_PASSWORD=... PHASE=... PY_WORKER=... GPU_WORKERS=... \
 //   E2E_ARTIFACTS=... node e2e/gpu-metrics.e2e.mjs
 
-import { expect, openBrowser, tid } from "./harness.mjs";
+import { expect, openBrowser, tid, logIn } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL;
 const PHASE = process.env.PHASE;
@@ -46,13 +46,7 @@ const dotColor = (testId, label) =>
 const yTicks = async (testId) => (await page.getAttribute(`${tid(testId)} .chart-box`, "data-y-ticks")).split("|");
 
 try {
-  await step("login", async () => {
-    await page.goto(`${BASE}/login`);
-    await page.fill('input[name="username"]', process.env.STUDIO_USER);
-    await page.fill('input[name="password"]', process.env.STUDIO_PASSWORD);
-    await page.click('button[type="submit"]');
-    await page.waitForURL(/\/workflows$/);
-  });
+  await step("login", () => logIn(page, BASE, process.env.STUDIO_USER, process.env.STUDIO_PASSWORD));
 
   if (PHASE === "cpu") {
     await step("a CPU-only cluster: the memory panel says so and charts RSS", async () => {

@@ -13,7 +13,7 @@
 // tests/e2e/test_metrics_e2e.py deploys workflows/chat.py, puts it under load and runs this
 // script. Every step leaves a screenshot; a failing one FAILED-<step>.png, and exits 1.
 
-import { expect, openBrowser, tid } from "./harness.mjs";
+import { expect, openBrowser, tid, logIn } from "./harness.mjs";
 
 const BASE = process.env.STUDIO_URL;
 const WORKER = process.env.LLM_WORKER;
@@ -40,13 +40,7 @@ async function tiersShown(testId, positive) {
 const card = `worker-card-${WORKER}`;
 
 try {
-  await step("login", async () => {
-    await page.goto(`${BASE}/login`);
-    await page.fill('input[name="username"]', process.env.STUDIO_USER);
-    await page.fill('input[name="password"]', process.env.STUDIO_PASSWORD);
-    await page.click('button[type="submit"]');
-    await page.waitForURL(/\/workflows$/);
-  });
+  await step("login", () => logIn(page, BASE, process.env.STUDIO_USER, process.env.STUDIO_PASSWORD));
 
   let before;
   await step("the cluster page charts the host and disk tiers, overall and per worker", async () => {

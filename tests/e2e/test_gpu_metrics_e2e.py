@@ -35,7 +35,7 @@ from engine.worker.config import WorkerConfig
 from engine.worker.liveness import Liveness
 from tests.e2e.browser import ARTIFACTS, assert_shots, needs_browser, run_script
 from tests.e2e.conftest import METRICS_TOKEN, LiveStudio, prepare_studio, serving, studio_env
-from tests.e2e.test_metrics_e2e import Api, demo_token, served, until
+from tests.e2e.test_metrics_e2e import Api, demo_token, deployed, served, until
 
 REDIS_URL = os.environ.get("REDIS_URL")
 GiB = 1024**3
@@ -124,15 +124,7 @@ def gpu_shown(body: dict[str, Any]) -> bool:
 @pytest.mark.timeout(420)
 def test_gpu_workers_heartbeats_reach_rest_chart_and_prometheus(redis_studio: LiveStudio) -> None:
     api = Api(redis_studio.url, demo_token(redis_studio))
-    status, found = api.call("GET", "/api/workflows/?search=hello")
-    assert status == 200, found
-    (hello,) = [w for w in found["results"] if w["name"] == "hello"]
-    status, deployment = api.call("POST", "/api/deployments/", {"workflow": hello["id"]})
-    assert status == 201, deployment
-    try:
-        deployment = until(lambda: api.call("GET", f"/api/deployments/{deployment['id']}/")[1],
-                           lambda d: d["status"] not in ("pending", "starting"), "the hello deployment starts")
-        assert deployment["status"] == "running", deployment
+    with deployed(api, "hello") as deployment:
         (py,) = [w for w in deployment["workers"] if w["role"] == "py"]
         # CPU only: the python worker's heartbeats (through Redis) carry its RSS and no GPU
         history = until(lambda: api.call("GET", "/api/metrics/history/?range=5m")[1],
@@ -177,7 +169,3 @@ def test_gpu_workers_heartbeats_reach_rest_chart_and_prometheus(redis_studio: Li
         rss = {s.labels["worker"]: s.value for s in samples if s.name == "omniflow_worker_rss_bytes"}
         assert {w.worker_id: rss.get(w.worker_id) for w in GPU_WORKERS} == {w.worker_id: w.rss for w in GPU_WORKERS}
         assert rss[py["worker_id"]] > 0
-    finally:
-        api.call("POST", f"/api/deployments/{deployment['id']}/stop/")
-        until(lambda: api.call("GET", f"/api/deployments/{deployment['id']}/")[1],
-              lambda d: d["status"] == "stopped", "the deployment stops", deadline_s=60)

@@ -20,7 +20,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -63,6 +64,27 @@ def until(read: Callable[[], Any], ready: Callable[[Any], bool], what: str, dead
     return value
 
 
+@contextmanager
+def deployed(api: Api, workflow: str) -> Iterator[dict[str, Any]]:
+    """The demo user's example `workflow` deployed and running (its detail, workers included), stopped
+    and seen stopped when the block ends."""
+    status, found = api.call("GET", f"/api/workflows/?search={workflow}")
+    assert status == 200, found
+    (wf,) = [w for w in found["results"] if w["name"] == workflow]
+    status, deployment = api.call("POST", "/api/deployments/", {"workflow": wf["id"]})
+    assert status == 201, deployment
+    url = f"/api/deployments/{deployment['id']}/"
+    try:
+        deployment = until(lambda: api.call("GET", url)[1], lambda d: d["status"] not in ("pending", "starting"),
+                           f"the {workflow} deployment starts")
+        assert deployment["status"] == "running", deployment
+        yield deployment
+    finally:
+        api.call("POST", f"{url}stop/")
+        until(lambda: api.call("GET", url)[1], lambda d: d["status"] == "stopped", "the deployment stops",
+              deadline_s=60)
+
+
 def demo_token(studio: LiveStudio) -> str:
     """A new API token of the demo user (its password is set again, to the same one)."""
     out = subprocess.run([sys.executable, str(ROOT / "manage.py"), "setup_demo", "--username", studio.user,
@@ -92,15 +114,7 @@ def served(text: str) -> tuple[set[str], list[Any]]:
 @pytest.mark.timeout(420)
 def test_cluster_page_history_tiers_and_range_in_chromium(live_studio: LiveStudio) -> None:
     api = Api(live_studio.url, demo_token(live_studio))
-    status, found = api.call("GET", "/api/workflows/?search=chat")
-    assert status == 200, found
-    (chat,) = [w for w in found["results"] if w["name"] == "chat"]
-    status, deployment = api.call("POST", "/api/deployments/", {"workflow": chat["id"]})
-    assert status == 201, deployment
-    try:
-        deployment = until(lambda: api.call("GET", f"/api/deployments/{deployment['id']}/")[1],
-                           lambda d: d["status"] not in ("pending", "starting"), "the chat deployment starts")
-        assert deployment["status"] == "running", deployment
+    with deployed(api, "chat") as deployment:
         (llm,) = [w for w in deployment["workers"] if w["role"] == "llm"]
 
         # load: new prompts write pages through to the host and disk tiers, repeated ones hit them
@@ -133,7 +147,3 @@ def test_cluster_page_history_tiers_and_range_in_chromium(live_studio: LiveStudi
         dashboard = json.loads((ROOT / "deploy" / "grafana" / "omniflow-dashboard.json").read_text())
         for query in [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]:
             assert set(re.findall(r"\bomniflow_[a-z0-9_]+", query)) <= names, query
-    finally:
-        api.call("POST", f"/api/deployments/{deployment['id']}/stop/")
-        until(lambda: api.call("GET", f"/api/deployments/{deployment['id']}/")[1],
-              lambda d: d["status"] == "stopped", "the deployment stops", deadline_s=60)
