@@ -11,8 +11,8 @@ into one batch; `tok_s_hf_sequential`, `generate` on each prompt alone, whose to
 the engine's must equal (`same_tokens_hf_sequential`). After a warm-up the engine and
 the batched anchor run in alternation `--repeats` times; throughputs are medians, and
 `engine_vs_hf_batched` is the median of the ratios of runs taken side by side (robust
-to load that comes and goes). `--packed-float32` runs the engine with the role param of that
-name (a packed copy of the float32 weights for batched decode). Goal (issue 18, real model):
+to load that comes and goes). `--no-packed-float32` runs the engine with the role param of
+that name turned off (no packed copy of the float32 weights for decode). Goal (issue 18, real model):
 engine_vs_hf_batched >= 1.5.
 """
 
@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--packed-float32", action="store_true",
-                        help="the engine's role param packed_float32: oneDNN's products over packed float32 weights")
+    parser.add_argument("--packed-float32", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's role param packed_float32 (on by default): oneDNN's products over packed"
+                        " float32 weights")
 
 
 def _prompts(model: LoadedModel, args: argparse.Namespace) -> list[list[int]]:

@@ -12,8 +12,8 @@ request has its first token to the last token), the median of `--repeats` runs;
 llama-cpp-python 0.3.36 on the Q4_1 GGUF with 2 threads, on a machine like this one;
 a recorded figure, not measured in this run).
 Goals (issue 18): b1_vs_limit >= 0.8 in each dtype; bfloat16_b16_vs_float32 >= 2.
-`--packed-float32` runs the engine with the role param of that name (float32 batches of 2 to 64
-rows multiplied by oneDNN over a packed copy of the weights).
+`--no-packed-float32` runs the engine with the role param of that name turned off (float32 decode
+products by MKL's `F.linear` instead of oneDNN's over a packed copy of the weights).
 `bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
 bfloat16 goals assume it; without it bfloat16 products are emulated, several times slower than
 float32's, and the bfloat16 figures measure that emulation.
@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--packed-float32", action="store_true",
-                        help="the engine's role param packed_float32: oneDNN's products over packed float32 weights")
+    parser.add_argument("--packed-float32", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's role param packed_float32 (on by default): oneDNN's products over packed"
+                        " float32 weights")
     parser.add_argument("--llamacpp-tok-s", type=float, default=LLAMACPP_B1_TOK_S,
                         help="llama.cpp's batch-1 decode figure to compare with (recorded, not measured here)")
 

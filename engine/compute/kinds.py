@@ -57,8 +57,8 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
         "packed_weights": {"type": "boolean", "default": True,
                            "description": "bfloat16 on a CPU with AVX512-BF16/AMX: keep the weights in oneDNN's packed"
                            " layout too (faster decode; a second copy of the weights in each worker)"},
-        "packed_float32": {"type": "boolean", "default": False,
-                           "description": "float32: keep the weights in oneDNN's packed layout too (faster batched"
+        "packed_float32": {"type": "boolean", "default": True,
+                           "description": "float32: keep the weights in oneDNN's packed layout too (faster"
                            " decode; a second copy of the weights in each worker)"},
         "handoff_lease_s": {"type": "number", "exclusiveMinimum": 0, "default": 60,
                             "description": "llm.prefill: how long the prompt's pages stay held for a decode"

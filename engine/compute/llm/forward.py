@@ -115,7 +115,7 @@ class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
     def __init__(self, model: PreTrainedModel, layout: KVLayout, *, packed: bool = True,
-                 packed_float32: bool = False) -> None:
+                 packed_float32: bool = True) -> None:
         """`packed`, `packed_float32`: bind packed weights where they are faster (`DecoderWeights.of`)."""
         self.model = model
         self.weights = w = DecoderWeights.of(model, packed=packed, packed_float32=packed_float32)

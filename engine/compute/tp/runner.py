@@ -44,7 +44,7 @@ class BroadcastForward(PagedForward):
     """`PagedForward` of rank 0 that sends each forward's pass to the followers first."""
 
     def __init__(self, model: PreTrainedModel, layout: KVLayout, *, packed: bool = True,
-                 packed_float32: bool = False, journal: KVJournal, send: Callable[[TPPass], None],
+                 packed_float32: bool = True, journal: KVJournal, send: Callable[[TPPass], None],
                  group: TPGroup) -> None:
         super().__init__(model, layout, packed=packed, packed_float32=packed_float32)
         self.journal = journal

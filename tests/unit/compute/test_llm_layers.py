@@ -236,15 +236,18 @@ def test_packed_bfloat16_products_give_f_linear_to_the_bit_and_packing_can_be_tu
     assert outs[0] == outs[1]
 
 
-def test_float32_weights_are_packed_only_when_asked(tiny_llama: LoadedModel):
-    weights = DecoderWeights.of(tiny_llama.model)
-    assert weights.lm_packed is None and all(layer.qkv_packed is None for layer in weights.layers)
+def test_float32_weights_are_packed_unless_turned_off(tiny_llama: LoadedModel):
+    off = DecoderWeights.of(tiny_llama.model, packed_float32=False)
+    assert off.lm_packed is None and all(layer.qkv_packed is None for layer in off.layers)
+    if torch.backends.mkldnn.is_available():
+        on = DecoderWeights.of(tiny_llama.model)
+        assert on.lm_packed is not None and all(layer.qkv_packed is not None for layer in on.layers)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN: nothing is packed")
 def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decode_batches(tiny_llama: LoadedModel):
-    """`packed_float32`: 2 to `PACKED_FLOAT32_MAX_ROWS` rows go through oneDNN's packed product (the
-    same products summed in another order); one row and longer inputs keep MKL's, to the bit."""
+    """`packed_float32`: 1 to `PACKED_FLOAT32_MAX_ROWS` rows go through oneDNN's packed product (the
+    same products summed in another order); longer inputs keep MKL's, to the bit."""
     weights = DecoderWeights.of(tiny_llama.model, packed_float32=True)
     layer = weights.layers[0]
     assert layer.qkv_packed is not None and layer.gate_up_packed is not None and weights.lm_packed is not None
@@ -260,7 +263,7 @@ def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decod
         added = residual + torch.nn.functional.linear(inner, layer.down_weight)
         logits = torch.nn.functional.linear(weights.final_norm(hidden), weights.lm_weight, weights.lm_bias)
         summed = _add_product(residual, inner, layer.down_weight, layer.down_packed)
-        if 2 <= rows <= PACKED_FLOAT32_MAX_ROWS:
+        if rows <= PACKED_FLOAT32_MAX_ROWS:
             torch.testing.assert_close(layer.qkv(hidden), expected, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(summed, added, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(weights.logits(hidden), logits, atol=1e-5, rtol=1e-4)
