@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate
+from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate, rotate_
 from engine.data.kv.layout import KVLayout
 
 __all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "PrefillOutput", "UnsupportedModelError"]
@@ -309,6 +309,17 @@ class PagedForward:
         previous.positions = positions
         return previous
 
+    @staticmethod
+    def _kv_targets(shape: torch.Size, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of one layer's `(K/V, batch, kv_heads, capacity, head_dim)` block, flattened to
+        `(-1, head_dim)`, that a decode step's new K/V go to: sequence `b`'s K/V head `h` at
+        its position, in the order of a step's q/k/v row's K/V part (`[b, K/V, h]`)."""
+        _, _, size, kv_heads, capacity, _ = shape
+        batch = torch.arange(size, device=positions.device)[:, None, None]
+        kind = torch.arange(2, device=positions.device)[None, :, None]
+        head = torch.arange(kv_heads, device=positions.device)[None, None, :]
+        return (((kind * size + batch) * kv_heads + head) * capacity + positions[:, None, None]).flatten()
+
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, pool: torch.Tensor, tails: torch.Tensor,
                previous: DecodeBuffer | None = None) -> tuple[torch.Tensor, DecodeBuffer]:
@@ -328,20 +339,22 @@ class PagedForward:
                 hidden_keys, float("-inf"))[:, None, None, :]
         hidden = self._embed(torch.tensor(list(batch.token_ids), dtype=torch.long, device=device))
         cos, sin = self.weights.rotary.at(positions)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        kv_heads, dim, q_width, qk_width = self.num_kv_heads, self.head_dim, self.q_width, self.qk_width
+        targets = self._kv_targets(kv.shape, positions)
         for index, layer in enumerate(self.weights.layers):
-            qk, v = self._qkv(layer, hidden, cos, sin)
-            keys, values = kv[index, 0], kv[index, 1]
-            keys[rows, :, positions] = qk[:, heads:]
-            values[rows, :, positions] = v
+            qkv = layer.qkv(hidden).contiguous()
+            rotate_(qkv[:, :qk_width].view(size, -1, dim), cos, sin)
+            layer_kv = kv[index]
+            # This step's K and V of every sequence and head, one row each, in one copy.
+            layer_kv.view(-1, dim).index_copy_(0, targets, qkv[:, q_width:].reshape(-1, dim))
             out = F.scaled_dot_product_attention(
-                qk[:, :heads].view(size, kv_heads, self.group, dim),
-                keys[:, :, :span],
-                values[:, :, :span],
+                qkv[:, :q_width].view(size, kv_heads, self.group, dim),
+                layer_kv[0, :, :, :span],
+                layer_kv[1, :, :, :span],
                 attn_mask=mask,
                 scale=self.weights.scaling,
             )
-            hidden = layer.mlp(layer.attention_out(hidden, out.reshape(size, self.q_width)))
+            hidden = layer.mlp(layer.attention_out(hidden, out.reshape(size, q_width)))
         # The new tokens' K/V, (B, L, 2, H, D), into their tail pages (2, L, page, H, D).
         tail_slots = torch.tensor(list(batch.tail_slots), dtype=torch.long, device=device)
         tails[tail_slots, :, :, positions % self.page_size] = kv[:, :, rows, :, positions].permute(0, 2, 1, 3, 4)

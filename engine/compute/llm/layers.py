@@ -192,6 +192,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + rolled * signed_sin
 
 
+def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate`, written into `x` (which may be a strided view): the same numbers, without a
+    new tensor for the result."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, rolled, signed_sin, out=x)
+    return torch.add(x * cos, rolled * signed_sin, out=x)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer, bound for the paged forward (see the module docstring)."""
