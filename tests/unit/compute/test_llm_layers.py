@@ -139,6 +139,47 @@ def test_decode_steps_equal_a_full_recomputation_and_reuse_their_buffer(tiny_lla
     assert forward.decode(other, pool, tails, buffer)[1] is not buffer
 
 
+@pytest.mark.parametrize("packed_float32", [False, True])
+def test_decode_steps_over_a_kept_buffer_match_the_model_and_fill_each_tail_page(tiny_llama: LoadedModel,
+                                                                                 packed_float32: bool):
+    """Several decode steps of sequences at different positions (the buffer carried from step to
+    step): each step's logits equal the `transformers` model's own forward over the whole
+    sequence, with oneDNN's products over packed float32 weights and with MKL's; each new
+    token's K/V land in its tail page at its position, equal to a prefill of the sequence."""
+    model = tiny_llama.model
+    forward = PagedForward(model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim,
+                                           "float32"), packed_float32=packed_float32)
+    assert (forward.weights.lm_packed is not None) is (packed_float32 and torch.backends.mkldnn.is_available())
+    rng = random.Random(3)
+    seqs = [[rng.randrange(32, 127) for _ in range(n)] for n in (5, 9, 2)]
+    pool = torch.zeros((16, *forward.layout.page_shape))
+    free = iter(range(16))
+    slots, tail_pages = zip(*(_paged(forward, seq, pool, free) for seq in seqs), strict=True)
+    slots, tails = [list(s) for s in slots], torch.stack(tail_pages)
+    buffer = None
+    for _ in range(3):
+        new = [rng.randrange(32, 127) for _ in seqs]
+        positions = [len(seq) for seq in seqs]
+        batch = DecodeBatch(new, positions, slots, [0, 1, 2], keys=["a", "b", "c"])
+        logits, kept = forward.decode(batch, pool, tails, buffer)
+        assert buffer is None or kept is buffer
+        buffer = kept
+        for row, (seq, token) in enumerate(zip(seqs, new, strict=True)):
+            seq.append(token)
+            with torch.no_grad():
+                theirs = model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits[row], theirs, atol=1e-4, rtol=1e-4)
+            _, fresh = forward.prefill(PrefillChunk(seq, 0, [], None), torch.zeros_like(pool), want_logits=False)
+            page, offset = divmod(len(seq) - 1, 4)
+            torch.testing.assert_close(tails[row, :, :, offset], fresh[page, :, :, offset], atol=1e-5, rtol=1e-5)
+        for row, seq in enumerate(seqs):  # a page filled up: it goes to the pool, a fresh tail starts
+            if len(seq) % 4 == 0:
+                slot = next(free)
+                pool[slot] = tails[row]
+                slots[row].append(slot)
+                tails[row] = 0
+
+
 def _paged(forward: PagedForward, seq: list[int], pool: torch.Tensor, free) -> tuple[list[int], torch.Tensor]:
     """Prefill `seq` alone; its full pages into `pool` (slots from `free`), and its tail page."""
     _, fresh = forward.prefill(PrefillChunk(seq, 0, [], None), pool, want_logits=False)
