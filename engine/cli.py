@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 import uvloop
 
+from engine.compute.threads import wait_passively
 from engine.data.kv.ref import KVRef
 from engine.data.peer import Peer, PeerConfig
 from engine.data.wire import TensorRef
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    wait_passively()  # before any command imports torch (`engine.compute.threads`)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "bench" and extra:

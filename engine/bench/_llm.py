@@ -11,6 +11,7 @@ import torch
 
 from engine.compute.models.loader import LoadedModel, load_builtin
 from engine.compute.models.packaged import PACKAGED_MODELS
+from engine.compute.threads import WAIT_POLICY_ENV
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -40,12 +41,14 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace) -> dict[str, float | int | str]:
-    """Apply `--threads`; the run's context for its result: threads and the load average."""
+    """Apply `--threads`; the run's context for its result: threads, OpenMP's wait policy (the command
+    line sets it, `engine.compute.threads`) and the load average."""
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit("--threads must be at least 1")
         torch.set_num_threads(args.threads)
-    return {"threads": torch.get_num_threads(), "load_1m": round(load_average(), 2)}
+    return {"threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get(WAIT_POLICY_ENV, "default"),
+            "load_1m": round(load_average(), 2)}
 
 
 def load_average() -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.compute.threads import thread_environment
 from engine.data.curve import PlaneKeys
 from engine.data.rendezvous import listening_socket
 from engine.flow.gpus import gpu_environment
@@ -168,7 +169,7 @@ class ProcessLauncher:
     def _env(self) -> dict[str, str]:
         # Workers import the same workflow modules (python ops) as this process.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env = dict(os.environ)
+        env = thread_environment(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(paths)
         return env
 

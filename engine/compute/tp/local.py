@@ -17,6 +17,7 @@ import sys
 
 import msgspec
 
+from engine.compute.threads import thread_environment
 from engine.compute.tp.group import TPError
 from engine.compute.tp.seat import TPSeat
 from engine.data.rendezvous import listening_socket
@@ -41,7 +42,7 @@ class LocalRanks:
         # Rank 0's group store takes over (and closes) a duplicate; this one is closed by `close`.
         self.seat = TPSeat(0, role.tp_size, address, listen_fd=os.dup(listener.fileno()))
         payload = msgspec.json.encode(role).decode()
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        env = {**thread_environment(os.environ), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         with contextlib.ExitStack() as undo:
             undo.callback(self.close)
             for rank in range(1, role.tp_size):
