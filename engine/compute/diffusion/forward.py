@@ -150,7 +150,9 @@ class ImageTokenForward:
         if inner is None or any(not hasattr(inner, name) for name in needed):
             raise DiffusionModelError(f"{type(model).__name__} is not a Llama/Qwen2-style decoder")
         try:
-            self.weights = DecoderWeights.of(model)
+            # Denoising multiplies a step's image tokens (64 and more rows), where MKL's float32
+            # product is as fast: no packed float32 copy of the weights for it.
+            self.weights = DecoderWeights.of(model, packed_float32=False)
         except UnsupportedModelError as exc:
             raise DiffusionModelError(str(exc)) from exc
         cfg = model.config

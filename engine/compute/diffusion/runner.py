@@ -112,7 +112,8 @@ class DiffusionRunner:
         dtype = next(model.model.parameters()).dtype
         self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim,
                                dtype_name(dtype))
-        self.prefill = PagedForward(model.model, self.layout)
+        # Prompts only (prefills, which multiply by MKL): no packed float32 copy of the weights.
+        self.prefill = PagedForward(model.model, self.layout, packed_float32=False)
         self.transformer = ImageTokenForward(model.model)
         hidden = self.transformer.hidden_size
         self._device = next(model.model.parameters()).device

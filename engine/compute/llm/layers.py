@@ -274,11 +274,11 @@ def packed_weight(weight: torch.Tensor, *, float32: bool = False) -> torch.Tenso
 
 
 def _takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether `project` multiplies `x` by `packed`: always in bfloat16; in float32 for up to
-    `PACKED_FLOAT32_MAX_ROWS` rows."""
+    """Whether `project` multiplies `x` `(..., in)` by `packed`: always in bfloat16; in float32 for up
+    to `PACKED_FLOAT32_MAX_ROWS` rows (all of `x`'s leading dimensions together)."""
     if packed is None:
         return False
-    return x.dtype != torch.float32 or x.shape[0] <= PACKED_FLOAT32_MAX_ROWS
+    return x.dtype != torch.float32 or x.numel() <= PACKED_FLOAT32_MAX_ROWS * x.shape[-1]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

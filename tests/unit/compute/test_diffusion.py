@@ -74,6 +74,7 @@ def test_transformer_modules_are_the_llms(tiny_llama, runner: DiffusionRunner):
         assert bound.gate_up_weight.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
         assert bound.o_weight is layer.self_attn.o_proj.weight and bound.down_weight is layer.mlp.down_proj.weight
     assert runner.transformer.weights.lm_weight is tiny_llama.model.lm_head.weight
+    assert runner.transformer.weights.lm_packed is runner.prefill.weights.lm_packed is None  # no float32 copy
     engine = LLMEngine(tiny_llama, EngineConfig(page_size=4))
     try:
         assert engine.forward.model is runner.prefill.model is tiny_llama.model  # one copy of the weights

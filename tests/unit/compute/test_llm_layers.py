@@ -18,6 +18,7 @@ from engine.compute.llm.layers import (
     UnsupportedModelError,
     _add_product,
     fuse_rows,
+    project,
     rms_norm,
     rotate,
 )
@@ -311,3 +312,21 @@ def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decod
         else:
             assert torch.equal(layer.qkv(hidden), expected), rows
             assert torch.equal(summed, torch.addmm(residual, inner, layer.down_weight.t())), rows
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN: nothing is packed")
+def test_packed_float32_rows_are_counted_over_every_leading_dimension(tiny_llama: LoadedModel):
+    """`(branches, tokens, in)` inputs (diffusion's) take the packed product by their rows in all: 2 x 40
+    rows are past `PACKED_FLOAT32_MAX_ROWS` and keep MKL's to the bit; 2 x 8 are packed (within
+    rounding)."""
+    layer = DecoderWeights.of(tiny_llama.model, packed_float32=True).layers[0]
+    torch.manual_seed(0)
+    width = layer.qkv_weight.shape[1]
+    for tokens in (8, PACKED_FLOAT32_MAX_ROWS // 2 + 8):
+        x = torch.randn(2, tokens, width)
+        expected = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
+        got = project(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+        if 2 * tokens <= PACKED_FLOAT32_MAX_ROWS:
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        else:
+            assert torch.equal(got, expected), tokens
