@@ -267,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    wait_passively()  # before any command imports torch (`engine.compute.threads`)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        wait_passively()  # a role worker shares its host's cores; before the parser loads torch (`engine.compute.threads`)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "bench" and extra:

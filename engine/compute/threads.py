@@ -8,10 +8,17 @@ Measured on this code's 2-core machine under a load of about 5, a SmolLM2-135M b
 step took 158-617 ms on average with spinning threads and 25-64 ms with passive ones
 (`OMP_WAIT_POLICY=PASSIVE`: an idle thread sleeps at once).
 
+The policy is for processes that share their host's cores with siblings: role workers (the
+launcher's, and `omniflow worker` as a node agent starts it) and TP followers. A process that has
+the machine to itself does better with OpenMP's default (spin a while, then sleep): on the same
+machine idle, `omniflow bench decode --model smollm2-135m` gave float32 batch-1 66.8 tok/s and
+batch-16 539 with the default against 39.0 and 381 passive. So the command line's own process (a
+bench, `omniflow generate`, an in-process `run`) keeps the default.
+
 OpenMP reads the policy once, when its runtime loads (with torch), so the setting goes into the
 environment of a process before it imports torch: `thread_environment` for the processes the engine
-starts, `wait_passively` for the process of the command line. A policy already in the environment
-(an operator's choice) is kept.
+starts, `wait_passively` for `omniflow worker`. A policy already in the environment (an operator's
+choice) is kept.
 """
 
 from __future__ import annotations

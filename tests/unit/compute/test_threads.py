@@ -35,3 +35,20 @@ def test_once_torch_is_loaded_the_environment_is_left_alone(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert wait_passively() is False
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+CLI_PROBE = ("import os, sys; from engine.cli import main\n"
+             "try:\n    main([sys.argv[1], '--help'])\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('OMP_WAIT_POLICY', 'unset'))")
+
+
+def test_only_a_role_worker_started_from_the_command_line_waits_passively():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def policy(command: str) -> str:
+        done = subprocess.run([sys.executable, "-c", CLI_PROBE, command], env=env, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return done.stdout.strip().splitlines()[-1]
+
+    assert policy("worker") == "PASSIVE"  # shares its host's cores with the other workers
+    assert policy("bench") == "unset"  # a process with the machine to itself keeps OpenMP's default
