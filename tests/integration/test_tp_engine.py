@@ -16,6 +16,7 @@ seconds); the killed-rank test runs last and ends it. Every process a test start
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing.reduction
 import os
@@ -162,19 +163,34 @@ def corrupt_on_disk(directory: Path, layout: KVLayout, capacity: int, page: Page
         file.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_a_page_corrupt_on_a_followers_disk_tier_is_a_miss_not_a_failed_group(loaded, reference,
-                                                                               tmp_path: Path) -> None:
+@dataclasses.dataclass(frozen=True)
+class CorruptedRun:
+    """A TP-2 group's clean run of `prompt` written through to its disk tiers, whose third page then
+    lost a byte on rank 1's disk (rank 0's stays intact; tiny-llama at TP-2: one KV head a rank, so
+    both ranks' pages have rank 0's layout)."""
+
+    params: dict
+    prompt: list[int]
+    clean: list[int]
+    pages: list[PageHash]
+
+
+def corrupted_after_a_clean_run(loaded: LoadedModel, tmp_path: Path, seed: int) -> CorruptedRun:
     params = {"page_size": PAGE, "device_pages": 24, "disk_path": str(tmp_path), "disk_pages": 64,
               "write_policy": "write_through", "max_running": 4, "tp_timeout_s": TIMEOUT_S}
-    prompt = text_ids(31, 6 * PAGE + 2)
-    sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    prompt = text_ids(seed, 6 * PAGE + 2)
     with group(loaded, params) as (leader, _):
-        (out,) = leader.engine.generate([prompt], sampling)
+        (out,) = leader.engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         clean, pages, layout = list(out.output_ids), [PageHash(p) for p in out.kv_pages[:6]], leader.store.layout
-    assert clean == hf_greedy(reference, prompt, NEW)
-    # Rank 1's copy of the prompt's third page loses a byte on its disk tier; rank 0's stays intact
-    # (tiny-llama at TP-2: one KV head a rank, so both ranks' pages have rank 0's layout).
     corrupt_on_disk(tmp_path / "rank-1" / "slot-0", layout, 64, pages[2])
+    return CorruptedRun(params, prompt, clean, pages)
+
+
+def test_a_page_corrupt_on_a_followers_disk_tier_is_a_miss_not_a_failed_group(loaded, reference,
+                                                                               tmp_path: Path) -> None:
+    run = corrupted_after_a_clean_run(loaded, tmp_path, 31)
+    params, prompt, clean, pages = run.params, run.prompt, run.clean, run.pages
+    assert clean == hf_greedy(reference, prompt, NEW)
     with group(loaded, params) as (leader, ranks):
         ((tokens, cached),) = greedy(leader.engine, [prompt])
         assert tokens == clean
@@ -192,14 +208,8 @@ def test_the_group_serves_pages_from_the_disk_tier_whole_up_to_one_corrupt_on_a_
     """What a page request asks of the engine thread (`serve.gather_into`): pages only on the disk
     tier, read there on every rank, merged whole; a page corrupt on a follower's disk ends the run
     and is dropped on every rank, and the group goes on."""
-    params = {"page_size": PAGE, "device_pages": 24, "disk_path": str(tmp_path), "disk_pages": 64,
-              "write_policy": "write_through", "max_running": 4, "tp_timeout_s": TIMEOUT_S}
-    prompt = text_ids(32, 6 * PAGE + 2)
-    sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    with group(loaded, params) as (leader, _):
-        (out,) = leader.engine.generate([prompt], sampling)
-        clean, pages, layout = list(out.output_ids), [PageHash(p) for p in out.kv_pages[:6]], leader.store.layout
-    corrupt_on_disk(tmp_path / "rank-1" / "slot-0", layout, 64, pages[2])
+    run = corrupted_after_a_clean_run(loaded, tmp_path, 32)
+    params, prompt, clean, pages = run.params, run.prompt, run.clean, run.pages
     local = LLMEngine(loaded, EngineConfig(page_size=PAGE))
     try:
         local.generate([prompt], SamplingParams(max_new_tokens=1))
