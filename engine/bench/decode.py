@@ -14,7 +14,9 @@ a recorded figure, not measured in this run).
 Goals (issue 18): b1_vs_limit >= 0.8 in each dtype; bfloat16_b16_vs_float32 >= 2.
 `--no-packed-float32` runs the engine with the role param of that name turned off (float32 decode
 products by MKL's `F.linear` instead of oneDNN's over a packed copy of the weights).
-`bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
+`products_bN`: the kernel of each product (weight shape: one row, a decode batch, more), as the
+engine chose them (`engine.compute.llm.products`: measured per engine in float32; the distinct
+choices of the runs, `|`-separated). `bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
 bfloat16 goals assume it; without it bfloat16 products are emulated, several times slower than
 float32's, and the bfloat16 figures measure that emulation.
 """
@@ -31,7 +33,7 @@ import torch
 from engine.bench import _llm
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
-from engine.compute.llm.layers import native_bfloat16
+from engine.compute.llm.products import native_bfloat16
 from engine.compute.models.loader import LoadedModel
 from engine.compute.sampling import SamplingParams
 
@@ -71,12 +73,14 @@ def read_bandwidth(nbytes: int, repeats: int) -> float:
     return buf.numel() * 4 / statistics.median(times)
 
 
-def decode_tok_s(model: LoadedModel, args: argparse.Namespace, batch: int, rng: random.Random) -> float:
+def decode_tok_s(model: LoadedModel, args: argparse.Namespace, batch: int, rng: random.Random) -> tuple[float, str]:
+    """Steady decode tokens per second at `batch`, and the products' kernels the engine took."""
     vocab = model.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
     config = EngineConfig(page_size=args.page_size, max_running=batch,
                           max_prefill_tokens=max(batch * args.prompt_tokens, 64), packed_float32=args.packed_float32)
     engine = LLMEngine(model, config)
+    products = str(engine.forward.weights.plans)
     try:
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         ids = {engine.add_request(p, params) for p in prompts}
@@ -89,24 +93,25 @@ def decode_tok_s(model: LoadedModel, args: argparse.Namespace, batch: int, rng: 
         elapsed = time.perf_counter() - started
     finally:
         engine.close()
-    return decoded / elapsed
+    return decoded / elapsed, products
 
 
-def _one_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> dict[str, float | bool]:
+def _one_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> dict[str, float | bool | str]:
     model = _llm.load(args, dtype)
     weights = _weight_bytes(model)
     rng = random.Random(args.seed)
     decode_tok_s(model, argparse.Namespace(**{**vars(args), "new_tokens": 4}), 1, rng)  # warm-up
     bandwidth = read_bandwidth(weights, args.repeats)
     limit = bandwidth / weights
-    out: dict[str, float | bool] = {
+    out: dict[str, float | bool | str] = {
         "weight_mb": round(weights / 1e6, 1),
         "read_gb_s": round(bandwidth / 1e9, 2),
         "limit_tok_s": round(limit, 1),
     }
     for batch in batches:
         runs = [decode_tok_s(model, args, batch, rng) for _ in range(max(args.repeats, 1))]
-        out[f"tok_s_b{batch}"] = round(statistics.median(runs), 1)
+        out[f"tok_s_b{batch}"] = round(statistics.median(tok_s for tok_s, _ in runs), 1)
+        out[f"products_b{batch}"] = " | ".join(sorted({products for _, products in runs}))
     if 1 in batches:
         ratio = float(out["tok_s_b1"]) / limit
         out["b1_vs_limit"] = round(ratio, 3)

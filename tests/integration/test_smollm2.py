@@ -137,16 +137,19 @@ def hf_no_eos(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
 
 def test_a_batch_of_chat_prompts_decodes_hf_tokens(ours: LoadedModel, reference: PreTrainedModel,
                                                    hf_tokenizer: PreTrainedTokenizerBase):
-    """Six chat prompts batched past their EOS, with MKL's products and with oneDNN's over packed
-    float32 weights (`packed_float32`): the batched decode kernels' rounding may only flip
-    near-ties of HF's own logits (none did when this was written)."""
+    """Six chat prompts batched past their EOS, with the products' kernels measured for this CPU
+    (`engine.compute.llm.products`), oneDNN's over packed float32 weights among them or not
+    (`packed_float32`): the batched decode kernels' rounding may only flip near-ties of HF's own
+    logits (none did when this was written)."""
     prompts = [list(hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
     runs = []
     for packed in (False, True):
         engine = LLMEngine(ours, EngineConfig(page_size=16, max_running=len(prompts), packed_float32=packed))
         try:
-            assert (engine.forward.weights.lm_packed is not None) is packed
+            weights = engine.forward.weights
+            assert weights.plans.measured
+            assert (weights.lm_packed is not None) is (packed and weights.plans.of(weights.lm_weight).packed)
             runs.append(engine.generate(prompts, SamplingParams(max_new_tokens=LONG, ignore_eos=True)))
         finally:
             engine.close()

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.compute.llm.layers import DecoderWeights, LayerWeights, UnsupportedModelError, project
+from engine.compute.llm.layers import DecoderWeights, LayerWeights, UnsupportedModelError
+from engine.compute.llm.products import project
 from engine.compute.prefix.keys import MultimodalItem
 from engine.data.kv.layout import KVLayout
 
@@ -152,7 +153,7 @@ class ImageTokenForward:
         try:
             # Denoising multiplies a step's image tokens (64 and more rows), where MKL's float32
             # product is as fast: no packed float32 copy of the weights for it.
-            self.weights = DecoderWeights.of(model, packed_float32=False)
+            self.weights = DecoderWeights.of(model, packed_float32=False, measure_min_bytes=None)
         except UnsupportedModelError as exc:
             raise DiffusionModelError(str(exc)) from exc
         cfg = model.config
@@ -170,7 +171,7 @@ class ImageTokenForward:
         """Normed hidden states `(B, n, hidden)` -> q+k `(B, n, Hq + Hkv, D)` (not yet rotated), v
         `(B, n, Hkv, D)`."""
         b, n, _ = normed.shape
-        qkv = project(normed, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+        qkv = project(normed, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed, layer.plans)
         qk = qkv[..., : self._qk_width].view(b, n, -1, self.head_dim)
         return qk, qkv[..., self._qk_width :].view(b, n, self.num_kv_heads, self.head_dim)
 

@@ -113,7 +113,7 @@ class DiffusionRunner:
         self.layout = KVLayout(config.page_size, model.num_layers, model.num_kv_heads, model.head_dim,
                                dtype_name(dtype))
         # Prompts only (prefills, which multiply by MKL): no packed float32 copy of the weights.
-        self.prefill = PagedForward(model.model, self.layout, packed_float32=False)
+        self.prefill = PagedForward(model.model, self.layout, packed_float32=False, measure_products=False)
         self.transformer = ImageTokenForward(model.model)
         hidden = self.transformer.hidden_size
         self._device = next(model.model.parameters()).device

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engine.compute.llm.layers import DecoderWeights, UnsupportedModelError, rotate, rotate_
+from engine.compute.llm.products import MEASURE_MIN_BYTES
 from engine.data.kv.layout import KVLayout
 
 __all__ = ["DecodeBatch", "DecodeBuffer", "PagedForward", "PrefillChunk", "PrefillOutput", "UnsupportedModelError"]
@@ -115,10 +116,13 @@ class PagedForward:
     """Forward passes of one `transformers` causal LM over paged KV. Holds no KV itself."""
 
     def __init__(self, model: PreTrainedModel, layout: KVLayout, *, packed: bool = True,
-                 packed_float32: bool = True) -> None:
-        """`packed`, `packed_float32`: bind packed weights where they are faster (`DecoderWeights.of`)."""
+                 packed_float32: bool = True, measure_products: bool = True) -> None:
+        """`packed`, `packed_float32`: bind packed weights where they may be faster; `measure_products`:
+        measure the products' kernels on a large model's weights (`DecoderWeights.of`; off for a
+        runner that only prefills)."""
         self.model = model
-        self.weights = w = DecoderWeights.of(model, packed=packed, packed_float32=packed_float32)
+        self.weights = w = DecoderWeights.of(model, packed=packed, packed_float32=packed_float32,
+                                             measure_min_bytes=MEASURE_MIN_BYTES if measure_products else None)
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
         self.group = w.num_heads // w.num_kv_heads
         self.q_width = w.num_heads * w.head_dim

@@ -14,17 +14,12 @@
 * the norms: `F.rms_norm`'s fused kernel in float32; in a reduced precision HF's order of
   operations (statistics in float32, the weight applied in the model's dtype);
 * the MLP's activation (`transformers`' own, by the config's `hidden_act`);
-* in bfloat16 on a CPU whose oneDNN runs bfloat16 natively (AVX512-BF16, AMX), every product's
-  weight also in oneDNN's packed layout (`packed_weight`), made once here: `F.linear` packs its
-  weight again at every call, which at decode costs more than the product. The packed product
-  gives `F.linear`'s numbers to the bit. It is the one copy made: a second copy of the linear
-  weights in this process, beside the shared one the modules keep;
-* in float32, unless turned off (`packed_float32`), the same packed copy for decode: MKL's
-  float32 product over a few rows (1 to `PACKED_FLOAT32_MAX_ROWS`) runs far below the
-  weight-read limit, oneDNN's over a packed weight in about 0.35-0.85x its time (SmolLM2-135M's
-  LM head at one row: 2.6 ms against `F.linear`'s 7.2 ms on this code's 2-core AVX512 CPU).
-  Prefills keep `F.linear`. The numbers are the same products summed in another order (within
-  about 1e-4 of `F.linear`'s).
+* the kernel of every product by its row count (`engine.compute.llm.products.ProductPlan`),
+  measured on these weights where they are large enough to stream from memory, and the
+  weights in oneDNN's packed layout where that plan (or, before measuring, the CPU: native
+  bfloat16; `packed_float32`) may use them. Packed copies are the one copy made: a second copy
+  of the linear weights in this process, beside the shared one the modules keep; a measured
+  plan that never takes them drops them.
 
 `RotaryTable` holds cos and signed sin per position (grown on demand), so a step looks its
 positions up instead of recomputing them, and rotates in three operations.
@@ -36,12 +31,22 @@ the module's tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from engine.compute.llm.products import (
+    MEASURE_MIN_BYTES,
+    ProductPlans,
+    add_product,
+    packed_weight,
+    plan_products,
+    project,
+    static_plan,
+)
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -218,108 +223,51 @@ class LayerWeights:
     down_proj: Callable[[torch.Tensor], torch.Tensor]
     act: Callable[[torch.Tensor], torch.Tensor]
     intermediate: int
+    plans: ProductPlans
+    """The kernel of each product by its weight's shape and its rows."""
     qkv_packed: torch.Tensor | None = None
-    """The weights above in oneDNN's packed layout, where `packed_weight` makes one."""
+    """The weights above in oneDNN's packed layout, where the plan takes them."""
     o_packed: torch.Tensor | None = None
     gate_up_packed: torch.Tensor | None = None
     down_packed: torch.Tensor | None = None
 
     def qkv(self, hidden: torch.Tensor) -> torch.Tensor:
         """q, k and v of `input_norm(hidden)`, side by side."""
-        return project(self.input_norm(hidden), self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        return project(self.input_norm(hidden), self.qkv_weight, self.qkv_bias, self.qkv_packed, self.plans)
 
     def attention_out(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """`residual + o_proj(attn)`."""
         if self.o_weight is not None:
-            return _add_product(residual, attn, self.o_weight, self.o_packed)
+            return add_product(residual, attn, self.o_weight, self.o_packed, self.plans)
         return residual + self.o_proj(attn)
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden + mlp(post_norm(hidden))`."""
-        gate_up = project(self.post_norm(hidden), self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
+        gate_up = project(self.post_norm(hidden), self.gate_up_weight, self.gate_up_bias, self.gate_up_packed,
+                          self.plans)
         inner = self.act(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
         if self.down_weight is not None:
-            return _add_product(hidden, inner, self.down_weight, self.down_packed)
+            return add_product(hidden, inner, self.down_weight, self.down_packed, self.plans)
         return hidden + self.down_proj(inner)
 
+    def products(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, packed copy) of each product this layer's step runs with a bound weight."""
+        pairs = [(self.qkv_weight, self.qkv_packed), (self.gate_up_weight, self.gate_up_packed)]
+        if self.o_weight is not None:
+            pairs.append((self.o_weight, self.o_packed))
+        if self.down_weight is not None:
+            pairs.append((self.down_weight, self.down_packed))
+        return pairs
 
-SMALL_BATCH = 32
-"""Up to this many rows, `project` multiplies a bfloat16 weight as `weight @ x.T`."""
+    def planned(self, plans: ProductPlans) -> LayerWeights:
+        """This layer under `plans`, without the packed copies they never take."""
+        def kept(weight: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor | None:
+            return packed if weight is not None and plans.of(weight).packed else None
 
-PACKED_FLOAT32_MAX_ROWS = 64
-"""Up to this many rows, `project` multiplies a packed float32 weight by oneDNN;
-from about 256 rows MKL's `F.linear` is as fast or faster."""
-
-PACKED_FLOAT32_HINT_ROWS = 16
-"""The row count oneDNN lays a packed float32 weight out for (a decode batch)."""
-
-
-def native_bfloat16() -> bool:
-    """Whether this CPU's oneDNN runs bfloat16 products natively (AVX512-BF16, AMX). Where it does
-    not, bfloat16 products are emulated: several times slower than float32 ones."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def packed_weight(weight: torch.Tensor, *, float32: bool = False) -> torch.Tensor | None:
-    """`weight` in oneDNN's packed layout for `project`, where that is faster than `F.linear`:
-    bfloat16 on a CPU whose oneDNN runs bfloat16 natively; float32 where `float32` asks for it
-    (a second copy of the weight, for decode); None elsewhere."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype == torch.bfloat16 and native_bfloat16():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    if weight.dtype == torch.float32 and float32:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FLOAT32_HINT_ROWS)
-    return None
-
-
-def _takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether `project` multiplies `x` `(..., in)` by `packed`: always in bfloat16; in float32 for up
-    to `PACKED_FLOAT32_MAX_ROWS` rows (all of `x`'s leading dimensions together)."""
-    if packed is None:
-        return False
-    return x.dtype != torch.float32 or x.numel() <= PACKED_FLOAT32_MAX_ROWS * x.shape[-1]
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for `x` `(rows, in)`, by the product that reads `weight` fastest.
-
-    With `packed` (`packed_weight(weight)`), oneDNN's product over it: in bfloat16
-    `F.linear`'s numbers without its packing `weight` again at each call; in float32 for the
-    rows `_takes_packed` gives it (the same products, summed in another order). Otherwise, as
-    follows.
-
-    A decode step is a few rows against weights that do not fit in cache, so a product costs
-    what reading its weight costs, unless the kernel first repacks the weight (reads it and
-    writes it again), as oneDNN's bfloat16 matrix product does for its right-hand operand. In
-    bfloat16 (the CPU's AVX512-BF16/AMX kernels), one row goes through `mv`, which streams the
-    weight, and up to `SMALL_BATCH` rows as `weight @ x.T`, the weight the left operand, which
-    is not repacked: a decode step of SmolLM2-135M took 1.1-1.6x less time so at batch 1, 4
-    and 16 than through `F.linear`. The products are the same, summed in another order (HF's
-    `F.linear` rounds each to bfloat16 as these do). Float32 (MKL) and longer inputs (a
-    prefill, where repacking pays for itself) take `F.linear`. The result may be a transposed
-    view.
-    """
-    if _takes_packed(x, packed):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_BATCH:
-        out = torch.mv(weight, x[0])[None] if x.shape[0] == 1 else torch.mm(weight, x.t()).t()
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
-def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 packed: torch.Tensor | None) -> torch.Tensor:
-    """`residual + x @ weight.T`. In float32 one `addmm` (the product is rounded to float32 before
-    the sum either way). In a reduced precision HF rounds the product to that precision before it
-    adds it, which `addmm` would not: there it is two operations, as HF does them. A packed
-    float32 weight adds in oneDNN's product (its `add` post-op)."""
-    if residual.dtype == torch.float32:
-        if _takes_packed(x, packed):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
-        return torch.addmm(residual, x, weight.t())
-    return residual + project(x, weight, packed=packed)
+        return replace(self, plans=plans, qkv_packed=kept(self.qkv_weight, self.qkv_packed),
+                       o_packed=kept(self.o_weight, self.o_packed),
+                       gate_up_packed=kept(self.gate_up_weight, self.gate_up_packed),
+                       down_packed=kept(self.down_weight, self.down_packed))
 
 
 def _plain(linear: torch.nn.Module) -> torch.Tensor | None:
@@ -334,7 +282,7 @@ def _unpacked(weight: torch.Tensor) -> None:
 
 
 def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tensor],
-                pack: Callable[[torch.Tensor], torch.Tensor | None]) -> LayerWeights:
+                pack: Callable[[torch.Tensor], torch.Tensor | None], plans: ProductPlans) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj),
                          ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj)):
@@ -356,6 +304,7 @@ def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tens
         down_proj=mlp.down_proj,
         act=act,
         intermediate=int(mlp.gate_proj.weight.shape[0]),
+        plans=plans,
         qkv_packed=pack(qkv_weight),
         o_packed=None if o_weight is None else pack(o_weight),
         gate_up_packed=pack(gate_up_weight),
@@ -378,13 +327,18 @@ class DecoderWeights:
     head_dim: int
     scaling: float
     dtype: torch.dtype
+    plans: ProductPlans
+    """The kernel of each product by its weight's shape and its rows (the layers' too)."""
     lm_packed: torch.Tensor | None = None
-    """`lm_weight` in oneDNN's packed layout, where `packed_weight` makes one."""
+    """`lm_weight` in oneDNN's packed layout, where the plans take it."""
 
     @classmethod
-    def of(cls, model: torch.nn.Module, *, packed: bool = True, packed_float32: bool = True) -> DecoderWeights:
+    def of(cls, model: torch.nn.Module, *, packed: bool = True, packed_float32: bool = True,
+           measure_min_bytes: int | None = MEASURE_MIN_BYTES) -> DecoderWeights:
         """`packed`: also bind the weights in oneDNN's packed layout where `packed_weight` makes
-        one; `packed_float32`: float32 weights too (for decode)."""
+        one; `packed_float32`: float32 weights too (for decode). The products' kernels are
+        measured on the weights where they hold `measure_min_bytes` or more (`plan_products`;
+        None: never); the packed copies no plan takes are dropped."""
         pack = partial(packed_weight, float32=packed_float32) if packed else _unpacked
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -399,33 +353,34 @@ class DecoderWeights:
         weight = inner.embed_tokens.weight
         if not isinstance(model.lm_head, torch.nn.Linear):
             raise UnsupportedModelError(f"lm_head is a {type(model.lm_head).__name__}, not a linear layer")
+        lm_weight = model.lm_head.weight
+        unplanned = ProductPlans(static_plan(weight.dtype, packed=False))
+        layers = [_bind_layer(layer, act, pack, unplanned) for layer in inner.layers]
+        lm_packed = pack(lm_weight)
+        products = [pair for layer in layers for pair in layer.products()] + [(lm_weight, lm_packed)]
         return cls(
             embed=inner.embed_tokens,
-            layers=tuple(_bind_layer(layer, act, pack) for layer in inner.layers),
+            layers=tuple(layers),
             final_norm=rms_norm(inner.norm),
-            lm_weight=model.lm_head.weight,
+            lm_weight=lm_weight,
             lm_bias=model.lm_head.bias,
-            lm_packed=pack(model.lm_head.weight),
+            lm_packed=lm_packed,
+            plans=unplanned,
             rotary=RotaryTable(inner.rotary_emb, head_dim, weight.dtype, weight.device),
             num_heads=int(cfg.num_attention_heads),
             num_kv_heads=int(cfg.num_key_value_heads),
             head_dim=head_dim,
             scaling=float(inner.layers[0].self_attn.scaling),
             dtype=weight.dtype,
-        )
+        ).planned(plan_products(products, measure_min_bytes=measure_min_bytes))
+
+    def planned(self, plans: ProductPlans) -> DecoderWeights:
+        """These weights under `plans`, without the packed copies they never take (a plan that names
+        the packed product where there is no copy gets `F.linear`)."""
+        lm_packed = self.lm_packed if plans.of(self.lm_weight).packed else None
+        return replace(self, plans=plans, layers=tuple(layer.planned(plans) for layer in self.layers),
+                       lm_packed=lm_packed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the final hidden states `(rows, hidden)`.
-
-        A few rows (2 to 15) with no packed weight for them go through the LM head as `W @ h^T`: on this code's CPU (MKL,
-        AVX2) `F.linear`'s form of that product over a vocabulary-sized weight took about three
-        times as long at 4 rows as at 1 (it repacks the weight), the transposed form did not; the
-        two give the same numbers. Other counts as `project` takes them (`mv` for one bfloat16 row).
-        """
-        normed = self.final_norm(hidden)
-        if not _takes_packed(normed, self.lm_packed) and 1 < normed.shape[0] < 16:
-            out = torch.mm(self.lm_weight, normed.t()).t()
-            if self.lm_bias is not None:
-                out = out + self.lm_bias
-            return out.float()
-        return project(normed, self.lm_weight, self.lm_bias, self.lm_packed).float()
+        """Float32 logits of the final hidden states `(rows, hidden)`."""
+        return project(self.final_norm(hidden), self.lm_weight, self.lm_bias, self.lm_packed, self.plans).float()

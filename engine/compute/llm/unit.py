@@ -42,11 +42,11 @@ from engine.compute.encoders.items import PLACEHOLDER_IDS, splice_prompt
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
 from engine.compute.llm.errors import LLMUnitError, RequestError
-from engine.compute.llm.layers import native_bfloat16
 from engine.compute.llm.loop import AddRequest, EngineLoop
 from engine.compute.llm.media import encoded_items, splice_marked, splice_marked_text
 from engine.compute.llm.nodes import NodeMode, joined, node_mode, node_prompt, node_sampling, usage
 from engine.compute.llm.pd import HANDOFF_LEASE_S, KV_PULL_TIMEOUT_S, NOTHING_PULLED, PrefillDecode, Pulled
+from engine.compute.llm.products import native_bfloat16
 from engine.compute.llm.sequence import RequestOutput
 from engine.compute.models.loader import MODEL_DTYPES, LoadedModel, load_model
 from engine.compute.prefix.keys import MultimodalItem

@@ -12,15 +12,21 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from engine.compute.llm import EngineConfig, LLMEngine
 from engine.compute.llm.forward import DecodeBatch, PagedForward, PrefillChunk
 from engine.compute.llm.layers import (
-    PACKED_FLOAT32_MAX_ROWS,
     DecoderWeights,
     RotaryTable,
     UnsupportedModelError,
-    _add_product,
     fuse_rows,
-    project,
     rms_norm,
     rotate,
+)
+from engine.compute.llm.products import (
+    FEW_ROWS_MAX,
+    Product,
+    ProductPlan,
+    ProductPlans,
+    add_product,
+    multiply,
+    project,
 )
 from engine.compute.models import LoadedModel, ModelLoadError, build_model, load_builtin, model_dtype
 from engine.compute.models.catalog import BUILTIN_MODELS
@@ -140,17 +146,21 @@ def test_decode_steps_equal_a_full_recomputation_and_reuse_their_buffer(tiny_lla
     assert forward.decode(other, pool, tails, buffer)[1] is not buffer
 
 
-@pytest.mark.parametrize("packed_float32", [False, True])
+@pytest.mark.parametrize("packed_float32", [False, True, "transposed"])
 def test_decode_steps_over_a_kept_buffer_match_the_model_and_fill_each_tail_page(tiny_llama: LoadedModel,
-                                                                                 packed_float32: bool):
+                                                                                 packed_float32: bool | str):
     """Several decode steps of sequences at different positions (the buffer carried from step to
     step): each step's logits equal the `transformers` model's own forward over the whole
-    sequence, with oneDNN's products over packed float32 weights and with MKL's; each new
-    token's K/V land in its tail page at its position, equal to a prefill of the sequence."""
+    sequence, with oneDNN's products over packed float32 weights, with MKL's, and with the
+    transposed forms (`mv`, `W @ x.T`, which a measured plan may take); each new token's K/V
+    land in its tail page at its position, equal to a prefill of the sequence."""
     model = tiny_llama.model
     forward = PagedForward(model, KVLayout(4, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim,
-                                           "float32"), packed_float32=packed_float32)
-    assert (forward.weights.lm_packed is not None) is (packed_float32 and torch.backends.mkldnn.is_available())
+                                           "float32"), packed_float32=packed_float32 is True)
+    assert (forward.weights.lm_packed is not None) is (packed_float32 is True and torch.backends.mkldnn.is_available())
+    if packed_float32 == "transposed":
+        uniform = ProductPlan(Product.TRANSPOSED, Product.TRANSPOSED, Product.LINEAR)
+        forward.weights = forward.weights.planned(ProductPlans(uniform))
     rng = random.Random(3)
     seqs = [[rng.randrange(32, 127) for _ in range(n)] for n in (5, 9, 2)]
     pool = torch.zeros((16, *forward.layout.page_shape))
@@ -288,7 +298,7 @@ def test_float32_weights_are_packed_unless_turned_off(tiny_llama: LoadedModel):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN: nothing is packed")
 def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decode_batches(tiny_llama: LoadedModel):
-    """`packed_float32`: 1 to `PACKED_FLOAT32_MAX_ROWS` rows go through oneDNN's packed product (the
+    """`packed_float32`: 1 to `FEW_ROWS_MAX` rows go through oneDNN's packed product (the
     same products summed in another order); longer inputs keep MKL's, to the bit."""
     weights = DecoderWeights.of(tiny_llama.model, packed_float32=True)
     layer = weights.layers[0]
@@ -296,7 +306,7 @@ def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decod
     assert layer.o_packed is not None and layer.down_packed is not None
     torch.manual_seed(0)
     width = layer.qkv_weight.shape[1]
-    for rows in (1, 2, 16, PACKED_FLOAT32_MAX_ROWS, PACKED_FLOAT32_MAX_ROWS + 1, 200):
+    for rows in (1, 2, 16, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 200):
         hidden = torch.randn(rows, width)
         normed = layer.input_norm(hidden)
         expected = torch.nn.functional.linear(normed, layer.qkv_weight, layer.qkv_bias)
@@ -304,8 +314,8 @@ def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decod
         inner = torch.randn(rows, layer.intermediate)
         added = residual + torch.nn.functional.linear(inner, layer.down_weight)
         logits = torch.nn.functional.linear(weights.final_norm(hidden), weights.lm_weight, weights.lm_bias)
-        summed = _add_product(residual, inner, layer.down_weight, layer.down_packed)
-        if rows <= PACKED_FLOAT32_MAX_ROWS:
+        summed = add_product(residual, inner, layer.down_weight, layer.down_packed, layer.plans)
+        if rows <= FEW_ROWS_MAX:
             torch.testing.assert_close(layer.qkv(hidden), expected, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(summed, added, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(weights.logits(hidden), logits, atol=1e-5, rtol=1e-4)
@@ -317,16 +327,72 @@ def test_packed_float32_products_are_f_linear_within_rounding_and_only_for_decod
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN: nothing is packed")
 def test_packed_float32_rows_are_counted_over_every_leading_dimension(tiny_llama: LoadedModel):
     """`(branches, tokens, in)` inputs (diffusion's) take the packed product by their rows in all: 2 x 40
-    rows are past `PACKED_FLOAT32_MAX_ROWS` and keep MKL's to the bit; 2 x 8 are packed (within
+    rows are past `FEW_ROWS_MAX` and keep MKL's to the bit; 2 x 8 are packed (within
     rounding)."""
     layer = DecoderWeights.of(tiny_llama.model, packed_float32=True).layers[0]
     torch.manual_seed(0)
     width = layer.qkv_weight.shape[1]
-    for tokens in (8, PACKED_FLOAT32_MAX_ROWS // 2 + 8):
+    for tokens in (8, FEW_ROWS_MAX // 2 + 8):
         x = torch.randn(2, tokens, width)
         expected = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
-        got = project(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
-        if 2 * tokens <= PACKED_FLOAT32_MAX_ROWS:
+        got = project(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed, layer.plans)
+        if 2 * tokens <= FEW_ROWS_MAX:
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
         else:
             assert torch.equal(got, expected), tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_computes_f_linear_and_the_residual_sum_within_rounding(dtype: torch.dtype):
+    """`multiply` and `add_product` by each kernel, at one row, a decode batch and a prefill's
+    rows, against `F.linear` (bfloat16: HF's order, the product rounded before the sum)."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40, dtype=dtype)
+    bias = torch.randn(96, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if torch.backends.mkldnn.is_available() else None
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    for kernel in Product:
+        plans = ProductPlans(ProductPlan(kernel, kernel, kernel))
+        for rows in (1, 5, FEW_ROWS_MAX + 3):
+            x = torch.randn(rows, 40, dtype=dtype)
+            residual = torch.randn(rows, 96, dtype=dtype)
+            expected = torch.nn.functional.linear(x, weight, bias)
+            torch.testing.assert_close(multiply(kernel, x, weight, bias, packed), expected, **tolerance)
+            torch.testing.assert_close(multiply(kernel, x[None], weight, bias, packed), expected[None], **tolerance)
+            summed = add_product(residual, x, weight, packed, plans)
+            torch.testing.assert_close(summed, residual + torch.nn.functional.linear(x, weight), **tolerance)
+            assert summed.is_contiguous(), (kernel, rows)
+
+
+def test_measured_float32_plans_name_a_kernel_per_shape_and_keep_only_the_packed_copies_they_take(
+        tiny_llama: LoadedModel):
+    """With the size floor lifted, the float32 kernels are measured per weight shape; weights whose
+    plan never takes the packed product hold no packed copy; the bound layer still computes the
+    `transformers` modules' projections."""
+    weights = DecoderWeights.of(tiny_llama.model, measure_min_bytes=0)
+    layer = weights.layers[0]
+    assert weights.plans.measured
+    shapes = {tuple(w.shape) for w, _ in layer.products()} | {tuple(weights.lm_weight.shape)}
+    assert set(weights.plans.by_shape) == shapes
+    for w, packed in [*layer.products(), (weights.lm_weight, weights.lm_packed)]:
+        plan = weights.plans.of(w)
+        assert plan.measured and plan.many_rows is Product.LINEAR
+        assert (packed is not None) is plan.packed
+    torch.manual_seed(0)
+    attn = tiny_llama.model.model.layers[0].self_attn
+    for rows in (1, 16):
+        hidden = torch.randn(rows, layer.qkv_weight.shape[1])
+        normed = layer.input_norm(hidden)
+        q = layer.qkv(hidden)[:, : attn.q_proj.weight.shape[0]]
+        torch.testing.assert_close(q, attn.q_proj(normed), atol=1e-5, rtol=1e-4)
+    # A plan that takes no packed product drops every copy.
+    plain = weights.planned(ProductPlans(ProductPlan(Product.LINEAR, Product.LINEAR, Product.LINEAR)))
+    assert plain.lm_packed is None and all(p is None for lyr in plain.layers for _, p in lyr.products())
+
+
+def test_bfloat16_keeps_the_static_plan_even_when_it_could_measure():
+    model = load_builtin("tiny-llama", dtype="bfloat16")
+    weights = DecoderWeights.of(model.model, measure_min_bytes=0)
+    assert not weights.plans.measured and not weights.plans.by_shape
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert weights.plans.default.one_row is (Product.PACKED if native else Product.TRANSPOSED)
