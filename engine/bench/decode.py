@@ -14,7 +14,10 @@ a recorded figure, not measured in this run).
 Goals (issue 18): b1_vs_limit >= 0.8 in each dtype; bfloat16_b16_vs_float32 >= 2.
 `--no-packed-float32` runs the engine with the role param of that name turned off (float32 decode
 products by MKL's `F.linear` instead of oneDNN's over a packed copy of the weights).
-`products_bN`: the kernel of each product (weight shape: one row, a decode batch, more), as the
+`products_tok_s_b1`: the tokens per second of a batch-1 step's products alone (`products_seconds`:
+every weight's product by the engine's kernels, nothing else), so `products_vs_limit` is how near
+the kernels themselves read the weights to the limit and `b1_vs_products` what share of a step
+the rest (attention, norms, rotary, the Python between) leaves them. `products_bN`: the kernel of each product (weight shape: one row, a decode batch, more), as the
 engine chose them (`engine.compute.llm.products`: measured per engine in float32; the distinct
 choices of the runs, `|`-separated). `bfloat16_native` says whether this CPU runs bfloat16 products natively (AVX512-BF16, AMX): the
 bfloat16 goals assume it; without it bfloat16 products are emulated, several times slower than
@@ -33,7 +36,8 @@ import torch
 from engine.bench import _llm
 from engine.compute.llm.config import EngineConfig
 from engine.compute.llm.engine import LLMEngine
-from engine.compute.llm.products import native_bfloat16
+from engine.compute.llm.layers import DecoderWeights
+from engine.compute.llm.products import add_product, native_bfloat16, project
 from engine.compute.models.loader import LoadedModel
 from engine.compute.sampling import SamplingParams
 
@@ -96,6 +100,30 @@ def decode_tok_s(model: LoadedModel, args: argparse.Namespace, batch: int, rng: 
     return decoded / elapsed, products
 
 
+def products_seconds(weights: DecoderWeights, rows: int, repeats: int) -> float:
+    """Seconds of a decode step's products alone at `rows` rows — every layer's four, in order, and
+    the LM head — by the kernels `weights` are planned for; the fastest of `repeats` (after one)."""
+    width = weights.layers[0].qkv_weight.shape[1]
+    hidden = torch.randn(rows, width, dtype=weights.dtype)
+    inner = torch.randn(rows, weights.layers[0].intermediate, dtype=weights.dtype)
+    attn = torch.randn(rows, weights.num_heads * weights.head_dim, dtype=weights.dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for attempt in range(max(repeats, 1) + 1):
+            started = time.perf_counter()
+            for layer in weights.layers:
+                project(hidden, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed, layer.plans)
+                if layer.o_weight is not None:
+                    add_product(hidden, attn, layer.o_weight, layer.o_packed, layer.plans)
+                project(hidden, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed, layer.plans)
+                if layer.down_weight is not None:
+                    add_product(hidden, inner, layer.down_weight, layer.down_packed, layer.plans)
+            project(hidden, weights.lm_weight, weights.lm_bias, weights.lm_packed, weights.plans)
+            if attempt:
+                best = min(best, time.perf_counter() - started)
+    return best
+
+
 def _one_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> dict[str, float | bool | str]:
     model = _llm.load(args, dtype)
     weights = _weight_bytes(model)
@@ -112,7 +140,15 @@ def _one_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> dict
         runs = [decode_tok_s(model, args, batch, rng) for _ in range(max(args.repeats, 1))]
         out[f"tok_s_b{batch}"] = round(statistics.median(tok_s for tok_s, _ in runs), 1)
         out[f"products_b{batch}"] = " | ".join(sorted({products for _, products in runs}))
+    engine = LLMEngine(model, EngineConfig(packed_float32=args.packed_float32))
+    try:
+        kernels = 1 / products_seconds(engine.forward.weights, 1, args.repeats)
+    finally:
+        engine.close()
+    out["products_tok_s_b1"] = round(kernels, 1)
+    out["products_vs_limit"] = round(kernels / limit, 3)
     if 1 in batches:
+        out["b1_vs_products"] = round(float(out["tok_s_b1"]) / kernels, 3)
         ratio = float(out["tok_s_b1"]) / limit
         out["b1_vs_limit"] = round(ratio, 3)
         out["b1_vs_llamacpp"] = round(float(out["tok_s_b1"]) / args.llamacpp_tok_s, 3)

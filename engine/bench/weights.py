@@ -20,6 +20,13 @@ has been read. Then, per worker process (`psutil`'s `memory_full_info`, from `/p
   checkpoint file that `safetensors` maps, which the page cache shares between the processes
   reading the same file: `copies_private` lies between 1 and `--replicas`.
 * `pss_ratio_shared_vs_private`: summed PSS shared / private.
+
+A worker whose host shares its weights keeps no packed copy of them unless the role asks for one
+(`packed_float32`, unset by default; `engine.compute.llm.config.EngineConfig`): with
+`--packed-float32` each worker also keeps a private copy, in oneDNN's packed layout, of the
+float32 weights whose decode products it measured fastest so (`engine.compute.llm.products`),
+which cannot be shared, and `copies_shared` counts them. (`--no-host-weights` workers hold their
+weights alone, and so keep those copies where the role leaves it unset.)
 """
 
 from __future__ import annotations
@@ -47,12 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="worker processes of the role")
     parser.add_argument("--baseline-model", default="tiny-llama", help="the worker without a model to speak of")
     parser.add_argument("--new-tokens", type=int, default=4, help="greedy tokens each replica generates first")
+    parser.add_argument("--packed-float32", action=argparse.BooleanOptionalAction, default=None,
+                        help="set the role param packed_float32 (default: unset, the role's default): on, each worker"
+                        " keeps a private packed copy of the float32 weights its decode products measured fastest"
+                        " over one")
 
 
-def role_spec(model: str, replicas: int, new_tokens: int) -> GraphSpec:
+def role_spec(model: str, replicas: int, new_tokens: int, packed_float32: bool | None = None) -> GraphSpec:
     wf = Workflow("bench_weights")
-    llm = wf.role("llm", kind="llm", model=model, replicas=replicas, balance="round_robin",
-                  params={"device_pages": 64})
+    params: dict[str, Any] = {"device_pages": 64}
+    if packed_float32 is not None:
+        params["packed_float32"] = packed_float32
+    llm = wf.role("llm", kind="llm", model=model, replicas=replicas, balance="round_robin", params=params)
     prompt = wf.input("prompt", "text", default="The capital of France is")
     reply = wf.node("reply", "llm", role=llm, params={"max_new_tokens": new_tokens})
     wf.edge(prompt, reply.inp("prompt"))
@@ -104,7 +117,7 @@ def _model_bytes(model: str) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.replicas < 2:
         raise SystemExit("--replicas: at least 2 (sharing is between processes)")
-    spec = role_spec(args.model, args.replicas, args.new_tokens)
+    spec = role_spec(args.model, args.replicas, args.new_tokens, args.packed_float32)
     started = time.perf_counter()
     model = _model_bytes(args.model)
     baseline = asyncio.run(_measure(role_spec(args.baseline_model, args.replicas, args.new_tokens), args.replicas))
@@ -115,7 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def copies(workers: list[dict[str, int]]) -> float:
         return (sum(w["pss"] for w in workers) - base * len(workers)) / model
 
-    out: dict[str, Any] = {"model": args.model, "replicas": args.replicas, "model_mib": model / MiB,
+    out: dict[str, Any] = {"model": args.model, "replicas": args.replicas, "packed_float32": args.packed_float32,
+                           "model_mib": model / MiB,
                            "baseline_pss_mib": base / MiB}
     for name, workers in (("shared", shared), ("private", private)):
         out[f"{name}_pss_mib"] = sum(w["pss"] for w in workers) / MiB

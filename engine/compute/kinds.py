@@ -54,12 +54,15 @@ LLM_ROLE_PARAMS: dict[str, Any] = {
         "session_ttl_s": {"type": "number", "exclusiveMinimum": 0, "default": 600,
                           "description": "how long an idle session keeps its KV pinned"},
         "seed": {"type": "integer", "minimum": 0, "description": "seed of requests that carry none"},
-        "packed_weights": {"type": "boolean", "default": True,
+        "packed_weights": {"type": "boolean",
                            "description": "bfloat16 on a CPU with AVX512-BF16/AMX: keep the weights in oneDNN's packed"
-                           " layout too (faster decode; a second copy of the weights in each worker)"},
-        "packed_float32": {"type": "boolean", "default": True,
-                           "description": "float32: keep the weights in oneDNN's packed layout too (faster"
-                           " decode; a second copy of the weights in each worker)"},
+                           " layout too (faster products; a second copy of the weights in each worker). Unset: only"
+                           " where the worker's weights are not one copy its host shares among processes"},
+        "packed_float32": {"type": "boolean",
+                           "description": "float32: keep a copy in oneDNN's packed layout of the weights whose decode"
+                           " products were measured faster over it (a second copy of those weights in each worker)."
+                           " Unset: only where the worker's weights are not one copy its host shares among"
+                           " processes"},
         "handoff_lease_s": {"type": "number", "exclusiveMinimum": 0, "default": 60,
                             "description": "llm.prefill: how long the prompt's pages stay held for a decode"
                             " node that never comes for them"},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.compute.llm.errors import LLMError
@@ -34,13 +34,14 @@ class EngineConfig:
     * `session_ttl_s`: an idle session's pages stay pinned this long.
     * `seed`: seeds the draws of requests that carry no seed of their own.
     * `packed_weights`: in bfloat16 on a CPU with native oneDNN bfloat16, keep the linear
-      weights packed in oneDNN's layout too (`engine.compute.llm.layers.packed_weight`): faster
-      products, at the cost of a second copy of those weights in each worker process, beside
-      the one its host shares.
-    * `packed_float32`: in float32, keep that packed copy too (on by default): decode (1 to 64
-      rows a product) runs oneDNN's product over it, up to about 3x faster than MKL's at those
-      sizes, for a second copy of the linear weights in each worker process (SmolLM2-135M:
-      about 540 MB, its tied LM head included).
+      weights packed in oneDNN's layout too (`engine.compute.llm.products`): faster products,
+      at the cost of a second copy of those weights in the process.
+    * `packed_float32`: in float32, keep such a packed copy of each weight whose decode products
+      were measured fastest over one (`engine.compute.llm.products.plan_products`; for
+      SmolLM2-135M up to about 540 MB, its tied LM head included).
+      Unset (None), each is on where the process's weights are its own, and off where they are
+      one copy its host shares among processes (`host_shared`, see `for_weights`): packed
+      copies cannot be shared, and two replicas of a model would hold about three copies.
     """
 
     page_size: int = 16
@@ -55,8 +56,8 @@ class EngineConfig:
     prefix_cache: bool = True
     session_ttl_s: float = 600.0
     seed: int | None = 0
-    packed_weights: bool = True
-    packed_float32: bool = True
+    packed_weights: bool | None = None
+    packed_float32: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running", "max_prefill_tokens", "device_pages"):
@@ -73,6 +74,13 @@ class EngineConfig:
                                         f" got {getattr(self, name)!r}")
         if self.session_ttl_s <= 0:
             raise EngineConfigError(f"EngineConfig.session_ttl_s must be positive, got {self.session_ttl_s!r}")
+
+    def for_weights(self, host_shared: bool) -> EngineConfig:
+        """This config with `packed_weights`/`packed_float32` decided where unset: off for weights
+        the host shares among processes (`WeightStore` origin "published" or "attached"), on
+        otherwise."""
+        return replace(self, packed_weights=not host_shared if self.packed_weights is None else self.packed_weights,
+                       packed_float32=not host_shared if self.packed_float32 is None else self.packed_float32)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> EngineConfig:

@@ -110,7 +110,9 @@ class LLMEngine:
         rank 0 passes both: its cache and runner tell the follower ranks what to mirror
         (`engine.compute.tp`)."""
         self.model = model
-        self.config = config = config or EngineConfig()
+        # Packed copies left unset are for weights this process holds alone (a worker whose host
+        # shares them decides so before: `EngineConfig.for_weights`).
+        self.config = config = (config or EngineConfig()).for_weights(host_shared=False)
         self.clock = clock
         self.layout = engine_layout(model, config)
         device = str(next(model.model.parameters()).device)
@@ -120,8 +122,8 @@ class LLMEngine:
         elif store.layout != self.layout:
             raise RequestError(f"store layout {store.layout.fingerprint()} is not {self.layout.fingerprint()}")
         self.store = store
-        self.forward = make_forward(model.model, self.layout, packed=config.packed_weights,
-                                    packed_float32=config.packed_float32)
+        self.forward = make_forward(model.model, self.layout, packed=bool(config.packed_weights),
+                                    packed_float32=bool(config.packed_float32))
         if make_cache is None:
             self.cache = PagedKVCache(store, self.layout, config.max_running, config.prefix_cache, peers)
         else:

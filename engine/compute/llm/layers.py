@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,7 @@ from transformers.activations import ACT2FN
 
 from engine.compute.llm.products import (
     MEASURE_MIN_BYTES,
+    PlannedProducts,
     ProductPlans,
     add_product,
     packed_weight,
@@ -259,6 +259,12 @@ class LayerWeights:
             pairs.append((self.down_weight, self.down_packed))
         return pairs
 
+    def with_products(self, planned: PlannedProducts) -> LayerWeights:
+        """This layer under `planned`'s plans, with the packed copies they take."""
+        return replace(self, plans=planned.plans, qkv_packed=planned.packed_of(self.qkv_weight),
+                       o_packed=planned.packed_of(self.o_weight), gate_up_packed=planned.packed_of(self.gate_up_weight),
+                       down_packed=planned.packed_of(self.down_weight))
+
     def planned(self, plans: ProductPlans) -> LayerWeights:
         """This layer under `plans`, without the packed copies they never take."""
         def kept(weight: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor | None:
@@ -277,12 +283,8 @@ def _plain(linear: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _unpacked(weight: torch.Tensor) -> None:
-    return None
-
-
-def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tensor],
-                pack: Callable[[torch.Tensor], torch.Tensor | None], plans: ProductPlans) -> LayerWeights:
+def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+    """The layer's weights, not yet planned (`LayerWeights.with_products`)."""
     attn, mlp = layer.self_attn, layer.mlp
     for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj),
                          ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj)):
@@ -304,11 +306,7 @@ def _bind_layer(layer: torch.nn.Module, act: Callable[[torch.Tensor], torch.Tens
         down_proj=mlp.down_proj,
         act=act,
         intermediate=int(mlp.gate_proj.weight.shape[0]),
-        plans=plans,
-        qkv_packed=pack(qkv_weight),
-        o_packed=None if o_weight is None else pack(o_weight),
-        gate_up_packed=pack(gate_up_weight),
-        down_packed=None if down_weight is None else pack(down_weight),
+        plans=ProductPlans(static_plan(qkv_weight.dtype, packed=False)),
     )
 
 
@@ -335,11 +333,15 @@ class DecoderWeights:
     @classmethod
     def of(cls, model: torch.nn.Module, *, packed: bool = True, packed_float32: bool = True,
            measure_min_bytes: int | None = MEASURE_MIN_BYTES) -> DecoderWeights:
-        """`packed`: also bind the weights in oneDNN's packed layout where `packed_weight` makes
-        one; `packed_float32`: float32 weights too (for decode). The products' kernels are
+        """`packed`: also bind bfloat16 weights in oneDNN's packed layout where `packed_weight` makes
+        one; `packed_float32`: float32 weights (for decode). The products' kernels are
         measured on the weights where they hold `measure_min_bytes` or more (`plan_products`;
         None: never); the packed copies no plan takes are dropped."""
-        pack = partial(packed_weight, float32=packed_float32) if packed else _unpacked
+        def pack(weight: torch.Tensor) -> torch.Tensor | None:
+            if weight.dtype == torch.float32:
+                return packed_weight(weight, float32=packed_float32)
+            return packed_weight(weight) if packed else None
+
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or any(not hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
@@ -354,25 +356,24 @@ class DecoderWeights:
         if not isinstance(model.lm_head, torch.nn.Linear):
             raise UnsupportedModelError(f"lm_head is a {type(model.lm_head).__name__}, not a linear layer")
         lm_weight = model.lm_head.weight
-        unplanned = ProductPlans(static_plan(weight.dtype, packed=False))
-        layers = [_bind_layer(layer, act, pack, unplanned) for layer in inner.layers]
-        lm_packed = pack(lm_weight)
-        products = [pair for layer in layers for pair in layer.products()] + [(lm_weight, lm_packed)]
+        layers = [_bind_layer(layer, act) for layer in inner.layers]
+        weights = [w for layer in layers for w, _ in layer.products()] + [lm_weight]
+        planned = plan_products(weights, pack, measure_min_bytes=measure_min_bytes)
         return cls(
             embed=inner.embed_tokens,
-            layers=tuple(layers),
+            layers=tuple(layer.with_products(planned) for layer in layers),
             final_norm=rms_norm(inner.norm),
             lm_weight=lm_weight,
             lm_bias=model.lm_head.bias,
-            lm_packed=lm_packed,
-            plans=unplanned,
+            lm_packed=planned.packed_of(lm_weight),
+            plans=planned.plans,
             rotary=RotaryTable(inner.rotary_emb, head_dim, weight.dtype, weight.device),
             num_heads=int(cfg.num_attention_heads),
             num_kv_heads=int(cfg.num_key_value_heads),
             head_dim=head_dim,
             scaling=float(inner.layers[0].self_attn.scaling),
             dtype=weight.dtype,
-        ).planned(plan_products(products, measure_min_bytes=measure_min_bytes))
+        )
 
     def planned(self, plans: ProductPlans) -> DecoderWeights:
         """These weights under `plans`, without the packed copies they never take (a plan that names

@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -203,42 +203,61 @@ def _pass_seconds(kernel: Product, rows: int, products: Sequence[tuple[torch.Ten
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedProducts:
+    """`plan_products`' answer: the plans, and the packed copy of each weight they take it for."""
+
+    plans: ProductPlans
+    packed: Mapping[int, torch.Tensor]
+    """Packed copies by `id` of their weight (the weights are alive as long as the model is)."""
+
+    def packed_of(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return None if weight is None else self.packed.get(id(weight))
+
+
 @torch.inference_mode()
-def plan_products(products: Sequence[tuple[torch.Tensor, torch.Tensor | None]], *,
-                  measure_min_bytes: int | None = MEASURE_MIN_BYTES) -> ProductPlans:
-    """The plans for the (weight, packed copy or None) pairs of one model's step: in float32,
-    measured per weight shape where the weights hold at least `measure_min_bytes` in all (see the
-    module docstring; None: never), else `static_plan`. Candidates: `LINEAR`, `TRANSPOSED`, and `PACKED` where
-    every weight of the shape has a packed copy. Many rows keep `static_plan`'s kernel.
+def plan_products(weights: Sequence[torch.Tensor], pack: Callable[[torch.Tensor], torch.Tensor | None], *,
+                  measure_min_bytes: int | None = MEASURE_MIN_BYTES) -> PlannedProducts:
+    """The plans for the weights of one model's step, and their packed copies (`pack` makes one, or
+    None where there is no packed product): in float32, measured per weight shape where the weights
+    hold at least `measure_min_bytes` in all (see the module docstring; None: never), else
+    `static_plan`. Candidates: `LINEAR`, `TRANSPOSED`, and `PACKED` where `pack` makes copies; a
+    shape's copies are made for its measurement and dropped at once where its plan does not take
+    them. Many rows keep `static_plan`'s kernel.
 
     bfloat16 keeps `static_plan` (packed where the CPU runs bfloat16 natively): measured so on
     SmolLM2-135M (AMX), whole decode steps under the measured plans were no faster than under
     the packed one, within the steps' noise, and at times slower."""
-    if not products:
+    if not weights:
         raise ValueError("no weights to plan products for")
-    first = products[0][0]
-    default = static_plan(first.dtype, all(p is not None for _, p in products))
-    total = sum(w.numel() * w.element_size() for w, _ in products)
+    first = weights[0]
+    total = sum(w.numel() * w.element_size() for w in weights)
     if (measure_min_bytes is None or total < measure_min_bytes or first.device.type != "cpu"
             or first.dtype != torch.float32):
-        return ProductPlans(default)
-    groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
-    for weight, packed in products:
-        groups.setdefault((weight.shape[0], weight.shape[1]), []).append((weight, packed))
-    plans = {}
+        copies = [(w, pack(w)) for w in weights]
+        default = static_plan(first.dtype, all(p is not None for _, p in copies))
+        return PlannedProducts(ProductPlans(default), {id(w): p for w, p in copies if p is not None})
+    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for weight in weights:
+        groups.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
+    plans, kept = {}, {}
     started = time.perf_counter()
     for shape, group in groups.items():
-        packed = all(p is not None for _, p in group)
+        pairs = [(w, pack(w)) for w in group]
+        packed = all(p is not None for _, p in pairs)
         candidates = [Product.LINEAR, Product.TRANSPOSED] + ([Product.PACKED] if packed else [])
         chosen = {}
         for rows in (1, FEW_ROWS_PROBE):
-            seconds = {kernel: _pass_seconds(kernel, rows, group) for kernel in candidates}
+            seconds = {kernel: _pass_seconds(kernel, rows, pairs) for kernel in candidates}
             chosen[rows] = min(seconds, key=seconds.__getitem__)
             log.debug("%s %dx%d products at %d row(s): %s", first.dtype, *shape, rows,
                       ", ".join(f"{k.value} {s * 1e3:.2f} ms" for k, s in seconds.items()))
-        plans[shape] = ProductPlan(one_row=chosen[1], few_rows=chosen[FEW_ROWS_PROBE],
-                                   many_rows=static_plan(first.dtype, packed).many_rows, measured=True)
-    measured = ProductPlans(default, plans)
+        plans[shape] = plan = ProductPlan(one_row=chosen[1], few_rows=chosen[FEW_ROWS_PROBE],
+                                          many_rows=static_plan(first.dtype, packed).many_rows, measured=True)
+        if plan.packed:
+            kept.update((id(w), p) for w, p in pairs if p is not None)
+        del pairs  # this shape's unused copies go before the next shape's are made
+    measured = ProductPlans(static_plan(first.dtype, packed=False), plans)
     log.info("products measured on %.0f MB of %s weights in %.1f s: %s", total / 1e6, first.dtype,
              time.perf_counter() - started, measured)
-    return measured
+    return PlannedProducts(measured, kept)

@@ -105,6 +105,10 @@ class LLMUnit(ComputeUnit):
         seat = ctx.seat
         # On a worker with a KV index, a prefix miss also pulls the pages other workers hold.
         config = EngineConfig.from_params(role.params)
+        if self._weight_key is not None and shared is not None:
+            config = config.for_weights(host_shared=shared.origin(self._weight_key) in ("published", "attached"))
+            log.info("llm role %r: weights %s; packed copies: bfloat16 %s, float32 %s", role.name,
+                     shared.origin(self._weight_key), config.packed_weights, config.packed_float32)
         peers = [IndexPageSource(seat.peer, seat.index)] if seat and seat.index and config.prefix_cache else []
         self.engine = self._build_engine(model, config, ctx.kv_store, peers)
         # Whether the tokenizer has the media markers as tokens of their own (the tiny built-in models'

@@ -290,13 +290,14 @@ def follow(role: RoleSpec, seat: TPSeat, *, ready: Callable[[dict[str, Any]], No
     kv: ShardKV | None = None
     try:
         shard = shard_to_device(load_role_model(role), group, device)
-        config = rank_config(EngineConfig.from_params(role.params), seat.rank)
+        # A rank's shard is its own copy: packed copies where the role leaves them unset.
+        config = rank_config(EngineConfig.from_params(role.params), seat.rank).for_weights(host_shared=False)
         layout = engine_layout(shard, config)
         kv = ShardKV(config, layout, device, seat.rank)
         setup = greet_leader(sock, group, seat.rank, seat.keys, kv.recovered())
         kv.keep_recovered(setup.disk_pages)
-        follower = Follower(PagedForward(shard.model, layout, packed=config.packed_weights,
-                                     packed_float32=config.packed_float32), kv, group)
+        follower = Follower(PagedForward(shard.model, layout, packed=bool(config.packed_weights),
+                                         packed_float32=bool(config.packed_float32)), kv, group)
         ready({"role": role.name, "pid": os.getpid(), "tp_rank": seat.rank, "tp_size": seat.size,
                "leader_pid": setup.leader_pid})
         watch = LeaderWatch(parent_pid, setup.leader_pid)

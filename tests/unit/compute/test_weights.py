@@ -17,6 +17,7 @@ from engine.compute.llm.layers import DecoderWeights
 from engine.compute.models.catalog import ModelConfig
 from engine.compute.models.loader import build_model
 from engine.compute.models.tokenizer import build_byte_tokenizer
+from engine.compute.sampling import SamplingParams
 from engine.compute.weights import HostWeights, SharedWeightsError, WeightKey, WeightStore
 from engine.data.shm import list_segments
 
@@ -102,6 +103,46 @@ def test_a_runner_over_attached_weights_fuses_them_in_place(prefix: str):
         assert torch.equal(bound.qkv_weight, torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                                                         layer.self_attn.v_proj.weight]))
     finally:
+        first.close()
+        second.close()
+
+
+def _packed_copies(unit) -> int:
+    weights = unit.engine.forward.weights
+    return sum(p is not None for layer in weights.layers for _, p in layer.products()) + (weights.lm_packed is not None)
+
+
+async def test_llm_roles_over_host_shared_weights_keep_no_private_packed_copy_unless_asked(prefix: str):
+    """Two float32 llm roles of one model over a host's shared copy (one publishes, one attaches):
+    neither keeps a packed copy of the weights, which could not be shared (two replicas would
+    hold about three copies); a role that asks for one (`packed_float32: true`) gets it, and a
+    role with its weights to itself packs them where the role leaves it unset."""
+    from engine.compute.context import UnitContext
+    from engine.compute.llm.unit import LLMUnit
+    from engine.spec.graph import RoleSpec
+
+    first, second = WeightStore(HostWeights(prefix=prefix)), WeightStore(HostWeights(prefix=prefix))
+    units = []
+    try:
+        units.append(LLMUnit(RoleSpec(name="a", kind="llm", model="tiny-llama"), UnitContext(weights=first)))
+        units.append(LLMUnit(RoleSpec(name="b", kind="llm", model="tiny-llama"), UnitContext(weights=second)))
+        assert [store.origin(WeightStore.llm_key("tiny-llama")) for store in (first, second)] == ["published",
+                                                                                                  "attached"]
+        assert [_packed_copies(unit) for unit in units] == [0, 0]
+        assert all(unit.engine.config.packed_float32 is False for unit in units)
+        asked = LLMUnit(RoleSpec(name="c", kind="llm", model="tiny-llama", params={"packed_float32": True}),
+                        UnitContext(weights=second))
+        units.append(asked)
+        alone = LLMUnit(RoleSpec(name="d", kind="llm", model="tiny-llama"))
+        units.append(alone)
+        if torch.backends.mkldnn.is_available():
+            assert _packed_copies(asked) > 0 and _packed_copies(alone) > 0
+        prompt = [[72, 101, 108, 108, 111]]
+        texts = {tuple(unit.engine.generate(prompt, SamplingParams(max_new_tokens=6))[0].output_ids) for unit in units}
+        assert len(texts) == 1  # the same tokens, packed or not
+    finally:
+        for unit in units:
+            await unit.close()
         first.close()
         second.close()
 
