@@ -115,9 +115,10 @@ def _repoint(linears: Sequence[torch.nn.Linear], name: str, fused: torch.Tensor,
 def rms_norm(norm: torch.nn.Module) -> Norm:
     """A Llama/Qwen2 RMSNorm module as one function of the same weight and epsilon.
 
-    In float32, `F.rms_norm` (one fused kernel) computes what the module does. In another
-    dtype the module takes its statistics in float32, casts back, then multiplies by the
-    weight; so does this (in three operations instead of seven). Any other norm module is
+    In float32, `F.rms_norm` computes what the module does. In another dtype the module takes
+    its statistics in float32, casts back, then multiplies by the weight; so does this, in two
+    operations instead of seven: `F.rms_norm` of a reduced-precision input computes in float32
+    and rounds its result once, as the module's cast back does. Any other norm module is
     returned as it is.
     """
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
@@ -133,7 +134,7 @@ def rms_norm(norm: torch.nn.Module) -> Norm:
         return fused
 
     def reduced(x: torch.Tensor) -> torch.Tensor:
-        return weight * F.rms_norm(x.float(), shape, None, epsilon).to(x.dtype)
+        return weight * F.rms_norm(x, shape, None, epsilon)
 
     return reduced
 
