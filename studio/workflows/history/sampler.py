@@ -23,6 +23,7 @@ from django.db import DatabaseError, close_old_connections, connections
 from engine.client.cluster import RegistryError, WorkerSnapshot
 from studio.workflows.history.points import point_of
 from studio.workflows.history.store import HistoryStore, HistoryUnavailable, Sample, WorkerMeta
+from studio.workflows.runs.service import EngineLoopError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class MetricsSampler:
 
     def sample_once(self) -> int:
         """Take one point of every live worker, if this sampler holds the lease; how many it wrote.
-        Raises `HistoryUnavailable` (the store) or `RegistryError`/`TimeoutError` (the registry)."""
+        Raises `HistoryUnavailable` (the store), `RegistryError`/`TimeoutError` (the registry) or
+        `EngineLoopError` (the studio's engine loop is not up yet)."""
         if not self.store.hold_sampler(self.owner, self.lease_s):
             return 0
         live = self._live()
@@ -104,7 +106,7 @@ class MetricsSampler:
             close_old_connections()
             try:
                 self.sample_once()
-            except (HistoryUnavailable, RegistryError, TimeoutError, DatabaseError) as exc:
+            except (HistoryUnavailable, RegistryError, TimeoutError, DatabaseError, EngineLoopError) as exc:
                 if not failing:  # once per outage, not once per tick
                     log.warning("sampling worker metrics failed: %s", reason(exc))
                 failing = True

@@ -44,6 +44,7 @@ import gc
 import logging
 import threading
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from django.db import DatabaseError, close_old_connections
@@ -110,15 +111,29 @@ class _Executors:
         return await self._deployments.materialize(ticket, outputs)
 
 
+class EngineLoopError(RuntimeError):
+    """The engine loop did not start: in time (it is still starting), or at all (the cause chained)."""
+
+
+@dataclass(slots=True)
+class _Starting:
+    """One start of the engine loop: `ready` is set once it runs, or once `error` says why not."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+
 class RunService:
     def __init__(self, kinds: KindRegistry, bus: RunEventBus, metrics: RunMetrics | None = None,
-                 *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 10.0,
+                 *, ops: OpConfig, deployments: DeploymentHost | None = None, start_timeout_s: float = 120.0,
                  lease_s: float = 30.0, lease_retries: int = 1, max_runs: int = 0,
                  users: UsersRoot | None = None) -> None:
         """`ops`: what the python units of runs without a deployment may run; `users`: where they
         write a run's files (`engine.spec.userfiles`: the studio's users root). `max_runs`: how many
         runs execute at once (0: no limit); the others wait, pending, first come first served.
-        `lease_retries`: how often a swept run is executed again before it is failed."""
+        `lease_retries`: how often a swept run is executed again before it is failed.
+        `start_timeout_s`: how long a call waits for the engine loop to start (the loop imports
+        torch and the engine: 43 s was seen on two loaded cores)."""
         if max_runs < 0:
             raise ValueError(f"max_runs must be >= 0, not {max_runs}")
         if lease_retries < 0:
@@ -137,6 +152,8 @@ class RunService:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._starting: _Starting | None = None
+        """The start in flight or done (None before it and after `stop`)."""
         self._db: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ThreadedRunStore | None = None
         self._executor: Executor | None = None
@@ -154,30 +171,48 @@ class RunService:
         return self._loop is not None
 
     def start(self) -> None:
-        """Start the engine loop (idempotent)."""
+        """Start the engine loop (idempotent). Every caller waits for the one start, at most
+        `start_timeout_s`: a caller that gives up leaves it starting, never starts a second."""
         with self._lock:
             if self._loop is not None:
                 return
-            ready = threading.Event()
-            self._db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omniflow-db")
-            self._store = ThreadedRunStore(self._db, LeaseTerms(executor_id("studio"), self._lease_s))
-            self._keeper = LeaseKeeper(self._store, self._store.lease)
-            self._thread = threading.Thread(target=self._main, args=(ready,), name="omniflow-engine", daemon=True)
-            self._thread.start()
-            if not ready.wait(self._start_timeout_s):
-                raise RuntimeError("the engine loop did not start")
+            if self._starting is None:
+                self._starting = starting = _Starting()
+                self._db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omniflow-db")
+                self._store = ThreadedRunStore(self._db, LeaseTerms(executor_id("studio"), self._lease_s))
+                self._keeper = LeaseKeeper(self._store, self._store.lease)
+                self._thread = threading.Thread(target=self._main, args=(starting,), name="omniflow-engine",
+                                                daemon=True)
+                self._thread.start()
+            starting = self._starting
+        if not starting.ready.wait(self._start_timeout_s):
+            raise EngineLoopError(f"the engine loop did not start within {self._start_timeout_s:g} s (still starting)")
+        if starting.error is not None:
+            raise EngineLoopError(f"the engine loop failed to start: {starting.error}") from starting.error
 
-    def _main(self, ready: threading.Event) -> None:
+    def _main(self, starting: _Starting) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        self._executor = in_process_executor(self.kinds, ops=self.ops, users=self.users)  # torch: on the engine thread, not at import
+        try:
+            self._executor = in_process_executor(self.kinds, ops=self.ops, users=self.users)  # torch: on this thread
+        except Exception as exc:  # the callers waiting in `start` raise it
+            log.exception("the engine loop failed to start")
+            loop.close()
+            with self._lock:
+                starting.error = exc
+                self._starting = self._thread = None
+                if self._db is not None:
+                    self._db.shutdown(wait=False)
+                self._db = self._store = self._keeper = None
+            starting.ready.set()
+            return
         # What is loaded by now (Django, torch, the ops' modules) lives as long as the process: out of
         # the collector's full passes, which otherwise walk it (155 ms here) inside some run's latency.
         gc.freeze()
         self._executors = _Executors(self._executor, self.deployments)
         self._slots = asyncio.Semaphore(self._max_runs) if self._max_runs else None  # FIFO: runs start in turn
         self._loop = loop
-        ready.set()
+        starting.ready.set()
         try:
             loop.run_forever()
             loop.run_until_complete(self._shutdown())
@@ -204,7 +239,11 @@ class RunService:
         await self._store.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Cancel unfinished runs, close the dispatcher and join the threads."""
+        """Cancel unfinished runs, close the dispatcher and join the threads (after a start in
+        flight, which it waits for)."""
+        starting = self._starting
+        if starting is not None and not starting.ready.wait(self._start_timeout_s):
+            raise EngineLoopError("the engine loop is still starting: it cannot be stopped yet")
         with self._lock:
             loop, thread, db = self._loop, self._thread, self._db
             if loop is None or thread is None or db is None:
@@ -215,7 +254,7 @@ class RunService:
                 raise RuntimeError("the engine loop did not stop in time")
             db.shutdown(wait=True)
             self._loop = self._thread = self._db = self._store = self._executor = self._executors = None
-            self._keeper = None
+            self._keeper = self._starting = None
             self._tasks.clear()
             self._cancels.clear()
 
