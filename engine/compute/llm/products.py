@@ -5,9 +5,8 @@ what reading its weight costs — unless the kernel reads it slowly or first rep
 of torch's CPU kernels reads fastest depends on the CPU, the dtype and the row count, and
 not by a little: on one 2-core AVX512 CPU (AMD, no AMX) oneDNN's float32 product over a
 packed weight read SmolLM2-135M's LM head at one row 2.8x faster than MKL's `F.linear`; on
-another (Intel, AMX) a decode step of that model at one row took 1.2x longer with it. So each
-weight's products follow a plan (`ProductPlan`; one per weight shape, `ProductPlans`) naming
-a kernel per row class — one row, a decode batch (2 to `FEW_ROWS_MAX`), more (prefill) —
+another (Intel, AMX) a decode step of that model at one row took 1.2x longer with it. So a model's products follow a plan (`ProductPlan`; `ProductPlans` can hold one per weight
+shape) naming a kernel per row class — one row, a decode batch (2 to `FEW_ROWS_MAX`), more (prefill) —
 among:
 
 * `Product.LINEAR`: `F.linear` (MKL in float32; oneDNN, packing the weight again at every
@@ -20,10 +19,10 @@ among:
   shared between processes (oneDNN's packed tensors are opaque).
 
 In float32, `plan_products` measures the one-row and decode-batch kernels on the model's own
-weights, per shape (all the weights of a shape in one pass, so that each product streams from
-memory as in a decode; best of a few passes) where the weights are large enough for it to
-matter (`MEASURE_MIN_BYTES`); otherwise, and in bfloat16, a plan takes `static_plan`. Weights
-whose plan takes no packed product keep no packed copy. The kernels compute the same
+weights, every weight in a step's order in one pass (so that each product streams from memory
+as in a decode; best of a few passes; a decode batch at 4 and 16 rows together), where the
+weights are large enough for it to matter (`MEASURE_MIN_BYTES`); otherwise, and in bfloat16, a
+plan takes `static_plan`. A plan that takes no packed product keeps no packed copy. The kernels compute the same
 products, summed in another order: numbers agree within float rounding (bfloat16's products
 are rounded to bfloat16 as `F.linear` rounds them; `PACKED` gives `F.linear`'s bfloat16
 numbers to the bit).
@@ -47,8 +46,11 @@ FEW_ROWS_MAX = 64
 rows MKL's and oneDNN's `F.linear` are as fast as any other kernel."""
 
 FEW_ROWS_PROBE = 16
-"""The decode batch `plan_products` measures, and the row count oneDNN lays a packed float32
-weight out for."""
+"""The row count oneDNN lays a packed float32 weight out for (a decode batch)."""
+
+FEW_ROWS_PROBES = (4, 16)
+"""The decode batches `plan_products` times a kernel at: the fastest in all of them together
+takes `ProductPlan.few_rows` (the transposed form that wins at 16 rows can lose by 2x at 4)."""
 
 MEASURE_MIN_BYTES = 64 << 20
 """Weights of fewer bytes (together) take `static_plan`: they stay in the CPU's caches from step
@@ -104,7 +106,7 @@ class ProductPlans:
 
     @property
     def measured(self) -> bool:
-        return any(plan.measured for plan in self.by_shape.values())
+        return self.default.measured or any(plan.measured for plan in self.by_shape.values())
 
     def __str__(self) -> str:
         shapes = "; ".join(f"{out}x{inp}: {plan}" for (out, inp), plan in self.by_shape.items())
@@ -218,46 +220,39 @@ class PlannedProducts:
 @torch.inference_mode()
 def plan_products(weights: Sequence[torch.Tensor], pack: Callable[[torch.Tensor], torch.Tensor | None], *,
                   measure_min_bytes: int | None = MEASURE_MIN_BYTES) -> PlannedProducts:
-    """The plans for the weights of one model's step, and their packed copies (`pack` makes one, or
-    None where there is no packed product): in float32, measured per weight shape where the weights
-    hold at least `measure_min_bytes` in all (see the module docstring; None: never), else
-    `static_plan`. Candidates: `LINEAR`, `TRANSPOSED`, and `PACKED` where `pack` makes copies; a
-    shape's copies are made for its measurement and dropped at once where its plan does not take
-    them. Many rows keep `static_plan`'s kernel.
+    """The plan for the weights of one model's step (in the order a step multiplies by them), and
+    their packed copies (`pack` makes one, or None where there is no packed product): in float32,
+    measured where the weights hold at least `measure_min_bytes` in all (see the module docstring;
+    None: never), else `static_plan`. Measuring times each candidate — `LINEAR`, `TRANSPOSED`, and
+    `PACKED` where `pack` makes copies — over every weight in that order, as a step reads them (a
+    shape's weights timed apart, from caches a step does not have, favoured kernels that lost in
+    whole steps), at one row and at a decode batch's 4 and 16 rows together; the copies are dropped
+    where neither takes them. Many rows keep `static_plan`'s kernel.
 
     bfloat16 keeps `static_plan` (packed where the CPU runs bfloat16 natively): measured so on
-    SmolLM2-135M (AMX), whole decode steps under the measured plans were no faster than under
-    the packed one, within the steps' noise, and at times slower."""
+    SmolLM2-135M (AMX), whole decode steps under measured plans were no faster than under the
+    packed one, within the steps' noise, and at times slower."""
     if not weights:
         raise ValueError("no weights to plan products for")
     first = weights[0]
+    pairs = [(w, pack(w)) for w in weights]
+    packed = all(p is not None for _, p in pairs)
+    default = static_plan(first.dtype, packed)
     total = sum(w.numel() * w.element_size() for w in weights)
     if (measure_min_bytes is None or total < measure_min_bytes or first.device.type != "cpu"
             or first.dtype != torch.float32):
-        copies = [(w, pack(w)) for w in weights]
-        default = static_plan(first.dtype, all(p is not None for _, p in copies))
-        return PlannedProducts(ProductPlans(default), {id(w): p for w, p in copies if p is not None})
-    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for weight in weights:
-        groups.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
-    plans, kept = {}, {}
+        return PlannedProducts(ProductPlans(default), {id(w): p for w, p in pairs if p is not None})
     started = time.perf_counter()
-    for shape, group in groups.items():
-        pairs = [(w, pack(w)) for w in group]
-        packed = all(p is not None for _, p in pairs)
-        candidates = [Product.LINEAR, Product.TRANSPOSED] + ([Product.PACKED] if packed else [])
-        chosen = {}
-        for rows in (1, FEW_ROWS_PROBE):
-            seconds = {kernel: _pass_seconds(kernel, rows, pairs) for kernel in candidates}
-            chosen[rows] = min(seconds, key=seconds.__getitem__)
-            log.debug("%s %dx%d products at %d row(s): %s", first.dtype, *shape, rows,
-                      ", ".join(f"{k.value} {s * 1e3:.2f} ms" for k, s in seconds.items()))
-        plans[shape] = plan = ProductPlan(one_row=chosen[1], few_rows=chosen[FEW_ROWS_PROBE],
-                                          many_rows=static_plan(first.dtype, packed).many_rows, measured=True)
-        if plan.packed:
-            kept.update((id(w), p) for w, p in pairs if p is not None)
-        del pairs  # this shape's unused copies go before the next shape's are made
-    measured = ProductPlans(static_plan(first.dtype, packed=False), plans)
+    candidates = [Product.LINEAR, Product.TRANSPOSED] + ([Product.PACKED] if packed else [])
+    chosen = {}
+    for probe in ((1,), FEW_ROWS_PROBES):
+        seconds = {kernel: sum(_pass_seconds(kernel, rows, pairs) for rows in probe) for kernel in candidates}
+        chosen[probe] = min(seconds, key=seconds.__getitem__)
+        log.debug("%s products at %s row(s): %s", first.dtype, "+".join(map(str, probe)),
+                  ", ".join(f"{k.value} {s * 1e3:.2f} ms" for k, s in seconds.items()))
+    plan = ProductPlan(one_row=chosen[(1,)], few_rows=chosen[FEW_ROWS_PROBES], many_rows=default.many_rows,
+                       measured=True)
     log.info("products measured on %.0f MB of %s weights in %.1f s: %s", total / 1e6, first.dtype,
-             time.perf_counter() - started, measured)
-    return PlannedProducts(measured, kept)
+             time.perf_counter() - started, plan)
+    kept = {id(w): p for w, p in pairs if p is not None} if plan.packed else {}
+    return PlannedProducts(ProductPlans(plan), kept)

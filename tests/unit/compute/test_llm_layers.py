@@ -366,20 +366,18 @@ def test_every_kernel_computes_f_linear_and_the_residual_sum_within_rounding(dty
             assert summed.is_contiguous(), (kernel, rows)
 
 
-def test_measured_float32_plans_name_a_kernel_per_shape_and_keep_only_the_packed_copies_they_take(
+def test_measured_float32_plans_name_a_kernel_per_row_class_and_keep_packed_copies_only_if_they_take_them(
         tiny_llama: LoadedModel):
-    """With the size floor lifted, the float32 kernels are measured per weight shape; weights whose
-    plan never takes the packed product hold no packed copy; the bound layer still computes the
-    `transformers` modules' projections."""
+    """With the size floor lifted, the float32 kernels are measured over the model's weights; the
+    packed copies are kept exactly when the measured plan takes the packed product; the bound layer
+    still computes the `transformers` modules' projections."""
     weights = DecoderWeights.of(tiny_llama.model, measure_min_bytes=0)
     layer = weights.layers[0]
-    assert weights.plans.measured
-    shapes = {tuple(w.shape) for w, _ in layer.products()} | {tuple(weights.lm_weight.shape)}
-    assert set(weights.plans.by_shape) == shapes
+    plan = weights.plans.default
+    assert weights.plans.measured and plan.measured and plan.many_rows is Product.LINEAR
     for w, packed in [*layer.products(), (weights.lm_weight, weights.lm_packed)]:
-        plan = weights.plans.of(w)
-        assert plan.measured and plan.many_rows is Product.LINEAR
-        assert (packed is not None) is plan.packed
+        assert weights.plans.of(w) is plan
+        assert (packed is not None) is (plan.packed and torch.backends.mkldnn.is_available())
     torch.manual_seed(0)
     attn = tiny_llama.model.model.layers[0].self_attn
     for rows in (1, 16):
